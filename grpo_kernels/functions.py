@@ -1,0 +1,105 @@
+"""Autograd Functions over the kernels. They return per-token results; reductions live outside.
+
+Two Functions, one backward formula (``dlogits = g * (onehot - p) / tau``):
+
+- ``FusedTokenLoss`` (Triton, token-level importance sampling): the forward kernel also
+  computes each token's loss and ``dloss/dlogp``; the backward only multiplies by the
+  incoming gradient of the per-token loss.
+- ``TokenLogprobs`` (Triton or the chunked torch path): per-token log-probs, with the loss
+  math done by autograd on [B, T] tensors (sequence-level importance sampling, and the
+  CPU path). Its backward receives ``g = dLoss/dlogp`` directly.
+
+In-place backward (opt-in): the gradient is written into the logits' own storage and
+the storage's version counter is bumped, so any other autograd node that saved these
+logits and runs its backward later fails with PyTorch's "modified by an inplace
+operation" error instead of silently reading the gradient. After backward the logits
+tensor holds the gradient: do not read it as logits again.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import torch_path
+from .kernels import launch
+from .options import GRPOOptions
+
+
+def _write_gradient(ctx, logits, ids, lse, g):
+    """The shared backward: dlogits from g = dLoss/dlogp, by the engine the forward used."""
+    in_place = ctx.in_place
+    if ctx.engine == "triton":
+        grad = launch.backward(logits, ids, lse.reshape(-1), g.reshape(-1).float().contiguous(),
+                               ctx.temperature, in_place=in_place)
+    else:
+        grad = torch_path.backward(logits, ids, lse, g.float(), ctx.temperature, in_place=in_place)
+    if in_place:
+        torch.autograd.graph.increment_version(logits)
+    return grad
+
+
+class FusedTokenLoss(torch.autograd.Function):
+    """Triton: log-probs and the per-token GRPO loss in one pass over the logits."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights,
+                opts: GRPOOptions, in_place: bool):
+        B, T, _ = logits.shape
+        result = launch.forward(
+            logits, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
+            old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
+            compute_entropy=opts.compute_entropy,
+        )
+        ctx.save_for_backward(logits, ids, result.lse, result.dloss_dlogp)
+        ctx.engine, ctx.temperature, ctx.in_place = "triton", opts.temperature, in_place
+        view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
+        outputs = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl),
+                   view(result.flags))
+        ctx.mark_non_differentiable(*[t for t in outputs[1:] if t is not None])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        logits, ids, lse, dloss_dlogp = ctx.saved_tensors
+        grad = None
+        if ctx.needs_input_grad[0]:
+            grad = _write_gradient(ctx, logits, ids, lse, grad_loss.reshape(-1) * dloss_dlogp)
+        return grad, None, None, None, None, None, None, None, None
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits / tau)[ids] (and entropy), by the Triton kernel or the torch path.
+
+    ``mask`` (fp32 [N] or None): log-prob and entropy are 0 where it is 0, as in the fused
+    kernel, which never reads those rows.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids, mask: Optional[torch.Tensor], temperature: float,
+                compute_entropy: bool, engine: str, in_place: bool):
+        B, T, _ = logits.shape
+        if engine == "triton":
+            r = launch.forward(logits, ids, temperature=temperature, mask=mask, compute_entropy=compute_entropy)
+            logp, entropy, lse = r.logp.view(B, T), r.entropy, r.lse.view(B, T)
+            entropy = None if entropy is None else entropy.view(B, T)
+        else:
+            logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy)
+            if mask is not None:
+                active = (mask != 0).view(B, T)
+                logp = torch.where(active, logp, 0.0)
+                entropy = None if entropy is None else torch.where(active, entropy, 0.0)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.engine, ctx.temperature, ctx.in_place = engine, temperature, in_place
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, unused):
+        logits, ids, lse = ctx.saved_tensors
+        grad = None
+        if ctx.needs_input_grad[0]:
+            grad = _write_gradient(ctx, logits, ids, lse, grad_logp)
+        return grad, None, None, None, None, None, None

@@ -1,0 +1,244 @@
+"""Triton kernels of the GRPO loss from logits. One program per token, a 1-D grid.
+
+Forward (``grpo_forward_kernel``): stream the token's logits row once, keeping an online
+fp32 log-sum-exp (and, when asked, the running sum of p * x for the entropy); gather the
+target logit; then, in the same program, the per-token loss math of every loss_type and
+its derivative with respect to the token's log-prob, ``dloss_dlogp``. Outputs are fp32 [N].
+
+Backward (``logprob_backward_kernel``): one formula for every loss,
+``dlogits = g * (onehot(target) - softmax(x / tau)) / tau`` with ``g = dLoss/dlogp`` a
+per-token scalar computed by the caller, the softmax recomputed from the saved lse.
+A token with g == 0 (masked) gets a zero row without reading its logits.
+
+Conventions:
+- ``pid`` and every offset into the logits are int64 (N * V overflows int32).
+- logits are [B, T, V] with strides (stride_b, stride_t, 1): a view such as
+  ``logits[:, :-1]`` is read in place. The per-token side arrays are contiguous [N].
+- Everything that can change between steps is a run-time argument and is excluded from
+  Triton's integer specialization (``do_not_specialize``), so a loop that changes T,
+  beta, the epsilons or the temperature never recompiles. Constexprs only say which
+  optional features are present.
+- Masked tokens (mask == 0) are not read: their log-prob, entropy, loss and derivative
+  are written as 0. The reductions multiply them by 0 anyway; skipping them saves the
+  bandwidth of padding.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# LOSS_KIND values: which policy term the forward computes.
+LOSS_NONE = 0  # log-probs (and entropy) only: token_logprobs and the sequence-level path
+LOSS_PPO_CLIP = 1  # grpo, bnpo, dr_grpo, dapo, luspo (optionally delta and dual-clip)
+LOSS_CISPO = 2
+LOSS_SAPO = 3
+
+# KL_KIND values
+KL_K3 = 0
+KL_K1 = 1
+KL_K2 = 2
+
+# Bits of the int8 flags output, read by the clip-ratio metrics.
+FLAG_LOW_CLIPPED = 1
+FLAG_HIGH_CLIPPED = 2  # for cispo: ratio above the cap with a positive advantage
+
+RUNTIME_INTS = ["T", "V", "stride_b", "stride_t"]
+
+
+@triton.jit
+def _row_pointer(base_ptr, pid, T, stride_b, stride_t):
+    """Pointer to the first logit of flat token ``pid`` of a [B, T, V] tensor."""
+    b = pid // T
+    t = pid - b * T
+    return base_ptr + b * stride_b + t * stride_t
+
+
+@triton.jit
+def _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+    """One pass over a row: log-sum-exp of x = logits / tau and the entropy of softmax(x)."""
+    cols = tl.arange(0, BLOCK_V)
+    running_max = float("-inf")
+    sum_exp = 0.0
+    sum_exp_x = 0.0  # sum of exp(x - running_max) * x, for the entropy
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        x = x * inv_temperature  # [BLOCK_V]
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        # A block of -inf logits (a masked-out vocabulary) must not produce inf - inf.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(running_max - safe_max)
+        e = tl.exp(x - safe_max)
+        sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
+        if COMPUTE_ENTROPY:
+            # e is 0 where x is -inf; 0 * -inf would be NaN, so those lanes use x = 0.
+            sum_exp_x = sum_exp_x * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=0)
+        running_max = new_max
+    lse = running_max + tl.log(sum_exp)
+    entropy = lse - sum_exp_x / sum_exp
+    return lse, entropy
+
+
+@triton.jit
+def _clamp_with_grad(x, lo, hi):
+    """torch.clamp and its derivative (1 inside [lo, hi], boundaries included, else 0)."""
+    inside = (x >= lo) & (x <= hi)
+    return tl.minimum(tl.maximum(x, lo), hi), tl.where(inside, 1.0, 0.0)
+
+
+@triton.jit
+def _min_with_grad(a, da, b, db):
+    """torch.minimum and its derivative: the smaller side's, split evenly on a tie."""
+    value = tl.minimum(a, b)
+    grad = tl.where(a < b, da, tl.where(a > b, db, 0.5 * (da + db)))
+    return value, grad
+
+
+@triton.jit
+def _kl_with_grad(
+    logp, ref, log_ratio_clamp, kl_clamp,
+    KL_KIND: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
+):
+    """Per-token KL estimate and its derivative with respect to logp."""
+    if KL_KIND == 0:  # k3: exp(x) - x - 1 with x = ref - logp
+        x = ref - logp
+        dx = -1.0
+        if HAS_LOG_RATIO_CLAMP:
+            x, inside = _clamp_with_grad(x, -log_ratio_clamp, log_ratio_clamp)
+            dx = -inside
+        ex = tl.exp(x)
+        kl = ex - x - 1.0
+        dkl = (ex - 1.0) * dx
+    elif KL_KIND == 1:  # k1: logp - ref
+        kl = logp - ref
+        dkl = 1.0 + 0.0 * kl
+    else:  # k2: (logp - ref)^2 / 2
+        diff = logp - ref
+        kl = 0.5 * diff * diff
+        dkl = diff
+    if HAS_KL_CLAMP:
+        kl, inside = _clamp_with_grad(kl, -kl_clamp, kl_clamp)
+        dkl = dkl * inside
+    return kl, dkl
+
+
+@triton.jit(do_not_specialize=RUNTIME_INTS)
+def grpo_forward_kernel(
+    logits_ptr, stride_b, stride_t, ids_ptr, T, V,
+    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
+    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
+    inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
+    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
+    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    active = True
+    if HAS_MASK:
+        active = tl.load(mask_ptr + pid) != 0.0
+    if active:
+        row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t)
+        lse, entropy = _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V, COMPUTE_ENTROPY)
+        target = tl.load(ids_ptr + pid).to(tl.int64)
+        logp = tl.load(row_ptr + target).to(tl.float32) * inv_temperature - lse
+    else:
+        lse = 0.0
+        entropy = 0.0
+        logp = 0.0
+    tl.store(logp_out + pid, logp)
+    tl.store(lse_out + pid, lse)
+    if COMPUTE_ENTROPY:
+        tl.store(entropy_out + pid, entropy)
+
+    if LOSS_KIND != 0:
+        adv = tl.load(adv_ptr + pid)
+        # Importance ratio coef_1 = exp(logp - old); on-policy (no old) it is exactly 1
+        # while its derivative, coef_1 itself, still flows (TRL's logp.detach()).
+        if HAS_OLD:
+            log_ratio = logp - tl.load(old_ptr + pid)
+        else:
+            log_ratio = 0.0 * logp
+        dlog_ratio = 1.0 + 0.0 * logp
+        if HAS_LOG_RATIO_CLAMP:
+            log_ratio, dlog_ratio = _clamp_with_grad(log_ratio, -log_ratio_clamp, log_ratio_clamp)
+        coef_1 = tl.exp(log_ratio)
+        dcoef_1 = coef_1 * dlog_ratio
+
+        flags = 0
+        if LOSS_KIND == 1:  # PPO-clip: -min(coef_1 * A, clamp(coef_1, 1 - el, 1 + eh) * A)
+            coef_2, inside = _clamp_with_grad(coef_1, 1.0 - eps_low, 1.0 + eps_high)
+            dcoef_2 = dcoef_1 * inside
+            if HAS_DELTA:  # TRL's cap on the unclipped branch (it also feeds the clip metrics)
+                coef_1, below = _clamp_with_grad(coef_1, float("-inf"), delta)
+                dcoef_1 = dcoef_1 * below
+            neg_policy, neg_dpolicy = _min_with_grad(coef_1 * adv, dcoef_1 * adv, coef_2 * adv, dcoef_2 * adv)
+            policy = -neg_policy
+            dpolicy = -neg_dpolicy
+            if HAS_DUAL_CLIP:  # for A < 0 the loss is at most -A * c
+                bounded, dbounded = _min_with_grad(-adv * dual_clip, 0.0, policy, dpolicy)
+                policy = tl.where(adv < 0.0, bounded, policy)
+                dpolicy = tl.where(adv < 0.0, dbounded, dpolicy)
+            flags = tl.where((coef_1 < 1.0 - eps_low) & (adv < 0.0), 1, 0)
+            flags += tl.where((coef_1 > 1.0 + eps_high) & (adv > 0.0), 2, 0)
+        elif LOSS_KIND == 2:  # CISPO: -stopgrad(min(coef_1, eh)) * A * logp
+            capped = tl.minimum(coef_1, eps_high)
+            policy = -capped * adv * logp
+            dpolicy = -capped * adv
+            flags = tl.where((coef_1 > eps_high) & (adv > 0.0), 2, 0)
+        else:  # SAPO: -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
+            tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
+            soft = tl.sigmoid(tau * (coef_1 - 1.0))
+            policy = -soft * 4.0 / tau * adv
+            dpolicy = -4.0 * soft * (1.0 - soft) * adv * dcoef_1
+
+        if HAS_IW:  # rollout correction multiplies the policy term, never the KL
+            iw = tl.load(iw_ptr + pid)
+            policy = policy * iw
+            dpolicy = dpolicy * iw
+        loss = policy
+        dloss = dpolicy
+        if HAS_KL:
+            kl, dkl = _kl_with_grad(
+                logp, tl.load(ref_ptr + pid), log_ratio_clamp, kl_clamp, KL_KIND, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP
+            )
+            if BIAS_CORRECTION_KL:  # KL * coef_1 (the ratio before delta's cap, as in TRL)
+                coef_1_kl = tl.exp(log_ratio)
+                dkl = dkl * coef_1_kl + kl * coef_1_kl * dlog_ratio
+                kl = kl * coef_1_kl
+            loss += beta * kl
+            dloss += beta * dkl
+            tl.store(kl_out + pid, tl.where(active, kl, 0.0))
+        tl.store(loss_out + pid, tl.where(active, loss, 0.0))
+        tl.store(dloss_out + pid, tl.where(active, dloss, 0.0))
+        tl.store(flags_out + pid, tl.where(active, flags, 0).to(tl.int8))
+
+
+@triton.jit(do_not_specialize=RUNTIME_INTS + ["grad_stride_b", "grad_stride_t"])
+def logprob_backward_kernel(
+    logits_ptr, stride_b, stride_t, ids_ptr, T, V,
+    grad_logp_ptr, lse_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
+    inv_temperature, BLOCK_V: tl.constexpr,
+):
+    """dlogits = g * (onehot - p) / tau; may write into the logits' own storage (in place)."""
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    g = tl.load(grad_logp_ptr + pid)
+    out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t)
+    out_dtype = grad_logits_ptr.dtype.element_ty
+    if g == 0.0:
+        zeros = tl.zeros([BLOCK_V], dtype=out_dtype)
+        for start in range(0, V, BLOCK_V):
+            tl.store(out_ptr + start + cols, zeros, mask=start + cols < V)
+    else:
+        row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t)
+        lse = tl.load(lse_ptr + pid)
+        target = tl.load(ids_ptr + pid).to(tl.int64)
+        g_scaled = g * inv_temperature
+        for start in range(0, V, BLOCK_V):
+            in_row = start + cols < V
+            x = tl.load(row_ptr + start + cols, mask=in_row, other=0.0).to(tl.float32) * inv_temperature
+            p = tl.exp(x - lse)  # [BLOCK_V]
+            onehot = tl.where(start + cols == target, 1.0, 0.0)
+            tl.store(out_ptr + start + cols, (g_scaled * (onehot - p)).to(out_dtype), mask=in_row)

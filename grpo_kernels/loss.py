@@ -1,0 +1,159 @@
+"""The public API: ``grpo_loss`` (functional), ``GRPOLoss`` (nn.Module), ``token_logprobs``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import reference as ref
+from .functions import FusedTokenLoss, TokenLogprobs
+from .kernels import grpo as K
+from .options import BACKENDS, GRPOOptions
+from .reference import GRPOLossOutput, PerTokenTerms
+from .validation import check_in_place, check_inputs, check_logits, check_token_ids, resolve_backend
+
+
+def _flat_f32(t: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tensor]:
+    """[B], [B, 1] or [B, T] -> contiguous fp32 [B * T] for the kernels (O(N), negligible)."""
+    if t is None:
+        return None
+    return ref.as_row_column(t).float().expand(B, T).reshape(-1).contiguous()
+
+
+def grpo_loss(
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    importance_weights: Optional[torch.Tensor] = None,
+    normalizer=None,
+    *,
+    options: Optional[GRPOOptions] = None,
+    backend: str = "auto",
+    in_place_backward: bool = False,
+    check_ids: bool = True,
+    **option_kwargs,
+) -> GRPOLossOutput:
+    """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
+
+    Options come as ``options=GRPOOptions(...)`` or as keywords (TRL's names). See
+    ``GRPOLoss`` for the arguments.
+    """
+    opts = options if options is not None else GRPOOptions(**option_kwargs)
+    if options is not None and option_kwargs:
+        raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
+    check_inputs(logits, completion_ids, completion_mask, advantages, old_logps, ref_logps,
+                 importance_weights, normalizer, opts, check_ids)
+    engine = resolve_backend(backend, logits)
+    check_in_place(in_place_backward, logits)
+    B, T, _ = logits.shape
+    mask = completion_mask.float()
+    flat_mask = mask.reshape(-1).contiguous()
+
+    if engine == "triton" and logits.stride(-1) != 1:
+        raise ValueError(
+            f"backend='triton' needs logits with a unit last stride, got strides {tuple(logits.stride())}; "
+            "views that slice B or T are fine, a transposed vocabulary is not (call .contiguous())"
+        )
+    if engine == "triton" and not opts.sequence_level:
+        loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(
+            logits, completion_ids.contiguous(), flat_mask, _flat_f32(advantages, B, T),
+            _flat_f32(old_logps, B, T), _flat_f32(ref_logps, B, T) if opts.uses_kl else None,
+            _flat_f32(importance_weights, B, T), opts, in_place_backward,
+        )
+        terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
+    else:
+        logp, entropy = TokenLogprobs.apply(
+            logits, completion_ids.contiguous(), flat_mask, opts.temperature, opts.compute_entropy,
+            engine, in_place_backward,
+        )
+        terms = ref.per_token_terms(
+            logp, mask, ref.as_row_column(advantages.float()),
+            None if old_logps is None else old_logps.float(),
+            None if ref_logps is None else ref_logps.float(),
+            None if importance_weights is None else ref.as_row_column(importance_weights.float()),
+            opts,
+        )
+    loss = ref.reduce_loss(terms.per_token_loss, mask, opts, normalizer)
+    metrics = ref.loss_metrics(terms, entropy, mask, opts)
+    return GRPOLossOutput(loss, metrics, logp.detach())
+
+
+@torch.no_grad()
+def token_logprobs(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    backend: str = "auto",
+    check_ids: bool = True,
+):
+    """Per-token log softmax(logits / temperature)[ids] in fp32 [B, T], without gradient.
+
+    For a trainer's old and reference log-probs; the same kernel as the loss, one read of
+    the logits. With ``return_entropy`` returns ``(logps, entropy)``.
+    """
+    check_logits(logits)
+    check_token_ids(ids, logits, check_ids)
+    GRPOOptions(temperature=temperature)  # validates the temperature
+    engine = resolve_backend(backend, logits)
+    logp, entropy = TokenLogprobs.apply(logits, ids.contiguous(), None, float(temperature), return_entropy,
+                                        engine, False)
+    return (logp, entropy) if return_entropy else logp
+
+
+class GRPOLoss(nn.Module):
+    """Drop-in GRPO loss from logits, fused in Triton on CUDA (chunked torch on CPU).
+
+    Options (TRL ``GRPOConfig`` names): loss_type, beta, epsilon, epsilon_high, delta,
+    dual_clip, importance_sampling_level, temperature, max_completion_length,
+    use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, kl_estimator,
+    log_ratio_clamp, kl_clamp, compute_entropy; plus ``backend`` ("auto", "triton",
+    "torch"), ``in_place_backward`` (write dlogits into the logits' storage) and
+    ``check_ids`` (validate token ids, one host sync).
+
+    Call: ``loss_fn(logits, completion_ids, completion_mask, advantages, old_logps=None,
+    ref_logps=None, importance_weights=None, normalizer=None)``
+
+    - logits [B, T, V] (fp32 / bf16 / fp16; a view with unit last stride is read in place)
+    - completion_ids [B, T] integers in [0, V); completion_mask [B, T] bool / int / float
+    - advantages [B] or [B, T]; old_logps [B, T] or None (on-policy, ratio 1);
+      ref_logps [B, T] when beta > 0; importance_weights [B], [B, 1] or [B, T]
+    - normalizer: token count for dapo / cispo (default: local active tokens)
+
+    Returns ``GRPOLossOutput(loss, metrics, per_token_logps)``. Per-step values may change
+    between calls (``loss_fn.update(beta=0.02)``) without recompiling a kernel.
+    """
+
+    def __init__(self, *, backend: str = "auto", in_place_backward: bool = False, check_ids: bool = True,
+                 options: Optional[GRPOOptions] = None, **option_kwargs):
+        super().__init__()
+        if options is not None and option_kwargs:
+            raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
+        self.options = options if options is not None else GRPOOptions(**option_kwargs)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+        self.backend = backend
+        self.in_place_backward = in_place_backward
+        self.check_ids = check_ids
+
+    def update(self, **changes) -> "GRPOLoss":
+        """Change options between steps (e.g. a beta or temperature schedule)."""
+        self.options = self.options.replace(**changes)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.options}, backend={self.backend!r}"
+
+    def forward(self, logits, completion_ids, completion_mask, advantages, old_logps=None, ref_logps=None,
+                importance_weights=None, normalizer=None) -> GRPOLossOutput:
+        return grpo_loss(
+            logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
+            normalizer, options=self.options, backend=self.backend, in_place_backward=self.in_place_backward,
+            check_ids=self.check_ids,
+        )

@@ -1,0 +1,112 @@
+"""One frozen options object for every non-tensor setting of the GRPO loss.
+
+Names follow TRL's ``GRPOConfig`` so a TRL user needs no translation. Every value here
+that can change from step to step (beta, the epsilons, delta, temperature, clamps) is
+passed to the kernels as a run-time argument: changing it never recompiles. Only the
+*presence* of an optional feature (beta == 0 or not, delta None or not, ...) selects a
+kernel specialization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k3", "k1", "k2")
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_number(name: str, value, *, positive=False, non_negative=False, optional=False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if non_negative and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOOptions:
+    """All options of the GRPO loss. See the README's options table for each one's meaning."""
+
+    loss_type: str = "grpo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    delta: Optional[float] = None
+    dual_clip: Optional[float] = None
+    importance_sampling_level: str = "token"
+    temperature: float = 1.0
+    max_completion_length: Optional[int] = None
+    use_bias_correction_kl: bool = False
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    kl_estimator: str = "k3"
+    log_ratio_clamp: Optional[float] = None
+    kl_clamp: Optional[float] = None
+    compute_entropy: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        _check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_number("beta", self.beta, non_negative=True)
+        _check_number("epsilon", self.epsilon, non_negative=True)
+        _check_number("epsilon_high", self.epsilon_high, non_negative=True, optional=True)
+        _check_number("delta", self.delta, positive=True, optional=True)
+        _check_number("dual_clip", self.dual_clip, optional=True)
+        _check_number("temperature", self.temperature, positive=True)
+        _check_number("sapo_temperature_pos", self.sapo_temperature_pos, positive=True)
+        _check_number("sapo_temperature_neg", self.sapo_temperature_neg, positive=True)
+        _check_number("log_ratio_clamp", self.log_ratio_clamp, positive=True, optional=True)
+        _check_number("kl_clamp", self.kl_clamp, positive=True, optional=True)
+        if self.epsilon > 1.0:
+            raise ValueError(f"epsilon must be <= 1 (the lower clip bound is 1 - epsilon), got {self.epsilon!r}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (verl and OpenRLHF use 3), got {self.dual_clip!r}")
+        if self.dual_clip is not None and self.loss_type not in PPO_CLIP_LOSS_TYPES:
+            raise ValueError(
+                f"dual_clip applies to the PPO-clip loss types {list(PPO_CLIP_LOSS_TYPES)}, "
+                f"not to loss_type={self.loss_type!r}"
+            )
+        if self.delta is not None and self.loss_type not in PPO_CLIP_LOSS_TYPES:
+            raise ValueError(
+                f"delta applies to the PPO-clip loss types {list(PPO_CLIP_LOSS_TYPES)}, "
+                f"not to loss_type={self.loss_type!r}"
+            )
+        if self.loss_type == "dr_grpo":
+            if self.max_completion_length is None:
+                raise ValueError("loss_type='dr_grpo' needs max_completion_length (its constant normalizer), got None")
+            if isinstance(self.max_completion_length, bool) or not isinstance(self.max_completion_length, int):
+                raise TypeError(f"max_completion_length must be an int, got {self.max_completion_length!r}")
+            if self.max_completion_length < 1:
+                raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length!r}")
+        if self.use_bias_correction_kl and self.beta == 0:
+            raise ValueError("use_bias_correction_kl=True multiplies the KL term, but beta=0 turns the KL term off")
+
+    @property
+    def eps_high(self) -> float:
+        """Upper clip (for cispo: the absolute cap on the ratio, as in TRL)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def uses_kl(self) -> bool:
+        return self.beta != 0.0
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.importance_sampling_level == "sequence"
+
+    def replace(self, **changes) -> "GRPOOptions":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,215 @@
+"""The specification: a plain fp32 PyTorch GRPO loss, written to be read.
+
+Every fast path (the Triton kernels, compiled or interpreted, and the chunked torch path)
+is tested against the functions here, for values and for gradients. The math follows
+TRL 1.16 ``GRPOTrainer._compute_loss`` (see ``shared/design/loss-semantics.md``); the
+extra options (dual_clip, kl_estimator, log_ratio_clamp, kl_clamp) follow verl and
+OpenRLHF.
+
+Shapes: B rows, T completion positions, V vocabulary. ``lp`` is the current per-token
+log-prob, ``old`` the sampling policy's, ``ref`` the reference model's, all [B, T].
+
+The pieces are separate functions because the fast paths reuse them:
+``per_token_terms`` (O(B*T) math), ``reduce_loss`` and ``loss_metrics`` run unchanged on
+log-probs that came from a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+
+from .options import PPO_CLIP_LOSS_TYPES, GRPOOptions
+
+
+@dataclasses.dataclass
+class GRPOLossOutput:
+    """What a GRPO loss call returns.
+
+    loss: the scalar to call ``backward`` on.
+    metrics: 0-d tensors under TRL's names (no host sync has happened).
+    per_token_logps: detached fp32 [B, T], reusable as the next step's old log-probs.
+    """
+
+    loss: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+    per_token_logps: torch.Tensor
+
+
+@dataclasses.dataclass
+class PerTokenTerms:
+    """Per-token results of the loss math, before the reduction."""
+
+    per_token_loss: torch.Tensor  # [B, T]: policy term * importance weight + beta * KL
+    per_token_kl: Optional[torch.Tensor]  # [B, T] or None when beta == 0
+    is_low_clipped: Optional[torch.Tensor]  # bool [B, T] ([B, 1] at sequence level)
+    is_high_clipped: Optional[torch.Tensor]  # for cispo: TRL's cispo-clipped flag
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0):
+    """log softmax(logits / temperature)[ids] and the entropy of that distribution, in fp32."""
+    logps_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, T, V]
+    lp = logps_all.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logps_all.exp() * logps_all).sum(-1)
+    return lp, entropy
+
+
+def as_row_column(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[B] -> [B, 1] so per-row values broadcast over T; [B, 1] and [B, T] pass through."""
+    if x is None or x.dim() == 2:
+        return x
+    return x.unsqueeze(1)
+
+
+def kl_term(lp: torch.Tensor, ref: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate, before multiplying by beta."""
+    if opts.kl_estimator == "k3":
+        x = ref - lp
+        if opts.log_ratio_clamp is not None:
+            x = torch.clamp(x, -opts.log_ratio_clamp, opts.log_ratio_clamp)
+        kl = torch.exp(x) - x - 1
+    elif opts.kl_estimator == "k1":
+        kl = lp - ref
+    else:  # k2
+        kl = 0.5 * (lp - ref) ** 2
+    if opts.kl_clamp is not None:
+        kl = torch.clamp(kl, -opts.kl_clamp, opts.kl_clamp)
+    return kl
+
+
+def per_token_terms(
+    lp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: Optional[torch.Tensor],
+    ref_logps: Optional[torch.Tensor],
+    importance_weights: Optional[torch.Tensor],
+    opts: GRPOOptions,
+) -> PerTokenTerms:
+    """The per-token loss of every loss_type, in TRL's order of operations.
+
+    ``mask`` is float [B, T]; ``advantages`` and ``importance_weights`` are [B, 1] or [B, T].
+    """
+    old = lp.detach() if old_logps is None else old_logps  # on-policy: ratio is 1, gradient flows
+    log_ratio = lp - old
+    if opts.sequence_level:  # GSPO: one weight per row, the masked mean of the log-ratio
+        log_weight = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        log_weight = log_ratio
+    if opts.log_ratio_clamp is not None:
+        log_weight = torch.clamp(log_weight, -opts.log_ratio_clamp, opts.log_ratio_clamp)
+    coef_1 = torch.exp(log_weight)
+
+    per_token_kl = None
+    if opts.uses_kl:
+        per_token_kl = kl_term(lp, ref_logps, opts)
+        if opts.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+
+    A = advantages
+    is_low = is_high = None
+    if opts.loss_type == "cispo":
+        capped = torch.clamp(coef_1, max=opts.eps_high).detach()
+        policy = -capped * A * lp
+        is_high = (coef_1 > opts.eps_high) & (A > 0)
+    elif opts.loss_type == "sapo":
+        tau = torch.where(A > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
+        policy = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
+    else:  # PPO-clip family
+        coef_2 = torch.clamp(coef_1, 1 - opts.epsilon, 1 + opts.eps_high)
+        if opts.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=opts.delta)
+        policy = -torch.min(coef_1 * A, coef_2 * A)
+        if opts.dual_clip is not None:  # verl / OpenRLHF: bound the loss of negative advantages by -A*c
+            policy = torch.where(A < 0, torch.min(-A * opts.dual_clip, policy), policy)
+        is_low = (coef_1 < 1 - opts.epsilon) & (A < 0)
+        is_high = (coef_1 > 1 + opts.eps_high) & (A > 0)
+
+    if importance_weights is not None:  # rollout correction: the policy term only, never the KL
+        policy = policy * importance_weights
+    per_token_loss = policy if per_token_kl is None else policy + opts.beta * per_token_kl
+    per_token_loss = per_token_loss.expand_as(lp)  # sequence-level without KL is [B, 1]
+    return PerTokenTerms(per_token_loss, per_token_kl, is_low, is_high)
+
+
+def active_token_count(mask: torch.Tensor) -> torch.Tensor:
+    """The default dapo / cispo normalizer: local active tokens, at least 1."""
+    return mask.sum().clamp(min=1.0)
+
+
+def reduce_loss(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, normalizer=None
+) -> torch.Tensor:
+    """TRL's reductions (without its division by the gradient-accumulation steps)."""
+    masked = per_token_loss * mask
+    if opts.loss_type in ("grpo", "sapo"):
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if opts.loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if opts.loss_type == "dr_grpo":
+        return masked.sum() / (per_token_loss.shape[0] * opts.max_completion_length)
+    if opts.loss_type in ("dapo", "cispo"):
+        return masked.sum() / (active_token_count(mask) if normalizer is None else normalizer)
+    return masked.sum(-1).mean()  # luspo
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """TRL's metric mean: over active tokens, or over all rows for a per-row [B, 1] value.
+
+    (TRL tells the two apart by ``x.shape[1] == 1``, which misreads T = 1; we say which.)
+    """
+    if per_row:
+        return x.float().mean()
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def loss_metrics(
+    terms: PerTokenTerms, entropy: Optional[torch.Tensor], mask: torch.Tensor, opts: GRPOOptions
+) -> Dict[str, torch.Tensor]:
+    """TRL's logged metrics, as detached 0-d tensors."""
+    metrics = {}
+    per_row = opts.sequence_level  # the clip flags are one per row at sequence level
+    if terms.per_token_kl is not None:
+        metrics["kl"] = masked_mean(terms.per_token_kl.detach(), mask)
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+    if opts.loss_type in PPO_CLIP_LOSS_TYPES:
+        low, high = terms.is_low_clipped.float(), terms.is_high_clipped.float()
+        metrics["clip_ratio/low_mean"] = masked_mean(low, mask, per_row)
+        metrics["clip_ratio/high_mean"] = masked_mean(high, mask, per_row)
+        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high), mask, per_row)
+    elif opts.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = masked_mean(terms.is_high_clipped.float(), mask, per_row)
+    return metrics
+
+
+def grpo_loss_reference(
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    importance_weights: Optional[torch.Tensor] = None,
+    normalizer=None,
+    options: Optional[GRPOOptions] = None,
+    **option_kwargs,
+) -> GRPOLossOutput:
+    """The whole GRPO loss from logits [B, T, V], materializing fp32 log-softmax. The spec."""
+    opts = options if options is not None else GRPOOptions(**option_kwargs)
+    mask = completion_mask.float()
+    lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.temperature)
+    terms = per_token_terms(
+        lp,
+        mask,
+        as_row_column(advantages.float()),
+        None if old_logps is None else old_logps.float(),
+        None if ref_logps is None else ref_logps.float(),
+        as_row_column(None if importance_weights is None else importance_weights.float()),
+        opts,
+    )
+    loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer)
+    metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
+    return GRPOLossOutput(loss, metrics, lp.detach())

@@ -1,0 +1,85 @@
+"""The CPU path: token log-probs and their backward, a chunk of rows at a time.
+
+The same two operations as the Triton kernels (``kernels.launch.forward`` with no loss,
+and ``kernels.launch.backward``), in PyTorch, so that CPU tensors never materialize an
+[N, V] fp32 tensor: the workspace is one chunk of rows, at most ``CHUNK_ELEMENTS`` fp32
+values per temporary. The logits may be a strided view ([B, T, V] with a unit last
+stride or not); the chunks are views into it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 21  # 8 MiB of fp32 per temporary
+
+
+def _chunks(logits: torch.Tensor) -> Iterator[Tuple[torch.Tensor, slice]]:
+    """Yield (a [rows, V] view of the logits, its slice of the flat token index [0, B*T)).
+
+    Each piece holds at most CHUNK_ELEMENTS logits (one row at least). Where [B, T, V] is
+    one run of rows in memory the pieces run across rows, so many short rows do not mean
+    many tiny chunks; a strided view such as ``logits[:, :-1]`` is cut row by row.
+    """
+    B, T, V = logits.shape
+    step = max(1, CHUNK_ELEMENTS // max(V, 1))
+    if logits.stride(0) == T * logits.stride(1) or B == 1:
+        rows = logits.view(B * T, V) if logits.stride(0) == T * logits.stride(1) else logits[0]
+        for n0 in range(0, B * T, step):
+            yield rows[n0 : n0 + step], slice(n0, min(n0 + step, B * T))
+        return
+    for b in range(B):
+        for t0 in range(0, T, step):
+            t1 = min(t0 + step, T)
+            yield logits[b, t0:t1], slice(b * T + t0, b * T + t1)
+
+
+def forward(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, compute_entropy: bool
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """log-probs, entropy (or None) and log-sum-exp of logits / temperature, each fp32 [B, T]."""
+    B, T, V = logits.shape
+    f32 = dict(device=logits.device, dtype=torch.float32)
+    logp, lse = torch.empty(B * T, **f32), torch.empty(B * T, **f32)
+    entropy = torch.empty(B * T, **f32) if compute_entropy else None
+    flat_ids = ids.reshape(-1).long()
+    inv_temperature = 1.0 / temperature
+    for piece, n in _chunks(logits):
+        x = piece.float() * inv_temperature  # [rows, V]
+        piece_lse = torch.logsumexp(x, dim=-1)
+        lse[n] = piece_lse
+        logp[n] = x.gather(-1, flat_ids[n].unsqueeze(-1)).squeeze(-1) - piece_lse
+        if compute_entropy:
+            p = torch.exp(x - piece_lse.unsqueeze(-1))
+            entropy[n] = piece_lse - (p * torch.where(p > 0, x, 0.0)).sum(-1)
+    as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
+    return as_bt(logp), as_bt(entropy), as_bt(lse)
+
+
+def backward(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    lse: torch.Tensor,
+    grad_logp: torch.Tensor,
+    temperature: float,
+    *,
+    in_place: bool = False,
+) -> torch.Tensor:
+    """dlogits = g * (onehot - softmax(logits / tau)) / tau, in the logits' dtype.
+
+    ``grad_logp`` (g) and ``lse`` are fp32 [B, T]. ``in_place`` writes into ``logits``.
+    """
+    B, T, V = logits.shape
+    grad = logits if in_place else torch.empty((B, T, V), device=logits.device, dtype=logits.dtype)
+    grad_rows = None if in_place else grad.view(B * T, V)
+    flat_ids, flat_lse = ids.reshape(-1).long(), lse.reshape(-1)
+    flat_g = grad_logp.reshape(-1) * (1.0 / temperature)
+    inv_temperature = 1.0 / temperature
+    for piece, n in _chunks(logits):
+        g = flat_g[n].unsqueeze(-1)  # [rows, 1]
+        piece_grad = torch.exp(piece.float() * inv_temperature - flat_lse[n].unsqueeze(-1)).mul_(-g)
+        piece_grad.scatter_add_(-1, flat_ids[n].unsqueeze(-1), g)
+        (piece if in_place else grad_rows[n]).copy_(piece_grad)  # cast to the logits' dtype
+    return grad

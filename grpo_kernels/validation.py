@@ -1,0 +1,125 @@
+"""Input checks: every bad input gets an error naming the argument, what it got and what was expected."""
+
+from __future__ import annotations
+
+import torch
+
+from .options import BACKENDS, GRPOOptions
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_logits(logits) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor [B, T, V], got {type(logits).__name__}")
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V] (3 dims), got shape {tuple(logits.shape)}")
+    if logits.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.shape[-1] == 0:
+        raise ValueError(f"logits must have a vocabulary dimension V >= 1, got shape {tuple(logits.shape)}")
+
+
+def check_token_ids(ids, logits: torch.Tensor, check_range: bool) -> None:
+    B, T, V = logits.shape
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"completion_ids must be a torch.Tensor [B, T], got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"completion_ids must be an integer tensor, got {ids.dtype}")
+    if tuple(ids.shape) != (B, T):
+        raise ValueError(f"completion_ids must be [B, T] = {(B, T)} to match logits [B, T, V], got {tuple(ids.shape)}")
+    if ids.device != logits.device:
+        raise ValueError(f"completion_ids is on {ids.device} but logits is on {logits.device}")
+    if check_range and ids.numel() > 0:
+        low, high = (int(v) for v in torch.aminmax(ids))  # one host sync
+        if low < 0 or high >= V:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"completion_ids must lie in [0, V) = [0, {V}), got a token id {bad} "
+                "(pad with a real token id such as the tokenizer's pad_token_id, not -100)"
+            )
+
+
+def check_per_token(name: str, t, logits: torch.Tensor, *, allow_row: bool, allow_bool=False, allow_int=False):
+    """A [B, T] (or [B] / [B, 1] where allow_row) tensor on the logits' device."""
+    if t is None:
+        return
+    B, T, _ = logits.shape
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    ok_dtype = t.dtype.is_floating_point or (allow_bool and t.dtype == torch.bool) or (
+        allow_int and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool)
+    if not ok_dtype:
+        wanted = "a floating-point" + (", integer or bool" if allow_int else "")
+        raise TypeError(f"{name} must be {wanted} tensor, got {t.dtype}")
+    shapes = [(B, T)] + ([(B,), (B, 1)] if allow_row else [])
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(str(s) for s in shapes)}, got {tuple(t.shape)}")
+    if t.device != logits.device:
+        raise ValueError(f"{name} is on {t.device} but logits is on {logits.device}")
+
+
+def check_inputs(
+    logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
+    normalizer, opts: GRPOOptions, check_ids: bool = True,
+) -> None:
+    check_logits(logits)
+    check_token_ids(completion_ids, logits, check_ids)
+    if completion_mask is None:
+        raise ValueError("completion_mask is required ([B, T], 1 where a completion token counts), got None")
+    check_per_token("completion_mask", completion_mask, logits, allow_row=False, allow_bool=True, allow_int=True)
+    if advantages is None:
+        raise ValueError("advantages is required ([B] or [B, T]), got None")
+    check_per_token("advantages", advantages, logits, allow_row=True)
+    check_per_token("old_logps", old_logps, logits, allow_row=False)
+    check_per_token("ref_logps", ref_logps, logits, allow_row=False)
+    check_per_token("importance_weights", importance_weights, logits, allow_row=True)
+    if opts.uses_kl and ref_logps is None:
+        raise ValueError(f"beta={opts.beta} > 0 needs ref_logps [B, T] (the reference model's log-probs), got None")
+    if normalizer is not None:
+        if opts.loss_type not in ("dapo", "cispo"):
+            raise ValueError(
+                f"normalizer is the dapo / cispo token count; loss_type={opts.loss_type!r} does not use it"
+            )
+        if isinstance(normalizer, torch.Tensor):
+            if normalizer.numel() != 1:
+                raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
+        elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)) or not normalizer > 0:
+            raise ValueError(f"normalizer must be a positive number (a token count), got {normalizer!r}")
+
+
+def resolve_backend(backend: str, logits: torch.Tensor) -> str:
+    """'triton' or 'torch' for this call."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if logits.is_cuda else "torch"
+    if backend == "triton" and not logits.is_cuda:
+        if not interpreter_enabled():
+            raise ValueError(
+                f"backend='triton' got logits on {logits.device}: Triton runs CPU tensors only in its "
+                "interpreter, which needs TRITON_INTERPRET=1 set before triton is imported; "
+                "use backend='torch' or 'auto' for CPU tensors"
+            )
+    return backend
+
+
+def interpreter_enabled() -> bool:
+    """True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .kernels import grpo
+
+    return isinstance(grpo.grpo_forward_kernel, InterpretedFunction)
+
+
+def check_in_place(in_place: bool, logits: torch.Tensor) -> None:
+    if in_place and logits.is_leaf and logits.requires_grad:
+        raise ValueError(
+            "in_place_backward=True would overwrite logits, a leaf tensor that requires grad, with its own "
+            "gradient; use it only on logits produced by the model (an lm_head output)"
+        )

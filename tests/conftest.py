@@ -1,0 +1,20 @@
+"""Test set-up: without a GPU the Triton kernels run in Triton's interpreter.
+
+TRITON_INTERPRET must be set before triton is imported, so it is set here, at collection.
+On a machine with CUDA the kernels are compiled and run natively instead.
+"""
+
+import os
+
+import pytest
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def device():
+    return DEVICE

@@ -1,0 +1,199 @@
+"""Every fast path against the reference: loss, d loss / d logits, per-token log-probs, metrics.
+
+"triton" runs the kernels in Triton's interpreter on a CPU machine (conftest sets
+TRITON_INTERPRET=1) and compiled on a GPU machine; "torch" is the chunked torch path.
+Tolerances: fp32 at 1e-5 relative (the same fp32 math in another order); bf16 / fp16
+gradients at the rounding of the gradient's own dtype (values are computed in fp32 from
+the same 16-bit logits, so only the final cast differs).
+"""
+
+import pytest
+import torch
+from helpers import assert_close, make_batch
+
+from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference
+from grpo_kernels import torch_path
+
+BACKENDS = ["torch", "triton"]
+LOSS_TYPE_DEFAULTS = {"dr_grpo": dict(max_completion_length=8), "cispo": dict(epsilon_high=1.1)}
+FP32_TOL = dict(atol=1e-6, rtol=1e-5)
+
+
+def _run(backend, batch, importance_weights=None, normalizer=None, **options):
+    """(output, dlogits) of one path; backend None is the reference."""
+    logits = batch["logits"].detach().clone().requires_grad_()
+    inputs = {**batch, "logits": logits, "importance_weights": importance_weights, "normalizer": normalizer}
+    if backend is None:
+        out = grpo_loss_reference(**inputs, **options)
+    else:
+        out = grpo_loss(**inputs, backend=backend, **options)
+    out.loss.backward()
+    return out, logits.grad
+
+
+def check_against_reference(backend, batch, *, grad_tol=FP32_TOL, loss_tol=FP32_TOL, **kwargs):
+    expected, expected_grad = _run(None, batch, **kwargs)
+    actual, actual_grad = _run(backend, batch, **kwargs)
+    assert torch.isfinite(actual.loss)
+    assert_close("loss", expected.loss, actual.loss, **loss_tol)
+    assert_close("dlogits", expected_grad, actual_grad, **grad_tol)
+    assert actual_grad.dtype == batch["logits"].dtype
+    active = batch["completion_mask"] != 0
+    assert_close("per_token_logps", expected.per_token_logps[active], actual.per_token_logps[active],
+                 atol=1e-5, rtol=1e-5)
+    assert sorted(expected.metrics) == sorted(actual.metrics)
+    for name in expected.metrics:
+        assert actual.metrics[name].dim() == 0
+        assert_close(f"metric {name}", expected.metrics[name], actual.metrics[name], atol=1e-5, rtol=1e-5)
+    return expected, actual
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("off_policy", [True, False])
+def test_every_loss_type_matches_reference(device, backend, loss_type, level, beta, off_policy):
+    batch = make_batch(device=device, off_policy=off_policy, seed=hash((loss_type, level)) % 1000)
+    check_against_reference(backend, batch, loss_type=loss_type, importance_sampling_level=level, beta=beta,
+                            **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+
+
+OPTION_CASES = {
+    "delta": dict(delta=1.3),
+    "dual_clip": dict(dual_clip=3.0),
+    "delta_and_dual_clip_per_token_adv": dict(delta=1.25, dual_clip=2.0, per_token_adv=True),
+    "asymmetric_clip": dict(epsilon=0.1, epsilon_high=0.28),
+    "kl_k1": dict(beta=0.1, kl_estimator="k1"),
+    "kl_k2": dict(beta=0.1, kl_estimator="k2"),
+    "kl_k3_clamped_verl": dict(beta=0.1, log_ratio_clamp=0.5, kl_clamp=0.02),
+    "kl_k2_clamped": dict(beta=0.1, kl_estimator="k2", kl_clamp=0.01),
+    "bias_corrected_kl": dict(beta=0.1, use_bias_correction_kl=True),
+    "bias_corrected_kl_sequence": dict(beta=0.1, use_bias_correction_kl=True, importance_sampling_level="sequence"),
+    "log_ratio_clamp": dict(log_ratio_clamp=0.3, clip_spread=1.0),
+    "temperature": dict(temperature=0.7, beta=0.04),
+    "sapo_temperatures": dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0),
+    "cispo_per_token_adv": dict(loss_type="cispo", epsilon_high=1.05, per_token_adv=True, beta=0.04),
+    "no_entropy": dict(compute_entropy=False, beta=0.04),
+    "strided_logits_view": dict(strided=True, beta=0.04),
+    "strided_sequence_level": dict(strided=True, importance_sampling_level="sequence"),
+    "one_token": dict(T=1, beta=0.04),
+    "vocab_over_several_blocks": dict(V=4999, beta=0.04, temperature=1.3),
+    "single_row": dict(B=1, T=7, loss_type="bnpo"),
+}
+BATCH_KEYS = ("B", "T", "V", "per_token_adv", "clip_spread", "strided", "temperature")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(OPTION_CASES))
+def test_options_match_reference(device, backend, case):
+    spec = dict(OPTION_CASES[case])
+    batch = make_batch(device=device, **{k: spec[k] for k in BATCH_KEYS if k in spec}, seed=7)
+    options = {k: v for k, v in spec.items() if k not in BATCH_KEYS or k == "temperature"}
+    check_against_reference(backend, batch, **options)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", ["row", "column", "token"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_importance_weights_scale_policy_term_only(device, backend, shape, level):
+    batch = make_batch(device=device, seed=3)
+    B, T = batch["completion_ids"].shape
+    weights = {"row": torch.rand(B) + 0.5, "column": torch.rand(B, 1) + 0.5, "token": torch.rand(B, T) + 0.5}[shape]
+    check_against_reference(backend, batch, importance_weights=weights.to(device), beta=0.1,
+                            importance_sampling_level=level)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_importance_weights_leave_kl_alone(device, backend):
+    """With zero advantages only the KL term is left, and a rollout weight must not touch it."""
+    batch = make_batch(device=device, seed=4)
+    batch["advantages"] = torch.zeros_like(batch["advantages"])
+    plain, grad = _run(backend, batch, beta=0.1)
+    weighted, weighted_grad = _run(backend, batch, beta=0.1, importance_weights=torch.full((3,), 7.0, device=device))
+    assert_close("loss", plain.loss, weighted.loss, **FP32_TOL)
+    assert_close("dlogits", grad, weighted_grad, **FP32_TOL)
+    assert plain.loss > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
+def test_dapo_normalizer(device, backend, loss_type):
+    batch = make_batch(device=device, seed=5)
+    check_against_reference(backend, batch, loss_type=loss_type, normalizer=37.5)
+    default, _ = _run(backend, batch, loss_type=loss_type)
+    given, _ = _run(backend, batch, loss_type=loss_type, normalizer=batch["completion_mask"].sum())
+    assert_close("default normalizer is the local token count", default.loss, given.loss, **FP32_TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_half_precision_logits(device, backend, dtype, level):
+    """16-bit logits: values in fp32 from the same 16-bit inputs; the gradient is rounded to the dtype."""
+    batch = make_batch(device=device, dtype=dtype, seed=11, V=2053)
+    eps = torch.finfo(dtype).eps
+    check_against_reference(backend, batch, beta=0.04, temperature=0.9, importance_sampling_level=level,
+                            grad_tol=dict(atol=1e-5, rtol=2 * eps), loss_tol=dict(atol=1e-5, rtol=1e-4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_fully_masked_batch_is_finite_with_zero_gradient(device, backend, loss_type, level):
+    batch = make_batch(device=device, seed=6)
+    batch["completion_mask"] = torch.zeros_like(batch["completion_mask"])
+    out, grad = _run(backend, batch, loss_type=loss_type, importance_sampling_level=level, beta=0.04,
+                     **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+    assert torch.isfinite(out.loss) and out.loss.item() == 0.0
+    assert torch.count_nonzero(grad) == 0
+    assert all(torch.isfinite(v) for v in out.metrics.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_positions_get_zero_gradient_rows(device, backend):
+    batch = make_batch(device=device, seed=8)
+    _, grad = _run(backend, batch, beta=0.04)
+    masked = batch["completion_mask"] == 0
+    assert masked.any() and torch.count_nonzero(grad[masked]) == 0
+    assert (grad[~masked].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_on_policy_ratio_is_one_and_gradient_flows(device, backend):
+    """old_logps=None behaves as TRL's per_token_logps.detach(): ratio 1, no clipping, gradient -A/|o|."""
+    batch = make_batch(device=device, off_policy=False, seed=9)
+    out, grad = _run(backend, batch, beta=0.0)
+    assert out.metrics["clip_ratio/region_mean"].item() == 0.0
+    assert grad.abs().sum() > 0
+    explicit_old = dict(batch, old_logps=out.per_token_logps)  # the same values, given explicitly
+    out_explicit, grad_explicit = _run(backend, explicit_old, beta=0.0)
+    assert_close("loss", out.loss, out_explicit.loss, **FP32_TOL)
+    assert_close("dlogits", grad, grad_explicit, **FP32_TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clip_metrics_see_low_high_and_unclipped_tokens(device, backend):
+    batch = make_batch(device=device, seed=10, clip_spread=0.6, per_token_adv=True)
+    _, out = check_against_reference(backend, batch)
+    low, high = out.metrics["clip_ratio/low_mean"].item(), out.metrics["clip_ratio/high_mean"].item()
+    assert 0 < low < 1 and 0 < high < 1 and low + high < 1
+    assert out.metrics["clip_ratio/region_mean"].item() == pytest.approx(low + high)
+
+
+def test_module_is_the_functional_api_and_update_changes_options(device):
+    batch = make_batch(device=device, seed=12)
+    loss_fn = GRPOLoss(beta=0.04, epsilon=0.2, backend="torch")
+    assert loss_fn(**batch).loss.item() == pytest.approx(grpo_loss(**batch, beta=0.04, backend="torch").loss.item())
+    loss_fn.update(beta=0.5, temperature=0.8)
+    assert loss_fn.options == GRPOOptions(beta=0.5, temperature=0.8)
+    expected = grpo_loss_reference(**batch, beta=0.5, temperature=0.8).loss
+    assert_close("loss after update", expected, loss_fn(**batch).loss, **FP32_TOL)
+
+
+def test_torch_path_never_materializes_full_fp32_logits(monkeypatch):
+    """With a small chunk, the torch path works in pieces and still matches the reference."""
+    monkeypatch.setattr(torch_path, "CHUNK_ELEMENTS", 2500)  # two rows of V = 1003 per piece
+    for strided in (False, True):
+        batch = make_batch(seed=13, strided=strided, T=6)
+        check_against_reference("torch", batch, beta=0.04, temperature=0.6)
