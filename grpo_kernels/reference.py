@@ -52,7 +52,8 @@ def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperat
     """log softmax(logits / temperature)[ids] and the entropy of that distribution, in fp32."""
     logps_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, T, V]
     lp = logps_all.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
-    entropy = -(logps_all.exp() * logps_all).sum(-1)
+    p = logps_all.exp()
+    entropy = -(p * torch.where(p > 0, logps_all, 0.0)).sum(-1)  # a -inf logit adds 0, not 0 * -inf
     return lp, entropy
 
 

@@ -47,33 +47,52 @@ RUNTIME_INTS = ["T", "V", "stride_b", "stride_t"]
 
 
 @triton.jit
-def _row_pointer(base_ptr, pid, T, stride_b, stride_t):
-    """Pointer to the first logit of flat token ``pid`` of a [B, T, V] tensor."""
+def _row_pointer(base_ptr, pid, T, stride_b, stride_t, ROW_ALIGN: tl.constexpr):
+    """Pointer to the first logit of flat token ``pid`` of a [B, T, V] tensor.
+
+    ROW_ALIGN: the launcher's promise that every row starts at a multiple of this many
+    elements (16 bytes' worth when the strides allow, else 1); with 16 bytes the compiler
+    can issue 128-bit vector loads and stores.
+    """
     b = pid // T
     t = pid - b * T
-    return base_ptr + b * stride_b + t * stride_t
+    return base_ptr + tl.multiple_of(b * stride_b + t * stride_t, ROW_ALIGN)
+
+
+@triton.jit
+def _lse_update(x, running_max, sum_exp, sum_exp_x, COMPUTE_ENTROPY: tl.constexpr):
+    """Fold one block x (fp32, already / tau) into the running max, sum of exp and sum of exp * x."""
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    # A block of -inf logits (a masked-out vocabulary) must not produce inf - inf.
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp(running_max - safe_max)
+    e = tl.exp(x - safe_max)
+    sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
+    if COMPUTE_ENTROPY:
+        # e is 0 where x is -inf; 0 * -inf would be NaN, so those lanes use x = 0.
+        sum_exp_x = sum_exp_x * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=0)
+    return new_max, sum_exp, sum_exp_x
 
 
 @triton.jit
 def _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
-    """One pass over a row: log-sum-exp of x = logits / tau and the entropy of softmax(x)."""
+    """One pass over a row: log-sum-exp of x = logits / tau and the entropy of softmax(x).
+
+    Full blocks load without a mask (so aligned rows get 128-bit vector loads); the
+    remainder, if any, is one masked block.
+    """
     cols = tl.arange(0, BLOCK_V)
     running_max = float("-inf")
     sum_exp = 0.0
     sum_exp_x = 0.0  # sum of exp(x - running_max) * x, for the entropy
-    for start in range(0, V, BLOCK_V):
-        x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-        x = x * inv_temperature  # [BLOCK_V]
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        # A block of -inf logits (a masked-out vocabulary) must not produce inf - inf.
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp(running_max - safe_max)
-        e = tl.exp(x - safe_max)
-        sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
-        if COMPUTE_ENTROPY:
-            # e is 0 where x is -inf; 0 * -inf would be NaN, so those lanes use x = 0.
-            sum_exp_x = sum_exp_x * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=0)
-        running_max = new_max
+    full_end = (V // BLOCK_V) * BLOCK_V
+    for start in range(0, full_end, BLOCK_V):
+        x = tl.load(row_ptr + start + cols).to(tl.float32) * inv_temperature  # [BLOCK_V]
+        running_max, sum_exp, sum_exp_x = _lse_update(x, running_max, sum_exp, sum_exp_x, COMPUTE_ENTROPY)
+    if full_end < V:
+        x = tl.load(row_ptr + full_end + cols, mask=full_end + cols < V, other=float("-inf"))
+        x = x.to(tl.float32) * inv_temperature
+        running_max, sum_exp, sum_exp_x = _lse_update(x, running_max, sum_exp, sum_exp_x, COMPUTE_ENTROPY)
     lse = running_max + tl.log(sum_exp)
     entropy = lse - sum_exp_x / sum_exp
     return lse, entropy
@@ -132,14 +151,14 @@ def grpo_forward_kernel(
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
     HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
-    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     active = True
     if HAS_MASK:
         active = tl.load(mask_ptr + pid) != 0.0
     if active:
-        row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t)
+        row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
         lse, entropy = _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V, COMPUTE_ENTROPY)
         target = tl.load(ids_ptr + pid).to(tl.int64)
         logp = tl.load(row_ptr + target).to(tl.float32) * inv_temperature - lse
@@ -215,30 +234,44 @@ def grpo_forward_kernel(
         tl.store(flags_out + pid, tl.where(active, flags, 0).to(tl.int8))
 
 
+@triton.jit
+def _dlogits_block(x, lse, col, target, g_scaled):
+    """g / tau * (onehot - p) for one block; x = logits / tau in fp32."""
+    p = tl.exp(x - lse)  # [BLOCK_V]
+    return g_scaled * (tl.where(col == target, 1.0, 0.0) - p)
+
+
 @triton.jit(do_not_specialize=RUNTIME_INTS + ["grad_stride_b", "grad_stride_t"])
 def logprob_backward_kernel(
     logits_ptr, stride_b, stride_t, ids_ptr, T, V,
     grad_logp_ptr, lse_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
-    inv_temperature, BLOCK_V: tl.constexpr,
+    inv_temperature, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """dlogits = g * (onehot - p) / tau; may write into the logits' own storage (in place)."""
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_V)
     g = tl.load(grad_logp_ptr + pid)
-    out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t)
+    out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
     out_dtype = grad_logits_ptr.dtype.element_ty
     if g == 0.0:
         zeros = tl.zeros([BLOCK_V], dtype=out_dtype)
-        for start in range(0, V, BLOCK_V):
-            tl.store(out_ptr + start + cols, zeros, mask=start + cols < V)
+        full_end = (V // BLOCK_V) * BLOCK_V
+        for start in range(0, full_end, BLOCK_V):
+            tl.store(out_ptr + start + cols, zeros)
+        if full_end < V:
+            tl.store(out_ptr + full_end + cols, zeros, mask=full_end + cols < V)
     else:
-        row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t)
+        row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
         lse = tl.load(lse_ptr + pid)
         target = tl.load(ids_ptr + pid).to(tl.int64)
         g_scaled = g * inv_temperature
-        for start in range(0, V, BLOCK_V):
-            in_row = start + cols < V
-            x = tl.load(row_ptr + start + cols, mask=in_row, other=0.0).to(tl.float32) * inv_temperature
-            p = tl.exp(x - lse)  # [BLOCK_V]
-            onehot = tl.where(start + cols == target, 1.0, 0.0)
-            tl.store(out_ptr + start + cols, (g_scaled * (onehot - p)).to(out_dtype), mask=in_row)
+        full_end = (V // BLOCK_V) * BLOCK_V
+        for start in range(0, full_end, BLOCK_V):
+            x = tl.load(row_ptr + start + cols).to(tl.float32) * inv_temperature
+            grad = _dlogits_block(x, lse, start + cols, target, g_scaled)
+            tl.store(out_ptr + start + cols, grad.to(out_dtype))
+        if full_end < V:
+            in_row = full_end + cols < V
+            x = tl.load(row_ptr + full_end + cols, mask=in_row, other=0.0).to(tl.float32) * inv_temperature
+            grad = _dlogits_block(x, lse, full_end + cols, target, g_scaled)
+            tl.store(out_ptr + full_end + cols, grad.to(out_dtype), mask=in_row)

@@ -75,6 +75,17 @@ def forward_constexprs(
     }
 
 
+def row_alignment(*tensors: torch.Tensor) -> int:
+    """Elements per 16 bytes if every row of every tensor starts 16-byte aligned, else 1.
+
+    True for the common vocabularies (32000, 128256, 151936 are multiples of 8), whatever
+    T is, so it does not change (and recompile) from step to step.
+    """
+    size = tensors[0].element_size()
+    aligned = all(t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+    return 16 // size if aligned else 1
+
+
 def _zero_if_none(value: Optional[float]) -> float:
     return 0.0 if value is None else float(value)
 
@@ -134,7 +145,7 @@ def forward(
             1.0 / temperature, float(o.epsilon), float(o.eps_high), _zero_if_none(o.delta),
             _zero_if_none(o.dual_clip), float(o.beta), _zero_if_none(o.log_ratio_clamp),
             _zero_if_none(o.kl_clamp), float(o.sapo_temperature_pos), float(o.sapo_temperature_neg),
-            **constexprs, BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
+            **constexprs, ROW_ALIGN=row_alignment(logits), BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
         )
     return ForwardResult(logp, entropy, lse, loss, dloss, kl, flags)
 
@@ -159,6 +170,7 @@ def backward(
         K.logprob_backward_kernel[(B * T,)](
             logits, logits.stride(0), logits.stride(1), ids, T, V,
             grad_logp, lse, grad, grad.stride(0), grad.stride(1),
-            1.0 / temperature, BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
+            1.0 / temperature, ROW_ALIGN=row_alignment(logits, grad),
+            BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
         )
     return grad

@@ -1,0 +1,133 @@
+"""Ahead-of-time compile of every kernel specialization for a GPU target, without a GPU.
+
+``python -m grpo_kernels.kernels.aot --arch 90`` compiles each specialization the launcher
+can pick (per loss kind, optional feature flags, logit dtype and block config) to PTX and
+a cubin with the ptxas shipped in the triton wheel, then reads registers and spills with
+the wheel's ``cuobjdump -res-usage``. It must run without TRITON_INTERPRET (the
+interpreter has nothing to compile). tests/test_aot_compile.py runs it in a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from typing import Dict, Iterator, List, Tuple
+
+from ..options import GRPOOptions
+from . import grpo as K
+from .launch import block_config, forward_constexprs
+
+DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+VOCAB_SIZES = (1003, 32000, 151936)  # one block (small V) and the looping configs
+
+
+def _forward_signature(dtype: str) -> Dict[str, str]:
+    sig = {name: "*fp32" for name in K.grpo_forward_kernel.arg_names}
+    sig.update(logits_ptr=f"*{dtype}", ids_ptr="*i64", flags_out="*i8")
+    for name in ("stride_b", "stride_t", "T", "V"):
+        sig[name] = "i64"
+    for name in ("inv_temperature", "eps_low", "eps_high", "delta", "dual_clip", "beta", "log_ratio_clamp",
+                 "kl_clamp", "sapo_tau_pos", "sapo_tau_neg"):
+        sig[name] = "fp32"
+    return sig
+
+
+def _backward_signature(dtype: str) -> Dict[str, str]:
+    sig = {name: "i64" for name in K.logprob_backward_kernel.arg_names}
+    sig.update(logits_ptr=f"*{dtype}", ids_ptr="*i64", grad_logp_ptr="*fp32", lse_ptr="*fp32",
+               grad_logits_ptr=f"*{dtype}", inv_temperature="fp32")
+    return sig
+
+
+def forward_specializations() -> Iterator[Tuple[str, Dict[str, object]]]:
+    """Every forward flag combination that changes the generated code materially."""
+    yield "logprobs", forward_constexprs(None, has_old=False, has_iw=False, has_mask=False, compute_entropy=False)
+    yield "logprobs+entropy+mask", forward_constexprs(None, has_old=False, has_iw=False, has_mask=True,
+                                                      compute_entropy=True)
+    loss_options = {
+        "ppo": GRPOOptions(),
+        "ppo+delta+dual_clip+clamps+k3+bias_kl": GRPOOptions(beta=0.04, delta=2.0, dual_clip=3.0, log_ratio_clamp=20.0,
+                                                             kl_clamp=10.0, use_bias_correction_kl=True),
+        "ppo+k1": GRPOOptions(beta=0.04, kl_estimator="k1"),
+        "ppo+k2+kl_clamp": GRPOOptions(beta=0.04, kl_estimator="k2", kl_clamp=10.0),
+        "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
+        "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04),
+    }
+    for name, opts in loss_options.items():  # with every optional input, the most live values
+        yield name + "+old+iw", forward_constexprs(opts, has_old=True, has_iw=True, has_mask=True, compute_entropy=True)
+    yield "ppo on-policy", forward_constexprs(loss_options["ppo"], has_old=False, has_iw=False, has_mask=True,
+                                              compute_entropy=False)
+
+
+def _resource_usage(cubin: bytes) -> Dict[str, int]:
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill", text)]
+    usage["SPILL"] = sum(spills)
+    return usage
+
+
+def _compile(fn, signature, constexprs, num_warps: int, arch: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    # As the JIT does at run time for torch allocations: pointers are 16-byte aligned.
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def compile_all(arch: int = 90) -> List[Dict[str, object]]:
+    """Compile every specialization; return one record per kernel build."""
+    records = []
+    for dtype, size in DTYPES.items():
+        configs = {tuple(block_config(v, size).items()) for v in VOCAB_SIZES}
+        for config in sorted(configs):
+            cfg = dict(config)
+            for label, flags in forward_specializations():
+                for align in (16 // size, 1) if label == "logprobs" else (16 // size,):
+                    compiled = _compile(K.grpo_forward_kernel, _forward_signature(dtype),
+                                        {**flags, "ROW_ALIGN": align, "BLOCK_V": cfg["BLOCK_V"]}, cfg["num_warps"], arch)
+                    records.append(_record("forward", f"{label} row_align={align}", dtype, cfg, compiled, arch))
+            for align in (16 // size, 1):  # rows 16-byte aligned (common V) or not (odd V)
+                compiled = _compile(K.logprob_backward_kernel, _backward_signature(dtype),
+                                    {"ROW_ALIGN": align, "BLOCK_V": cfg["BLOCK_V"]}, cfg["num_warps"], arch)
+                records.append(_record("backward", f"dlogits row_align={align}", dtype, cfg, compiled, arch))
+    return records
+
+
+def _record(kernel, label, dtype, cfg, compiled, arch):
+    usage = _resource_usage(compiled.asm["cubin"])
+    ptx = compiled.asm["ptx"]
+    return {
+        "kernel": kernel, "specialization": label, "dtype": dtype, "arch": f"sm_{arch}", **cfg,
+        "registers": usage.get("REG"), "spill_bytes": usage["SPILL"], "local_bytes": usage.get("LOCAL", 0),
+        "vector_loads_128": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|u32|f32)", ptx))
+        + len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.(?:b64|u64)", ptx)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
+    args = parser.parse_args()
+    records = [r for arch in args.arch for r in compile_all(arch)]
+    print(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set-up on a fresh machine: a virtual environment in .venv with the package and its test extra.
+# Sourced by .ci/run and scripts/train.sh; safe to run again (pip skips what is there).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+[ -d .venv ] || python3 -m venv .venv
+source .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+# The CPU build of torch first: a plain "torch" requirement would pull a multi-GB CUDA build.
+# On a CUDA machine, install your CUDA build of torch into .venv before running this.
+python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0
+python -m pip install --quiet -e ".[test]"

@@ -1,0 +1,207 @@
+"""The API around the kernels: token_logprobs, in-place backward, bad input, compile, recompiles."""
+
+import inspect
+import re
+
+import pytest
+import torch
+from helpers import assert_close, make_batch
+
+from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference, token_logprobs
+from grpo_kernels import reference
+from grpo_kernels.kernels import grpo as K
+
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_match_reference(device, backend, strided, dtype):
+    batch = make_batch(device=device, strided=strided, dtype=dtype, seed=1, V=2500)
+    logits, ids = batch["logits"], batch["completion_ids"]
+    expected_lp, expected_entropy = reference.token_logprobs_and_entropy(logits, ids, 0.8)
+    lp, entropy = token_logprobs(logits, ids, temperature=0.8, return_entropy=True, backend=backend)
+    assert lp.dtype == torch.float32 and not lp.requires_grad
+    assert_close("logps", expected_lp, lp, atol=1e-5, rtol=1e-5)
+    assert_close("entropy", expected_entropy, entropy, atol=1e-5, rtol=1e-5)
+    assert_close("logps only", expected_lp, token_logprobs(logits, ids, 0.8, backend=backend), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logprobs_with_masked_out_vocabulary(device, backend):
+    """-inf logits (a masked vocabulary, even a whole block of it) give finite log-probs and entropy."""
+    batch = make_batch(device=device, seed=2, V=3000)
+    logits = batch["logits"].clone()
+    logits[..., :2100] = float("-inf")  # more than one full block
+    ids = torch.randint(2100, 3000, batch["completion_ids"].shape, device=device)
+    expected_lp, expected_entropy = reference.token_logprobs_and_entropy(logits, ids)
+    lp, entropy = token_logprobs(logits, ids, return_entropy=True, backend=backend)
+    assert torch.isfinite(lp).all() and torch.isfinite(entropy).all()
+    assert_close("logps", expected_lp, lp, atol=1e-5, rtol=1e-5)
+    assert_close("entropy", expected_entropy, entropy, atol=1e-5, rtol=1e-5)
+
+
+class LmHead(torch.nn.Module):
+    def __init__(self, H, V):
+        super().__init__()
+        self.proj = torch.nn.Linear(H, V, bias=False)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_in_place_backward_gives_the_same_parameter_gradients(device, backend, level):
+    torch.manual_seed(0)
+    B, T, H, V = 3, 4, 8, 1003
+    head = LmHead(H, V).to(device)
+    hidden = torch.randn(B, T, H, device=device)
+    batch = make_batch(B=B, T=T, V=V, device=device, seed=3)
+    del batch["logits"]
+    grads = []
+    for in_place in (False, True):
+        head.zero_grad()
+        logits = head(hidden)
+        out = grpo_loss(logits, **batch, beta=0.04, importance_sampling_level=level, backend=backend,
+                        in_place_backward=in_place)
+        out.loss.backward()
+        grads.append(head.proj.weight.grad.clone())
+        if in_place:  # the logits' storage now holds dlogits
+            assert logits._version > 0
+    assert_close("weight grad", grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_place_backward_cannot_silently_corrupt_another_user_of_the_logits(device, backend):
+    """A second autograd user of the logits that reads them after our backward gets an error."""
+    head = LmHead(8, 1003).to(device)
+    batch = make_batch(B=2, T=3, V=1003, device=device, seed=4)
+    del batch["logits"]
+    logits = head(torch.randn(2, 3, 8, device=device))
+    other = (logits * logits).mean()  # saves logits for its backward, created before our loss
+    out = grpo_loss(logits, **batch, backend=backend, in_place_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.loss + other).backward()
+
+
+def test_in_place_backward_refuses_a_leaf(device):
+    batch = make_batch(device=device)
+    logits = batch.pop("logits").clone().requires_grad_()
+    with pytest.raises(ValueError, match="in_place_backward=True would overwrite logits, a leaf"):
+        grpo_loss(logits, **batch, in_place_backward=True)
+
+
+def _bad(batch, **changes):
+    return {**batch, **changes}
+
+
+BAD_INPUTS = {
+    "logits 2-d": (lambda b: _bad(b, logits=b["logits"][0]), ValueError, r"logits must be \[B, T, V\] \(3 dims\), got shape \(5, 1003\)"),
+    "logits int": (lambda b: _bad(b, logits=b["logits"].long()), TypeError, "logits must be float32, bfloat16 or float16, got torch.int64"),
+    "ids shape": (lambda b: _bad(b, completion_ids=b["completion_ids"][:, :4]), ValueError, r"completion_ids must be \[B, T\] = \(3, 5\) to match logits \[B, T, V\], got \(3, 4\)"),
+    "ids float": (lambda b: _bad(b, completion_ids=b["completion_ids"].float()), TypeError, "completion_ids must be an integer tensor, got torch.float32"),
+    "ids too large": (lambda b: _bad(b, completion_ids=b["completion_ids"].clone().fill_(1003)), ValueError, r"completion_ids must lie in \[0, V\) = \[0, 1003\), got a token id 1003"),
+    "ids negative": (lambda b: _bad(b, completion_ids=b["completion_ids"].clone().fill_(-100)), ValueError, "got a token id -100"),
+    "mask shape": (lambda b: _bad(b, completion_mask=b["completion_mask"][:, :2]), ValueError, r"completion_mask must have shape \(3, 5\), got \(3, 2\)"),
+    "mask missing": (lambda b: _bad(b, completion_mask=None), ValueError, "completion_mask is required"),
+    "advantages shape": (lambda b: _bad(b, advantages=torch.zeros(4)), ValueError, r"advantages must have shape \(3, 5\) or \(3,\) or \(3, 1\), got \(4,\)"),
+    "advantages int": (lambda b: _bad(b, advantages=torch.zeros(3, dtype=torch.long)), TypeError, "advantages must be a floating-point tensor, got torch.int64"),
+    "old_logps shape": (lambda b: _bad(b, old_logps=torch.zeros(3)), ValueError, r"old_logps must have shape \(3, 5\), got \(3,\)"),
+    "importance_weights shape": (lambda b: _bad(b, importance_weights=torch.ones(2, 5)), ValueError, r"importance_weights must have shape \(3, 5\) or \(3,\) or \(3, 1\), got \(2, 5\)"),
+    "beta without ref": (lambda b: _bad(b, ref_logps=None, beta=0.04), ValueError, r"beta=0.04 > 0 needs ref_logps \[B, T\]"),
+    "normalizer for grpo": (lambda b: _bad(b, normalizer=10.0), ValueError, "normalizer is the dapo / cispo token count; loss_type='grpo' does not use it"),
+    "normalizer zero": (lambda b: _bad(b, normalizer=0, loss_type="dapo"), ValueError, "normalizer must be a positive number"),
+    "unknown loss_type": (lambda b: _bad(b, loss_type="ppo"), ValueError, r"loss_type must be one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'cispo', 'sapo'\], got 'ppo'"),
+    "unknown level": (lambda b: _bad(b, importance_sampling_level="seq"), ValueError, "importance_sampling_level must be one of"),
+    "unknown kl": (lambda b: _bad(b, kl_estimator="k4"), ValueError, "kl_estimator must be one of"),
+    "dr_grpo without length": (lambda b: _bad(b, loss_type="dr_grpo"), ValueError, "loss_type='dr_grpo' needs max_completion_length"),
+    "negative beta": (lambda b: _bad(b, beta=-0.1), ValueError, "beta must be >= 0, got -0.1"),
+    "zero temperature": (lambda b: _bad(b, temperature=0.0), ValueError, "temperature must be > 0, got 0.0"),
+    "dual clip below one": (lambda b: _bad(b, dual_clip=0.5), ValueError, "dual_clip must be > 1"),
+    "dual clip with sapo": (lambda b: _bad(b, dual_clip=3.0, loss_type="sapo"), ValueError, "dual_clip applies to the PPO-clip loss types"),
+    "bias kl without kl": (lambda b: _bad(b, use_bias_correction_kl=True), ValueError, "use_bias_correction_kl=True multiplies the KL term, but beta=0"),
+    "unknown backend": (lambda b: _bad(b, backend="cuda"), ValueError, r"backend must be one of \['auto', 'triton', 'torch'\], got 'cuda'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_a_clear_error(case):
+    change, error, message = BAD_INPUTS[case]
+    kwargs = change(make_batch())
+    with pytest.raises(error, match=message):
+        grpo_loss(**kwargs)
+
+
+def test_device_mismatch_is_named():
+    batch = make_batch()
+    batch["advantages"] = batch["advantages"].to("meta")
+    with pytest.raises(ValueError, match="advantages is on meta but logits is on cpu"):
+        grpo_loss(**batch)
+
+
+def test_triton_backend_on_cpu_without_interpreter_is_explained(monkeypatch):
+    from grpo_kernels import validation
+
+    monkeypatch.setattr(validation, "interpreter_enabled", lambda: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        grpo_loss(**make_batch(), backend="triton")
+
+
+def test_options_object_and_keywords_are_exclusive():
+    with pytest.raises(ValueError, match="either as options= or as keywords"):
+        GRPOLoss(options=GRPOOptions(), beta=0.1)
+
+
+def test_per_step_values_are_runtime_arguments():
+    """Changing T, beta, epsilons, temperature, ... between steps must not recompile a kernel.
+
+    Triton specializes integer arguments on their value (== 1, divisible by 16); the ones
+    that change between steps are excluded, and every float is a plain run-time argument.
+    Only feature flags and block sizes are constexprs.
+    """
+    source = inspect.getsource(K)
+    for name in ("grpo_forward_kernel", "logprob_backward_kernel"):
+        header = re.search(rf"def {name}\((.*?)\):", source, re.S).group(1)
+        params = [p.strip() for p in header.replace("\n", " ").split(",") if p.strip()]
+        constexprs = {p.split(":")[0].strip() for p in params if "constexpr" in p}
+        for name in ("T", "V", "stride_b", "stride_t", "inv_temperature"):
+            assert name not in constexprs
+        assert constexprs <= {"LOSS_KIND", "HAS_OLD", "HAS_KL", "KL_KIND", "HAS_DELTA", "HAS_DUAL_CLIP",
+                              "HAS_LOG_RATIO_CLAMP", "HAS_KL_CLAMP", "BIAS_CORRECTION_KL", "HAS_IW", "HAS_MASK",
+                              "COMPUTE_ENTROPY", "ROW_ALIGN", "BLOCK_V"}
+    assert set(K.RUNTIME_INTS) == {"T", "V", "stride_b", "stride_t"}
+    assert re.search(r"@triton\.jit\(do_not_specialize=RUNTIME_INTS\)\ndef grpo_forward_kernel", source)
+    assert re.search(r"@triton\.jit\(do_not_specialize=RUNTIME_INTS \+ \[\"grad_stride_b\", \"grad_stride_t\"\]\)"
+                     r"\ndef logprob_backward_kernel", source)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo"])
+def test_grpo_loss_under_torch_compile(loss_type):
+    """A training step calling GRPOLoss compiles on CPU and matches eager.
+
+    The token-id range check and the chunk loop are data-dependent host work; dynamo
+    breaks the graph around them (deliberate: the loss is one fused op, there is nothing
+    around it to fuse), and the result must be the same.
+    """
+    torch._dynamo.reset()
+    batch = make_batch(seed=14)
+    options = dict(loss_type=loss_type, beta=0.04, max_completion_length=8 if loss_type == "dr_grpo" else None)
+    loss_fn = GRPOLoss(**options)
+
+    def step(logits):
+        out = loss_fn(logits, batch["completion_ids"], batch["completion_mask"], batch["advantages"],
+                      batch["old_logps"], batch["ref_logps"])
+        return out.loss * 2.0
+
+    compiled = torch.compile(step)
+    logits = batch["logits"].clone().requires_grad_()
+    loss = compiled(logits)
+    loss.backward()
+    expected_logits = batch["logits"].clone().requires_grad_()
+    expected = grpo_loss_reference(expected_logits, **{k: v for k, v in batch.items() if k != "logits"},
+                                   **options).loss * 2.0
+    expected.backward()
+    assert_close("loss", expected, loss, atol=1e-6, rtol=1e-5)
+    assert_close("dlogits", expected_logits.grad, logits.grad, atol=1e-6, rtol=1e-5)
