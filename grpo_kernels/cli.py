@@ -1,0 +1,207 @@
+"""``grpo-kernels train`` and ``grpo-kernels eval``: the thin trainer on a built-in task or a local model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+from .tasks import TASKS, get_task
+from .trainer import GRPOTrainer, TrainerConfig, append_jsonl, latest_checkpoint, world
+
+DEFAULTS = TrainerConfig()
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", default="compare", choices=sorted(TASKS), help="built-in task (default: compare)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--eval-size", type=int, default=300, help="held-out prompts to score (default: 300)")
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-kernels", description="GRPO training on the grpo-kernels loss")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train with GRPO (default: the built-in task from scratch)")
+    _add_common(t)
+    t.add_argument("--model", default=None, help="a local Hugging Face causal LM folder (default: built-in tiny model)")
+    t.add_argument("--group-size", type=int, default=DEFAULTS.group_size)
+    t.add_argument("--prompts-per-step", type=int, default=DEFAULTS.prompts_per_step)
+    t.add_argument("--steps", type=int, default=150)
+    t.add_argument("--lr", type=float, default=DEFAULTS.learning_rate)
+    t.add_argument("--beta", type=float, default=0.02)
+    t.add_argument("--epsilon", type=float, default=DEFAULTS.epsilon)
+    t.add_argument("--epsilon-high", type=float, default=None)
+    t.add_argument("--loss-type", default=DEFAULTS.loss_type)
+    t.add_argument("--num-iterations", type=int, default=DEFAULTS.num_iterations, help="mu: updates per batch")
+    t.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
+    t.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    t.add_argument("--warmup-steps", type=int, default=150, help="format-only supervised warm-up (built-in model)")
+    t.add_argument("--eval-every", type=int, default=25)
+    t.add_argument("--save-every", type=int, default=50)
+    t.add_argument("--output-dir", default="runs/grpo")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e = sub.add_parser("eval", help="held-out accuracy of a checkpoint")
+    e.add_argument("checkpoint")
+    _add_common(e)
+    e.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    return parser
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    rank_device = os.environ.get("LOCAL_RANK")
+    if name == "cuda" and rank_device is not None:
+        name = f"cuda:{rank_device}"
+    return name
+
+
+def _load_pretrained(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--model / checkpoint path {path!r} is not a folder with a saved model")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _maybe_init_distributed(device: str) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+
+
+def plot_curves(records: List[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "reward" in r]
+    evals = [r for r in records if "eval_accuracy" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="train reward", alpha=0.6)
+    ax.plot([r["step"] for r in train], [r["accuracy"] for r in train], label="train accuracy (sampled)", alpha=0.6)
+    ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylim(-0.02, 1.25)
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(args) -> dict:
+    device = _device(args.device)
+    _maybe_init_distributed(device)
+    rank, _ = world()
+    task = get_task(args.task)
+    torch.manual_seed(args.seed)
+    os.makedirs(args.output_dir, exist_ok=True)
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    resume_from = latest_checkpoint(args.output_dir) if args.resume else None
+    if args.resume and resume_from is None:
+        raise FileNotFoundError(f"--resume: no checkpoint-N folder in {args.output_dir!r}")
+    started = time.time()
+    if resume_from is not None:
+        model, tokenizer = _load_pretrained(resume_from)
+    elif args.model is not None:
+        model, tokenizer = _load_pretrained(args.model)
+    else:
+        tokenizer = task.build_tokenizer()
+        model = task.build_model(tokenizer, seed=args.seed).to(device)
+        task.warmup(model, tokenizer, steps=args.warmup_steps, seed=args.seed, device=device)
+    config = TrainerConfig(
+        group_size=args.group_size, prompts_per_step=args.prompts_per_step, steps=args.steps,
+        learning_rate=args.lr, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+        loss_type=args.loss_type, num_iterations=args.num_iterations, temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, eval_every=args.eval_every,
+        save_every=args.save_every, output_dir=args.output_dir,
+    )
+    reward_funcs, weights = task.reward_functions()
+    records: List[dict] = []
+    if resume_from is not None and os.path.exists(metrics_path):
+        with open(metrics_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    elif rank == 0 and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+
+    def log(record: dict) -> None:
+        records.append(record)
+        if rank == 0:
+            append_jsonl(metrics_path, record)
+
+    trainer = GRPOTrainer(model, tokenizer, reward_funcs, task.make_rows(20000, held_out=False, seed=args.seed),
+                          config, reward_weights=weights, eval_rows=task.make_rows(args.eval_size, held_out=True,
+                                                                                    seed=1234),
+                          device=device, log=log)
+    if resume_from is not None:
+        trainer.load_state(resume_from)
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=config.steps, initial=trainer.step, desc="GRPO", unit="step", file=sys.stderr)
+
+    def on_step(record: dict) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}",
+                            kl=f"{record['kl']:.3f}")
+
+    try:
+        trainer.train(on_step=on_step)
+    finally:
+        if bar is not None:
+            bar.close()
+    checkpoint = trainer.save_checkpoint()
+    evals = [r for r in records if "eval_accuracy" in r]
+    summary = {"first_eval_accuracy": evals[0]["eval_accuracy"] if evals else None,
+               "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+               "steps": trainer.step, "seconds": round(time.time() - started, 1), "checkpoint": checkpoint}
+    if rank == 0:
+        plot_curves(records, os.path.join(args.output_dir, "curves.png"))
+        print(json.dumps(summary))
+    return summary
+
+
+def evaluate(args) -> dict:
+    device = _device(args.device)
+    model, tokenizer = _load_pretrained(args.checkpoint)
+    task = get_task(args.task)
+    config = TrainerConfig(max_new_tokens=args.max_new_tokens, output_dir=args.checkpoint)
+    reward_funcs, _ = task.reward_functions()
+    trainer = GRPOTrainer(model, tokenizer, reward_funcs, [], config,
+                          eval_rows=task.make_rows(args.eval_size, held_out=True, seed=1234), device=device)
+    result = {"checkpoint": args.checkpoint, "task": args.task, "eval_size": args.eval_size,
+              "eval_accuracy": trainer.evaluate()}
+    print(json.dumps(result))
+    return result
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        (train if args.command == "train" else evaluate)(args)
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The built-in task: "Which is bigger? 9.11 or 9.9", and its family of decimal comparisons.
+
+Everything is made here, with no download: the prompts (a train set and a disjoint
+held-out set), a character-level Hugging Face tokenizer, a tiny Llama model, a short
+supervised warm-up that teaches the answer *format* but not the answer (it is trained on
+a randomly chosen one of the two numbers), and the rule-based rewards.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, List
+
+import torch
+
+from .. import rewards
+
+NAME = "compare"
+PROMPT = "Which is bigger? {a} or {b}\nAnswer: "
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+CHARACTERS = "0123456789.-/ ?:\nWhichsbgeronwA"
+
+
+def _number(rng: random.Random, integer: int) -> str:
+    digits = rng.choice((1, 2))
+    frac = rng.randrange(1, 10) if digits == 1 else rng.randrange(1, 100)
+    text = f"{integer}.{frac:0{digits}d}"
+    return text.rstrip("0") if text.endswith("0") and digits == 2 else text
+
+
+def _held_out(a: str, b: str) -> bool:
+    """A fixed tenth of all unordered pairs is held out, so no evaluation prompt is trained on."""
+    key = "|".join(sorted((a, b)))
+    return sum(ord(c) * (i + 1) for i, c in enumerate(key)) % 10 == 0
+
+
+def make_rows(n: int, *, held_out: bool, seed: int) -> List[Dict[str, str]]:
+    """n rows {"prompt", "answer", "a", "b"}; half share the integer part (the 9.11 vs 9.9 trap)."""
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < n:
+        i = rng.randrange(0, 10)
+        j = i if rng.random() < 0.5 else rng.randrange(0, 10)
+        a, b = _number(rng, i), _number(rng, j)
+        if float(a) == float(b) or _held_out(a, b) != held_out:
+            continue
+        rows.append({"prompt": PROMPT.format(a=a, b=b), "answer": a if float(a) > float(b) else b, "a": a, "b": b})
+    return rows
+
+
+def build_tokenizer():
+    """A character-level tokenizer with the Hugging Face interface (save_pretrained, decode, pad)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARACTERS:
+        vocab.setdefault(ch, len(vocab))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))  # no merges: one token a character
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>")
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def build_model(tokenizer, *, seed: int = 0, hidden_size: int = 128, layers: int = 2):
+    """A tiny Llama from a config (about 0.3M parameters)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def warmup(model, tokenizer, *, steps: int, batch_size: int = 64, lr: float = 2e-3, seed: int = 0,
+           device: str = "cpu") -> float:
+    """Supervised warm-up on the format only: the target is one of the two numbers at random.
+
+    Returns the last batch's loss. After it the model answers with one of the two numbers
+    (the format reward is high) but picks either about equally often.
+    """
+    rng = random.Random(seed + 1)
+    rows = make_rows(steps * batch_size, held_out=False, seed=seed + 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(0.0)
+    for step in range(steps):
+        batch = rows[step * batch_size:(step + 1) * batch_size]
+        texts = [r["prompt"] + rng.choice((r["a"], r["b"])) + tokenizer.eos_token for r in batch]
+        enc = tokenizer(texts, return_tensors="pt", padding=True).to(device)
+        prompt_lens = [len(tokenizer(r["prompt"]).input_ids) for r in batch]
+        labels = enc.input_ids.clone()
+        pad = enc.attention_mask.shape[1] - enc.attention_mask.sum(1)
+        for i, (p, n) in enumerate(zip(prompt_lens, pad.tolist())):
+            labels[i, : n + p] = -100  # learn the completion only
+        position_ids = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        loss = model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=position_ids,
+                     labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return loss.item()
+
+
+def reward_functions():
+    """(functions, weights): correctness (1 for the larger number) and format (a number of the prompt)."""
+    return [rewards.numeric_match, choice_format], [1.0, 0.2]
+
+
+def choice_format(prompts, completions, a, b, **_) -> List[float]:
+    """1 if the completion is exactly one of the prompt's two numbers, else 0."""
+    return [1.0 if c.strip() in (x, y) else 0.0 for c, x, y in zip(completions, a, b)]

@@ -1,0 +1,294 @@
+"""A thin GRPO trainer over ``GRPOLoss``: the loop, readable in one sitting.
+
+Each step: take prompts; sample G completions per prompt with the policy; score them with
+the reward functions; group advantages; old (mu > 1) and reference (beta > 0) log-probs
+with the package's no-grad kernel; mu updates with ``GRPOLoss``, gradient clipping and an
+optimizer step. Data parallel under ``torchrun`` (gloo on CPU, nccl on GPU): every rank
+samples its share of the prompts, gradients are averaged, and the token-count normalizers
+are summed across ranks so that N processes make the update one process would make on
+the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .advantages import group_advantages
+from .loss import GRPOLoss, token_logprobs
+
+RewardFunction = Callable[..., List[Optional[float]]]
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    group_size: int = 8  # G completions per prompt
+    prompts_per_step: int = 16  # over all ranks
+    steps: int = 100
+    learning_rate: float = 1e-3
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    loss_type: str = "grpo"
+    num_iterations: int = 1  # mu: updates per generation batch (1 uses the on-policy shortcut)
+    temperature: float = 1.0
+    max_new_tokens: int = 8
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    eval_every: int = 20
+    save_every: int = 50
+    output_dir: str = "runs/grpo"
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages compare completions of one prompt), "
+                             f"got {self.group_size}")
+        if self.prompts_per_step < 1 or self.steps < 0 or self.num_iterations < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"prompts_per_step, num_iterations and max_new_tokens must be >= 1 and steps >= 0, "
+                             f"got {self.prompts_per_step}, {self.num_iterations}, {self.max_new_tokens}, {self.steps}")
+
+
+def world() -> tuple:
+    """(rank, world size); (0, 1) outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if world()[1] > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+class GRPOTrainer:
+    """GRPO on a Hugging Face causal LM with rule or model rewards.
+
+    ``train_rows`` / ``eval_rows``: dicts with a "prompt" and any columns the reward
+    functions read (passed to them as keyword lists, as TRL does). ``eval_reward`` scores
+    a greedy completion for the held-out accuracy (default: the first reward function).
+    """
+
+    def __init__(self, model, tokenizer, reward_funcs: Sequence[RewardFunction], train_rows: List[Dict],
+                 config: TrainerConfig, *, reward_weights: Optional[Sequence[float]] = None,
+                 eval_rows: Optional[List[Dict]] = None, eval_reward: Optional[RewardFunction] = None,
+                 device: str = "cpu", log: Optional[Callable[[Dict], None]] = None):
+        if not reward_funcs:
+            raise ValueError("reward_funcs must hold at least one reward function, got none")
+        rank, size = world()
+        if config.prompts_per_step % size:
+            raise ValueError(f"prompts_per_step={config.prompts_per_step} must divide evenly over {size} processes")
+        self.model, self.tokenizer, self.config, self.device = model.to(device), tokenizer, config, device
+        self.reward_funcs, self.reward_weights = list(reward_funcs), reward_weights
+        self.train_rows, self.eval_rows = train_rows, eval_rows or []
+        self.eval_reward = eval_reward or reward_funcs[0]
+        self.ref_model = None
+        if config.beta > 0:  # a frozen copy of the starting policy
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.loss_fn = GRPOLoss(loss_type=config.loss_type, beta=config.beta, epsilon=config.epsilon,
+                                epsilon_high=config.epsilon_high, temperature=config.temperature,
+                                max_completion_length=config.max_new_tokens)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
+        self.step = 0
+        self.rng = random.Random(config.seed * 1000 + rank)
+        self.log = log or (lambda record: None)
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+
+    # ----- generation and scoring -------------------------------------------------------
+    def _encode_prompts(self, prompts: List[str]):
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        width = enc.input_ids.shape[1]
+        if self.max_positions is not None and width + self.config.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"a prompt of {width} tokens plus max_new_tokens={self.config.max_new_tokens} exceeds the model's "
+                f"context of {self.max_positions} positions"
+            )
+        return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
+
+    @torch.no_grad()
+    def generate(self, prompts: List[str], *, greedy: bool = False):
+        """Completion ids [B, T] and mask [B, T] (1 up to and including the first EOS)."""
+        prompt_ids, prompt_mask = self._encode_prompts(prompts)
+        self.model.eval()
+        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=self.config.temperature,
+                                                              top_k=0, top_p=1.0)
+        out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                  max_new_tokens=self.config.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
+                                  eos_token_id=self.tokenizer.eos_token_id, **sampling)
+        completion_ids = out[:, prompt_ids.shape[1]:]
+        is_eos = completion_ids == self.tokenizer.eos_token_id
+        first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), completion_ids.shape[1])
+        positions = torch.arange(completion_ids.shape[1], device=self.device)
+        completion_mask = (positions.unsqueeze(0) <= first_eos.unsqueeze(1)).long()
+        completion_ids = torch.where(completion_mask.bool(), completion_ids, self.tokenizer.pad_token_id)
+        return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+    def score(self, rows: List[Dict], completions: List[str]) -> torch.Tensor:
+        """Rewards [B, K]: one column per reward function, NaN where it returned None."""
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        prompts = [row["prompt"] for row in rows]
+        scores = []
+        for func in self.reward_funcs:
+            name = getattr(func, "__name__", repr(func))
+            try:
+                values = func(prompts, completions, **columns)
+            except Exception as err:
+                raise RuntimeError(f"reward function {name} raised {type(err).__name__}: {err}") from err
+            if values is None or len(values) != len(completions):
+                got = "None" if values is None else f"{len(values)} scores"
+                raise ValueError(f"reward function {name} must return one score per completion "
+                                 f"({len(completions)}), got {got}")
+            scores.append([float("nan") if v is None else float(v) for v in values])
+        return torch.tensor(scores, dtype=torch.float32).T
+
+    # ----- the update ------------------------------------------------------------------
+    def _logits(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        """Logits [B, T, V] that predict the completion tokens (a view, read in place by the kernel)."""
+        input_ids = torch.cat([prompt_ids, completion_ids], 1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(self.device).startswith("cuda")):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        return logits[:, prompt_ids.shape[1] - 1: -1]
+
+    def train_step(self) -> Dict[str, float]:
+        config, (rank, size) = self.config, world()
+        per_rank = config.prompts_per_step // size
+        rows = [self.rng.choice(self.train_rows) for _ in range(per_rank)]
+        grouped = [row for row in rows for _ in range(config.group_size)]
+        prompt_ids, prompt_mask, completion_ids, completion_mask = self.generate([r["prompt"] for r in grouped])
+        completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        rewards = self.score(grouped, completions)
+        adv = group_advantages(rewards, config.group_size, weights=self.reward_weights)
+        advantages = adv.advantages.to(self.device)
+
+        inputs = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        old_logps = ref_logps = None
+        with torch.no_grad():
+            if config.num_iterations > 1:
+                old_logps = token_logprobs(self._logits(self.model, *inputs), completion_ids, config.temperature)
+            if self.ref_model is not None:
+                ref_logps = token_logprobs(self._logits(self.ref_model, *inputs), completion_ids, config.temperature)
+        local_tokens = completion_mask.sum().float()
+        global_tokens = all_reduce_sum(local_tokens).clamp(min=1.0)
+        normalizer = global_tokens / size if config.loss_type in ("dapo", "cispo") else None
+
+        self.model.train()
+        for _ in range(config.num_iterations):
+            out = self.loss_fn(self._logits(self.model, *inputs), completion_ids, completion_mask, advantages,
+                               old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer)
+            loss = out.loss
+            if config.loss_type == "bnpo":  # a token mean over all ranks, not this rank's
+                loss = loss * local_tokens.clamp(min=1.0) * size / global_tokens
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self._average_gradients()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+            self.optimizer.step()
+        self.step += 1
+
+        stats = torch.stack([rewards.nan_to_num(0.0).mul(torch.tensor(self._weights(rewards))).sum(1).mean(),
+                             rewards[:, 0].nan_to_num(0.0).mean(), adv.zero_std_fraction,
+                             local_tokens / completion_mask.shape[0],
+                             out.metrics.get("kl", torch.tensor(0.0)).cpu(), loss.detach().cpu()])
+        stats = all_reduce_sum(stats) / size
+        reward, accuracy, zero_std, length, kl, loss_value = stats.tolist()
+        return {"step": self.step, "reward": reward, "accuracy": accuracy, "kl": kl, "loss": loss_value,
+                "zero_std_groups": zero_std, "completion_length": length, "grad_norm": float(grad_norm)}
+
+    def _weights(self, rewards: torch.Tensor) -> List[float]:
+        return list(self.reward_weights) if self.reward_weights is not None else [1.0] * rewards.shape[1]
+
+    def _average_gradients(self) -> None:
+        rank, size = world()
+        if size == 1:
+            return
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= size
+
+    # ----- evaluation and checkpoints --------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 128) -> float:
+        """Greedy accuracy on the held-out rows: the mean of ``eval_reward`` (None counts as 0)."""
+        if not self.eval_rows:
+            return float("nan")
+        correct = 0.0
+        for i in range(0, len(self.eval_rows), batch_size):
+            rows = self.eval_rows[i:i + batch_size]
+            _, _, completion_ids, _ = self.generate([r["prompt"] for r in rows], greedy=True)
+            completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+            scores = self.eval_reward([r["prompt"] for r in rows], completions, **columns)
+            correct += sum(float(s or 0.0) for s in scores)
+        return correct / len(self.eval_rows)
+
+    def save_checkpoint(self, extra: Optional[Dict] = None) -> str:
+        """Write checkpoint-STEP atomically (a temporary folder renamed at the end)."""
+        final = os.path.join(self.config.output_dir, f"checkpoint-{self.step}")
+        if world()[0] != 0:
+            return final
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "rng": self.rng.getstate(),
+                 "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(self.config), **(extra or {})}
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return final
+
+    def load_state(self, checkpoint: str) -> None:
+        """Optimizer, step and RNG from a checkpoint (the weights are loaded with the model)."""
+        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def train(self, on_step: Optional[Callable[[Dict], None]] = None) -> List[Dict]:
+        """Run to ``config.steps``: evaluate first and at the end, save every ``save_every``."""
+        records = []
+        emit = lambda r: (records.append(r), self.log(r))  # noqa: E731
+        if self.step == 0 and self.eval_rows:
+            emit({"step": 0, "eval_accuracy": self.evaluate()})
+        while self.step < self.config.steps:
+            record = self.train_step()
+            emit(record)
+            if on_step is not None:
+                on_step(record)
+            if self.eval_rows and self.config.eval_every and self.step % self.config.eval_every == 0 \
+                    and self.step < self.config.steps:
+                emit({"step": self.step, "eval_accuracy": self.evaluate()})
+            if self.config.save_every and self.step % self.config.save_every == 0:
+                self.save_checkpoint()
+        if self.eval_rows and not (records and "eval_accuracy" in records[-1] and records[-1]["step"] == self.step):
+            emit({"step": self.step, "eval_accuracy": self.evaluate()})
+        return records
+
+
+def latest_checkpoint(output_dir: str) -> Optional[str]:
+    """The checkpoint-N folder with the largest N in output_dir (temporary folders ignored)."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = [int(name.split("-")[1]) for name in os.listdir(output_dir)
+             if name.startswith("checkpoint-") and name.split("-")[1].isdigit()]
+    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+
+
+def append_jsonl(path: str, record: Dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v)
+                            for k, v in record.items()}) + "\n")

@@ -1,0 +1,111 @@
+"""The thin trainer and its command line on the built-in task (CPU, tiny shapes)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from grpo_kernels import cli
+from grpo_kernels.rewards import numeric_match, parse_number
+from grpo_kernels.tasks import compare
+from grpo_kernels.trainer import GRPOTrainer, TrainerConfig, latest_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = compare.build_tokenizer()
+    model = compare.build_model(tokenizer, hidden_size=32)
+    return model, tokenizer
+
+
+def _trainer(tiny, reward_funcs=None, **config):
+    model, tokenizer = tiny
+    rows = compare.make_rows(8, held_out=False, seed=0)
+    funcs = reward_funcs or [numeric_match]
+    return GRPOTrainer(model, tokenizer, funcs, rows, TrainerConfig(group_size=2, prompts_per_step=2, **config))
+
+
+def test_task_rows_are_verifiable_and_held_out_is_disjoint():
+    train = compare.make_rows(300, held_out=False, seed=0)
+    held = compare.make_rows(100, held_out=True, seed=1)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    for r in train[:50]:
+        assert r["answer"] == max(r["a"], r["b"], key=float) and float(r["a"]) != float(r["b"])
+    assert any(r["a"].split(".")[0] == r["b"].split(".")[0] for r in train)  # the 9.11 vs 9.9 trap
+
+
+def test_rewards_parse_numbers_in_any_plain_form():
+    assert parse_number(" 0.50 ") == 0.5 and parse_number(".5") == 0.5 and parse_number("9.") == 9.0
+    assert parse_number("9.9.9") is None and parse_number("nine") is None
+    assert numeric_match(["p"] * 4, ["9.9", "9.11", ".5", "x"], ["9.90", "9.9", "0.5", "1"]) == [1.0, 0.0, 1.0, 0.0]
+    assert numeric_match(["p"], ["1"], [None]) == [None]
+
+
+def test_generation_masks_up_to_and_including_eos(tiny):
+    trainer = _trainer(tiny, max_new_tokens=6)
+    _, _, ids, mask = trainer.generate([r["prompt"] for r in trainer.train_rows[:4]])
+    eos, pad = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id
+    for row_ids, row_mask in zip(ids.tolist(), mask.tolist()):
+        n = sum(row_mask)
+        assert row_mask == [1] * n + [0] * (len(row_mask) - n)
+        assert eos not in row_ids[: n - 1] and all(t == pad for t in row_ids[n:])
+
+
+def test_one_step_changes_the_policy_and_logs_metrics(tiny):
+    trainer = _trainer(tiny, beta=0.04, num_iterations=2, learning_rate=1e-2)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    record = trainer.train_step()
+    assert set(record) >= {"step", "reward", "kl", "accuracy", "loss", "zero_std_groups"}
+    assert all(torch.isfinite(torch.tensor(v)) for v in record.values())
+    # unless every group had equal rewards (no signal), the weights moved
+    moved = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert moved or record["zero_std_groups"] == 1.0
+
+
+def test_reward_function_errors_are_named(tiny):
+    def broken(prompts, completions, **_):
+        raise KeyError("answer")
+
+    def short(prompts, completions, **_):
+        return [1.0]
+
+    with pytest.raises(RuntimeError, match="reward function broken raised KeyError"):
+        _trainer(tiny, [broken]).train_step()
+    with pytest.raises(ValueError, match=r"reward function short must return one score per completion \(4\), got 1"):
+        _trainer(tiny, [short]).train_step()
+
+
+def test_bad_configuration_is_refused(tiny):
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        TrainerConfig(group_size=1)
+    with pytest.raises(ValueError, match="reward_funcs must hold at least one"):
+        GRPOTrainer(*tiny, [], [], TrainerConfig())
+    trainer = _trainer(tiny, max_new_tokens=60)
+    with pytest.raises(ValueError, match="exceeds the model's context of 64 positions"):
+        trainer.train_step()
+    with pytest.raises(FileNotFoundError, match="is not a folder with a saved model"):
+        cli.main(["train", "--model", "/nonexistent/model", "--steps", "1"])
+
+
+def test_cli_train_resume_and_eval(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    common = ["--warmup-steps", "5", "--eval-size", "8", "--group-size", "2", "--prompts-per-step", "2",
+              "--output-dir", out, "--no-progress", "--save-every", "2", "--eval-every", "2"]
+    assert cli.main(["train", "--steps", "3", *common]) == 0
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    evals = [r for r in lines if "eval_accuracy" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 3
+    assert [r["step"] for r in lines if "reward" in r] == [1, 2, 3]
+    assert all({"step", "reward", "kl"} <= set(r) for r in lines if "reward" in r)
+    assert os.path.exists(os.path.join(out, "curves.png"))
+    assert latest_checkpoint(out).endswith("checkpoint-3")
+    assert os.path.isdir(os.path.join(out, "checkpoint-2"))  # the periodic one is kept
+
+    assert cli.main(["train", "--steps", "5", "--resume", *common]) == 0
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in lines if "reward" in r] == [1, 2, 3, 4, 5]
+    capsys.readouterr()
+    assert cli.main(["eval", latest_checkpoint(out), "--eval-size", "8"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["eval_size"] == 8 and 0.0 <= result["eval_accuracy"] <= 1.0
