@@ -71,6 +71,19 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@dataclasses.dataclass
+class Rollout:
+    """One rank's generation batch: B = prompts x G rows."""
+
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    completion_ids: torch.Tensor  # [B, T]
+    completion_mask: torch.Tensor  # [B, T], 1 up to and including the first EOS
+    advantages: torch.Tensor  # [B]
+    rewards: torch.Tensor  # [B, K], NaN where a reward function returned None
+    zero_std_fraction: torch.Tensor  # 0-d
+
+
 class GRPOTrainer:
     """GRPO on a Hugging Face causal LM with rule or model rewards.
 
@@ -161,48 +174,65 @@ class GRPOTrainer:
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         return logits[:, prompt_ids.shape[1] - 1: -1]
 
-    def train_step(self) -> Dict[str, float]:
-        config, (rank, size) = self.config, world()
-        per_rank = config.prompts_per_step // size
-        rows = [self.rng.choice(self.train_rows) for _ in range(per_rank)]
+    def rollout(self) -> Rollout:
+        """Sample this rank's prompts, G completions each, score them, group advantages."""
+        config, (_, size) = self.config, world()
+        rows = [self.rng.choice(self.train_rows) for _ in range(config.prompts_per_step // size)]
         grouped = [row for row in rows for _ in range(config.group_size)]
         prompt_ids, prompt_mask, completion_ids, completion_mask = self.generate([r["prompt"] for r in grouped])
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         rewards = self.score(grouped, completions)
         adv = group_advantages(rewards, config.group_size, weights=self.reward_weights)
-        advantages = adv.advantages.to(self.device)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, adv.advantages.to(self.device),
+                       rewards, adv.zero_std_fraction)
 
-        inputs = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    def accumulate_gradients(self, r: Rollout, old_logps=None, ref_logps=None):
+        """One backward of GRPOLoss on this rank's rollout, gradients averaged over ranks.
+
+        The normalizers are global: dapo / cispo divide by all ranks' active tokens over the
+        number of ranks (TRL's num_items_in_batch / num_processes), and bnpo's token mean is
+        rescaled to all ranks' tokens, so after averaging the gradient is the one a single
+        process would compute on the concatenated batch.
+        """
+        size = world()[1]
+        local_tokens = r.completion_mask.sum().float()
+        global_tokens = all_reduce_sum(local_tokens).clamp(min=1.0)
+        normalizer = global_tokens / size if self.config.loss_type in ("dapo", "cispo") else None
+        inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+        out = self.loss_fn(self._logits(self.model, *inputs), r.completion_ids, r.completion_mask, r.advantages,
+                           old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer)
+        loss = out.loss
+        if self.config.loss_type == "bnpo":  # a token mean over all ranks, not this rank's
+            loss = loss * local_tokens.clamp(min=1.0) * size / global_tokens
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self._average_gradients()
+        return loss.detach(), out.metrics
+
+    def train_step(self) -> Dict[str, float]:
+        config, size = self.config, world()[1]
+        r = self.rollout()
+        inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
         old_logps = ref_logps = None
         with torch.no_grad():
-            if config.num_iterations > 1:
-                old_logps = token_logprobs(self._logits(self.model, *inputs), completion_ids, config.temperature)
+            if config.num_iterations > 1:  # mu = 1 uses the on-policy shortcut (old_logps=None)
+                old_logps = token_logprobs(self._logits(self.model, *inputs), r.completion_ids, config.temperature)
             if self.ref_model is not None:
-                ref_logps = token_logprobs(self._logits(self.ref_model, *inputs), completion_ids, config.temperature)
-        local_tokens = completion_mask.sum().float()
-        global_tokens = all_reduce_sum(local_tokens).clamp(min=1.0)
-        normalizer = global_tokens / size if config.loss_type in ("dapo", "cispo") else None
-
+                ref_logps = token_logprobs(self._logits(self.ref_model, *inputs), r.completion_ids,
+                                           config.temperature)
         self.model.train()
         for _ in range(config.num_iterations):
-            out = self.loss_fn(self._logits(self.model, *inputs), completion_ids, completion_mask, advantages,
-                               old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer)
-            loss = out.loss
-            if config.loss_type == "bnpo":  # a token mean over all ranks, not this rank's
-                loss = loss * local_tokens.clamp(min=1.0) * size / global_tokens
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self._average_gradients()
+            loss, metrics = self.accumulate_gradients(r, old_logps, ref_logps)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
             self.optimizer.step()
         self.step += 1
 
-        stats = torch.stack([rewards.nan_to_num(0.0).mul(torch.tensor(self._weights(rewards))).sum(1).mean(),
-                             rewards[:, 0].nan_to_num(0.0).mean(), adv.zero_std_fraction,
-                             local_tokens / completion_mask.shape[0],
-                             out.metrics.get("kl", torch.tensor(0.0)).cpu(), loss.detach().cpu()])
-        stats = all_reduce_sum(stats) / size
-        reward, accuracy, zero_std, length, kl, loss_value = stats.tolist()
+        weights = torch.tensor(self._weights(r.rewards))
+        stats = torch.stack([r.rewards.nan_to_num(0.0).mul(weights).sum(1).mean(),
+                             r.rewards[:, 0].nan_to_num(0.0).mean(), r.zero_std_fraction,
+                             r.completion_mask.sum().float().cpu() / r.completion_mask.shape[0],
+                             metrics.get("kl", torch.tensor(0.0)).cpu(), loss.cpu()])
+        reward, accuracy, zero_std, length, kl, loss_value = (all_reduce_sum(stats) / size).tolist()
         return {"step": self.step, "reward": reward, "accuracy": accuracy, "kl": kl, "loss": loss_value,
                 "zero_std_groups": zero_std, "completion_length": length, "grad_norm": float(grad_norm)}
 

@@ -16,8 +16,9 @@ import torch
 from .. import rewards
 
 NAME = "compare"
-PROMPT = "Which is bigger? {a} or {b}\nAnswer: "
+PROMPT = "Which is bigger? {a:<4} or {b:<4}\nAnswer: "  # fixed-width fields: every prompt is 38 characters
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+SAME_INTEGER_SHARE = 1.0  # the 9.11 vs 9.9 trap: the fractional parts decide
 CHARACTERS = "0123456789.-/ ?:\nWhichsbgeronwA"
 
 
@@ -40,7 +41,7 @@ def make_rows(n: int, *, held_out: bool, seed: int) -> List[Dict[str, str]]:
     rows = []
     while len(rows) < n:
         i = rng.randrange(0, 10)
-        j = i if rng.random() < 0.5 else rng.randrange(0, 10)
+        j = i if rng.random() < SAME_INTEGER_SHARE else rng.randrange(0, 10)
         a, b = _number(rng, i), _number(rng, j)
         if float(a) == float(b) or _held_out(a, b) != held_out:
             continue
