@@ -69,6 +69,40 @@ class FusedTokenLoss(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None, None
 
 
+class FusedTokenLossOnePass(torch.autograd.Function):
+    """Triton, token-level: the forward kernel also writes dlogits of the reduced loss.
+
+    Each token's weight in the reduction (``grad_weight``) is known before the kernel runs,
+    so dLoss/dlogp is known as each row is streamed and the gradient is written in the
+    same program (2 x S bytes of HBM traffic instead of 3 x S). The Function returns the
+    scalar loss; its backward reads no logits: it returns the saved gradient, scaled by the
+    incoming gradient only when that is not 1.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights, grad_weight,
+                opts: GRPOOptions):
+        B, T, _ = logits.shape
+        result = launch.forward(
+            logits, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
+            old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
+            compute_entropy=opts.compute_entropy, grad_weight=grad_weight,
+        )
+        loss = (result.loss * grad_weight).sum()
+        ctx.save_for_backward(result.grad_logits)
+        view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
+        extras = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl), view(result.flags))
+        ctx.mark_non_differentiable(*[t for t in extras if t is not None])
+        return (loss,) + extras
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        (grad,) = ctx.saved_tensors
+        if grad_loss.item() != 1.0:  # one host sync; a plain loss.backward() skips the extra pass
+            grad = grad * grad_loss.to(grad.dtype)
+        return grad, None, None, None, None, None, None, None, None
+
+
 class TokenLogprobs(torch.autograd.Function):
     """log softmax(logits / tau)[ids] (and entropy), by the Triton kernel or the torch path.
 

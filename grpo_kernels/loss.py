@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from . import reference as ref
-from .functions import FusedTokenLoss, TokenLogprobs
+from .functions import FusedTokenLoss, FusedTokenLossOnePass, TokenLogprobs
 from .kernels import grpo as K
 from .options import BACKENDS, GRPOOptions
 from .reference import GRPOLossOutput, PerTokenTerms
@@ -36,6 +36,7 @@ def grpo_loss(
     backend: str = "auto",
     in_place_backward: bool = False,
     check_ids: bool = True,
+    one_pass: bool = True,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
@@ -59,7 +60,18 @@ def grpo_loss(
             f"backend='triton' needs logits with a unit last stride, got strides {tuple(logits.stride())}; "
             "views that slice B or T are fine, a transposed vocabulary is not (call .contiguous())"
         )
-    if engine == "triton" and not opts.sequence_level:
+    fused = engine == "triton" and not opts.sequence_level
+    wants_grad = torch.is_grad_enabled() and logits.requires_grad
+    if fused and one_pass and wants_grad and not in_place_backward:
+        grad_weight = ref.reduction_weights(mask, opts, normalizer).float().reshape(-1).contiguous()
+        loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
+            logits, completion_ids.contiguous(), flat_mask, _flat_f32(advantages, B, T),
+            _flat_f32(old_logps, B, T), _flat_f32(ref_logps, B, T) if opts.uses_kl else None,
+            _flat_f32(importance_weights, B, T), grad_weight, opts,
+        )
+        terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
+        return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
+    if fused:
         loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(
             logits, completion_ids.contiguous(), flat_mask, _flat_f32(advantages, B, T),
             _flat_f32(old_logps, B, T), _flat_f32(ref_logps, B, T) if opts.uses_kl else None,
@@ -115,7 +127,8 @@ class GRPOLoss(nn.Module):
     use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, kl_estimator,
     log_ratio_clamp, kl_clamp, compute_entropy; plus ``backend`` ("auto", "triton",
     "torch"), ``in_place_backward`` (write dlogits into the logits' storage) and
-    ``check_ids`` (validate token ids, one host sync).
+    ``check_ids`` (validate token ids, one host sync), ``one_pass`` (Triton, token level:
+    write dlogits in the forward, 2 x S bytes instead of 3 x S; on by default).
 
     Call: ``loss_fn(logits, completion_ids, completion_mask, advantages, old_logps=None,
     ref_logps=None, importance_weights=None, normalizer=None)``
@@ -131,7 +144,7 @@ class GRPOLoss(nn.Module):
     """
 
     def __init__(self, *, backend: str = "auto", in_place_backward: bool = False, check_ids: bool = True,
-                 options: Optional[GRPOOptions] = None, **option_kwargs):
+                 one_pass: bool = True, options: Optional[GRPOOptions] = None, **option_kwargs):
         super().__init__()
         if options is not None and option_kwargs:
             raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
@@ -141,6 +154,7 @@ class GRPOLoss(nn.Module):
         self.backend = backend
         self.in_place_backward = in_place_backward
         self.check_ids = check_ids
+        self.one_pass = one_pass
 
     def update(self, **changes) -> "GRPOLoss":
         """Change options between steps (e.g. a beta or temperature schedule)."""
@@ -155,5 +169,5 @@ class GRPOLoss(nn.Module):
         return grpo_loss(
             logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
             normalizer, options=self.options, backend=self.backend, in_place_backward=self.in_place_backward,
-            check_ids=self.check_ids,
+            check_ids=self.check_ids, one_pass=self.one_pass,
         )

@@ -140,20 +140,32 @@ def active_token_count(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum().clamp(min=1.0)
 
 
+def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) -> torch.Tensor:
+    """Each token's weight in TRL's reductions (without TRL's division by gradient-accumulation steps).
+
+    loss = sum over tokens of per_token_loss * weight, for every loss_type:
+
+    - grpo, sapo: mean over rows of the row's token mean: M / (B * max(|o_i|, 1))
+    - bnpo: M / max(sum M, 1);  dr_grpo: M / (B * max_completion_length)
+    - dapo, cispo: M / normalizer (default: local active tokens, at least 1);  luspo: M / B
+    """
+    B = mask.shape[0]
+    if opts.loss_type in ("grpo", "sapo"):
+        return mask / (B * mask.sum(-1, keepdim=True).clamp(min=1.0))
+    if opts.loss_type == "bnpo":
+        return mask / mask.sum().clamp(min=1.0)
+    if opts.loss_type == "dr_grpo":
+        return mask / (B * opts.max_completion_length)
+    if opts.loss_type in ("dapo", "cispo"):
+        return mask / (active_token_count(mask) if normalizer is None else normalizer)
+    return mask / B  # luspo
+
+
 def reduce_loss(
     per_token_loss: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, normalizer=None
 ) -> torch.Tensor:
-    """TRL's reductions (without its division by the gradient-accumulation steps)."""
-    masked = per_token_loss * mask
-    if opts.loss_type in ("grpo", "sapo"):
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if opts.loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0)
-    if opts.loss_type == "dr_grpo":
-        return masked.sum() / (per_token_loss.shape[0] * opts.max_completion_length)
-    if opts.loss_type in ("dapo", "cispo"):
-        return masked.sum() / (active_token_count(mask) if normalizer is None else normalizer)
-    return masked.sum(-1).mean()  # luspo
+    """TRL's reduction of the per-token loss to the scalar loss."""
+    return (per_token_loss * reduction_weights(mask, opts, normalizer)).sum()
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, per_row: bool = False) -> torch.Tensor:

@@ -14,7 +14,9 @@ from helpers import assert_close, make_batch
 from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference
 from grpo_kernels import torch_path
 
-BACKENDS = ["torch", "triton"]
+# "triton" is the default one-pass kernel at token level (two-pass at sequence level);
+# "triton-two-pass" forces the forward-then-backward kernels everywhere.
+BACKENDS = ["torch", "triton", "triton-two-pass"]
 LOSS_TYPE_DEFAULTS = {"dr_grpo": dict(max_completion_length=8), "cispo": dict(epsilon_high=1.1)}
 FP32_TOL = dict(atol=1e-6, rtol=1e-5)
 
@@ -26,7 +28,8 @@ def _run(backend, batch, importance_weights=None, normalizer=None, **options):
     if backend is None:
         out = grpo_loss_reference(**inputs, **options)
     else:
-        out = grpo_loss(**inputs, backend=backend, **options)
+        one_pass = backend != "triton-two-pass"
+        out = grpo_loss(**inputs, backend=backend.replace("-two-pass", ""), one_pass=one_pass, **options)
     out.loss.backward()
     return out, logits.grad
 
@@ -197,3 +200,46 @@ def test_torch_path_never_materializes_full_fp32_logits(monkeypatch):
     for strided in (False, True):
         batch = make_batch(seed=13, strided=strided, T=6)
         check_against_reference("torch", batch, beta=0.04, temperature=0.6)
+
+
+def test_reduction_weights_are_trls_reductions():
+    """reduce_loss against TRL 1.16's formulas, transcribed (grpo_trainer.py::_compute_loss)."""
+    from grpo_kernels.reference import reduce_loss
+
+    g = torch.Generator().manual_seed(0)
+    loss, mask = torch.randn(4, 6, generator=g), (torch.rand(4, 6, generator=g) > 0.4).float()
+    mask[2] = 0
+    trl = {
+        "grpo": ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean(),
+        "sapo": ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean(),
+        "bnpo": (loss * mask).sum() / mask.sum().clamp(min=1.0),
+        "dr_grpo": (loss * mask).sum() / (loss.size(0) * 9),
+        "dapo": (loss * mask).sum() / 7.0,
+        "cispo": (loss * mask).sum() / 7.0,
+        "luspo": (loss * mask).sum(-1).mean(),
+    }
+    for loss_type, expected in trl.items():
+        opts = GRPOOptions(loss_type=loss_type, max_completion_length=9 if loss_type == "dr_grpo" else None)
+        normalizer = 7.0 if loss_type in ("dapo", "cispo") else None
+        assert_close(loss_type, expected, reduce_loss(loss, mask, opts, normalizer), atol=1e-6, rtol=1e-6)
+
+
+def test_one_pass_backward_reads_no_logits(device):
+    """After the forward, the logits are overwritten with NaN: the one-pass backward never looks."""
+    batch = make_batch(device=device, seed=15)
+    logits = batch.pop("logits").clone().requires_grad_()
+    out = grpo_loss(logits, **batch, beta=0.04, backend="triton")
+    expected, expected_grad = _run(None, dict(batch, logits=logits.detach()), beta=0.04)
+    with torch.no_grad():
+        logits.data.fill_(float("nan"))  # .data: no version bump, so nothing can notice but a read
+    (3.0 * out.loss).backward()  # a grad_output that is not 1 is applied too
+    assert_close("dlogits", 3.0 * expected_grad, logits.grad, **FP32_TOL)
+    assert_close("loss", expected.loss, out.loss, **FP32_TOL)
+
+
+def test_one_pass_and_two_pass_agree_with_each_other(device):
+    batch = make_batch(device=device, seed=16, per_token_adv=True)
+    one, one_grad = _run("triton", batch, beta=0.1, delta=1.4, dual_clip=2.5, temperature=0.8)
+    two, two_grad = _run("triton-two-pass", batch, beta=0.1, delta=1.4, dual_clip=2.5, temperature=0.8)
+    assert_close("loss", two.loss, one.loss, **FP32_TOL)
+    assert_close("dlogits", two_grad, one_grad, **FP32_TOL)

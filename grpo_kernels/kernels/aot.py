@@ -27,8 +27,8 @@ VOCAB_SIZES = (1003, 32000, 151936)  # one block (small V) and the looping confi
 
 def _forward_signature(dtype: str) -> Dict[str, str]:
     sig = {name: "*fp32" for name in K.grpo_forward_kernel.arg_names}
-    sig.update(logits_ptr=f"*{dtype}", ids_ptr="*i64", flags_out="*i8")
-    for name in ("stride_b", "stride_t", "T", "V"):
+    sig.update(logits_ptr=f"*{dtype}", ids_ptr="*i64", flags_out="*i8", grad_logits_ptr=f"*{dtype}")
+    for name in ("stride_b", "stride_t", "T", "V", "grad_stride_b", "grad_stride_t"):
         sig[name] = "i64"
     for name in ("inv_temperature", "eps_low", "eps_high", "delta", "dual_clip", "beta", "log_ratio_clamp",
                  "kl_clamp", "sapo_tau_pos", "sapo_tau_neg"):
@@ -58,9 +58,11 @@ def forward_specializations() -> Iterator[Tuple[str, Dict[str, object]]]:
         "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04),
     }
     for name, opts in loss_options.items():  # with every optional input, the most live values
-        yield name + "+old+iw", forward_constexprs(opts, has_old=True, has_iw=True, has_mask=True, compute_entropy=True)
-    yield "ppo on-policy", forward_constexprs(loss_options["ppo"], has_old=False, has_iw=False, has_mask=True,
-                                              compute_entropy=False)
+        for one_pass in (True, False):
+            yield name + "+old+iw" + (" one-pass" if one_pass else ""), forward_constexprs(
+                opts, has_old=True, has_iw=True, has_mask=True, compute_entropy=True, write_grad=one_pass)
+    yield "ppo on-policy one-pass", forward_constexprs(loss_options["ppo"], has_old=False, has_iw=False,
+                                                       has_mask=True, compute_entropy=False, write_grad=True)
 
 
 def _resource_usage(cubin: bytes) -> Dict[str, int]:

@@ -43,7 +43,7 @@ KL_K2 = 2
 FLAG_LOW_CLIPPED = 1
 FLAG_HIGH_CLIPPED = 2  # for cispo: ratio above the cap with a positive advantage
 
-RUNTIME_INTS = ["T", "V", "stride_b", "stride_t"]
+RUNTIME_INTS = ["T", "V", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"]
 
 
 @triton.jit
@@ -146,21 +146,23 @@ def grpo_forward_kernel(
     logits_ptr, stride_b, stride_t, ids_ptr, T, V,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
+    grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
     inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
     log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
     HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
-    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     active = True
     if HAS_MASK:
         active = tl.load(mask_ptr + pid) != 0.0
+    row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
+    target = tl.load(ids_ptr + pid).to(tl.int64)
     if active:
-        row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
         lse, entropy = _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V, COMPUTE_ENTROPY)
-        target = tl.load(ids_ptr + pid).to(tl.int64)
         logp = tl.load(row_ptr + target).to(tl.float32) * inv_temperature - lse
     else:
         lse = 0.0
@@ -232,6 +234,12 @@ def grpo_forward_kernel(
         tl.store(loss_out + pid, tl.where(active, loss, 0.0))
         tl.store(dloss_out + pid, tl.where(active, dloss, 0.0))
         tl.store(flags_out + pid, tl.where(active, flags, 0).to(tl.int8))
+        if WRITE_GRAD:
+            # One pass: the reduction's weight of this token is known up front, so dLoss/dlogp
+            # is too; re-stream the row (an L2 hit, the row was just read) and write dlogits.
+            g = tl.where(active, dloss * tl.load(grad_weight_ptr + pid), 0.0)
+            out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
+            _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BLOCK_V)
 
 
 @triton.jit
@@ -241,31 +249,20 @@ def _dlogits_block(x, lse, col, target, g_scaled):
     return g_scaled * (tl.where(col == target, 1.0, 0.0) - p)
 
 
-@triton.jit(do_not_specialize=RUNTIME_INTS + ["grad_stride_b", "grad_stride_t"])
-def logprob_backward_kernel(
-    logits_ptr, stride_b, stride_t, ids_ptr, T, V,
-    grad_logp_ptr, lse_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
-    inv_temperature, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """dlogits = g * (onehot - p) / tau; may write into the logits' own storage (in place)."""
-    pid = tl.program_id(0).to(tl.int64)
+@triton.jit
+def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BLOCK_V: tl.constexpr):
+    """out = g * (onehot(target) - softmax(row / tau)) / tau over one row; a zero row, unread, if g == 0."""
     cols = tl.arange(0, BLOCK_V)
-    g = tl.load(grad_logp_ptr + pid)
-    out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
-    out_dtype = grad_logits_ptr.dtype.element_ty
+    out_dtype = out_ptr.dtype.element_ty
+    full_end = (V // BLOCK_V) * BLOCK_V
     if g == 0.0:
         zeros = tl.zeros([BLOCK_V], dtype=out_dtype)
-        full_end = (V // BLOCK_V) * BLOCK_V
         for start in range(0, full_end, BLOCK_V):
             tl.store(out_ptr + start + cols, zeros)
         if full_end < V:
             tl.store(out_ptr + full_end + cols, zeros, mask=full_end + cols < V)
     else:
-        row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
-        lse = tl.load(lse_ptr + pid)
-        target = tl.load(ids_ptr + pid).to(tl.int64)
         g_scaled = g * inv_temperature
-        full_end = (V // BLOCK_V) * BLOCK_V
         for start in range(0, full_end, BLOCK_V):
             x = tl.load(row_ptr + start + cols).to(tl.float32) * inv_temperature
             grad = _dlogits_block(x, lse, start + cols, target, g_scaled)
@@ -275,3 +272,19 @@ def logprob_backward_kernel(
             x = tl.load(row_ptr + full_end + cols, mask=in_row, other=0.0).to(tl.float32) * inv_temperature
             grad = _dlogits_block(x, lse, full_end + cols, target, g_scaled)
             tl.store(out_ptr + full_end + cols, grad.to(out_dtype), mask=in_row)
+
+
+@triton.jit(do_not_specialize=RUNTIME_INTS)
+def logprob_backward_kernel(
+    logits_ptr, stride_b, stride_t, ids_ptr, T, V,
+    grad_logp_ptr, lse_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
+    inv_temperature, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """dlogits = g * (onehot - p) / tau; may write into the logits' own storage (in place)."""
+    pid = tl.program_id(0).to(tl.int64)
+    g = tl.load(grad_logp_ptr + pid)
+    row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
+    out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
+    lse = tl.load(lse_ptr + pid)
+    target = tl.load(ids_ptr + pid).to(tl.int64)
+    _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BLOCK_V)

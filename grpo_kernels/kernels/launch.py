@@ -43,6 +43,7 @@ class ForwardResult:
     dloss_dlogp: Optional[torch.Tensor]  # fp32 [N]
     kl: Optional[torch.Tensor]  # fp32 [N] or None
     flags: Optional[torch.Tensor]  # int8 [N]
+    grad_logits: Optional[torch.Tensor] = None  # [B, T, V] in the logits' dtype (one-pass mode)
 
 
 def loss_kind(opts: Optional[GRPOOptions]) -> int:
@@ -54,7 +55,8 @@ def loss_kind(opts: Optional[GRPOOptions]) -> int:
 
 
 def forward_constexprs(
-    opts: Optional[GRPOOptions], *, has_old: bool, has_iw: bool, has_mask: bool, compute_entropy: bool
+    opts: Optional[GRPOOptions], *, has_old: bool, has_iw: bool, has_mask: bool, compute_entropy: bool,
+    write_grad: bool = False,
 ) -> Dict[str, object]:
     """The compile-time flags of one forward specialization."""
     kind = loss_kind(opts)
@@ -72,6 +74,7 @@ def forward_constexprs(
         "HAS_IW": with_loss and has_iw,
         "HAS_MASK": has_mask,
         "COMPUTE_ENTROPY": compute_entropy,
+        "WRITE_GRAD": with_loss and write_grad,
     }
 
 
@@ -102,12 +105,14 @@ def forward(
     ref_logps: Optional[torch.Tensor] = None,
     importance_weights: Optional[torch.Tensor] = None,
     compute_entropy: bool = False,
+    grad_weight: Optional[torch.Tensor] = None,
 ) -> ForwardResult:
     """Run the forward kernel.
 
     logits [B, T, V] with a unit last stride; ids [B, T]; every other per-token input is
     a contiguous fp32 [N] (N = B * T). With ``opts`` None only log-probs (and entropy)
-    are computed.
+    are computed. With ``grad_weight`` (fp32 [N], each token's weight in the reduced loss)
+    the kernel also writes dlogits of that loss in the same pass (one-pass mode).
     """
     B, T, V = logits.shape
     N = B * T
@@ -125,9 +130,11 @@ def forward(
         if opts.uses_kl:
             kl = torch.empty(N, **f32)
     dummy = logp  # stands in for absent pointers; the constexprs keep it unread
+    write_grad = grad_weight is not None and kind != K.LOSS_NONE
+    grad = torch.empty((B, T, V), device=device, dtype=logits.dtype) if write_grad else None
     constexprs = forward_constexprs(
         opts, has_old=old_logps is not None, has_iw=importance_weights is not None,
-        has_mask=mask is not None, compute_entropy=compute_entropy,
+        has_mask=mask is not None, compute_entropy=compute_entropy, write_grad=write_grad,
     )
     config = block_config(V, logits.element_size())
     if N > 0:
@@ -142,12 +149,14 @@ def forward(
             logp, dummy if entropy is None else entropy, lse,
             dummy if loss is None else loss, dummy if dloss is None else dloss,
             dummy if kl is None else kl, dummy if flags is None else flags,
+            grad_weight if write_grad else dummy, grad if write_grad else logits,
+            (grad if write_grad else logits).stride(0), (grad if write_grad else logits).stride(1),
             1.0 / temperature, float(o.epsilon), float(o.eps_high), _zero_if_none(o.delta),
             _zero_if_none(o.dual_clip), float(o.beta), _zero_if_none(o.log_ratio_clamp),
             _zero_if_none(o.kl_clamp), float(o.sapo_temperature_pos), float(o.sapo_temperature_neg),
-            **constexprs, ROW_ALIGN=row_alignment(logits), BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
+            **constexprs, ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])), BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
         )
-    return ForwardResult(logp, entropy, lse, loss, dloss, kl, flags)
+    return ForwardResult(logp, entropy, lse, loss, dloss, kl, flags, grad)
 
 
 def backward(
