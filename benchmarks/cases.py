@@ -1,0 +1,146 @@
+"""Inputs, paths and the byte model shared by the benchmark suites.
+
+S = N * V * b bytes (the logits). Byte model (``shared/design/performance-model.md``):
+forward reads S; forward + backward moves 2 S at best (read once, write the gradient
+once: our one-pass kernel) and 3 S for a two-pass design (read, read again, write).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict
+
+import torch
+
+from grpo_kernels import grpo_loss, grpo_loss_reference
+from grpo_kernels import reference as ref
+
+SMOKE = os.environ.get("GRPO_BENCH_SMOKE") == "1"
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+TEMPERATURE = 0.7
+BETA = 0.04
+
+# (rows B, completion length T, vocabulary V): N = B * T tokens
+GPU_SHAPES = [(4, 1024, 32000), (16, 1024, 128256), (16, 1024, 151936)]
+CPU_SHAPES = [(2, 128, 32000), (4, 256, 32000)]
+SMOKE_SHAPES = [(2, 8, 1003)]
+
+
+def shapes():
+    return SMOKE_SHAPES if SMOKE else GPU_SHAPES if ON_GPU else CPU_SHAPES
+
+
+def make_inputs(B: int, T: int, V: int, dtype=None, device: str = DEVICE, seed: int = 0) -> Dict:
+    """Logits [B, T + 1, V] as a model returns them (the last position predicts nothing) and the rest."""
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    g = torch.Generator(device=device).manual_seed(seed)
+    full = torch.randn(B, T + 1, V, device=device, dtype=dtype, generator=g)
+    ids = torch.randint(0, V, (B, T), device=device, generator=g)
+    mask = torch.ones(B, T, device=device)
+    mask[:, T - T // 8:] = 0  # some padding, as in real batches
+    with torch.no_grad():
+        lp = torch.log_softmax(full[:, :T].float() / TEMPERATURE, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    old = lp + 0.05 * torch.randn(B, T, device=device, generator=g)
+    ref_logps = lp + 0.05 * torch.randn(B, T, device=device, generator=g)
+    adv = torch.randn(B, device=device, generator=g)
+    return dict(full_logits=full, completion_ids=ids, completion_mask=mask, advantages=adv, old_logps=old,
+                ref_logps=ref_logps)
+
+
+def logits_bytes(inputs: Dict) -> int:
+    full = inputs["full_logits"]
+    B, T1, V = full.shape
+    return B * (T1 - 1) * V * full.element_size()
+
+
+def _ours(one_pass: bool, level: str = "token"):
+    def run(inputs, logits):
+        return grpo_loss(logits, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
+                         inputs["old_logps"], inputs["ref_logps"], beta=BETA, temperature=TEMPERATURE,
+                         importance_sampling_level=level, one_pass=one_pass, check_ids=False).loss
+    return run
+
+
+def _eager(level: str = "token"):
+    def run(inputs, logits):
+        return grpo_loss_reference(logits, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
+                                   inputs["old_logps"], inputs["ref_logps"], beta=BETA, temperature=TEMPERATURE,
+                                   importance_sampling_level=level).loss
+    return run
+
+
+def _compiled(level: str = "token"):
+    return torch.compile(_eager(level), dynamic=False)
+
+
+def _trl(level: str = "token"):
+    """TRL's own path: selective_log_softmax and entropy_from_logits, then TRL's loss math."""
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    opts = ref.GRPOOptions(beta=BETA, temperature=TEMPERATURE, importance_sampling_level=level)
+
+    def run(inputs, logits):
+        scaled = logits / TEMPERATURE
+        lp = selective_log_softmax(scaled, inputs["completion_ids"])
+        with torch.no_grad():
+            entropy_from_logits(scaled)
+        mask = inputs["completion_mask"]
+        terms = ref.per_token_terms(lp, mask, inputs["advantages"].unsqueeze(1), inputs["old_logps"],
+                                    inputs["ref_logps"], None, opts)
+        return ref.reduce_loss(terms.per_token_loss, mask, opts)
+    return run
+
+
+def _liger(level: str = "token"):
+    """Liger-Kernel's triton_grpo_loss; it takes the [B, T + 1, V] logits and writes its gradient in place."""
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+    def run(inputs, logits):
+        return triton_grpo_loss(logits, inputs["old_logps"], inputs["ref_logps"], inputs["completion_ids"],
+                                inputs["advantages"], inputs["completion_mask"], temperature=TEMPERATURE, beta=BETA,
+                                eps_low=0.2, eps_high=0.2, loss_type="grpo", importance_sampling_level=level,
+                                reduce=True)[0]
+    return run
+
+
+def available_paths(level: str = "token") -> Dict[str, Callable]:
+    """Name -> fn(inputs, logits_view) returning the scalar loss. Peers only where installed / runnable."""
+    paths = {"eager": _eager(level)}
+    if not SMOKE:
+        paths["torch.compile"] = _compiled(level)
+    try:
+        import trl  # noqa: F401
+
+        paths["trl"] = _trl(level)
+    except ImportError:
+        pass
+    if ON_GPU:
+        try:
+            import liger_kernel  # noqa: F401
+
+            paths["liger"] = _liger(level)
+        except ImportError:
+            pass
+        paths["ours two-pass"] = _ours(False, level)
+        if level == "token":
+            paths["ours one-pass"] = _ours(True, level)
+    else:
+        paths["ours (torch path)"] = _ours(True, level)
+    return paths
+
+
+def logits_view(name: str, full: torch.Tensor) -> torch.Tensor:
+    """What each path is given: Liger takes [B, T + 1, V]; the others the aligned view [B, T, V]."""
+    return full if name == "liger" else full[:, :-1]
+
+
+def model_bytes(name: str, S: int, backward: bool) -> int:
+    """Bytes each design moves, by the byte model (eager: at least 10 S with the backward)."""
+    if not backward:
+        return S if not name.startswith("eager") else 4 * S
+    if name == "ours one-pass":
+        return 2 * S
+    if name.startswith("ours") or name == "liger":
+        return 3 * S
+    return 10 * S

@@ -1,0 +1,120 @@
+"""GRPO loss from logits: forward and forward + backward, every path side by side.
+
+Run: ``python -m pytest benchmarks/ --benchmark-json=benchmarks/results/run.json`` (the GPU
+suite: ``bash benchmarks/gpu_suite.sh``); ``GRPO_BENCH_SMOKE=1`` runs tiny shapes only.
+Each case's ``extra_info`` holds the shapes, dtype, device, versions, GB/s from the byte
+model, the fraction of a device-to-device copy's bandwidth measured in the same run, and
+peak memory above the inputs (GPU). Tables: ``python benchmarks/report.py RUN.json``.
+"""
+
+import platform
+import statistics
+
+import pytest
+import torch
+import triton
+
+from cases import (DEVICE, ON_GPU, available_paths, logits_bytes, logits_view, make_inputs, model_bytes,
+                   shapes)
+
+_INPUTS = {}
+_COPY_SECONDS = {}
+
+
+def inputs_for(shape):
+    if shape not in _INPUTS:
+        _INPUTS.clear()  # one shape's tensors at a time
+        _INPUTS[shape] = make_inputs(*shape)
+    return _INPUTS[shape]
+
+
+def sync():
+    if ON_GPU:
+        torch.cuda.synchronize()
+
+
+def copy_seconds(shape) -> float:
+    """Median time of a device-to-device copy of the logits (reads S, writes S)."""
+    if shape not in _COPY_SECONDS:
+        src = inputs_for(shape)["full_logits"][:, :-1]
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(25):
+            sync()
+            start = torch.cuda.Event(enable_timing=True) if ON_GPU else None
+            if ON_GPU:
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src)
+                end.record()
+                sync()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                import time
+
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                times.append(time.perf_counter() - t0)
+        _COPY_SECONDS[shape] = statistics.median(times[5:])
+    return _COPY_SECONDS[shape]
+
+
+def environment():
+    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name() if ON_GPU else platform.processor() or platform.machine()}
+    for name in ("trl", "liger_kernel"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception:
+            pass
+    return info
+
+
+def _cases():
+    for level in ("token", "sequence"):
+        level_shapes = shapes() if level == "token" else shapes()[-1:]
+        for shape in level_shapes:
+            for name in available_paths(level):
+                for backward in (False, True):
+                    yield pytest.param(name, shape, backward, level,
+                                       id=f"{name}-{'x'.join(map(str, shape))}-{'fwd+bwd' if backward else 'fwd'}-{level}")
+
+
+@pytest.mark.parametrize("name, shape, backward, level", list(_cases()))
+def test_grpo_loss(benchmark, name, shape, backward, level):
+    inputs = inputs_for(shape)
+    fn = available_paths(level)[name]
+    full = inputs["full_logits"]
+
+    def step():
+        if backward:
+            leaf = full.detach().requires_grad_()
+            loss = fn(inputs, logits_view(name, leaf))
+            torch.autograd.grad(loss, leaf)
+        else:
+            with torch.no_grad():
+                fn(inputs, logits_view(name, full))
+        sync()
+
+    for _ in range(2):  # warm-up: compile, autotune, caches
+        step()
+    peak_extra = None
+    if ON_GPU:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        peak_extra = torch.cuda.max_memory_allocated() - base
+    benchmark.pedantic(step, rounds=5 if DEVICE == "cpu" else 20, iterations=1, warmup_rounds=1)
+    seconds = benchmark.stats.stats.median
+    S = logits_bytes(inputs)
+    moved = model_bytes(name, S, backward)
+    copy_bandwidth = 2 * S / copy_seconds(shape)
+    B, T, V = shape
+    benchmark.extra_info.update({
+        "path": name, "N": B * T, "B": B, "T": T, "V": V, "dtype": str(full.dtype).replace("torch.", ""),
+        "pass": "fwd+bwd" if backward else "fwd", "level": level, "logits_bytes": S,
+        "median_ms": seconds * 1e3, "model_bytes": moved, "model_GBps": moved / seconds / 1e9,
+        "copy_GBps": copy_bandwidth / 1e9, "fraction_of_copy": moved / seconds / copy_bandwidth,
+        "peak_extra_bytes": peak_extra, "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
+        **environment(),
+    })
