@@ -119,3 +119,21 @@ def test_a_short_default_run_learns(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     print(summary)
     assert summary["final_eval_accuracy"] >= summary["first_eval_accuracy"] + 0.2, summary
+
+
+def test_a_crash_while_saving_loses_no_finished_checkpoint(tiny, tmp_path, monkeypatch):
+    trainer = _trainer(tiny, output_dir=str(tmp_path))
+    trainer.step = 1
+    first = trainer.save_checkpoint()
+    trainer.step = 2
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(trainer.model, "save_pretrained", crash)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save_checkpoint()
+    assert latest_checkpoint(str(tmp_path)) == first  # the half-written folder is not a checkpoint
+    assert os.path.exists(os.path.join(first, "trainer_state.pt"))
+    model, _ = cli._load_pretrained(first)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in trainer.model.parameters())
