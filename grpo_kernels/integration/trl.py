@@ -1,0 +1,121 @@
+"""TRL drop-in: ``GRPOKernelsTrainer``, TRL's ``GRPOTrainer`` with the loss computed by ``GRPOLoss``.
+
+Switching is a one-word change::
+
+    from grpo_kernels.integration.trl import GRPOKernelsTrainer as GRPOTrainer
+
+Same constructor, same ``GRPOConfig``. Everything but the loss (generation, rewards,
+advantages, reference log-probs, logging, vLLM) is TRL's own. The loss reproduces TRL
+1.16's ``_compute_loss`` number for number: the per-token terms of every shared
+loss_type, both importance-sampling levels, the KL term with its bias correction, the
+vLLM importance-sampling correction, TRL's reductions with its division by the
+gradient-accumulation steps, the ``num_items_in_batch`` normalizer of dapo / cispo, and
+TRL's metric keys. TRL options this loss does not implement raise at construction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from trl import GRPOTrainer
+except ImportError as err:  # the trl extra is optional
+    raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
+
+from ..loss import GRPOLoss
+from ..options import LOSS_TYPES, PPO_CLIP_LOSS_TYPES
+
+# loss_type -> TRL divides the loss by the gradient-accumulation steps (in training)
+_DIVIDED_BY_ACCUMULATION = ("grpo", "bnpo", "dr_grpo", "sapo", "luspo")
+
+
+def unsupported_options(trainer) -> list:
+    """TRL settings this loss does not implement, as readable strings (empty when all is supported)."""
+    args = trainer.args
+    problems = []
+    if trainer.loss_type not in LOSS_TYPES:
+        problems.append(f"loss_type={trainer.loss_type!r} (supported: {list(LOSS_TYPES)})")
+    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+        problems.append(f"top_entropy_quantile={trainer.top_entropy_quantile} (the high-entropy token mask)")
+    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
+        problems.append(f"off_policy_mask_threshold={trainer.off_policy_mask_threshold} (the off-policy mask)")
+    if getattr(trainer, "_entropy_bonus_enabled", False):
+        problems.append("an entropy bonus (entropy_coef / adaptive entropy)")
+    if getattr(trainer, "aux_loss_enabled", False):
+        problems.append("the MoE router auxiliary loss (output_router_logits)")
+    if getattr(args, "context_parallel_size", 1) not in (None, 1):
+        problems.append("context parallelism")
+    return problems
+
+
+class GRPOKernelsTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer whose loss is grpo-kernels' fused ``GRPOLoss``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        problems = unsupported_options(self)
+        if problems:
+            raise ValueError("GRPOKernelsTrainer does not support " + "; ".join(problems)
+                             + ". Use TRL's GRPOTrainer for these.")
+        cfg = self.args
+        self.grpo_loss = GRPOLoss(
+            loss_type=self.loss_type,
+            beta=float(self.beta),
+            epsilon=float(self.epsilon_low),
+            epsilon_high=float(self.epsilon_high),
+            delta=cfg.delta if self.loss_type in PPO_CLIP_LOSS_TYPES else None,
+            importance_sampling_level=self.importance_sampling_level,
+            temperature=float(self.temperature),
+            max_completion_length=cfg.max_completion_length if self.loss_type == "dr_grpo" else None,
+            use_bias_correction_kl=bool(cfg.use_bias_correction_kl) and self.beta != 0.0,
+            sapo_temperature_pos=float(cfg.sapo_temperature_pos),
+            sapo_temperature_neg=float(cfg.sapo_temperature_neg),
+        )
+
+    def _completion_logits(self, model, inputs):
+        """Logits [B, T, V] predicting the completion tokens (a view; the kernel reads it in place)."""
+        completion_ids = inputs["completion_ids"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        T = completion_ids.size(1)
+        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": T + 1}
+        for key in ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids"):
+            if inputs.get(key) is not None:
+                model_inputs[key] = inputs[key]
+        with self.accelerator.autocast():
+            logits = model(**model_inputs).logits
+        return logits[:, -(T + 1):-1]
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        importance_weights = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            importance_weights = inputs["importance_sampling_ratio"]
+        normalizer = None
+        if self.loss_type in ("dapo", "cispo"):
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        out = self.grpo_loss(
+            self._completion_logits(model, inputs), completion_ids, mask, inputs["advantages"],
+            old_logps=inputs.get("old_per_token_logps"),
+            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            importance_weights=importance_weights, normalizer=normalizer,
+        )
+        loss = out.loss
+        if self.loss_type in _DIVIDED_BY_ACCUMULATION and mode == "train":
+            loss = loss / self.current_gradient_accumulation_steps
+        self._log_metrics(out.metrics, mask, mode)
+        return loss
+
+    def _log_metrics(self, metrics, mask, mode: str) -> None:
+        """TRL's global means: each local mean weighted by its count, summed over processes."""
+        tokens = mask.sum().float()
+        rows = torch.tensor(float(mask.shape[0]), device=mask.device)
+        for name, value in metrics.items():
+            per_row = name.startswith(("clip_ratio", "cispo")) and self.importance_sampling_level == "sequence"
+            count = rows if per_row else tokens
+            totals = self.accelerator.reduce(torch.stack([value * count.clamp(min=1.0), count]), reduction="sum")
+            self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())

@@ -1,0 +1,132 @@
+"""GRPOKernelsTrainer against stock TRL GRPOTrainer: same batch, same weights, same loss and gradients."""
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="the trl extra is not installed (pip install 'grpo-kernels[trl]')")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from grpo_kernels.integration.trl import GRPOKernelsTrainer  # noqa: E402
+from grpo_kernels.tasks import compare  # noqa: E402
+
+B, G, T = 4, 2, 6
+
+
+def exact_answer(prompts, completions, answer, **_):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = compare.build_tokenizer()
+    compare.build_model(tokenizer, hidden_size=32, seed=1).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    rows = compare.make_rows(16, held_out=False, seed=0)
+    return Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+
+
+def _trainer(cls, model_dir, dataset, tmp_path, **config):
+    args = GRPOConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=B, num_generations=G,
+                      max_completion_length=T, report_to="none", use_cpu=True, logging_steps=1, max_steps=2, bf16=False,
+                      **config)
+    return cls(model=model_dir, reward_funcs=exact_answer, args=args, train_dataset=dataset,
+               processing_class=compare.build_tokenizer())
+
+
+def _batch(trainer, off_policy: bool, beta: float):
+    g = torch.Generator().manual_seed(0)
+    prompts = [r["prompt"] for r in compare.make_rows(B, held_out=False, seed=1)]
+    enc = trainer.processing_class(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    completion_ids = torch.randint(3, 20, (B, T), generator=g)
+    lengths = torch.tensor([6, 2, 4, 1])
+    completion_mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    batch = {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "completion_ids": completion_ids,
+             "completion_mask": completion_mask, "advantages": torch.randn(B, generator=g),
+             "num_items_in_batch": completion_mask.sum() * 2.0}
+    base = -3.0 + 0.1 * torch.randn(B, T, generator=g)
+    if off_policy:
+        batch["old_per_token_logps"] = base + 0.5 * torch.randn(B, T, generator=g)
+    if beta:
+        batch["ref_per_token_logps"] = base + 0.3 * torch.randn(B, T, generator=g)
+    return batch
+
+
+def _loss_and_grads(trainer, batch, accumulation):
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = accumulation
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()], metrics
+
+
+CASES = [(lt, level, beta, acc) for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+         for level in ("token", "sequence") for beta, acc in ((0.0, 1), (0.04, 2))]
+
+
+@pytest.mark.parametrize("loss_type, level, beta, accumulation", CASES)
+def test_same_loss_gradients_and_metrics_as_trl(model_dir, dataset, tmp_path, loss_type, level, beta, accumulation):
+    config = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, temperature=0.9,
+                  gradient_accumulation_steps=accumulation, epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+                  use_bias_correction_kl=beta > 0 and level == "token")
+    stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
+    batch = _batch(stock, off_policy=True, beta=beta)
+    expected_loss, expected_grads, expected_metrics = _loss_and_grads(stock, batch, accumulation)
+    loss, grads, metrics = _loss_and_grads(ours, batch, accumulation)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
+    for e, a in zip(expected_grads, grads):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+    for key in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                "cispo_clip_ratio"):
+        if key in expected_metrics:
+            assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_on_policy_batch_matches_trl(model_dir, dataset, tmp_path):
+    stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path)
+    batch = _batch(stock, off_policy=False, beta=0.0)
+    expected_loss, expected_grads, _ = _loss_and_grads(stock, batch, 1)
+    loss, grads, _ = _loss_and_grads(ours, batch, 1)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
+    for e, a in zip(expected_grads, grads):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+
+
+def test_unsupported_trl_options_raise(model_dir, dataset, tmp_path):
+    with pytest.raises(ValueError, match=r"does not support top_entropy_quantile=0.5"):
+        _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, top_entropy_quantile=0.5)
+
+
+def test_short_train_runs(model_dir, dataset, tmp_path):
+    trainer = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, beta=0.04)
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    assert any("clip_ratio/region_mean" in entry for entry in trainer.state.log_history)
+
+
+@pytest.mark.parametrize("shape", ["token", "sequence"])
+def test_vllm_importance_sampling_correction_matches_trl(model_dir, dataset, tmp_path, shape):
+    config = dict(beta=0.04, loss_type="dapo")
+    stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
+    batch = _batch(stock, off_policy=True, beta=0.04)
+    g = torch.Generator().manual_seed(5)
+    batch["importance_sampling_ratio"] = 0.5 + torch.rand((B, T) if shape == "token" else (B, 1), generator=g)
+    for trainer in (stock, ours):  # what TRL sets when it samples with vLLM
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    expected_loss, expected_grads, _ = _loss_and_grads(stock, batch, 1)
+    loss, grads, _ = _loss_and_grads(ours, batch, 1)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
+    for e, a in zip(expected_grads, grads):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
