@@ -119,6 +119,30 @@ def token_logprobs(
     return (logp, entropy) if return_entropy else logp
 
 
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto",
+    in_place_backward: bool = False,
+) -> torch.Tensor:
+    """Differentiable ``log_softmax(logits / temperature).gather(-1, index)`` in fp32, on the fused kernel.
+
+    logits [..., V] (any leading dims, e.g. verl's packed [N, V]); index [...]. The gradient
+    is written in the logits' dtype without materializing the log-softmax: a drop-in for
+    TRL's ``selective_log_softmax`` and verl's ``logprobs_from_logits``.
+    """
+    check_logits(logits.reshape(1, -1, logits.shape[-1]) if logits.dim() != 3 else logits)
+    lead = logits.shape[:-1]
+    if tuple(index.shape) != tuple(lead):
+        raise ValueError(f"index must have shape {tuple(lead)} (logits without V), got {tuple(index.shape)}")
+    as_3d = logits if logits.dim() == 3 else logits.reshape(1, -1, logits.shape[-1])
+    ids = index.reshape(as_3d.shape[:2])
+    check_token_ids(ids, as_3d, True)
+    GRPOOptions(temperature=temperature)  # validates the temperature
+    check_in_place(in_place_backward, logits)
+    engine = resolve_backend(backend, logits)
+    logp, _ = TokenLogprobs.apply(as_3d, ids.contiguous(), None, float(temperature), False, engine, in_place_backward)
+    return logp.reshape(lead)
+
+
 class GRPOLoss(nn.Module):
     """Drop-in GRPO loss from logits, fused in Triton on CUDA (chunked torch on CPU).
 

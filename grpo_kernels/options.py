@@ -15,7 +15,7 @@ from typing import Optional
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
 PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k3", "k1", "k2")
 BACKENDS = ("auto", "triton", "torch")
 
@@ -106,7 +106,8 @@ class GRPOOptions:
 
     @property
     def sequence_level(self) -> bool:
-        return self.importance_sampling_level == "sequence"
+        """The ratio needs the whole row's log-probs (GSPO and GSPO-token): the two-pass path."""
+        return self.importance_sampling_level in ("sequence", "sequence_token")
 
     def replace(self, **changes) -> "GRPOOptions":
         return dataclasses.replace(self, **changes)

@@ -95,8 +95,13 @@ def per_token_terms(
     """
     old = lp.detach() if old_logps is None else old_logps  # on-policy: ratio is 1, gradient flows
     log_ratio = lp - old
-    if opts.sequence_level:  # GSPO: one weight per row, the masked mean of the log-ratio
+    if opts.importance_sampling_level == "sequence":  # GSPO: one weight per row, the masked mean log-ratio
         log_weight = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    elif opts.importance_sampling_level == "sequence_token":
+        # GSPO-token (verl's "gspo"): the row's weight as a value, a per-token gradient:
+        # log w_it = sg[mean_t log-ratio] + logp_it - sg[logp_it]
+        row = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        log_weight = lp - lp.detach() + row.detach()
     else:
         log_weight = log_ratio
     if opts.log_ratio_clamp is not None:
@@ -183,7 +188,7 @@ def loss_metrics(
 ) -> Dict[str, torch.Tensor]:
     """TRL's logged metrics, as detached 0-d tensors."""
     metrics = {}
-    per_row = opts.sequence_level  # the clip flags are one per row at sequence level
+    per_row = opts.importance_sampling_level == "sequence"  # the clip flags are one per row there
     if terms.per_token_kl is not None:
         metrics["kl"] = masked_mean(terms.per_token_kl.detach(), mask)
     if entropy is not None:

@@ -83,6 +83,8 @@ OPTION_CASES = {
     "one_token": dict(T=1, beta=0.04),
     "vocab_over_several_blocks": dict(V=4999, beta=0.04, temperature=1.3),
     "single_row": dict(B=1, T=7, loss_type="bnpo"),
+    "gspo_token": dict(importance_sampling_level="sequence_token", beta=0.04, per_token_adv=True),
+    "gspo_token_dapo": dict(importance_sampling_level="sequence_token", loss_type="dapo", log_ratio_clamp=0.2),
 }
 BATCH_KEYS = ("B", "T", "V", "per_token_adv", "clip_spread", "strided", "temperature")
 

@@ -1,0 +1,104 @@
+"""verl adapter against verl's own core_algos functions: policy losses, agg_loss modes, KL estimators."""
+
+import pytest
+import torch
+
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos",
+                                 reason="verl is not installed (pip install --no-deps verl; pip install '.[verl]')")
+
+from verl.workers.config import ActorConfig  # noqa: E402
+
+from grpo_kernels.integration import verl as adapter  # noqa: E402
+
+B, T = 5, 7
+
+
+def _inputs(seed=0, spread=0.6):
+    g = torch.Generator().manual_seed(seed)
+    log_prob = (-2.0 + 0.5 * torch.randn(B, T, generator=g)).requires_grad_()
+    old = (log_prob + spread * torch.randn(B, T, generator=g)).detach()
+    adv = torch.randn(B, T, generator=g) * 2  # verl's advantages are per token
+    mask = (torch.rand(B, T, generator=g) > 0.25).float()
+    mask[-1] = 0  # a fully masked row
+    return log_prob, old, adv, mask
+
+
+def _config(**kw):
+    return ActorConfig(strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
+                       clip_ratio_low=0.2, clip_ratio_high=0.28, **kw)
+
+
+def _compare(ours_fn, verl_fn, mode, config, weights=None, seed=0):
+    lp, old, adv, mask = _inputs(seed)
+    lp2 = lp.detach().clone().requires_grad_()
+    expected, expected_metrics = verl_fn(old, lp, adv, mask, mode, config, weights)
+    actual, metrics = ours_fn(old, lp2, adv, mask, mode, config, weights)
+    expected.backward()
+    actual.backward()
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lp2.grad, lp.grad, atol=1e-7, rtol=1e-5)
+    for key, value in expected_metrics.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-6), key
+
+
+@pytest.mark.parametrize("mode", adapter.AGG_MODES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_vanilla_matches_verl(mode, weighted):
+    weights = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5 if weighted else None
+    _compare(adapter.vanilla_policy_loss, core_algos.compute_policy_loss_vanilla, mode, _config(), weights)
+
+
+@pytest.mark.parametrize("mode", adapter.AGG_MODES)
+def test_gspo_matches_verl(mode):
+    _compare(adapter.gspo_policy_loss, core_algos.compute_policy_loss_gspo, mode, _config())
+
+
+def test_global_batch_info_is_honoured():
+    config = _config(global_batch_info={"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 9})
+    for mode in adapter.AGG_MODES:
+        _compare(adapter.vanilla_policy_loss, core_algos.compute_policy_loss_vanilla, mode, config)
+
+
+@pytest.mark.parametrize("kl_penalty", ["low_var_kl", "kl", "mse", "k3"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_kl_loss_matches_verl(kl_penalty, mode):
+    lp, ref, _, mask = _inputs(2, spread=8.0)  # wide enough for verl's clamps to bind
+    lp2 = lp.detach().clone().requires_grad_()
+    expected = core_algos.agg_loss(core_algos.kl_penalty(lp, ref, kl_penalty), mask, mode)
+    actual = adapter.kl_loss(lp2, ref, mask, kl_penalty, mode)
+    expected.backward()
+    actual.backward()
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lp2.grad, lp.grad, atol=1e-7, rtol=1e-5)
+
+
+def test_registered_losses_are_found_by_verl():
+    adapter.register()
+    assert core_algos.get_policy_loss_fn("grpo_kernels") is adapter.vanilla_policy_loss
+    assert core_algos.get_policy_loss_fn("grpo_kernels_gspo") is adapter.gspo_policy_loss
+
+
+def test_patched_logprobs_match_verl_and_use_our_kernel():
+    from verl.utils import torch_functional
+
+    logits = torch.randn(11, 503, requires_grad=True)
+    labels = torch.randint(0, 503, (11,))
+    expected = torch_functional.logprobs_from_logits(logits, labels)
+    (g_expected,) = torch.autograd.grad(expected.sum(), logits)
+    original = torch_functional.logprobs_from_logits
+    try:
+        adapter.patch_logprobs()
+        assert torch_functional.logprobs_from_logits is not original
+        actual = torch_functional.logprobs_from_logits(logits, labels)
+        (g_actual,) = torch.autograd.grad(actual.sum(), logits)
+    finally:
+        torch_functional.logprobs_from_logits = original
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_actual, g_expected, atol=1e-6, rtol=1e-5)
+
+
+def test_unknown_modes_are_named():
+    with pytest.raises(ValueError, match="loss_agg_mode must be one of"):
+        adapter.aggregate(torch.zeros(2, 2), torch.ones(2, 2), "mean")
+    with pytest.raises(ValueError, match="kl_penalty must be one of"):
+        adapter.kl_loss(torch.zeros(2, 2), torch.zeros(2, 2), torch.ones(2, 2), "abs")
