@@ -87,14 +87,22 @@ def group_advantages(
     scale: str = "group",
     weights: Optional[Sequence[float]] = None,
     combine: str = "sum_then_normalize",
+    preset: Optional[str] = None,
 ) -> GroupAdvantages:
     """Advantages [B] from rewards [B] or [B, K] (K reward functions, combined with ``weights``).
 
     ``combine``: "sum_then_normalize" (TRL: weighted sum of the K rewards, then the group
     normalization) or "normalize_then_sum" (GDPO: normalize each reward within its group,
     then the weighted sum). NaN in one of K rewards is skipped by the weighted sum (TRL's
-    nansum); a row whose K rewards are all NaN is unscored.
+    nansum); a row whose K rewards are all NaN is unscored. ``preset`` ("trl", "verl",
+    "openrlhf") sets that trainer's std and eps, overriding the two arguments.
     """
+    if preset is not None:
+        from .options import ADVANTAGE_PRESETS
+
+        if preset not in ADVANTAGE_PRESETS:
+            raise ValueError(f"preset must be one of {sorted(ADVANTAGE_PRESETS)}, got {preset!r}")
+        std, eps = ADVANTAGE_PRESETS[preset]["std"], ADVANTAGE_PRESETS[preset]["eps"]
     if std not in STD_KINDS:
         raise ValueError(f"std must be one of {list(STD_KINDS)}, got {std!r}")
     if scale not in SCALES:

@@ -168,17 +168,28 @@ class GRPOLoss(nn.Module):
     """
 
     def __init__(self, *, backend: str = "auto", in_place_backward: bool = False, check_ids: bool = True,
-                 one_pass: bool = True, options: Optional[GRPOOptions] = None, **option_kwargs):
+                 one_pass: bool = True, options: Optional[GRPOOptions] = None, preset: Optional[str] = None,
+                 **option_kwargs):
         super().__init__()
-        if options is not None and option_kwargs:
-            raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
-        self.options = options if options is not None else GRPOOptions(**option_kwargs)
+        if options is not None and (option_kwargs or preset is not None):
+            raise ValueError("pass options either as options= or as keywords (with an optional preset=), got both")
+        if options is None:
+            options = (GRPOOptions.from_preset(preset, **option_kwargs) if preset is not None
+                       else GRPOOptions(**option_kwargs))
+        self.options = options
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
         self.backend = backend
         self.in_place_backward = in_place_backward
         self.check_ids = check_ids
         self.one_pass = one_pass
+
+    @classmethod
+    def from_trl_config(cls, config, **kwargs) -> "GRPOLoss":
+        """A GRPOLoss with a TRL ``GRPOConfig``'s loss options (TRL's conventions)."""
+        module_kwargs = {k: kwargs.pop(k) for k in ("backend", "in_place_backward", "check_ids", "one_pass")
+                         if k in kwargs}
+        return cls(options=GRPOOptions.from_trl_config(config, **kwargs), **module_kwargs)
 
     def update(self, **changes) -> "GRPOLoss":
         """Change options between steps (e.g. a beta or temperature schedule)."""

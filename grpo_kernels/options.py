@@ -19,6 +19,24 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k3", "k1", "k2")
 BACKENDS = ("auto", "triton", "torch")
 
+# Each trainer's conventions (shared/design/loss-semantics.md, section 5), as GRPOOptions
+# keywords; anything passed alongside a preset overrides it.
+PRESETS = {
+    # TRL: k3 KL without clamps, no dual-clip (delta caps the unclipped branch when set)
+    "trl": dict(kl_estimator="k3"),
+    # verl "vanilla": dual-clip c = 3, log-ratio clamp +-20, "low_var_kl" (k3, +-20 in, +-10 out),
+    # token-mean aggregation (our dapo with the global token normalizer)
+    "verl": dict(loss_type="dapo", dual_clip=3.0, log_ratio_clamp=20.0, kl_estimator="k3", kl_clamp=10.0),
+    # OpenRLHF: k1 KL clamped to +-10, log-ratio clamp +-20, dual-clip only when set
+    "openrlhf": dict(kl_estimator="k1", log_ratio_clamp=20.0, kl_clamp=10.0),
+}
+# The matching advantage conventions: keywords of grpo_kernels.advantages.group_advantages.
+ADVANTAGE_PRESETS = {
+    "trl": dict(std="sample", eps=1e-4),
+    "verl": dict(std="sample", eps=1e-6),
+    "openrlhf": dict(std="sample", eps=1e-9),
+}
+
 
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
@@ -111,3 +129,28 @@ class GRPOOptions:
 
     def replace(self, **changes) -> "GRPOOptions":
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides) -> "GRPOOptions":
+        """A trainer's conventions ("trl", "verl", "openrlhf"), with ``overrides`` on top."""
+        _check_choice("preset", preset, tuple(PRESETS))
+        return cls(**{**PRESETS[preset], **overrides})
+
+    @classmethod
+    def from_trl_config(cls, config, **overrides) -> "GRPOOptions":
+        """The loss options of a TRL ``GRPOConfig`` (or any object with its attribute names)."""
+        get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+        loss_type = get("loss_type", "dapo")
+        beta = float(get("beta", 0.0))
+        options = dict(
+            loss_type=loss_type, beta=beta, epsilon=float(get("epsilon", 0.2)),
+            epsilon_high=get("epsilon_high"), delta=get("delta") if loss_type in PPO_CLIP_LOSS_TYPES else None,
+            importance_sampling_level=get("importance_sampling_level", "token"),
+            temperature=float(get("temperature", 1.0)),
+            max_completion_length=get("max_completion_length") if loss_type == "dr_grpo" else None,
+            use_bias_correction_kl=bool(get("use_bias_correction_kl", False)) and beta != 0.0,
+            sapo_temperature_pos=float(get("sapo_temperature_pos", 1.0)),
+            sapo_temperature_neg=float(get("sapo_temperature_neg", 1.05)),
+            **PRESETS["trl"],
+        )
+        return cls(**{**options, **overrides})

@@ -223,3 +223,28 @@ def test_selective_log_softmax_values_and_gradient(device, backend, lead):
     assert lp.shape == lead
     assert_close("logps", expected, lp, atol=1e-5, rtol=1e-5)
     assert_close("dlogits", expected_logits.grad, logits.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_presets_and_trl_config():
+    GRPOConfig = pytest.importorskip("trl", reason="the trl extra is not installed").GRPOConfig
+
+    from grpo_kernels.advantages import group_advantages
+
+    verl = GRPOLoss(preset="verl", beta=0.001).options
+    assert (verl.dual_clip, verl.log_ratio_clamp, verl.kl_estimator, verl.kl_clamp, verl.beta) == (3.0, 20.0, "k3",
+                                                                                                    10.0, 0.001)
+    assert GRPOLoss(preset="openrlhf").options.kl_estimator == "k1"
+    with pytest.raises(ValueError, match="preset must be one of"):
+        GRPOLoss(preset="deepspeed")
+    config = GRPOConfig(output_dir="/tmp/unused", loss_type="dr_grpo", beta=0.04, epsilon=0.1, epsilon_high=0.3,
+                        temperature=0.7, max_completion_length=64, importance_sampling_level="sequence",
+                        use_bias_correction_kl=True, report_to="none", use_cpu=True, bf16=False)
+    opts = GRPOLoss.from_trl_config(config, backend="torch").options
+    assert opts == GRPOOptions(loss_type="dr_grpo", beta=0.04, epsilon=0.1, epsilon_high=0.3, temperature=0.7,
+                               max_completion_length=64, importance_sampling_level="sequence",
+                               use_bias_correction_kl=True)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    trl_adv = group_advantages(rewards, 2, preset="trl").advantages
+    groups = rewards.view(2, 2)
+    expected = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
+    torch.testing.assert_close(trl_adv, expected)

@@ -130,3 +130,48 @@ def test_vllm_importance_sampling_correction_matches_trl(model_dir, dataset, tmp
     torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
     for e, a in zip(expected_grads, grads):
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+
+
+def _trl_rank(rank, world, port, model_dir, out_file, loss_type):
+    import os
+
+    import torch.distributed as dist
+    from datasets import Dataset
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import tempfile
+
+    rows = compare.make_rows(16, held_out=False, seed=0)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    trainer = _trainer(GRPOKernelsTrainer, model_dir, dataset, __import__("pathlib").Path(tempfile.mkdtemp()),
+                       loss_type=loss_type)
+    assert trainer.accelerator.num_processes == world
+    batch = _batch(trainer, off_policy=True, beta=0.0)
+    half = B // world
+    local = {k: (v[rank * half:(rank + 1) * half] if v.dim() > 0 else v) for k, v in batch.items()}
+    _, grads, _ = _loss_and_grads(trainer, local, 1)
+    for g in grads:
+        dist.all_reduce(g)
+        g /= world
+    if rank == 0:
+        torch.save(grads, out_file)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_processes_match_one_process_on_the_trl_path(model_dir, dataset, tmp_path, loss_type):
+    """dapo's num_items_in_batch / num_processes and grpo's per-sequence means across 2 gloo ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_file = str(tmp_path / "grads.pt")
+    mp.spawn(_trl_rank, args=(2, port, model_dir, out_file, loss_type), nprocs=2, join=True)
+    single = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, loss_type=loss_type)
+    _, expected, _ = _loss_and_grads(single, _batch(single, off_policy=True, beta=0.0), 1)
+    for e, a in zip(expected, torch.load(out_file)):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)

@@ -102,3 +102,17 @@ def test_unknown_modes_are_named():
         adapter.aggregate(torch.zeros(2, 2), torch.ones(2, 2), "mean")
     with pytest.raises(ValueError, match="kl_penalty must be one of"):
         adapter.kl_loss(torch.zeros(2, 2), torch.zeros(2, 2), torch.ones(2, 2), "abs")
+
+
+def test_enable_module_registers_and_patches():
+    import importlib
+
+    from verl.utils import torch_functional
+
+    original = torch_functional.logprobs_from_logits
+    try:
+        importlib.import_module("grpo_kernels.integration.enable")
+        assert core_algos.get_policy_loss_fn("grpo_kernels") is adapter.vanilla_policy_loss
+        assert torch_functional.logprobs_from_logits is not original
+    finally:
+        torch_functional.logprobs_from_logits = original
