@@ -105,6 +105,8 @@ def test_grpo_loss(benchmark, name, shape, backward, level):
         step()
         peak_extra = torch.cuda.max_memory_allocated() - base
     benchmark.pedantic(step, rounds=5 if DEVICE == "cpu" else 20, iterations=1, warmup_rounds=1)
+    if benchmark.stats is None:  # --benchmark-disable: the path ran once, nothing was timed
+        return
     seconds = benchmark.stats.stats.median
     S = logits_bytes(inputs)
     moved = model_bytes(name, S, backward)

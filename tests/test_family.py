@@ -1,0 +1,92 @@
+"""SFT, RFT and DPO on the fused kernels against their plain references; the reward-model loss."""
+
+import pytest
+import torch
+from helpers import assert_close, make_batch
+
+from grpo_kernels import family
+
+BACKENDS = ["torch", "triton"]
+TOL = dict(atol=1e-6, rtol=1e-5)
+
+
+def _grad(fn, logits, *args, **kwargs):
+    leaf = logits.detach().clone().requires_grad_()
+    out = fn(leaf, *args, **kwargs)
+    loss = out.loss if hasattr(out, "loss") else out
+    loss.backward()
+    return loss.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strided", [False, True])
+def test_sft_matches_reference(device, backend, strided):
+    b = make_batch(device=device, seed=1, strided=strided)
+    args = (b["logits"], b["completion_ids"], b["completion_mask"])
+    expected, expected_grad = _grad(family.sft_loss_reference, *args, temperature=0.8)
+    loss, grad = _grad(family.sft_loss, *args, temperature=0.8, backend=backend)
+    assert_close("loss", expected, loss, **TOL)
+    assert_close("dlogits", expected_grad, grad, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rft_matches_reference_and_ignores_rejected_completions(device, backend):
+    b = make_batch(device=device, seed=2)
+    rewards = torch.tensor([1.0, 0.0, 1.0], device=device)
+    args = (b["logits"], b["completion_ids"], b["completion_mask"], rewards)
+    expected, expected_grad = _grad(family.rft_loss_reference, *args)
+    loss, grad = _grad(family.rft_loss, *args, backend=backend)
+    assert_close("loss", expected, loss, **TOL)
+    assert_close("dlogits", expected_grad, grad, **TOL)
+    assert torch.count_nonzero(grad[1]) == 0  # GC = 0: an incorrect completion teaches nothing
+    with pytest.raises(ValueError, match="rewards must be \\[B\\] of 0 / 1"):
+        family.rft_loss(b["logits"], b["completion_ids"], b["completion_mask"], torch.tensor([1.0, 0.5, 0.0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dpo_matches_reference_and_its_gradient_coefficient(device, backend):
+    b = make_batch(B=4, device=device, seed=3)
+    b["completion_mask"][3] = 1  # make_batch masks its last row fully; keep every pair scored here
+    args = (b["logits"], b["completion_ids"], b["completion_mask"], b["ref_logps"])
+    expected, expected_grad = _grad(family.dpo_loss_reference, *args, beta=0.5)
+    loss, grad = _grad(family.dpo_loss, *args, beta=0.5, backend=backend)
+    assert_close("loss", expected, loss, **TOL)
+    assert_close("dlogits", expected_grad, grad, **TOL)
+    # The table's GC: d loss / d logp_t = -beta * sigmoid(beta (R- - R+)) / (B |o+|) on chosen tokens.
+    from grpo_kernels.reference import token_logprobs_and_entropy
+
+    lp, _ = token_logprobs_and_entropy(b["logits"], b["completion_ids"])
+    lp = lp.requires_grad_()
+    mask = b["completion_mask"].float()
+    dpo, _ = family.dpo_from_logps(lp, b["ref_logps"], mask, 0.5)
+    (g,) = torch.autograd.grad(dpo, lp)
+    R = ((lp - b["ref_logps"]) * mask).sum(-1) / mask.sum(-1)
+    coef = 0.5 * torch.sigmoid(0.5 * (R[2:] - R[:2]))
+    expected_g_chosen = -(coef / (2 * mask[:2].sum(-1))).unsqueeze(-1) * mask[:2]
+    assert_close("GC on chosen", expected_g_chosen, g[:2], atol=1e-7, rtol=1e-5)
+    expected_g_rejected = (coef / (2 * mask[2:].sum(-1))).unsqueeze(-1) * mask[2:]
+    assert_close("GC on rejected", expected_g_rejected, g[2:], atol=1e-7, rtol=1e-5)
+
+
+def test_dpo_needs_pairs():
+    b = make_batch(B=3)
+    with pytest.raises(ValueError, match=r"dpo_loss needs logits \[2B, T, V\]"):
+        family.dpo_loss(b["logits"], b["completion_ids"], b["completion_mask"], b["ref_logps"])
+
+
+def test_reward_model_loss_is_bradley_terry_and_stable():
+    g = torch.Generator().manual_seed(0)
+    chosen, rejected = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    expected = -torch.log(torch.sigmoid(chosen - rejected)).mean()
+    assert_close("plain formula", expected, family.reward_model_loss(chosen, rejected), atol=1e-6, rtol=1e-6)
+    margin = torch.full((16,), 0.5)
+    expected_margin = -torch.log(torch.sigmoid(chosen - rejected - margin)).mean()
+    assert_close("margin", expected_margin, family.reward_model_loss(chosen, rejected, margin), atol=1e-6, rtol=1e-6)
+    big = torch.tensor([1e4])
+    assert family.reward_model_loss(big, -big).item() == 0.0
+    assert family.reward_model_loss(-big, big).item() == pytest.approx(2e4)
+    r = torch.tensor([5e3], requires_grad=True)
+    family.reward_model_loss(-r, r).backward()
+    assert torch.isfinite(r.grad).all() and r.grad.item() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="same shape"):
+        family.reward_model_loss(torch.zeros(2), torch.zeros(3))
