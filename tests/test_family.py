@@ -90,3 +90,23 @@ def test_reward_model_loss_is_bradley_terry_and_stable():
     assert torch.isfinite(r.grad).all() and r.grad.item() == pytest.approx(2.0)
     with pytest.raises(ValueError, match="same shape"):
         family.reward_model_loss(torch.zeros(2), torch.zeros(3))
+
+
+def test_reward_model_learns_preferences_and_scores_completions():
+    from grpo_kernels.reward_model import RewardModelReward, train_reward_model
+    from grpo_kernels.tasks import compare
+
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "reward_model_grpo", pathlib.Path(__file__).parents[1] / "examples" / "reward_model_grpo.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    tokenizer = compare.build_tokenizer()
+    model = example.build_reward_model(tokenizer, seed=0)
+    pairs = example.pairs(compare.make_rows(2000, held_out=False, seed=0))
+    losses = train_reward_model(model, tokenizer, pairs, steps=40, batch_size=32)
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10  # the Bradley-Terry loss goes down
+    scores = RewardModelReward(model, tokenizer)(["Which is bigger? 9.11 or 9.9 \nAnswer: "] * 2, ["9.9", "9.11"])
+    assert len(scores) == 2 and all(0.0 < s < 1.0 for s in scores)

@@ -1,0 +1,73 @@
+"""A scalar-head reward model: trained on preference pairs with the Bradley-Terry loss, used as a reward function.
+
+``train_reward_model`` fits any Hugging Face sequence-classification model with one label
+(a causal LM with a scalar head on the last token) on (prompt, chosen, rejected) triples;
+``RewardModelReward`` wraps it in TRL's reward-function interface, so the thin trainer (or
+TRL) can use it instead of a rule verifier.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, List, Sequence
+
+import torch
+
+from .family import reward_model_loss
+
+
+def _scores(model, tokenizer, texts: Sequence[str], device: str) -> torch.Tensor:
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    position_ids = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=position_ids).logits[:, 0]
+
+
+def train_reward_model(model, tokenizer, pairs: List[Dict[str, str]], *, steps: int, batch_size: int = 64,
+                       lr: float = 2e-3, seed: int = 0, device: str = "cpu") -> List[float]:
+    """Bradley-Terry training on pairs {"prompt", "chosen", "rejected"}; returns the loss per step."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.to(device).train()
+    losses = []
+    for _ in range(steps):
+        batch = [rng.choice(pairs) for _ in range(batch_size)]
+        chosen = _scores(model, tokenizer, [p["prompt"] + p["chosen"] for p in batch], device)
+        rejected = _scores(model, tokenizer, [p["prompt"] + p["rejected"] for p in batch], device)
+        loss = reward_model_loss(chosen, rejected)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@torch.no_grad()
+def preference_accuracy(model, tokenizer, pairs: List[Dict[str, str]], device: str = "cpu") -> float:
+    """Share of pairs whose chosen completion scores above the rejected one."""
+    model.eval()
+    chosen = _scores(model, tokenizer, [p["prompt"] + p["chosen"] for p in pairs], device)
+    rejected = _scores(model, tokenizer, [p["prompt"] + p["rejected"] for p in pairs], device)
+    return (chosen > rejected).float().mean().item()
+
+
+class RewardModelReward:
+    """TRL-style reward function: ``(prompts, completions, **columns) -> list[float]``.
+
+    The score is sigmoid(model score), in (0, 1): a bounded reward, so that a policy cannot
+    climb an unbounded score on completions unlike any the model was trained on (reward
+    hacking; gate it with a format rule too, as ``examples/reward_model_grpo.py`` does).
+    """
+
+    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 256):
+        self.model, self.tokenizer, self.device, self.batch_size = model, tokenizer, device, batch_size
+        self.__name__ = "reward_model"
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **_) -> List[float]:
+        self.model.eval()
+        texts = [p + c for p, c in zip(prompts, completions)]
+        scores = []
+        for i in range(0, len(texts), self.batch_size):
+            batch = texts[i:i + self.batch_size]
+            scores.extend(torch.sigmoid(_scores(self.model, self.tokenizer, batch, self.device)).tolist())
+        return scores
