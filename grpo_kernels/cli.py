@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--epsilon-high", type=float, default=0.28, help="clip-higher (DAPO) keeps exploring")
     t.add_argument("--loss-type", default=DEFAULTS.loss_type)
     t.add_argument("--num-iterations", type=int, default=DEFAULTS.num_iterations, help="mu: updates per batch")
+    t.add_argument("--process-rollouts", type=int, default=0,
+                   help="process supervision: label every token-step with N sampled completions (0: outcome)")
     t.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
     t.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     t.add_argument("--warmup-steps", type=int, default=600, help="format-only supervised warm-up (built-in model)")
@@ -128,7 +130,8 @@ def train(args) -> dict:
     config = TrainerConfig(
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, steps=args.steps,
         learning_rate=args.lr, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-        loss_type=args.loss_type, num_iterations=args.num_iterations, temperature=args.temperature,
+        loss_type=args.loss_type, num_iterations=args.num_iterations, process_rollouts=args.process_rollouts,
+        temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, seed=args.seed, eval_every=args.eval_every,
         save_every=args.save_every, output_dir=args.output_dir,
     )

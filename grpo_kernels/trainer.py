@@ -23,8 +23,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .advantages import group_advantages
+from .advantages import group_advantages, process_advantages
 from .loss import GRPOLoss, token_logprobs
+from .process_labels import labels_to_step_rewards
 
 RewardFunction = Callable[..., List[Optional[float]]]
 
@@ -40,6 +41,10 @@ class TrainerConfig:
     epsilon_high: Optional[float] = None
     loss_type: str = "grpo"
     num_iterations: int = 1  # mu: updates per generation batch (1 uses the on-policy shortcut)
+    # 0: outcome supervision (one reward per completion). N > 0: process supervision with
+    # MATH-SHEPHERD labels: every completion token ends a step, labelled by N completions
+    # sampled from it (the share that reaches a correct answer), then process_advantages.
+    process_rollouts: int = 0
     temperature: float = 1.0
     max_new_tokens: int = 8
     max_grad_norm: float = 1.0
@@ -183,8 +188,50 @@ class GRPOTrainer:
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         rewards = self.score(grouped, completions)
         adv = group_advantages(rewards, config.group_size, weights=self.reward_weights)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, adv.advantages.to(self.device),
-                       rewards, adv.zero_std_fraction)
+        advantages = adv.advantages.to(self.device)
+        if config.process_rollouts > 0:
+            step_rewards, step_end = self.step_labels(grouped, completion_ids, completion_mask)
+            advantages = process_advantages(step_rewards, step_end, completion_mask, config.group_size)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, rewards,
+                       adv.zero_std_fraction)
+
+    @torch.no_grad()
+    def step_labels(self, grouped: List[Dict], completion_ids: torch.Tensor, completion_mask: torch.Tensor):
+        """MATH-SHEPHERD soft labels for every token-step: sample completions from each prefix, verify them.
+
+        A prefix that already ends the completion (its last token is EOS) is judged as it is.
+        The prefix is given to ``generate`` as text (re-tokenized), which is exact for the
+        built-in character tokenizer. Returns ``(step_rewards [B, T], step_end [B, T])``.
+        """
+        verifier = self.eval_reward
+        N, B = self.config.process_rollouts, completion_ids.shape[0]
+        lengths = completion_mask.sum(1).tolist()
+        eos = self.tokenizer.eos_token_id
+        open_prefixes, finished = [], []  # (row, step, prompt + prefix text)
+        for b in range(B):
+            for j in range(lengths[b]):
+                text = self.tokenizer.decode(completion_ids[b, :j + 1], skip_special_tokens=True)
+                ends = int(completion_ids[b, j]) == eos
+                (finished if ends else open_prefixes).append((b, j, text))
+        labels = [[float("nan")] * lengths[b] for b in range(B)]
+
+        def verify(items, completions):
+            rows = [grouped[b] for b, _, _ in items]
+            columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+            return verifier([r["prompt"] for r in rows], completions, **columns)
+
+        for (b, j, text), score in zip(finished, verify(finished, [t for _, _, t in finished]) if finished else []):
+            labels[b][j] = float(score or 0.0)
+        if open_prefixes:
+            repeated = [item for item in open_prefixes for _ in range(N)]
+            _, _, cont_ids, _ = self.generate([grouped[b]["prompt"] + text for b, _, text in repeated])
+            continuations = self.tokenizer.batch_decode(cont_ids, skip_special_tokens=True)
+            scores = verify(repeated, [text + c for (_, _, text), c in zip(repeated, continuations)])
+            for i, (b, j, _) in enumerate(open_prefixes):
+                hits = [float(s or 0.0) for s in scores[i * N:(i + 1) * N]]
+                labels[b][j] = sum(hits) / N
+        step_ends = [list(range(n)) for n in lengths]
+        return labels_to_step_rewards(labels, step_ends, device=self.device)
 
     def accumulate_gradients(self, r: Rollout, old_logps=None, ref_logps=None):
         """One backward of GRPOLoss on this rank's rollout, gradients averaged over ranks.

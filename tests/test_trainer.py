@@ -137,3 +137,32 @@ def test_a_crash_while_saving_loses_no_finished_checkpoint(tiny, tmp_path, monke
     assert os.path.exists(os.path.join(first, "trainer_state.pt"))
     model, _ = cli._load_pretrained(first)
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in trainer.model.parameters())
+
+
+def test_process_supervision_labels_steps_by_completion(tiny):
+    """Every token-step gets the share of sampled completions from it that verify; advantages are [B, T]."""
+    trainer = _trainer(tiny, process_rollouts=3, max_new_tokens=6)
+    rows = trainer.train_rows[:1] * 2
+    _, _, ids, mask = trainer.generate([r["prompt"] for r in rows])
+    step_rewards, step_end = trainer.step_labels(rows, ids, mask)
+    lengths = mask.sum(1).tolist()
+    for b, n in enumerate(lengths):
+        assert step_end[b, :n].tolist() == list(range(n))
+        scored = step_rewards[b, :n]
+        assert ((scored >= 0) & (scored <= 1)).all() and torch.isnan(step_rewards[b, n:]).all()
+        # each label is a share of 3 completions, or 0 / 1 for the finished prefix
+        assert all(abs(3 * v - round(3 * v)) < 1e-6 for v in scored.tolist())
+    rollout = trainer.rollout()
+    assert rollout.advantages.shape == rollout.completion_ids.shape
+    assert (rollout.advantages[rollout.completion_mask == 0] == 0).all()
+    loss, _ = trainer.accumulate_gradients(rollout)
+    assert torch.isfinite(loss)
+
+
+def test_process_supervision_from_the_command_line(tmp_path, capsys):
+    out = str(tmp_path / "process")
+    assert cli.main(["train", "--warmup-steps", "5", "--steps", "2", "--eval-size", "8", "--group-size", "2",
+                     "--prompts-per-step", "2", "--process-rollouts", "2", "--output-dir", out, "--no-progress",
+                     "--save-every", "0"]) == 0
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in lines if "reward" in r] == [1, 2]
