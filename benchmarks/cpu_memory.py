@@ -48,8 +48,8 @@ def run_one(path: str, n: int, v: int, temperature: float) -> dict:
         if path == "eager":
             loss = grpo_loss_reference(logits, ids, mask, adv, old, ref, **kwargs).loss
         else:
-            loss = grpo_loss(logits, ids, mask, adv, old, ref, backend="torch", in_place_backward=path.endswith("in-place"),
-                             check_ids=False, **kwargs).loss
+            loss = grpo_loss(logits, ids, mask, adv, old, ref, backend="torch", check_ids=False,
+                             in_place_backward=path.endswith("in-place"), **kwargs).loss
         loss.backward()
 
     S = n * v * 4
@@ -102,7 +102,8 @@ def main() -> None:
     print("| path | seconds (fwd+bwd) | peak extra memory | / S |")
     print("|---|---|---|---|")
     for r in results:
-        print(f"| {r['path']} | {r['seconds']:.2f} | {r['peak_extra_bytes'] / 2**20:.0f} MiB | {r['peak_extra_over_S']:.2f} |")
+        extra_mib = r["peak_extra_bytes"] / 2**20
+        print(f"| {r['path']} | {r['seconds']:.2f} | {extra_mib:.0f} MiB | {r['peak_extra_over_S']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -22,7 +22,8 @@ def table(rows) -> str:
     env = rows[0]
     head = (f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}"
             + "".join(f", {k} {env[k]}" for k in ("trl", "liger_kernel") if k in env) + "\n\n")
-    lines = ["| N x V | dtype | level | pass | path | median ms | GB/s (byte model) | x copy bw | peak extra / S | speed-up vs eager |",
+    lines = ["| N x V | dtype | level | pass | path | median ms | GB/s (byte model) | x copy bw | peak extra / S "
+             "| speed-up vs eager |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     eager = {(r["N"], r["V"], r["level"], r["pass"]): r["median_ms"] for r in rows if r["path"] == "eager"}
     for r in sorted(rows, key=lambda r: (r["level"] != "token", r["N"] * r["V"], r["pass"], -r["median_ms"])):

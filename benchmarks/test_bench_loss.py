@@ -76,8 +76,8 @@ def _cases():
         for shape in level_shapes:
             for name in available_paths(level):
                 for backward in (False, True):
-                    yield pytest.param(name, shape, backward, level,
-                                       id=f"{name}-{'x'.join(map(str, shape))}-{'fwd+bwd' if backward else 'fwd'}-{level}")
+                    label = f"{name}-{'x'.join(map(str, shape))}-{'fwd+bwd' if backward else 'fwd'}-{level}"
+                    yield pytest.param(name, shape, backward, level, id=label)
 
 
 @pytest.mark.parametrize("name, shape, backward, level", list(_cases()))

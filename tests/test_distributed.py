@@ -1,6 +1,5 @@
 """Data parallel: two processes (gloo, CPU) make the update one process makes on the whole batch."""
 
-import os
 
 import pytest
 import torch

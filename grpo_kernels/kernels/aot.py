@@ -102,8 +102,9 @@ def compile_all(arch: int = 90) -> List[Dict[str, object]]:
             cfg = dict(config)
             for label, flags in forward_specializations():
                 for align in (16 // size, 1) if label == "logprobs" else (16 // size,):
-                    compiled = _compile(K.grpo_forward_kernel, _forward_signature(dtype),
-                                        {**flags, "ROW_ALIGN": align, "BLOCK_V": cfg["BLOCK_V"]}, cfg["num_warps"], arch)
+                    constexprs = {**flags, "ROW_ALIGN": align, "BLOCK_V": cfg["BLOCK_V"]}
+                    compiled = _compile(K.grpo_forward_kernel, _forward_signature(dtype), constexprs,
+                                        cfg["num_warps"], arch)
                     records.append(_record("forward", f"{label} row_align={align}", dtype, cfg, compiled, arch))
             for align in (16 // size, 1):  # rows 16-byte aligned (common V) or not (odd V)
                 compiled = _compile(K.logprob_backward_kernel, _backward_signature(dtype),

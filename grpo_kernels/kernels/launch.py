@@ -154,7 +154,8 @@ def forward(
             1.0 / temperature, float(o.epsilon), float(o.eps_high), _zero_if_none(o.delta),
             _zero_if_none(o.dual_clip), float(o.beta), _zero_if_none(o.log_ratio_clamp),
             _zero_if_none(o.kl_clamp), float(o.sapo_temperature_pos), float(o.sapo_temperature_neg),
-            **constexprs, ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])), BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
+            **constexprs, ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])),
+            BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
         )
     return ForwardResult(logp, entropy, lse, loss, dloss, kl, flags, grad)
 
