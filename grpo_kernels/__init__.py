@@ -1,9 +1,10 @@
 """grpo-kernels: fused Triton kernels for the GRPO loss, with a PyTorch front end."""
 
-from .loss import GRPOLoss, grpo_loss, selective_log_softmax, token_logprobs
+from .loss import (FusedLinearGRPOLoss, GRPOLoss, fused_linear_grpo_loss, grpo_loss, selective_log_softmax,
+                   token_logprobs)
 from .options import GRPOOptions
 from .reference import GRPOLossOutput, grpo_loss_reference
 
-__all__ = ["GRPOLoss", "GRPOLossOutput", "GRPOOptions", "grpo_loss", "grpo_loss_reference",
+__all__ = ["FusedLinearGRPOLoss", "GRPOLoss", "fused_linear_grpo_loss", "GRPOLossOutput", "GRPOOptions", "grpo_loss", "grpo_loss_reference",
            "selective_log_softmax", "token_logprobs"]
 __version__ = "0.1.0"

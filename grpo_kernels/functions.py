@@ -137,3 +137,32 @@ class TokenLogprobs(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad = _write_gradient(ctx, logits, ids, lse, grad_logp)
         return grad, None, None, None, None, None, None
+
+
+class LinearTokenLogprobs(torch.autograd.Function):
+    """log softmax((h @ W^T + b) / tau)[ids] with the lm_head fused in: no [N, V] tensor is kept.
+
+    hidden [N, H], weight [V, H], bias [V] or None, ids [N]. The backward recomputes the
+    logits a tile (Triton) or a chunk (torch) at a time; a frozen weight gets no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, engine: str):
+        forward_fn = launch.linear_forward if engine == "triton" else torch_path.linear_forward
+        lse, logp, entropy = forward_fn(hidden, weight, bias, ids, temperature, compute_entropy)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse)
+        ctx.engine, ctx.temperature = engine, temperature
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, unused):
+        hidden, weight, bias, ids, lse = ctx.saved_tensors
+        backward_fn = launch.linear_backward if ctx.engine == "triton" else torch_path.linear_backward
+        wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, grad_logp.float().contiguous(), ctx.temperature,
+                                 wants_weight)
+        cast = lambda t, like, needed: t.to(like.dtype) if needed and t is not None else None  # noqa: E731
+        return (cast(dh, hidden, ctx.needs_input_grad[0]), cast(dw, weight, ctx.needs_input_grad[1]),
+                cast(db, bias, ctx.needs_input_grad[2]), None, None, None, None)

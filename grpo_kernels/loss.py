@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from . import reference as ref
-from .functions import FusedTokenLoss, FusedTokenLossOnePass, TokenLogprobs
+from .functions import FusedTokenLoss, FusedTokenLossOnePass, LinearTokenLogprobs, TokenLogprobs
 from .kernels import grpo as K
 from .options import BACKENDS, GRPOOptions
 from .reference import GRPOLossOutput, PerTokenTerms
@@ -71,28 +71,35 @@ def grpo_loss(
         )
         terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
         return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
-    if fused:
+    if fused:  # two-pass: the kernel's per-token loss, dLoss/dlogp applied in the backward kernel
         loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(
             logits, completion_ids.contiguous(), flat_mask, _flat_f32(advantages, B, T),
             _flat_f32(old_logps, B, T), _flat_f32(ref_logps, B, T) if opts.uses_kl else None,
             _flat_f32(importance_weights, B, T), opts, in_place_backward,
         )
         terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
-    else:
-        logp, entropy = TokenLogprobs.apply(
-            logits, completion_ids.contiguous(), flat_mask, opts.temperature, opts.compute_entropy,
-            engine, in_place_backward,
-        )
-        terms = ref.per_token_terms(
-            logp, mask, ref.as_row_column(advantages.float()),
-            None if old_logps is None else old_logps.float(),
-            None if ref_logps is None else ref_logps.float(),
-            None if importance_weights is None else ref.as_row_column(importance_weights.float()),
-            opts,
-        )
+        loss = ref.reduce_loss(terms.per_token_loss, mask, opts, normalizer)
+        return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
+    logp, entropy = TokenLogprobs.apply(
+        logits, completion_ids.contiguous(), flat_mask, opts.temperature, opts.compute_entropy,
+        engine, in_place_backward,
+    )
+    return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
+                            opts)
+
+
+def _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
+                     opts: GRPOOptions) -> GRPOLossOutput:
+    """The O(B * T) part on differentiable log-probs: per-token terms, reduction, metrics."""
+    terms = ref.per_token_terms(
+        logp, mask, ref.as_row_column(advantages.float()),
+        None if old_logps is None else old_logps.float(),
+        None if ref_logps is None else ref_logps.float(),
+        None if importance_weights is None else ref.as_row_column(importance_weights.float()),
+        opts,
+    )
     loss = ref.reduce_loss(terms.per_token_loss, mask, opts, normalizer)
-    metrics = ref.loss_metrics(terms, entropy, mask, opts)
-    return GRPOLossOutput(loss, metrics, logp.detach())
+    return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
 
 
 @torch.no_grad()
@@ -117,6 +124,69 @@ def token_logprobs(
     logp, entropy = TokenLogprobs.apply(logits, ids.contiguous(), None, float(temperature), return_entropy,
                                         engine, False)
     return (logp, entropy) if return_entropy else logp
+
+
+def _check_linear_inputs(hidden_states, weight, bias) -> None:
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+        raise ValueError(f"hidden_states must be [B, T, H], got {got}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be the lm_head weight [V, H] with H = {hidden_states.shape[-1]}, got {got}")
+    for name, t in (("hidden_states", hidden_states), ("weight", weight)):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if weight.dtype != hidden_states.dtype or weight.device != hidden_states.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden_states "
+                         f"({hidden_states.dtype}, {hidden_states.device})")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.device != weight.device):
+        raise ValueError(f"bias must be [V] = ({weight.shape[0]},) on {weight.device}, got {tuple(bias.shape)} "
+                         f"on {bias.device}")
+
+
+def fused_linear_grpo_loss(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    importance_weights: Optional[torch.Tensor] = None,
+    normalizer=None,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    options: Optional[GRPOOptions] = None,
+    backend: str = "auto",
+    check_ids: bool = True,
+    **option_kwargs,
+) -> GRPOLossOutput:
+    """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
+
+    ``hidden_states[:, t]`` is the state whose logits predict ``completion_ids[:, t]``. Every
+    option, output and metric is that of ``grpo_loss`` on ``hidden_states @ weight.T + bias``.
+    A weight that does not require grad (a frozen lm_head, LoRA) gets no gradient pass.
+    """
+    opts = options if options is not None else GRPOOptions(**option_kwargs)
+    if options is not None and option_kwargs:
+        raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
+    _check_linear_inputs(hidden_states, weight, bias)
+    B, T, H = hidden_states.shape
+    logits_like = hidden_states.new_empty(()).expand(B, T, weight.shape[0])  # shape checks only, no memory
+    check_inputs(logits_like, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
+                 normalizer, opts, check_ids)
+    engine = resolve_backend(backend, hidden_states)
+    mask = completion_mask.float()
+    logp, entropy = LinearTokenLogprobs.apply(
+        hidden_states.reshape(B * T, H).contiguous(), weight.contiguous(),
+        None if bias is None else bias.contiguous(), completion_ids.reshape(-1).contiguous(), opts.temperature,
+        opts.compute_entropy, engine,
+    )
+    active = mask != 0  # as in the logits path: masked positions read as 0
+    logp = torch.where(active, logp.view(B, T), 0.0)
+    entropy = None if entropy is None else torch.where(active, entropy.view(B, T), 0.0)
+    return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
+                            opts)
 
 
 def selective_log_softmax(
@@ -205,4 +275,21 @@ class GRPOLoss(nn.Module):
             logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
             normalizer, options=self.options, backend=self.backend, in_place_backward=self.in_place_backward,
             check_ids=self.check_ids, one_pass=self.one_pass,
+        )
+
+
+class FusedLinearGRPOLoss(GRPOLoss):
+    """``GRPOLoss`` from hidden states and the lm_head weight: the [N, V] logits are never materialized.
+
+    Same options and outputs as ``GRPOLoss``; call with
+    ``(hidden_states [B, T, H], weight [V, H], completion_ids, completion_mask, advantages,
+    old_logps=None, ref_logps=None, importance_weights=None, normalizer=None, bias=None)``.
+    """
+
+    def forward(self, hidden_states, weight, completion_ids, completion_mask, advantages, old_logps=None,
+                ref_logps=None, importance_weights=None, normalizer=None, bias=None) -> GRPOLossOutput:
+        return fused_linear_grpo_loss(
+            hidden_states, weight, completion_ids, completion_mask, advantages, old_logps, ref_logps,
+            importance_weights, normalizer, bias=bias, options=self.options, backend=self.backend,
+            check_ids=self.check_ids,
         )

@@ -83,3 +83,56 @@ def backward(
         piece_grad.scatter_add_(-1, flat_ids[n].unsqueeze(-1), g)
         (piece if in_place else grad_rows[n]).copy_(piece_grad)  # cast to the logits' dtype
     return grad
+
+
+def linear_chunk_rows(V: int) -> int:
+    """Tokens per chunk of the fused lm_head path: CHUNK_ELEMENTS logits at a time."""
+    return max(1, CHUNK_ELEMENTS // max(V, 1))
+
+
+def _chunk_logits(hidden_chunk, weight, bias, inv_temperature):
+    x = hidden_chunk.float() @ weight.float().T
+    if bias is not None:
+        x += bias.float()
+    return x * inv_temperature
+
+
+def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entropy: bool):
+    """lse, logp, entropy (fp32 [N]) of the lm_head logits, a chunk of tokens at a time."""
+    N = hidden.shape[0]
+    f32 = dict(device=hidden.device, dtype=torch.float32)
+    lse, logp = torch.empty(N, **f32), torch.empty(N, **f32)
+    entropy = torch.empty(N, **f32) if compute_entropy else None
+    step, inv_temperature, flat_ids = linear_chunk_rows(weight.shape[0]), 1.0 / temperature, ids.long()
+    for n0 in range(0, N, step):
+        n = slice(n0, min(n0 + step, N))
+        x = _chunk_logits(hidden[n], weight, bias, inv_temperature)  # [chunk, V], the only V-sized workspace
+        chunk_lse = torch.logsumexp(x, -1)
+        lse[n] = chunk_lse
+        logp[n] = x.gather(-1, flat_ids[n].unsqueeze(-1)).squeeze(-1) - chunk_lse
+        if compute_entropy:
+            p = torch.exp(x - chunk_lse.unsqueeze(-1))
+            entropy[n] = chunk_lse - (p * torch.where(p > 0, x, 0.0)).sum(-1)
+    return lse, logp, entropy
+
+
+def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool):
+    """d hidden, d weight (or None), d bias (or None) in fp32, recomputing each chunk's logits."""
+    N, H = hidden.shape
+    dh = torch.empty(N, H, device=hidden.device, dtype=torch.float32)
+    dw = torch.zeros_like(weight, dtype=torch.float32) if compute_weight_grad else None
+    db = torch.zeros(weight.shape[0], device=hidden.device) if compute_weight_grad and bias is not None else None
+    step, inv_temperature, flat_ids = linear_chunk_rows(weight.shape[0]), 1.0 / temperature, ids.long()
+    w32 = weight.float()
+    for n0 in range(0, N, step):
+        n = slice(n0, min(n0 + step, N))
+        x = _chunk_logits(hidden[n], weight, bias, inv_temperature)
+        gs = (g[n] * inv_temperature).unsqueeze(-1)
+        dx = torch.exp(x - lse[n].unsqueeze(-1)).mul_(-gs)  # in place: one [chunk, V] buffer
+        dx.scatter_add_(-1, flat_ids[n].unsqueeze(-1), gs)
+        dh[n] = dx @ w32
+        if dw is not None:
+            dw.addmm_(dx.T, hidden[n].float())
+        if db is not None:
+            db += dx.sum(0)
+    return dh, dw, db

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .advantages import group_advantages, process_advantages
-from .loss import GRPOLoss, token_logprobs
+from .loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
 from .process_labels import labels_to_step_rewards
 
 RewardFunction = Callable[..., List[Optional[float]]]
@@ -45,6 +45,9 @@ class TrainerConfig:
     # MATH-SHEPHERD labels: every completion token ends a step, labelled by N completions
     # sampled from it (the share that reaches a correct answer), then process_advantages.
     process_rollouts: int = 0
+    # compute the loss from the last hidden states and the lm_head weight (FusedLinearGRPOLoss):
+    # the [B, T, V] logits of the update are never materialized
+    fused_lm_head: bool = False
     temperature: float = 1.0
     max_new_tokens: int = 8
     max_grad_norm: float = 1.0
@@ -113,7 +116,8 @@ class GRPOTrainer:
         self.ref_model = None
         if config.beta > 0:  # a frozen copy of the starting policy
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.loss_fn = GRPOLoss(loss_type=config.loss_type, beta=config.beta, epsilon=config.epsilon,
+        loss_cls = FusedLinearGRPOLoss if config.fused_lm_head else GRPOLoss
+        self.loss_fn = loss_cls(loss_type=config.loss_type, beta=config.beta, epsilon=config.epsilon,
                                 epsilon_high=config.epsilon_high, temperature=config.temperature,
                                 max_completion_length=config.max_new_tokens)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
@@ -233,6 +237,16 @@ class GRPOTrainer:
         step_ends = [list(range(n)) for n in lengths]
         return labels_to_step_rewards(labels, step_ends, device=self.device)
 
+    def _hidden_states(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        """Last hidden states [B, T, H] whose lm_head logits predict the completion tokens."""
+        input_ids = torch.cat([prompt_ids, completion_ids], 1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(self.device).startswith("cuda")):
+            hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                         position_ids=position_ids).last_hidden_state
+        return hidden[:, prompt_ids.shape[1] - 1: -1]
+
     def accumulate_gradients(self, r: Rollout, old_logps=None, ref_logps=None):
         """One backward of GRPOLoss on this rank's rollout, gradients averaged over ranks.
 
@@ -246,8 +260,16 @@ class GRPOTrainer:
         global_tokens = all_reduce_sum(local_tokens).clamp(min=1.0)
         normalizer = global_tokens / size if self.config.loss_type in ("dapo", "cispo") else None
         inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
-        out = self.loss_fn(self._logits(self.model, *inputs), r.completion_ids, r.completion_mask, r.advantages,
-                           old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer)
+        if self.config.fused_lm_head:
+            head = self.model.get_output_embeddings()
+            hidden = self._hidden_states(self.model, *inputs)
+            weight = head.weight.to(hidden.dtype)
+            bias = None if getattr(head, "bias", None) is None else head.bias.to(hidden.dtype)
+            out = self.loss_fn(hidden, weight, r.completion_ids, r.completion_mask, r.advantages,
+                               old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer, bias=bias)
+        else:
+            out = self.loss_fn(self._logits(self.model, *inputs), r.completion_ids, r.completion_mask,
+                               r.advantages, old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer)
         loss = out.loss
         if self.config.loss_type == "bnpo":  # a token mean over all ranks, not this rank's
             loss = loss * local_tokens.clamp(min=1.0) * size / global_tokens

@@ -35,10 +35,14 @@ def test_every_specialization_compiles_without_spills(records):
     assert {r["kernel"] for r in records} == {"forward", "backward"}
     spilled = [r for r in records if r["spill_bytes"] or r["local_bytes"]]
     assert not spilled, f"register spills: {spilled}"
-    assert all(0 < r["registers"] <= 128 for r in records), "a kernel needs over 128 registers: occupancy drops"
+    streaming = [r for r in records if "fused-linear" not in r["specialization"]]
+    # the memory-bound logits kernels need occupancy: at most 128 registers a thread
+    assert all(0 < r["registers"] <= 128 for r in streaming), "a logits kernel needs over 128 registers"
+    assert any("fused-linear" in r["specialization"] for r in records)
 
 
 def test_aligned_rows_use_128_bit_vector_loads(records):
-    aligned = [r for r in records if "row_align=1" not in r["specialization"]]
+    aligned = [r for r in records if "row_align=1" not in r["specialization"] and "fused-linear" not in
+               r["specialization"]]
     assert aligned and all(r["vector_loads_128"] >= 1 for r in aligned), [
         r for r in aligned if r["vector_loads_128"] < 1]

@@ -166,3 +166,15 @@ def test_process_supervision_from_the_command_line(tmp_path, capsys):
                      "--save-every", "0"]) == 0
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in lines if "reward" in r] == [1, 2]
+
+
+def test_fused_lm_head_option_gives_the_same_gradients(tiny):
+    """--fused-lm-head: the update from hidden states and the lm_head weight equals the logits path's."""
+    model, _ = tiny
+    rollout = _trainer(tiny).rollout()
+    grads = []
+    for fused in (False, True):
+        _trainer(tiny, fused_lm_head=fused).accumulate_gradients(rollout)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)

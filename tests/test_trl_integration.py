@@ -175,3 +175,19 @@ def test_two_processes_match_one_process_on_the_trl_path(model_dir, dataset, tmp
     _, expected, _ = _loss_and_grads(single, _batch(single, off_policy=True, beta=0.0), 1)
     for e, a in zip(expected, torch.load(out_file)):
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_fused_lm_head_option_matches_trl(model_dir, dataset, tmp_path, loss_type):
+    config = dict(loss_type=loss_type, beta=0.04)
+    stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
+    args = GRPOConfig(output_dir=str(tmp_path / "fused"), per_device_train_batch_size=B, num_generations=G,
+                      max_completion_length=T, report_to="none", use_cpu=True, bf16=False, **config)
+    ours = GRPOKernelsTrainer(model=model_dir, reward_funcs=exact_answer, args=args, train_dataset=dataset,
+                              processing_class=compare.build_tokenizer(), fused_lm_head=True)
+    batch = _batch(stock, off_policy=True, beta=0.04)
+    expected_loss, expected_grads, _ = _loss_and_grads(stock, batch, 1)
+    loss, grads, _ = _loss_and_grads(ours, batch, 1)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
+    for e, a in zip(expected_grads, grads):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)

@@ -22,7 +22,7 @@ try:
 except ImportError as err:  # the trl extra is optional
     raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
 
-from ..loss import GRPOLoss
+from ..loss import FusedLinearGRPOLoss, GRPOLoss
 from ..options import LOSS_TYPES, PPO_CLIP_LOSS_TYPES
 
 # loss_type -> TRL divides the loss by the gradient-accumulation steps (in training)
@@ -51,14 +51,17 @@ def unsupported_options(trainer) -> list:
 class GRPOKernelsTrainer(GRPOTrainer):
     """TRL's GRPOTrainer whose loss is grpo-kernels' fused ``GRPOLoss``."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, fused_lm_head: bool = False, **kwargs):
+        """TRL's arguments, plus ``fused_lm_head``: compute the loss from the last hidden states and the
+        lm_head weight (``FusedLinearGRPOLoss``), never materializing the [B, T, V] logits."""
         super().__init__(*args, **kwargs)
+        self.fused_lm_head = fused_lm_head
         problems = unsupported_options(self)
         if problems:
             raise ValueError("GRPOKernelsTrainer does not support " + "; ".join(problems)
                              + ". Use TRL's GRPOTrainer for these.")
         cfg = self.args
-        self.grpo_loss = GRPOLoss(
+        self.grpo_loss = (FusedLinearGRPOLoss if fused_lm_head else GRPOLoss)(
             loss_type=self.loss_type,
             beta=float(self.beta),
             epsilon=float(self.epsilon_low),
@@ -86,6 +89,17 @@ class GRPOKernelsTrainer(GRPOTrainer):
             logits = model(**model_inputs).logits
         return logits[:, -(T + 1):-1]
 
+    def _completion_hidden_states(self, model, inputs):
+        """Last hidden states [B, T, H] whose lm_head logits predict the completion tokens, and the head."""
+        completion_ids = inputs["completion_ids"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        with self.accelerator.autocast():
+            hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        T = completion_ids.size(1)
+        return hidden[:, -(T + 1):-1], base.get_output_embeddings()
+
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -98,12 +112,17 @@ class GRPOKernelsTrainer(GRPOTrainer):
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        out = self.grpo_loss(
-            self._completion_logits(model, inputs), completion_ids, mask, inputs["advantages"],
-            old_logps=inputs.get("old_per_token_logps"),
-            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            importance_weights=importance_weights, normalizer=normalizer,
-        )
+        loss_inputs = dict(old_logps=inputs.get("old_per_token_logps"),
+                           ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+                           importance_weights=importance_weights, normalizer=normalizer)
+        if self.fused_lm_head:
+            hidden, head = self._completion_hidden_states(model, inputs)
+            bias = None if getattr(head, "bias", None) is None else head.bias.to(hidden.dtype)
+            out = self.grpo_loss(hidden, head.weight.to(hidden.dtype), completion_ids, mask, inputs["advantages"],
+                                 bias=bias, **loss_inputs)
+        else:
+            out = self.grpo_loss(self._completion_logits(model, inputs), completion_ids, mask, inputs["advantages"],
+                                 **loss_inputs)
         loss = out.loss
         if self.loss_type in _DIVIDED_BY_ACCUMULATION and mode == "train":
             loss = loss / self.current_gradient_accumulation_steps

@@ -18,8 +18,9 @@ import tempfile
 from typing import Dict, Iterator, List, Tuple
 
 from ..options import GRPOOptions
+from . import fused_linear as FL
 from . import grpo as K
-from .launch import block_config, forward_constexprs
+from .launch import block_config, forward_constexprs, linear_block_config
 
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 VOCAB_SIZES = (1003, 32000, 151936)  # one block (small V) and the looping configs
@@ -93,9 +94,45 @@ def _compile(fn, signature, constexprs, num_warps: int, arch: int):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
+def _linear_signature(fn, dtype: str) -> Dict[str, str]:
+    sig = {name: "*fp32" for name in fn.arg_names}
+    sig.update(h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", b_ptr=f"*{dtype}", ids_ptr="*i64", inv_temperature="fp32")
+    for name in ("N", "V", "H"):
+        sig[name] = "i64"
+    return sig
+
+
+def compile_fused_linear(arch: int) -> List[Dict[str, object]]:
+    """The fused lm_head kernels at the launcher's tiles, per dtype, with and without bias / d weight."""
+    records = []
+    for dtype, torch_dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
+        import torch
+
+        cfg = linear_block_config(getattr(torch, torch_dtype))
+        tiles = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H")}
+        common = {"DOT_PRECISION": cfg["DOT_PRECISION"], "UPCAST": False, **tiles}
+        for has_bias in (False, True):
+            flags = {"HAS_BIAS": has_bias, "COMPUTE_ENTROPY": True, **common}
+            compiled = _compile(FL.linear_logprob_forward_kernel,
+                                _linear_signature(FL.linear_logprob_forward_kernel, dtype), flags,
+                                cfg["num_warps"], arch)
+            label = f"fused-linear forward bias={has_bias}"
+            records.append(_record("forward", label, dtype, {"BLOCK_V": tiles["BLOCK_V"],
+                                   "num_warps": cfg["num_warps"]}, compiled, arch))
+            for compute_dw in (False, True):
+                flags = {"HAS_BIAS": has_bias, "COMPUTE_DW": compute_dw, **common}
+                compiled = _compile(FL.linear_logprob_backward_kernel,
+                                    _linear_signature(FL.linear_logprob_backward_kernel, dtype), flags,
+                                    cfg["num_warps"], arch)
+                label = f"fused-linear backward bias={has_bias} d_weight={compute_dw}"
+                records.append(_record("backward", label, dtype, {"BLOCK_V": tiles["BLOCK_V"],
+                                       "num_warps": cfg["num_warps"]}, compiled, arch))
+    return records
+
+
 def compile_all(arch: int = 90) -> List[Dict[str, object]]:
     """Compile every specialization; return one record per kernel build."""
-    records = []
+    records = compile_fused_linear(arch)
     for dtype, size in DTYPES.items():
         configs = {tuple(block_config(v, size).items()) for v in VOCAB_SIZES}
         for config in sorted(configs):

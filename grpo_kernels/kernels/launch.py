@@ -184,3 +184,76 @@ def backward(
             BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
         )
     return grad
+
+
+def linear_block_config(dtype: torch.dtype) -> Dict[str, object]:
+    """Tiles of the fused lm_head kernels: [BLOCK_N x BLOCK_H] @ [BLOCK_H x BLOCK_V] products.
+
+    64 x 128 output tiles over 64-wide H slices keep the fp32 accumulator at 32 registers a
+    thread with 8 warps (checked for spills by tests/test_aot_compile.py); fp32 inputs use
+    exact ("ieee") products so that fp32 matches the reference, 16-bit inputs the tensor cores.
+    """
+    return {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8,
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+
+
+def _linear_block_config_for(N: int, V: int, H: int, dtype) -> Dict[str, object]:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from . import fused_linear as FL
+
+    config = linear_block_config(dtype)
+    # the interpreter cannot multiply bf16 tl.dot operands (see kernels/fused_linear.py)
+    config["UPCAST"] = dtype == torch.bfloat16 and isinstance(FL.linear_logprob_forward_kernel, InterpretedFunction)
+    if config["UPCAST"]:
+        config["DOT_PRECISION"] = "ieee"
+    # small problems (tests, the interpreter): shrink the tiles, tl.dot needs 16 at least
+    config["BLOCK_N"] = max(16, min(config["BLOCK_N"], triton.next_power_of_2(N)))
+    config["BLOCK_V"] = max(16, min(config["BLOCK_V"], triton.next_power_of_2(V)))
+    config["BLOCK_H"] = max(16, min(config["BLOCK_H"], triton.next_power_of_2(H)))
+    return config
+
+
+def linear_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
+                   temperature: float, compute_entropy: bool):
+    """lse, logp, entropy (fp32 [N]) of (hidden [N, H] @ weight[V, H]^T + bias) / temperature."""
+    from . import fused_linear as FL
+
+    N, H = hidden.shape
+    V = weight.shape[0]
+    f32 = dict(device=hidden.device, dtype=torch.float32)
+    lse, logp = torch.empty(N, **f32), torch.empty(N, **f32)
+    entropy = torch.empty(N, **f32) if compute_entropy else None
+    cfg = _linear_block_config_for(N, V, H, hidden.dtype)
+    if N > 0:
+        FL.linear_logprob_forward_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+            hidden, weight, weight if bias is None else bias, ids, N, V, H, lse, logp,
+            logp if entropy is None else entropy, 1.0 / temperature,
+            HAS_BIAS=bias is not None, COMPUTE_ENTROPY=compute_entropy, DOT_PRECISION=cfg["DOT_PRECISION"],
+            UPCAST=cfg["UPCAST"],
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"],
+        )
+    return lse, logp, entropy
+
+
+def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool):
+    """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None) from g = dLoss/dlogp (fp32 [N])."""
+    from . import fused_linear as FL
+
+    N, H = hidden.shape
+    V = weight.shape[0]
+    cfg = _linear_block_config_for(N, V, H, hidden.dtype)
+    dh = torch.zeros(N, H, device=hidden.device, dtype=torch.float32)
+    dw = torch.zeros(V, H, device=hidden.device, dtype=torch.float32) if compute_weight_grad else None
+    db = torch.zeros(V, device=hidden.device, dtype=torch.float32) if compute_weight_grad and bias is not None \
+        else None
+    if N > 0:
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(V, cfg["BLOCK_V"]),)
+        FL.linear_logprob_backward_kernel[grid](
+            hidden, weight, weight if bias is None else bias, ids, N, V, H, lse, g, dh,
+            dh if dw is None else dw, dh if db is None else db, 1.0 / temperature,
+            HAS_BIAS=bias is not None, COMPUTE_DW=compute_weight_grad, DOT_PRECISION=cfg["DOT_PRECISION"],
+            UPCAST=cfg["UPCAST"],
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"],
+        )
+    return dh, dw, db
