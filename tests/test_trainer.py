@@ -178,3 +178,20 @@ def test_fused_lm_head_option_gives_the_same_gradients(tiny):
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+
+
+def test_train_any_local_hugging_face_model(tmp_path, tiny):
+    """--model PATH: a causal LM folder (here a Qwen2 config, saved locally) trains with no warm-up."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = compare.build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    path = str(tmp_path / "qwen2-tiny")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    out = str(tmp_path / "run")
+    assert cli.main(["train", "--model", path, "--steps", "2", "--eval-size", "8", "--group-size", "2",
+                     "--prompts-per-step", "2", "--output-dir", out, "--no-progress", "--save-every", "0"]) == 0
+    assert latest_checkpoint(out).endswith("checkpoint-2")
