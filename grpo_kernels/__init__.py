@@ -5,6 +5,8 @@ from .loss import (FusedLinearGRPOLoss, GRPOLoss, fused_linear_grpo_loss, grpo_l
 from .options import GRPOOptions
 from .reference import GRPOLossOutput, grpo_loss_reference
 
-__all__ = ["FusedLinearGRPOLoss", "GRPOLoss", "fused_linear_grpo_loss", "GRPOLossOutput", "GRPOOptions", "grpo_loss", "grpo_loss_reference",
-           "selective_log_softmax", "token_logprobs"]
+__all__ = [
+    "FusedLinearGRPOLoss", "GRPOLoss", "GRPOLossOutput", "GRPOOptions", "fused_linear_grpo_loss", "grpo_loss",
+    "grpo_loss_reference", "selective_log_softmax", "token_logprobs",
+]
 __version__ = "0.1.0"

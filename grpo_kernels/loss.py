@@ -44,9 +44,9 @@ def grpo_loss(
     Options come as ``options=GRPOOptions(...)`` or as keywords (TRL's names). See
     ``GRPOLoss`` for the arguments.
     """
-    opts = options if options is not None else GRPOOptions(**option_kwargs)
     if options is not None and option_kwargs:
         raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
+    opts = options if options is not None else GRPOOptions(**option_kwargs)
     check_inputs(logits, completion_ids, completion_mask, advantages, old_logps, ref_logps,
                  importance_weights, normalizer, opts, check_ids)
     engine = resolve_backend(backend, logits)
@@ -60,25 +60,20 @@ def grpo_loss(
             f"backend='triton' needs logits with a unit last stride, got strides {tuple(logits.stride())}; "
             "views that slice B or T are fine, a transposed vocabulary is not (call .contiguous())"
         )
-    fused = engine == "triton" and not opts.sequence_level
-    wants_grad = torch.is_grad_enabled() and logits.requires_grad
-    if fused and one_pass and wants_grad and not in_place_backward:
-        grad_weight = ref.reduction_weights(mask, opts, normalizer).float().reshape(-1).contiguous()
-        loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
+    if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
+        kernel_inputs = (
             logits, completion_ids.contiguous(), flat_mask, _flat_f32(advantages, B, T),
             _flat_f32(old_logps, B, T), _flat_f32(ref_logps, B, T) if opts.uses_kl else None,
-            _flat_f32(importance_weights, B, T), grad_weight, opts,
+            _flat_f32(importance_weights, B, T),
         )
+        wants_grad = torch.is_grad_enabled() and logits.requires_grad
+        if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
+            grad_weight = ref.reduction_weights(mask, opts, normalizer).float().reshape(-1).contiguous()
+            loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(*kernel_inputs, grad_weight, opts)
+        else:  # two-pass: dLoss/dlogp applied by the backward kernel
+            loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward)
+            loss = ref.reduce_loss(loss_t, mask, opts, normalizer)
         terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
-        return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
-    if fused:  # two-pass: the kernel's per-token loss, dLoss/dlogp applied in the backward kernel
-        loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(
-            logits, completion_ids.contiguous(), flat_mask, _flat_f32(advantages, B, T),
-            _flat_f32(old_logps, B, T), _flat_f32(ref_logps, B, T) if opts.uses_kl else None,
-            _flat_f32(importance_weights, B, T), opts, in_place_backward,
-        )
-        terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
-        loss = ref.reduce_loss(terms.per_token_loss, mask, opts, normalizer)
         return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
     logp, entropy = TokenLogprobs.apply(
         logits, completion_ids.contiguous(), flat_mask, opts.temperature, opts.compute_entropy,
@@ -167,9 +162,9 @@ def fused_linear_grpo_loss(
     option, output and metric is that of ``grpo_loss`` on ``hidden_states @ weight.T + bias``.
     A weight that does not require grad (a frozen lm_head, LoRA) gets no gradient pass.
     """
-    opts = options if options is not None else GRPOOptions(**option_kwargs)
     if options is not None and option_kwargs:
         raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
+    opts = options if options is not None else GRPOOptions(**option_kwargs)
     _check_linear_inputs(hidden_states, weight, bias)
     B, T, H = hidden_states.shape
     logits_like = hidden_states.new_empty(()).expand(B, T, weight.shape[0])  # shape checks only, no memory
