@@ -12,24 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
+
+from rss import measure, run_each
 
 PATHS = ("materialized (eager)", "ours, unfused", "ours, fused")
 
 
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
 def run_one(path: str, n: int, h: int, v: int) -> dict:
-    import gc
-
     import torch
 
     from grpo_kernels import fused_linear_grpo_loss, grpo_loss, grpo_loss_reference
@@ -52,14 +41,7 @@ def run_one(path: str, n: int, h: int, v: int) -> dict:
         loss.backward()
 
     step()  # warm-up; the gradients it leaves are inputs-sized and stay allocated
-    gc.collect()
-    base = _kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    start = time.perf_counter()
-    step()
-    seconds = time.perf_counter() - start
-    extra = (_kib("VmHWM") - base) * 1024
+    seconds, extra = measure(step)
     return {"path": path, "N": B * T, "H": h, "V": v, "seconds": seconds, "peak_extra_bytes": extra,
             "logits_fp32_bytes": B * T * v * 4, "torch": torch.__version__}
 
@@ -75,11 +57,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(run_one(args.one, args.n, args.h, args.v)))
         return
-    results = []
-    for path in PATHS:
-        out = subprocess.run([sys.executable, __file__, "--one", path, "--n", str(args.n), "--h", str(args.h),
-                              "--v", str(args.v)], capture_output=True, text=True, check=True)
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    results = run_each(__file__, PATHS, ["--n", str(args.n), "--h", str(args.h), "--v", str(args.v)])
     base = results[0]["peak_extra_bytes"]
     print("| path | seconds (fwd+bwd) | peak memory above the inputs | vs materialized |")
     print("|---|---|---|---|")

@@ -14,19 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
-import sys
-import time
+
+from rss import measure, run_each
 
 PATHS = ("eager", "ours", "ours in-place")
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def run_one(path: str, n: int, v: int, temperature: float) -> dict:
@@ -66,17 +57,7 @@ def run_one(path: str, n: int, v: int, temperature: float) -> dict:
         step(warm)
         del warm
         logits = torch.randn(B, T, v).requires_grad_()
-    import gc
-
-    gc.collect()
-    base_kib = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS mark to the current RSS
-    start = time.perf_counter()
-    step(logits)
-    seconds = time.perf_counter() - start
-    peak_kib = _status_kib("VmHWM")
-    extra = (peak_kib - base_kib) * 1024
+    seconds, extra = measure(lambda: step(logits))
     return {"path": path, "N": n, "V": v, "dtype": "float32", "temperature": temperature, "logits_bytes": S,
             "seconds": seconds, "peak_extra_bytes": extra, "peak_extra_over_S": extra / S,
             "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "threads":
@@ -94,11 +75,8 @@ def main() -> None:
     if args.one:
         print(json.dumps(run_one(args.one, args.n, args.v, args.temperature)))
         return
-    results = []
-    for path in PATHS:
-        out = subprocess.run([sys.executable, __file__, "--one", path, "--n", str(args.n), "--v", str(args.v),
-                              "--temperature", str(args.temperature)], capture_output=True, text=True, check=True)
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    results = run_each(__file__, PATHS, ["--n", str(args.n), "--v", str(args.v), "--temperature",
+                                         str(args.temperature)])
     print("| path | seconds (fwd+bwd) | peak extra memory | / S |")
     print("|---|---|---|---|")
     for r in results:

@@ -69,6 +69,15 @@ def _loss_and_grads(trainer, batch, accumulation):
     return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()], metrics
 
 
+def assert_same_as_trl(stock, ours, batch, accumulation=1):
+    expected_loss, expected_grads, expected_metrics = _loss_and_grads(stock, batch, accumulation)
+    loss, grads, metrics = _loss_and_grads(ours, batch, accumulation)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
+    for e, a in zip(expected_grads, grads):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+    return expected_metrics, metrics
+
+
 CASES = [(lt, level, beta, acc) for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
          for level in ("token", "sequence") for beta, acc in ((0.0, 1), (0.04, 2))]
 
@@ -80,12 +89,8 @@ def test_same_loss_gradients_and_metrics_as_trl(model_dir, dataset, tmp_path, lo
                   use_bias_correction_kl=beta > 0 and level == "token")
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
     ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
-    batch = _batch(stock, off_policy=True, beta=beta)
-    expected_loss, expected_grads, expected_metrics = _loss_and_grads(stock, batch, accumulation)
-    loss, grads, metrics = _loss_and_grads(ours, batch, accumulation)
-    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
-    for e, a in zip(expected_grads, grads):
-        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+    expected_metrics, metrics = assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=beta),
+                                                   accumulation)
     for key in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                 "cispo_clip_ratio"):
         if key in expected_metrics:
@@ -96,11 +101,7 @@ def test_on_policy_batch_matches_trl(model_dir, dataset, tmp_path):
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path)
     ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path)
     batch = _batch(stock, off_policy=False, beta=0.0)
-    expected_loss, expected_grads, _ = _loss_and_grads(stock, batch, 1)
-    loss, grads, _ = _loss_and_grads(ours, batch, 1)
-    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
-    for e, a in zip(expected_grads, grads):
-        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+    assert_same_as_trl(stock, ours, batch)
 
 
 def test_unsupported_trl_options_raise(model_dir, dataset, tmp_path):
@@ -125,11 +126,7 @@ def test_vllm_importance_sampling_correction_matches_trl(model_dir, dataset, tmp
     batch["importance_sampling_ratio"] = 0.5 + torch.rand((B, T) if shape == "token" else (B, 1), generator=g)
     for trainer in (stock, ours):  # what TRL sets when it samples with vLLM
         trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
-    expected_loss, expected_grads, _ = _loss_and_grads(stock, batch, 1)
-    loss, grads, _ = _loss_and_grads(ours, batch, 1)
-    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
-    for e, a in zip(expected_grads, grads):
-        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+    assert_same_as_trl(stock, ours, batch)
 
 
 def _trl_rank(rank, world, port, model_dir, out_file, loss_type):
@@ -186,8 +183,4 @@ def test_fused_lm_head_option_matches_trl(model_dir, dataset, tmp_path, loss_typ
     ours = GRPOKernelsTrainer(model=model_dir, reward_funcs=exact_answer, args=args, train_dataset=dataset,
                               processing_class=compare.build_tokenizer(), fused_lm_head=True)
     batch = _batch(stock, off_policy=True, beta=0.04)
-    expected_loss, expected_grads, _ = _loss_and_grads(stock, batch, 1)
-    loss, grads, _ = _loss_and_grads(ours, batch, 1)
-    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
-    for e, a in zip(expected_grads, grads):
-        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+    assert_same_as_trl(stock, ours, batch)

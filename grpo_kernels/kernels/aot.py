@@ -104,29 +104,22 @@ def _linear_signature(fn, dtype: str) -> Dict[str, str]:
 
 def compile_fused_linear(arch: int) -> List[Dict[str, object]]:
     """The fused lm_head kernels at the launcher's tiles, per dtype, with and without bias / d weight."""
-    records = []
-    for dtype, torch_dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
-        import torch
+    import torch
 
-        cfg = linear_block_config(getattr(torch, torch_dtype))
-        tiles = {k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H")}
-        common = {"DOT_PRECISION": cfg["DOT_PRECISION"], "UPCAST": False, **tiles}
-        for has_bias in (False, True):
-            flags = {"HAS_BIAS": has_bias, "COMPUTE_ENTROPY": True, **common}
-            compiled = _compile(FL.linear_logprob_forward_kernel,
-                                _linear_signature(FL.linear_logprob_forward_kernel, dtype), flags,
-                                cfg["num_warps"], arch)
-            label = f"fused-linear forward bias={has_bias}"
-            records.append(_record("forward", label, dtype, {"BLOCK_V": tiles["BLOCK_V"],
-                                   "num_warps": cfg["num_warps"]}, compiled, arch))
-            for compute_dw in (False, True):
-                flags = {"HAS_BIAS": has_bias, "COMPUTE_DW": compute_dw, **common}
-                compiled = _compile(FL.linear_logprob_backward_kernel,
-                                    _linear_signature(FL.linear_logprob_backward_kernel, dtype), flags,
-                                    cfg["num_warps"], arch)
-                label = f"fused-linear backward bias={has_bias} d_weight={compute_dw}"
-                records.append(_record("backward", label, dtype, {"BLOCK_V": tiles["BLOCK_V"],
-                                       "num_warps": cfg["num_warps"]}, compiled, arch))
+    records = []
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        cfg = linear_block_config(torch_dtype)
+        common = {"DOT_PRECISION": cfg["DOT_PRECISION"], "UPCAST": False,
+                  **{k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H")}}
+        builds = [(FL.linear_logprob_forward_kernel, "forward", {"HAS_BIAS": bias, "COMPUTE_ENTROPY": True})
+                  for bias in (False, True)]
+        builds += [(FL.linear_logprob_backward_kernel, "backward", {"HAS_BIAS": bias, "COMPUTE_DW": dw})
+                   for bias in (False, True) for dw in (False, True)]
+        for kernel, name, flags in builds:
+            compiled = _compile(kernel, _linear_signature(kernel, dtype), {**flags, **common}, cfg["num_warps"], arch)
+            label = "fused-linear " + name + "".join(f" {k.lower()}={v}" for k, v in flags.items())
+            records.append(_record(name, label, dtype, {"BLOCK_V": cfg["BLOCK_V"], "num_warps": cfg["num_warps"]},
+                                   compiled, arch))
     return records
 
 
