@@ -194,11 +194,11 @@ def selective_log_softmax(
     is written in the logits' dtype without materializing the log-softmax: a drop-in for
     TRL's ``selective_log_softmax`` and verl's ``logprobs_from_logits``.
     """
-    check_logits(logits.reshape(1, -1, logits.shape[-1]) if logits.dim() != 3 else logits)
     lead = logits.shape[:-1]
+    as_3d = logits if logits.dim() == 3 else logits.reshape(1, -1, logits.shape[-1])
+    check_logits(as_3d)
     if tuple(index.shape) != tuple(lead):
         raise ValueError(f"index must have shape {tuple(lead)} (logits without V), got {tuple(index.shape)}")
-    as_3d = logits if logits.dim() == 3 else logits.reshape(1, -1, logits.shape[-1])
     ids = index.reshape(as_3d.shape[:2])
     check_token_ids(ids, as_3d, True)
     GRPOOptions(temperature=temperature)  # validates the temperature

@@ -14,12 +14,13 @@ from typing import Dict, List, Sequence
 import torch
 
 from .family import reward_model_loss
+from .trainer import left_padded_positions
 
 
 def _scores(model, tokenizer, texts: Sequence[str], device: str) -> torch.Tensor:
     enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    position_ids = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=position_ids).logits[:, 0]
+    return model(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
+                 position_ids=left_padded_positions(enc.attention_mask)).logits[:, 0]
 
 
 def train_reward_model(model, tokenizer, pairs: List[Dict[str, str]], *, steps: int, batch_size: int = 64,

@@ -65,6 +65,16 @@ class TrainerConfig:
                              f"got {self.prompts_per_step}, {self.num_iterations}, {self.max_new_tokens}, {self.steps}")
 
 
+def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows, numbered as ``generate()`` numbers them (0 at the first real token)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def reward_columns(rows: List[Dict]) -> Dict[str, list]:
+    """The rows' fields other than "prompt", one list each: the keyword arguments of a TRL reward function."""
+    return {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+
+
 def world() -> tuple:
     """(rank, world size); (0, 1) outside torchrun."""
     if dist.is_available() and dist.is_initialized():
@@ -157,7 +167,7 @@ class GRPOTrainer:
 
     def score(self, rows: List[Dict], completions: List[str]) -> torch.Tensor:
         """Rewards [B, K]: one column per reward function, NaN where it returned None."""
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        columns = reward_columns(rows)
         prompts = [row["prompt"] for row in rows]
         scores = []
         for func in self.reward_funcs:
@@ -174,14 +184,18 @@ class GRPOTrainer:
         return torch.tensor(scores, dtype=torch.float32).T
 
     # ----- the update ------------------------------------------------------------------
-    def _logits(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-        """Logits [B, T, V] that predict the completion tokens (a view, read in place by the kernel)."""
-        input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    def _completion_outputs(self, module, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        """``module`` run on prompt + completion (bf16 autocast on CUDA); its output and the prompt width."""
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded rows
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(self.device).startswith("cuda")):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        return logits[:, prompt_ids.shape[1] - 1: -1]
+            out = module(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=attention_mask,
+                         position_ids=left_padded_positions(attention_mask))
+        return out, prompt_ids.shape[1]
+
+    def _logits(self, model, *inputs):
+        """Logits [B, T, V] that predict the completion tokens (a view, read in place by the kernel)."""
+        out, width = self._completion_outputs(model, *inputs)
+        return out.logits[:, width - 1: -1]
 
     def rollout(self) -> Rollout:
         """Sample this rank's prompts, G completions each, score them, group advantages."""
@@ -221,8 +235,7 @@ class GRPOTrainer:
 
         def verify(items, completions):
             rows = [grouped[b] for b, _, _ in items]
-            columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-            return verifier([r["prompt"] for r in rows], completions, **columns)
+            return verifier([r["prompt"] for r in rows], completions, **reward_columns(rows))
 
         for (b, j, text), score in zip(finished, verify(finished, [t for _, _, t in finished]) if finished else []):
             labels[b][j] = float(score or 0.0)
@@ -237,15 +250,10 @@ class GRPOTrainer:
         step_ends = [list(range(n)) for n in lengths]
         return labels_to_step_rewards(labels, step_ends, device=self.device)
 
-    def _hidden_states(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    def _hidden_states(self, model, *inputs):
         """Last hidden states [B, T, H] whose lm_head logits predict the completion tokens."""
-        input_ids = torch.cat([prompt_ids, completion_ids], 1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(self.device).startswith("cuda")):
-            hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                         position_ids=position_ids).last_hidden_state
-        return hidden[:, prompt_ids.shape[1] - 1: -1]
+        out, width = self._completion_outputs(model.get_decoder(), *inputs)
+        return out.last_hidden_state[:, width - 1: -1]
 
     def accumulate_gradients(self, r: Rollout, old_logps=None, ref_logps=None):
         """One backward of GRPOLoss on this rank's rollout, gradients averaged over ranks.
@@ -328,8 +336,7 @@ class GRPOTrainer:
             rows = self.eval_rows[i:i + batch_size]
             _, _, completion_ids, _ = self.generate([r["prompt"] for r in rows], greedy=True)
             completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-            scores = self.eval_reward([r["prompt"] for r in rows], completions, **columns)
+            scores = self.eval_reward([r["prompt"] for r in rows], completions, **reward_columns(rows))
             correct += sum(float(s or 0.0) for s in scores)
         return correct / len(self.eval_rows)
 

@@ -75,13 +75,16 @@ class GRPOKernelsTrainer(GRPOTrainer):
             sapo_temperature_neg=float(cfg.sapo_temperature_neg),
         )
 
+    @staticmethod
+    def _sequence(inputs):
+        """Prompt + completion ids and attention mask, as TRL's own forward builds them."""
+        return {"input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+                "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)}
+
     def _completion_logits(self, model, inputs):
         """Logits [B, T, V] predicting the completion tokens (a view; the kernel reads it in place)."""
-        completion_ids = inputs["completion_ids"]
-        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        T = completion_ids.size(1)
-        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": T + 1}
+        T = inputs["completion_ids"].size(1)
+        model_inputs = {**self._sequence(inputs), "logits_to_keep": T + 1}
         for key in ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids"):
             if inputs.get(key) is not None:
                 model_inputs[key] = inputs[key]
@@ -91,13 +94,10 @@ class GRPOKernelsTrainer(GRPOTrainer):
 
     def _completion_hidden_states(self, model, inputs):
         """Last hidden states [B, T, H] whose lm_head logits predict the completion tokens, and the head."""
-        completion_ids = inputs["completion_ids"]
-        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         with self.accelerator.autocast():
-            hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        T = completion_ids.size(1)
+            hidden = base.get_decoder()(**self._sequence(inputs)).last_hidden_state
+        T = inputs["completion_ids"].size(1)
         return hidden[:, -(T + 1):-1], base.get_output_embeddings()
 
     def _compute_loss(self, model, inputs):

@@ -14,6 +14,7 @@ from typing import Dict, List
 import torch
 
 from .. import rewards
+from ..trainer import left_padded_positions
 
 NAME = "compare"
 PROMPT = "Which is bigger? {a:<4} or {b:<4}\nAnswer: "  # fixed-width fields: every prompt is 38 characters
@@ -100,9 +101,8 @@ def warmup(model, tokenizer, *, steps: int, batch_size: int = 64, lr: float = 2e
         pad = enc.attention_mask.shape[1] - enc.attention_mask.sum(1)
         for i, (p, n) in enumerate(zip(prompt_lens, pad.tolist())):
             labels[i, : n + p] = -100  # learn the completion only
-        position_ids = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        loss = model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=position_ids,
-                     labels=labels).loss
+        loss = model(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
+                     position_ids=left_padded_positions(enc.attention_mask), labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
