@@ -1,6 +1,6 @@
 """Autograd Functions over the kernels. They return per-token results; reductions live outside.
 
-Two Functions, one backward formula (``dlogits = g * (onehot - p) / tau``):
+From logits, one backward formula (``dlogits = g * (onehot - p) / tau``):
 
 - ``FusedTokenLoss`` (Triton, token-level importance sampling): the forward kernel also
   computes each token's loss and ``dloss/dlogp``; the backward only multiplies by the
@@ -8,6 +8,11 @@ Two Functions, one backward formula (``dlogits = g * (onehot - p) / tau``):
 - ``TokenLogprobs`` (Triton or the chunked torch path): per-token log-probs, with the loss
   math done by autograd on [B, T] tensors (sequence-level importance sampling, and the
   CPU path). Its backward receives ``g = dLoss/dlogp`` directly.
+- ``FusedTokenLossOnePass``: ``FusedTokenLoss`` that also writes dlogits in the forward.
+
+From hidden states and the lm_head weight (no [N, V] logits kept), the same split:
+``FusedLinearTokenLoss`` (Triton, token level, loss math in the kernel) and
+``LinearTokenLogprobs`` (log-probs only; Triton or torch).
 
 In-place backward (opt-in): the gradient is written into the logits' own storage and
 the storage's version counter is bumped, so any other autograd node that saved these
@@ -139,17 +144,34 @@ class TokenLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+def _linear_gradients(ctx, g):
+    """The shared backward of the lm_head Functions: d hidden, d weight, d bias from g = dLoss/dlogp."""
+    hidden, weight, bias, ids, lse = ctx.saved_tensors[:5]
+    backward_fn = launch.linear_backward if ctx.engine == "triton" else torch_path.linear_backward
+    wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+    dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, g.reshape(-1).float().contiguous(), ctx.temperature,
+                             wants_weight)
+    cast = lambda t, like, needed: t.to(like.dtype) if needed and t is not None else None  # noqa: E731
+    return (cast(dh, hidden, ctx.needs_input_grad[0]), cast(dw, weight, ctx.needs_input_grad[1]),
+            cast(db, bias, ctx.needs_input_grad[2]))
+
+
 class LinearTokenLogprobs(torch.autograd.Function):
     """log softmax((h @ W^T + b) / tau)[ids] with the lm_head fused in: no [N, V] tensor is kept.
 
     hidden [N, H], weight [V, H], bias [V] or None, ids [N]. The backward recomputes the
-    logits a tile (Triton) or a chunk (torch) at a time; a frozen weight gets no gradient.
+    logits a chunk at a time (Triton or torch); a frozen weight gets no gradient. Used
+    where the loss math needs autograd: sequence-level importance sampling, the torch path.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, engine: str):
-        forward_fn = launch.linear_forward if engine == "triton" else torch_path.linear_forward
-        lse, logp, entropy = forward_fn(hidden, weight, bias, ids, temperature, compute_entropy)
+        if engine == "triton":
+            r = launch.linear_forward(hidden, weight, bias, ids, temperature=temperature,
+                                      compute_entropy=compute_entropy)
+            lse, logp, entropy = r.lse, r.logp, r.entropy
+        else:
+            lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy)
         ctx.save_for_backward(hidden, weight, bias, ids, lse)
         ctx.engine, ctx.temperature = engine, temperature
         if entropy is not None:
@@ -158,11 +180,33 @@ class LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, unused):
-        hidden, weight, bias, ids, lse = ctx.saved_tensors
-        backward_fn = launch.linear_backward if ctx.engine == "triton" else torch_path.linear_backward
-        wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, grad_logp.float().contiguous(), ctx.temperature,
-                                 wants_weight)
-        cast = lambda t, like, needed: t.to(like.dtype) if needed and t is not None else None  # noqa: E731
-        return (cast(dh, hidden, ctx.needs_input_grad[0]), cast(dw, weight, ctx.needs_input_grad[1]),
-                cast(db, bias, ctx.needs_input_grad[2]), None, None, None, None)
+        return _linear_gradients(ctx, grad_logp) + (None, None, None, None)
+
+
+class FusedLinearTokenLoss(torch.autograd.Function):
+    """Triton, token level: log-probs and the per-token GRPO loss from hidden states, in one kernel.
+
+    The forward kernel computes each token's loss and dloss/dlogp on the fly (no logits
+    stored); the backward multiplies by the incoming gradient of the per-token loss and
+    recomputes the lm_head a chunk of tokens at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, mask, advantages, old_logps, ref_logps, importance_weights,
+                opts: GRPOOptions, out_shape):
+        r = launch.linear_forward(
+            hidden, weight, bias, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
+            old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
+            compute_entropy=opts.compute_entropy,
+        )
+        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp)
+        ctx.engine, ctx.temperature = "triton", opts.temperature
+        view = lambda t: None if t is None else t.view(out_shape)  # noqa: E731
+        outputs = (view(r.loss), view(r.logp), view(r.entropy), view(r.kl), view(r.flags))
+        ctx.mark_non_differentiable(*[t for t in outputs[1:] if t is not None])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        dloss_dlogp = ctx.saved_tensors[5]
+        return _linear_gradients(ctx, grad_loss.reshape(-1) * dloss_dlogp) + (None,) * 8

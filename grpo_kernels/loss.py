@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from . import reference as ref
-from .functions import FusedTokenLoss, FusedTokenLossOnePass, LinearTokenLogprobs, TokenLogprobs
+from .functions import (FusedLinearTokenLoss, FusedTokenLoss, FusedTokenLossOnePass, LinearTokenLogprobs,
+                        TokenLogprobs)
 from .kernels import grpo as K
 from .options import BACKENDS, GRPOOptions
 from .reference import GRPOLossOutput, PerTokenTerms
@@ -172,11 +173,17 @@ def fused_linear_grpo_loss(
                  normalizer, opts, check_ids)
     engine = resolve_backend(backend, hidden_states)
     mask = completion_mask.float()
-    logp, entropy = LinearTokenLogprobs.apply(
-        hidden_states.reshape(B * T, H).contiguous(), weight.contiguous(),
-        None if bias is None else bias.contiguous(), completion_ids.reshape(-1).contiguous(), opts.temperature,
-        opts.compute_entropy, engine,
-    )
+    flat = (hidden_states.reshape(B * T, H).contiguous(), weight.contiguous(),
+            None if bias is None else bias.contiguous(), completion_ids.reshape(-1).contiguous())
+    if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
+        loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(
+            *flat, mask.reshape(-1).contiguous(), _flat_f32(advantages, B, T), _flat_f32(old_logps, B, T),
+            _flat_f32(ref_logps, B, T) if opts.uses_kl else None, _flat_f32(importance_weights, B, T), opts, (B, T),
+        )
+        loss = ref.reduce_loss(loss_t, mask, opts, normalizer)
+        terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
+        return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
+    logp, entropy = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine)
     active = mask != 0  # as in the logits path: masked positions read as 0
     logp = torch.where(active, logp.view(B, T), 0.0)
     entropy = None if entropy is None else torch.where(active, entropy.view(B, T), 0.0)

@@ -2,6 +2,7 @@
 
 import torch
 
+
 def assert_close(name, expected, actual, *, atol, rtol):
     """torch.testing.assert_close with the max abs / rel error in the message."""
     expected, actual = expected.detach().float().cpu(), actual.detach().float().cpu()
@@ -33,3 +34,31 @@ def make_batch(B=3, T=5, V=1003, *, dtype=torch.float32, device="cpu", seed=0, p
     logits = logits.to(device=device, dtype=dtype) if not strided else full.to(device=device, dtype=dtype)[:, :-1]
     return dict(logits=logits, completion_ids=to(ids), completion_mask=to(mask), advantages=to(adv),
                 old_logps=to(old), ref_logps=to(ref))
+
+
+# Option combinations every fast path is checked on (keys in BATCH_KEYS shape the batch).
+OPTION_CASES = {
+    "delta": dict(delta=1.3),
+    "dual_clip": dict(dual_clip=3.0),
+    "delta_and_dual_clip_per_token_adv": dict(delta=1.25, dual_clip=2.0, per_token_adv=True),
+    "asymmetric_clip": dict(epsilon=0.1, epsilon_high=0.28),
+    "kl_k1": dict(beta=0.1, kl_estimator="k1"),
+    "kl_k2": dict(beta=0.1, kl_estimator="k2"),
+    "kl_k3_clamped_verl": dict(beta=0.1, log_ratio_clamp=0.5, kl_clamp=0.02),
+    "kl_k2_clamped": dict(beta=0.1, kl_estimator="k2", kl_clamp=0.01),
+    "bias_corrected_kl": dict(beta=0.1, use_bias_correction_kl=True),
+    "bias_corrected_kl_sequence": dict(beta=0.1, use_bias_correction_kl=True, importance_sampling_level="sequence"),
+    "log_ratio_clamp": dict(log_ratio_clamp=0.3, clip_spread=1.0),
+    "temperature": dict(temperature=0.7, beta=0.04),
+    "sapo_temperatures": dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0),
+    "cispo_per_token_adv": dict(loss_type="cispo", epsilon_high=1.05, per_token_adv=True, beta=0.04),
+    "no_entropy": dict(compute_entropy=False, beta=0.04),
+    "strided_logits_view": dict(strided=True, beta=0.04),
+    "strided_sequence_level": dict(strided=True, importance_sampling_level="sequence"),
+    "one_token": dict(T=1, beta=0.04),
+    "vocab_over_several_blocks": dict(V=4999, beta=0.04, temperature=1.3),
+    "single_row": dict(B=1, T=7, loss_type="bnpo"),
+    "gspo_token": dict(importance_sampling_level="sequence_token", beta=0.04, per_token_adv=True),
+    "gspo_token_dapo": dict(importance_sampling_level="sequence_token", loss_type="dapo", log_ratio_clamp=0.2),
+}
+BATCH_KEYS = ("B", "T", "V", "per_token_adv", "clip_spread", "strided", "temperature")

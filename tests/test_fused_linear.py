@@ -1,23 +1,43 @@
-"""The fused lm_head path against the materialized one: values, d hidden, d weight, d bias, across options."""
+"""The fused lm_head path against the materialized one: values, d hidden, d weight, d bias, across options.
+
+"triton" runs the kernels (the forward with the loss math inside it at token level, the
+chunked backward) in Triton's interpreter on a CPU machine, compiled on a GPU; "torch" is
+the chunked torch path. The expected values are the reference on ``hidden @ weight.T + bias``.
+"""
+
+import zlib
 
 import pytest
 import torch
-from helpers import assert_close, make_batch
+from helpers import BATCH_KEYS, OPTION_CASES, assert_close, make_batch
 
 from grpo_kernels import FusedLinearGRPOLoss, fused_linear_grpo_loss, grpo_loss_reference
+from grpo_kernels.kernels import fused_linear as FL
+from grpo_kernels.kernels import launch
 
 BACKENDS = ["torch", "triton"]
 B, T, H, V = 3, 5, 37, 203  # odd H and V: every tile has a ragged edge
+LOSS_TYPE_DEFAULTS = {"dr_grpo": dict(max_completion_length=8), "cispo": dict(epsilon_high=1.1)}
 
 
-def _inputs(device, dtype=torch.float32, seed=0, **batch_kw):
+def _inputs(device, dtype=torch.float32, seed=0, b=B, t=T, h=H, v=V, **batch_kw):
+    """A batch from ``make_batch`` (masks, old and ref log-probs near the true ones), hidden states and lm_head."""
     g = torch.Generator().manual_seed(seed)
-    batch = make_batch(B=B, T=T, V=V, device=device, seed=seed, **batch_kw)
+    hidden = torch.randn(b, t, h, generator=g)
+    weight = 0.3 * torch.randn(v, h, generator=g)
+    bias = 0.1 * torch.randn(v, generator=g)
+    batch = make_batch(B=b, T=t, V=v, device=device, seed=seed, **batch_kw)
+    # old / ref log-probs near this model's own, so that ratios fall on both sides of the clip range
+    temperature = batch_kw.get("temperature", 1.0)
+    true_lp = torch.log_softmax((hidden @ weight.T + bias) / temperature, -1).gather(
+        -1, batch["completion_ids"].cpu().unsqueeze(-1)).squeeze(-1)
+    spread = batch_kw.get("clip_spread", 0.4)
+    for key, scale in (("old_logps", spread), ("ref_logps", 0.3)):
+        if batch[key] is not None:
+            batch[key] = (true_lp + scale * torch.randn(b, t, generator=g)).to(device)
     del batch["logits"]
-    hidden = torch.randn(B, T, H, generator=g).to(device=device, dtype=dtype)
-    weight = (0.3 * torch.randn(V, H, generator=g)).to(device=device, dtype=dtype)
-    bias = (0.1 * torch.randn(V, generator=g)).to(device=device, dtype=dtype)
-    return batch, hidden, weight, bias
+    to = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
+    return batch, to(hidden), to(weight), to(bias)
 
 
 def _run(fn, batch, hidden, weight, bias, freeze_weight=False, **options):
@@ -59,14 +79,77 @@ def check(backend, batch, hidden, weight, bias, tol=dict(atol=1e-5, rtol=1e-5), 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("loss_type, level", [("grpo", "token"), ("dapo", "token"), ("cispo", "token"),
-                                              ("sapo", "sequence"), ("bnpo", "sequence")])
-def test_matches_materialized_logits(device, backend, loss_type, level):
-    batch, hidden, weight, bias = _inputs(device)
-    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, temperature=0.8)
-    if loss_type == "cispo":
-        options["epsilon_high"] = 1.1
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("off_policy", [True, False])
+def test_every_loss_type_matches_materialized_logits(device, backend, loss_type, level, beta, off_policy):
+    batch, hidden, weight, bias = _inputs(device, seed=zlib.crc32(f"{loss_type}/{level}".encode()) % 1000,
+                                          off_policy=off_policy)
+    check(backend, batch, hidden, weight, bias, loss_type=loss_type, importance_sampling_level=level, beta=beta,
+          temperature=0.8, **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(c for c in OPTION_CASES if "strided" not in c))  # strides are the logits'
+def test_options_match_materialized_logits(device, backend, case):
+    spec = dict(OPTION_CASES[case])
+    shape = {k.lower(): spec[k] for k in ("B", "T", "V") if k in spec}
+    batch, hidden, weight, bias = _inputs(device, seed=7, **shape, **{k: spec[k] for k in BATCH_KEYS
+                                                                       if k in spec and k not in ("B", "T", "V")})
+    options = {k: v for k, v in spec.items() if k not in BATCH_KEYS or k == "temperature"}
     check(backend, batch, hidden, weight, bias, **options)
+
+
+def _block_spanning_inputs(device, dtype=torch.float32):
+    """N = 160 tokens (three token blocks of 64), H = 150 (three K slices), V = 300 (three V tiles);
+    rows 2 and 3 fully masked, so tokens 64..127 form a block with no active token."""
+    batch, hidden, weight, bias = _inputs(device, dtype, seed=11, b=5, t=32, h=150, v=300)
+    batch["completion_mask"][:] = 1
+    batch["completion_mask"][2:4] = 0
+    batch["completion_mask"][0, 20:] = 0
+    return batch, hidden, weight, bias
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_several_token_blocks_k_slices_and_a_masked_block(device, backend):
+    check(backend, *_block_spanning_inputs(device), beta=0.04, temperature=0.9)
+
+
+class _RecordWorkspaces:
+    """Wraps the dlogits kernel and records the shape of each workspace it writes."""
+
+    def __init__(self, kernel):
+        self.kernel, self.shapes = kernel, []
+
+    def __getitem__(self, grid):
+        def launch_kernel(*args, **kwargs):
+            self.shapes.append(tuple(args[9].shape))  # dx_ptr
+            return self.kernel[grid](*args, **kwargs)
+        return launch_kernel
+
+
+def test_triton_backward_works_in_bounded_chunks(device, monkeypatch):
+    """A workspace budget of one token block: the backward runs in three chunks (64, 64, 32 tokens),
+    each writing the same [64, V] workspace, and still matches the reference."""
+    recorder = _RecordWorkspaces(FL.linear_dlogits_kernel)
+    monkeypatch.setattr(FL, "linear_dlogits_kernel", recorder)
+    monkeypatch.setattr(launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
+    check("triton", *_block_spanning_inputs(device), beta=0.04, loss_type="dapo")
+    assert recorder.shapes == [(64, 300), (64, 300), (32, 300)]
+
+
+def test_triton_token_level_runs_the_loss_inside_the_kernel(device, monkeypatch):
+    """Token level: the forward kernel returns the per-token loss; no log-prob-only Function runs."""
+    from grpo_kernels import functions
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the log-prob-only Function ran at token level")
+
+    monkeypatch.setattr(functions.LinearTokenLogprobs, "apply", refuse)
+    batch, hidden, weight, bias = _inputs(device, seed=5)
+    out = fused_linear_grpo_loss(hidden, weight, **batch, bias=bias, backend="triton", beta=0.04)
+    assert torch.isfinite(out.loss)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

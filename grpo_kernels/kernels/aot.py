@@ -80,7 +80,7 @@ def _resource_usage(cubin: bytes) -> Dict[str, int]:
     return usage
 
 
-def _compile(fn, signature, constexprs, num_warps: int, arch: int):
+def _compile(fn, signature, constexprs, num_warps: int, arch: int, divisible=()):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -89,37 +89,61 @@ def _compile(fn, signature, constexprs, num_warps: int, arch: int):
     for name in constexprs:
         sig[name] = "constexpr"
     # As the JIT does at run time for torch allocations: pointers are 16-byte aligned.
-    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    # ``divisible``: integer arguments the JIT would see as multiples of 16 (and specialize on).
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+               if t.startswith("*") or n in divisible}
     src = ASTSource(fn, sig, constexprs=constexprs, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
 def _linear_signature(fn, dtype: str) -> Dict[str, str]:
     sig = {name: "*fp32" for name in fn.arg_names}
-    sig.update(h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", b_ptr=f"*{dtype}", ids_ptr="*i64", inv_temperature="fp32")
-    for name in ("N", "V", "H"):
-        sig[name] = "i64"
-    return sig
+    sig.update(h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", b_ptr=f"*{dtype}", ids_ptr="*i64", flags_out="*i8",
+               dx_ptr=f"*{dtype}", a_ptr=f"*{dtype}")
+    for name in ("N", "V", "H", "M", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"):
+        sig[name] = "i32"
+    for name in ("inv_temperature", "eps_low", "eps_high", "delta", "dual_clip", "beta", "log_ratio_clamp",
+                 "kl_clamp", "sapo_tau_pos", "sapo_tau_neg"):
+        sig[name] = "fp32"
+    if fn is FL.matmul_kernel:
+        sig.update(b_ptr=f"*{dtype}", c_ptr="*fp32")
+    return {name: sig[name] for name in fn.arg_names}
+
+
+def fused_linear_builds() -> Iterator[Tuple[object, str, Dict[str, object]]]:
+    """(kernel, label, flags) of each fused lm_head specialization worth compiling."""
+    opts = {"logprobs": None, "ppo+old+iw+k3+bias_kl": GRPOOptions(beta=0.04, use_bias_correction_kl=True),
+            "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
+            "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04)}
+    for name, o in opts.items():
+        for bias in (False, True):
+            flags = forward_constexprs(o, has_old=o is not None, has_iw=o is not None, has_mask=True,
+                                       compute_entropy=True)
+            del flags["WRITE_GRAD"]
+            yield FL.linear_grpo_forward_kernel, f"forward {name} bias={bias}", {**flags, "HAS_BIAS": bias}
+    for bias in (False, True):
+        yield FL.linear_dlogits_kernel, f"dlogits bias={bias}", {"HAS_BIAS": bias}
+    # as launched: d hidden = dx @ W (unit inner strides), d weight += dx^T @ h (dx read transposed)
+    yield FL.matmul_kernel, "matmul d_hidden", {"ACCUMULATE": False, "stride_ak": 1, "stride_bn": 1}
+    yield FL.matmul_kernel, "matmul d_weight", {"ACCUMULATE": True, "stride_am": 1, "stride_bn": 1}
 
 
 def compile_fused_linear(arch: int) -> List[Dict[str, object]]:
-    """The fused lm_head kernels at the launcher's tiles, per dtype, with and without bias / d weight."""
+    """The fused lm_head kernels at the launcher's tiles, per input dtype."""
     import torch
 
     records = []
     for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        cfg = linear_block_config(torch_dtype)
-        common = {"DOT_PRECISION": cfg["DOT_PRECISION"], "UPCAST": False,
-                  **{k: cfg[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H")}}
-        builds = [(FL.linear_logprob_forward_kernel, "forward", {"HAS_BIAS": bias, "COMPUTE_ENTROPY": True})
-                  for bias in (False, True)]
-        builds += [(FL.linear_logprob_backward_kernel, "backward", {"HAS_BIAS": bias, "COMPUTE_DW": dw})
-                   for bias in (False, True) for dw in (False, True)]
-        for kernel, name, flags in builds:
-            compiled = _compile(kernel, _linear_signature(kernel, dtype), {**flags, **common}, cfg["num_warps"], arch)
-            label = "fused-linear " + name + "".join(f" {k.lower()}={v}" for k, v in flags.items())
-            records.append(_record(name, label, dtype, {"BLOCK_V": cfg["BLOCK_V"], "num_warps": cfg["num_warps"]},
-                                   compiled, arch))
+        configs = linear_block_config(torch_dtype)
+        for kernel, label, flags in fused_linear_builds():
+            cfg = dict(configs["matmul" if kernel is FL.matmul_kernel else "logits"])
+            num_warps = cfg.pop("num_warps")
+            # V, H and the non-unit strides are multiples of 16 for real models (V = 151936, H = 4096)
+            compiled = _compile(kernel, _linear_signature(kernel, dtype), {**flags, **cfg, "UPCAST": False},
+                                num_warps, arch, divisible=("V", "H", "N", "stride_am", "stride_ak", "stride_bk"))
+            block = cfg.get("BLOCK_V", cfg.get("BLOCK_N"))
+            records.append(_record(label.split()[0], "fused-linear " + label, dtype,
+                                   {"BLOCK_V": block, "num_warps": num_warps}, compiled, arch))
     return records
 
 
@@ -151,6 +175,10 @@ def _record(kernel, label, dtype, cfg, compiled, arch):
         "registers": usage.get("REG"), "spill_bytes": usage["SPILL"], "local_bytes": usage.get("LOCAL", 0),
         "vector_loads_128": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|u32|f32)", ptx))
         + len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.(?:b64|u64)", ptx)),
+        # tensor-core products (Hopper's wgmma, Ampere's mma.sync) and global-to-shared async copies
+        "tensor_core_mma": len(re.findall(r"wgmma\.mma_async|mma\.sync", ptx)),
+        "async_copies": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
+        "shared_bytes": compiled.metadata.shared,
     }
 
 

@@ -1,17 +1,24 @@
-"""Triton kernels of the log-prob stage from hidden states: the lm_head fused in, no [N, V] logits in memory.
+"""Triton kernels of the GRPO loss from hidden states: the lm_head fused in, no [N, V] logits in memory.
 
 x = (h @ W^T + b) / tau is computed one [BLOCK_N, BLOCK_V] tile at a time with ``tl.dot``
-(16-bit or fp32 inputs, fp32 accumulation) and never written out.
+(16-bit or fp32 inputs, fp32 accumulation).
 
-Forward (``linear_logprob_forward_kernel``, a 1-D grid over blocks of BLOCK_N tokens):
-stream the vocabulary tiles, keeping per-token online log-sum-exp, the target logit and
-(when asked) the entropy sums; write lse, logp and entropy in fp32.
+Forward (``linear_grpo_forward_kernel``, a 1-D grid over blocks of BLOCK_N tokens): stream
+the vocabulary tiles, keeping per-token online log-sum-exp, the target logit and (when
+asked) the entropy sums; then, on the block's [BLOCK_N] vectors, the per-token loss of
+every loss_type and its derivative dloss/dlogp (``grpo.token_loss_and_grad``, the same
+function the logits kernel runs). The logits are never written. A block whose tokens
+are all masked skips the vocabulary loop.
 
-Backward (``linear_logprob_backward_kernel``, a 1-D grid over (token block, vocabulary
-block) tiles): recompute the tile's logits, ``dx = g * (onehot - p) / tau`` with
-``g = dLoss/dlogp``, then add ``dx @ W`` into d hidden and ``dx^T @ h`` into d weight (and
-``sum dx`` into d bias) with fp32 atomics, one BLOCK_H slice at a time. d weight is skipped
-for a frozen weight (LoRA). Workspace: the fp32 gradient buffers, nothing of size N x V.
+Backward, one chunk of C tokens at a time (C from the launcher's workspace budget, so
+the only V-sized buffer is the [C, V] workspace):
+
+1. ``linear_dlogits_kernel`` (a 2-D tile grid): recompute the logits tile and write
+   ``dx = g * (onehot - p) / tau`` (``g = dLoss/dlogp``) into the workspace, in the
+   input dtype. Tiles whose tokens all have g == 0 (masked) write zeros, no product.
+2. ``matmul_kernel``: d hidden[chunk] = dx @ W, and d weight += dx^T @ h[chunk], fp32
+   accumulators, d weight accumulated in fp32 across chunks in place (each program owns
+   its output tile: no atomics). A frozen weight (LoRA) skips the second product.
 
 UPCAST (set only under TRITON_INTERPRET with bf16 inputs): Triton's interpreter multiplies
 the bit patterns of bf16 ``tl.dot`` operands (triton-lang/triton#11584, "not supported"),
@@ -23,9 +30,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grpo import RUNTIME_INTS
+from .grpo import token_loss_and_grad
 
-LINEAR_RUNTIME_INTS = RUNTIME_INTS + ["N", "H"]
+# N (tokens) changes every step: no recompile for it. V and H are fixed by the model and
+# stay specialized, so that Triton knows the rows are 16-byte aligned and issues wide,
+# asynchronous (cp.async) loads into shared memory for the tensor cores.
+LINEAR_RUNTIME_INTS = ["N"]
 
 
 @triton.jit
@@ -56,90 +66,158 @@ def _logits_tile(h_block, w_block, b_ptr, n_left, v0, V, H, inv_temperature,
 
 
 @triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)
-def linear_logprob_forward_kernel(
+def linear_grpo_forward_kernel(
     h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H,
-    lse_out, logp_out, entropy_out, inv_temperature,
-    HAS_BIAS: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
+    lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
+    inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
+    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
+    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     first = pid * BLOCK_N
     rows = first + tl.arange(0, BLOCK_N)
-    in_rows = rows < N
+    active = rows < N
+    if HAS_MASK:  # masked tokens are computed with their block but read as 0, as in the logits kernel
+        active = active & (tl.load(mask_ptr + rows, mask=active, other=0.0) != 0.0)
     n_left = N - first
     h_block = h_ptr + first * H
     stride_w = tl.cast(H, tl.int64)  # V * H may pass 2^31
-    target = tl.load(ids_ptr + rows, mask=in_rows, other=0).to(tl.int32)
+    target = tl.load(ids_ptr + rows, mask=active, other=0).to(tl.int32)
     running_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
     sum_exp = tl.zeros([BLOCK_N], dtype=tl.float32)
     sum_exp_x = tl.zeros([BLOCK_N], dtype=tl.float32)
     target_x = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        x = _logits_tile(h_block, w_ptr + v0 * stride_w, b_ptr, n_left, v0, V, H, inv_temperature,
-                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST)  # [BLOCK_N, BLOCK_V]
-        cols = v0 + tl.arange(0, BLOCK_V)
-        target_x += tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), axis=1)
-        new_max = tl.maximum(running_max, tl.max(x, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp(running_max - safe_max)
-        e = tl.exp(x - safe_max[:, None])
-        sum_exp = sum_exp * rescale + tl.sum(e, axis=1)
-        if COMPUTE_ENTROPY:
-            sum_exp_x = sum_exp_x * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=1)
-        running_max = new_max
-    lse = running_max + tl.log(sum_exp)
+    if tl.max(active.to(tl.int32), axis=0) > 0:  # a block of padding costs no products
+        for v0 in range(0, V, BLOCK_V):
+            x = _logits_tile(h_block, w_ptr + v0 * stride_w, b_ptr, n_left, v0, V, H, inv_temperature,
+                             HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST)  # [BLOCK_N, BLOCK_V]
+            cols = v0 + tl.arange(0, BLOCK_V)
+            target_x += tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), axis=1)
+            new_max = tl.maximum(running_max, tl.max(x, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(running_max - safe_max)
+            e = tl.exp(x - safe_max[:, None])
+            sum_exp = sum_exp * rescale + tl.sum(e, axis=1)
+            if COMPUTE_ENTROPY:
+                sum_exp_x = sum_exp_x * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=1)
+            running_max = new_max
+    # Inactive rows (sum_exp may be 0 there) are stored as 0; a 0 lse also keeps the
+    # backward's exp(x - lse) finite for them.
+    sum_exp = tl.where(active, sum_exp, 1.0)
+    lse = tl.where(active, running_max + tl.log(sum_exp), 0.0)
+    logp = tl.where(active, target_x - lse, 0.0)
+    in_rows = rows < N
     tl.store(lse_out + rows, lse, mask=in_rows)
-    tl.store(logp_out + rows, target_x - lse, mask=in_rows)
+    tl.store(logp_out + rows, logp, mask=in_rows)
     if COMPUTE_ENTROPY:
-        tl.store(entropy_out + rows, lse - sum_exp_x / sum_exp, mask=in_rows)
+        tl.store(entropy_out + rows, tl.where(active, lse - sum_exp_x / sum_exp, 0.0), mask=in_rows)
+
+    if LOSS_KIND != 0:
+        old = 0.0
+        ref = 0.0
+        iw = 1.0
+        if HAS_OLD:
+            old = tl.load(old_ptr + rows, mask=active, other=0.0)
+        if HAS_KL:
+            ref = tl.load(ref_ptr + rows, mask=active, other=0.0)
+        if HAS_IW:
+            iw = tl.load(iw_ptr + rows, mask=active, other=0.0)
+        loss, dloss, kl, flags = token_loss_and_grad(
+            logp, tl.load(adv_ptr + rows, mask=active, other=0.0), old, ref, iw, eps_low, eps_high, delta,
+            dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+            LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
+            BIAS_CORRECTION_KL, HAS_IW,
+        )
+        if HAS_KL:
+            tl.store(kl_out + rows, tl.where(active, kl, 0.0), mask=in_rows)
+        tl.store(loss_out + rows, tl.where(active, loss, 0.0), mask=in_rows)
+        tl.store(dloss_out + rows, tl.where(active, dloss, 0.0), mask=in_rows)
+        tl.store(flags_out + rows, tl.where(active, flags, 0).to(tl.int8), mask=in_rows)
 
 
 @triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)
-def linear_logprob_backward_kernel(
-    h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H,
-    lse_ptr, g_ptr, dh_ptr, dw_ptr, db_ptr, inv_temperature,
-    HAS_BIAS: tl.constexpr, COMPUTE_DW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+def linear_dlogits_kernel(
+    h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, lse_ptr, g_ptr, dx_ptr, inv_temperature,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    blocks_v = tl.cdiv(V, BLOCK_V)
-    pid_n = pid // blocks_v
-    first = pid_n * BLOCK_N
-    v0 = (pid - pid_n * blocks_v) * BLOCK_V
+    """dx [N, V] (row stride V) = g * (onehot - softmax(x)) / tau, x recomputed; N is one chunk's tokens.
+
+    Programs run token blocks fastest, so the programs in flight share one W tile (read
+    from HBM once) and re-read the chunk's hidden states from L2.
+    """
+    pid = tl.program_id(0)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    pid_v = pid // blocks_n
+    first = (pid - pid_v * blocks_n).to(tl.int64) * BLOCK_N
+    v0 = pid_v.to(tl.int64) * BLOCK_V
     r = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_V)
     n_left = N - first
     in_rows = r < n_left
     in_v = v0 + c < V
     g = tl.load(g_ptr + first + r, mask=in_rows, other=0.0)
-    if tl.max(tl.abs(g), axis=0) > 0.0:  # a block of masked tokens contributes nothing
-        h_block = h_ptr + first * H
-        w_block = w_ptr + v0 * H
+    live = in_rows & (g != 0.0)
+    dx_block = dx_ptr + first * V + v0
+    out_mask = in_rows[:, None] & in_v[None, :]
+    if tl.max(live.to(tl.int32), axis=0) > 0:
         lse = tl.load(lse_ptr + first + r, mask=in_rows, other=0.0)
         target = tl.load(ids_ptr + first + r, mask=in_rows, other=-1).to(tl.int32)
-        x = _logits_tile(h_block, w_block, b_ptr, n_left, v0, V, H, inv_temperature,
+        x = _logits_tile(h_ptr + first * H, w_ptr + v0 * H, b_ptr, n_left, v0, V, H, inv_temperature,
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST)
         p = tl.exp(x - lse[:, None])  # 0 in out-of-range columns (x = -inf)
         onehot = tl.where((v0 + c)[None, :] == target[:, None], 1.0, 0.0)
-        dx = (g * inv_temperature)[:, None] * (onehot - p)  # [BLOCK_N, BLOCK_V] fp32
-        dx = tl.where(in_rows[:, None] & in_v[None, :], dx, 0.0)
-        dx_in = dx.to(h_ptr.dtype.element_ty)  # the products run in the input dtype, fp32 accumulation
+        dx = tl.where(live[:, None], (g * inv_temperature)[:, None] * (onehot - p), 0.0)
+        tl.store(dx_block + r[:, None] * V + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        zeros = tl.zeros([BLOCK_N, BLOCK_V], dtype=dx_ptr.dtype.element_ty)
+        tl.store(dx_block + r[:, None] * V + c[None, :], zeros, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M", "K"])  # the chunk's token count is M or K; strides of 1 specialize
+def matmul_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """c [M, N] (fp32, contiguous) = (c if ACCUMULATE else 0) + a [M, K] @ b [K, N], fp32 accumulation.
+
+    a and b are read through their strides (d weight reads the workspace transposed).
+    Programs go in groups of GROUP_M row blocks so that neighbours share b tiles in L2.
+    Each program owns its output tile, so accumulating into c needs no atomics.
+    """
+    pid = tl.program_id(0)
+    blocks_m = tl.cdiv(M, BLOCK_M)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * blocks_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * blocks_n)) % group_size
+    pid_n = (pid % (GROUP_M * blocks_n)) // group_size
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # int64 strides: the pointers step by BLOCK_K * stride, which passes 2^31 elements at V * H
+    a_tile = a_ptr + m[:, None].to(tl.int64) * stride_am + ks[None, :].to(tl.int64) * stride_ak
+    b_tile = b_ptr + ks[:, None].to(tl.int64) * stride_bk + n[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_tile, mask=(m[:, None] < M) & (k0 + ks[None, :] < K), other=0.0)
+        b = tl.load(b_tile, mask=(k0 + ks[:, None] < K) & (n[None, :] < N), other=0.0)
         if UPCAST:
-            dx_in = dx_in.to(tl.float32)
-        ks = tl.arange(0, BLOCK_H)
-        for k0 in range(0, H, BLOCK_H):
-            k = k0 + ks
-            in_k = k < H
-            w = tl.load(w_block + c[:, None] * H + k[None, :], mask=in_v[:, None] & in_k[None, :], other=0.0)
-            if UPCAST:
-                w = w.to(tl.float32)
-            dh = tl.dot(dx_in, w, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_H]
-            tl.atomic_add(dh_ptr + first * H + r[:, None] * H + k[None, :], dh, mask=in_rows[:, None] & in_k[None, :])
-            if COMPUTE_DW:
-                h = tl.load(h_block + r[:, None] * H + k[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
-                if UPCAST:
-                    h = h.to(tl.float32)
-                dw = tl.dot(tl.trans(dx_in), h, input_precision=DOT_PRECISION)  # [BLOCK_V, BLOCK_H]
-                tl.atomic_add(dw_ptr + v0 * H + c[:, None] * H + k[None, :], dw, mask=in_v[:, None] & in_k[None, :])
-        if HAS_BIAS and COMPUTE_DW:
-            tl.atomic_add(db_ptr + v0 + c, tl.sum(dx, axis=0), mask=in_v)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_tile += BLOCK_K * stride_ak
+        b_tile += BLOCK_K * stride_bk
+    c_tile = c_ptr + m[:, None].to(tl.int64) * N + n[None, :]
+    out_mask = (m[:, None] < M) & (n[None, :] < N)
+    if ACCUMULATE:
+        acc += tl.load(c_tile, mask=out_mask, other=0.0)
+    tl.store(c_tile, acc, mask=out_mask)

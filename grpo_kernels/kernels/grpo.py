@@ -141,6 +141,78 @@ def _kl_with_grad(
     return kl, dkl
 
 
+@triton.jit
+def token_loss_and_grad(
+    logp, adv, old, ref, iw, eps_low, eps_high, delta, dual_clip, beta,
+    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
+    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
+):
+    """The per-token loss of one loss_type, its derivative with respect to logp, the KL and the clip flags.
+
+    Element-wise: ``logp`` and the per-token inputs may be scalars (the logits kernel, one
+    token per program) or [BLOCK_N] vectors (the fused lm_head kernel). ``old``, ``ref``
+    and ``iw`` are read only when HAS_OLD, HAS_KL and HAS_IW say they are present.
+    Returns (loss, dloss_dlogp, kl, flags); kl is 0 without KL, flags holds the
+    FLAG_LOW_CLIPPED / FLAG_HIGH_CLIPPED bits.
+    """
+    # Importance ratio coef_1 = exp(logp - old); on-policy (no old) it is exactly 1
+    # while its derivative, coef_1 itself, still flows (TRL's logp.detach()).
+    if HAS_OLD:
+        log_ratio = logp - old
+    else:
+        log_ratio = 0.0 * logp
+    dlog_ratio = 1.0 + 0.0 * logp
+    if HAS_LOG_RATIO_CLAMP:
+        log_ratio, dlog_ratio = _clamp_with_grad(log_ratio, -log_ratio_clamp, log_ratio_clamp)
+    coef_1 = tl.exp(log_ratio)
+    dcoef_1 = coef_1 * dlog_ratio
+
+    flags = (0.0 * logp).to(tl.int32)
+    if LOSS_KIND == 1:  # PPO-clip: -min(coef_1 * A, clamp(coef_1, 1 - el, 1 + eh) * A)
+        coef_2, inside = _clamp_with_grad(coef_1, 1.0 - eps_low, 1.0 + eps_high)
+        dcoef_2 = dcoef_1 * inside
+        if HAS_DELTA:  # TRL's cap on the unclipped branch (it also feeds the clip metrics)
+            coef_1, below = _clamp_with_grad(coef_1, float("-inf"), delta)
+            dcoef_1 = dcoef_1 * below
+        neg_policy, neg_dpolicy = _min_with_grad(coef_1 * adv, dcoef_1 * adv, coef_2 * adv, dcoef_2 * adv)
+        policy = -neg_policy
+        dpolicy = -neg_dpolicy
+        if HAS_DUAL_CLIP:  # for A < 0 the loss is at most -A * c
+            bounded, dbounded = _min_with_grad(-adv * dual_clip, 0.0, policy, dpolicy)
+            policy = tl.where(adv < 0.0, bounded, policy)
+            dpolicy = tl.where(adv < 0.0, dbounded, dpolicy)
+        flags = tl.where((coef_1 < 1.0 - eps_low) & (adv < 0.0), 1, 0)
+        flags += tl.where((coef_1 > 1.0 + eps_high) & (adv > 0.0), 2, 0)
+    elif LOSS_KIND == 2:  # CISPO: -stopgrad(min(coef_1, eh)) * A * logp
+        capped = tl.minimum(coef_1, eps_high)
+        policy = -capped * adv * logp
+        dpolicy = -capped * adv
+        flags = tl.where((coef_1 > eps_high) & (adv > 0.0), 2, 0)
+    else:  # SAPO: -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
+        tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
+        soft = tl.sigmoid(tau * (coef_1 - 1.0))
+        policy = -soft * 4.0 / tau * adv
+        dpolicy = -4.0 * soft * (1.0 - soft) * adv * dcoef_1
+
+    if HAS_IW:  # rollout correction multiplies the policy term, never the KL
+        policy = policy * iw
+        dpolicy = dpolicy * iw
+    loss = policy
+    dloss = dpolicy
+    kl = 0.0 * logp
+    if HAS_KL:
+        kl, dkl = _kl_with_grad(logp, ref, log_ratio_clamp, kl_clamp, KL_KIND, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP)
+        if BIAS_CORRECTION_KL:  # KL * coef_1 (the ratio before delta's cap, as in TRL)
+            coef_1_kl = tl.exp(log_ratio)
+            dkl = dkl * coef_1_kl + kl * coef_1_kl * dlog_ratio
+            kl = kl * coef_1_kl
+        loss += beta * kl
+        dloss += beta * dkl
+    return loss, dloss, kl, flags
+
+
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def grpo_forward_kernel(
     logits_ptr, stride_b, stride_t, ids_ptr, T, V,
@@ -174,62 +246,22 @@ def grpo_forward_kernel(
         tl.store(entropy_out + pid, entropy)
 
     if LOSS_KIND != 0:
-        adv = tl.load(adv_ptr + pid)
-        # Importance ratio coef_1 = exp(logp - old); on-policy (no old) it is exactly 1
-        # while its derivative, coef_1 itself, still flows (TRL's logp.detach()).
+        old = 0.0
+        ref = 0.0
+        iw = 1.0
         if HAS_OLD:
-            log_ratio = logp - tl.load(old_ptr + pid)
-        else:
-            log_ratio = 0.0 * logp
-        dlog_ratio = 1.0 + 0.0 * logp
-        if HAS_LOG_RATIO_CLAMP:
-            log_ratio, dlog_ratio = _clamp_with_grad(log_ratio, -log_ratio_clamp, log_ratio_clamp)
-        coef_1 = tl.exp(log_ratio)
-        dcoef_1 = coef_1 * dlog_ratio
-
-        flags = 0
-        if LOSS_KIND == 1:  # PPO-clip: -min(coef_1 * A, clamp(coef_1, 1 - el, 1 + eh) * A)
-            coef_2, inside = _clamp_with_grad(coef_1, 1.0 - eps_low, 1.0 + eps_high)
-            dcoef_2 = dcoef_1 * inside
-            if HAS_DELTA:  # TRL's cap on the unclipped branch (it also feeds the clip metrics)
-                coef_1, below = _clamp_with_grad(coef_1, float("-inf"), delta)
-                dcoef_1 = dcoef_1 * below
-            neg_policy, neg_dpolicy = _min_with_grad(coef_1 * adv, dcoef_1 * adv, coef_2 * adv, dcoef_2 * adv)
-            policy = -neg_policy
-            dpolicy = -neg_dpolicy
-            if HAS_DUAL_CLIP:  # for A < 0 the loss is at most -A * c
-                bounded, dbounded = _min_with_grad(-adv * dual_clip, 0.0, policy, dpolicy)
-                policy = tl.where(adv < 0.0, bounded, policy)
-                dpolicy = tl.where(adv < 0.0, dbounded, dpolicy)
-            flags = tl.where((coef_1 < 1.0 - eps_low) & (adv < 0.0), 1, 0)
-            flags += tl.where((coef_1 > 1.0 + eps_high) & (adv > 0.0), 2, 0)
-        elif LOSS_KIND == 2:  # CISPO: -stopgrad(min(coef_1, eh)) * A * logp
-            capped = tl.minimum(coef_1, eps_high)
-            policy = -capped * adv * logp
-            dpolicy = -capped * adv
-            flags = tl.where((coef_1 > eps_high) & (adv > 0.0), 2, 0)
-        else:  # SAPO: -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
-            tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
-            soft = tl.sigmoid(tau * (coef_1 - 1.0))
-            policy = -soft * 4.0 / tau * adv
-            dpolicy = -4.0 * soft * (1.0 - soft) * adv * dcoef_1
-
-        if HAS_IW:  # rollout correction multiplies the policy term, never the KL
-            iw = tl.load(iw_ptr + pid)
-            policy = policy * iw
-            dpolicy = dpolicy * iw
-        loss = policy
-        dloss = dpolicy
+            old = tl.load(old_ptr + pid)
         if HAS_KL:
-            kl, dkl = _kl_with_grad(
-                logp, tl.load(ref_ptr + pid), log_ratio_clamp, kl_clamp, KL_KIND, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP
-            )
-            if BIAS_CORRECTION_KL:  # KL * coef_1 (the ratio before delta's cap, as in TRL)
-                coef_1_kl = tl.exp(log_ratio)
-                dkl = dkl * coef_1_kl + kl * coef_1_kl * dlog_ratio
-                kl = kl * coef_1_kl
-            loss += beta * kl
-            dloss += beta * dkl
+            ref = tl.load(ref_ptr + pid)
+        if HAS_IW:
+            iw = tl.load(iw_ptr + pid)
+        loss, dloss, kl, flags = token_loss_and_grad(
+            logp, tl.load(adv_ptr + pid), old, ref, iw, eps_low, eps_high, delta, dual_clip, beta,
+            log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+            LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
+            BIAS_CORRECTION_KL, HAS_IW,
+        )
+        if HAS_KL:
             tl.store(kl_out + pid, tl.where(active, kl, 0.0))
         tl.store(loss_out + pid, tl.where(active, loss, 0.0))
         tl.store(dloss_out + pid, tl.where(active, dloss, 0.0))

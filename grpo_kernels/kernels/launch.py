@@ -93,6 +93,37 @@ def _zero_if_none(value: Optional[float]) -> float:
     return 0.0 if value is None else float(value)
 
 
+def _allocate_outputs(N: int, device, opts: Optional[GRPOOptions], compute_entropy: bool) -> ForwardResult:
+    """The fp32 [N] outputs of a forward kernel (int8 flags); None where the options ask for none."""
+    f32 = dict(device=device, dtype=torch.float32)
+    with_loss = loss_kind(opts) != K.LOSS_NONE
+    return ForwardResult(
+        logp=torch.empty(N, **f32),
+        entropy=torch.empty(N, **f32) if compute_entropy else None,
+        lse=torch.empty(N, **f32),
+        loss=torch.empty(N, **f32) if with_loss else None,
+        dloss_dlogp=torch.empty(N, **f32) if with_loss else None,
+        kl=torch.empty(N, **f32) if with_loss and opts.uses_kl else None,
+        flags=torch.empty(N, device=device, dtype=torch.int8) if with_loss else None,
+    )
+
+
+def _loss_pointer_args(out: ForwardResult, mask, advantages, old_logps, ref_logps, importance_weights):
+    """The per-token inputs and outputs, in kernel order; absent ones are a placeholder the constexprs keep unread."""
+    dummy = out.logp
+    either = lambda t: dummy if t is None else t  # noqa: E731
+    inputs = (either(mask), either(advantages), either(old_logps), either(ref_logps), either(importance_weights))
+    return inputs, dummy
+
+
+def _loss_scalar_args(opts: Optional[GRPOOptions], temperature: float):
+    """inv_temperature and the loss's run-time scalars, in kernel order."""
+    o = opts or GRPOOptions()
+    return (1.0 / temperature, float(o.epsilon), float(o.eps_high), _zero_if_none(o.delta),
+            _zero_if_none(o.dual_clip), float(o.beta), _zero_if_none(o.log_ratio_clamp),
+            _zero_if_none(o.kl_clamp), float(o.sapo_temperature_pos), float(o.sapo_temperature_neg))
+
+
 def forward(
     logits: torch.Tensor,
     ids: torch.Tensor,
@@ -116,48 +147,28 @@ def forward(
     """
     B, T, V = logits.shape
     N = B * T
-    device = logits.device
-    f32 = dict(device=device, dtype=torch.float32)
-    kind = loss_kind(opts)
-    logp = torch.empty(N, **f32)
-    lse = torch.empty(N, **f32)
-    entropy = torch.empty(N, **f32) if compute_entropy else None
-    loss = dloss = kl = flags = None
-    if kind != K.LOSS_NONE:
-        loss = torch.empty(N, **f32)
-        dloss = torch.empty(N, **f32)
-        flags = torch.empty(N, device=device, dtype=torch.int8)
-        if opts.uses_kl:
-            kl = torch.empty(N, **f32)
-    dummy = logp  # stands in for absent pointers; the constexprs keep it unread
-    write_grad = grad_weight is not None and kind != K.LOSS_NONE
-    grad = torch.empty((B, T, V), device=device, dtype=logits.dtype) if write_grad else None
+    out = _allocate_outputs(N, logits.device, opts, compute_entropy)
+    inputs, dummy = _loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
+    write_grad = grad_weight is not None and out.loss is not None
+    grad = torch.empty((B, T, V), device=logits.device, dtype=logits.dtype) if write_grad else None
     constexprs = forward_constexprs(
         opts, has_old=old_logps is not None, has_iw=importance_weights is not None,
         has_mask=mask is not None, compute_entropy=compute_entropy, write_grad=write_grad,
     )
     config = block_config(V, logits.element_size())
+    grad_target = grad if write_grad else logits  # unread without WRITE_GRAD
     if N > 0:
-        o = opts or GRPOOptions()
         K.grpo_forward_kernel[(N,)](
-            logits, logits.stride(0), logits.stride(1), ids, T, V,
-            dummy if mask is None else mask,
-            dummy if advantages is None else advantages,
-            dummy if old_logps is None else old_logps,
-            dummy if ref_logps is None else ref_logps,
-            dummy if importance_weights is None else importance_weights,
-            logp, dummy if entropy is None else entropy, lse,
-            dummy if loss is None else loss, dummy if dloss is None else dloss,
-            dummy if kl is None else kl, dummy if flags is None else flags,
-            grad_weight if write_grad else dummy, grad if write_grad else logits,
-            (grad if write_grad else logits).stride(0), (grad if write_grad else logits).stride(1),
-            1.0 / temperature, float(o.epsilon), float(o.eps_high), _zero_if_none(o.delta),
-            _zero_if_none(o.dual_clip), float(o.beta), _zero_if_none(o.log_ratio_clamp),
-            _zero_if_none(o.kl_clamp), float(o.sapo_temperature_pos), float(o.sapo_temperature_neg),
+            logits, logits.stride(0), logits.stride(1), ids, T, V, *inputs,
+            out.logp, *(dummy if t is None else t for t in (out.entropy, out.lse, out.loss, out.dloss_dlogp,
+                                                               out.kl, out.flags)),
+            grad_weight if write_grad else dummy, grad_target, grad_target.stride(0), grad_target.stride(1),
+            *_loss_scalar_args(opts, temperature),
             **constexprs, ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])),
             BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
         )
-    return ForwardResult(logp, entropy, lse, loss, dloss, kl, flags, grad)
+    out.grad_logits = grad
+    return out
 
 
 def backward(
@@ -186,74 +197,157 @@ def backward(
     return grad
 
 
-def linear_block_config(dtype: torch.dtype) -> Dict[str, object]:
-    """Tiles of the fused lm_head kernels: [BLOCK_N x BLOCK_H] @ [BLOCK_H x BLOCK_V] products.
+# The backward's only V-sized buffer, [chunk, V] in the input dtype, is at most this big
+# (at least one token block). 1 GiB is 3,530 tokens of a 151,936 vocabulary in bf16: few
+# enough chunks that re-reading the fp32 d weight per chunk (2 x V x H x 4 bytes) stays a
+# small part of the products. Lower it to trade speed for memory.
+LINEAR_WORKSPACE_BYTES = 1 << 30
 
-    64 x 128 output tiles over 64-wide H slices keep the fp32 accumulator at 32 registers a
-    thread with 8 warps (checked for spills by tests/test_aot_compile.py); fp32 inputs use
-    exact ("ieee") products so that fp32 matches the reference, 16-bit inputs the tensor cores.
+
+def linear_block_config(dtype: torch.dtype) -> Dict[str, Dict[str, object]]:
+    """Tiles of the fused lm_head kernels, per kernel: "logits" (forward and dlogits) and "matmul".
+
+    logits: 64 x 128 output tiles over 64-wide H slices, 8 warps: a [64, 128] fp32 tile is
+    32 registers a thread, and the online log-sum-exp needs a few of those live.
+    matmul: 128 x 128 tiles over 64-wide (16-bit) or 32-wide (fp32) K slices, 8 warps, in
+    groups of 8 row blocks. tests/test_aot_compile.py checks every one for spills. fp32
+    inputs use exact ("ieee") products so that fp32 matches the reference; 16-bit inputs
+    the tensor cores.
     """
-    return {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8,
-            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return {
+        "logits": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "DOT_PRECISION": precision},
+        "matmul": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32 if dtype == torch.float32 else 64, "GROUP_M": 8,
+                   "num_warps": 8, "DOT_PRECISION": precision},
+    }
 
 
-def _linear_block_config_for(N: int, V: int, H: int, dtype) -> Dict[str, object]:
+def _shrink(block: int, extent: int) -> int:
+    """Small problems (tests, the interpreter): a tile no bigger than the problem; tl.dot needs 16."""
+    return max(16, min(block, triton.next_power_of_2(max(extent, 1))))
+
+
+def _interpreted_bf16(dtype) -> bool:
+    """True under TRITON_INTERPRET with bf16 inputs, where tl.dot operands must be upcast (see fused_linear.py)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from . import fused_linear as FL
 
-    config = linear_block_config(dtype)
-    # the interpreter cannot multiply bf16 tl.dot operands (see kernels/fused_linear.py)
-    config["UPCAST"] = dtype == torch.bfloat16 and isinstance(FL.linear_logprob_forward_kernel, InterpretedFunction)
-    if config["UPCAST"]:
-        config["DOT_PRECISION"] = "ieee"
-    # small problems (tests, the interpreter): shrink the tiles, tl.dot needs 16 at least
-    config["BLOCK_N"] = max(16, min(config["BLOCK_N"], triton.next_power_of_2(N)))
-    config["BLOCK_V"] = max(16, min(config["BLOCK_V"], triton.next_power_of_2(V)))
-    config["BLOCK_H"] = max(16, min(config["BLOCK_H"], triton.next_power_of_2(H)))
-    return config
+    return dtype == torch.bfloat16 and isinstance(FL.linear_grpo_forward_kernel, InterpretedFunction)
 
 
-def linear_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor,
-                   temperature: float, compute_entropy: bool):
-    """lse, logp, entropy (fp32 [N]) of (hidden [N, H] @ weight[V, H]^T + bias) / temperature."""
+def _logits_config(N: int, V: int, H: int, dtype) -> Dict[str, object]:
+    cfg = dict(linear_block_config(dtype)["logits"])
+    cfg["UPCAST"] = _interpreted_bf16(dtype)
+    if cfg["UPCAST"]:
+        cfg["DOT_PRECISION"] = "ieee"
+    for key, extent in (("BLOCK_N", N), ("BLOCK_V", V), ("BLOCK_H", H)):
+        cfg[key] = _shrink(cfg[key], extent)
+    return cfg
+
+
+def linear_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ids: torch.Tensor,
+    *,
+    opts: Optional[GRPOOptions] = None,
+    temperature: float = 1.0,
+    mask: Optional[torch.Tensor] = None,
+    advantages: Optional[torch.Tensor] = None,
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    importance_weights: Optional[torch.Tensor] = None,
+    compute_entropy: bool = False,
+) -> ForwardResult:
+    """The forward kernel on (hidden [N, H] @ weight[V, H]^T + bias) / temperature, logits never stored.
+
+    Per-token inputs and outputs as in ``forward`` (fp32 [N]); with ``opts`` None only
+    log-probs (and entropy) are computed.
+    """
     from . import fused_linear as FL
 
     N, H = hidden.shape
     V = weight.shape[0]
-    f32 = dict(device=hidden.device, dtype=torch.float32)
-    lse, logp = torch.empty(N, **f32), torch.empty(N, **f32)
-    entropy = torch.empty(N, **f32) if compute_entropy else None
-    cfg = _linear_block_config_for(N, V, H, hidden.dtype)
+    out = _allocate_outputs(N, hidden.device, opts, compute_entropy)
+    inputs, dummy = _loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
+    constexprs = forward_constexprs(
+        opts, has_old=old_logps is not None, has_iw=importance_weights is not None,
+        has_mask=mask is not None, compute_entropy=compute_entropy,
+    )
+    del constexprs["WRITE_GRAD"]  # the lm_head gradient needs the full log-sum-exp first: see linear_backward
+    cfg = _logits_config(N, V, H, hidden.dtype)
     if N > 0:
-        FL.linear_logprob_forward_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-            hidden, weight, weight if bias is None else bias, ids, N, V, H, lse, logp,
-            logp if entropy is None else entropy, 1.0 / temperature,
-            HAS_BIAS=bias is not None, COMPUTE_ENTROPY=compute_entropy, DOT_PRECISION=cfg["DOT_PRECISION"],
-            UPCAST=cfg["UPCAST"],
+        FL.linear_grpo_forward_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+            hidden, weight, weight if bias is None else bias, ids, N, V, H, *inputs,
+            out.lse, out.logp, *(dummy if t is None else t for t in (out.entropy, out.loss, out.dloss_dlogp,
+                                                                     out.kl, out.flags)),
+            *_loss_scalar_args(opts, temperature), **constexprs,
+            HAS_BIAS=bias is not None, DOT_PRECISION=cfg["DOT_PRECISION"], UPCAST=cfg["UPCAST"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"],
         )
-    return lse, logp, entropy
+    return out
+
+
+def linear_chunk_tokens(N: int, V: int, element_size: int, block_n: int) -> int:
+    """Tokens per backward chunk: the [chunk, V] workspace within LINEAR_WORKSPACE_BYTES, whole token blocks."""
+    fits = LINEAR_WORKSPACE_BYTES // max(V * element_size, 1)
+    if fits >= N:
+        return max(N, 1)
+    return max(block_n, fits // block_n * block_n)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """out (fp32 [M, N], contiguous) = (out if accumulate) + a [M, K] @ b [K, N], any strides."""
+    from . import fused_linear as FL
+
+    M, K_ = a.shape
+    N = b.shape[1]
+    cfg = dict(linear_block_config(a.dtype)["matmul"])
+    upcast = _interpreted_bf16(a.dtype)
+    blocks = {"BLOCK_M": _shrink(cfg["BLOCK_M"], M), "BLOCK_N": _shrink(cfg["BLOCK_N"], N),
+              "BLOCK_K": _shrink(cfg["BLOCK_K"], K_)}
+    grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"]),)
+    FL.matmul_kernel[grid](
+        a, b, out, M, N, K_, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        ACCUMULATE=accumulate, DOT_PRECISION="ieee" if upcast else cfg["DOT_PRECISION"], UPCAST=upcast,
+        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **blocks,
+    )
 
 
 def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool):
-    """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None) from g = dLoss/dlogp (fp32 [N])."""
+    """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N]).
+
+    A chunk of tokens at a time: the dlogits kernel writes the chunk's [chunk, V] gradient
+    of the logits into one reused workspace, then two products give the chunk's d hidden
+    and add its share of d weight (fp32, in place).
+    """
     from . import fused_linear as FL
 
     N, H = hidden.shape
     V = weight.shape[0]
-    cfg = _linear_block_config_for(N, V, H, hidden.dtype)
-    dh = torch.zeros(N, H, device=hidden.device, dtype=torch.float32)
-    dw = torch.zeros(V, H, device=hidden.device, dtype=torch.float32) if compute_weight_grad else None
+    cfg = _logits_config(N, V, H, hidden.dtype)
+    dh = torch.empty(N, H, device=hidden.device, dtype=torch.float32)
+    # d weight: the first chunk's product writes it, the later ones add to it
+    dw = torch.empty(V, H, device=hidden.device, dtype=torch.float32) if compute_weight_grad else None
     db = torch.zeros(V, device=hidden.device, dtype=torch.float32) if compute_weight_grad and bias is not None \
         else None
-    if N > 0:
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]) * triton.cdiv(V, cfg["BLOCK_V"]),)
-        FL.linear_logprob_backward_kernel[grid](
-            hidden, weight, weight if bias is None else bias, ids, N, V, H, lse, g, dh,
-            dh if dw is None else dw, dh if db is None else db, 1.0 / temperature,
-            HAS_BIAS=bias is not None, COMPUTE_DW=compute_weight_grad, DOT_PRECISION=cfg["DOT_PRECISION"],
-            UPCAST=cfg["UPCAST"],
+    chunk = linear_chunk_tokens(N, V, hidden.element_size(), cfg["BLOCK_N"])
+    workspace = torch.empty(min(chunk, N), V, device=hidden.device, dtype=hidden.dtype)
+    for n0 in range(0, N, chunk):
+        n1 = min(n0 + chunk, N)
+        dx = workspace[: n1 - n0]
+        grid = (triton.cdiv(n1 - n0, cfg["BLOCK_N"]) * triton.cdiv(V, cfg["BLOCK_V"]),)
+        FL.linear_dlogits_kernel[grid](
+            hidden[n0:n1], weight, weight if bias is None else bias, ids[n0:n1], n1 - n0, V, H,
+            lse[n0:n1], g[n0:n1], dx, 1.0 / temperature,
+            HAS_BIAS=bias is not None, DOT_PRECISION=cfg["DOT_PRECISION"], UPCAST=cfg["UPCAST"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"],
         )
+        _matmul(dx, weight, dh[n0:n1], accumulate=False)
+        if dw is not None:
+            _matmul(dx.T, hidden[n0:n1], dw, accumulate=n0 > 0)
+        if db is not None:
+            db += dx.sum(0, dtype=torch.float32)
     return dh, dw, db
