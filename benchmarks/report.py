@@ -10,10 +10,25 @@ import json
 from collections import defaultdict
 
 
-def load(path: str):
+def load(path: str, suite: str = "loss"):
+    """The cases of one suite: "loss" (from logits) or "fused_linear" (from hidden states)."""
     with open(path) as f:
         data = json.load(f)
-    return [b["extra_info"] for b in data["benchmarks"] if "path" in b.get("extra_info", {})]
+    infos = [b["extra_info"] for b in data["benchmarks"] if "path" in b.get("extra_info", {})]
+    return [info for info in infos if info.get("suite", "loss") == suite]
+
+
+def fused_linear_table(rows) -> str:
+    if not rows:
+        return "(no fused lm_head cases)"
+    lines = ["| N x H x V | dtype | pass | path | median ms | useful TFLOP/s | x unfused time | peak extra |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["N"] * r["V"], r["pass"], r["path"])):
+        ratio = "-" if r.get("vs_unfused") is None else f"{r['vs_unfused']:.2f}"
+        peak = "-" if r.get("peak_extra_bytes") is None else f"{r['peak_extra_bytes'] / 2**30:.2f} GiB"
+        lines.append(f"| {r['N']} x {r['H']} x {r['V']} | {r['dtype']} | {r['pass']} | {r['path']} | "
+                     f"{r['median_ms']:.2f} | {r['useful_TFLOPs']:.0f} | {ratio} | {peak} |")
+    return "\n".join(lines)
 
 
 def table(rows) -> str:
@@ -66,6 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = load(args.json)
     print(table(rows))
+    print()
+    print(fused_linear_table(load(args.json, "fused_linear")))
     if args.plot:
         plot(rows, args.plot)
 
