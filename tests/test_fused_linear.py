@@ -116,15 +116,30 @@ def test_several_token_blocks_k_slices_and_a_masked_block(device, backend):
     check(backend, *_block_spanning_inputs(device), beta=0.04, temperature=0.9)
 
 
-class _RecordWorkspaces:
-    """Wraps the dlogits kernel and records the shape of each workspace it writes."""
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("options", [dict(beta=0.04, temperature=0.9), dict(loss_type="cispo", epsilon_high=1.1),
+                                     dict(loss_type="sapo", importance_sampling_level="sequence", beta=0.04)],
+                         ids=["grpo", "cispo", "sapo-sequence"])
+def test_forward_split_over_the_vocabulary(device, monkeypatch, splits, options):
+    """The small-batch forward grid: V = 300 in 128-wide tiles cut into 2 splits (256 + 44 columns) or
+    3 (one tile each), merged by the combine kernel; entropy, KL and clip metrics included."""
+    calls = []
+    combine = FL.linear_grpo_combine_kernel
+    monkeypatch.setattr(FL, "linear_grpo_combine_kernel", _Recorder(combine, calls))
+    monkeypatch.setattr(launch, "LINEAR_FORWARD_SPLITS", splits)
+    check("triton", *_block_spanning_inputs(device), **options)
+    assert calls and all(args[2] == splits for args in calls)  # the partials of every split were merged
 
-    def __init__(self, kernel):
-        self.kernel, self.shapes = kernel, []
+
+class _Recorder:
+    """Wraps a kernel: records the positional arguments of each launch, then launches it."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
 
     def __getitem__(self, grid):
         def launch_kernel(*args, **kwargs):
-            self.shapes.append(tuple(args[9].shape))  # dx_ptr
+            self.calls.append(args)
             return self.kernel[grid](*args, **kwargs)
         return launch_kernel
 
@@ -132,11 +147,13 @@ class _RecordWorkspaces:
 def test_triton_backward_works_in_bounded_chunks(device, monkeypatch):
     """A workspace budget of one token block: the backward runs in three chunks (64, 64, 32 tokens),
     each writing the same [64, V] workspace, and still matches the reference."""
-    recorder = _RecordWorkspaces(FL.linear_dlogits_kernel)
-    monkeypatch.setattr(FL, "linear_dlogits_kernel", recorder)
+    calls = []
+    monkeypatch.setattr(FL, "linear_dlogits_kernel", _Recorder(FL.linear_dlogits_kernel, calls))
     monkeypatch.setattr(launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
     check("triton", *_block_spanning_inputs(device), beta=0.04, loss_type="dapo")
-    assert recorder.shapes == [(64, 300), (64, 300), (32, 300)]
+    workspaces = [args[9] for args in calls]  # dx_ptr
+    assert [tuple(w.shape) for w in workspaces] == [(64, 300), (64, 300), (32, 300)]
+    assert len({w.data_ptr() for w in workspaces}) == 1  # one buffer, reused
 
 
 def test_triton_token_level_runs_the_loss_inside_the_kernel(device, monkeypatch):

@@ -20,7 +20,7 @@ from typing import Dict, Iterator, List, Tuple
 from ..options import GRPOOptions
 from . import fused_linear as FL
 from . import grpo as K
-from .launch import block_config, forward_constexprs, linear_block_config
+from .launch import COMBINE_BLOCK, block_config, forward_constexprs, linear_block_config
 
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 VOCAB_SIZES = (1003, 32000, 151936)  # one block (small V) and the looping configs
@@ -100,7 +100,8 @@ def _linear_signature(fn, dtype: str) -> Dict[str, str]:
     sig = {name: "*fp32" for name in fn.arg_names}
     sig.update(h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", b_ptr=f"*{dtype}", ids_ptr="*i64", flags_out="*i8",
                dx_ptr=f"*{dtype}", a_ptr=f"*{dtype}")
-    for name in ("N", "V", "H", "M", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn"):
+    for name in ("N", "V", "H", "M", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "v_per_split",
+                 "splits"):
         sig[name] = "i32"
     for name in ("inv_temperature", "eps_low", "eps_high", "delta", "dual_clip", "beta", "log_ratio_clamp",
                  "kl_clamp", "sapo_tau_pos", "sapo_tau_neg"):
@@ -120,7 +121,12 @@ def fused_linear_builds() -> Iterator[Tuple[object, str, Dict[str, object]]]:
             flags = forward_constexprs(o, has_old=o is not None, has_iw=o is not None, has_mask=True,
                                        compute_entropy=True)
             del flags["WRITE_GRAD"]
-            yield FL.linear_grpo_forward_kernel, f"forward {name} bias={bias}", {**flags, "HAS_BIAS": bias}
+            yield FL.linear_grpo_forward_kernel, f"forward {name} bias={bias}", {**flags, "HAS_BIAS": bias,
+                                                                                "SPLIT_V": False}
+            if not bias:
+                yield (FL.linear_grpo_forward_kernel, f"forward {name} split-v",
+                       {**flags, "HAS_BIAS": False, "SPLIT_V": True})
+                yield FL.linear_grpo_combine_kernel, f"combine {name}", flags
     for bias in (False, True):
         yield FL.linear_dlogits_kernel, f"dlogits bias={bias}", {"HAS_BIAS": bias}
     # as launched: d hidden = dx @ W (unit inner strides), d weight += dx^T @ h (dx read transposed)
@@ -136,10 +142,15 @@ def compile_fused_linear(arch: int) -> List[Dict[str, object]]:
     for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         configs = linear_block_config(torch_dtype)
         for kernel, label, flags in fused_linear_builds():
-            cfg = dict(configs["matmul" if kernel is FL.matmul_kernel else "logits"])
+            if kernel is FL.linear_grpo_combine_kernel:  # element-wise on [BLOCK_N] vectors, no products
+                cfg = {"BLOCK_N": COMBINE_BLOCK, "num_warps": 4}
+            else:
+                cfg = dict(configs["matmul" if kernel is FL.matmul_kernel else "logits"])
             num_warps = cfg.pop("num_warps")
             # V, H and the non-unit strides are multiples of 16 for real models (V = 151936, H = 4096)
-            compiled = _compile(kernel, _linear_signature(kernel, dtype), {**flags, **cfg, "UPCAST": False},
+            if kernel is not FL.linear_grpo_combine_kernel:
+                cfg["UPCAST"] = False
+            compiled = _compile(kernel, _linear_signature(kernel, dtype), {**flags, **cfg},
                                 num_warps, arch, divisible=("V", "H", "N", "stride_am", "stride_ak", "stride_bk"))
             block = cfg.get("BLOCK_V", cfg.get("BLOCK_N"))
             records.append(_record(label.split()[0], "fused-linear " + label, dtype,

@@ -3,12 +3,15 @@
 x = (h @ W^T + b) / tau is computed one [BLOCK_N, BLOCK_V] tile at a time with ``tl.dot``
 (16-bit or fp32 inputs, fp32 accumulation).
 
-Forward (``linear_grpo_forward_kernel``, a 1-D grid over blocks of BLOCK_N tokens): stream
+Forward (``linear_grpo_forward_kernel``, a grid over blocks of BLOCK_N tokens): stream
 the vocabulary tiles, keeping per-token online log-sum-exp, the target logit and (when
 asked) the entropy sums; then, on the block's [BLOCK_N] vectors, the per-token loss of
 every loss_type and its derivative dloss/dlogp (``grpo.token_loss_and_grad``, the same
 function the logits kernel runs). The logits are never written. A block whose tokens
-are all masked skips the vocabulary loop.
+are all masked skips the vocabulary loop. When there are too few token blocks to fill
+the GPU, the grid gets a second axis of vocabulary splits (SPLIT_V): each program keeps
+its split's log-sum-exp state in a small [4, splits, N] buffer and
+``linear_grpo_combine_kernel`` merges the splits and computes the loss terms.
 
 Backward, one chunk of C tokens at a time (C from the launcher's workspace budget, so
 the only V-sized buffer is the [C, V] workspace):
@@ -65,48 +68,18 @@ def _logits_tile(h_block, w_block, b_ptr, n_left, v0, V, H, inv_temperature,
     return tl.where(in_v[None, :], acc * inv_temperature, float("-inf"))
 
 
-@triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)
-def linear_grpo_forward_kernel(
-    h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H,
+@triton.jit
+def _finish_tokens(
+    rows, active, running_max, sum_exp, sum_exp_x, target_x, N,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
-    inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
-    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+    eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
     HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
-    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    COMPUTE_ENTROPY: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    first = pid * BLOCK_N
-    rows = first + tl.arange(0, BLOCK_N)
-    active = rows < N
-    if HAS_MASK:  # masked tokens are computed with their block but read as 0, as in the logits kernel
-        active = active & (tl.load(mask_ptr + rows, mask=active, other=0.0) != 0.0)
-    n_left = N - first
-    h_block = h_ptr + first * H
-    stride_w = tl.cast(H, tl.int64)  # V * H may pass 2^31
-    target = tl.load(ids_ptr + rows, mask=active, other=0).to(tl.int32)
-    running_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    sum_exp = tl.zeros([BLOCK_N], dtype=tl.float32)
-    sum_exp_x = tl.zeros([BLOCK_N], dtype=tl.float32)
-    target_x = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if tl.max(active.to(tl.int32), axis=0) > 0:  # a block of padding costs no products
-        for v0 in range(0, V, BLOCK_V):
-            x = _logits_tile(h_block, w_ptr + v0 * stride_w, b_ptr, n_left, v0, V, H, inv_temperature,
-                             HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST)  # [BLOCK_N, BLOCK_V]
-            cols = v0 + tl.arange(0, BLOCK_V)
-            target_x += tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), axis=1)
-            new_max = tl.maximum(running_max, tl.max(x, axis=1))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            rescale = tl.exp(running_max - safe_max)
-            e = tl.exp(x - safe_max[:, None])
-            sum_exp = sum_exp * rescale + tl.sum(e, axis=1)
-            if COMPUTE_ENTROPY:
-                sum_exp_x = sum_exp_x * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=1)
-            running_max = new_max
+    """From a token block's log-sum-exp state: store lse, logp, entropy, then the per-token loss terms."""
     # Inactive rows (sum_exp may be 0 there) are stored as 0; a 0 lse also keeps the
     # backward's exp(x - lse) finite for them.
     sum_exp = tl.where(active, sum_exp, 1.0)
@@ -139,6 +112,121 @@ def linear_grpo_forward_kernel(
         tl.store(loss_out + rows, tl.where(active, loss, 0.0), mask=in_rows)
         tl.store(dloss_out + rows, tl.where(active, dloss, 0.0), mask=in_rows)
         tl.store(flags_out + rows, tl.where(active, flags, 0).to(tl.int8), mask=in_rows)
+
+
+@triton.jit
+def _active_rows(rows, N, mask_ptr, HAS_MASK: tl.constexpr):
+    """Rows inside [0, N) and not masked: masked tokens are computed with their block but read as 0."""
+    active = rows < N
+    if HAS_MASK:
+        active = active & (tl.load(mask_ptr + rows, mask=active, other=0.0) != 0.0)
+    return active
+
+
+@triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)
+def linear_grpo_forward_kernel(
+    h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, v_per_split, partials_ptr,
+    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
+    lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
+    inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
+    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
+    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_V: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Grid (token blocks, vocabulary splits). Without SPLIT_V one split covers V and the program
+    finishes its tokens; with SPLIT_V it stores its split's (max, sum exp, sum exp * x, target x)
+    in ``partials`` [4, splits, N] for ``linear_grpo_combine_kernel``."""
+    pid = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    first = pid * BLOCK_N
+    rows = first + tl.arange(0, BLOCK_N)
+    active = _active_rows(rows, N, mask_ptr, HAS_MASK)
+    n_left = N - first
+    h_block = h_ptr + first * H
+    stride_w = tl.cast(H, tl.int64)  # V * H may pass 2^31
+    target = tl.load(ids_ptr + rows, mask=active, other=0).to(tl.int32)
+    running_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    sum_exp = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sum_exp_x = tl.zeros([BLOCK_N], dtype=tl.float32)
+    target_x = tl.zeros([BLOCK_N], dtype=tl.float32)
+    v_start = split * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    if tl.max(active.to(tl.int32), axis=0) > 0:  # a block of padding costs no products
+        for v0 in range(v_start, v_end, BLOCK_V):
+            x = _logits_tile(h_block, w_ptr + v0 * stride_w, b_ptr, n_left, v0, V, H, inv_temperature,
+                             HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST)  # [BLOCK_N, BLOCK_V]
+            cols = v0 + tl.arange(0, BLOCK_V)
+            target_x += tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), axis=1)
+            new_max = tl.maximum(running_max, tl.max(x, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(running_max - safe_max)
+            e = tl.exp(x - safe_max[:, None])
+            sum_exp = sum_exp * rescale + tl.sum(e, axis=1)
+            if COMPUTE_ENTROPY:
+                sum_exp_x = sum_exp_x * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=1)
+            running_max = new_max
+    if SPLIT_V:
+        stride_split = tl.num_programs(1).to(tl.int64) * N
+        out = partials_ptr + split.to(tl.int64) * N + rows
+        in_rows = rows < N
+        tl.store(out, running_max, mask=in_rows)
+        tl.store(out + stride_split, sum_exp, mask=in_rows)
+        tl.store(out + 2 * stride_split, sum_exp_x, mask=in_rows)
+        tl.store(out + 3 * stride_split, target_x, mask=in_rows)
+    else:
+        _finish_tokens(
+            rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
+            lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
+            eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+            LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
+            BIAS_CORRECTION_KL, HAS_IW, COMPUTE_ENTROPY,
+        )
+
+
+@triton.jit(do_not_specialize=["N", "splits"])
+def linear_grpo_combine_kernel(
+    partials_ptr, N, splits,
+    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
+    lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
+    eps_low, eps_high, delta, dual_clip, beta,
+    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
+    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Merge the vocabulary splits' log-sum-exp states of a token block, then finish its tokens."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < N
+    active = _active_rows(rows, N, mask_ptr, HAS_MASK)
+    stride_split = tl.cast(splits, tl.int64) * N
+    running_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    sum_exp = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sum_exp_x = tl.zeros([BLOCK_N], dtype=tl.float32)
+    target_x = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for split in range(0, splits):
+        part = partials_ptr + tl.cast(split, tl.int64) * N + rows
+        part_max = tl.load(part, mask=in_rows, other=float("-inf"))
+        new_max = tl.maximum(running_max, part_max)
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        old_scale = tl.exp(running_max - safe_max)
+        part_scale = tl.exp(part_max - safe_max)
+        sum_exp = sum_exp * old_scale + tl.load(part + stride_split, mask=in_rows, other=0.0) * part_scale
+        if COMPUTE_ENTROPY:
+            sum_exp_x = sum_exp_x * old_scale + tl.load(part + 2 * stride_split, mask=in_rows, other=0.0) * part_scale
+        target_x += tl.load(part + 3 * stride_split, mask=in_rows, other=0.0)  # 0 outside the target's split
+        running_max = new_max
+    _finish_tokens(
+        rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
+        lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
+        eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+        LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
+        BIAS_CORRECTION_KL, HAS_IW, COMPUTE_ENTROPY,
+    )
 
 
 @triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)

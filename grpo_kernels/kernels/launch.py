@@ -278,16 +278,51 @@ def linear_forward(
     )
     del constexprs["WRITE_GRAD"]  # the lm_head gradient needs the full log-sum-exp first: see linear_backward
     cfg = _logits_config(N, V, H, hidden.dtype)
-    if N > 0:
-        FL.linear_grpo_forward_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-            hidden, weight, weight if bias is None else bias, ids, N, V, H, *inputs,
-            out.lse, out.logp, *(dummy if t is None else t for t in (out.entropy, out.loss, out.dloss_dlogp,
-                                                                     out.kl, out.flags)),
-            *_loss_scalar_args(opts, temperature), **constexprs,
-            HAS_BIAS=bias is not None, DOT_PRECISION=cfg["DOT_PRECISION"], UPCAST=cfg["UPCAST"],
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"],
+    if N == 0:
+        return out
+    blocks_n = triton.cdiv(N, cfg["BLOCK_N"])
+    splits, v_per_split = linear_vocab_splits(blocks_n, V, cfg["BLOCK_V"], hidden.device)
+    partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32) if splits > 1 else out.logp
+    outputs = (out.lse, out.logp, *(dummy if t is None else t for t in (out.entropy, out.loss, out.dloss_dlogp,
+                                                                         out.kl, out.flags)))
+    FL.linear_grpo_forward_kernel[(blocks_n, splits)](
+        hidden, weight, weight if bias is None else bias, ids, N, V, H, v_per_split, partials, *inputs, *outputs,
+        *_loss_scalar_args(opts, temperature), **constexprs,
+        HAS_BIAS=bias is not None, SPLIT_V=splits > 1, DOT_PRECISION=cfg["DOT_PRECISION"], UPCAST=cfg["UPCAST"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"],
+    )
+    if splits > 1:
+        FL.linear_grpo_combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
+            partials, N, splits, *inputs, *outputs, *_loss_scalar_args(opts, temperature)[1:], **constexprs,
+            BLOCK_N=COMBINE_BLOCK,
         )
     return out
+
+
+# Vocabulary splits of the lm_head forward: None picks them from the GPU's size (below);
+# tests set a number to run the split path in the interpreter.
+LINEAR_FORWARD_SPLITS: Optional[int] = None
+COMBINE_BLOCK = 128
+
+
+def linear_vocab_splits(blocks_n: int, V: int, block_v: int, device) -> tuple:
+    """(splits, vocabulary columns per split) of the forward grid.
+
+    One program per token block streams all of V, which fills an H200's 132 SMs only from
+    about 2 x 132 blocks (17k tokens at 64 a block). With fewer blocks the vocabulary is
+    cut into splits so that the grid has about two programs per SM; each split is whole
+    BLOCK_V tiles. The price is a [4, splits, N] fp32 buffer and one small combine kernel.
+    """
+    tiles = triton.cdiv(V, block_v)
+    if LINEAR_FORWARD_SPLITS is not None:
+        wanted = LINEAR_FORWARD_SPLITS
+    elif device.type == "cuda":
+        wanted = triton.cdiv(2 * torch.cuda.get_device_properties(device).multi_processor_count, blocks_n)
+    else:
+        wanted = 1
+    tiles_per_split = triton.cdiv(tiles, max(1, min(wanted, tiles)))
+    splits = triton.cdiv(tiles, tiles_per_split)  # every split has at least one tile
+    return splits, tiles_per_split * block_v
 
 
 def linear_chunk_tokens(N: int, V: int, element_size: int, block_n: int) -> int:
