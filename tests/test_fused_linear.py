@@ -183,12 +183,18 @@ def test_frozen_weight_gets_no_gradient(device, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bf16(device, backend):
-    """bf16 inputs against fp32 math on the same values: the gradients are rounded to bf16, and the
-    Triton path feeds bf16-rounded dlogits to its products, so the tolerance is 2^-6 of the largest
-    gradient entry (the loss and log-probs stay at fp32 accuracy: the logits are fp32)."""
-    batch, hidden, weight, bias = _inputs(device, dtype=torch.bfloat16, seed=3)
-    check(backend, batch, hidden, weight, bias, tol=dict(atol=1.6e-2, rtol=1.6e-2), beta=0.04)
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1.6e-2), (torch.float16, 4e-3)], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", ["odd", "blocks"])
+def test_half_precision(device, backend, dtype, tol, shape):
+    """16-bit inputs against fp32 math on the same values. The gradients are rounded to the input
+    dtype, and the Triton path feeds dtype-rounded dlogits to its products, so the tolerance is
+    4 ulps of the dtype (2^-6 bf16, 2^-8 fp16) relative to the largest gradient entry; the logits
+    themselves are accumulated in fp32. "blocks": several token blocks, H slices and V tiles."""
+    if shape == "odd":
+        batch, hidden, weight, bias = _inputs(device, dtype=dtype, seed=3)
+    else:
+        batch, hidden, weight, bias = _block_spanning_inputs(device, dtype)
+    check(backend, batch, hidden, weight, bias, tol=dict(atol=tol, rtol=tol), beta=0.04)
 
 
 def test_module_and_bad_input(device):
