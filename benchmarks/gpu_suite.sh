@@ -22,4 +22,4 @@ timeout 150 python -m pytest benchmarks/test_bench_fused_linear.py -q -p no:cach
 echo "bench rc=$?" >> "$OUT/bench_fused_linear.txt"
 python benchmarks/report.py "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.md" 2>&1
 python benchmarks/report.py "$OUT/bench_fused_linear.json" > "$OUT/bench_fused_linear.md" 2>&1
-tail -3 "$OUT/tests.txt" "$OUT/bench.txt" "$OUT/bench_fused_linear.txt"
+tail -n 3 "$OUT/tests.txt" "$OUT/bench.txt" "$OUT/bench_fused_linear.txt"

@@ -79,10 +79,11 @@ def main() -> None:
     parser.add_argument("json")
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
-    rows = load(args.json)
-    print(table(rows))
-    print()
-    print(fused_linear_table(load(args.json, "fused_linear")))
+    rows, fused_rows = load(args.json), load(args.json, "fused_linear")
+    if rows or not fused_rows:
+        print(table(rows))
+    if fused_rows:
+        print(fused_linear_table(fused_rows))
     if args.plot:
         plot(rows, args.plot)
 
