@@ -18,6 +18,12 @@ def load(path: str, suite: str = "loss"):
     return [info for info in infos if info.get("suite", "loss") == suite]
 
 
+def environment_line(rows) -> str:
+    env = rows[0]
+    return (f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}"
+            + "".join(f", {k} {env[k]}" for k in ("trl", "liger_kernel") if k in env) + "\n\n")
+
+
 def fused_linear_table(rows) -> str:
     if not rows:
         return "(no fused lm_head cases)"
@@ -28,15 +34,13 @@ def fused_linear_table(rows) -> str:
         peak = "-" if r.get("peak_extra_bytes") is None else f"{r['peak_extra_bytes'] / 2**30:.2f} GiB"
         lines.append(f"| {r['N']} x {r['H']} x {r['V']} | {r['dtype']} | {r['pass']} | {r['path']} | "
                      f"{r['median_ms']:.2f} | {r['useful_TFLOPs']:.0f} | {ratio} | {peak} |")
-    return "\n".join(lines)
+    return environment_line(rows) + "\n".join(lines)
 
 
 def table(rows) -> str:
     if not rows:
         return "(no cases)"
-    env = rows[0]
-    head = (f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}"
-            + "".join(f", {k} {env[k]}" for k in ("trl", "liger_kernel") if k in env) + "\n\n")
+    head = environment_line(rows)
     lines = ["| N x V | dtype | level | pass | path | median ms | GB/s (byte model) | x copy bw | peak extra / S "
              "| speed-up vs eager |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -7,6 +7,7 @@ model, the fraction of a device-to-device copy's bandwidth measured in the same 
 peak memory above the inputs (GPU). Tables: ``python benchmarks/report.py RUN.json``.
 """
 
+import importlib.metadata
 import platform
 import statistics
 
@@ -62,10 +63,10 @@ def copy_seconds(shape) -> float:
 def environment():
     info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name() if ON_GPU else platform.processor() or platform.machine()}
-    for name in ("trl", "liger_kernel"):
+    for name, dist in (("trl", "trl"), ("liger_kernel", "liger-kernel")):
         try:
-            info[name] = __import__(name).__version__
-        except Exception:
+            info[name] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
             pass
     return info
 
