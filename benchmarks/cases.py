@@ -7,10 +7,13 @@ once: our one-pass kernel) and 3 S for a two-pass design (read, read again, writ
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
-from typing import Callable, Dict
+import platform
+from typing import Callable, Dict, Optional
 
 import torch
+import triton
 
 from grpo_kernels import grpo_loss, grpo_loss_reference
 from grpo_kernels import reference as ref
@@ -25,6 +28,38 @@ BETA = 0.04
 GPU_SHAPES = [(4, 1024, 32000), (16, 1024, 128256), (16, 1024, 151936)]
 CPU_SHAPES = [(2, 128, 32000), (4, 256, 32000)]
 SMOKE_SHAPES = [(2, 8, 1003)]
+
+
+def sync():
+    if ON_GPU:
+        torch.cuda.synchronize()
+
+
+def environment() -> Dict[str, str]:
+    """Device and versions, recorded with every case."""
+    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name() if ON_GPU else platform.processor() or platform.machine()}
+    for name, dist in (("trl", "trl"), ("liger_kernel", "liger-kernel")):
+        try:
+            info[name] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return info
+
+
+def warm_up_and_time(benchmark, step: Callable[[], None], rounds: int) -> Optional[int]:
+    """Two warm-up calls (compile, autotune, caches), one more for peak GPU memory above what is
+    allocated before it (None on CPU), then ``rounds`` timed calls through pytest-benchmark."""
+    for _ in range(2):
+        step()
+    peak_extra = None
+    if ON_GPU:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        peak_extra = torch.cuda.max_memory_allocated() - base
+    benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=1)
+    return peak_extra
 
 
 def shapes():

@@ -16,8 +16,7 @@ the inputs (GPU), and the time relative to the unfused pipeline measured in the 
 import pytest
 import torch
 
-from cases import BETA, ON_GPU, SMOKE, TEMPERATURE
-from test_bench_loss import environment, sync
+from cases import BETA, ON_GPU, SMOKE, TEMPERATURE, environment, sync, warm_up_and_time
 
 from grpo_kernels import fused_linear_grpo_loss, grpo_loss
 
@@ -108,15 +107,7 @@ def test_fused_linear_grpo_loss(benchmark, name, shape, backward):
                 fn(x, x["hidden"], x["weight"])
         sync()
 
-    for _ in range(2):  # warm-up: compile, autotune, caches
-        step()
-    peak_extra = None
-    if ON_GPU:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        peak_extra = torch.cuda.max_memory_allocated() - base
-    benchmark.pedantic(step, rounds=10 if ON_GPU else 3, iterations=1, warmup_rounds=1)
+    peak_extra = warm_up_and_time(benchmark, step, rounds=10 if ON_GPU else 3)
     if benchmark.stats is None:  # --benchmark-disable
         return
     seconds = benchmark.stats.stats.median

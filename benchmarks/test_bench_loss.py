@@ -7,16 +7,13 @@ model, the fraction of a device-to-device copy's bandwidth measured in the same 
 peak memory above the inputs (GPU). Tables: ``python benchmarks/report.py RUN.json``.
 """
 
-import importlib.metadata
-import platform
 import statistics
 
 import pytest
 import torch
-import triton
 
-from cases import (DEVICE, ON_GPU, available_paths, logits_bytes, logits_view, make_inputs, model_bytes,
-                   shapes)
+from cases import (DEVICE, ON_GPU, available_paths, environment, logits_bytes, logits_view, make_inputs,
+                   model_bytes, shapes, sync, warm_up_and_time)
 
 _INPUTS = {}
 _COPY_SECONDS = {}
@@ -27,11 +24,6 @@ def inputs_for(shape):
         _INPUTS.clear()  # one shape's tensors at a time
         _INPUTS[shape] = make_inputs(*shape)
     return _INPUTS[shape]
-
-
-def sync():
-    if ON_GPU:
-        torch.cuda.synchronize()
 
 
 def copy_seconds(shape) -> float:
@@ -60,17 +52,6 @@ def copy_seconds(shape) -> float:
     return _COPY_SECONDS[shape]
 
 
-def environment():
-    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name() if ON_GPU else platform.processor() or platform.machine()}
-    for name, dist in (("trl", "trl"), ("liger_kernel", "liger-kernel")):
-        try:
-            info[name] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return info
-
-
 def _cases():
     for level in ("token", "sequence"):
         level_shapes = shapes() if level == "token" else shapes()[-1:]
@@ -97,15 +78,7 @@ def test_grpo_loss(benchmark, name, shape, backward, level):
                 fn(inputs, logits_view(name, full))
         sync()
 
-    for _ in range(2):  # warm-up: compile, autotune, caches
-        step()
-    peak_extra = None
-    if ON_GPU:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        peak_extra = torch.cuda.max_memory_allocated() - base
-    benchmark.pedantic(step, rounds=5 if DEVICE == "cpu" else 20, iterations=1, warmup_rounds=1)
+    peak_extra = warm_up_and_time(benchmark, step, rounds=5 if DEVICE == "cpu" else 20)
     if benchmark.stats is None:  # --benchmark-disable: the path ran once, nothing was timed
         return
     seconds = benchmark.stats.stats.median

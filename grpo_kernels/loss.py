@@ -23,6 +23,18 @@ def _flat_f32(t: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tenso
     return ref.as_row_column(t).float().expand(B, T).reshape(-1).contiguous()
 
 
+def _per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts: GRPOOptions, B, T):
+    """mask, advantages, old, ref (only with a KL term) and importance weights as the kernels read them."""
+    return (mask.reshape(-1).contiguous(), _flat_f32(advantages, B, T), _flat_f32(old_logps, B, T),
+            _flat_f32(ref_logps, B, T) if opts.uses_kl else None, _flat_f32(importance_weights, B, T))
+
+
+def _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts: GRPOOptions) -> GRPOLossOutput:
+    """The output of a loss whose per-token terms came from a kernel (clip flags as FLAG_* bits)."""
+    terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
+    return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
+
+
 def grpo_loss(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
@@ -54,7 +66,6 @@ def grpo_loss(
     check_in_place(in_place_backward, logits)
     B, T, _ = logits.shape
     mask = completion_mask.float()
-    flat_mask = mask.reshape(-1).contiguous()
 
     if engine == "triton" and logits.stride(-1) != 1:
         raise ValueError(
@@ -62,11 +73,8 @@ def grpo_loss(
             "views that slice B or T are fine, a transposed vocabulary is not (call .contiguous())"
         )
     if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
-        kernel_inputs = (
-            logits, completion_ids.contiguous(), flat_mask, _flat_f32(advantages, B, T),
-            _flat_f32(old_logps, B, T), _flat_f32(ref_logps, B, T) if opts.uses_kl else None,
-            _flat_f32(importance_weights, B, T),
-        )
+        kernel_inputs = (logits, completion_ids.contiguous(), *_per_token_kernel_inputs(
+            mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T))
         wants_grad = torch.is_grad_enabled() and logits.requires_grad
         if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
             grad_weight = ref.reduction_weights(mask, opts, normalizer).float().reshape(-1).contiguous()
@@ -74,10 +82,9 @@ def grpo_loss(
         else:  # two-pass: dLoss/dlogp applied by the backward kernel
             loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward)
             loss = ref.reduce_loss(loss_t, mask, opts, normalizer)
-        terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
-        return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
+        return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = TokenLogprobs.apply(
-        logits, completion_ids.contiguous(), flat_mask, opts.temperature, opts.compute_entropy,
+        logits, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
         engine, in_place_backward,
     )
     return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
@@ -177,12 +184,11 @@ def fused_linear_grpo_loss(
             None if bias is None else bias.contiguous(), completion_ids.reshape(-1).contiguous())
     if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
         loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(
-            *flat, mask.reshape(-1).contiguous(), _flat_f32(advantages, B, T), _flat_f32(old_logps, B, T),
-            _flat_f32(ref_logps, B, T) if opts.uses_kl else None, _flat_f32(importance_weights, B, T), opts, (B, T),
+            *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
+            opts, (B, T),
         )
         loss = ref.reduce_loss(loss_t, mask, opts, normalizer)
-        terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
-        return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
+        return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine)
     active = mask != 0  # as in the logits path: masked positions read as 0
     logp = torch.where(active, logp.view(B, T), 0.0)

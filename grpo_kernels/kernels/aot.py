@@ -23,6 +23,9 @@ from . import grpo as K
 from .launch import COMBINE_BLOCK, block_config, forward_constexprs, linear_block_config
 
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# the forward kernels' run-time float arguments
+FLOAT_ARGS = ("inv_temperature", "eps_low", "eps_high", "delta", "dual_clip", "beta", "log_ratio_clamp", "kl_clamp",
+              "sapo_tau_pos", "sapo_tau_neg")
 VOCAB_SIZES = (1003, 32000, 151936)  # one block (small V) and the looping configs
 
 
@@ -31,9 +34,7 @@ def _forward_signature(dtype: str) -> Dict[str, str]:
     sig.update(logits_ptr=f"*{dtype}", ids_ptr="*i64", flags_out="*i8", grad_logits_ptr=f"*{dtype}")
     for name in ("stride_b", "stride_t", "T", "V", "grad_stride_b", "grad_stride_t"):
         sig[name] = "i64"
-    for name in ("inv_temperature", "eps_low", "eps_high", "delta", "dual_clip", "beta", "log_ratio_clamp",
-                 "kl_clamp", "sapo_tau_pos", "sapo_tau_neg"):
-        sig[name] = "fp32"
+    sig.update({name: "fp32" for name in FLOAT_ARGS if name in sig})
     return sig
 
 
@@ -100,15 +101,10 @@ def _linear_signature(fn, dtype: str) -> Dict[str, str]:
     sig = {name: "*fp32" for name in fn.arg_names}
     sig.update(h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", b_ptr=f"*{dtype}", ids_ptr="*i64", flags_out="*i8",
                dx_ptr=f"*{dtype}", a_ptr=f"*{dtype}")
-    for name in ("N", "V", "H", "M", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "v_per_split",
-                 "splits"):
-        sig[name] = "i32"
-    for name in ("inv_temperature", "eps_low", "eps_high", "delta", "dual_clip", "beta", "log_ratio_clamp",
-                 "kl_clamp", "sapo_tau_pos", "sapo_tau_neg"):
-        sig[name] = "fp32"
-    if fn is FL.matmul_kernel:
-        sig.update(b_ptr=f"*{dtype}", c_ptr="*fp32")
-    return {name: sig[name] for name in fn.arg_names}
+    sig.update({name: "i32" for name in ("N", "V", "H", "M", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
+                                         "v_per_split", "splits")})
+    sig.update({name: "fp32" for name in FLOAT_ARGS})
+    return {name: sig[name] for name in fn.arg_names}  # one table for every lm_head kernel: keep this one's
 
 
 def fused_linear_builds() -> Iterator[Tuple[object, str, Dict[str, object]]]:

@@ -72,7 +72,7 @@ def _logits_tile(h_block, w_block, b_ptr, n_left, v0, V, H, inv_temperature,
 def _finish_tokens(
     rows, active, running_max, sum_exp, sum_exp_x, target_x, N,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-    lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
+    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
@@ -127,7 +127,7 @@ def _active_rows(rows, N, mask_ptr, HAS_MASK: tl.constexpr):
 def linear_grpo_forward_kernel(
     h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, v_per_split, partials_ptr,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-    lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
+    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
     log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
@@ -180,7 +180,7 @@ def linear_grpo_forward_kernel(
     else:
         _finish_tokens(
             rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-            lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
+            logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
             eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
             LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
             BIAS_CORRECTION_KL, HAS_IW, COMPUTE_ENTROPY,
@@ -191,7 +191,7 @@ def linear_grpo_forward_kernel(
 def linear_grpo_combine_kernel(
     partials_ptr, N, splits,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-    lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
+    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     eps_low, eps_high, delta, dual_clip, beta,
     log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
@@ -222,7 +222,7 @@ def linear_grpo_combine_kernel(
         running_max = new_max
     _finish_tokens(
         rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-        lse_out, logp_out, entropy_out, loss_out, dloss_out, kl_out, flags_out,
+        logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
         eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
         LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
         BIAS_CORRECTION_KL, HAS_IW, COMPUTE_ENTROPY,

@@ -109,11 +109,13 @@ def _allocate_outputs(N: int, device, opts: Optional[GRPOOptions], compute_entro
 
 
 def _loss_pointer_args(out: ForwardResult, mask, advantages, old_logps, ref_logps, importance_weights):
-    """The per-token inputs and outputs, in kernel order; absent ones are a placeholder the constexprs keep unread."""
+    """(per-token inputs, outputs, placeholder) in the forward kernels' order (mask, adv, old, ref, iw; logp,
+    entropy, lse, loss, dloss, kl, flags); absent ones are the placeholder, which the constexprs keep unread."""
     dummy = out.logp
     either = lambda t: dummy if t is None else t  # noqa: E731
     inputs = (either(mask), either(advantages), either(old_logps), either(ref_logps), either(importance_weights))
-    return inputs, dummy
+    outputs = tuple(either(t) for t in (out.logp, out.entropy, out.lse, out.loss, out.dloss_dlogp, out.kl, out.flags))
+    return inputs, outputs, dummy
 
 
 def _loss_scalar_args(opts: Optional[GRPOOptions], temperature: float):
@@ -148,7 +150,7 @@ def forward(
     B, T, V = logits.shape
     N = B * T
     out = _allocate_outputs(N, logits.device, opts, compute_entropy)
-    inputs, dummy = _loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
+    inputs, outputs, dummy = _loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
     write_grad = grad_weight is not None and out.loss is not None
     grad = torch.empty((B, T, V), device=logits.device, dtype=logits.dtype) if write_grad else None
     constexprs = forward_constexprs(
@@ -159,9 +161,7 @@ def forward(
     grad_target = grad if write_grad else logits  # unread without WRITE_GRAD
     if N > 0:
         K.grpo_forward_kernel[(N,)](
-            logits, logits.stride(0), logits.stride(1), ids, T, V, *inputs,
-            out.logp, *(dummy if t is None else t for t in (out.entropy, out.lse, out.loss, out.dloss_dlogp,
-                                                               out.kl, out.flags)),
+            logits, logits.stride(0), logits.stride(1), ids, T, V, *inputs, *outputs,
             grad_weight if write_grad else dummy, grad_target, grad_target.stride(0), grad_target.stride(1),
             *_loss_scalar_args(opts, temperature),
             **constexprs, ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])),
@@ -271,7 +271,7 @@ def linear_forward(
     N, H = hidden.shape
     V = weight.shape[0]
     out = _allocate_outputs(N, hidden.device, opts, compute_entropy)
-    inputs, dummy = _loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
+    inputs, outputs, _ = _loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
     constexprs = forward_constexprs(
         opts, has_old=old_logps is not None, has_iw=importance_weights is not None,
         has_mask=mask is not None, compute_entropy=compute_entropy,
@@ -283,8 +283,6 @@ def linear_forward(
     blocks_n = triton.cdiv(N, cfg["BLOCK_N"])
     splits, v_per_split = linear_vocab_splits(blocks_n, V, cfg["BLOCK_V"], hidden.device)
     partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32) if splits > 1 else out.logp
-    outputs = (out.lse, out.logp, *(dummy if t is None else t for t in (out.entropy, out.loss, out.dloss_dlogp,
-                                                                         out.kl, out.flags)))
     FL.linear_grpo_forward_kernel[(blocks_n, splits)](
         hidden, weight, weight if bias is None else bias, ids, N, V, H, v_per_split, partials, *inputs, *outputs,
         *_loss_scalar_args(opts, temperature), **constexprs,
