@@ -1,7 +1,10 @@
 """GRPOKernelsTrainer against stock TRL GRPOTrainer: same batch, same weights, same loss and gradients."""
 
+import pathlib
+
 import pytest
 import torch
+from gloo_ranks import run_ranks
 
 pytest.importorskip("trl", reason="the trl extra is not installed (pip install 'grpo-kernels[trl]')")
 
@@ -129,20 +132,14 @@ def test_vllm_importance_sampling_correction_matches_trl(model_dir, dataset, tmp
     assert_same_as_trl(stock, ours, batch)
 
 
-def _trl_rank(rank, world, port, model_dir, out_file, loss_type):
-    import os
+def _trl_rank(rank, world, model_dir, loss_type):
+    import tempfile
 
     import torch.distributed as dist
-    from datasets import Dataset
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    import tempfile
 
     rows = compare.make_rows(16, held_out=False, seed=0)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
-    trainer = _trainer(GRPOKernelsTrainer, model_dir, dataset, __import__("pathlib").Path(tempfile.mkdtemp()),
-                       loss_type=loss_type)
+    trainer = _trainer(GRPOKernelsTrainer, model_dir, dataset, pathlib.Path(tempfile.mkdtemp()), loss_type=loss_type)
     assert trainer.accelerator.num_processes == world
     batch = _batch(trainer, off_policy=True, beta=0.0)
     half = B // world
@@ -151,27 +148,18 @@ def _trl_rank(rank, world, port, model_dir, out_file, loss_type):
     for g in grads:
         dist.all_reduce(g)
         g /= world
-    if rank == 0:
-        torch.save(grads, out_file)
-    dist.barrier()
+    return grads
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_two_processes_match_one_process_on_the_trl_path(model_dir, dataset, tmp_path, loss_type):
     """dapo's num_items_in_batch / num_processes and grpo's per-sequence means across 2 gloo ranks."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out_file = str(tmp_path / "grads.pt")
-    mp.spawn(_trl_rank, args=(2, port, model_dir, out_file, loss_type), nprocs=2, join=True)
+    per_rank = run_ranks(_trl_rank, 2, model_dir, loss_type)
     single = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, loss_type=loss_type)
     _, expected, _ = _loss_and_grads(single, _batch(single, off_policy=True, beta=0.0), 1)
-    for e, a in zip(expected, torch.load(out_file)):
-        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+    for grads in per_rank:
+        for e, a in zip(expected, grads):
+            torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
