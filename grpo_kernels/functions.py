@@ -124,9 +124,11 @@ class TokenLogprobs(torch.autograd.Function):
             logp, entropy, lse = r.logp.view(B, T), r.entropy, r.lse.view(B, T)
             entropy = None if entropy is None else entropy.view(B, T)
         else:
+            if mask is not None:  # masked ids may be anything (-100): gather and scatter get 0 there
+                active = (mask != 0).view(B, T)
+                ids = torch.where(active, ids, 0)
             logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy)
             if mask is not None:
-                active = (mask != 0).view(B, T)
                 logp = torch.where(active, logp, 0.0)
                 entropy = None if entropy is None else torch.where(active, entropy, 0.0)
         ctx.save_for_backward(logits, ids, lse)

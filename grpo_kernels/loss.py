@@ -20,7 +20,7 @@ def _flat_f32(t: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tenso
     """[B], [B, 1] or [B, T] -> contiguous fp32 [B * T] for the kernels (O(N), negligible)."""
     if t is None:
         return None
-    return ref.as_row_column(t).float().expand(B, T).reshape(-1).contiguous()
+    return ref.as_row_column(t.detach()).float().expand(B, T).reshape(-1).contiguous()
 
 
 def _per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts: GRPOOptions, B, T):
@@ -77,11 +77,11 @@ def grpo_loss(
             mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T))
         wants_grad = torch.is_grad_enabled() and logits.requires_grad
         if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
-            grad_weight = ref.reduction_weights(mask, opts, normalizer).float().reshape(-1).contiguous()
+            grad_weight = ref.reduction_weights(mask, opts, _detached(normalizer)).float().reshape(-1).contiguous()
             loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(*kernel_inputs, grad_weight, opts)
         else:  # two-pass: dLoss/dlogp applied by the backward kernel
             loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward)
-            loss = ref.reduce_loss(loss_t, mask, opts, normalizer)
+            loss = ref.reduce_loss(loss_t, mask, opts, _detached(normalizer))
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = TokenLogprobs.apply(
         logits, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
@@ -91,18 +91,38 @@ def grpo_loss(
                             opts)
 
 
+def _neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: float) -> Optional[torch.Tensor]:
+    """A detached fp32 per-token input with ``fill`` wherever no token counts.
+
+    [B, T] inputs are replaced at masked tokens, per-row ([B] / [B, 1]) inputs on rows with
+    no active token, so that whatever a caller pads with (-100, NaN, inf) never enters the
+    arithmetic: a 0 weight cannot cancel a NaN (NaN * 0 is NaN, and so is its gradient).
+    """
+    if t is None:
+        return None
+    t = ref.as_row_column(t.detach().float())
+    where = active if t.shape[1] == active.shape[1] else active.any(-1, keepdim=True)  # [B, T] or per row
+    return torch.where(where, t, fill)
+
+
 def _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
                      opts: GRPOOptions) -> GRPOLossOutput:
-    """The O(B * T) part on differentiable log-probs: per-token terms, reduction, metrics."""
+    """The O(B * T) part on differentiable log-probs: per-token terms, reduction, metrics.
+
+    ``logp`` (and ``entropy``) are 0 at masked tokens; the per-token inputs get neutral
+    values there (ratio 1, KL 0, advantage 0) and are detached: no gradient reaches them.
+    """
+    active = mask != 0
     terms = ref.per_token_terms(
-        logp, mask, ref.as_row_column(advantages.float()),
-        None if old_logps is None else old_logps.float(),
-        None if ref_logps is None else ref_logps.float(),
-        None if importance_weights is None else ref.as_row_column(importance_weights.float()),
-        opts,
+        logp, mask, _neutral_at_masked(advantages, active, 0.0), _neutral_at_masked(old_logps, active, 0.0),
+        _neutral_at_masked(ref_logps, active, 0.0), _neutral_at_masked(importance_weights, active, 1.0), opts,
     )
-    loss = ref.reduce_loss(terms.per_token_loss, mask, opts, normalizer)
+    loss = ref.reduce_loss(terms.per_token_loss, mask, opts, _detached(normalizer))
     return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
+
+
+def _detached(normalizer):
+    return normalizer.detach() if isinstance(normalizer, torch.Tensor) else normalizer
 
 
 @torch.no_grad()
@@ -180,14 +200,19 @@ def fused_linear_grpo_loss(
                  normalizer, opts, check_ids)
     engine = resolve_backend(backend, hidden_states)
     mask = completion_mask.float()
-    flat = (hidden_states.reshape(B * T, H).contiguous(), weight.contiguous(),
-            None if bias is None else bias.contiguous(), completion_ids.reshape(-1).contiguous())
+    # Masked tokens are never read: their hidden states become 0 and their ids 0 (one O(N * H)
+    # copy, which also makes a sliced view contiguous). Padding garbage (NaN, inf) would
+    # otherwise reach d weight, a sum over every token's hidden state.
+    active = (mask != 0).reshape(B * T, 1)
+    flat = (torch.where(active, hidden_states.reshape(B * T, H), 0.0), weight.contiguous(),
+            None if bias is None else bias.contiguous(),
+            torch.where(active.squeeze(1), completion_ids.reshape(-1), 0).contiguous())
     if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
         loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(
             *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
             opts, (B, T),
         )
-        loss = ref.reduce_loss(loss_t, mask, opts, normalizer)
+        loss = ref.reduce_loss(loss_t, mask, opts, _detached(normalizer))
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine)
     active = mask != 0  # as in the logits path: masked positions read as 0
@@ -229,7 +254,7 @@ class GRPOLoss(nn.Module):
     use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, kl_estimator,
     log_ratio_clamp, kl_clamp, compute_entropy; plus ``backend`` ("auto", "triton",
     "torch"), ``in_place_backward`` (write dlogits into the logits' storage) and
-    ``check_ids`` (validate token ids, one host sync), ``one_pass`` (Triton, token level:
+    ``check_ids`` (validate active token ids and a tensor normalizer, one host sync), ``one_pass`` (Triton, token level:
     write dlogits in the forward, 2 x S bytes instead of 3 x S; on by default).
 
     Call: ``loss_fn(logits, completion_ids, completion_mask, advantages, old_logps=None,

@@ -118,7 +118,7 @@ def per_token_terms(
     is_low = is_high = None
     if opts.loss_type == "cispo":
         capped = torch.clamp(coef_1, max=opts.eps_high).detach()
-        policy = -capped * A * lp
+        policy = torch.where(capped == 0, 0.0, -capped * A * lp)  # at lp = -inf: the limit 0, not 0 * -inf
         is_high = (coef_1 > opts.eps_high) & (A > 0)
     elif opts.loss_type == "sapo":
         tau = torch.where(A > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)

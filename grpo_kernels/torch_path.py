@@ -36,6 +36,12 @@ def _chunks(logits: torch.Tensor) -> Iterator[Tuple[torch.Tensor, slice]]:
             yield logits[b, t0:t1], slice(b * T + t0, b * T + t1)
 
 
+def _nan_if_inf(lse: torch.Tensor) -> torch.Tensor:
+    """A +inf log-sum-exp (a +inf logit in the row) is NaN, as the kernels' inf - inf makes it: the
+    row's softmax is undefined, and its log-probs must not read as a finite -inf."""
+    return lse.masked_fill_(lse == float("inf"), float("nan"))
+
+
 def forward(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, compute_entropy: bool
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -48,7 +54,7 @@ def forward(
     inv_temperature = 1.0 / temperature
     for piece, n in _chunks(logits):
         x = piece.float() * inv_temperature  # [rows, V]
-        piece_lse = torch.logsumexp(x, dim=-1)
+        piece_lse = _nan_if_inf(torch.logsumexp(x, dim=-1))
         lse[n] = piece_lse
         logp[n] = x.gather(-1, flat_ids[n].unsqueeze(-1)).squeeze(-1) - piece_lse
         if compute_entropy:
@@ -81,6 +87,8 @@ def backward(
         g = flat_g[n].unsqueeze(-1)  # [rows, 1]
         piece_grad = torch.exp(piece.float() * inv_temperature - flat_lse[n].unsqueeze(-1)).mul_(-g)
         piece_grad.scatter_add_(-1, flat_ids[n].unsqueeze(-1), g)
+        # g == 0 (a masked token) is a zero row whatever its logits hold: 0 * exp(NaN or inf) is NaN
+        piece_grad.masked_fill_(g == 0, 0.0)
         (piece if in_place else grad_rows[n]).copy_(piece_grad)  # cast to the logits' dtype
     return grad
 
@@ -107,7 +115,7 @@ def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entrop
     for n0 in range(0, N, step):
         n = slice(n0, min(n0 + step, N))
         x = _chunk_logits(hidden[n], weight, bias, inv_temperature)  # [chunk, V], the only V-sized workspace
-        chunk_lse = torch.logsumexp(x, -1)
+        chunk_lse = _nan_if_inf(torch.logsumexp(x, -1))
         lse[n] = chunk_lse
         logp[n] = x.gather(-1, flat_ids[n].unsqueeze(-1)).squeeze(-1) - chunk_lse
         if compute_entropy:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .options import BACKENDS, GRPOOptions
@@ -24,7 +26,10 @@ def check_logits(logits) -> None:
         raise ValueError(f"logits must have a vocabulary dimension V >= 1, got shape {tuple(logits.shape)}")
 
 
-def check_token_ids(ids, logits: torch.Tensor, check_range: bool) -> None:
+def check_token_ids(ids, logits: torch.Tensor, check_range: bool, *, mask=None, normalizer=None) -> None:
+    """Shape, dtype and device of the ids; with ``check_range``, one host sync that checks the ids
+    at active positions (``mask != 0``; all of them without a mask) lie in [0, V), and a tensor
+    ``normalizer`` is positive and finite. Masked positions may hold anything (-100 included)."""
     B, T, V = logits.shape
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"completion_ids must be a torch.Tensor [B, T], got {type(ids).__name__}")
@@ -34,14 +39,29 @@ def check_token_ids(ids, logits: torch.Tensor, check_range: bool) -> None:
         raise ValueError(f"completion_ids must be [B, T] = {(B, T)} to match logits [B, T, V], got {tuple(ids.shape)}")
     if ids.device != logits.device:
         raise ValueError(f"completion_ids is on {ids.device} but logits is on {logits.device}")
-    if check_range and ids.numel() > 0:
-        low, high = (int(v) for v in torch.aminmax(ids))  # one host sync
+    if not check_range:
+        return
+    checked = ids if mask is None else torch.where(mask != 0, ids, 0)
+    stats = [v.reshape(1).double().to(ids.device) for v in torch.aminmax(checked)] if ids.numel() else []
+    if isinstance(normalizer, torch.Tensor):
+        stats.append(normalizer.detach().reshape(1).double().to(ids.device))
+    values = torch.cat(stats).tolist() if stats else []  # the one host sync
+    if ids.numel():
+        low, high = int(values[0]), int(values[1])
         if low < 0 or high >= V:
             bad = low if low < 0 else high
             raise ValueError(
-                f"completion_ids must lie in [0, V) = [0, {V}), got a token id {bad} "
-                "(pad with a real token id such as the tokenizer's pad_token_id, not -100)"
+                f"completion_ids must lie in [0, V) = [0, {V}) at active positions, got a token id {bad} "
+                "(masked positions may hold any id, -100 included)"
             )
+    if isinstance(normalizer, torch.Tensor):
+        _check_normalizer_value(values[-1])
+
+
+def _check_normalizer_value(value) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"normalizer must be a positive, finite token count, got {value!r} (TRL clamps its "
+                         "num_items_in_batch to at least 1 before dividing by the process count; do the same)")
 
 
 def check_per_token(name: str, t, logits: torch.Tensor, *, allow_row: bool, allow_bool=False, allow_int=False):
@@ -68,7 +88,6 @@ def check_inputs(
     normalizer, opts: GRPOOptions, check_ids: bool = True,
 ) -> None:
     check_logits(logits)
-    check_token_ids(completion_ids, logits, check_ids)
     if completion_mask is None:
         raise ValueError("completion_mask is required ([B, T], 1 where a completion token counts), got None")
     check_per_token("completion_mask", completion_mask, logits, allow_row=False, allow_bool=True, allow_int=True)
@@ -88,8 +107,13 @@ def check_inputs(
         if isinstance(normalizer, torch.Tensor):
             if normalizer.numel() != 1:
                 raise ValueError(f"normalizer must be a scalar, got shape {tuple(normalizer.shape)}")
-        elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)) or not normalizer > 0:
+            if normalizer.dtype == torch.bool or normalizer.dtype.is_complex:
+                raise TypeError(f"normalizer must be a real number tensor, got {normalizer.dtype}")
+        elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
             raise ValueError(f"normalizer must be a positive number (a token count), got {normalizer!r}")
+        else:
+            _check_normalizer_value(normalizer)
+    check_token_ids(completion_ids, logits, check_ids, mask=completion_mask, normalizer=normalizer)
 
 
 def resolve_backend(backend: str, logits: torch.Tensor) -> str:
@@ -118,8 +142,19 @@ def interpreter_enabled() -> bool:
 
 
 def check_in_place(in_place: bool, logits: torch.Tensor) -> None:
-    if in_place and logits.is_leaf and logits.requires_grad:
+    """In-place backward overwrites the logits' storage: refuse it when that storage is a leaf's.
+
+    ``logits[:, :-1]`` of a leaf is a view whose ``._base`` is the leaf: writing the gradient
+    there would overwrite the leaf itself, so the check looks through views.
+    """
+    if not in_place:
+        return
+    base = logits
+    while base._base is not None:
+        base = base._base
+    if base.is_leaf and base.requires_grad:
+        what = "a leaf tensor" if base is logits else f"a view of a leaf tensor (shape {tuple(base.shape)})"
         raise ValueError(
-            "in_place_backward=True would overwrite logits, a leaf tensor that requires grad, with its own "
+            f"in_place_backward=True would overwrite logits, {what} that requires grad, with its own "
             "gradient; use it only on logits produced by the model (an lm_head output)"
         )

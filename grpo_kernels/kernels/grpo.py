@@ -45,6 +45,10 @@ FLAG_HIGH_CLIPPED = 2  # for cispo: ratio above the cap with a positive advantag
 
 RUNTIME_INTS = ["T", "V", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"]
 
+# The loss math's min / max / clamp propagate NaN as torch's do: Triton's default drops it
+# (min(NaN, y) = y), which would turn a NaN log-prob into a finite, wrong loss.
+NAN = tl.constexpr(tl.PropagateNan.ALL)
+
 
 @triton.jit
 def _row_pointer(base_ptr, pid, T, stride_b, stride_t, ROW_ALIGN: tl.constexpr):
@@ -100,15 +104,15 @@ def _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V: tl.constexpr, COMPUT
 
 @triton.jit
 def _clamp_with_grad(x, lo, hi):
-    """torch.clamp and its derivative (1 inside [lo, hi], boundaries included, else 0)."""
+    """torch.clamp and its derivative (1 inside [lo, hi], boundaries included, else 0); NaN stays NaN."""
     inside = (x >= lo) & (x <= hi)
-    return tl.minimum(tl.maximum(x, lo), hi), tl.where(inside, 1.0, 0.0)
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=NAN), hi, propagate_nan=NAN), tl.where(inside, 1.0, 0.0)
 
 
 @triton.jit
 def _min_with_grad(a, da, b, db):
     """torch.minimum and its derivative: the smaller side's, split evenly on a tie."""
-    value = tl.minimum(a, b)
+    value = tl.minimum(a, b, propagate_nan=NAN)
     grad = tl.where(a < b, da, tl.where(a > b, db, 0.5 * (da + db)))
     return value, grad
 
@@ -130,7 +134,7 @@ def _kl_with_grad(
         dkl = (ex - 1.0) * dx
     elif KL_KIND == 1:  # k1: logp - ref
         kl = logp - ref
-        dkl = 1.0 + 0.0 * kl
+        dkl = tl.full(kl.shape, 1.0, tl.float32)
     else:  # k2: (logp - ref)^2 / 2
         diff = logp - ref
         kl = 0.5 * diff * diff
@@ -159,17 +163,20 @@ def token_loss_and_grad(
     """
     # Importance ratio coef_1 = exp(logp - old); on-policy (no old) it is exactly 1
     # while its derivative, coef_1 itself, still flows (TRL's logp.detach()).
+    # Zeros and ones are built with tl.full, never as 0.0 * logp: a -inf target log-prob
+    # (a vocabulary entry masked to -inf) would make those NaN.
+    zero = tl.full(logp.shape, 0.0, tl.float32)
     if HAS_OLD:
         log_ratio = logp - old
     else:
-        log_ratio = 0.0 * logp
-    dlog_ratio = 1.0 + 0.0 * logp
+        log_ratio = zero
+    dlog_ratio = zero + 1.0
     if HAS_LOG_RATIO_CLAMP:
         log_ratio, dlog_ratio = _clamp_with_grad(log_ratio, -log_ratio_clamp, log_ratio_clamp)
     coef_1 = tl.exp(log_ratio)
     dcoef_1 = coef_1 * dlog_ratio
 
-    flags = (0.0 * logp).to(tl.int32)
+    flags = zero.to(tl.int32)
     if LOSS_KIND == 1:  # PPO-clip: -min(coef_1 * A, clamp(coef_1, 1 - el, 1 + eh) * A)
         coef_2, inside = _clamp_with_grad(coef_1, 1.0 - eps_low, 1.0 + eps_high)
         dcoef_2 = dcoef_1 * inside
@@ -186,8 +193,9 @@ def token_loss_and_grad(
         flags = tl.where((coef_1 < 1.0 - eps_low) & (adv < 0.0), 1, 0)
         flags += tl.where((coef_1 > 1.0 + eps_high) & (adv > 0.0), 2, 0)
     elif LOSS_KIND == 2:  # CISPO: -stopgrad(min(coef_1, eh)) * A * logp
-        capped = tl.minimum(coef_1, eps_high)
-        policy = -capped * adv * logp
+        capped = tl.minimum(coef_1, eps_high, propagate_nan=NAN)
+        # At a -inf logp the ratio is 0 and the term's limit (ratio * logp -> 0) is 0, not 0 * -inf.
+        policy = tl.where(capped == 0.0, 0.0, -capped * adv * logp)
         dpolicy = -capped * adv
         flags = tl.where((coef_1 > eps_high) & (adv > 0.0), 2, 0)
     else:  # SAPO: -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
@@ -201,7 +209,7 @@ def token_loss_and_grad(
         dpolicy = dpolicy * iw
     loss = policy
     dloss = dpolicy
-    kl = 0.0 * logp
+    kl = zero
     if HAS_KL:
         kl, dkl = _kl_with_grad(logp, ref, log_ratio_clamp, kl_clamp, KL_KIND, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP)
         if BIAS_CORRECTION_KL:  # KL * coef_1 (the ratio before delta's cap, as in TRL)

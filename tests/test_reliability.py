@@ -1,0 +1,314 @@
+"""Padding garbage, extreme values and views: never a silent NaN, a leaked gradient or a corrupted tensor.
+
+The randomized cases compare every path against ``oracle_loss``, an fp64 GRPO loss written
+here from TRL's definitions (independent of ``grpo_kernels.reference``). The oracle gets the
+clean inputs; the paths under test get the same inputs with garbage at every masked position
+(NaN, +-inf, -100 ids, huge log-probs), which must change nothing.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import assert_close
+
+from grpo_kernels import GRPOLoss, fused_linear_grpo_loss, grpo_loss
+
+# The garbage is meant: numpy's warnings about NaN and inf arithmetic in Triton's interpreter are expected.
+pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
+PATHS = ["torch", "triton_one_pass", "triton_two_pass"]
+EPS, EPS_HIGH, SAPO_POS, SAPO_NEG, MAX_LEN = 0.2, 0.28, 1.0, 1.05, 8
+# fp32 against fp64: the lm_head gradients are sums of O(V + H) fp32 products of O(1) values,
+# so their absolute error is a few 1e-6 (measured up to 2e-6 over 40 random draws).
+LINEAR_ATOL = 1e-5
+
+
+def oracle_loss(logits, ids, mask, adv, old, ref, iw, *, loss_type, level, beta, temperature, normalizer=None):
+    """TRL 1.16's GRPO loss in fp64, from its definitions: per-token terms, then TRL's reduction."""
+    B, T, _ = logits.shape
+    m = mask.double()
+    lp = torch.log_softmax(logits.double() / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    old = lp.detach() if old is None else old.double()
+    A = adv.double() if adv.dim() == 2 else adv.double()[:, None]
+    if level == "sequence":
+        log_w = ((lp - old) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    else:
+        log_w = lp - old
+    ratio = torch.exp(log_w)
+    if loss_type == "cispo":
+        capped = ratio.clamp(max=EPS_HIGH).detach()
+        policy = torch.where(capped == 0, 0.0, -capped * A * lp)
+    elif loss_type == "sapo":
+        tau = torch.where(A > 0, SAPO_POS, SAPO_NEG)
+        policy = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A
+    else:
+        policy = -torch.minimum(ratio * A, ratio.clamp(1 - EPS, 1 + EPS_HIGH) * A)
+    if iw is not None:
+        policy = policy * (iw.double() if iw.dim() == 2 else iw.double()[:, None])
+    per_token = policy.expand(B, T)
+    if beta:
+        x = ref.double() - lp
+        per_token = per_token + beta * (torch.exp(x) - x - 1)
+    total = per_token * m
+    if loss_type in ("grpo", "sapo"):
+        return (total.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return total.sum() / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return total.sum() / (B * MAX_LEN)
+    if loss_type in ("dapo", "cispo"):
+        return total.sum() / (m.sum().clamp(min=1.0) if normalizer is None else normalizer)
+    return total.sum(-1).mean()  # luspo
+
+
+def _options(case):
+    return dict(loss_type=case["loss_type"], importance_sampling_level=case["level"], beta=case["beta"],
+                temperature=case["temperature"], epsilon=EPS, epsilon_high=EPS_HIGH,
+                max_completion_length=MAX_LEN if case["loss_type"] == "dr_grpo" else None)
+
+
+def _random_case(seed):
+    """Clean inputs and a copy with garbage at every masked position."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    B, T, V = pick([1, 2, 3, 4]), pick([1, 3, 6]), pick([7, 33, 130])
+    case = dict(loss_type=pick(LOSS_TYPES), level=pick(["token", "token", "sequence"]), beta=pick([0.0, 0.04]),
+                temperature=pick([1.0, 0.7]), B=B, T=T, V=V)
+    logits = torch.randn(B, T, V, generator=g) * 2
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = (torch.rand(B, T, generator=g) < 0.7).float()
+    if pick([False, True]):
+        mask = mask * pick([0.5, 1.0, 2.0])  # fractional weights count as in TRL
+    if B > 1 and pick([False, True]):
+        mask[pick(list(range(B)))] = 0  # a fully masked row
+    lp = torch.log_softmax(logits / case["temperature"], -1).gather(-1, ids[..., None])[..., 0]
+    clean = dict(
+        logits=logits, ids=ids, mask=mask,
+        adv=torch.randn((B, T) if pick([False, True]) else (B,), generator=g),
+        old=pick([None, lp + 0.4 * torch.randn(B, T, generator=g)]),
+        ref=lp + 0.3 * torch.randn(B, T, generator=g),
+        iw=pick([None, torch.rand(B, generator=g) + 0.5, torch.rand(B, T, generator=g) + 0.5]),
+    )
+    case["normalizer"] = pick([None, 5.0]) if case["loss_type"] in ("dapo", "cispo") else None
+    masked = mask == 0
+    garbage = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0, 1e30])
+    noise = lambda shape: garbage[torch.randint(len(garbage), shape, generator=g)]  # noqa: E731
+    dirty = dict(clean)
+    dirty["logits"] = torch.where(masked[..., None], noise((B, T, V)), logits)
+    dirty["ids"] = torch.where(masked, torch.tensor([-100, V + 3])[torch.randint(2, (B, T), generator=g)], ids)
+    for key in ("old", "ref", "adv", "iw"):
+        t = clean[key]
+        if t is None:
+            continue
+        if t.dim() == 2:
+            dirty[key] = torch.where(masked, noise((B, T)), t)
+        else:  # a per-row value of a row with no active token is padding too
+            dirty[key] = torch.where(masked.all(-1), noise((B,)), t)
+    return case, clean, dirty
+
+
+def _run(path, logits, d, case, check_ids):
+    backend = "torch" if path == "torch" else "triton"
+    return grpo_loss(logits, d["ids"], d["mask"], d["adv"], d["old"], d["ref"] if case["beta"] else None, d["iw"],
+                     case["normalizer"], backend=backend, one_pass=path == "triton_one_pass", check_ids=check_ids,
+                     **_options(case))
+
+
+SEEDS = list(range(36))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_randomized_against_an_fp64_oracle_with_padding_garbage(seed):
+    case, clean, dirty = _random_case(seed)
+    logits64 = clean["logits"].double().requires_grad_()
+    expected = oracle_loss(logits64, clean["ids"], clean["mask"], clean["adv"], clean["old"], clean["ref"],
+                           clean["iw"], loss_type=case["loss_type"], level=case["level"], beta=case["beta"],
+                           temperature=case["temperature"], normalizer=case["normalizer"])
+    (expected_grad,) = torch.autograd.grad(expected, logits64)
+    active = clean["mask"] != 0
+    expected_lp = torch.log_softmax(clean["logits"].double() / case["temperature"], -1).gather(
+        -1, clean["ids"][..., None])[..., 0]
+    for path in PATHS:
+        if path == "triton_one_pass" and case["level"] == "sequence":
+            continue  # the sequence level has one Triton path; it runs as triton_two_pass
+        logits = dirty["logits"].clone().requires_grad_()
+        out = _run(path, logits, dirty, case, check_ids=seed % 2 == 0)
+        out.loss.backward()
+        where = f"{path} {case}"
+        assert_close(f"loss {where}", expected, out.loss, atol=1e-6, rtol=1e-5)
+        assert_close(f"dlogits {where}", expected_grad, logits.grad, atol=1e-7, rtol=1e-4)
+        assert_close(f"logps {where}", torch.where(active, expected_lp, 0.0), out.per_token_logps, atol=1e-5,
+                     rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:12])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_lm_head_randomized_against_an_fp64_oracle_with_padding_garbage(seed, backend):
+    case, clean, dirty = _random_case(seed)
+    B, T, V = case["B"], case["T"], case["V"]
+    g = torch.Generator().manual_seed(1000 + seed)
+    H = 12
+    hidden = torch.randn(B, T, H, generator=g)
+    weight, bias = torch.randn(V, H, generator=g) * 0.5, torch.randn(V, generator=g)
+    masked = clean["mask"] == 0
+    dirty_hidden = torch.where(masked[..., None], torch.tensor(float("nan")), hidden)
+    h64, w64, b64 = (t.double().requires_grad_() for t in (hidden, weight, bias))
+    expected = oracle_loss(h64 @ w64.T + b64, clean["ids"], clean["mask"], clean["adv"], clean["old"], clean["ref"],
+                           clean["iw"], loss_type=case["loss_type"], level=case["level"], beta=case["beta"],
+                           temperature=case["temperature"], normalizer=case["normalizer"])
+    expected_grads = torch.autograd.grad(expected, (h64, w64, b64))
+    h, w, b = (t.clone().requires_grad_() for t in (dirty_hidden, weight, bias))
+    out = fused_linear_grpo_loss(h, w, dirty["ids"], dirty["mask"], dirty["adv"], dirty["old"],
+                                 dirty["ref"] if case["beta"] else None, dirty["iw"], case["normalizer"], bias=b,
+                                 backend=backend, **_options(case))
+    out.loss.backward()
+    assert_close(f"loss {case}", expected, out.loss, atol=1e-6, rtol=1e-5)
+    for name, e, a in zip(("d hidden", "d weight", "d bias"), expected_grads, (h.grad, w.grad, b.grad)):
+        assert_close(f"{name} {backend} {case}", e, a, atol=LINEAR_ATOL, rtol=1e-4)
+
+
+def _small_batch(seed=0, B=3, T=4, V=33):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[0, -1] = 0
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    return dict(logits=logits, ids=ids, mask=mask, adv=torch.randn(B, generator=g),
+                old=lp + 0.3 * torch.randn(B, T, generator=g), ref=lp + 0.2 * torch.randn(B, T, generator=g),
+                iw=torch.rand(B, T, generator=g) + 0.5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_no_gradient_reaches_the_per_token_inputs(path, level):
+    d = _small_batch()
+    inputs = {k: d[k].clone().requires_grad_() for k in ("adv", "old", "ref", "iw")}
+    normalizer = torch.tensor(7.0, requires_grad=True)
+    logits = d["logits"].clone().requires_grad_()
+    out = grpo_loss(logits, d["ids"], d["mask"], inputs["adv"], inputs["old"], inputs["ref"], inputs["iw"],
+                    normalizer, loss_type="dapo", beta=0.04, importance_sampling_level=level,
+                    backend="torch" if path == "torch" else "triton", one_pass=path == "triton_one_pass")
+    out.loss.backward()
+    assert logits.grad is not None
+    for name, t in list(inputs.items()) + [("normalizer", normalizer)]:
+        assert t.grad is None, f"{name} got a gradient on {path}"
+
+
+def test_fused_lm_head_gives_no_gradient_to_the_per_token_inputs():
+    d = _small_batch()
+    adv, old = d["adv"].clone().requires_grad_(), d["old"].clone().requires_grad_()
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, 4, 8, generator=g).requires_grad_()
+    weight = torch.randn(33, 8, generator=g).requires_grad_()
+    fused_linear_grpo_loss(hidden, weight, d["ids"], d["mask"], adv, old, backend="torch").loss.backward()
+    assert adv.grad is None and old.grad is None and hidden.grad is not None
+
+
+def test_in_place_backward_refuses_a_view_of_a_leaf():
+    d = _small_batch(T=5)
+    leaf = torch.randn(3, 6, 33, requires_grad=True)
+    with pytest.raises(ValueError, match=r"in_place_backward=True would overwrite logits, a view of a leaf tensor "
+                                         r"\(shape \(3, 6, 33\)\) that requires grad"):
+        GRPOLoss(in_place_backward=True)(leaf[:, :-1], d["ids"], d["mask"], d["adv"])
+    with pytest.raises(ValueError, match="a view of a leaf tensor"):
+        GRPOLoss(in_place_backward=True)(leaf[:, :-1][:, 1:], d["ids"][:, 1:], d["mask"][:, 1:], d["adv"])
+    assert leaf.grad is None
+
+
+def test_in_place_backward_on_a_view_of_a_model_output_is_allowed():
+    d = _small_batch(T=5)
+    head = torch.nn.Linear(8, 33)
+    logits = head(torch.randn(3, 6, 8))  # the README's slicing pattern on a model output
+    out = GRPOLoss(in_place_backward=True)(logits[:, :-1], d["ids"], d["mask"], d["adv"])
+    out.loss.backward()
+    assert head.weight.grad is not None and torch.isfinite(head.weight.grad).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_a_minus_inf_target_logit_gives_a_finite_loss_and_gradient(path, loss_type):
+    """A vocabulary entry masked to -inf at a sampled token: logp is -inf, the ratio 0, the term its limit."""
+    d = _small_batch(seed=5)
+    d["logits"][1, 2, d["ids"][1, 2]] = -float("inf")
+    d["logits"][2, :, 0] = -float("inf")  # a masked-out vocabulary column elsewhere
+    case = dict(loss_type=loss_type, level="token", beta=0.0, temperature=1.0, normalizer=None)
+    logits64 = d["logits"].double().requires_grad_()
+    expected = oracle_loss(logits64, d["ids"], d["mask"], d["adv"], d["old"], None, d["iw"], loss_type=loss_type,
+                           level="token", beta=0.0, temperature=1.0)
+    (expected_grad,) = torch.autograd.grad(expected, logits64)
+    assert torch.isfinite(expected) and torch.isfinite(expected_grad).all()
+    logits = d["logits"].clone().requires_grad_()
+    out = _run(path, logits, d, case, check_ids=True)
+    out.loss.backward()
+    assert out.per_token_logps[1, 2] == -float("inf")
+    assert_close(f"loss {path}", expected, out.loss, atol=1e-6, rtol=1e-5)
+    assert_close(f"dlogits {path}", expected_grad, logits.grad, atol=1e-7, rtol=1e-4)
+    assert (logits.grad[1, 2] == 0).all(), "the -inf target's row: the ratio is 0, so is its gradient"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("loss_type", ["grpo", "cispo", "sapo"])
+def test_a_minus_inf_bias_entry_at_a_target_keeps_d_weight_finite(backend, loss_type):
+    d = _small_batch(seed=6)
+    g = torch.Generator().manual_seed(6)
+    hidden, weight, bias = (torch.randn(*shape, generator=g) for shape in ((3, 4, 8), (33, 8), (33,)))
+    bias[d["ids"][1, 1]] = -float("inf")
+    h64, w64, b64 = (t.double().requires_grad_() for t in (hidden, weight, bias))
+    expected = oracle_loss(h64 @ w64.T + b64, d["ids"], d["mask"], d["adv"], d["old"], None, None,
+                           loss_type=loss_type, level="token", beta=0.0, temperature=1.0)
+    expected_grads = torch.autograd.grad(expected, (h64, w64))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_linear_grpo_loss(h, w, d["ids"], d["mask"], d["adv"], d["old"], bias=bias, loss_type=loss_type,
+                                 epsilon=EPS, epsilon_high=EPS_HIGH, backend=backend)
+    out.loss.backward()
+    assert_close("loss", expected, out.loss, atol=1e-6, rtol=1e-5)
+    assert_close("d hidden", expected_grads[0], h.grad, atol=LINEAR_ATOL, rtol=1e-4)
+    assert_close("d weight", expected_grads[1], w.grad, atol=LINEAR_ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_infinite_kl_gives_a_non_finite_loss_and_log_ratio_clamp_keeps_it_finite(path):
+    """With beta > 0 a -inf target log-prob makes k3's KL infinite (exp(x) - x at x = +inf is NaN in floats):
+    the loss is not finite, so a trainer sees it; verl's log_ratio_clamp keeps loss and gradient finite."""
+    d = _small_batch(seed=7)
+    d["logits"][1, 2, d["ids"][1, 2]] = -float("inf")
+    backend = "torch" if path == "torch" else "triton"
+    run = lambda logits, **kw: grpo_loss(logits, d["ids"], d["mask"], d["adv"], d["old"], d["ref"], beta=0.04,  # noqa: E731
+                                         backend=backend, one_pass=path == "triton_one_pass", **kw)
+    assert not torch.isfinite(run(d["logits"].clone().requires_grad_()).loss)
+    logits = d["logits"].clone().requires_grad_()
+    out = run(logits, log_ratio_clamp=20.0)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("poison", ["nan_advantage", "nan_logit", "inf_logit"])
+def test_a_non_finite_active_input_stays_in_its_row(path, poison):
+    """NaN in, NaN out: the loss is NaN (loud) and only the row that carries it has a non-finite gradient.
+
+    A +inf logit counts as NaN: the row's softmax is undefined (inf - inf), on every backend."""
+    d = _small_batch(seed=8)
+    d["adv"] = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))  # per token, so one token is poisoned
+    clean_logits = d["logits"].clone()
+    if poison == "nan_advantage":
+        d["adv"][1, 1] = float("nan")
+    else:
+        d["logits"][1, 1, 3] = float("nan") if poison == "nan_logit" else float("inf")
+    logits = d["logits"].clone().requires_grad_()
+    out = _run(path, logits, d, dict(loss_type="grpo", level="token", beta=0.0, temperature=1.0, normalizer=None),
+               check_ids=True)
+    out.loss.backward()
+    assert math.isnan(out.loss.item())
+    logits64 = clean_logits.double().requires_grad_()
+    adv = torch.where(torch.isnan(d["adv"]), 0.0, d["adv"])
+    (expected_grad,) = torch.autograd.grad(
+        oracle_loss(logits64, d["ids"], d["mask"], adv, d["old"], None, d["iw"], loss_type="grpo", level="token",
+                    beta=0.0, temperature=1.0), logits64)
+    other_rows = torch.ones(3, 4, dtype=torch.bool)
+    other_rows[1, 1] = False
+    assert_close(f"other rows {path}", expected_grad[other_rows], logits.grad[other_rows], atol=1e-7, rtol=1e-4)
+
