@@ -110,10 +110,13 @@ def _random_case(seed):
 
 
 def _run(path, logits, d, case, check_ids):
-    backend = "torch" if path == "torch" else "triton"
+    backend = "torch" if path.startswith("torch") else "triton"
+    in_place = path.endswith("in_place")
+    if in_place:  # the gradient overwrites a model output's storage; here, a product with the leaf
+        logits = logits * 1.0
     return grpo_loss(logits, d["ids"], d["mask"], d["adv"], d["old"], d["ref"] if case["beta"] else None, d["iw"],
                      case["normalizer"], backend=backend, one_pass=path == "triton_one_pass", check_ids=check_ids,
-                     **_options(case))
+                     in_place_backward=in_place, **_options(case))
 
 
 SEEDS = list(range(36))
@@ -130,7 +133,7 @@ def test_randomized_against_an_fp64_oracle_with_padding_garbage(seed):
     active = clean["mask"] != 0
     expected_lp = torch.log_softmax(clean["logits"].double() / case["temperature"], -1).gather(
         -1, clean["ids"][..., None])[..., 0]
-    for path in PATHS:
+    for path in PATHS + ["torch_in_place", "triton_in_place"]:
         if path == "triton_one_pass" and case["level"] == "sequence":
             continue  # the sequence level has one Triton path; it runs as triton_two_pass
         logits = dirty["logits"].clone().requires_grad_()
