@@ -11,6 +11,7 @@ from . import reference as ref
 from .functions import (FusedLinearTokenLoss, FusedTokenLoss, FusedTokenLossOnePass, LinearTokenLogprobs,
                         TokenLogprobs)
 from .kernels import grpo as K
+from .kernels import launch
 from .options import BACKENDS, GRPOOptions
 from .reference import GRPOLossOutput, PerTokenTerms
 from .validation import check_in_place, check_inputs, check_logits, check_token_ids, resolve_backend
@@ -49,7 +50,7 @@ def grpo_loss(
     backend: str = "auto",
     in_place_backward: bool = False,
     check_ids: bool = True,
-    one_pass: bool = True,
+    one_pass: Optional[bool] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
@@ -76,6 +77,8 @@ def grpo_loss(
         kernel_inputs = (logits, completion_ids.contiguous(), *_per_token_kernel_inputs(
             mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T))
         wants_grad = torch.is_grad_enabled() and logits.requires_grad
+        if one_pass is None:  # the device sweep's measured choice for this GPU and vocabulary, else one-pass
+            one_pass = launch.default_one_pass(logits)
         if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
             grad_weight = ref.reduction_weights(mask, opts, _detached(normalizer)).float().reshape(-1).contiguous()
             loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(*kernel_inputs, grad_weight, opts)
@@ -254,8 +257,10 @@ class GRPOLoss(nn.Module):
     use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, kl_estimator,
     log_ratio_clamp, kl_clamp, compute_entropy; plus ``backend`` ("auto", "triton",
     "torch"), ``in_place_backward`` (write dlogits into the logits' storage) and
-    ``check_ids`` (validate active token ids and a tensor normalizer, one host sync), ``one_pass`` (Triton, token level:
-    write dlogits in the forward, 2 x S bytes instead of 3 x S; on by default).
+    ``check_ids`` (validate active token ids and a tensor normalizer, one host sync),
+    ``one_pass`` (Triton, token level: write dlogits in the forward, 2 x S bytes instead of
+    3 x S; None, the default, takes the device sweep's measured choice for the GPU and
+    vocabulary from ``kernels/tuned.json``, and one-pass where nothing was measured).
 
     Call: ``loss_fn(logits, completion_ids, completion_mask, advantages, old_logps=None,
     ref_logps=None, importance_weights=None, normalizer=None)``
@@ -271,7 +276,7 @@ class GRPOLoss(nn.Module):
     """
 
     def __init__(self, *, backend: str = "auto", in_place_backward: bool = False, check_ids: bool = True,
-                 one_pass: bool = True, options: Optional[GRPOOptions] = None, preset: Optional[str] = None,
+                 one_pass: Optional[bool] = None, options: Optional[GRPOOptions] = None, preset: Optional[str] = None,
                  **option_kwargs):
         super().__init__()
         if options is not None and (option_kwargs or preset is not None):

@@ -17,6 +17,9 @@ from grpo_kernels import GRPOLoss, fused_linear_grpo_loss, grpo_loss
 # The garbage is meant: numpy's warnings about NaN and inf arithmetic in Triton's interpreter are expected.
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
 
+# Triton runs on the GPU where there is one (else in its interpreter, on CPU tensors); the torch path on CPU.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
 PATHS = ["torch", "triton_one_pass", "triton_two_pass"]
 EPS, EPS_HIGH, SAPO_POS, SAPO_NEG, MAX_LEN = 0.2, 0.28, 1.0, 1.05, 8
@@ -109,14 +112,27 @@ def _random_case(seed):
     return case, clean, dirty
 
 
-def _run(path, logits, d, case, check_ids):
+def _device(backend):
+    return TRITON_DEVICE if backend == "triton" else "cpu"
+
+
+def _to(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+def _run(path, d, case, check_ids):
+    """(the logits leaf, the output) of one path on the inputs ``d``; the leaf holds the gradient."""
     backend = "torch" if path.startswith("torch") else "triton"
     in_place = path.endswith("in_place")
-    if in_place:  # the gradient overwrites a model output's storage; here, a product with the leaf
-        logits = logits * 1.0
-    return grpo_loss(logits, d["ids"], d["mask"], d["adv"], d["old"], d["ref"] if case["beta"] else None, d["iw"],
-                     case["normalizer"], backend=backend, one_pass=path == "triton_one_pass", check_ids=check_ids,
-                     in_place_backward=in_place, **_options(case))
+    leaf = d["logits"].to(_device(backend), copy=True).requires_grad_()
+    # in place, the gradient overwrites a model output's storage; here, a product with the leaf
+    logits = leaf * 1.0 if in_place else leaf
+    ids, mask, adv, old, ref, iw = _to(_device(backend), d["ids"], d["mask"], d["adv"], d["old"],
+                                       d["ref"] if case["beta"] else None, d["iw"])
+    out = grpo_loss(logits, ids, mask, adv, old, ref, iw, case["normalizer"], backend=backend,
+                    one_pass=path == "triton_one_pass", check_ids=check_ids, in_place_backward=in_place,
+                    **_options(case))
+    return leaf, out
 
 
 SEEDS = list(range(36))
@@ -136,8 +152,7 @@ def test_randomized_against_an_fp64_oracle_with_padding_garbage(seed):
     for path in PATHS + ["torch_in_place", "triton_in_place"]:
         if path == "triton_one_pass" and case["level"] == "sequence":
             continue  # the sequence level has one Triton path; it runs as triton_two_pass
-        logits = dirty["logits"].clone().requires_grad_()
-        out = _run(path, logits, dirty, case, check_ids=seed % 2 == 0)
+        logits, out = _run(path, dirty, case, check_ids=seed % 2 == 0)
         out.loss.backward()
         where = f"{path} {case}"
         assert_close(f"loss {where}", expected, out.loss, atol=1e-6, rtol=1e-5)
@@ -162,10 +177,10 @@ def test_fused_lm_head_randomized_against_an_fp64_oracle_with_padding_garbage(se
                            clean["iw"], loss_type=case["loss_type"], level=case["level"], beta=case["beta"],
                            temperature=case["temperature"], normalizer=case["normalizer"])
     expected_grads = torch.autograd.grad(expected, (h64, w64, b64))
-    h, w, b = (t.clone().requires_grad_() for t in (dirty_hidden, weight, bias))
-    out = fused_linear_grpo_loss(h, w, dirty["ids"], dirty["mask"], dirty["adv"], dirty["old"],
-                                 dirty["ref"] if case["beta"] else None, dirty["iw"], case["normalizer"], bias=b,
-                                 backend=backend, **_options(case))
+    h, w, b = (t.to(_device(backend), copy=True).requires_grad_() for t in (dirty_hidden, weight, bias))
+    out = fused_linear_grpo_loss(h, w, *_to(_device(backend), dirty["ids"], dirty["mask"], dirty["adv"], dirty["old"],
+                                            dirty["ref"] if case["beta"] else None, dirty["iw"]),
+                                 case["normalizer"], bias=b, backend=backend, **_options(case))
     out.loss.backward()
     assert_close(f"loss {case}", expected, out.loss, atol=1e-6, rtol=1e-5)
     for name, e, a in zip(("d hidden", "d weight", "d bias"), expected_grads, (h.grad, w.grad, b.grad)):
@@ -187,13 +202,14 @@ def _small_batch(seed=0, B=3, T=4, V=33):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_no_gradient_reaches_the_per_token_inputs(path, level):
-    d = _small_batch()
+    backend = "torch" if path == "torch" else "triton"
+    d = {k: v.to(_device(backend)) for k, v in _small_batch().items()}
     inputs = {k: d[k].clone().requires_grad_() for k in ("adv", "old", "ref", "iw")}
-    normalizer = torch.tensor(7.0, requires_grad=True)
+    normalizer = torch.tensor(7.0, requires_grad=True, device=_device(backend))
     logits = d["logits"].clone().requires_grad_()
     out = grpo_loss(logits, d["ids"], d["mask"], inputs["adv"], inputs["old"], inputs["ref"], inputs["iw"],
                     normalizer, loss_type="dapo", beta=0.04, importance_sampling_level=level,
-                    backend="torch" if path == "torch" else "triton", one_pass=path == "triton_one_pass")
+                    backend=backend, one_pass=path == "triton_one_pass")
     out.loss.backward()
     assert logits.grad is not None
     for name, t in list(inputs.items()) + [("normalizer", normalizer)]:
@@ -243,8 +259,7 @@ def test_a_minus_inf_target_logit_gives_a_finite_loss_and_gradient(path, loss_ty
                            level="token", beta=0.0, temperature=1.0)
     (expected_grad,) = torch.autograd.grad(expected, logits64)
     assert torch.isfinite(expected) and torch.isfinite(expected_grad).all()
-    logits = d["logits"].clone().requires_grad_()
-    out = _run(path, logits, d, case, check_ids=True)
+    logits, out = _run(path, d, case, check_ids=True)
     out.loss.backward()
     assert out.per_token_logps[1, 2] == -float("inf")
     assert_close(f"loss {path}", expected, out.loss, atol=1e-6, rtol=1e-5)
@@ -263,9 +278,10 @@ def test_a_minus_inf_bias_entry_at_a_target_keeps_d_weight_finite(backend, loss_
     expected = oracle_loss(h64 @ w64.T + b64, d["ids"], d["mask"], d["adv"], d["old"], None, None,
                            loss_type=loss_type, level="token", beta=0.0, temperature=1.0)
     expected_grads = torch.autograd.grad(expected, (h64, w64))
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = fused_linear_grpo_loss(h, w, d["ids"], d["mask"], d["adv"], d["old"], bias=bias, loss_type=loss_type,
-                                 epsilon=EPS, epsilon_high=EPS_HIGH, backend=backend)
+    device = _device(backend)
+    h, w = (t.to(device, copy=True).requires_grad_() for t in (hidden, weight))
+    out = fused_linear_grpo_loss(h, w, *_to(device, d["ids"], d["mask"], d["adv"], d["old"]), bias=bias.to(device),
+                                 loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, backend=backend)
     out.loss.backward()
     assert_close("loss", expected, out.loss, atol=1e-6, rtol=1e-5)
     assert_close("d hidden", expected_grads[0], h.grad, atol=LINEAR_ATOL, rtol=1e-4)
@@ -276,9 +292,9 @@ def test_a_minus_inf_bias_entry_at_a_target_keeps_d_weight_finite(backend, loss_
 def test_an_infinite_kl_gives_a_non_finite_loss_and_log_ratio_clamp_keeps_it_finite(path):
     """With beta > 0 a -inf target log-prob makes k3's KL infinite (exp(x) - x at x = +inf is NaN in floats):
     the loss is not finite, so a trainer sees it; verl's log_ratio_clamp keeps loss and gradient finite."""
-    d = _small_batch(seed=7)
-    d["logits"][1, 2, d["ids"][1, 2]] = -float("inf")
     backend = "torch" if path == "torch" else "triton"
+    d = {k: v.to(_device(backend)) for k, v in _small_batch(seed=7).items()}
+    d["logits"][1, 2, d["ids"][1, 2]] = -float("inf")
     run = lambda logits, **kw: grpo_loss(logits, d["ids"], d["mask"], d["adv"], d["old"], d["ref"], beta=0.04,  # noqa: E731
                                          backend=backend, one_pass=path == "triton_one_pass", **kw)
     assert not torch.isfinite(run(d["logits"].clone().requires_grad_()).loss)
@@ -301,9 +317,8 @@ def test_a_non_finite_active_input_stays_in_its_row(path, poison):
         d["adv"][1, 1] = float("nan")
     else:
         d["logits"][1, 1, 3] = float("nan") if poison == "nan_logit" else float("inf")
-    logits = d["logits"].clone().requires_grad_()
-    out = _run(path, logits, d, dict(loss_type="grpo", level="token", beta=0.0, temperature=1.0, normalizer=None),
-               check_ids=True)
+    logits, out = _run(path, d, dict(loss_type="grpo", level="token", beta=0.0, temperature=1.0, normalizer=None),
+                       check_ids=True)
     out.loss.backward()
     assert math.isnan(out.loss.item())
     logits64 = clean_logits.double().requires_grad_()

@@ -14,6 +14,7 @@ import triton
 
 from ..options import PPO_CLIP_LOSS_TYPES, GRPOOptions
 from . import grpo as K
+from . import tuned
 
 
 def block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
@@ -32,6 +33,28 @@ def block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
     elements_per_128_bits = 16 // element_size
     num_warps = max(1, min(8, block // (32 * elements_per_128_bits * 2)))
     return {"BLOCK_V": block, "num_warps": num_warps}
+
+
+def logits_launch_config(logits: torch.Tensor, override: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+    """BLOCK_V, num_warps (and num_stages where set) of a logits-kernel launch.
+
+    In order: ``override`` (the device sweep's candidates), the measured winner for this GPU,
+    dtype and vocabulary (``tuned.json``), the heuristic of ``block_config``.
+    """
+    V = logits.shape[-1]
+    config = block_config(V, logits.element_size())
+    entry = tuned.logits_entry(logits.device, logits.dtype, V)
+    if entry is not None:
+        config.update({k: entry[k] for k in tuned.LOGITS_KEYS if entry.get(k) is not None})
+    if override:
+        config.update({k: v for k, v in override.items() if k in tuned.LOGITS_KEYS and v is not None})
+    return config
+
+
+def default_one_pass(logits: torch.Tensor) -> bool:
+    """One-pass (dlogits written by the forward) unless the device sweep measured two-pass faster here."""
+    entry = tuned.logits_entry(logits.device, logits.dtype, logits.shape[-1])
+    return True if entry is None else bool(entry.get("one_pass", True))
 
 
 @dataclasses.dataclass
@@ -139,6 +162,7 @@ def forward(
     importance_weights: Optional[torch.Tensor] = None,
     compute_entropy: bool = False,
     grad_weight: Optional[torch.Tensor] = None,
+    config: Optional[Dict[str, int]] = None,
 ) -> ForwardResult:
     """Run the forward kernel.
 
@@ -146,6 +170,7 @@ def forward(
     a contiguous fp32 [N] (N = B * T). With ``opts`` None only log-probs (and entropy)
     are computed. With ``grad_weight`` (fp32 [N], each token's weight in the reduced loss)
     the kernel also writes dlogits of that loss in the same pass (one-pass mode).
+    ``config`` overrides the launch configuration (see ``logits_launch_config``).
     """
     B, T, V = logits.shape
     N = B * T
@@ -157,15 +182,14 @@ def forward(
         opts, has_old=old_logps is not None, has_iw=importance_weights is not None,
         has_mask=mask is not None, compute_entropy=compute_entropy, write_grad=write_grad,
     )
-    config = block_config(V, logits.element_size())
+    launch_config = logits_launch_config(logits, config)
     grad_target = grad if write_grad else logits  # unread without WRITE_GRAD
     if N > 0:
         K.grpo_forward_kernel[(N,)](
             logits, logits.stride(0), logits.stride(1), ids, T, V, *inputs, *outputs,
             grad_weight if write_grad else dummy, grad_target, grad_target.stride(0), grad_target.stride(1),
             *_loss_scalar_args(opts, temperature),
-            **constexprs, ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])),
-            BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
+            **constexprs, ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])), **launch_config,
         )
     out.grad_logits = grad
     return out
@@ -179,6 +203,7 @@ def backward(
     temperature: float,
     *,
     in_place: bool = False,
+    config: Optional[Dict[str, int]] = None,
 ) -> torch.Tensor:
     """dlogits [B, T, V] in the logits' dtype from g = dLoss/dlogp (fp32 [N]).
 
@@ -186,13 +211,12 @@ def backward(
     """
     B, T, V = logits.shape
     grad = logits if in_place else torch.empty((B, T, V), device=logits.device, dtype=logits.dtype)
-    config = block_config(V, logits.element_size())
+    launch_config = logits_launch_config(logits, config)
     if B * T > 0:
         K.logprob_backward_kernel[(B * T,)](
             logits, logits.stride(0), logits.stride(1), ids, T, V,
             grad_logp, lse, grad, grad.stride(0), grad.stride(1),
-            1.0 / temperature, ROW_ALIGN=row_alignment(logits, grad),
-            BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
+            1.0 / temperature, ROW_ALIGN=row_alignment(logits, grad), **launch_config,
         )
     return grad
 
@@ -236,8 +260,13 @@ def _interpreted_bf16(dtype) -> bool:
     return dtype == torch.bfloat16 and isinstance(FL.linear_grpo_forward_kernel, InterpretedFunction)
 
 
-def _logits_config(N: int, V: int, H: int, dtype) -> Dict[str, object]:
+def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) -> Dict[str, object]:
+    """The lm_head logits tiles: ``override`` (the sweep), else the measured winner, else the defaults."""
     cfg = dict(linear_block_config(dtype)["logits"])
+    entry = None if device is None else tuned.fused_linear_entry(device, dtype, V)
+    for source in (entry, override):
+        if source:
+            cfg.update({k: source[k] for k in tuned.FUSED_LINEAR_KEYS if source.get(k) is not None})
     cfg["UPCAST"] = _interpreted_bf16(dtype)
     if cfg["UPCAST"]:
         cfg["DOT_PRECISION"] = "ieee"
@@ -260,6 +289,7 @@ def linear_forward(
     ref_logps: Optional[torch.Tensor] = None,
     importance_weights: Optional[torch.Tensor] = None,
     compute_entropy: bool = False,
+    config: Optional[Dict[str, int]] = None,
 ) -> ForwardResult:
     """The forward kernel on (hidden [N, H] @ weight[V, H]^T + bias) / temperature, logits never stored.
 
@@ -277,7 +307,7 @@ def linear_forward(
         has_mask=mask is not None, compute_entropy=compute_entropy,
     )
     del constexprs["WRITE_GRAD"]  # the lm_head gradient needs the full log-sum-exp first: see linear_backward
-    cfg = _logits_config(N, V, H, hidden.dtype)
+    cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
     if N == 0:
         return out
     blocks_n = triton.cdiv(N, cfg["BLOCK_N"])
@@ -286,8 +316,7 @@ def linear_forward(
     FL.linear_grpo_forward_kernel[(blocks_n, splits)](
         hidden, weight, weight if bias is None else bias, ids, N, V, H, v_per_split, partials, *inputs, *outputs,
         *_loss_scalar_args(opts, temperature), **constexprs,
-        HAS_BIAS=bias is not None, SPLIT_V=splits > 1, DOT_PRECISION=cfg["DOT_PRECISION"], UPCAST=cfg["UPCAST"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"],
+        HAS_BIAS=bias is not None, SPLIT_V=splits > 1, **cfg,
     )
     if splits > 1:
         FL.linear_grpo_combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
@@ -349,7 +378,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
     )
 
 
-def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool):
+def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool, config=None):
     """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N]).
 
     A chunk of tokens at a time: the dlogits kernel writes the chunk's [chunk, V] gradient
@@ -360,7 +389,7 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
 
     N, H = hidden.shape
     V = weight.shape[0]
-    cfg = _logits_config(N, V, H, hidden.dtype)
+    cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
     dh = torch.empty(N, H, device=hidden.device, dtype=torch.float32)
     # d weight: the first chunk's product writes it, the later ones add to it
     dw = torch.empty(V, H, device=hidden.device, dtype=torch.float32) if compute_weight_grad else None
@@ -375,8 +404,7 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
         FL.linear_dlogits_kernel[grid](
             hidden[n0:n1], weight, weight if bias is None else bias, ids[n0:n1], n1 - n0, V, H,
             lse[n0:n1], g[n0:n1], dx, 1.0 / temperature,
-            HAS_BIAS=bias is not None, DOT_PRECISION=cfg["DOT_PRECISION"], UPCAST=cfg["UPCAST"],
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_H=cfg["BLOCK_H"], num_warps=cfg["num_warps"],
+            HAS_BIAS=bias is not None, **cfg,
         )
         _matmul(dx, weight, dh[n0:n1], accumulate=False)
         if dw is not None:

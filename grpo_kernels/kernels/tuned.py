@@ -1,0 +1,62 @@
+"""Measured kernel configurations: the device sweep's winners, read by the launchers.
+
+``tuned.json`` beside this file is data, written by ``python benchmarks/sweep.py --apply
+RESULTS.json`` from a GPU run of ``benchmarks/gpu_suite.sh``: a result becomes the default
+by a commit of data, not of code. Each entry was measured on one GPU architecture, dtype
+and shape; a launch uses the entry of its architecture and dtype whose vocabulary size is
+nearest (in ratio) to its own, and the built-in heuristics where there is none (CPU, the
+interpreter, an architecture never measured).
+
+Entries (lists under "logits" and "fused_linear"):
+
+- logits: ``{"arch": "sm_90", "dtype": "bfloat16", "V": 151936, "one_pass": true,
+  "BLOCK_V": 4096, "num_warps": 8, "num_stages": 1, "measured": "..."}``
+- fused_linear: ``{"arch": ..., "dtype": ..., "V": ..., "H": ..., "BLOCK_N": 64,
+  "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3, "measured": "..."}``
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import pathlib
+from typing import Dict, Optional
+
+import torch
+
+TABLE_PATH = pathlib.Path(__file__).with_name("tuned.json")
+LOGITS_KEYS = ("BLOCK_V", "num_warps", "num_stages")
+FUSED_LINEAR_KEYS = ("BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")
+
+
+@functools.lru_cache(maxsize=None)
+def table() -> Dict[str, list]:
+    with open(TABLE_PATH) as f:
+        return json.load(f)
+
+
+@functools.lru_cache(maxsize=None)
+def arch_of(device_index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
+def _nearest(kind: str, device: torch.device, dtype: torch.dtype, V: int) -> Optional[dict]:
+    if device.type != "cuda":
+        return None
+    arch, name = arch_of(device.index or 0), str(dtype).replace("torch.", "")
+    entries = [e for e in table().get(kind, []) if e["arch"] == arch and e["dtype"] == name]
+    if not entries:
+        return None
+    return min(entries, key=lambda e: abs(math.log(max(V, 1) / e["V"])))
+
+
+def logits_entry(device: torch.device, dtype: torch.dtype, V: int) -> Optional[dict]:
+    """The measured logits-kernel entry for this launch, or None."""
+    return _nearest("logits", device, dtype, V)
+
+
+def fused_linear_entry(device: torch.device, dtype: torch.dtype, V: int) -> Optional[dict]:
+    """The measured lm_head tile entry for this launch, or None."""
+    return _nearest("fused_linear", device, dtype, V)
