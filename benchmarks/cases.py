@@ -106,6 +106,14 @@ def _eager(level: str = "token"):
 
 
 def _compiled(level: str = "token"):
+    """torch.compile of the reference. Each shape, level and grad mode is its own graph: past
+    dynamo's recompile limit (8) it would silently run eager instead, so the limit is raised and
+    hitting it is an error, which fails that case rather than mislabel an eager time."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+        dynamo_config.fail_on_recompile_limit_hit = True
     return torch.compile(_eager(level), dynamic=False)
 
 
@@ -128,40 +136,81 @@ def _trl(level: str = "token"):
 
 
 def _liger(level: str = "token"):
-    """Liger-Kernel's triton_grpo_loss; it takes the [B, T + 1, V] logits and writes its gradient in place."""
+    """Liger-Kernel's triton_grpo_loss on the [B, T + 1, V] logits. Its default (inplace=True) writes
+    the gradient into the logits, which every path here shares, so it runs with inplace=False (one
+    [B, T + 1, V] gradient buffer, as ours allocates)."""
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
     def run(inputs, logits):
         return triton_grpo_loss(logits, inputs["old_logps"], inputs["ref_logps"], inputs["completion_ids"],
                                 inputs["advantages"], inputs["completion_mask"], temperature=TEMPERATURE, beta=BETA,
-                                eps_low=0.2, eps_high=0.2, loss_type="grpo", importance_sampling_level=level,
-                                reduce=True)[0]
+                                eps_low=0.2, eps_high=0.2, inplace=False, loss_type="grpo",
+                                importance_sampling_level=level, reduce=True)[0]
+    return run
+
+
+def load_trl_kernel():
+    """TRL 1.16's fused Triton log-prob + entropy kernel (``trl/kernels/logprob_entropy.py``), loaded by file.
+
+    That file imports only torch and triton, while ``import trl`` needs datasets, pandas and
+    pyarrow: on the GPU machine the trl wheel is unpacked (``--no-deps``) and the kernel's file
+    is loaded on its own, without running trl's ``__init__``.
+    """
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("trl")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("trl is not installed")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "kernels" / "logprob_entropy.py"
+    module_spec = importlib.util.spec_from_file_location("trl_logprob_entropy", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.selective_log_softmax_and_entropy
+
+
+def _trl_kernel(level: str = "token"):
+    """Stock TRL on a GPU: its Triton log-prob + entropy kernel, then TRL's loss math in torch."""
+    fused = load_trl_kernel()
+    opts = ref.GRPOOptions(beta=BETA, temperature=TEMPERATURE, importance_sampling_level=level)
+
+    def run(inputs, logits):
+        mask = inputs["completion_mask"]
+        lp, _ = fused(logits, inputs["completion_ids"], temperature=TEMPERATURE, row_mask=mask.bool())
+        terms = ref.per_token_terms(lp, mask, inputs["advantages"].unsqueeze(1), inputs["old_logps"],
+                                    inputs["ref_logps"], None, opts)
+        return ref.reduce_loss(terms.per_token_loss, mask, opts)
     return run
 
 
 def available_paths(level: str = "token") -> Dict[str, Callable]:
     """Name -> fn(inputs, logits_view) returning the scalar loss. Peers only where installed / runnable."""
-    paths = {"eager": _eager(level)}
-    if not SMOKE:
-        paths["torch.compile"] = _compiled(level)
-    try:
-        import trl  # noqa: F401
-
-        paths["trl"] = _trl(level)
-    except ImportError:
-        pass
-    if ON_GPU:
+    paths = {}
+    if ON_GPU:  # ours and the Triton peers first: a run stopped by its time limit keeps them
+        paths["ours two-pass"] = _ours(False, level)
+        if level == "token":
+            paths["ours one-pass"] = _ours(True, level)
         try:
             import liger_kernel  # noqa: F401
 
             paths["liger"] = _liger(level)
         except ImportError:
             pass
-        paths["ours two-pass"] = _ours(False, level)
-        if level == "token":
-            paths["ours one-pass"] = _ours(True, level)
+        try:
+            paths["trl (triton kernel)"] = _trl_kernel(level)
+        except (ImportError, OSError):
+            pass
     else:
         paths["ours (torch path)"] = _ours(True, level)
+    paths["eager"] = _eager(level)
+    try:
+        import trl  # noqa: F401  (the full package: on CPU here, not on the GPU machine)
+
+        paths["trl"] = _trl(level)
+    except ImportError:
+        pass
+    if not SMOKE:
+        paths["torch.compile"] = _compiled(level)  # last: its compile time is the first thing a limit cuts
     return paths
 
 
@@ -176,6 +225,6 @@ def model_bytes(name: str, S: int, backward: bool) -> int:
         return S if not name.startswith("eager") else 4 * S
     if name == "ours one-pass":
         return 2 * S
-    if name.startswith("ours") or name == "liger":
+    if name.startswith("ours") or name in ("liger", "trl (triton kernel)"):
         return 3 * S
     return 10 * S

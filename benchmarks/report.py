@@ -1,6 +1,6 @@
-"""Turn a saved pytest-benchmark JSON into a markdown table (and a plot) for the README.
+"""Turn saved benchmark results into markdown tables (and a plot) for the README.
 
-    python benchmarks/report.py benchmarks/results/RUN.json [--plot benchmarks/results/RUN.png]
+    python benchmarks/report.py RUN.json [MORE.json] [--plot RUN.png] [--sweep sweep.json] [--ncu ncu.csv]
 """
 
 from __future__ import annotations
@@ -78,17 +78,92 @@ def plot(rows, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def sweep_table(path: str, top: int = 5) -> str:
+    """The sweep's fastest exact candidates per shape, its errors, and the winners it would commit."""
+    with open(path) as f:
+        results = json.load(f)
+    env = results["environment"]
+    lines = [f"Sweep on {env['device']} ({env['arch']}); torch {env['torch']}, triton {env['triton']}"
+             + (" (smoke: tiny shapes in the interpreter)" if results.get("smoke") else "")
+             + (" (stopped by its time limit)" if results.get("interrupted") else "") + "\n"]
+    for kind, shape_keys in (("logits", ("N", "V")), ("fused_linear", ("N", "H", "V"))):
+        rows = results.get(kind, [])
+        counts = defaultdict(int)
+        for r in rows:
+            counts[r.get("status", "?").split(":")[0]] += 1
+        lines.append(f"{kind}: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
+        by_shape = defaultdict(list)
+        for r in rows:
+            if r.get("status") == "ok":
+                by_shape[tuple(r[k] for k in shape_keys)].append(r)
+        for shape, ok in sorted(by_shape.items()):
+            lines += ["", f"| {' x '.join(shape_keys)} = {' x '.join(map(str, shape))} | config | median ms | "
+                      + ("GB/s (byte model) | x copy bw | exact |" if kind == "logits" else "useful TFLOP/s | exact |"),
+                      "|---|---|---|---|" + ("---|---|" if kind == "logits" else "---|")]
+            for r in sorted(ok, key=lambda r: r["median_ms"])[:top]:
+                keys = ("BLOCK_V", "num_warps", "num_stages") if kind == "logits" else (
+                    "BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")
+                config = f"{r['mode']} " + " ".join(f"{k}={r[k]}" for k in keys)
+                figures = (f"{r['model_GBps']:.0f} | {r['fraction_of_copy']:.2f}" if kind == "logits"
+                           else f"{r['useful_TFLOPs']:.0f}")
+                lines.append(f"| | {config} | {r['median_ms']:.3f} | {figures} | {r.get('exact')} |")
+        lines.append("")
+    winners = results.get("winners", {})
+    lines.append("Winners (`python benchmarks/sweep.py --apply` writes them to grpo_kernels/kernels/tuned.json): "
+                 + (json.dumps(winners) if any(winners.values()) else "none (no GPU result)"))
+    return "\n".join(lines)
+
+
+def ncu_summary(path: str, logits_bytes: int) -> str:
+    """Nsight Compute's raw CSV (one row a kernel launch) against the byte model: DRAM bytes over S."""
+    import csv
+
+    with open(path) as f:
+        text = f.read()
+    start = text.find('"ID"')
+    if start < 0:
+        return "ncu: no profile in " + path + "\n\n" + text[-2000:]
+    rows = list(csv.DictReader(text[start:].splitlines()))
+    rows = [r for r in rows if r.get("ID", "").strip().isdigit()]  # drop the units row
+    labels = ["one-pass forward (writes dlogits)", "two-pass forward", "two-pass backward"]
+    lines = [f"Counters at S = {logits_bytes / 1e9:.2f} GB of logits (byte model: one-pass 2 S in all, "
+             "two-pass forward S + backward 2 S):", "",
+             "| launch | kernel | time ms | DRAM read / S | DRAM write / S | L2 hit % | occupancy % | issue % | MUFU % |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    num = lambda r, k: float(str(r.get(k, "nan")).replace(",", "") or "nan")  # noqa: E731
+    for i, r in enumerate(rows):
+        ns = num(r, "gpu__time_duration.sum")
+        lines.append(
+            f"| {labels[i] if i < len(labels) else i} | {r.get('Kernel Name', '?')[:40]} | {ns / 1e6:.3f} | "
+            f"{num(r, 'dram__bytes_read.sum') / logits_bytes:.2f} | {num(r, 'dram__bytes_write.sum') / logits_bytes:.2f} | "
+            f"{num(r, 'lts__t_sector_hit_rate.pct'):.0f} | "
+            f"{num(r, 'sm__warps_active.avg.pct_of_peak_sustained_active'):.0f} | "
+            f"{num(r, 'sm__inst_issued.avg.pct_of_peak_sustained_active'):.0f} | "
+            f"{num(r, 'sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active'):.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json")
+    parser.add_argument("json", nargs="*", help="pytest-benchmark JSON files (logits and fused lm_head suites)")
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--sweep", default=None, help="a benchmarks/sweep.py results JSON")
+    parser.add_argument("--ncu", default=None, help="Nsight Compute raw CSV of benchmarks/ncu_target.py")
     args = parser.parse_args()
-    rows, fused_rows = load(args.json), load(args.json, "fused_linear")
-    if rows or not fused_rows:
-        print(table(rows))
+    rows, fused_rows = [], []
+    for path in args.json:
+        rows += load(path)
+        fused_rows += load(path, "fused_linear")
+    if rows or (args.json and not fused_rows):
+        print(table(rows) + "\n")
     if fused_rows:
-        print(fused_linear_table(fused_rows))
-    if args.plot:
+        print(fused_linear_table(fused_rows) + "\n")
+    if args.sweep:
+        print(sweep_table(args.sweep) + "\n")
+    if args.ncu:
+        B, T, V = 16, 1024, 151936  # benchmarks/ncu_target.py's shape, bf16
+        print(ncu_summary(args.ncu, B * T * V * 2))
+    if args.plot and rows:
         plot(rows, args.plot)
 
 

@@ -1,0 +1,321 @@
+"""The device sweep: every candidate launch configuration, timed forward + backward, checked, winners as data.
+
+    python benchmarks/sweep.py --out OUT/sweep.json --budget 60    # on a GPU: time the candidates
+    python benchmarks/sweep.py --out OUT/sweep.json --smoke        # no GPU: list them, run two tiny ones
+    python benchmarks/sweep.py --apply OUT/sweep.json              # winners -> grpo_kernels/kernels/tuned.json
+
+Logits kernels, at (N, V) = (16384, 151936) and (16384, 32000) in bf16 (grpo loss, beta 0.04,
+old log-probs, entropy on: the benchmark suite's case): one-pass and two-pass, each over
+BLOCK_V x num_warps x num_stages. Byte model: one-pass moves 2 S bytes (read the logits,
+write the gradient; the second read of each row is counted as an L2 hit), two-pass 3 S.
+Each candidate is reported as median ms (CUDA events, after warm-up), GB/s under its byte
+model, and the fraction of a device-to-device copy's bandwidth measured in the same run.
+
+Fused lm_head, at (N, H, V) = (16384, 4096, 151936) in bf16: the logits-tile configurations
+(BLOCK_N, BLOCK_V, BLOCK_H, num_warps, num_stages) of the forward and dlogits kernels, timed
+forward + backward; reported as ms and useful TFLOP/s (6 N V H).
+
+Every candidate is checked against the default configuration on the same inputs (log-probs,
+loss and gradient) before it may win: a configuration that computes something else is
+reported with its error and never becomes a default. Results are written after every
+candidate, so a run stopped by its time limit (SIGINT) keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from grpo_kernels import GRPOOptions  # noqa: E402
+from grpo_kernels import reference as ref  # noqa: E402
+from grpo_kernels.kernels import launch, tuned  # noqa: E402
+
+TEMPERATURE, BETA = 0.7, 0.04
+LOGITS_SHAPES = [(16, 1024, 151936), (16, 1024, 32000)]  # (B, T, V)
+FUSED_SHAPES = [(16384, 4096, 151936)]  # (N, H, V)
+SMOKE_LOGITS_SHAPES = [(2, 4, 1003)]
+SMOKE_FUSED_SHAPES = [(32, 32, 300)]
+
+
+def logits_candidates():
+    """Default-like configurations first, so that a run cut short still measures the likeliest winners."""
+    blocks, warps, stages = (4096, 8192, 2048), (8, 16, 4), (1, 3)
+    for mode in ("one_pass", "two_pass"):
+        for block_v, num_warps, num_stages in itertools.product(blocks, warps, stages):
+            yield {"mode": mode, "BLOCK_V": block_v, "num_warps": num_warps, "num_stages": num_stages}
+
+
+def fused_candidates():
+    for block_n, block_v, block_h, num_warps, num_stages in (
+        (64, 128, 64, 8, 3), (64, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+        (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 3), (64, 128, 32, 4, 4),
+    ):
+        yield {"mode": "recompute", "BLOCK_N": block_n, "BLOCK_V": block_v, "BLOCK_H": block_h,
+               "num_warps": num_warps, "num_stages": num_stages}
+
+
+def _sync():
+    if ON_GPU:
+        torch.cuda.synchronize()
+
+
+def median_seconds(step, warmup: int = 2, reps: int = 10) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(reps):
+        if ON_GPU:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def logits_inputs(B, T, V, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    logits = torch.randn(B, T, V, device=device, dtype=dtype, generator=g)
+    ids = torch.randint(0, V, (B, T), device=device, generator=g)
+    mask = torch.ones(B, T, device=device)
+    mask[:, T - T // 8:] = 0
+    with torch.no_grad():
+        lp = launch.forward(logits, ids, temperature=TEMPERATURE).logp
+    flat = lambda t: t.reshape(-1).contiguous()  # noqa: E731
+    old = lp + 0.05 * torch.randn(B * T, device=device, generator=g)
+    ref_lp = lp + 0.05 * torch.randn(B * T, device=device, generator=g)
+    adv = torch.randn(B, device=device, generator=g).repeat_interleave(T)
+    opts = GRPOOptions(beta=BETA, temperature=TEMPERATURE)
+    weight = flat(ref.reduction_weights(mask, opts).float())
+    return dict(logits=logits, ids=ids, mask=flat(mask), adv=adv, old=old, ref=ref_lp, weight=weight, opts=opts)
+
+
+def run_logits(x, candidate):
+    """(logp, loss per token, dlogits) of one candidate: the one-pass kernel, or the forward + backward pair."""
+    config = {k: candidate[k] for k in tuned.LOGITS_KEYS}
+    common = dict(opts=x["opts"], temperature=TEMPERATURE, mask=x["mask"], advantages=x["adv"], old_logps=x["old"],
+                  ref_logps=x["ref"], compute_entropy=True, config=config)
+    if candidate["mode"] == "one_pass":
+        r = launch.forward(x["logits"], x["ids"], grad_weight=x["weight"], **common)
+        return r.logp, r.loss, r.grad_logits
+    r = launch.forward(x["logits"], x["ids"], **common)
+    grad = launch.backward(x["logits"], x["ids"], r.lse, r.dloss_dlogp * x["weight"], TEMPERATURE, config=config)
+    return r.logp, r.loss, grad
+
+
+def copy_seconds(t: torch.Tensor) -> float:
+    dst = torch.empty_like(t)
+    return median_seconds(lambda: dst.copy_(t), warmup=3, reps=15)
+
+
+def error_against(expected, got) -> float:
+    """Largest absolute difference over the (logp, loss, gradient) triple, in fp32."""
+    return max(float((e.float() - g.float()).abs().max()) for e, g in zip(expected, got))
+
+
+# Two candidates agree when they differ by less than this: the block size changes the order of
+# the fp32 sums; the bf16 gradient may then round one ulp differently (2^-8 of its magnitude).
+AGREE = {"logp": 1e-3, "grad": 2.0 ** -6}
+
+
+def sweep_logits(shapes, results, budget_end, write, smoke):
+    for B, T, V in shapes:
+        device = "cuda" if ON_GPU else "cpu"
+        x = logits_inputs(B, T, V, device)
+        S = x["logits"].numel() * x["logits"].element_size()
+        copy_s = copy_seconds(x["logits"])
+        baseline = run_logits(x, {"mode": "two_pass", **launch.block_config(V, x["logits"].element_size()),
+                                  "num_stages": None})
+        candidates = list(logits_candidates())
+        for i, candidate in enumerate(candidates):
+            if smoke and i >= 2:
+                results["logits"].append({"N": B * T, "V": V, **candidate, "status": "listed (smoke)"})
+                continue
+            if time.monotonic() > budget_end:
+                results["logits"].append({"N": B * T, "V": V, **candidate, "status": "not run (time budget)"})
+                continue
+            row = {"N": B * T, "V": V, "dtype": str(x["logits"].dtype).replace("torch.", ""), **candidate}
+            try:
+                out = run_logits(x, candidate)
+                logp_err = error_against(baseline[:2], out[:2])
+                grad_err = float((baseline[2].float() - out[2].float()).abs().max())
+                del out
+                row.update(logp_err=logp_err, grad_err=grad_err,
+                           exact=logp_err <= AGREE["logp"] and grad_err <= AGREE["grad"])
+                seconds = median_seconds(lambda: run_logits(x, candidate), reps=3 if smoke else 10)
+                moved = (2 if candidate["mode"] == "one_pass" else 3) * S
+                row.update(status="ok", median_ms=seconds * 1e3, model_bytes=moved, model_GBps=moved / seconds / 1e9,
+                           copy_GBps=2 * S / copy_s / 1e9, fraction_of_copy=(moved / seconds) / (2 * S / copy_s))
+            except Exception as e:  # a configuration that does not compile or launch is a result too
+                row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
+            results["logits"].append(row)
+            write()
+        del x, baseline
+        if ON_GPU:
+            torch.cuda.empty_cache()
+
+
+def fused_inputs(N, H, V, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hidden = torch.randn(N, H, device=device, dtype=dtype, generator=g)
+    weight = (torch.randn(V, H, device=device, dtype=dtype, generator=g) * H ** -0.5).to(dtype)
+    ids = torch.randint(0, V, (N,), device=device, generator=g)
+    opts = GRPOOptions(beta=BETA, temperature=TEMPERATURE)
+    lp = launch.linear_forward(hidden, weight, None, ids, temperature=TEMPERATURE).logp
+    return dict(hidden=hidden, weight=weight, ids=ids, mask=torch.ones(N, device=device),
+                adv=torch.randn(N, device=device, generator=g), old=lp + 0.05, ref=lp - 0.05,
+                weight_per_token=torch.full((N,), 1.0 / N, device=device), opts=opts)
+
+
+def run_fused(x, candidate):
+    config = {k: candidate[k] for k in tuned.FUSED_LINEAR_KEYS}
+    r = launch.linear_forward(x["hidden"], x["weight"], None, x["ids"], opts=x["opts"], temperature=TEMPERATURE,
+                              mask=x["mask"], advantages=x["adv"], old_logps=x["old"], ref_logps=x["ref"],
+                              compute_entropy=True, config=config)
+    dh, dw, _ = launch.linear_backward(x["hidden"], x["weight"], None, x["ids"], r.lse,
+                                       r.dloss_dlogp * x["weight_per_token"], TEMPERATURE, True, config=config)
+    return r.logp, r.loss, dh, dw
+
+
+def sweep_fused(shapes, results, budget_end, write, smoke):
+    for N, H, V in shapes:
+        device = "cuda" if ON_GPU else "cpu"
+        x = fused_inputs(N, H, V, device)
+        baseline = run_fused(x, {"mode": "recompute", **{k: None for k in tuned.FUSED_LINEAR_KEYS}})
+        scale = max(float(baseline[3].abs().max()), 1e-30)
+        for i, candidate in enumerate(fused_candidates()):
+            row = {"N": N, "H": H, "V": V, "dtype": str(x["hidden"].dtype).replace("torch.", ""), **candidate}
+            if smoke and i >= 1:
+                results["fused_linear"].append({**row, "status": "listed (smoke)"})
+                continue
+            if time.monotonic() > budget_end:
+                results["fused_linear"].append({**row, "status": "not run (time budget)"})
+                continue
+            try:
+                out = run_fused(x, candidate)
+                err = error_against(baseline[:2], out[:2])
+                dw_err = float((baseline[3] - out[3]).abs().max()) / scale
+                row.update(logp_err=err, d_weight_rel_err=dw_err, exact=err <= AGREE["logp"] and dw_err <= 1e-2)
+                del out
+                seconds = median_seconds(lambda: run_fused(x, candidate), warmup=1, reps=2 if smoke else 3)
+                row.update(status="ok", median_ms=seconds * 1e3, useful_TFLOPs=6 * N * V * H / seconds / 1e12)
+            except Exception as e:
+                row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
+            results["fused_linear"].append(row)
+            write()
+        del x, baseline
+        if ON_GPU:
+            torch.cuda.empty_cache()
+
+
+def environment() -> dict:
+    import triton
+
+    info = {"torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
+    if ON_GPU:
+        info["device"] = torch.cuda.get_device_name()
+        info["arch"] = tuned.arch_of(torch.cuda.current_device())
+    else:
+        info["device"], info["arch"] = "cpu (Triton interpreter)", "cpu"
+    return info
+
+
+def winners(results) -> dict:
+    """The fastest exact candidate per shape, as tuned.json entries (GPU results only)."""
+    env = results["environment"]
+    out = {"logits": [], "fused_linear": []}
+    if env["arch"] == "cpu" or results.get("smoke"):  # interpreter times and tiny shapes decide nothing
+        return out
+    note = f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}"
+    for kind, shape_keys in (("logits", ("N", "V")), ("fused_linear", ("N", "H", "V"))):
+        best = {}
+        for row in results[kind]:
+            if row.get("status") == "ok" and row.get("exact"):
+                key = tuple(row[k] for k in shape_keys)
+                if key not in best or row["median_ms"] < best[key]["median_ms"]:
+                    best[key] = row
+        for row in best.values():
+            entry = {"arch": env["arch"], "dtype": row["dtype"], "V": row["V"]}
+            if kind == "logits":
+                entry.update({"one_pass": row["mode"] == "one_pass", **{k: row[k] for k in tuned.LOGITS_KEYS}})
+                measured = f"{row['median_ms']:.3f} ms fwd+bwd at N={row['N']}, {row['model_GBps']:.0f} GB/s"
+            else:
+                entry.update({"H": row["H"], **{k: row[k] for k in tuned.FUSED_LINEAR_KEYS}})
+                measured = f"{row['median_ms']:.1f} ms fwd+bwd at N={row['N']}, {row['useful_TFLOPs']:.0f} TFLOP/s"
+            entry["measured"] = f"{measured}; {note}"
+            out[kind].append(entry)
+    return out
+
+
+def apply(path: str) -> None:
+    """Merge a sweep's winners into tuned.json (an entry of the same arch, dtype and V is replaced)."""
+    with open(path) as f:
+        found = json.load(f)["winners"]
+    table = json.loads(tuned.TABLE_PATH.read_text())
+    for kind in ("logits", "fused_linear"):
+        same = lambda a, b: all(a.get(k) == b.get(k) for k in ("arch", "dtype", "V", "H"))  # noqa: E731
+        table[kind] = [e for e in table.get(kind, []) if not any(same(e, w) for w in found[kind])] + found[kind]
+    tuned.TABLE_PATH.write_text(json.dumps(table, indent=2) + "\n")
+    print(f"{sum(len(v) for v in found.values())} winners written to {tuned.TABLE_PATH}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="the results JSON (written after every candidate)")
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds for the whole sweep")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, two candidates run, the rest listed")
+    parser.add_argument("--apply", metavar="RESULTS", help="write a sweep's winners into kernels/tuned.json")
+    args = parser.parse_args(argv)
+    if args.apply:
+        apply(args.apply)
+        return 0
+    if not args.out:
+        parser.error("--out is required to run the sweep")
+    smoke = args.smoke or not ON_GPU
+    results = {"environment": environment(), "smoke": smoke, "logits": [], "fused_linear": []}
+    out_path = pathlib.Path(args.out)
+
+    def write():
+        results["winners"] = winners(results)
+        tmp = out_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1))
+        tmp.replace(out_path)
+
+    budget_end = time.monotonic() + args.budget
+    try:
+        # the logits kernels get two thirds of the budget; the lm_head's products are slower to time
+        sweep_logits(SMOKE_LOGITS_SHAPES if smoke else LOGITS_SHAPES, results,
+                     time.monotonic() + args.budget * 2 / 3, write, smoke)
+        sweep_fused(SMOKE_FUSED_SHAPES if smoke else FUSED_SHAPES, results, budget_end, write, smoke)
+    except KeyboardInterrupt:  # the suite's time limit: keep what was measured
+        results["interrupted"] = True
+    write()
+    ran = sum(r.get("status") == "ok" for kind in ("logits", "fused_linear") for r in results[kind])
+    print(f"sweep: {ran} candidates timed, {len(results['logits']) + len(results['fused_linear'])} listed; "
+          f"results in {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The device suite's parts that can be checked without a GPU: winners become defaults, peers load, reports parse.
+
+The whole suite (benchmarks/gpu_suite.sh) runs end to end in its CPU smoke mode in CI.
+"""
+
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import report  # noqa: E402
+import sweep  # noqa: E402
+
+from grpo_kernels import token_logprobs  # noqa: E402
+from grpo_kernels.kernels import launch, tuned  # noqa: E402
+
+
+def _gpu_results():
+    """A sweep result as a GPU run writes it: two logits candidates per shape, one of them inexact."""
+    env = {"torch": "2.11.0", "triton": "3.6.0", "date": "2026-11-30", "device": "NVIDIA H200", "arch": "sm_90"}
+    rows = [
+        {"N": 16384, "V": 151936, "dtype": "bfloat16", "mode": "one_pass", "BLOCK_V": 4096, "num_warps": 8,
+         "num_stages": 1, "status": "ok", "exact": True, "median_ms": 3.0, "model_GBps": 3300.0},
+        {"N": 16384, "V": 151936, "dtype": "bfloat16", "mode": "two_pass", "BLOCK_V": 8192, "num_warps": 16,
+         "num_stages": 3, "status": "ok", "exact": True, "median_ms": 2.5, "model_GBps": 6000.0},
+        {"N": 16384, "V": 151936, "dtype": "bfloat16", "mode": "one_pass", "BLOCK_V": 2048, "num_warps": 4,
+         "num_stages": 1, "status": "ok", "exact": False, "median_ms": 1.0, "model_GBps": 9000.0},
+        {"N": 16384, "V": 32000, "dtype": "bfloat16", "mode": "one_pass", "BLOCK_V": 2048, "num_warps": 4,
+         "num_stages": 3, "status": "ok", "exact": True, "median_ms": 0.6, "model_GBps": 3500.0},
+    ]
+    fused = [{"N": 16384, "H": 4096, "V": 151936, "dtype": "bfloat16", "mode": "recompute", "BLOCK_N": 128,
+              "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "num_stages": 4, "status": "ok", "exact": True,
+              "median_ms": 200.0, "useful_TFLOPs": 300.0}]
+    return {"environment": env, "logits": rows, "fused_linear": fused}
+
+
+@pytest.fixture
+def table_path(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"logits": [], "fused_linear": []}))
+    monkeypatch.setattr(tuned, "TABLE_PATH", path)
+    monkeypatch.setattr(tuned, "arch_of", lambda index: "sm_90")
+    tuned.table.cache_clear()
+    yield path
+    tuned.table.cache_clear()
+
+
+def test_sweep_winners_become_the_launchers_defaults(table_path, tmp_path):
+    results = _gpu_results()
+    results["winners"] = sweep.winners(results)
+    assert [w["BLOCK_V"] for w in results["winners"]["logits"]] == [8192, 2048]  # the inexact 1.0 ms never wins
+    sweep_file = tmp_path / "sweep.json"
+    sweep_file.write_text(json.dumps(results))
+    sweep.apply(str(sweep_file))
+    tuned.table.cache_clear()
+
+    cuda = torch.device("cuda", 0)  # the lookup reads only the device type and index
+    entry = tuned.logits_entry(cuda, torch.bfloat16, 151936)
+    assert (entry["one_pass"], entry["BLOCK_V"], entry["num_warps"], entry["num_stages"]) == (False, 8192, 16, 3)
+    assert tuned.logits_entry(cuda, torch.bfloat16, 32768)["BLOCK_V"] == 2048  # the nearest vocabulary measured
+    assert tuned.logits_entry(cuda, torch.float16, 151936) is None  # another dtype: the heuristics
+    assert tuned.logits_entry(torch.device("cpu"), torch.bfloat16, 151936) is None
+    fused = tuned.fused_linear_entry(cuda, torch.bfloat16, 151936)
+    assert (fused["BLOCK_N"], fused["num_stages"]) == (128, 4)
+    assert "NVIDIA H200" in fused["measured"]
+
+    # applying again replaces the entries of the same arch, dtype and vocabulary
+    sweep.apply(str(sweep_file))
+    assert len(json.loads(table_path.read_text())["logits"]) == 2
+
+
+def test_launch_config_takes_the_table_then_the_override(table_path, monkeypatch):
+    table_path.write_text(json.dumps({"logits": [{"arch": "sm_90", "dtype": "float32", "V": 1003, "one_pass": False,
+                                                  "BLOCK_V": 512, "num_warps": 2, "num_stages": 1}],
+                                      "fused_linear": []}))
+    tuned.table.cache_clear()
+    logits = torch.zeros(1, 1, 1003)
+    assert launch.logits_launch_config(logits) == launch.block_config(1003, 4)  # a CPU tensor: heuristics
+    assert launch.default_one_pass(logits) is True
+    monkeypatch.setattr(tuned, "_nearest", lambda kind, device, dtype, V: json.loads(table_path.read_text())[kind][0])
+    assert launch.logits_launch_config(logits) == {"BLOCK_V": 512, "num_warps": 2, "num_stages": 1}
+    assert launch.default_one_pass(logits) is False
+    assert launch.logits_launch_config(logits, {"num_warps": 4, "BLOCK_V": None}) == {
+        "BLOCK_V": 512, "num_warps": 4, "num_stages": 1}
+
+
+def test_every_sweep_candidate_is_distinct():
+    for candidates in (list(sweep.logits_candidates()), list(sweep.fused_candidates())):
+        assert len({json.dumps(c, sort_keys=True) for c in candidates}) == len(candidates)
+
+
+def test_the_sweep_runs_its_candidates_and_they_agree_with_the_default(tmp_path):
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--out", str(out), "--smoke"]) == 0
+    results = json.loads(out.read_text())
+    ran = [r for kind in ("logits", "fused_linear") for r in results[kind] if r["status"] == "ok"]
+    assert ran and all(r["exact"] for r in ran)
+    assert results["winners"] == {"logits": [], "fused_linear": []}  # CPU figures never become defaults
+    assert "Winners" in report.sweep_table(str(out))
+
+
+def test_trls_triton_kernel_loads_without_importing_trl_and_agrees_with_ours():
+    pytest.importorskip("trl")
+    from cases import load_trl_kernel
+
+    loaded_before = "trl" in sys.modules
+    fused = load_trl_kernel()
+    assert ("trl" in sys.modules) == loaded_before
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 33, generator=g)
+    ids = torch.randint(0, 33, (2, 5), generator=g)
+    theirs, _ = fused(logits, ids, temperature=0.7)
+    torch.testing.assert_close(theirs, token_logprobs(logits, ids, temperature=0.7, backend="triton"), atol=1e-5,
+                               rtol=1e-5)
+
+
+NCU_RAW = '''==PROF== Connected to process 123
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC",\
+"dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum","lts__t_sector_hit_rate.pct",\
+"sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active","sm__inst_issued.avg.pct_of_peak_sustained_active",\
+"sm__warps_active.avg.pct_of_peak_sustained_active"
+"","","","","","","","","","","","byte","byte","nsecond","%","%","%","%"
+"0","1","python3","h","grpo_forward_kernel","1","7","(256, 1, 1)","(16384, 1, 1)","0","9.0",\
+"5,100,000,000","4,980,000,000","2,400,000","51.2","30.1","62.0","88.0"
+'''
+
+
+def test_ncu_summary_reads_the_raw_csv(tmp_path):
+    path = tmp_path / "ncu.csv"
+    path.write_text(NCU_RAW)
+    summary = report.ncu_summary(str(path), logits_bytes=4_980_000_000)
+    assert "| one-pass forward (writes dlogits) | grpo_forward_kernel | 2.400 | 1.02 | 1.00 | 51 | 88 | 62 | 30 |" \
+        in summary
