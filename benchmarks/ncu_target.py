@@ -1,12 +1,14 @@
 """What the device suite profiles with Nsight Compute: the one-pass kernel and the two-pass pair, big shape.
 
-    ncu --clock-control none --page raw --csv --metrics ... -k regex:"grpo_forward|logprob_backward" \
-        --launch-skip 4 --launch-count 3 python benchmarks/ncu_target.py [--sweep OUT/sweep.json]
+    ncu --clock-control none --page raw --csv --metrics ... \
+        -k regex:"grpo_forward|logprob_backward" --launch-skip 4 --launch-count 3 \
+        python benchmarks/ncu_target.py [--sweep OUT/sweep.json]
 
 After the inputs' log-prob pass (1 launch), runs each mode twice at (N, V) = (16384, 151936)
 bf16: a warm-up round (compiles; 3 launches: one-pass forward, two-pass forward, backward)
-that ncu skips, then the 3 launches it profiles, in that order. With ``--sweep`` the sweep's fastest exact configuration of each
-mode is profiled; else the launchers' defaults. ``--dry-run`` prints what it would run.
+that ncu skips, then the 3 launches it profiles, in that order. With ``--sweep`` the sweep's
+fastest exact configuration of each mode is profiled; else the launchers' defaults.
+``--dry-run`` prints what it would run.
 """
 
 from __future__ import annotations

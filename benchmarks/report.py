@@ -128,14 +128,16 @@ def ncu_summary(path: str, logits_bytes: int) -> str:
     labels = ["one-pass forward (writes dlogits)", "two-pass forward", "two-pass backward"]
     lines = [f"Counters at S = {logits_bytes / 1e9:.2f} GB of logits (byte model: one-pass 2 S in all, "
              "two-pass forward S + backward 2 S):", "",
-             "| launch | kernel | time ms | DRAM read / S | DRAM write / S | L2 hit % | occupancy % | issue % | MUFU % |",
+             "| launch | kernel | time ms | DRAM read / S | DRAM write / S | L2 hit % | occupancy % | issue % "
+             "| MUFU % |",
              "|---|---|---|---|---|---|---|---|---|"]
     num = lambda r, k: float(str(r.get(k, "nan")).replace(",", "") or "nan")  # noqa: E731
     for i, r in enumerate(rows):
         ns = num(r, "gpu__time_duration.sum")
         lines.append(
             f"| {labels[i] if i < len(labels) else i} | {r.get('Kernel Name', '?')[:40]} | {ns / 1e6:.3f} | "
-            f"{num(r, 'dram__bytes_read.sum') / logits_bytes:.2f} | {num(r, 'dram__bytes_write.sum') / logits_bytes:.2f} | "
+            f"{num(r, 'dram__bytes_read.sum') / logits_bytes:.2f} | "
+            f"{num(r, 'dram__bytes_write.sum') / logits_bytes:.2f} | "
             f"{num(r, 'lts__t_sector_hit_rate.pct'):.0f} | "
             f"{num(r, 'sm__warps_active.avg.pct_of_peak_sustained_active'):.0f} | "
             f"{num(r, 'sm__inst_issued.avg.pct_of_peak_sustained_active'):.0f} | "

@@ -169,7 +169,7 @@ def sweep_logits(shapes, results, budget_end, write, smoke):
                 row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
             results["logits"].append(row)
             write()
-        del x, baseline
+        x = baseline = None  # free the shape's tensors before the next one
         if ON_GPU:
             torch.cuda.empty_cache()
 
@@ -223,7 +223,7 @@ def sweep_fused(shapes, results, budget_end, write, smoke):
                 row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
             results["fused_linear"].append(row)
             write()
-        del x, baseline
+        x = baseline = None  # free the shape's tensors before the next one
         if ON_GPU:
             torch.cuda.empty_cache()
 

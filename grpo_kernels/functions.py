@@ -80,8 +80,9 @@ class FusedTokenLossOnePass(torch.autograd.Function):
     Each token's weight in the reduction (``grad_weight``) is known before the kernel runs,
     so dLoss/dlogp is known as each row is streamed and the gradient is written in the
     same program (2 x S bytes of HBM traffic instead of 3 x S). The Function returns the
-    scalar loss; its backward reads no logits: it returns the saved gradient, scaled by the
-    incoming gradient only when that is not 1.
+    scalar loss; its backward reads no logits: it returns the saved gradient, scaled in place
+    by the incoming gradient (a device-side no-op when that is 1). A caller that knows its
+    scale (gradient accumulation) folds it into ``grad_weight`` instead (``loss_scale``).
     """
 
     @staticmethod
@@ -102,9 +103,17 @@ class FusedTokenLossOnePass(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
+        if getattr(ctx, "backward_done", False):
+            raise RuntimeError(
+                "the one-pass GRPO loss wrote its gradient in the forward and handed it to the first backward "
+                "(scaled in place there), so a second backward through a retained graph would read a used "
+                "gradient; call GRPOLoss(one_pass=False) to backpropagate more than once"
+            )
+        ctx.backward_done = True
         (grad,) = ctx.saved_tensors
-        if grad_loss.item() != 1.0:  # one host sync; a plain loss.backward() skips the extra pass
-            grad = grad * grad_loss.to(grad.dtype)
+        # In place, with the scale read on the device: no host sync, no second [B, T, V] tensor,
+        # and no pass over the gradient at all when grad_loss is 1 (a plain loss.backward()).
+        launch.scale_in_place(grad, grad_loss.detach())
         return grad, None, None, None, None, None, None, None, None
 
 

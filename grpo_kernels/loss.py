@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -51,12 +52,15 @@ def grpo_loss(
     in_place_backward: bool = False,
     check_ids: bool = True,
     one_pass: Optional[bool] = None,
+    loss_scale=1.0,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
 
     Options come as ``options=GRPOOptions(...)`` or as keywords (TRL's names). See
-    ``GRPOLoss`` for the arguments.
+    ``GRPOLoss`` for the arguments. ``loss_scale`` (a number or a 0-d tensor, e.g. 1 /
+    gradient-accumulation steps) multiplies the returned loss; the one-pass kernel folds it
+    into the gradient it writes, so ``out.loss.backward()`` then moves no extra byte.
     """
     if options is not None and option_kwargs:
         raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
@@ -65,6 +69,7 @@ def grpo_loss(
                  importance_weights, normalizer, opts, check_ids)
     engine = resolve_backend(backend, logits)
     check_in_place(in_place_backward, logits)
+    loss_scale = _checked_loss_scale(loss_scale)
     B, T, _ = logits.shape
     mask = completion_mask.float()
 
@@ -80,18 +85,38 @@ def grpo_loss(
         if one_pass is None:  # the device sweep's measured choice for this GPU and vocabulary, else one-pass
             one_pass = launch.default_one_pass(logits)
         if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
-            grad_weight = ref.reduction_weights(mask, opts, _detached(normalizer)).float().reshape(-1).contiguous()
-            loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(*kernel_inputs, grad_weight, opts)
+            grad_weight = ref.reduction_weights(mask, opts, _detached(normalizer)) * loss_scale
+            loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
+                *kernel_inputs, grad_weight.float().reshape(-1).contiguous(), opts)
         else:  # two-pass: dLoss/dlogp applied by the backward kernel
             loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward)
-            loss = ref.reduce_loss(loss_t, mask, opts, _detached(normalizer))
+            loss = _scaled(ref.reduce_loss(loss_t, mask, opts, _detached(normalizer)), loss_scale)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = TokenLogprobs.apply(
         logits, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
         engine, in_place_backward,
     )
-    return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                            opts)
+    out = _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
+                           opts)
+    out.loss = _scaled(out.loss, loss_scale)
+    return out
+
+
+def _checked_loss_scale(loss_scale):
+    if isinstance(loss_scale, torch.Tensor):
+        if loss_scale.numel() != 1 or not loss_scale.dtype.is_floating_point:
+            raise ValueError(f"loss_scale must be a number or a one-element float tensor, got shape "
+                             f"{tuple(loss_scale.shape)} and dtype {loss_scale.dtype}")
+        return loss_scale.detach().reshape(())
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not math.isfinite(loss_scale):
+        raise ValueError(f"loss_scale must be a finite number (e.g. 1 / gradient-accumulation steps), got "
+                         f"{loss_scale!r}")
+    return float(loss_scale)
+
+
+def _scaled(loss, loss_scale):
+    """loss * loss_scale; an O(1) op whose backward only scales the O(B * T) per-token gradients."""
+    return loss if isinstance(loss_scale, float) and loss_scale == 1.0 else loss * loss_scale
 
 
 def _neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: float) -> Optional[torch.Tensor]:
@@ -185,6 +210,7 @@ def fused_linear_grpo_loss(
     options: Optional[GRPOOptions] = None,
     backend: str = "auto",
     check_ids: bool = True,
+    loss_scale=1.0,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
@@ -202,6 +228,7 @@ def fused_linear_grpo_loss(
     check_inputs(logits_like, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
                  normalizer, opts, check_ids)
     engine = resolve_backend(backend, hidden_states)
+    loss_scale = _checked_loss_scale(loss_scale)
     mask = completion_mask.float()
     # Masked tokens are never read: their hidden states become 0 and their ids 0 (one O(N * H)
     # copy, which also makes a sliced view contiguous). Padding garbage (NaN, inf) would
@@ -215,14 +242,16 @@ def fused_linear_grpo_loss(
             *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
             opts, (B, T),
         )
-        loss = ref.reduce_loss(loss_t, mask, opts, _detached(normalizer))
+        loss = _scaled(ref.reduce_loss(loss_t, mask, opts, _detached(normalizer)), loss_scale)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine)
     active = mask != 0  # as in the logits path: masked positions read as 0
     logp = torch.where(active, logp.view(B, T), 0.0)
     entropy = None if entropy is None else torch.where(active, entropy.view(B, T), 0.0)
-    return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                            opts)
+    out = _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
+                           opts)
+    out.loss = _scaled(out.loss, loss_scale)
+    return out
 
 
 def selective_log_softmax(
@@ -308,11 +337,11 @@ class GRPOLoss(nn.Module):
         return f"{self.options}, backend={self.backend!r}"
 
     def forward(self, logits, completion_ids, completion_mask, advantages, old_logps=None, ref_logps=None,
-                importance_weights=None, normalizer=None) -> GRPOLossOutput:
+                importance_weights=None, normalizer=None, loss_scale=1.0) -> GRPOLossOutput:
         return grpo_loss(
             logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
             normalizer, options=self.options, backend=self.backend, in_place_backward=self.in_place_backward,
-            check_ids=self.check_ids, one_pass=self.one_pass,
+            check_ids=self.check_ids, one_pass=self.one_pass, loss_scale=loss_scale,
         )
 
 
@@ -325,9 +354,9 @@ class FusedLinearGRPOLoss(GRPOLoss):
     """
 
     def forward(self, hidden_states, weight, completion_ids, completion_mask, advantages, old_logps=None,
-                ref_logps=None, importance_weights=None, normalizer=None, bias=None) -> GRPOLossOutput:
+                ref_logps=None, importance_weights=None, normalizer=None, bias=None, loss_scale=1.0) -> GRPOLossOutput:
         return fused_linear_grpo_loss(
             hidden_states, weight, completion_ids, completion_mask, advantages, old_logps, ref_logps,
             importance_weights, normalizer, bias=bias, options=self.options, backend=self.backend,
-            check_ids=self.check_ids,
+            check_ids=self.check_ids, loss_scale=loss_scale,
         )

@@ -268,19 +268,21 @@ class GRPOTrainer:
         global_tokens = all_reduce_sum(local_tokens).clamp(min=1.0)
         normalizer = global_tokens / size if self.config.loss_type in ("dapo", "cispo") else None
         inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+        # bnpo: a token mean over all ranks, not this rank's; declared up front as the loss's scale,
+        # so that the one-pass kernel writes the gradient already scaled
+        scale = local_tokens.clamp(min=1.0) * size / global_tokens if self.config.loss_type == "bnpo" else 1.0
+        per_token = dict(old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer, loss_scale=scale)
         if self.config.fused_lm_head:
             head = self.model.get_output_embeddings()
             hidden = self._hidden_states(self.model, *inputs)
             weight = head.weight.to(hidden.dtype)
             bias = None if getattr(head, "bias", None) is None else head.bias.to(hidden.dtype)
-            out = self.loss_fn(hidden, weight, r.completion_ids, r.completion_mask, r.advantages,
-                               old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer, bias=bias)
+            out = self.loss_fn(hidden, weight, r.completion_ids, r.completion_mask, r.advantages, bias=bias,
+                               **per_token)
         else:
             out = self.loss_fn(self._logits(self.model, *inputs), r.completion_ids, r.completion_mask,
-                               r.advantages, old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer)
+                               r.advantages, **per_token)
         loss = out.loss
-        if self.config.loss_type == "bnpo":  # a token mean over all ranks, not this rank's
-            loss = loss * local_tokens.clamp(min=1.0) * size / global_tokens
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self._average_gradients()

@@ -112,9 +112,13 @@ class GRPOKernelsTrainer(GRPOTrainer):
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        # TRL divides these losses by the accumulation steps: declared up front, the one-pass kernel
+        # writes the gradient already scaled and the backward moves no extra byte.
+        divided = self.loss_type in _DIVIDED_BY_ACCUMULATION and mode == "train"
         loss_inputs = dict(old_logps=inputs.get("old_per_token_logps"),
                            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-                           importance_weights=importance_weights, normalizer=normalizer)
+                           importance_weights=importance_weights, normalizer=normalizer,
+                           loss_scale=1.0 / self.current_gradient_accumulation_steps if divided else 1.0)
         if self.fused_lm_head:
             hidden, head = self._completion_hidden_states(model, inputs)
             bias = None if getattr(head, "bias", None) is None else head.bias.to(hidden.dtype)
@@ -123,11 +127,8 @@ class GRPOKernelsTrainer(GRPOTrainer):
         else:
             out = self.grpo_loss(self._completion_logits(model, inputs), completion_ids, mask, inputs["advantages"],
                                  **loss_inputs)
-        loss = out.loss
-        if self.loss_type in _DIVIDED_BY_ACCUMULATION and mode == "train":
-            loss = loss / self.current_gradient_accumulation_steps
         self._log_metrics(out.metrics, mask, mode)
-        return loss
+        return out.loss
 
     def _log_metrics(self, metrics, mask, mode: str) -> None:
         """TRL's global means: each local mean weighted by its count, summed over processes."""

@@ -328,3 +328,22 @@ def logprob_backward_kernel(
     lse = tl.load(lse_ptr + pid)
     target = tl.load(ids_ptr + pid).to(tl.int64)
     _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BLOCK_V)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def scale_in_place_kernel(x_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
+    """x *= scale over a contiguous buffer, by a grid of persistent programs.
+
+    The scale is read on the device: when it is 1 (a plain ``loss.backward()``) every program
+    returns at once, so the common case costs one small launch and no pass over x, and the
+    host never waits for the value (no sync).
+    """
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        cols = tl.arange(0, BLOCK)
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, step):
+            offsets = start + cols
+            in_range = offsets < numel
+            x = tl.load(x_ptr + offsets, mask=in_range)
+            tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=in_range)

@@ -221,6 +221,27 @@ def backward(
     return grad
 
 
+SCALE_BLOCK = 4096
+
+
+def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x *= scale (a one-element tensor on x's device), without a host sync; nothing moves when scale is 1.
+
+    x must be contiguous (the one-pass gradient is). The grid is a few programs per SM, each
+    striding over x, so that a scale of 1 costs a handful of programs that return at once.
+    """
+    numel = x.numel()
+    if numel == 0:
+        return x
+    blocks = triton.cdiv(numel, SCALE_BLOCK)
+    if x.is_cuda:
+        blocks = min(blocks, 8 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    else:
+        blocks = min(blocks, 16)
+    K.scale_in_place_kernel[(blocks,)](x, scale.reshape(1).float(), numel, BLOCK=SCALE_BLOCK, num_warps=8)
+    return x
+
+
 # The backward's only V-sized buffer, [chunk, V] in the input dtype, is at most this big
 # (at least one token block). 1 GiB is 3,530 tokens of a 151,936 vocabulary in bf16: few
 # enough chunks that re-reading the fp32 d weight per chunk (2 x V x H x 4 bytes) stays a
