@@ -1,70 +1,217 @@
 """Ahead-of-time compile of every kernel specialization for a GPU target, without a GPU.
 
-``python -m grpo_kernels.kernels.aot --arch 90`` compiles each specialization the launcher
-can pick (per loss kind, optional feature flags, logit dtype and block config) to PTX and
-a cubin with the ptxas shipped in the triton wheel, then reads registers and spills with
-the wheel's ``cuobjdump -res-usage``. It must run without TRITON_INTERPRET (the
-interpreter has nothing to compile). tests/test_aot_compile.py runs it in a subprocess.
+``python -m grpo_kernels.kernels.aot --arch 90`` runs the launchers (``kernels/launch.py``)
+on CPU tensors of representative shapes with every kernel replaced by a recorder, so that
+what gets compiled is exactly what the launchers pass: the same arguments, and from them,
+through Triton's own JIT binder, the same signature (i32 or i64 by value, as the JIT types
+integers), divisibility hints and constexprs the JIT would derive at that launch. Each
+distinct specialization is compiled for the target with the ptxas in the triton wheel, and
+the wheel's cuobjdump reads registers, spills and the SASS. For the streaming logits kernels
+the SASS of each hot loop (an innermost loop that loads the logits) gives instructions, MUFU
+operations (exp2, log2) and bytes loaded per logit, and from them a static roofline against the
+H200 (``roofline``). It must run without TRITON_INTERPRET (the interpreter has nothing to
+compile). tests/test_aot_compile.py runs it in a subprocess and checks the budgets.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import tempfile
-from typing import Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
 
 from ..options import GRPOOptions
 from . import fused_linear as FL
 from . import grpo as K
-from .launch import COMBINE_BLOCK, block_config, forward_constexprs, linear_block_config
+from . import launch
 
-DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# the forward kernels' run-time float arguments
-FLOAT_ARGS = ("inv_temperature", "eps_low", "eps_high", "delta", "dual_clip", "beta", "log_ratio_clamp", "kl_clamp",
-              "sapo_tau_pos", "sapo_tau_neg")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VOCAB_SIZES = (1003, 32000, 151936)  # one block (small V) and the looping configs
+ROWS = 1024  # tokens of the recorded launches: realistic strides, small buffers
+
+# H200 (sm_90): 132 SMs at about 1.98 GHz; 4 schedulers x 32 lanes issue 128 thread-instructions
+# a cycle per SM, and the SFU (MUFU) retires 16 a cycle per SM; HBM3e about 4.8 TB/s.
+H200 = {"sms": 132, "ghz": 1.98, "issue_per_sm_cycle": 128, "mufu_per_sm_cycle": 16, "hbm_bytes_per_s": 4.8e12}
+
+# CI budgets, thread-instructions per logit in the hot loops (forward + gradient for one-pass;
+# entropy on): a kernel above them is issue-bound before it is memory-bound on an H200.
+BUDGETS = {"one-pass": 20.0, "forward": 13.0, "backward": 7.0}  # measured: 17.3, 11.1, 6.3 (bf16, sm_90)
 
 
-def _forward_signature(dtype: str) -> Dict[str, str]:
-    sig = {name: "*fp32" for name in K.grpo_forward_kernel.arg_names}
-    sig.update(logits_ptr=f"*{dtype}", ids_ptr="*i64", flags_out="*i8", grad_logits_ptr=f"*{dtype}")
-    for name in ("stride_b", "stride_t", "T", "V", "grad_stride_b", "grad_stride_t"):
-        sig[name] = "i64"
-    sig.update({name: "fp32" for name in FLOAT_ARGS if name in sig})
-    return sig
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch as a launcher made it: the kernel, its grid and its exact arguments."""
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+    label: str = ""
 
 
-def _backward_signature(dtype: str) -> Dict[str, str]:
-    sig = {name: "i64" for name in K.logprob_backward_kernel.arg_names}
-    sig.update(logits_ptr=f"*{dtype}", ids_ptr="*i64", grad_logp_ptr="*fp32", lse_ptr="*fp32",
-               grad_logits_ptr=f"*{dtype}", inv_temperature="fp32")
-    return sig
+_KERNELS = {K: ("grpo_forward_kernel", "logprob_backward_kernel", "scale_in_place_kernel"),
+            FL: ("linear_grpo_forward_kernel", "linear_grpo_combine_kernel", "linear_dlogits_kernel", "matmul_kernel")}
 
 
-def forward_specializations() -> Iterator[Tuple[str, Dict[str, object]]]:
-    """Every forward flag combination that changes the generated code materially."""
-    yield "logprobs", forward_constexprs(None, has_old=False, has_iw=False, has_mask=False, compute_entropy=False)
-    yield "logprobs+entropy+mask", forward_constexprs(None, has_old=False, has_iw=False, has_mask=True,
-                                                      compute_entropy=True)
-    loss_options = {
-        "ppo": GRPOOptions(),
-        "ppo+delta+dual_clip+clamps+k3+bias_kl": GRPOOptions(beta=0.04, delta=2.0, dual_clip=3.0, log_ratio_clamp=20.0,
-                                                             kl_clamp=10.0, use_bias_correction_kl=True),
-        "ppo+k1": GRPOOptions(beta=0.04, kl_estimator="k1"),
-        "ppo+k2+kl_clamp": GRPOOptions(beta=0.04, kl_estimator="k2", kl_clamp=10.0),
-        "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
-        "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04),
-    }
-    for name, opts in loss_options.items():  # with every optional input, the most live values
-        for one_pass in (True, False):
-            yield name + "+old+iw" + (" one-pass" if one_pass else ""), forward_constexprs(
-                opts, has_old=True, has_iw=True, has_mask=True, compute_entropy=True, write_grad=one_pass)
-    yield "ppo on-policy one-pass", forward_constexprs(loss_options["ppo"], has_old=False, has_iw=False,
-                                                       has_mask=True, compute_entropy=False, write_grad=True)
+@contextlib.contextmanager
+def recorded_launches():
+    """Within the block the launchers record their launches instead of running them."""
+    launches: List[Launch] = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(Launch(self.fn, tuple(grid), args, dict(kwargs)))
+
+        def __getattr__(self, name):
+            return getattr(self.fn, name)
+
+    saved = {(module, name): getattr(module, name) for module, names in _KERNELS.items() for name in names}
+    try:
+        for (module, name), fn in saved.items():
+            setattr(module, name, Recorder(fn))
+        yield launches
+    finally:
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
+
+
+def jit_specialization(launch_: Launch, arch: int):
+    """What Triton's JIT would compile for this launch on sm_<arch>: (signature, constexprs, attrs, options)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch_.kernel
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*launch_.args, **launch_.kwargs)
+    return fn._pack_args(backend, launch_.kwargs, bound_args, specialization, options)
+
+
+def compile_launch(launch_: Launch, arch: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    options, signature, constexprs, attrs = jit_specialization(launch_, arch)
+    src = ASTSource(launch_.kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options.__dict__), options, signature
+
+
+def _logits_inputs(dtype, V, *, rows=ROWS, aligned=True):
+    """[1, rows, V] logits (a view of [1, rows + 1, V] when not aligned: odd V, the model's slice) and the rest."""
+    full = torch.empty(1, rows + (0 if aligned else 1), V, dtype=dtype)
+    logits = full if aligned else full[:, :-1]
+    n = rows
+    f32 = lambda: torch.zeros(n)  # noqa: E731
+    return dict(logits=logits, ids=torch.zeros(1, rows, dtype=torch.int64), mask=torch.ones(n), adv=f32(),
+                old=f32(), ref=f32(), iw=torch.ones(n), weight=torch.full((n,), 1.0 / n))
+
+
+LOSS_OPTIONS = {
+    "ppo": GRPOOptions(),
+    "ppo+delta+dual_clip+clamps+k3+bias_kl": GRPOOptions(beta=0.04, delta=2.0, dual_clip=3.0, log_ratio_clamp=20.0,
+                                                         kl_clamp=10.0, use_bias_correction_kl=True),
+    "ppo+k1": GRPOOptions(beta=0.04, kl_estimator="k1"),
+    "ppo+k2+kl_clamp": GRPOOptions(beta=0.04, kl_estimator="k2", kl_clamp=10.0),
+    "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
+    "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04),
+}
+
+
+def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
+    """(label, a call of the launchers) for every specialization of the logits kernels worth compiling."""
+    for dtype_name, dtype in DTYPES.items():
+        for V in VOCAB_SIZES:
+            def calls(dtype=dtype, V=V, tag=f"{dtype_name} V={V}"):
+                x = _logits_inputs(dtype, V)
+                yield f"logprobs {tag}", lambda: launch.forward(x["logits"], x["ids"])
+                yield f"logprobs+entropy+mask {tag}", lambda: launch.forward(
+                    x["logits"], x["ids"], mask=x["mask"], compute_entropy=True)
+                for name, opts in LOSS_OPTIONS.items():
+                    common = dict(opts=opts, mask=x["mask"], advantages=x["adv"], old_logps=x["old"],
+                                  ref_logps=x["ref"] if opts.uses_kl else None, importance_weights=x["iw"],
+                                  compute_entropy=True)
+                    yield f"{name}+old+iw one-pass {tag}", lambda c=common: launch.forward(
+                        x["logits"], x["ids"], grad_weight=x["weight"], **c)
+                    yield f"{name}+old+iw {tag}", lambda c=common: launch.forward(x["logits"], x["ids"], **c)
+                yield f"ppo on-policy one-pass {tag}", lambda: launch.forward(
+                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], mask=x["mask"], advantages=x["adv"],
+                    grad_weight=x["weight"])
+                yield f"dlogits {tag}", lambda: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0)
+                odd = _logits_inputs(dtype, V, aligned=False)  # a model's logits[:, :-1] of an odd V: rows unaligned
+                if V % 2:
+                    yield f"logprobs unaligned {tag}", lambda: launch.forward(odd["logits"], odd["ids"])
+                    yield f"dlogits unaligned {tag}", lambda: launch.backward(
+                        odd["logits"], odd["ids"], odd["adv"], odd["adv"], 1.0)
+                yield f"scale {tag}", lambda: launch.scale_in_place(x["logits"].reshape(-1), torch.ones(()))
+            yield from calls()
+    # long context: a row stride past 2^31 elements makes the JIT type it i64 (a kernel of its own)
+    long_rows = (1 << 31) // 151936 + 1
+    long = _logits_inputs(torch.bfloat16, 151936, rows=long_rows)
+    yield "logprobs+entropy+mask bf16 V=151936 long-context", lambda: launch.forward(
+        long["logits"], long["ids"], mask=long["mask"], compute_entropy=True)
+
+
+def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
+    """The lm_head kernels as the launchers call them, at H = 4096, V = 151936 (256 tokens: one chunk)."""
+    N, H, V = 256, 4096, 151936
+    opts = {"logprobs": None, "ppo+old+iw+k3+bias_kl": GRPOOptions(beta=0.04, use_bias_correction_kl=True),
+            "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
+            "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04)}
+    def calls(dtype_name, dtype):  # one frame per dtype, so that each call sees its own tensors
+        hidden, weight = torch.empty(N, H, dtype=dtype), torch.empty(V, H, dtype=dtype)
+        bias, ids, ones = torch.empty(V, dtype=dtype), torch.zeros(N, dtype=torch.int64), torch.ones(N)
+        for name, o in opts.items():
+            per_token = {} if o is None else dict(opts=o, advantages=ones, old_logps=ones, ref_logps=ones,
+                                                  importance_weights=ones)
+            for with_bias in (False, True):
+                yield (f"forward {name} bias={with_bias} {dtype_name}",
+                       lambda b=with_bias, p=per_token: launch.linear_forward(
+                           hidden, weight, bias if b else None, ids, mask=ones, compute_entropy=True, **p))
+
+            def split(p=per_token):
+                launch.LINEAR_FORWARD_SPLITS = 4
+                try:
+                    launch.linear_forward(hidden, weight, None, ids, mask=ones, compute_entropy=True, **p)
+                finally:
+                    launch.LINEAR_FORWARD_SPLITS = None
+            yield f"forward {name} split-v {dtype_name}", split
+        for with_bias in (False, True):
+            yield (f"backward bias={with_bias} {dtype_name}",
+                   lambda b=with_bias: launch.linear_backward(hidden, weight, bias if b else None, ids, ones, ones,
+                                                              1.0, True))
+    yield from calls("bf16", torch.bfloat16)
+    yield from calls("fp32", torch.float32)
+
+
+def record_all() -> List[Launch]:
+    """Every distinct launch of the representative calls, labelled by the first call that made it."""
+    found: Dict[tuple, Launch] = {}
+    for label, call in list(logits_launches()) + list(fused_linear_launches()):
+        with recorded_launches() as launches:
+            call()
+        for item in launches:
+            item.label = label
+            key = (item.kernel.fn.__name__, _specialization_key(item))
+            found.setdefault(key, item)
+    return list(found.values())
+
+
+def _specialization_key(item: Launch) -> str:
+    options, signature, constexprs, attrs = jit_specialization(item, 90)
+    return repr((sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items()),
+                 options.num_warps, options.num_stages))
 
 
 def _resource_usage(cubin: bytes) -> Dict[str, int]:
@@ -81,104 +228,79 @@ def _resource_usage(cubin: bytes) -> Dict[str, int]:
     return usage
 
 
-def _compile(fn, signature, constexprs, num_warps: int, arch: int, divisible=()):
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    sig = dict(signature)
-    for name in constexprs:
-        sig[name] = "constexpr"
-    # As the JIT does at run time for torch allocations: pointers are 16-byte aligned.
-    # ``divisible``: integer arguments the JIT would see as multiples of 16 (and specialize on).
-    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-               if t.startswith("*") or n in divisible}
-    src = ASTSource(fn, sig, constexprs=constexprs, attrs=aligned)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def _linear_signature(fn, dtype: str) -> Dict[str, str]:
-    sig = {name: "*fp32" for name in fn.arg_names}
-    sig.update(h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", b_ptr=f"*{dtype}", ids_ptr="*i64", flags_out="*i8",
-               dx_ptr=f"*{dtype}", a_ptr=f"*{dtype}")
-    sig.update({name: "i32" for name in ("N", "V", "H", "M", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
-                                         "v_per_split", "splits")})
-    sig.update({name: "fp32" for name in FLOAT_ARGS})
-    return {name: sig[name] for name in fn.arg_names}  # one table for every lm_head kernel: keep this one's
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def fused_linear_builds() -> Iterator[Tuple[object, str, Dict[str, object]]]:
-    """(kernel, label, flags) of each fused lm_head specialization worth compiling."""
-    opts = {"logprobs": None, "ppo+old+iw+k3+bias_kl": GRPOOptions(beta=0.04, use_bias_correction_kl=True),
-            "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
-            "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04)}
-    for name, o in opts.items():
-        for bias in (False, True):
-            flags = forward_constexprs(o, has_old=o is not None, has_iw=o is not None, has_mask=True,
-                                       compute_entropy=True)
-            del flags["WRITE_GRAD"]
-            yield FL.linear_grpo_forward_kernel, f"forward {name} bias={bias}", {**flags, "HAS_BIAS": bias,
-                                                                                "SPLIT_V": False}
-            if not bias:
-                yield (FL.linear_grpo_forward_kernel, f"forward {name} split-v",
-                       {**flags, "HAS_BIAS": False, "SPLIT_V": True})
-                yield FL.linear_grpo_combine_kernel, f"combine {name}", flags
-    for bias in (False, True):
-        yield FL.linear_dlogits_kernel, f"dlogits bias={bias}", {"HAS_BIAS": bias}
-    # as launched: d hidden = dx @ W (unit inner strides), d weight += dx^T @ h (dx read transposed)
-    yield FL.matmul_kernel, "matmul d_hidden", {"ACCUMULATE": False, "stride_ak": 1, "stride_bn": 1}
-    yield FL.matmul_kernel, "matmul d_weight", {"ACCUMULATE": True, "stride_am": 1, "stride_bn": 1}
+def sass_instructions(cubin: bytes) -> List[Tuple[int, str, str, bool]]:
+    """(address, opcode with modifiers, operands, predicated) of each SASS instruction."""
+    return [(int(m.group(1), 16), m.group(3), m.group(4).strip(), m.group(2) is not None)
+            for m in _SASS_LINE.finditer(_cuobjdump(cubin, "-sass"))]
 
 
-def compile_fused_linear(arch: int) -> List[Dict[str, object]]:
-    """The fused lm_head kernels at the launcher's tiles, per input dtype."""
-    import torch
+def hot_loops(cubin: bytes) -> List[Dict[str, int]]:
+    """The innermost loops that stream full blocks of logits, with their instruction mix per pass.
 
-    records = []
-    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        configs = linear_block_config(torch_dtype)
-        for kernel, label, flags in fused_linear_builds():
-            if kernel is FL.linear_grpo_combine_kernel:  # element-wise on [BLOCK_N] vectors, no products
-                cfg = {"BLOCK_N": COMBINE_BLOCK, "num_warps": 4}
-            else:
-                cfg = dict(configs["matmul" if kernel is FL.matmul_kernel else "logits"])
-            num_warps = cfg.pop("num_warps")
-            # V, H and the non-unit strides are multiples of 16 for real models (V = 151936, H = 4096)
-            if kernel is not FL.linear_grpo_combine_kernel:
-                cfg["UPCAST"] = False
-            compiled = _compile(kernel, _linear_signature(kernel, dtype), {**flags, **cfg},
-                                num_warps, arch, divisible=("V", "H", "N", "stride_am", "stride_ak", "stride_bk"))
-            block = cfg.get("BLOCK_V", cfg.get("BLOCK_N"))
-            records.append(_record(label.split()[0], "fused-linear " + label, dtype,
-                                   {"BLOCK_V": block, "num_warps": num_warps}, compiled, arch))
-    return records
-
-
-def compile_all(arch: int = 90) -> List[Dict[str, object]]:
-    """Compile every specialization; return one record per kernel build."""
-    records = compile_fused_linear(arch)
-    for dtype, size in DTYPES.items():
-        configs = {tuple(block_config(v, size).items()) for v in VOCAB_SIZES}
-        for config in sorted(configs):
-            cfg = dict(config)
-            for label, flags in forward_specializations():
-                for align in (16 // size, 1) if label == "logprobs" else (16 // size,):
-                    constexprs = {**flags, "ROW_ALIGN": align, "BLOCK_V": cfg["BLOCK_V"]}
-                    compiled = _compile(K.grpo_forward_kernel, _forward_signature(dtype), constexprs,
-                                        cfg["num_warps"], arch)
-                    records.append(_record("forward", f"{label} row_align={align}", dtype, cfg, compiled, arch))
-            for align in (16 // size, 1):  # rows 16-byte aligned (common V) or not (odd V)
-                compiled = _compile(K.logprob_backward_kernel, _backward_signature(dtype),
-                                    {"ROW_ALIGN": align, "BLOCK_V": cfg["BLOCK_V"]}, cfg["num_warps"], arch)
-                records.append(_record("backward", f"dlogits row_align={align}", dtype, cfg, compiled, arch))
-    return records
+    A loop is a backward branch (BRA to a lower address); its body is the instructions from the
+    target to the branch. NOPs are padding and not counted. The kernels load full blocks without
+    a mask (that is what gives them 128-bit loads), so a hot loop is one whose global loads are all
+    unpredicated; a loop of masked loads is a cold path (the entropy's -inf fallback).
+    """
+    code = [(address, opcode, operands) for address, opcode, operands, _ in sass_instructions(cubin)]
+    predicated_loads = {address for address, opcode, _, predicated in sass_instructions(cubin)
+                        if predicated and opcode.startswith("LDG")}
+    loops = []
+    for address, opcode, operands in code:
+        target = re.match(r"\s*(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", operands)
+        if opcode.startswith("BRA") and target and target.group(1) and int(target.group(1), 16) < address:
+            loops.append((int(target.group(1), 16), address))
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    result = []
+    for begin, end in innermost:
+        body = [(op, operands) for address, op, operands in code if begin <= address <= end and op != "NOP"]
+        loads = [op for op, _ in body if op.startswith("LDG")]
+        if not loads or any(begin <= address <= end for address in predicated_loads):
+            continue
+        widths = [re.search(r"\.(128|64|32|16)\b", op) for op in loads]
+        result.append({"instructions": len(body), "mufu": sum(op.startswith("MUFU") for op, _ in body),
+                       "global_loads": len(loads),
+                       "bytes_loaded": sum(int(m.group(1)) // 8 if m else 4 for m in widths),
+                       "global_stores": sum(op.startswith("STG") for op, _ in body),
+                       "shuffles": sum(op.startswith("SHFL") for op, _ in body),
+                       "barriers": sum(op.startswith("BAR") for op, _ in body)})
+    return result
 
 
-def _record(kernel, label, dtype, cfg, compiled, arch):
+KERNEL_KINDS = {"grpo_forward_kernel": "forward", "logprob_backward_kernel": "backward",
+                "scale_in_place_kernel": "scale",
+                "linear_grpo_forward_kernel": "forward", "linear_grpo_combine_kernel": "combine",
+                "linear_dlogits_kernel": "dlogits", "matmul_kernel": "matmul"}
+
+
+def _record(item: Launch, arch: int) -> Dict[str, object]:
+    compiled, options, signature = compile_launch(item, arch)
+    _, _, constexprs, _ = jit_specialization(item, arch)
+    name = item.kernel.fn.__name__
+    named = {item.kernel.arg_names[path[0]]: value for path, value in constexprs.items()}
     usage = _resource_usage(compiled.asm["cubin"])
     ptx = compiled.asm["ptx"]
-    return {
-        "kernel": kernel, "specialization": label, "dtype": dtype, "arch": f"sm_{arch}", **cfg,
+    fused = item.kernel.fn.__module__.endswith("fused_linear")
+    record = {
+        "kernel": KERNEL_KINDS[name], "specialization": ("fused-linear " if fused else "") + item.label,
+        "dtype": item.label.split()[-1] if fused else next(d for d in DTYPES if f" {d} " in f" {item.label} "),
+        "arch": f"sm_{arch}", "BLOCK_V": named.get("BLOCK_V", named.get("BLOCK_N", named.get("BLOCK"))),
+        "row_align": named.get("ROW_ALIGN"),
+        "num_warps": options.num_warps, "num_stages": options.num_stages,
+        "signature": {k: v for k, v in signature.items() if v != "constexpr"},
         "registers": usage.get("REG"), "spill_bytes": usage["SPILL"], "local_bytes": usage.get("LOCAL", 0),
         "vector_loads_128": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|u32|f32)", ptx))
         + len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.(?:b64|u64)", ptx)),
@@ -187,14 +309,102 @@ def _record(kernel, label, dtype, cfg, compiled, arch):
         "async_copies": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
         "shared_bytes": compiled.metadata.shared,
     }
+    if not fused and name in ("grpo_forward_kernel", "logprob_backward_kernel"):
+        logit_bytes = DTYPES[record["dtype"]].itemsize
+        loops = hot_loops(compiled.asm["cubin"])
+        for loop in loops:
+            # the logits one pass of the body handles: its loads (the compiler may unroll the loop)
+            logits = loop["bytes_loaded"] / logit_bytes
+            loop["logits_per_thread"] = logits
+            loop["per_logit"] = round(loop["instructions"] / logits, 2)
+            loop["mufu_per_logit"] = round(loop["mufu"] / logits, 3)
+        record["hot_loops"] = loops
+        record["instructions_per_logit"] = round(sum(loop["per_logit"] for loop in loops), 2)
+        record["mufu_per_logit"] = round(sum(loop["mufu_per_logit"] for loop in loops), 3)
+        record["logit_bytes"] = logit_bytes
+    return record
+
+
+def roofline(record: Dict[str, object], gpu: Dict[str, float] = H200) -> Dict[str, float]:
+    """Static roofline of a streaming kernel from its SASS: at HBM speed under the byte model, which share of
+    the GPU's issue slots and of its SFU (MUFU) throughput the hot loops need (over 1: that unit, not HBM,
+    bounds the kernel)."""
+    one_pass = "one-pass" in record["specialization"]
+    reads_writes = 2 if one_pass or record["kernel"] == "backward" else 1  # bytes of logits per logit moved
+    logits_per_s = gpu["hbm_bytes_per_s"] / (reads_writes * record["logit_bytes"])
+    issue = gpu["sms"] * gpu["issue_per_sm_cycle"] * gpu["ghz"] * 1e9
+    mufu = gpu["sms"] * gpu["mufu_per_sm_cycle"] * gpu["ghz"] * 1e9
+    return {"logits_per_s_at_hbm": logits_per_s,
+            "issue_fraction": logits_per_s * record["instructions_per_logit"] / issue,
+            "mufu_fraction": logits_per_s * record["mufu_per_logit"] / mufu}
+
+
+def budget_of(record: Dict[str, object]) -> Optional[float]:
+    """The CI budget (instructions per logit) of a streaming kernel record, or None for the others."""
+    vocab = re.search(r"V=(\d+)", record["specialization"])
+    if "instructions_per_logit" not in record or not vocab or int(vocab.group(1)) < 2 * record["BLOCK_V"]:
+        return None  # a vocabulary of one or two blocks (V = 1003) never runs the loop
+    if "one-pass" in record["specialization"]:
+        return BUDGETS["one-pass"]
+    return BUDGETS["backward"] if record["kernel"] == "backward" else BUDGETS["forward"]
+
+
+def compile_all(arch: int = 90) -> List[Dict[str, object]]:
+    """Compile every distinct recorded launch; return one record per compiled kernel."""
+    records = [_record(item, arch) for item in record_all()]
+    for r in records:
+        if "instructions_per_logit" in r:
+            r["roofline"] = {k: round(v, 3) for k, v in roofline(r).items() if k != "logits_per_s_at_hbm"}
+            r["budget"] = budget_of(r)
+    return records
+
+
+def summary(records: List[Dict[str, object]]) -> str:
+    """The hot loops of the streaming kernels, one line each, for the README and CI logs."""
+    lines = ["arch  dtype BLOCK_V warps regs instr/logit (per loop)  MUFU/logit issue% MUFU% budget  specialization"]
+    for r in records:
+        if "instructions_per_logit" not in r:
+            continue
+        loops = " + ".join(f"{loop['per_logit']:.1f}" for loop in r["hot_loops"])
+        lines.append(f"{r['arch']} {r['dtype']:5} {r['BLOCK_V']:7} {r['num_warps']:5} {r['registers']:4} "
+                     f"{r['instructions_per_logit']:5.1f} ({loops:>11}) {r['mufu_per_logit']:10.2f} "
+                     f"{100 * r['roofline']['issue_fraction']:6.0f} {100 * r['roofline']['mufu_fraction']:5.0f} "
+                     f"{r['budget'] if r['budget'] else '-':>6}  {r['specialization']}")
+    return "\n".join(lines)
+
+
+def signature_facts() -> Dict[str, object]:
+    """How the JIT types a typical launch and a long-context one (row stride past 2^31): for the tests."""
+    facts = {}
+    for name, rows in (("typical", 1024), ("long_context", (1 << 31) // 151936 + 1)):
+        logits = torch.empty(1, rows, 151936, dtype=torch.bfloat16)
+        with recorded_launches() as launches:
+            launch.forward(logits, torch.zeros(1, rows, dtype=torch.int64), mask=torch.ones(rows),
+                           compute_entropy=True)
+        (item,) = launches
+        options, signature, constexprs, attrs = jit_specialization(item, 90)
+        names = item.kernel.arg_names
+        facts[name] = {
+            "signature": {k: v for k, v in signature.items() if v != "constexpr"},
+            "divisible_by_16": sorted(names[path[0]] for path, attr in attrs.items()
+                                      if ["tt.divisibility", 16] in attr),
+            "num_warps": options.num_warps, "launcher_config": launch.logits_launch_config(logits),
+            "constexprs": {names[path[0]]: value for path, value in constexprs.items()},
+        }
+    return facts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
+    parser.add_argument("--summary", action="store_true", help="print the hot-loop table instead of JSON")
+    parser.add_argument("--signature-facts", action="store_true", help="print how the JIT types two launches")
     args = parser.parse_args()
+    if args.signature_facts:
+        print(json.dumps(signature_facts()))
+        return
     records = [r for arch in args.arch for r in compile_all(arch)]
-    print(json.dumps(records))
+    print(summary(records) if args.summary else json.dumps(records))
 
 
 if __name__ == "__main__":

@@ -63,43 +63,87 @@ def _row_pointer(base_ptr, pid, T, stride_b, stride_t, ROW_ALIGN: tl.constexpr):
     return base_ptr + tl.multiple_of(b * stride_b + t * stride_t, ROW_ALIGN)
 
 
+# The row loops work in base 2: x2 = logit * inv_temperature * log2(e), one multiply per logit
+# before exp2. A finite floor stands in for -inf as the running max, so that a -inf logit (a
+# masked-out vocabulary entry) never meets -inf - (-inf).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+FLOOR = tl.constexpr(-1.0e30)
+
+
 @triton.jit
-def _lse_update(x, running_max, sum_exp, sum_exp_x, COMPUTE_ENTROPY: tl.constexpr):
-    """Fold one block x (fp32, already / tau) into the running max, sum of exp and sum of exp * x."""
-    new_max = tl.maximum(running_max, tl.max(x, axis=0))
-    # A block of -inf logits (a masked-out vocabulary) must not produce inf - inf.
-    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    rescale = tl.exp(running_max - safe_max)
-    e = tl.exp(x - safe_max)
-    sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
+def _lse_fold(x2, m, s, t, COMPUTE_ENTROPY: tl.constexpr):
+    """Fold one block of base-2 logits into each lane's running max m, sum s = sum 2^(x - m), and
+    t = sum 2^(x - m) * x (the entropy's), with one exp2 a logit and no cross-lane reduction.
+
+    2^-|x - m| is at once the rescale of s when x is the lane's new max and x's own term when it
+    is not; the lanes are combined once per row, after the loop (``_lse_finish``).
+    """
+    d = x2 - m
+    e = tl.exp2(-tl.abs(d))
+    bigger = d > 0.0
+    s = tl.where(bigger, s * e + 1.0, s + e)
     if COMPUTE_ENTROPY:
-        # e is 0 where x is -inf; 0 * -inf would be NaN, so those lanes use x = 0.
-        sum_exp_x = sum_exp_x * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=0)
-    return new_max, sum_exp, sum_exp_x
+        t = tl.where(bigger, t * e + x2, t + e * x2)
+    return tl.maximum(m, x2), s, t
+
+
+@triton.jit
+def _lse_finish(m, s, t, COMPUTE_ENTROPY: tl.constexpr):
+    """(log-sum-exp in base 2, entropy in nats) of a row from its lanes' (m, s, t)."""
+    row_max = tl.max(m, axis=0)
+    scale = tl.exp2(m - row_max)
+    sum_exp = tl.sum(s * scale, axis=0)
+    lse2 = row_max + tl.log2(sum_exp)
+    entropy = 0.0
+    if COMPUTE_ENTROPY:
+        entropy = LN2 * (lse2 - tl.sum(t * scale, axis=0) / sum_exp)
+    return lse2, entropy
 
 
 @triton.jit
 def _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
-    """One pass over a row: log-sum-exp of x = logits / tau and the entropy of softmax(x).
+    """One pass over a row: log-sum-exp of x = logits / tau (natural log) and the entropy of softmax(x).
 
     Full blocks load without a mask (so aligned rows get 128-bit vector loads); the
     remainder, if any, is one masked block.
     """
-    cols = tl.arange(0, BLOCK_V)
-    running_max = float("-inf")
-    sum_exp = 0.0
-    sum_exp_x = 0.0  # sum of exp(x - running_max) * x, for the entropy
+    # The lanes' accumulators cover half a block, and each block is folded in as two halves:
+    # both halves' loads are still issued together, with half the accumulator registers.
+    HALF: tl.constexpr = BLOCK_V // 2
+    cols = tl.arange(0, HALF)
+    c = inv_temperature * LOG2E
+    m = tl.full([HALF], FLOOR, tl.float32)
+    s = tl.zeros([HALF], tl.float32)
+    t = tl.zeros([HALF], tl.float32)
     full_end = (V // BLOCK_V) * BLOCK_V
     for start in range(0, full_end, BLOCK_V):
-        x = tl.load(row_ptr + start + cols).to(tl.float32) * inv_temperature  # [BLOCK_V]
-        running_max, sum_exp, sum_exp_x = _lse_update(x, running_max, sum_exp, sum_exp_x, COMPUTE_ENTROPY)
-    if full_end < V:
-        x = tl.load(row_ptr + full_end + cols, mask=full_end + cols < V, other=float("-inf"))
-        x = x.to(tl.float32) * inv_temperature
-        running_max, sum_exp, sum_exp_x = _lse_update(x, running_max, sum_exp, sum_exp_x, COMPUTE_ENTROPY)
-    lse = running_max + tl.log(sum_exp)
-    entropy = lse - sum_exp_x / sum_exp
-    return lse, entropy
+        low = tl.load(row_ptr + start + cols).to(tl.float32) * c
+        high = tl.load(row_ptr + start + HALF + cols).to(tl.float32) * c
+        m, s, t = _lse_fold(low, m, s, t, COMPUTE_ENTROPY)
+        m, s, t = _lse_fold(high, m, s, t, COMPUTE_ENTROPY)
+    for start in range(full_end, V, HALF):  # the remainder: at most two masked half blocks
+        x2 = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32) * c
+        m, s, t = _lse_fold(x2, m, s, t, COMPUTE_ENTROPY)
+    lse2, entropy = _lse_finish(m, s, t, COMPUTE_ENTROPY)
+    if COMPUTE_ENTROPY:
+        # A -inf logit adds 0 * -inf to t; rather than guard every logit, a row whose entropy came
+        # out NaN while its log-sum-exp is finite (only -inf logits do that) is summed again safely.
+        if (entropy != entropy) & (lse2 == lse2) & (tl.abs(lse2) < float("inf")):
+            entropy = LN2 * (lse2 - _mean_x2(row_ptr, V, c, lse2, BLOCK_V))
+    return lse2 * LN2, entropy
+
+
+@triton.jit
+def _mean_x2(row_ptr, V, c, lse2, BLOCK_V: tl.constexpr):
+    """sum of p * x2 over a row (x2 = logits in base 2), where -inf logits add 0: the entropy's slow path."""
+    cols = tl.arange(0, BLOCK_V)
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        x2 = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32) * c
+        p = tl.exp2(x2 - lse2)
+        acc += tl.where(p > 0.0, p * x2, 0.0)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
@@ -283,15 +327,13 @@ def grpo_forward_kernel(
 
 
 @triton.jit
-def _dlogits_block(x, lse, col, target, g_scaled):
-    """g / tau * (onehot - p) for one block; x = logits / tau in fp32."""
-    p = tl.exp(x - lse)  # [BLOCK_V]
-    return g_scaled * (tl.where(col == target, 1.0, 0.0) - p)
-
-
-@triton.jit
 def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BLOCK_V: tl.constexpr):
-    """out = g * (onehot(target) - softmax(row / tau)) / tau over one row; a zero row, unread, if g == 0."""
+    """out = g * (onehot(target) - softmax(row / tau)) / tau over one row; a zero row, unread, if g == 0.
+
+    The loop writes -g / tau * p for every column, one exp2 and one multiply a logit; the target's
+    +g / tau is one scalar store after it (ordered after the loop's stores by a barrier), not a
+    compare on every element.
+    """
     cols = tl.arange(0, BLOCK_V)
     out_dtype = out_ptr.dtype.element_ty
     full_end = (V // BLOCK_V) * BLOCK_V
@@ -302,16 +344,20 @@ def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BL
         if full_end < V:
             tl.store(out_ptr + full_end + cols, zeros, mask=full_end + cols < V)
     else:
-        g_scaled = g * inv_temperature
+        c = inv_temperature * LOG2E
+        lse2 = lse * LOG2E
+        minus_g = -g * inv_temperature
+        # read before the loop: in place (out_ptr == row_ptr) the loop overwrites the logits
+        p_target = tl.exp2(tl.load(row_ptr + target).to(tl.float32) * c - lse2)
         for start in range(0, full_end, BLOCK_V):
-            x = tl.load(row_ptr + start + cols).to(tl.float32) * inv_temperature
-            grad = _dlogits_block(x, lse, start + cols, target, g_scaled)
-            tl.store(out_ptr + start + cols, grad.to(out_dtype))
+            p = tl.exp2(tl.load(row_ptr + start + cols).to(tl.float32) * c - lse2)
+            tl.store(out_ptr + start + cols, (minus_g * p).to(out_dtype))
         if full_end < V:
             in_row = full_end + cols < V
-            x = tl.load(row_ptr + full_end + cols, mask=in_row, other=0.0).to(tl.float32) * inv_temperature
-            grad = _dlogits_block(x, lse, full_end + cols, target, g_scaled)
-            tl.store(out_ptr + full_end + cols, grad.to(out_dtype), mask=in_row)
+            x = tl.load(row_ptr + full_end + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+            tl.store(out_ptr + full_end + cols, (minus_g * tl.exp2(x * c - lse2)).to(out_dtype), mask=in_row)
+        tl.debug_barrier()
+        tl.store(out_ptr + target, (g * inv_temperature * (1.0 - p_target)).to(out_dtype))
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
