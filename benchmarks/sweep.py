@@ -11,9 +11,10 @@ write the gradient; the second read of each row is counted as an L2 hit), two-pa
 Each candidate is reported as median ms (CUDA events, after warm-up), GB/s under its byte
 model, and the fraction of a device-to-device copy's bandwidth measured in the same run.
 
-Fused lm_head, at (N, H, V) = (16384, 4096, 151936) in bf16: the logits-tile configurations
-(BLOCK_N, BLOCK_V, BLOCK_H, num_warps, num_stages) of the forward and dlogits kernels, timed
-forward + backward; reported as ms and useful TFLOP/s (6 N V H).
+Fused lm_head, at (N, H, V) = (16384, 4096, 151936) in bf16: the 3-product mode, and the
+recomputing mode's logits-tile configurations (BLOCK_N, BLOCK_V, BLOCK_H, num_warps,
+num_stages) of its forward and dlogits kernels, timed forward + backward; reported as ms and
+useful TFLOP/s (6 N V H).
 
 Every candidate is checked against the default configuration on the same inputs (log-probs,
 loss and gradient) before it may win: a configuration that computes something else is
@@ -59,6 +60,8 @@ def logits_candidates():
 
 
 def fused_candidates():
+    # the 3-product mode: cuBLAS logits per chunk, the one-pass logits kernel in place, cuBLAS gradients
+    yield {"mode": "three_products", **{k: None for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")}}
     for block_n, block_v, block_h, num_warps, num_stages in (
         (64, 128, 64, 8, 3), (64, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
         (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 3), (64, 128, 32, 4, 4),
@@ -188,6 +191,12 @@ def fused_inputs(N, H, V, device, seed=0):
 
 
 def run_fused(x, candidate):
+    if candidate["mode"] == "three_products":
+        r, dh, dw, _ = launch.linear_three_products(
+            x["hidden"], x["weight"], None, x["ids"], opts=x["opts"], temperature=TEMPERATURE, mask=x["mask"],
+            advantages=x["adv"], old_logps=x["old"], ref_logps=x["ref"], importance_weights=None,
+            compute_entropy=True, grad_weight=x["weight_per_token"], compute_weight_grad=True)
+        return r.logp, r.loss, dh, dw
     config = {k: candidate[k] for k in tuned.FUSED_LINEAR_KEYS}
     r = launch.linear_forward(x["hidden"], x["weight"], None, x["ids"], opts=x["opts"], temperature=TEMPERATURE,
                               mask=x["mask"], advantages=x["adv"], old_logps=x["old"], ref_logps=x["ref"],
@@ -261,7 +270,7 @@ def winners(results) -> dict:
                 entry.update({"one_pass": row["mode"] == "one_pass", **{k: row[k] for k in tuned.LOGITS_KEYS}})
                 measured = f"{row['median_ms']:.3f} ms fwd+bwd at N={row['N']}, {row['model_GBps']:.0f} GB/s"
             else:
-                entry.update({"H": row["H"], **{k: row[k] for k in tuned.FUSED_LINEAR_KEYS}})
+                entry.update({"H": row["H"], "mode": row["mode"], **{k: row[k] for k in tuned.FUSED_LINEAR_KEYS}})
                 measured = f"{row['median_ms']:.1f} ms fwd+bwd at N={row['N']}, {row['useful_TFLOPs']:.0f} TFLOP/s"
             entry["measured"] = f"{measured}; {note}"
             out[kind].append(entry)

@@ -221,3 +221,46 @@ class FusedLinearTokenLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused):
         dloss_dlogp = ctx.saved_tensors[5]
         return _linear_gradients(ctx, grad_loss.reshape(-1) * dloss_dlogp) + (None,) * 8
+
+
+class FusedLinearThreeProducts(torch.autograd.Function):
+    """The fused lm_head with 3 products (Triton token level): the whole gradient is computed in the forward.
+
+    ``launch.linear_three_products`` computes each chunk's logits once, turns them into the loss
+    terms and, in place, into dlogits of the reduced loss (``grad_weight``: each token's weight),
+    and runs the two gradient products in the same chunk loop. The backward only scales d hidden,
+    d weight and d bias by the incoming gradient, in place and on the device.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, mask, advantages, old_logps, ref_logps, importance_weights,
+                grad_weight, opts: GRPOOptions, out_shape):
+        wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        r, dh, dw, db = launch.linear_three_products(
+            hidden, weight, bias, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
+            old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
+            compute_entropy=opts.compute_entropy, grad_weight=grad_weight, compute_weight_grad=wants_weight)
+        ctx.save_for_backward(dh, dw, db)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        view = lambda t: None if t is None else t.view(out_shape)  # noqa: E731
+        extras = (view(r.loss), view(r.logp), view(r.entropy), view(r.kl), view(r.flags))
+        ctx.mark_non_differentiable(*[t for t in extras if t is not None])
+        return ((r.loss * grad_weight).sum(),) + extras
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        if getattr(ctx, "backward_done", False):
+            raise RuntimeError(
+                "the 3-product lm_head loss computed its gradients in the forward and handed them to the first "
+                "backward, so a second backward through a retained graph is not possible; use "
+                "lm_head_mode='recompute' to backpropagate more than once"
+            )
+        ctx.backward_done = True
+        grads = []
+        for t, dtype, needed in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs_input_grad[:3]):
+            if t is None or not needed:
+                grads.append(None)
+                continue
+            launch.scale_in_place(t, grad_loss.detach())  # fp32, small next to the logits; no host sync
+            grads.append(t.to(dtype))
+        return tuple(grads) + (None,) * 9

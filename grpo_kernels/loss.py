@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from . import reference as ref
-from .functions import (FusedLinearTokenLoss, FusedTokenLoss, FusedTokenLossOnePass, LinearTokenLogprobs,
-                        TokenLogprobs)
+from .functions import (FusedLinearThreeProducts, FusedLinearTokenLoss, FusedTokenLoss, FusedTokenLossOnePass,
+                        LinearTokenLogprobs, TokenLogprobs)
 from .kernels import grpo as K
 from .kernels import launch
 from .options import BACKENDS, GRPOOptions
@@ -177,6 +177,9 @@ def token_logprobs(
     return (logp, entropy) if return_entropy else logp
 
 
+LM_HEAD_MODES = ("recompute", "three_products")
+
+
 def _check_linear_inputs(hidden_states, weight, bias) -> None:
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
@@ -211,6 +214,7 @@ def fused_linear_grpo_loss(
     backend: str = "auto",
     check_ids: bool = True,
     loss_scale=1.0,
+    lm_head_mode: Optional[str] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
@@ -218,6 +222,12 @@ def fused_linear_grpo_loss(
     ``hidden_states[:, t]`` is the state whose logits predict ``completion_ids[:, t]``. Every
     option, output and metric is that of ``grpo_loss`` on ``hidden_states @ weight.T + bias``.
     A weight that does not require grad (a frozen lm_head, LoRA) gets no gradient pass.
+
+    ``lm_head_mode`` (Triton, token level): "recompute" (4 products: the backward recomputes
+    each chunk's logits inside the kernels) or "three_products" (each chunk's logits computed
+    once by cuBLAS, turned into dlogits in place by the one-pass kernel, both gradient products
+    in the same loop; the backward only scales). Both keep one [chunk, V] workspace. None, the
+    default, takes the device sweep's measured choice (``kernels/tuned.json``), else "recompute".
     """
     if options is not None and option_kwargs:
         raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
@@ -237,6 +247,18 @@ def fused_linear_grpo_loss(
     flat = (torch.where(active, hidden_states.reshape(B * T, H), 0.0), weight.contiguous(),
             None if bias is None else bias.contiguous(),
             torch.where(active.squeeze(1), completion_ids.reshape(-1), 0).contiguous())
+    if lm_head_mode is None:
+        lm_head_mode = launch.default_lm_head_mode(hidden_states, weight.shape[0])
+    if lm_head_mode not in LM_HEAD_MODES:
+        raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
+    wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+    if engine == "triton" and not opts.sequence_level and lm_head_mode == "three_products" and wants_grad:
+        grad_weight = ref.reduction_weights(mask, opts, _detached(normalizer)) * loss_scale
+        loss, loss_t, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
+            *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
+            grad_weight.float().reshape(-1).contiguous(), opts, (B, T),
+        )
+        return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
         loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(
             *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
@@ -353,10 +375,16 @@ class FusedLinearGRPOLoss(GRPOLoss):
     old_logps=None, ref_logps=None, importance_weights=None, normalizer=None, bias=None)``.
     """
 
+    def __init__(self, *, lm_head_mode: Optional[str] = None, **kwargs):
+        super().__init__(**kwargs)
+        if lm_head_mode is not None and lm_head_mode not in LM_HEAD_MODES:
+            raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
+        self.lm_head_mode = lm_head_mode
+
     def forward(self, hidden_states, weight, completion_ids, completion_mask, advantages, old_logps=None,
                 ref_logps=None, importance_weights=None, normalizer=None, bias=None, loss_scale=1.0) -> GRPOLossOutput:
         return fused_linear_grpo_loss(
             hidden_states, weight, completion_ids, completion_mask, advantages, old_logps, ref_logps,
             importance_weights, normalizer, bias=bias, options=self.options, backend=self.backend,
-            check_ids=self.check_ids, loss_scale=loss_scale,
+            check_ids=self.check_ids, loss_scale=loss_scale, lm_head_mode=self.lm_head_mode,
         )

@@ -58,12 +58,17 @@ def materialized(h, w, b, batch, options):
     return grpo_loss_reference(logits, **batch, **options)
 
 
-def check(backend, batch, hidden, weight, bias, tol=dict(atol=1e-5, rtol=1e-5), freeze_weight=False, **options):
+def three_products(h, w, b, batch, options):
+    return fused_linear_grpo_loss(h, w, **batch, bias=b, backend="triton", lm_head_mode="three_products", **options)
+
+
+def check(backend, batch, hidden, weight, bias, tol=dict(atol=1e-5, rtol=1e-5), freeze_weight=False, path=None,
+          **options):
     # the expected values: fp32 math on the same (possibly 16-bit) values, gradients cast back
     up = lambda t: None if t is None else t.float()  # noqa: E731
     expected = _run(materialized, batch, up(hidden), up(weight), up(bias), freeze_weight, **options)
     expected = expected[:1] + tuple(None if e is None else e.to(hidden.dtype) for e in expected[1:])
-    actual = _run(fused(backend), batch, hidden, weight, bias, freeze_weight, **options)
+    actual = _run(path or fused(backend), batch, hidden, weight, bias, freeze_weight, **options)
     assert_close("loss", expected[0].loss, actual[0].loss, **tol)
     active = batch["completion_mask"] != 0
     assert_close("per_token_logps", expected[0].per_token_logps[active], actual[0].per_token_logps[active], **tol)
@@ -217,3 +222,58 @@ def test_torch_path_works_in_bounded_chunks(monkeypatch):
     monkeypatch.setattr(torch_path, "CHUNK_ELEMENTS", 450)  # two tokens of V = 203 per chunk
     batch, hidden, weight, bias = _inputs("cpu", seed=4)
     check("torch", batch, hidden, weight, bias, beta=0.04)
+
+
+# The 3-product mode (Triton, token level): each chunk's logits computed once, the gradient complete
+# at the end of the forward.
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("off_policy", [True, False])
+def test_three_products_mode_matches_materialized_logits(device, loss_type, beta, off_policy):
+    batch, hidden, weight, bias = _inputs(device, seed=zlib.crc32(f"3p/{loss_type}".encode()) % 1000,
+                                          off_policy=off_policy)
+    check("triton", batch, hidden, weight, bias, path=three_products, loss_type=loss_type, beta=beta,
+          temperature=0.8, **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+
+
+@pytest.mark.parametrize("case", sorted(c for c in OPTION_CASES if "strided" not in c and "sequence" not in c))
+def test_three_products_mode_options(device, case):
+    spec = dict(OPTION_CASES[case])
+    shape = {k.lower(): spec[k] for k in ("B", "T", "V") if k in spec}
+    batch, hidden, weight, bias = _inputs(device, seed=8, **shape, **{k: spec[k] for k in BATCH_KEYS
+                                                                       if k in spec and k not in ("B", "T", "V")})
+    options = {k: v for k, v in spec.items() if k not in BATCH_KEYS or k == "temperature"}
+    check("triton", batch, hidden, weight, bias, path=three_products, **options)
+
+
+def test_three_products_mode_in_bounded_chunks_frozen_weight_and_no_bias(device, monkeypatch):
+    """A workspace of 64 tokens: three chunks (64, 64, 32), one buffer; a frozen head skips d weight."""
+    monkeypatch.setattr(launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
+    calls = []
+    original = launch.forward
+
+    def recording_forward(logits, *args, **kwargs):
+        calls.append((tuple(logits.shape), logits.data_ptr(), kwargs.get("grad_in_place")))
+        return original(logits, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "forward", recording_forward)
+    batch, hidden, weight, bias = _block_spanning_inputs(device)
+    check("triton", batch, hidden, weight, bias, path=three_products, beta=0.04, loss_type="dapo")
+    assert [c[0] for c in calls] == [(1, 64, 300), (1, 64, 300), (1, 32, 300)]
+    assert len({c[1] for c in calls}) == 1 and all(c[2] for c in calls)  # one buffer, dlogits written in place
+    check("triton", batch, hidden, weight, None, path=three_products, freeze_weight=True, beta=0.04)
+
+
+def test_three_products_mode_scales_and_refuses_a_second_backward(device):
+    batch, hidden, weight, bias = _inputs(device, seed=9)
+    expected = _run(materialized, batch, hidden, weight, bias)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_linear_grpo_loss(h, w, **batch, bias=bias, backend="triton", lm_head_mode="three_products")
+    (out.loss * 0.25).backward(retain_graph=True)
+    assert_close("d hidden scaled", expected[1] * 0.25, h.grad, atol=1e-6, rtol=1e-5)
+    assert_close("d weight scaled", expected[2] * 0.25, w.grad, atol=1e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="second backward through a retained graph"):
+        out.loss.backward()
+    with pytest.raises(ValueError, match="lm_head_mode must be one of"):
+        FusedLinearGRPOLoss(lm_head_mode="fast")

@@ -51,6 +51,12 @@ def logits_launch_config(logits: torch.Tensor, override: Optional[Dict[str, int]
     return config
 
 
+def default_lm_head_mode(hidden: torch.Tensor, vocab_size: int) -> str:
+    """"recompute" unless the device sweep measured the 3-product mode faster for this GPU and vocabulary."""
+    entry = tuned.fused_linear_entry(hidden.device, hidden.dtype, vocab_size)
+    return "recompute" if entry is None else entry.get("mode", "recompute")
+
+
 def default_one_pass(logits: torch.Tensor) -> bool:
     """One-pass (dlogits written by the forward) unless the device sweep measured two-pass faster here."""
     entry = tuned.logits_entry(logits.device, logits.dtype, logits.shape[-1])
@@ -163,6 +169,7 @@ def forward(
     compute_entropy: bool = False,
     grad_weight: Optional[torch.Tensor] = None,
     config: Optional[Dict[str, int]] = None,
+    grad_in_place: bool = False,
 ) -> ForwardResult:
     """Run the forward kernel.
 
@@ -171,13 +178,17 @@ def forward(
     are computed. With ``grad_weight`` (fp32 [N], each token's weight in the reduced loss)
     the kernel also writes dlogits of that loss in the same pass (one-pass mode).
     ``config`` overrides the launch configuration (see ``logits_launch_config``).
+    ``grad_in_place`` (one-pass) writes dlogits over the logits themselves: each row is read
+    in full for its log-sum-exp before any of it is written.
     """
     B, T, V = logits.shape
     N = B * T
     out = _allocate_outputs(N, logits.device, opts, compute_entropy)
     inputs, outputs, dummy = _loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
     write_grad = grad_weight is not None and out.loss is not None
-    grad = torch.empty((B, T, V), device=logits.device, dtype=logits.dtype) if write_grad else None
+    grad = None
+    if write_grad:
+        grad = logits if grad_in_place else torch.empty((B, T, V), device=logits.device, dtype=logits.dtype)
     constexprs = forward_constexprs(
         opts, has_old=old_logps is not None, has_iw=importance_weights is not None,
         has_mask=mask is not None, compute_entropy=compute_entropy, write_grad=write_grad,
@@ -399,6 +410,77 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
     )
 
 
+# cuBLAS products with fp32 output (torch's mm / addmm with out_dtype, CUDA): None = not tried yet;
+# False = this torch lacks them, and the Triton product runs instead.
+_CUBLAS_FP32_OUT: Optional[bool] = None
+
+
+def product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """out (fp32 [M, N]) = (out if accumulate) + a @ b with fp32 accumulation.
+
+    On CUDA, cuBLAS (about 790 TFLOP/s in bf16 on an H200) writing fp32 directly, d weight
+    accumulated in place across chunks (addmm's beta = 1); where torch has no fp32-output
+    product (or on CPU, under the interpreter), the Triton tile product ``matmul_kernel``.
+    """
+    global _CUBLAS_FP32_OUT
+    if a.is_cuda and _CUBLAS_FP32_OUT is not False:
+        try:
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            else:
+                torch.mm(a, b, out_dtype=torch.float32, out=out)
+            _CUBLAS_FP32_OUT = True
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            if _CUBLAS_FP32_OUT:  # it worked before: a real error
+                raise
+            _CUBLAS_FP32_OUT = False
+    _matmul(a, b, out, accumulate)
+
+
+def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask, advantages, old_logps, ref_logps,
+                          importance_weights, compute_entropy, grad_weight, compute_weight_grad):
+    """The fused lm_head with 3 products instead of 4: loss terms and every gradient in one chunk loop.
+
+    Each chunk's logits are computed once (``hidden @ weight.T + bias``, in the input dtype, into
+    one reused [chunk, V] workspace); the one-pass logits kernel turns them into the loss terms
+    and, in place, into dlogits of the reduced loss (``grad_weight`` is each token's weight);
+    then d hidden = dx @ W and d weight += dx^T @ h. The gradient is complete when the forward
+    ends: the backward only scales it. Memory is bounded by the chunk, as in the recomputing mode.
+    Returns (ForwardResult over the N tokens, d hidden, d weight or None, d bias or None), fp32.
+    """
+    N, H = hidden.shape
+    V = weight.shape[0]
+    out = _allocate_outputs(N, hidden.device, opts, compute_entropy)
+    dh = torch.empty(N, H, device=hidden.device, dtype=torch.float32)
+    dw = torch.empty(V, H, device=hidden.device, dtype=torch.float32) if compute_weight_grad else None
+    db = torch.zeros(V, device=hidden.device, dtype=torch.float32) if compute_weight_grad and bias is not None \
+        else None
+    chunk = linear_chunk_tokens(N, V, hidden.element_size(), 1)
+    workspace = torch.empty(min(chunk, max(N, 1)), V, device=hidden.device, dtype=hidden.dtype)
+    pick = lambda t, n: None if t is None else t[n]  # noqa: E731
+    for n0 in range(0, N, chunk):
+        n = slice(n0, min(n0 + chunk, N))
+        x = workspace[: n.stop - n0]
+        if bias is None:
+            torch.mm(hidden[n], weight.T, out=x)
+        else:
+            torch.addmm(bias, hidden[n], weight.T, out=x)
+        r = forward(x.unsqueeze(0), ids[n].unsqueeze(0), opts=opts, temperature=temperature, mask=pick(mask, n),
+                    advantages=pick(advantages, n), old_logps=pick(old_logps, n), ref_logps=pick(ref_logps, n),
+                    importance_weights=pick(importance_weights, n), compute_entropy=compute_entropy,
+                    grad_weight=grad_weight[n], grad_in_place=True)
+        for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):
+            if getattr(out, name) is not None:
+                getattr(out, name)[n] = getattr(r, name)
+        product_into(x, weight, dh[n], accumulate=False)  # x now holds dlogits
+        if dw is not None:
+            product_into(x.T, hidden[n], dw, accumulate=n0 > 0)
+        if db is not None:
+            db += x.sum(0, dtype=torch.float32)
+    return out, dh, dw, db
+
+
 def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool, config=None):
     """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N]).
 
@@ -427,9 +509,9 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
             lse[n0:n1], g[n0:n1], dx, 1.0 / temperature,
             HAS_BIAS=bias is not None, **cfg,
         )
-        _matmul(dx, weight, dh[n0:n1], accumulate=False)
+        product_into(dx, weight, dh[n0:n1], accumulate=False)
         if dw is not None:
-            _matmul(dx.T, hidden[n0:n1], dw, accumulate=n0 > 0)
+            product_into(dx.T, hidden[n0:n1], dw, accumulate=n0 > 0)
         if db is not None:
             db += dx.sum(0, dtype=torch.float32)
     return dh, dw, db
