@@ -52,11 +52,20 @@ SMOKE_FUSED_SHAPES = [(32, 32, 300)]
 
 
 def logits_candidates():
-    """Default-like configurations first, so that a run cut short still measures the likeliest winners."""
+    """Default-like configurations first, so that a run cut short still measures the likeliest winners.
+
+    programs_per_sm: None is one program per token; a number is the persistent schedule (that many
+    programs per SM, each striding over the tokens), which bounds the one-pass kernel's rows in flight.
+    """
     blocks, warps, stages = (4096, 8192, 2048), (8, 16, 4), (1, 3)
     for mode in ("one_pass", "two_pass"):
         for block_v, num_warps, num_stages in itertools.product(blocks, warps, stages):
-            yield {"mode": mode, "BLOCK_V": block_v, "num_warps": num_warps, "num_stages": num_stages}
+            yield {"mode": mode, "BLOCK_V": block_v, "num_warps": num_warps, "num_stages": num_stages,
+                   "programs_per_sm": None}
+        if mode == "one_pass":
+            for num_warps, programs_per_sm in itertools.product((8, 16), (1, 2, 4)):
+                yield {"mode": mode, "BLOCK_V": 4096, "num_warps": num_warps, "num_stages": 1,
+                       "programs_per_sm": programs_per_sm}
 
 
 def fused_candidates():
@@ -114,7 +123,7 @@ def logits_inputs(B, T, V, device, seed=0):
 
 def run_logits(x, candidate):
     """(logp, loss per token, dlogits) of one candidate: the one-pass kernel, or the forward + backward pair."""
-    config = {k: candidate[k] for k in tuned.LOGITS_KEYS}
+    config = {k: candidate.get(k) for k in tuned.LOGITS_KEYS}
     common = dict(opts=x["opts"], temperature=TEMPERATURE, mask=x["mask"], advantages=x["adv"], old_logps=x["old"],
                   ref_logps=x["ref"], compute_entropy=True, config=config)
     if candidate["mode"] == "one_pass":
@@ -267,7 +276,7 @@ def winners(results) -> dict:
         for row in best.values():
             entry = {"arch": env["arch"], "dtype": row["dtype"], "V": row["V"]}
             if kind == "logits":
-                entry.update({"one_pass": row["mode"] == "one_pass", **{k: row[k] for k in tuned.LOGITS_KEYS}})
+                entry.update({"one_pass": row["mode"] == "one_pass", **{k: row.get(k) for k in tuned.LOGITS_KEYS}})
                 measured = f"{row['median_ms']:.3f} ms fwd+bwd at N={row['N']}, {row['model_GBps']:.0f} GB/s"
             else:
                 entry.update({"H": row["H"], "mode": row["mode"], **{k: row[k] for k in tuned.FUSED_LINEAR_KEYS}})

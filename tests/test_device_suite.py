@@ -84,6 +84,8 @@ def test_launch_config_takes_the_table_then_the_override(table_path, monkeypatch
     assert launch.default_one_pass(logits) is True
     monkeypatch.setattr(tuned, "_nearest", lambda kind, device, dtype, V: json.loads(table_path.read_text())[kind][0])
     assert launch.logits_launch_config(logits) == {"BLOCK_V": 512, "num_warps": 2, "num_stages": 1}
+    assert launch._forward_grid(100, logits.device, None) == ((100,), False)
+    assert launch._forward_grid(100, logits.device, 4) == ((8,), True)  # CPU: 2 "SMs" x 4
     assert launch.default_one_pass(logits) is False
     assert launch.logits_launch_config(logits, {"num_warps": 4, "BLOCK_V": None}) == {
         "BLOCK_V": 512, "num_warps": 4, "num_stages": 1}

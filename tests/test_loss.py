@@ -220,3 +220,28 @@ def test_one_pass_and_two_pass_agree_with_each_other(device):
     two, two_grad = _run("triton-two-pass", batch, beta=0.1, delta=1.4, dual_clip=2.5, temperature=0.8)
     assert_close("loss", two.loss, one.loss, **FP32_TOL)
     assert_close("dlogits", two_grad, one_grad, **FP32_TOL)
+
+
+@pytest.mark.parametrize("programs_per_sm", [1, 3])
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_persistent_schedule_matches_one_program_per_token(programs_per_sm, one_pass):
+    """The persistent grid (a few programs striding over the tokens) computes exactly what the default does."""
+    from grpo_kernels.kernels import launch
+    from grpo_kernels.options import GRPOOptions
+
+    batch = make_batch(B=3, T=5, V=1003, seed=11)
+    opts = GRPOOptions(beta=0.04)
+    B, T = 3, 5
+    flat = lambda t: t.reshape(-1).float().contiguous()  # noqa: E731
+    common = dict(opts=opts, temperature=1.0, mask=flat(batch["completion_mask"]),
+                  advantages=flat(batch["advantages"][:, None].expand(B, T)), old_logps=flat(batch["old_logps"]),
+                  ref_logps=flat(batch["ref_logps"]), compute_entropy=True,
+                  grad_weight=torch.full((B * T,), 0.1) if one_pass else None)
+    default = launch.forward(batch["logits"], batch["completion_ids"], **common)
+    persistent = launch.forward(batch["logits"], batch["completion_ids"], config={"programs_per_sm": programs_per_sm},
+                                **common)
+    for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags", "grad_logits"):
+        expected, actual = getattr(default, name), getattr(persistent, name)
+        assert (expected is None) == (actual is None), name
+        if expected is not None:
+            assert torch.equal(expected, actual), name

@@ -145,6 +145,10 @@ def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                     yield f"{name}+old+iw one-pass {tag}", lambda c=common: launch.forward(
                         x["logits"], x["ids"], grad_weight=x["weight"], **c)
                     yield f"{name}+old+iw {tag}", lambda c=common: launch.forward(x["logits"], x["ids"], **c)
+                yield f"ppo+old+iw one-pass persistent {tag}", lambda: launch.forward(
+                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], mask=x["mask"], advantages=x["adv"],
+                    old_logps=x["old"], importance_weights=x["iw"], compute_entropy=True, grad_weight=x["weight"],
+                    config={"programs_per_sm": 2})
                 yield f"ppo on-policy one-pass {tag}", lambda: launch.forward(
                     x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], mask=x["mask"], advantages=x["adv"],
                     grad_weight=x["weight"])

@@ -43,7 +43,7 @@ KL_K2 = 2
 FLAG_LOW_CLIPPED = 1
 FLAG_HIGH_CLIPPED = 2  # for cispo: ratio above the cap with a positive advantage
 
-RUNTIME_INTS = ["T", "V", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"]
+RUNTIME_INTS = ["T", "V", "N", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"]
 
 # The loss math's min / max / clamp propagate NaN as torch's do: Triton's default drops it
 # (min(NaN, y) = y), which would turn a NaN log-prob into a finite, wrong loss.
@@ -265,8 +265,9 @@ def token_loss_and_grad(
     return loss, dloss, kl, flags
 
 
-@triton.jit(do_not_specialize=RUNTIME_INTS)
-def grpo_forward_kernel(
+@triton.jit
+def _forward_token(
+    pid,
     logits_ptr, stride_b, stride_t, ids_ptr, T, V,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
@@ -279,7 +280,7 @@ def grpo_forward_kernel(
     HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
+    """Everything the forward does for one token (row ``pid``): see ``grpo_forward_kernel``."""
     active = True
     if HAS_MASK:
         active = tl.load(mask_ptr + pid) != 0.0
@@ -324,6 +325,45 @@ def grpo_forward_kernel(
             g = tl.where(active, dloss * tl.load(grad_weight_ptr + pid), 0.0)
             out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
             _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BLOCK_V)
+
+
+
+@triton.jit(do_not_specialize=RUNTIME_INTS)
+def grpo_forward_kernel(
+    logits_ptr, stride_b, stride_t, ids_ptr, T, V, N,
+    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
+    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
+    grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
+    inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
+    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
+    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    """One token per program on a grid of N programs; or, PERSISTENT, a grid of a few programs per SM,
+    each taking every num_programs-th token, so that the rows in flight (and being re-read by the
+    one-pass gradient loop) are bounded by the grid, not by what the hardware keeps resident."""
+    if PERSISTENT:
+        for row in range(tl.program_id(0), N, tl.num_programs(0)):
+            _forward_token(
+                tl.cast(row, tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr, old_ptr,
+                ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
+                grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, inv_temperature, eps_low, eps_high,
+                delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg, LOSS_KIND, HAS_OLD,
+                HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
+                HAS_IW, HAS_MASK, COMPUTE_ENTROPY, WRITE_GRAD, ROW_ALIGN, BLOCK_V,
+            )
+    else:
+        _forward_token(
+            tl.program_id(0).to(tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr,
+            old_ptr, ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
+            grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, inv_temperature, eps_low, eps_high,
+            delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg, LOSS_KIND, HAS_OLD,
+            HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
+            HAS_IW, HAS_MASK, COMPUTE_ENTROPY, WRITE_GRAD, ROW_ALIGN, BLOCK_V,
+        )
 
 
 @triton.jit

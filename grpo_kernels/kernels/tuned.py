@@ -10,7 +10,8 @@ interpreter, an architecture never measured).
 Entries (lists under "logits" and "fused_linear"):
 
 - logits: ``{"arch": "sm_90", "dtype": "bfloat16", "V": 151936, "one_pass": true,
-  "BLOCK_V": 4096, "num_warps": 8, "num_stages": 1, "measured": "..."}``
+  "BLOCK_V": 4096, "num_warps": 8, "num_stages": 1, "programs_per_sm": null, "measured": "..."}``
+  (``programs_per_sm``: null is one program per token, a number the persistent schedule)
 - fused_linear: ``{"arch": ..., "dtype": ..., "V": ..., "H": ..., "BLOCK_N": 64,
   "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3, "measured": "..."}``
 """
@@ -26,7 +27,7 @@ from typing import Dict, Optional
 import torch
 
 TABLE_PATH = pathlib.Path(__file__).with_name("tuned.json")
-LOGITS_KEYS = ("BLOCK_V", "num_warps", "num_stages")
+LOGITS_KEYS = ("BLOCK_V", "num_warps", "num_stages", "programs_per_sm")
 FUSED_LINEAR_KEYS = ("BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")
 
 
