@@ -76,8 +76,8 @@ stage() {
 }
 
 if [ "$MODE" = gpu ]; then
-    TESTS=(tests/test_loss.py tests/test_fused_linear.py tests/test_reliability.py tests/test_api.py
-           tests/test_family.py tests/test_liger_parity.py -k "not torch_compile")
+    TESTS=(tests/test_loss.py tests/test_fused_linear.py tests/test_reliability.py tests/test_lean_backward.py
+           tests/test_api.py tests/test_family.py tests/test_liger_parity.py -k "not torch_compile")
 else
     TESTS=(tests/test_reliability.py -k "randomized_against_an_fp64_oracle and not lm_head")
 fi
