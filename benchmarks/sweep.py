@@ -149,6 +149,22 @@ def error_against(expected, got) -> float:
 AGREE = {"logp": 1e-3, "grad": 2.0 ** -6}
 
 
+def _record_candidate(row: dict, measure, rows: list, write) -> None:
+    """Run one candidate's check and timing into ``row``; a configuration that does not compile or
+    launch is a result too. The results file is rewritten after every candidate."""
+    try:
+        row.update(measure())
+    except Exception as e:
+        row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
+    rows.append(row)
+    write()
+
+
+def _release_memory() -> None:
+    if ON_GPU:
+        torch.cuda.empty_cache()
+
+
 def sweep_logits(shapes, results, budget_end, write, smoke):
     for B, T, V in shapes:
         device = "cuda" if ON_GPU else "cpu"
@@ -166,24 +182,21 @@ def sweep_logits(shapes, results, budget_end, write, smoke):
                 results["logits"].append({"N": B * T, "V": V, **candidate, "status": "not run (time budget)"})
                 continue
             row = {"N": B * T, "V": V, "dtype": str(x["logits"].dtype).replace("torch.", ""), **candidate}
-            try:
+
+            def measure(candidate=candidate):
                 out = run_logits(x, candidate)
                 logp_err = error_against(baseline[:2], out[:2])
                 grad_err = float((baseline[2].float() - out[2].float()).abs().max())
                 del out
-                row.update(logp_err=logp_err, grad_err=grad_err,
-                           exact=logp_err <= AGREE["logp"] and grad_err <= AGREE["grad"])
                 seconds = median_seconds(lambda: run_logits(x, candidate), reps=3 if smoke else 10)
                 moved = (2 if candidate["mode"] == "one_pass" else 3) * S
-                row.update(status="ok", median_ms=seconds * 1e3, model_bytes=moved, model_GBps=moved / seconds / 1e9,
-                           copy_GBps=2 * S / copy_s / 1e9, fraction_of_copy=(moved / seconds) / (2 * S / copy_s))
-            except Exception as e:  # a configuration that does not compile or launch is a result too
-                row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
-            results["logits"].append(row)
-            write()
+                return dict(logp_err=logp_err, grad_err=grad_err,
+                            exact=logp_err <= AGREE["logp"] and grad_err <= AGREE["grad"], status="ok",
+                            median_ms=seconds * 1e3, model_bytes=moved, model_GBps=moved / seconds / 1e9,
+                            copy_GBps=2 * S / copy_s / 1e9, fraction_of_copy=(moved / seconds) / (2 * S / copy_s))
+            _record_candidate(row, measure, results["logits"], write)
         x = baseline = None  # free the shape's tensors before the next one
-        if ON_GPU:
-            torch.cuda.empty_cache()
+        _release_memory()
 
 
 def fused_inputs(N, H, V, device, seed=0):
@@ -229,21 +242,18 @@ def sweep_fused(shapes, results, budget_end, write, smoke):
             if time.monotonic() > budget_end:
                 results["fused_linear"].append({**row, "status": "not run (time budget)"})
                 continue
-            try:
+
+            def measure(candidate=candidate):
                 out = run_fused(x, candidate)
                 err = error_against(baseline[:2], out[:2])
                 dw_err = float((baseline[3] - out[3]).abs().max()) / scale
-                row.update(logp_err=err, d_weight_rel_err=dw_err, exact=err <= AGREE["logp"] and dw_err <= 1e-2)
                 del out
                 seconds = median_seconds(lambda: run_fused(x, candidate), warmup=1, reps=2 if smoke else 3)
-                row.update(status="ok", median_ms=seconds * 1e3, useful_TFLOPs=6 * N * V * H / seconds / 1e12)
-            except Exception as e:
-                row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
-            results["fused_linear"].append(row)
-            write()
+                return dict(logp_err=err, d_weight_rel_err=dw_err, exact=err <= AGREE["logp"] and dw_err <= 1e-2,
+                            status="ok", median_ms=seconds * 1e3, useful_TFLOPs=6 * N * V * H / seconds / 1e12)
+            _record_candidate(row, measure, results["fused_linear"], write)
         x = baseline = None  # free the shape's tensors before the next one
-        if ON_GPU:
-            torch.cuda.empty_cache()
+        _release_memory()
 
 
 def environment() -> dict:

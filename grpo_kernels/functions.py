@@ -32,6 +32,18 @@ from .kernels import launch
 from .options import GRPOOptions
 
 
+def _first_backward(ctx, what: str) -> None:
+    """The Functions that hand the forward's gradient to the backward can do so once."""
+    if getattr(ctx, "backward_done", False):
+        raise RuntimeError(
+            f"{what} computed its gradient in the forward and handed it to the first backward (scaled in place "
+            "there), so a second backward through a retained graph would read a used gradient; to "
+            "backpropagate more than once, use the two-pass path (GRPOLoss(one_pass=False), "
+            "lm_head_mode='recompute')"
+        )
+    ctx.backward_done = True
+
+
 def _write_gradient(ctx, logits, ids, lse, g):
     """The shared backward: dlogits from g = dLoss/dlogp, by the engine the forward used."""
     in_place = ctx.in_place
@@ -103,13 +115,7 @@ class FusedTokenLossOnePass(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        if getattr(ctx, "backward_done", False):
-            raise RuntimeError(
-                "the one-pass GRPO loss wrote its gradient in the forward and handed it to the first backward "
-                "(scaled in place there), so a second backward through a retained graph would read a used "
-                "gradient; call GRPOLoss(one_pass=False) to backpropagate more than once"
-            )
-        ctx.backward_done = True
+        _first_backward(ctx, "the one-pass GRPO loss")
         (grad,) = ctx.saved_tensors
         # In place, with the scale read on the device: no host sync, no second [B, T, V] tensor,
         # and no pass over the gradient at all when grad_loss is 1 (a plain loss.backward()).
@@ -249,13 +255,7 @@ class FusedLinearThreeProducts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        if getattr(ctx, "backward_done", False):
-            raise RuntimeError(
-                "the 3-product lm_head loss computed its gradients in the forward and handed them to the first "
-                "backward, so a second backward through a retained graph is not possible; use "
-                "lm_head_mode='recompute' to backpropagate more than once"
-            )
-        ctx.backward_done = True
+        _first_backward(ctx, "the 3-product lm_head loss")
         grads = []
         for t, dtype, needed in zip(ctx.saved_tensors, ctx.dtypes, ctx.needs_input_grad[:3]):
             if t is None or not needed:
