@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--output-dir", default="runs/grpo")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars (warm-up, GRPO steps, evaluation)")
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint")
     e.add_argument("checkpoint")
     _add_common(e)
@@ -127,7 +127,8 @@ def train(args) -> dict:
     else:
         tokenizer = task.build_tokenizer()
         model = task.build_model(tokenizer, seed=args.seed).to(device)
-        task.warmup(model, tokenizer, steps=args.warmup_steps, seed=args.seed, device=device)
+        task.warmup(model, tokenizer, steps=args.warmup_steps, seed=args.seed, device=device,
+                    progress=world()[0] == 0 and not args.no_progress)
     config = TrainerConfig(
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, steps=args.steps,
         learning_rate=args.lr, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
@@ -169,7 +170,7 @@ def train(args) -> dict:
                             kl=f"{record['kl']:.3f}")
 
     try:
-        trainer.train(on_step=on_step)
+        trainer.train(on_step=on_step, progress=not args.no_progress)
     finally:
         if bar is not None:
             bar.close()
@@ -193,7 +194,7 @@ def evaluate(args) -> dict:
     trainer = GRPOTrainer(model, tokenizer, reward_funcs, [], config,
                           eval_rows=task.make_rows(args.eval_size, held_out=True, seed=1234), device=device)
     result = {"checkpoint": args.checkpoint, "task": args.task, "eval_size": args.eval_size,
-              "eval_accuracy": trainer.evaluate()}
+              "eval_accuracy": trainer.evaluate(progress=True)}
     print(json.dumps(result))
     return result
 

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from . import torch_path
-from .kernels import launch
+from .kernels.contracts import launch_module
 from .options import GRPOOptions
 
 
@@ -48,7 +48,7 @@ def _write_gradient(ctx, logits, ids, lse, g):
     """The shared backward: dlogits from g = dLoss/dlogp, by the engine the forward used."""
     in_place = ctx.in_place
     if ctx.engine == "triton":
-        grad = launch.backward(logits, ids, lse.reshape(-1), g.reshape(-1).float().contiguous(),
+        grad = launch_module().backward(logits, ids, lse.reshape(-1), g.reshape(-1).float().contiguous(),
                                ctx.temperature, in_place=in_place)
     else:
         grad = torch_path.backward(logits, ids, lse, g.float(), ctx.temperature, in_place=in_place)
@@ -64,7 +64,7 @@ class FusedTokenLoss(torch.autograd.Function):
     def forward(ctx, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights,
                 opts: GRPOOptions, in_place: bool):
         B, T, _ = logits.shape
-        result = launch.forward(
+        result = launch_module().forward(
             logits, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy,
@@ -101,7 +101,7 @@ class FusedTokenLossOnePass(torch.autograd.Function):
     def forward(ctx, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights, grad_weight,
                 opts: GRPOOptions):
         B, T, _ = logits.shape
-        result = launch.forward(
+        result = launch_module().forward(
             logits, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy, grad_weight=grad_weight,
@@ -119,7 +119,7 @@ class FusedTokenLossOnePass(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         # In place, with the scale read on the device: no host sync, no second [B, T, V] tensor,
         # and no pass over the gradient at all when grad_loss is 1 (a plain loss.backward()).
-        launch.scale_in_place(grad, grad_loss.detach())
+        launch_module().scale_in_place(grad, grad_loss.detach())
         return grad, None, None, None, None, None, None, None, None
 
 
@@ -135,7 +135,8 @@ class TokenLogprobs(torch.autograd.Function):
                 compute_entropy: bool, engine: str, in_place: bool):
         B, T, _ = logits.shape
         if engine == "triton":
-            r = launch.forward(logits, ids, temperature=temperature, mask=mask, compute_entropy=compute_entropy)
+            r = launch_module().forward(logits, ids, temperature=temperature, mask=mask,
+                                        compute_entropy=compute_entropy)
             logp, entropy, lse = r.logp.view(B, T), r.entropy, r.lse.view(B, T)
             entropy = None if entropy is None else entropy.view(B, T)
         else:
@@ -164,7 +165,7 @@ class TokenLogprobs(torch.autograd.Function):
 def _linear_gradients(ctx, g):
     """The shared backward of the lm_head Functions: d hidden, d weight, d bias from g = dLoss/dlogp."""
     hidden, weight, bias, ids, lse = ctx.saved_tensors[:5]
-    backward_fn = launch.linear_backward if ctx.engine == "triton" else torch_path.linear_backward
+    backward_fn = launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
     wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
     dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, g.reshape(-1).float().contiguous(), ctx.temperature,
                              wants_weight)
@@ -184,7 +185,7 @@ class LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, engine: str):
         if engine == "triton":
-            r = launch.linear_forward(hidden, weight, bias, ids, temperature=temperature,
+            r = launch_module().linear_forward(hidden, weight, bias, ids, temperature=temperature,
                                       compute_entropy=compute_entropy)
             lse, logp, entropy = r.lse, r.logp, r.entropy
         else:
@@ -211,7 +212,7 @@ class FusedLinearTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, mask, advantages, old_logps, ref_logps, importance_weights,
                 opts: GRPOOptions, out_shape):
-        r = launch.linear_forward(
+        r = launch_module().linear_forward(
             hidden, weight, bias, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy,
@@ -242,7 +243,7 @@ class FusedLinearThreeProducts(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, mask, advantages, old_logps, ref_logps, importance_weights,
                 grad_weight, opts: GRPOOptions, out_shape):
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        r, dh, dw, db = launch.linear_three_products(
+        r, dh, dw, db = launch_module().linear_three_products(
             hidden, weight, bias, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy, grad_weight=grad_weight, compute_weight_grad=wants_weight)
@@ -261,6 +262,6 @@ class FusedLinearThreeProducts(torch.autograd.Function):
             if t is None or not needed:
                 grads.append(None)
                 continue
-            launch.scale_in_place(t, grad_loss.detach())  # fp32, small next to the logits; no host sync
+            launch_module().scale_in_place(t, grad_loss.detach())  # fp32, small next to the logits; no host sync
             grads.append(t.to(dtype))
         return tuple(grads) + (None,) * 9

@@ -11,8 +11,8 @@ from torch import nn
 from . import reference as ref
 from .functions import (FusedLinearThreeProducts, FusedLinearTokenLoss, FusedTokenLoss, FusedTokenLossOnePass,
                         LinearTokenLogprobs, TokenLogprobs)
-from .kernels import grpo as K
-from .kernels import launch
+from .kernels import contracts as K
+from .kernels.contracts import launch_module
 from .options import BACKENDS, GRPOOptions
 from .reference import GRPOLossOutput, PerTokenTerms
 from .validation import check_in_place, check_inputs, check_logits, check_token_ids, resolve_backend
@@ -83,7 +83,7 @@ def grpo_loss(
             mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T))
         wants_grad = torch.is_grad_enabled() and logits.requires_grad
         if one_pass is None:  # the device sweep's measured choice for this GPU and vocabulary, else one-pass
-            one_pass = launch.default_one_pass(logits)
+            one_pass = launch_module().default_one_pass(logits)
         if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
             grad_weight = ref.reduction_weights(mask, opts, _detached(normalizer)) * loss_scale
             loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
@@ -248,7 +248,8 @@ def fused_linear_grpo_loss(
             None if bias is None else bias.contiguous(),
             torch.where(active.squeeze(1), completion_ids.reshape(-1), 0).contiguous())
     if lm_head_mode is None:
-        lm_head_mode = launch.default_lm_head_mode(hidden_states, weight.shape[0])
+        lm_head_mode = ("recompute" if engine != "triton"
+                        else launch_module().default_lm_head_mode(hidden_states, weight.shape[0]))
     if lm_head_mode not in LM_HEAD_MODES:
         raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
     wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)

@@ -18,6 +18,7 @@ import math
 import os
 import random
 import shutil
+import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -329,12 +330,15 @@ class GRPOTrainer:
 
     # ----- evaluation and checkpoints --------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, batch_size: int = 128) -> float:
+    def evaluate(self, batch_size: int = 128, progress: bool = False) -> float:
         """Greedy accuracy on the held-out rows: the mean of ``eval_reward`` (None counts as 0)."""
+        from tqdm.auto import tqdm
+
         if not self.eval_rows:
             return float("nan")
         correct = 0.0
-        for i in range(0, len(self.eval_rows), batch_size):
+        batches = range(0, len(self.eval_rows), batch_size)
+        for i in tqdm(batches, desc="evaluation", unit="batch", disable=not progress, file=sys.stderr, leave=False):
             rows = self.eval_rows[i:i + batch_size]
             _, _, completion_ids, _ = self.generate([r["prompt"] for r in rows], greedy=True)
             completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -366,12 +370,16 @@ class GRPOTrainer:
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
 
-    def train(self, on_step: Optional[Callable[[Dict], None]] = None) -> List[Dict]:
-        """Run to ``config.steps``: evaluate first and at the end, save every ``save_every``."""
+    def train(self, on_step: Optional[Callable[[Dict], None]] = None, progress: bool = False) -> List[Dict]:
+        """Run to ``config.steps``: evaluate first and at the end, save every ``save_every``.
+
+        ``progress`` shows a bar for each evaluation (the caller shows the steps'), on rank 0.
+        """
         records = []
         emit = lambda r: (records.append(r), self.log(r))  # noqa: E731
+        show = progress and world()[0] == 0
         if self.step == 0 and self.eval_rows:
-            emit({"step": 0, "eval_accuracy": self.evaluate()})
+            emit({"step": 0, "eval_accuracy": self.evaluate(progress=show)})
         while self.step < self.config.steps:
             record = self.train_step()
             emit(record)
@@ -379,11 +387,11 @@ class GRPOTrainer:
                 on_step(record)
             if self.eval_rows and self.config.eval_every and self.step % self.config.eval_every == 0 \
                     and self.step < self.config.steps:
-                emit({"step": self.step, "eval_accuracy": self.evaluate()})
+                emit({"step": self.step, "eval_accuracy": self.evaluate(progress=show)})
             if self.config.save_every and self.step % self.config.save_every == 0:
                 self.save_checkpoint()
         if self.eval_rows and not (records and "eval_accuracy" in records[-1] and records[-1]["step"] == self.step):
-            emit({"step": self.step, "eval_accuracy": self.evaluate()})
+            emit({"step": self.step, "eval_accuracy": self.evaluate(progress=show)})
         return records
 
 

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from .kernels.contracts import launch_module
 from .options import BACKENDS, GRPOOptions
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,8 +121,10 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     """'triton' or 'torch' for this call."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if logits.is_cuda else "torch"
+    if backend == "auto":  # the chunked torch path also runs on CUDA where triton is absent
+        return "triton" if logits.is_cuda and triton_available() else "torch"
+    if backend == "triton":
+        launch_module()  # a clear ImportError where triton is absent
     if backend == "triton" and not logits.is_cuda:
         if not interpreter_enabled():
             raise ValueError(
@@ -130,6 +133,14 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
                 "use backend='torch' or 'auto' for CPU tensors"
             )
     return backend
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def interpreter_enabled() -> bool:

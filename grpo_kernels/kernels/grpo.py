@@ -28,20 +28,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# LOSS_KIND values: which policy term the forward computes.
-LOSS_NONE = 0  # log-probs (and entropy) only: token_logprobs and the sequence-level path
-LOSS_PPO_CLIP = 1  # grpo, bnpo, dr_grpo, dapo, luspo (optionally delta and dual-clip)
-LOSS_CISPO = 2
-LOSS_SAPO = 3
-
-# KL_KIND values
-KL_K3 = 0
-KL_K1 = 1
-KL_K2 = 2
-
-# Bits of the int8 flags output, read by the clip-ratio metrics.
-FLAG_LOW_CLIPPED = 1
-FLAG_HIGH_CLIPPED = 2  # for cispo: ratio above the cap with a positive advantage
+# The host's values and the flag bits, named in one place (triton-free, for the front end).
+from .contracts import (FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, KL_K1, KL_K2, KL_K3, LOSS_CISPO,  # noqa: E402,F401
+                        LOSS_NONE, LOSS_PPO_CLIP, LOSS_SAPO)
 
 RUNTIME_INTS = ["T", "V", "N", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"]
 

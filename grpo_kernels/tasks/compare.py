@@ -9,6 +9,7 @@ a randomly chosen one of the two numbers), and the rule-based rewards.
 from __future__ import annotations
 
 import random
+import sys
 from typing import Dict, List
 
 import torch
@@ -81,7 +82,7 @@ def build_model(tokenizer, *, seed: int = 0, hidden_size: int = 128, layers: int
 
 
 def warmup(model, tokenizer, *, steps: int, batch_size: int = 64, lr: float = 2e-3, seed: int = 0,
-           device: str = "cpu") -> float:
+           device: str = "cpu", progress: bool = False) -> float:
     """Supervised warm-up on the format only: the target is one of the two numbers at random.
 
     Returns the last batch's loss. After it the model answers with one of the two numbers
@@ -92,7 +93,9 @@ def warmup(model, tokenizer, *, steps: int, batch_size: int = 64, lr: float = 2e
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss = torch.tensor(0.0)
-    for step in range(steps):
+    from tqdm.auto import tqdm
+
+    for step in tqdm(range(steps), desc="warm-up (format)", unit="step", disable=not progress, file=sys.stderr):
         batch = rows[step * batch_size:(step + 1) * batch_size]
         texts = [r["prompt"] + rng.choice((r["a"], r["b"])) + tokenizer.eos_token for r in batch]
         enc = tokenizer(texts, return_tensors="pt", padding=True).to(device)

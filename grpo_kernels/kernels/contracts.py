@@ -1,0 +1,33 @@
+"""Host-kernel contracts that need no Triton: the values the host passes and the flag bits it reads back.
+
+The kernels (``kernels/grpo.py``) and the front end (``loss.py``) share these names; this module
+imports nothing heavy, so ``import grpo_kernels`` and the CPU path work where Triton is absent.
+"""
+
+# LOSS_KIND values: which policy term the forward computes.
+LOSS_NONE = 0  # log-probs (and entropy) only: token_logprobs and the sequence-level path
+LOSS_PPO_CLIP = 1  # grpo, bnpo, dr_grpo, dapo, luspo (optionally delta and dual-clip)
+LOSS_CISPO = 2
+LOSS_SAPO = 3
+
+# KL_KIND values
+KL_K3 = 0
+KL_K1 = 1
+KL_K2 = 2
+
+# Bits of the int8 flags output, read by the clip-ratio metrics.
+FLAG_LOW_CLIPPED = 1
+FLAG_HIGH_CLIPPED = 2  # for cispo: ratio above the cap with a positive advantage
+
+
+def launch_module():
+    """``grpo_kernels.kernels.launch``, imported on first use: it needs triton, the CPU path does not."""
+    try:
+        from . import launch
+    except ImportError as e:
+        raise ImportError(
+            "the Triton backend needs the triton package (pip install triton: Linux, with a CUDA GPU, or "
+            "TRITON_INTERPRET=1 for its CPU interpreter); backend='torch' (the default for CPU tensors) "
+            f"works without it ({e})"
+        ) from e
+    return launch
