@@ -1,6 +1,6 @@
 """Inputs, paths and the byte model shared by the benchmark suites.
 
-S = N * V * b bytes (the logits). Byte model (``shared/design/performance-model.md``):
+S = N * V * b bytes (the logits). Byte model (``docs/kernel-design.md``):
 forward reads S; forward + backward moves 2 S at best (read once, write the gradient
 once: our one-pass kernel) and 3 S for a two-pass design (read, read again, write).
 """

@@ -1,7 +1,7 @@
 """Group-relative advantages: the critic-free baseline of GRPO.
 
 Rewards are laid out as consecutive groups of ``group_size`` completions of one prompt.
-Conventions (``shared/design/loss-semantics.md``, section 2):
+Conventions (``docs/loss-semantics.md``, "Advantages"):
 
 =========  ==========  =====  ==============================================
 who        std         eps    call

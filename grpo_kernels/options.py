@@ -19,7 +19,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k3", "k1", "k2")
 BACKENDS = ("auto", "triton", "torch")
 
-# Each trainer's conventions (shared/design/loss-semantics.md, section 5), as GRPOOptions
+# Each trainer's conventions (docs/loss-semantics.md, "Each trainer's conventions"), as GRPOOptions
 # keywords; anything passed alongside a preset overrides it.
 PRESETS = {
     # TRL: k3 KL without clamps, no dual-clip (delta caps the unclipped branch when set)

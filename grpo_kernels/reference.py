@@ -2,7 +2,7 @@
 
 Every fast path (the Triton kernels, compiled or interpreted, and the chunked torch path)
 is tested against the functions here, for values and for gradients. The math follows
-TRL 1.16 ``GRPOTrainer._compute_loss`` (see ``shared/design/loss-semantics.md``); the
+TRL 1.16 ``GRPOTrainer._compute_loss`` (see ``docs/loss-semantics.md``); the
 extra options (dual_clip, kl_estimator, log_ratio_clamp, kl_clamp) follow verl and
 OpenRLHF.
 
