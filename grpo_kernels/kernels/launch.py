@@ -427,9 +427,9 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
     )
 
 
-# cuBLAS products with fp32 output (torch's mm / addmm with out_dtype, CUDA): None = not tried yet;
-# False = this torch lacks them, and the Triton product runs instead.
-_CUBLAS_FP32_OUT: Optional[bool] = None
+# cuBLAS products with fp32 output (torch's mm / addmm with out_dtype, CUDA), per op: None = not
+# tried yet; False = this torch lacks it, and the Triton product runs instead.
+_CUBLAS_FP32_OUT: Dict[str, Optional[bool]] = {"mm": None, "addmm": None}
 
 
 def product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
@@ -439,19 +439,19 @@ def product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate
     accumulated in place across chunks (addmm's beta = 1); where torch has no fp32-output
     product (or on CPU, under the interpreter), the Triton tile product ``matmul_kernel``.
     """
-    global _CUBLAS_FP32_OUT
-    if a.is_cuda and _CUBLAS_FP32_OUT is not False:
+    op = "addmm" if accumulate else "mm"
+    if a.is_cuda and _CUBLAS_FP32_OUT[op] is not False:
         try:
             if accumulate:
                 torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
             else:
                 torch.mm(a, b, out_dtype=torch.float32, out=out)
-            _CUBLAS_FP32_OUT = True
+            _CUBLAS_FP32_OUT[op] = True
             return
         except (TypeError, RuntimeError, NotImplementedError):
-            if _CUBLAS_FP32_OUT:  # it worked before: a real error
+            if _CUBLAS_FP32_OUT[op]:  # it worked before: a real error
                 raise
-            _CUBLAS_FP32_OUT = False
+            _CUBLAS_FP32_OUT[op] = False
     _matmul(a, b, out, accumulate)
 
 
