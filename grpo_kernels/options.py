@@ -15,6 +15,8 @@ from typing import Optional
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
 PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# The loss types whose reduction divides by a token count (the ``normalizer``: global active tokens)
+TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k3", "k1", "k2")
 BACKENDS = ("auto", "triton", "torch")

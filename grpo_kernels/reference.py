@@ -21,7 +21,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .options import PPO_CLIP_LOSS_TYPES, GRPOOptions
+from .options import PPO_CLIP_LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 
 
 @dataclasses.dataclass
@@ -161,7 +161,7 @@ def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) ->
         return mask / mask.sum().clamp(min=1.0)
     if opts.loss_type == "dr_grpo":
         return mask / (B * opts.max_completion_length)
-    if opts.loss_type in ("dapo", "cispo"):
+    if opts.loss_type in TOKEN_COUNT_LOSS_TYPES:
         return mask / (active_token_count(mask) if normalizer is None else normalizer)
     return mask / B  # luspo
 

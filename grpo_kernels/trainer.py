@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .advantages import group_advantages, process_advantages
 from .loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
+from .options import TOKEN_COUNT_LOSS_TYPES
 from .process_labels import labels_to_step_rewards
 
 RewardFunction = Callable[..., List[Optional[float]]]
@@ -267,7 +268,7 @@ class GRPOTrainer:
         size = world()[1]
         local_tokens = r.completion_mask.sum().float()
         global_tokens = all_reduce_sum(local_tokens).clamp(min=1.0)
-        normalizer = global_tokens / size if self.config.loss_type in ("dapo", "cispo") else None
+        normalizer = global_tokens / size if self.config.loss_type in TOKEN_COUNT_LOSS_TYPES else None
         inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
         # bnpo: a token mean over all ranks, not this rank's; declared up front as the loss's scale,
         # so that the one-pass kernel writes the gradient already scaled

@@ -23,7 +23,7 @@ except ImportError as err:  # the trl extra is optional
     raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
 
 from ..loss import FusedLinearGRPOLoss, GRPOLoss
-from ..options import LOSS_TYPES, PPO_CLIP_LOSS_TYPES
+from ..options import LOSS_TYPES, PPO_CLIP_LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES
 
 # loss_type -> TRL divides the loss by the gradient-accumulation steps (in training)
 _DIVIDED_BY_ACCUMULATION = ("grpo", "bnpo", "dr_grpo", "sapo", "luspo")
@@ -108,7 +108,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
         if self.use_vllm and self.vllm_importance_sampling_correction:
             importance_weights = inputs["importance_sampling_ratio"]
         normalizer = None
-        if self.loss_type in ("dapo", "cispo"):
+        if self.loss_type in TOKEN_COUNT_LOSS_TYPES:
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
