@@ -141,7 +141,8 @@ class GRPOOptions:
     @classmethod
     def from_trl_config(cls, config, **overrides) -> "GRPOOptions":
         """The loss options of a TRL ``GRPOConfig`` (or any object with its attribute names)."""
-        get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+        # an override (a trainer's resolved value) wins over the config, also in the fields derived below
+        get = lambda name, default=None: overrides.get(name, getattr(config, name, default))  # noqa: E731
         loss_type = get("loss_type", "dapo")
         beta = float(get("beta", 0.0))
         options = dict(

@@ -171,12 +171,13 @@ def test_per_step_values_are_runtime_arguments():
         header = re.search(rf"def {name}\((.*?)\):", source, re.S).group(1)
         params = [p.strip() for p in header.replace("\n", " ").split(",") if p.strip()]
         constexprs = {p.split(":")[0].strip() for p in params if "constexpr" in p}
-        for name in ("T", "V", "stride_b", "stride_t", "inv_temperature", "grad_stride_b", "grad_stride_t"):
+        for name in ("T", "V", "N", "stride_b", "stride_t", "inv_temperature", "grad_stride_b", "grad_stride_t"):
             assert name not in constexprs
+        # feature flags, block sizes and the launch schedule (fixed by the configuration, not the step)
         assert constexprs <= {"LOSS_KIND", "HAS_OLD", "HAS_KL", "KL_KIND", "HAS_DELTA", "HAS_DUAL_CLIP",
                               "HAS_LOG_RATIO_CLAMP", "HAS_KL_CLAMP", "BIAS_CORRECTION_KL", "HAS_IW", "HAS_MASK",
-                              "COMPUTE_ENTROPY", "WRITE_GRAD", "ROW_ALIGN", "BLOCK_V"}
-    assert set(K.RUNTIME_INTS) == {"T", "V", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"}
+                              "COMPUTE_ENTROPY", "WRITE_GRAD", "ROW_ALIGN", "BLOCK_V", "PERSISTENT"}
+    assert set(K.RUNTIME_INTS) == {"T", "V", "N", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"}
     for name in ("grpo_forward_kernel", "logprob_backward_kernel"):
         assert re.search(rf"@triton\.jit\(do_not_specialize=RUNTIME_INTS\)\ndef {name}", source), name
 

@@ -23,7 +23,7 @@ except ImportError as err:  # the trl extra is optional
     raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
 
 from ..loss import FusedLinearGRPOLoss, GRPOLoss
-from ..options import LOSS_TYPES, PPO_CLIP_LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES
+from ..options import LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 
 # loss_type -> TRL divides the loss by the gradient-accumulation steps (in training)
 _DIVIDED_BY_ACCUMULATION = ("grpo", "bnpo", "dr_grpo", "sapo", "luspo")
@@ -60,20 +60,12 @@ class GRPOKernelsTrainer(GRPOTrainer):
         if problems:
             raise ValueError("GRPOKernelsTrainer does not support " + "; ".join(problems)
                              + ". Use TRL's GRPOTrainer for these.")
-        cfg = self.args
-        self.grpo_loss = (FusedLinearGRPOLoss if fused_lm_head else GRPOLoss)(
-            loss_type=self.loss_type,
-            beta=float(self.beta),
-            epsilon=float(self.epsilon_low),
-            epsilon_high=float(self.epsilon_high),
-            delta=cfg.delta if self.loss_type in PPO_CLIP_LOSS_TYPES else None,
-            importance_sampling_level=self.importance_sampling_level,
-            temperature=float(self.temperature),
-            max_completion_length=cfg.max_completion_length if self.loss_type == "dr_grpo" else None,
-            use_bias_correction_kl=bool(cfg.use_bias_correction_kl) and self.beta != 0.0,
-            sapo_temperature_pos=float(cfg.sapo_temperature_pos),
-            sapo_temperature_neg=float(cfg.sapo_temperature_neg),
-        )
+        # the one TRL -> options mapping (GRPOOptions.from_trl_config), with the values the trainer resolved
+        options = GRPOOptions.from_trl_config(self.args, loss_type=self.loss_type, beta=float(self.beta),
+                                              epsilon=float(self.epsilon_low), epsilon_high=float(self.epsilon_high),
+                                              temperature=float(self.temperature),
+                                              importance_sampling_level=self.importance_sampling_level)
+        self.grpo_loss = (FusedLinearGRPOLoss if fused_lm_head else GRPOLoss)(options=options)
 
     @staticmethod
     def _sequence(inputs):
