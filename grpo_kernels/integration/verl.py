@@ -18,7 +18,7 @@ log-probs. Both halves can be ours:
   (``selective_log_softmax``): no fp32 [N, V] log-softmax, the gradient in the logits' dtype.
 - ``kl_loss(...)`` is verl's KL loss (``kl_penalty`` + ``agg_loss``) on our estimators.
 
-Turning it on in a verl run: put ``grpo_kernels.integration.verl.enable`` in verl's
+Turning it on in a verl run: put ``grpo_kernels.integration.enable`` in verl's
 ``external_lib`` setting (importing that module calls ``register()`` and ``patch_logprobs()``),
 and set ``actor_rollout_ref.actor.policy_loss.loss_mode=grpo_kernels`` (or
 ``grpo_kernels_gspo``). See ``grpo_kernels/integration/README.md``.
