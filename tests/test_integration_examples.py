@@ -29,13 +29,19 @@ def test_the_verl_config_names_what_exists():
     from verl.utils import torch_functional
 
     config = OmegaConf.load(ROOT / "integration" / "verl_grpo_kernels.yaml")
+    name = config.actor_rollout_ref.model.external_lib
     original = torch_functional.logprobs_from_logits
+    sys.modules.pop(name, None)  # imported fresh, as in a verl worker (another test may have imported it)
     try:
-        importlib.import_module(config.actor_rollout_ref.model.external_lib)  # what verl's workers do
+        importlib.import_module(name)
         loss = core_algos.get_policy_loss_fn(config.actor_rollout_ref.actor.policy_loss.loss_mode)
         from grpo_kernels.integration import verl as adapter
 
         assert loss is adapter.vanilla_policy_loss
         assert torch_functional.logprobs_from_logits is not original
-    finally:
-        torch_functional.logprobs_from_logits = original
+    finally:  # undo the patch everywhere it reached, and let the next import run the module again
+        patched = torch_functional.logprobs_from_logits
+        for module in list(sys.modules.values()):
+            if module is not None and getattr(module, "logprobs_from_logits", None) is patched:
+                module.logprobs_from_logits = original
+        sys.modules.pop(name, None)
