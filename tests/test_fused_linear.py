@@ -133,18 +133,18 @@ def test_forward_split_over_the_vocabulary(device, monkeypatch, splits, options)
     monkeypatch.setattr(FL, "linear_grpo_combine_kernel", _Recorder(combine, calls))
     monkeypatch.setattr(launch, "LINEAR_FORWARD_SPLITS", splits)
     check("triton", *_block_spanning_inputs(device), **options)
-    assert calls and all(args[2] == splits for args in calls)  # the partials of every split were merged
+    assert calls and all(args["splits"] == splits for args in calls)  # every split's partials were merged
 
 
 class _Recorder:
-    """Wraps a kernel: records the positional arguments of each launch, then launches it."""
+    """Wraps a kernel: records each launch's arguments by parameter name, then launches it."""
 
     def __init__(self, kernel, calls):
         self.kernel, self.calls = kernel, calls
 
     def __getitem__(self, grid):
         def launch_kernel(*args, **kwargs):
-            self.calls.append(args)
+            self.calls.append({**dict(zip(self.kernel.arg_names, args)), **kwargs})
             return self.kernel[grid](*args, **kwargs)
         return launch_kernel
 
@@ -156,7 +156,7 @@ def test_triton_backward_works_in_bounded_chunks(device, monkeypatch):
     monkeypatch.setattr(FL, "linear_dlogits_kernel", _Recorder(FL.linear_dlogits_kernel, calls))
     monkeypatch.setattr(launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
     check("triton", *_block_spanning_inputs(device), beta=0.04, loss_type="dapo")
-    workspaces = [args[9] for args in calls]  # dx_ptr
+    workspaces = [args["dx_ptr"] for args in calls]
     assert [tuple(w.shape) for w in workspaces] == [(64, 300), (64, 300), (32, 300)]
     assert len({w.data_ptr() for w in workspaces}) == 1  # one buffer, reused
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grpo import token_loss_and_grad
+from .grpo import C_LOSS_NONE, token_loss_and_grad
 
 # N (tokens) changes every step: no recompile for it. V and H are fixed by the model and
 # stay specialized, so that Triton knows the rows are 16-byte aligned and issues wide,
@@ -91,7 +91,7 @@ def _finish_tokens(
     if COMPUTE_ENTROPY:
         tl.store(entropy_out + rows, tl.where(active, lse - sum_exp_x / sum_exp, 0.0), mask=in_rows)
 
-    if LOSS_KIND != 0:
+    if LOSS_KIND != C_LOSS_NONE:
         old = 0.0
         ref = 0.0
         iw = 1.0

@@ -32,6 +32,15 @@ import triton.language as tl
 from .contracts import (FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, KL_K1, KL_K2, KL_K3, LOSS_CISPO,  # noqa: E402,F401
                         LOSS_NONE, LOSS_PPO_CLIP, LOSS_SAPO)
 
+# The same contracts as the kernels read them: Triton takes module globals only as constexprs.
+C_LOSS_NONE = tl.constexpr(LOSS_NONE)
+C_LOSS_PPO_CLIP = tl.constexpr(LOSS_PPO_CLIP)
+C_LOSS_CISPO = tl.constexpr(LOSS_CISPO)
+C_KL_K3 = tl.constexpr(KL_K3)
+C_KL_K1 = tl.constexpr(KL_K1)
+C_FLAG_LOW = tl.constexpr(FLAG_LOW_CLIPPED)
+C_FLAG_HIGH = tl.constexpr(FLAG_HIGH_CLIPPED)
+
 RUNTIME_INTS = ["T", "V", "N", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"]
 
 # The loss math's min / max / clamp propagate NaN as torch's do: Triton's default drops it
@@ -156,7 +165,7 @@ def _kl_with_grad(
     KL_KIND: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
 ):
     """Per-token KL estimate and its derivative with respect to logp."""
-    if KL_KIND == 0:  # k3: exp(x) - x - 1 with x = ref - logp
+    if KL_KIND == C_KL_K3:  # exp(x) - x - 1 with x = ref - logp
         x = ref - logp
         dx = -1.0
         if HAS_LOG_RATIO_CLAMP:
@@ -165,7 +174,7 @@ def _kl_with_grad(
         ex = tl.exp(x)
         kl = ex - x - 1.0
         dkl = (ex - 1.0) * dx
-    elif KL_KIND == 1:  # k1: logp - ref
+    elif KL_KIND == C_KL_K1:  # logp - ref
         kl = logp - ref
         dkl = tl.full(kl.shape, 1.0, tl.float32)
     else:  # k2: (logp - ref)^2 / 2
@@ -210,7 +219,7 @@ def token_loss_and_grad(
     dcoef_1 = coef_1 * dlog_ratio
 
     flags = zero.to(tl.int32)
-    if LOSS_KIND == 1:  # PPO-clip: -min(coef_1 * A, clamp(coef_1, 1 - el, 1 + eh) * A)
+    if LOSS_KIND == C_LOSS_PPO_CLIP:  # -min(coef_1 * A, clamp(coef_1, 1 - el, 1 + eh) * A)
         coef_2, inside = _clamp_with_grad(coef_1, 1.0 - eps_low, 1.0 + eps_high)
         dcoef_2 = dcoef_1 * inside
         if HAS_DELTA:  # TRL's cap on the unclipped branch (it also feeds the clip metrics)
@@ -223,14 +232,14 @@ def token_loss_and_grad(
             bounded, dbounded = _min_with_grad(-adv * dual_clip, 0.0, policy, dpolicy)
             policy = tl.where(adv < 0.0, bounded, policy)
             dpolicy = tl.where(adv < 0.0, dbounded, dpolicy)
-        flags = tl.where((coef_1 < 1.0 - eps_low) & (adv < 0.0), 1, 0)
-        flags += tl.where((coef_1 > 1.0 + eps_high) & (adv > 0.0), 2, 0)
-    elif LOSS_KIND == 2:  # CISPO: -stopgrad(min(coef_1, eh)) * A * logp
+        flags = tl.where((coef_1 < 1.0 - eps_low) & (adv < 0.0), C_FLAG_LOW, 0)
+        flags += tl.where((coef_1 > 1.0 + eps_high) & (adv > 0.0), C_FLAG_HIGH, 0)
+    elif LOSS_KIND == C_LOSS_CISPO:  # -stopgrad(min(coef_1, eh)) * A * logp
         capped = tl.minimum(coef_1, eps_high, propagate_nan=NAN)
         # At a -inf logp the ratio is 0 and the term's limit (ratio * logp -> 0) is 0, not 0 * -inf.
         policy = tl.where(capped == 0.0, 0.0, -capped * adv * logp)
         dpolicy = -capped * adv
-        flags = tl.where((coef_1 > eps_high) & (adv > 0.0), 2, 0)
+        flags = tl.where((coef_1 > eps_high) & (adv > 0.0), C_FLAG_HIGH, 0)
     else:  # SAPO: -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
         tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
         soft = tl.sigmoid(tau * (coef_1 - 1.0))
@@ -287,7 +296,7 @@ def _forward_token(
     if COMPUTE_ENTROPY:
         tl.store(entropy_out + pid, entropy)
 
-    if LOSS_KIND != 0:
+    if LOSS_KIND != C_LOSS_NONE:
         old = 0.0
         ref = 0.0
         iw = 1.0
