@@ -70,6 +70,7 @@ def grpo_loss(
     engine = resolve_backend(backend, logits)
     check_in_place(in_place_backward, logits)
     loss_scale = _checked_loss_scale(loss_scale)
+    normalizer = _detached(normalizer)  # a per-step constant, like every per-token input
     B, T, _ = logits.shape
     mask = completion_mask.float()
 
@@ -85,21 +86,18 @@ def grpo_loss(
         if one_pass is None:  # the device sweep's measured choice for this GPU and vocabulary, else one-pass
             one_pass = launch_module().default_one_pass(logits)
         if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
-            grad_weight = ref.reduction_weights(mask, opts, _detached(normalizer)) * loss_scale
             loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
-                *kernel_inputs, grad_weight.float().reshape(-1).contiguous(), opts)
+                *kernel_inputs, _grad_weight(mask, opts, normalizer, loss_scale), opts)
         else:  # two-pass: dLoss/dlogp applied by the backward kernel
             loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward)
-            loss = _scaled(ref.reduce_loss(loss_t, mask, opts, _detached(normalizer)), loss_scale)
+            loss = _reduced(loss_t, mask, opts, normalizer, loss_scale)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = TokenLogprobs.apply(
         logits, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
         engine, in_place_backward,
     )
-    out = _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                           opts)
-    out.loss = _scaled(out.loss, loss_scale)
-    return out
+    return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
+                            opts, loss_scale)
 
 
 def _checked_loss_scale(loss_scale):
@@ -114,9 +112,16 @@ def _checked_loss_scale(loss_scale):
     return float(loss_scale)
 
 
-def _scaled(loss, loss_scale):
-    """loss * loss_scale; an O(1) op whose backward only scales the O(B * T) per-token gradients."""
+def _reduced(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale):
+    """TRL's reduction of the per-token loss, times ``loss_scale`` (an O(1) op whose backward only
+    scales the O(B * T) per-token gradients)."""
+    loss = ref.reduce_loss(per_token_loss, mask, opts, normalizer)
     return loss if isinstance(loss_scale, float) and loss_scale == 1.0 else loss * loss_scale
+
+
+def _grad_weight(mask, opts: GRPOOptions, normalizer, loss_scale) -> torch.Tensor:
+    """Each token's weight in the reduced, scaled loss as the one-pass kernels read it: fp32 [B * T]."""
+    return (ref.reduction_weights(mask, opts, normalizer) * loss_scale).float().reshape(-1).contiguous()
 
 
 def _neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: float) -> Optional[torch.Tensor]:
@@ -134,7 +139,7 @@ def _neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: fl
 
 
 def _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                     opts: GRPOOptions) -> GRPOLossOutput:
+                     opts: GRPOOptions, loss_scale=1.0) -> GRPOLossOutput:
     """The O(B * T) part on differentiable log-probs: per-token terms, reduction, metrics.
 
     ``logp`` (and ``entropy``) are 0 at masked tokens; the per-token inputs get neutral
@@ -145,7 +150,7 @@ def _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, impo
         logp, mask, _neutral_at_masked(advantages, active, 0.0), _neutral_at_masked(old_logps, active, 0.0),
         _neutral_at_masked(ref_logps, active, 0.0), _neutral_at_masked(importance_weights, active, 1.0), opts,
     )
-    loss = ref.reduce_loss(terms.per_token_loss, mask, opts, _detached(normalizer))
+    loss = _reduced(terms.per_token_loss, mask, opts, normalizer, loss_scale)
     return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
 
 
@@ -239,6 +244,7 @@ def fused_linear_grpo_loss(
                  normalizer, opts, check_ids)
     engine = resolve_backend(backend, hidden_states)
     loss_scale = _checked_loss_scale(loss_scale)
+    normalizer = _detached(normalizer)
     mask = completion_mask.float()
     # Masked tokens are never read: their hidden states become 0 and their ids 0 (one O(N * H)
     # copy, which also makes a sliced view contiguous). Padding garbage (NaN, inf) would
@@ -254,10 +260,9 @@ def fused_linear_grpo_loss(
         raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
     wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
     if engine == "triton" and not opts.sequence_level and lm_head_mode == "three_products" and wants_grad:
-        grad_weight = ref.reduction_weights(mask, opts, _detached(normalizer)) * loss_scale
         loss, loss_t, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
             *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
-            grad_weight.float().reshape(-1).contiguous(), opts, (B, T),
+            _grad_weight(mask, opts, normalizer, loss_scale), opts, (B, T),
         )
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
@@ -265,16 +270,14 @@ def fused_linear_grpo_loss(
             *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
             opts, (B, T),
         )
-        loss = _scaled(ref.reduce_loss(loss_t, mask, opts, _detached(normalizer)), loss_scale)
+        loss = _reduced(loss_t, mask, opts, normalizer, loss_scale)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine)
-    active = mask != 0  # as in the logits path: masked positions read as 0
+    active = active.view(B, T)  # as in the logits path: masked positions read as 0
     logp = torch.where(active, logp.view(B, T), 0.0)
     entropy = None if entropy is None else torch.where(active, entropy.view(B, T), 0.0)
-    out = _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                           opts)
-    out.loss = _scaled(out.loss, loss_scale)
-    return out
+    return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
+                            opts, loss_scale)
 
 
 def selective_log_softmax(

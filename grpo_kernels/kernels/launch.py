@@ -455,6 +455,27 @@ def product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate
     _matmul(a, b, out, accumulate)
 
 
+def _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad: bool):
+    """fp32 d hidden [N, H], d weight [V, H] (or None: a frozen head) and d bias [V] (or None).
+
+    d weight is written by the first chunk's product and added to by the later ones.
+    """
+    N, H = hidden.shape
+    f32 = dict(device=hidden.device, dtype=torch.float32)
+    dw = torch.empty(weight.shape[0], H, **f32) if compute_weight_grad else None
+    db = torch.zeros(weight.shape[0], **f32) if compute_weight_grad and bias is not None else None
+    return torch.empty(N, H, **f32), dw, db
+
+
+def _add_chunk_gradients(dx, weight, hidden_chunk, dh_chunk, dw, db, first: bool) -> None:
+    """From one chunk's dlogits dx [chunk, V]: its d hidden, and its share of d weight and d bias."""
+    product_into(dx, weight, dh_chunk, accumulate=False)
+    if dw is not None:
+        product_into(dx.T, hidden_chunk, dw, accumulate=not first)
+    if db is not None:
+        db += dx.sum(0, dtype=torch.float32)
+
+
 def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask, advantages, old_logps, ref_logps,
                           importance_weights, compute_entropy, grad_weight, compute_weight_grad):
     """The fused lm_head with 3 products instead of 4: loss terms and every gradient in one chunk loop.
@@ -469,10 +490,7 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask,
     N, H = hidden.shape
     V = weight.shape[0]
     out = _allocate_outputs(N, hidden.device, opts, compute_entropy)
-    dh = torch.empty(N, H, device=hidden.device, dtype=torch.float32)
-    dw = torch.empty(V, H, device=hidden.device, dtype=torch.float32) if compute_weight_grad else None
-    db = torch.zeros(V, device=hidden.device, dtype=torch.float32) if compute_weight_grad and bias is not None \
-        else None
+    dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad)
     chunk = linear_chunk_tokens(N, V, hidden.element_size(), 1)
     workspace = torch.empty(min(chunk, max(N, 1)), V, device=hidden.device, dtype=hidden.dtype)
     pick = lambda t, n: None if t is None else t[n]  # noqa: E731
@@ -490,11 +508,7 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask,
         for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):
             if getattr(out, name) is not None:
                 getattr(out, name)[n] = getattr(r, name)
-        product_into(x, weight, dh[n], accumulate=False)  # x now holds dlogits
-        if dw is not None:
-            product_into(x.T, hidden[n], dw, accumulate=n0 > 0)
-        if db is not None:
-            db += x.sum(0, dtype=torch.float32)
+        _add_chunk_gradients(x, weight, hidden[n], dh[n], dw, db, first=n0 == 0)  # x now holds dlogits
     return out, dh, dw, db
 
 
@@ -510,11 +524,7 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
     N, H = hidden.shape
     V = weight.shape[0]
     cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
-    dh = torch.empty(N, H, device=hidden.device, dtype=torch.float32)
-    # d weight: the first chunk's product writes it, the later ones add to it
-    dw = torch.empty(V, H, device=hidden.device, dtype=torch.float32) if compute_weight_grad else None
-    db = torch.zeros(V, device=hidden.device, dtype=torch.float32) if compute_weight_grad and bias is not None \
-        else None
+    dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad)
     chunk = linear_chunk_tokens(N, V, hidden.element_size(), cfg["BLOCK_N"])
     workspace = torch.empty(min(chunk, N), V, device=hidden.device, dtype=hidden.dtype)
     for n0 in range(0, N, chunk):
@@ -526,9 +536,5 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
             lse[n0:n1], g[n0:n1], dx, 1.0 / temperature,
             HAS_BIAS=bias is not None, **cfg,
         )
-        product_into(dx, weight, dh[n0:n1], accumulate=False)
-        if dw is not None:
-            product_into(dx.T, hidden[n0:n1], dw, accumulate=n0 > 0)
-        if db is not None:
-            db += dx.sum(0, dtype=torch.float32)
+        _add_chunk_gradients(dx, weight, hidden[n0:n1], dh[n0:n1], dw, db, first=n0 == 0)
     return dh, dw, db
