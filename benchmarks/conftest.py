@@ -7,3 +7,26 @@ import torch
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # only the kernels' import needs it; CPU cases use the torch path
+
+
+def pytest_benchmark_generate_machine_info():
+    """pytest-benchmark's machine info without py-cpuinfo, whose probe runs for seconds on a many-core
+    machine: the device suite's time limit once landed inside it, and the run's JSON was lost.
+    The CPU's name comes from /proc/cpuinfo; everything else is what pytest-benchmark records."""
+    import platform
+
+    cpu = {"count": os.cpu_count(), "arch": platform.machine()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            cpu["brand_raw"] = names[0]
+    except OSError:
+        pass
+    return {
+        "node": platform.node(), "processor": platform.processor(), "machine": platform.machine(),
+        "python_compiler": platform.python_compiler(), "python_implementation": platform.python_implementation(),
+        "python_implementation_version": platform.python_version(), "python_version": platform.python_version(),
+        "python_build": platform.python_build(), "release": platform.release(), "system": platform.system(),
+        "cpu": cpu,
+    }

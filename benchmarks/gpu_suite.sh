@@ -8,10 +8,12 @@
 # peers (liger-kernel, trl's kernel file) come from wheels in .whl/ (scripts/device_wheels.sh
 # fills it) installed with --no-index. Stages, in order of value, each under its own time limit
 # sent as SIGINT (pytest-benchmark and the sweep still write what finished) with a kill grace:
-#   a. tests on the compiled kernels      -> tests.txt
-#   b. logits-path benchmarks vs peers    -> bench.json (+ bench.png)
-#   c. fused lm_head benchmarks vs peers  -> bench_fused_linear.json
-#   d. the sweep that decides the configs -> sweep.json (winners: python benchmarks/sweep.py --apply)
+#   a. tests on the compiled kernels      -> tests.txt (GRPO_SUITE_TESTS="pytest args" picks others)
+#   b. the sweep that decides the configs -> sweep.json (winners: python benchmarks/sweep.py --apply);
+#      on the GPU its winners are applied to this copy's tuned.json, so the benchmarks that follow
+#      time the defaults a commit of that sweep would ship
+#   c. logits-path benchmarks vs peers    -> bench.json (+ bench.png)
+#   d. fused lm_head benchmarks vs peers  -> bench_fused_linear.json
 #   e. Nsight Compute counters            -> ncu.csv
 #   and report.md (every table), run.log (versions, GPU, each stage's status and output).
 # At most 8 files in $OUT, the device tool's limit. Without CUDA: tiny shapes, Triton's
@@ -75,20 +77,25 @@ stage() {
     return 0
 }
 
-if [ "$MODE" = gpu ]; then
+if [ -n "${GRPO_SUITE_TESTS:-}" ]; then
+    eval "TESTS=($GRPO_SUITE_TESTS)"  # pytest arguments as a shell would split them (quotes for -k)
+elif [ "$MODE" = gpu ]; then
     TESTS=(tests/test_loss.py tests/test_fused_linear.py tests/test_reliability.py tests/test_lean_backward.py
            tests/test_api.py tests/test_family.py tests/test_liger_parity.py -k "not torch_compile")
 else
     TESTS=(tests/test_reliability.py -k "randomized_against_an_fp64_oracle and not lm_head")
 fi
-stage tests "$T_TESTS" python3 -m pytest "${TESTS[@]}" -q -p no:cacheprovider
+stage tests "$T_TESTS" python3 -m pytest "${TESTS[@]}" -q -p no:cacheprovider --durations=10
 cp "$OUT/.stage.txt" "$OUT/tests.txt"
+stage sweep "$T_SWEEP" python3 benchmarks/sweep.py --out "$OUT/sweep.json" --budget $((T_SWEEP - 10)) \
+    $( [ "$MODE" = smoke ] && echo --smoke )
+if [ "$MODE" = gpu ] && [ -s "$OUT/sweep.json" ]; then
+    python3 benchmarks/sweep.py --apply "$OUT/sweep.json" >> "$LOG" 2>&1 || say "applying the sweep's winners failed"
+fi
 stage bench "$T_BENCH" python3 -m pytest benchmarks/test_bench_loss.py -q -p no:cacheprovider -o addopts="" \
     --benchmark-json="$OUT/bench.json"
 stage bench_fused_linear "$T_FUSED" python3 -m pytest benchmarks/test_bench_fused_linear.py -q -p no:cacheprovider \
     -o addopts="" --benchmark-json="$OUT/bench_fused_linear.json"
-stage sweep "$T_SWEEP" python3 benchmarks/sweep.py --out "$OUT/sweep.json" --budget $((T_SWEEP - 10)) \
-    $( [ "$MODE" = smoke ] && echo --smoke )
 if [ "$MODE" = gpu ] && command -v ncu > /dev/null; then
     NCU=$(python3 -c "import ncu_target as n, shlex; print(shlex.join(n.ncu_command('python3', '$OUT/sweep.json')))")
     stage ncu "$T_NCU" bash -c "$NCU > '$OUT/ncu.csv'"

@@ -103,10 +103,13 @@ def sweep_table(path: str, top: int = 5) -> str:
             for r in sorted(ok, key=lambda r: r["median_ms"])[:top]:
                 keys = ("BLOCK_V", "num_warps", "num_stages") if kind == "logits" else (
                     "BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")
-                config = f"{r['mode']} " + " ".join(f"{k}={r[k]}" for k in keys)
+                config = f"{r['mode']} " + (" ".join(f"{k}={r[k]}" for k in keys) if r.get(keys[0]) else "(cuBLAS)")
                 figures = (f"{r['model_GBps']:.0f} | {r['fraction_of_copy']:.2f}" if kind == "logits"
                            else f"{r['useful_TFLOPs']:.0f}")
                 lines.append(f"| | {config} | {r['median_ms']:.3f} | {figures} | {r.get('exact')} |")
+            references = sorted({(r["mode"], r["reference"]) for r in ok if r.get("reference")})
+            if references:
+                lines.append("\nexact: " + "; ".join(f"{mode} against {ref}" for mode, ref in references))
         lines.append("")
     winners = results.get("winners", {})
     lines.append("Winners (`python benchmarks/sweep.py --apply` writes them to grpo_kernels/kernels/tuned.json): "

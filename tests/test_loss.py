@@ -7,10 +7,13 @@ gradients at the rounding of the gradient's own dtype (values are computed in fp
 the same 16-bit logits, so only the final cast differs).
 """
 
+import os
 import zlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import BATCH_KEYS, OPTION_CASES, assert_close, make_batch
 
 from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference
@@ -236,7 +239,7 @@ def test_persistent_schedule_matches_one_program_per_token(programs_per_sm, one_
     common = dict(opts=opts, temperature=1.0, mask=flat(batch["completion_mask"]),
                   advantages=flat(batch["advantages"][:, None].expand(B, T)), old_logps=flat(batch["old_logps"]),
                   ref_logps=flat(batch["ref_logps"]), compute_entropy=True,
-                  grad_weight=torch.full((B * T,), 0.1) if one_pass else None)
+                  grad_weight=torch.full((B * T,), 0.1, device=batch["logits"].device) if one_pass else None)
     default = launch.forward(batch["logits"], batch["completion_ids"], **common)
     persistent = launch.forward(batch["logits"], batch["completion_ids"], config={"programs_per_sm": programs_per_sm},
                                 **common)
@@ -245,3 +248,32 @@ def test_persistent_schedule_matches_one_program_per_token(programs_per_sm, one_
         assert (expected is None) == (actual is None), name
         if expected is not None:
             assert torch.equal(expected, actual), name
+
+
+def _entropy_slow_path_poisoned(row_ptr, V, c, lse2, BLOCK_V: tl.constexpr):
+    return float("nan")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="replaces a @triton.jit helper by name, which only the interpreter resolves at call time")
+@pytest.mark.parametrize("V, block_v", [(1003, None), (5000, 1024), (5000, 4096), (4096, 1024)])
+def test_entropy_takes_the_one_pass_path_when_v_is_not_a_block_multiple(monkeypatch, V, block_v):
+    """The entropy's slow path (a second read of the row) is only for rows holding a -inf logit.
+
+    The slow path is replaced by one that returns NaN: a finite row must still get the right
+    entropy, so the fast path handled it, including the padding of the last, partial block;
+    a row with a -inf logit must now come out NaN, which shows the replacement is in effect.
+    """
+    from grpo_kernels.kernels import grpo, launch
+
+    monkeypatch.setattr(grpo, "_mean_x2", triton.jit(_entropy_slow_path_poisoned))
+    gen = torch.Generator().manual_seed(V)
+    logits = 3 * torch.randn(1, 4, V, generator=gen)
+    logits[0, 3, 11] = float("-inf")
+    ids = torch.randint(0, V, (1, 4), generator=gen)
+    config = None if block_v is None else {"BLOCK_V": block_v}
+    out = launch.forward(logits, ids, temperature=0.7, compute_entropy=True, config=config)
+    scaled = logits[0, :3].double() / 0.7
+    expected = -(scaled.softmax(-1) * scaled.log_softmax(-1)).sum(-1)
+    assert_close("entropy", out.entropy[:3], expected.float(), **FP32_TOL)
+    assert torch.isnan(out.entropy[3]), "the poisoned slow path did not run for the -inf row"

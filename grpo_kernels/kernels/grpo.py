@@ -121,8 +121,12 @@ def _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V: tl.constexpr, COMPUT
         m, s, t = _lse_fold(low, m, s, t, COMPUTE_ENTROPY)
         m, s, t = _lse_fold(high, m, s, t, COMPUTE_ENTROPY)
     for start in range(full_end, V, HALF):  # the remainder: at most two masked half blocks
-        x2 = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32) * c
-        m, s, t = _lse_fold(x2, m, s, t, COMPUTE_ENTROPY)
+        in_row = start + cols < V
+        x2 = tl.load(row_ptr + start + cols, mask=in_row, other=float("-inf")).to(tl.float32) * c
+        # A padding lane's fold leaves m and s as they were but makes t = t + 0 * -inf = NaN;
+        # keep its t, or every row whose V is not a multiple of BLOCK_V would take the slow path.
+        m, s, t_folded = _lse_fold(x2, m, s, t, COMPUTE_ENTROPY)
+        t = tl.where(in_row, t_folded, t)
     lse2, entropy = _lse_finish(m, s, t, COMPUTE_ENTROPY)
     if COMPUTE_ENTROPY:
         # A -inf logit adds 0 * -inf to t; rather than guard every logit, a row whose entropy came
