@@ -93,7 +93,8 @@ def _ours(one_pass: bool, level: str = "token"):
     def run(inputs, logits):
         return grpo_loss(logits, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
                          inputs["old_logps"], inputs["ref_logps"], beta=BETA, temperature=TEMPERATURE,
-                         importance_sampling_level=level, one_pass=one_pass, check_ids=False).loss
+                         importance_sampling_level=level, one_pass=one_pass, check_ids=False,
+                         drop_last_position=True).loss
     return run
 
 
@@ -215,8 +216,10 @@ def available_paths(level: str = "token") -> Dict[str, Callable]:
 
 
 def logits_view(name: str, full: torch.Tensor) -> torch.Tensor:
-    """What each path is given: Liger takes [B, T + 1, V]; the others the aligned view [B, T, V]."""
-    return full if name == "liger" else full[:, :-1]
+    """What each path is given: ours (``drop_last_position=True``) and Liger take the model's
+    [B, T + 1, V] logits whole and write the gradient at that shape; the others the aligned view
+    [B, T, V], whose gradient autograd copies into a zero-filled [B, T + 1, V] tensor."""
+    return full if name == "liger" or name.startswith("ours") else full[:, :-1]
 
 
 def model_bytes(name: str, S: int, backward: bool) -> int:

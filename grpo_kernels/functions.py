@@ -44,15 +44,38 @@ def _first_backward(ctx, what: str) -> None:
     ctx.backward_done = True
 
 
+def aligned(logits: torch.Tensor, trailing: bool) -> torch.Tensor:
+    """The [B, T, V] logits that predict the completion: ``logits[:, :-1]`` of a [B, T + 1, V] input
+    (the model's last position predicts no completion token), else the input itself."""
+    return logits[:, :-1] if trailing else logits
+
+
+def gradient_buffer(logits: torch.Tensor, trailing: bool, in_place: bool):
+    """(the gradient returned for ``logits``, the [B, T, V] view of it that the kernels write).
+
+    For a [B, T + 1, V] input the gradient is allocated at that shape, its last position
+    zeroed (B x V elements) and the kernels write the rest directly: no [B, T, V] gradient is
+    copied into a zero-filled [B, T + 1, V] one afterwards, as autograd does for a sliced view.
+    In place, the logits' own storage is the gradient.
+    """
+    grad = logits if in_place else torch.empty(logits.shape, device=logits.device, dtype=logits.dtype)
+    if trailing:
+        grad[:, -1].zero_()
+    return grad, aligned(grad, trailing)
+
+
 def _write_gradient(ctx, logits, ids, lse, g):
-    """The shared backward: dlogits from g = dLoss/dlogp, by the engine the forward used."""
-    in_place = ctx.in_place
+    """The shared backward: dlogits from g = dLoss/dlogp, by the engine the forward used.
+
+    ``logits`` is the Function's input ([B, T, V], or [B, T + 1, V] when ``ctx.trailing``)."""
+    grad, written = gradient_buffer(logits, ctx.trailing, ctx.in_place)
+    rows = aligned(logits, ctx.trailing)
     if ctx.engine == "triton":
-        grad = launch_module().backward(logits, ids, lse.reshape(-1), g.reshape(-1).float().contiguous(),
-                               ctx.temperature, in_place=in_place)
+        launch_module().backward(rows, ids, lse.reshape(-1), g.reshape(-1).float().contiguous(), ctx.temperature,
+                                 out=written)
     else:
-        grad = torch_path.backward(logits, ids, lse, g.float(), ctx.temperature, in_place=in_place)
-    if in_place:
+        torch_path.backward(rows, ids, lse, g.float(), ctx.temperature, out=written)
+    if ctx.in_place:
         torch.autograd.graph.increment_version(logits)
     return grad
 
@@ -62,15 +85,17 @@ class FusedTokenLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights,
-                opts: GRPOOptions, in_place: bool):
-        B, T, _ = logits.shape
+                opts: GRPOOptions, in_place: bool, trailing: bool = False):
+        ctx.set_materialize_grads(False)
+        rows = aligned(logits, trailing)
+        B, T, _ = rows.shape
         result = launch_module().forward(
-            logits, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
+            rows, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy,
         )
         ctx.save_for_backward(logits, ids, result.lse, result.dloss_dlogp)
-        ctx.engine, ctx.temperature, ctx.in_place = "triton", opts.temperature, in_place
+        ctx.engine, ctx.temperature, ctx.in_place, ctx.trailing = "triton", opts.temperature, in_place, trailing
         view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         outputs = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl),
                    view(result.flags))
@@ -81,9 +106,9 @@ class FusedTokenLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused):
         logits, ids, lse, dloss_dlogp = ctx.saved_tensors
         grad = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and grad_loss is not None:
             grad = _write_gradient(ctx, logits, ids, lse, grad_loss.reshape(-1) * dloss_dlogp)
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None
 
 
 class FusedTokenLossOnePass(torch.autograd.Function):
@@ -99,15 +124,18 @@ class FusedTokenLossOnePass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights, grad_weight,
-                opts: GRPOOptions):
-        B, T, _ = logits.shape
+                opts: GRPOOptions, trailing: bool = False):
+        ctx.set_materialize_grads(False)
+        rows = aligned(logits, trailing)
+        B, T, _ = rows.shape
+        grad, written = gradient_buffer(logits, trailing, in_place=False)
         result = launch_module().forward(
-            logits, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
+            rows, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
-            compute_entropy=opts.compute_entropy, grad_weight=grad_weight,
+            compute_entropy=opts.compute_entropy, grad_weight=grad_weight, grad_out=written,
         )
         loss = (result.loss * grad_weight).sum()
-        ctx.save_for_backward(result.grad_logits)
+        ctx.save_for_backward(grad)
         view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         extras = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl), view(result.flags))
         ctx.mark_non_differentiable(*[t for t in extras if t is not None])
@@ -117,10 +145,12 @@ class FusedTokenLossOnePass(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused):
         _first_backward(ctx, "the one-pass GRPO loss")
         (grad,) = ctx.saved_tensors
+        if grad_loss is None:  # the loss is not part of what is differentiated
+            return (None,) * 10
         # In place, with the scale read on the device: no host sync, no second [B, T, V] tensor,
         # and no pass over the gradient at all when grad_loss is 1 (a plain loss.backward()).
         launch_module().scale_in_place(grad, grad_loss.detach())
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -132,7 +162,9 @@ class TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, mask: Optional[torch.Tensor], temperature: float,
-                compute_entropy: bool, engine: str, in_place: bool):
+                compute_entropy: bool, engine: str, in_place: bool, trailing: bool = False):
+        ctx.set_materialize_grads(False)
+        full, logits = logits, aligned(logits, trailing)
         B, T, _ = logits.shape
         if engine == "triton":
             r = launch_module().forward(logits, ids, temperature=temperature, mask=mask,
@@ -147,8 +179,8 @@ class TokenLogprobs(torch.autograd.Function):
             if mask is not None:
                 logp = torch.where(active, logp, 0.0)
                 entropy = None if entropy is None else torch.where(active, entropy, 0.0)
-        ctx.save_for_backward(logits, ids, lse)
-        ctx.engine, ctx.temperature, ctx.in_place = engine, temperature, in_place
+        ctx.save_for_backward(full, ids, lse)
+        ctx.engine, ctx.temperature, ctx.in_place, ctx.trailing = engine, temperature, in_place, trailing
         if entropy is not None:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -157,9 +189,9 @@ class TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, unused):
         logits, ids, lse = ctx.saved_tensors
         grad = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and grad_logp is not None:
             grad = _write_gradient(ctx, logits, ids, lse, grad_logp)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def _linear_gradients(ctx, g):

@@ -10,7 +10,7 @@ from torch import nn
 
 from . import reference as ref
 from .functions import (FusedLinearThreeProducts, FusedLinearTokenLoss, FusedTokenLoss, FusedTokenLossOnePass,
-                        LinearTokenLogprobs, TokenLogprobs)
+                        LinearTokenLogprobs, TokenLogprobs, aligned)
 from .kernels import contracts as K
 from .kernels.contracts import launch_module
 from .options import BACKENDS, GRPOOptions
@@ -53,9 +53,16 @@ def grpo_loss(
     check_ids: bool = True,
     one_pass: Optional[bool] = None,
     loss_scale=1.0,
+    drop_last_position: bool = False,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
+
+    With ``drop_last_position=True``, ``logits`` is [B, T + 1, V], as a causal LM returns them
+    with ``logits_to_keep = T + 1``: the last position predicts no completion token, is never
+    read and gets a zero gradient. Passing that tensor rather than ``logits[:, :-1]`` lets the
+    gradient be written at its full shape directly, where autograd would zero-fill a
+    [B, T + 1, V] tensor and copy the view's [B, T, V] gradient into it (3 x S more bytes).
 
     Options come as ``options=GRPOOptions(...)`` or as keywords (TRL's names). See
     ``GRPOLoss`` for the arguments. ``loss_scale`` (a number or a 0-d tensor, e.g. 1 /
@@ -65,10 +72,12 @@ def grpo_loss(
     if options is not None and option_kwargs:
         raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
     opts = options if options is not None else GRPOOptions(**option_kwargs)
+    full, trailing = logits, _checked_drop_last_position(drop_last_position, logits, completion_ids)
+    logits = aligned(full, trailing)  # [B, T, V]: what is checked, and what the kernels read
     check_inputs(logits, completion_ids, completion_mask, advantages, old_logps, ref_logps,
                  importance_weights, normalizer, opts, check_ids)
     engine = resolve_backend(backend, logits)
-    check_in_place(in_place_backward, logits)
+    check_in_place(in_place_backward, full)
     loss_scale = _checked_loss_scale(loss_scale)
     normalizer = _detached(normalizer)  # a per-step constant, like every per-token input
     B, T, _ = logits.shape
@@ -80,24 +89,39 @@ def grpo_loss(
             "views that slice B or T are fine, a transposed vocabulary is not (call .contiguous())"
         )
     if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
-        kernel_inputs = (logits, completion_ids.contiguous(), *_per_token_kernel_inputs(
+        kernel_inputs = (full, completion_ids.contiguous(), *_per_token_kernel_inputs(
             mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T))
         wants_grad = torch.is_grad_enabled() and logits.requires_grad
         if one_pass is None:  # the device sweep's measured choice for this GPU and vocabulary, else one-pass
             one_pass = launch_module().default_one_pass(logits)
         if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
             loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
-                *kernel_inputs, _grad_weight(mask, opts, normalizer, loss_scale), opts)
+                *kernel_inputs, _grad_weight(mask, opts, normalizer, loss_scale), opts, trailing)
         else:  # two-pass: dLoss/dlogp applied by the backward kernel
-            loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward)
+            loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward,
+                                                                    trailing)
             loss = _reduced(loss_t, mask, opts, normalizer, loss_scale)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = TokenLogprobs.apply(
-        logits, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
-        engine, in_place_backward,
+        full, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
+        engine, in_place_backward, trailing,
     )
     return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
                             opts, loss_scale)
+
+
+def _checked_drop_last_position(drop_last_position, logits, completion_ids) -> bool:
+    """``drop_last_position`` after checking that the logits carry exactly one position more than the ids."""
+    if not isinstance(drop_last_position, bool):
+        raise TypeError(f"drop_last_position must be a bool, got {drop_last_position!r}")
+    if drop_last_position:
+        check_logits(logits)
+        T = completion_ids.shape[-1] if isinstance(completion_ids, torch.Tensor) and completion_ids.dim() == 2 else None
+        if T is None or logits.shape[1] != T + 1:
+            got = tuple(completion_ids.shape) if isinstance(completion_ids, torch.Tensor) else None
+            raise ValueError(f"drop_last_position=True needs logits [B, T + 1, V] for completion_ids [B, T], got "
+                             f"logits {tuple(logits.shape)} and completion_ids {got}")
+    return drop_last_position
 
 
 def _checked_loss_scale(loss_scale):
@@ -167,13 +191,16 @@ def token_logprobs(
     *,
     backend: str = "auto",
     check_ids: bool = True,
+    drop_last_position: bool = False,
 ):
     """Per-token log softmax(logits / temperature)[ids] in fp32 [B, T], without gradient.
 
     For a trainer's old and reference log-probs; the same kernel as the loss, one read of
-    the logits. With ``return_entropy`` returns ``(logps, entropy)``.
+    the logits. logits [B, T, V] (or [B, T + 1, V] with ``drop_last_position``, as in
+    ``grpo_loss``). With ``return_entropy`` returns ``(logps, entropy)``.
     """
     check_logits(logits)
+    logits = aligned(logits, _checked_drop_last_position(drop_last_position, logits, ids))  # a view, no copy
     check_token_ids(ids, logits, check_ids)
     GRPOOptions(temperature=temperature)  # validates the temperature
     engine = resolve_backend(backend, logits)
@@ -315,12 +342,16 @@ class GRPOLoss(nn.Module):
     ``check_ids`` (validate active token ids and a tensor normalizer, one host sync),
     ``one_pass`` (Triton, token level: write dlogits in the forward, 2 x S bytes instead of
     3 x S; None, the default, takes the device sweep's measured choice for the GPU and
-    vocabulary from ``kernels/tuned.json``, and one-pass where nothing was measured).
+    vocabulary from ``kernels/tuned.json``, and one-pass where nothing was measured),
+    ``drop_last_position`` (logits are [B, T + 1, V]; see below).
 
     Call: ``loss_fn(logits, completion_ids, completion_mask, advantages, old_logps=None,
     ref_logps=None, importance_weights=None, normalizer=None)``
 
-    - logits [B, T, V] (fp32 / bf16 / fp16; a view with unit last stride is read in place)
+    - logits [B, T, V] (fp32 / bf16 / fp16; a view with unit last stride is read in place), or
+      [B, T + 1, V] as the model returns them with ``drop_last_position=True`` (the last
+      position is ignored; this saves the copy autograd makes of a ``logits[:, :-1]`` view's
+      gradient)
     - completion_ids [B, T] integers in [0, V); completion_mask [B, T] bool / int / float
     - advantages [B] or [B, T]; old_logps [B, T] or None (on-policy, ratio 1);
       ref_logps [B, T] when beta > 0; importance_weights [B], [B, 1] or [B, T]
@@ -332,7 +363,7 @@ class GRPOLoss(nn.Module):
 
     def __init__(self, *, backend: str = "auto", in_place_backward: bool = False, check_ids: bool = True,
                  one_pass: Optional[bool] = None, options: Optional[GRPOOptions] = None, preset: Optional[str] = None,
-                 **option_kwargs):
+                 drop_last_position: bool = False, **option_kwargs):
         super().__init__()
         if options is not None and (option_kwargs or preset is not None):
             raise ValueError("pass options either as options= or as keywords (with an optional preset=), got both")
@@ -346,12 +377,13 @@ class GRPOLoss(nn.Module):
         self.in_place_backward = in_place_backward
         self.check_ids = check_ids
         self.one_pass = one_pass
+        self.drop_last_position = drop_last_position
 
     @classmethod
     def from_trl_config(cls, config, **kwargs) -> "GRPOLoss":
         """A GRPOLoss with a TRL ``GRPOConfig``'s loss options (TRL's conventions)."""
-        module_kwargs = {k: kwargs.pop(k) for k in ("backend", "in_place_backward", "check_ids", "one_pass")
-                         if k in kwargs}
+        module_kwargs = {k: kwargs.pop(k) for k in ("backend", "in_place_backward", "check_ids", "one_pass",
+                                                    "drop_last_position") if k in kwargs}
         return cls(options=GRPOOptions.from_trl_config(config, **kwargs), **module_kwargs)
 
     def update(self, **changes) -> "GRPOLoss":
@@ -368,6 +400,7 @@ class GRPOLoss(nn.Module):
             logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
             normalizer, options=self.options, backend=self.backend, in_place_backward=self.in_place_backward,
             check_ids=self.check_ids, one_pass=self.one_pass, loss_scale=loss_scale,
+            drop_last_position=self.drop_last_position,
         )
 
 
@@ -380,6 +413,10 @@ class FusedLinearGRPOLoss(GRPOLoss):
     """
 
     def __init__(self, *, lm_head_mode: Optional[str] = None, **kwargs):
+        for name in ("in_place_backward", "one_pass", "drop_last_position"):  # they concern logits, which never exist
+            if kwargs.get(name):
+                raise ValueError(f"{name}={kwargs[name]!r} applies to GRPOLoss on logits; FusedLinearGRPOLoss takes "
+                                 "hidden states and never holds logits (its modes: lm_head_mode=)")
         super().__init__(**kwargs)
         if lm_head_mode is not None and lm_head_mode not in LM_HEAD_MODES:
             raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")

@@ -16,24 +16,30 @@ import torch
 CHUNK_ELEMENTS = 1 << 21  # 8 MiB of fp32 per temporary
 
 
-def _chunks(logits: torch.Tensor) -> Iterator[Tuple[torch.Tensor, slice]]:
-    """Yield (a [rows, V] view of the logits, its slice of the flat token index [0, B*T)).
+def _one_run_of_rows(t: torch.Tensor) -> bool:
+    B, T, _ = t.shape
+    return t.stride(0) == T * t.stride(1) or B == 1
 
-    Each piece holds at most CHUNK_ELEMENTS logits (one row at least). Where [B, T, V] is
-    one run of rows in memory the pieces run across rows, so many short rows do not mean
-    many tiny chunks; a strided view such as ``logits[:, :-1]`` is cut row by row.
+
+def _chunks(*tensors: torch.Tensor) -> Iterator[Tuple[torch.Tensor, ...]]:
+    """Yield (a [rows, V] view of each tensor, ..., their slice of the flat token index [0, B*T)).
+
+    The tensors are [B, T, V] alike in shape (the logits, and the gradient written beside
+    them). Each piece holds at most CHUNK_ELEMENTS logits (one row at least). Where every
+    tensor is one run of rows in memory the pieces run across rows, so many short rows do
+    not mean many tiny chunks; a strided view such as ``logits[:, :-1]`` is cut row by row.
     """
-    B, T, V = logits.shape
+    B, T, V = tensors[0].shape
     step = max(1, CHUNK_ELEMENTS // max(V, 1))
-    if logits.stride(0) == T * logits.stride(1) or B == 1:
-        rows = logits.view(B * T, V) if logits.stride(0) == T * logits.stride(1) else logits[0]
+    if all(_one_run_of_rows(t) for t in tensors):
+        rows = [t.view(B * T, V) if t.stride(0) == T * t.stride(1) else t[0] for t in tensors]
         for n0 in range(0, B * T, step):
-            yield rows[n0 : n0 + step], slice(n0, min(n0 + step, B * T))
+            yield (*(r[n0 : n0 + step] for r in rows), slice(n0, min(n0 + step, B * T)))
         return
     for b in range(B):
         for t0 in range(0, T, step):
             t1 = min(t0 + step, T)
-            yield logits[b, t0:t1], slice(b * T + t0, b * T + t1)
+            yield (*(t[b, t0:t1] for t in tensors), slice(b * T + t0, b * T + t1))
 
 
 def _nan_if_inf(lse: torch.Tensor) -> torch.Tensor:
@@ -72,24 +78,26 @@ def backward(
     temperature: float,
     *,
     in_place: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dlogits = g * (onehot - softmax(logits / tau)) / tau, in the logits' dtype.
 
-    ``grad_logp`` (g) and ``lse`` are fp32 [B, T]. ``in_place`` writes into ``logits``.
+    ``grad_logp`` (g) and ``lse`` are fp32 [B, T]. ``in_place`` writes into ``logits``;
+    ``out`` ([B, T, V]) is written and returned instead of a new tensor.
     """
     B, T, V = logits.shape
-    grad = logits if in_place else torch.empty((B, T, V), device=logits.device, dtype=logits.dtype)
-    grad_rows = None if in_place else grad.view(B * T, V)
+    grad = logits if in_place else out if out is not None else torch.empty(
+        (B, T, V), device=logits.device, dtype=logits.dtype)
     flat_ids, flat_lse = ids.reshape(-1).long(), lse.reshape(-1)
     flat_g = grad_logp.reshape(-1) * (1.0 / temperature)
     inv_temperature = 1.0 / temperature
-    for piece, n in _chunks(logits):
+    for piece, grad_piece, n in _chunks(logits, grad):
         g = flat_g[n].unsqueeze(-1)  # [rows, 1]
         piece_grad = torch.exp(piece.float() * inv_temperature - flat_lse[n].unsqueeze(-1)).mul_(-g)
         piece_grad.scatter_add_(-1, flat_ids[n].unsqueeze(-1), g)
         # g == 0 (a masked token) is a zero row whatever its logits hold: 0 * exp(NaN or inf) is NaN
         piece_grad.masked_fill_(g == 0, 0.0)
-        (piece if in_place else grad_rows[n]).copy_(piece_grad)  # cast to the logits' dtype
+        grad_piece.copy_(piece_grad)  # cast to the logits' dtype
     return grad
 
 

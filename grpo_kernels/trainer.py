@@ -128,10 +128,12 @@ class GRPOTrainer:
         self.ref_model = None
         if config.beta > 0:  # a frozen copy of the starting policy
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        loss_cls = FusedLinearGRPOLoss if config.fused_lm_head else GRPOLoss
-        self.loss_fn = loss_cls(loss_type=config.loss_type, beta=config.beta, epsilon=config.epsilon,
-                                epsilon_high=config.epsilon_high, temperature=config.temperature,
-                                max_completion_length=config.max_new_tokens)
+        loss_options = dict(loss_type=config.loss_type, beta=config.beta, epsilon=config.epsilon,
+                            epsilon_high=config.epsilon_high, temperature=config.temperature,
+                            max_completion_length=config.max_new_tokens)
+        # from logits, the loss takes the model's [B, T + 1, V] output whole (see _logits)
+        self.loss_fn = (FusedLinearGRPOLoss(**loss_options) if config.fused_lm_head
+                        else GRPOLoss(drop_last_position=True, **loss_options))
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
         self.step = 0
         self.rng = random.Random(config.seed * 1000 + rank)
@@ -186,18 +188,21 @@ class GRPOTrainer:
         return torch.tensor(scores, dtype=torch.float32).T
 
     # ----- the update ------------------------------------------------------------------
-    def _completion_outputs(self, module, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    def _completion_outputs(self, module, prompt_ids, prompt_mask, completion_ids, completion_mask, **kwargs):
         """``module`` run on prompt + completion (bf16 autocast on CUDA); its output and the prompt width."""
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(self.device).startswith("cuda")):
             out = module(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=attention_mask,
-                         position_ids=left_padded_positions(attention_mask))
+                         position_ids=left_padded_positions(attention_mask), **kwargs)
         return out, prompt_ids.shape[1]
 
     def _logits(self, model, *inputs):
-        """Logits [B, T, V] that predict the completion tokens (a view, read in place by the kernel)."""
-        out, width = self._completion_outputs(model, *inputs)
-        return out.logits[:, width - 1: -1]
+        """Logits [B, T + 1, V]: the T positions that predict the completion tokens, then the last one,
+        which the loss and token_logprobs drop without a copy (``drop_last_position``); the model
+        computes only these (``logits_to_keep``)."""
+        T = inputs[2].shape[1]
+        out, _ = self._completion_outputs(model, *inputs, logits_to_keep=T + 1)
+        return out.logits if out.logits.shape[1] == T + 1 else out.logits[:, -(T + 1):]
 
     def rollout(self) -> Rollout:
         """Sample this rank's prompts, G completions each, score them, group advantages."""
@@ -297,10 +302,11 @@ class GRPOTrainer:
         old_logps = ref_logps = None
         with torch.no_grad():
             if config.num_iterations > 1:  # mu = 1 uses the on-policy shortcut (old_logps=None)
-                old_logps = token_logprobs(self._logits(self.model, *inputs), r.completion_ids, config.temperature)
+                old_logps = token_logprobs(self._logits(self.model, *inputs), r.completion_ids, config.temperature,
+                                           drop_last_position=True)
             if self.ref_model is not None:
                 ref_logps = token_logprobs(self._logits(self.ref_model, *inputs), r.completion_ids,
-                                           config.temperature)
+                                           config.temperature, drop_last_position=True)
         self.model.train()
         for _ in range(config.num_iterations):
             loss, metrics = self.accumulate_gradients(r, old_logps, ref_logps)

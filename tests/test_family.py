@@ -40,7 +40,8 @@ def test_rft_matches_reference_and_ignores_rejected_completions(device, backend)
     assert_close("dlogits", expected_grad, grad, **TOL)
     assert torch.count_nonzero(grad[1]) == 0  # GC = 0: an incorrect completion teaches nothing
     with pytest.raises(ValueError, match="rewards must be \\[B\\] of 0 / 1"):
-        family.rft_loss(b["logits"], b["completion_ids"], b["completion_mask"], torch.tensor([1.0, 0.5, 0.0]))
+        family.rft_loss(b["logits"], b["completion_ids"], b["completion_mask"],
+                        torch.tensor([1.0, 0.5, 0.0], device=device))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

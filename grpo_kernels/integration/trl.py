@@ -65,7 +65,10 @@ class GRPOKernelsTrainer(GRPOTrainer):
                                               epsilon=float(self.epsilon_low), epsilon_high=float(self.epsilon_high),
                                               temperature=float(self.temperature),
                                               importance_sampling_level=self.importance_sampling_level)
-        self.grpo_loss = (FusedLinearGRPOLoss if fused_lm_head else GRPOLoss)(options=options)
+        # From logits, the loss gets the model's [B, T + 1, V] output whole (drop_last_position): its
+        # gradient is written at that shape, not copied into it by autograd's slice backward.
+        self.grpo_loss = (FusedLinearGRPOLoss(options=options) if fused_lm_head
+                          else GRPOLoss(options=options, drop_last_position=True))
 
     @staticmethod
     def _sequence(inputs):
@@ -74,7 +77,8 @@ class GRPOKernelsTrainer(GRPOTrainer):
                 "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)}
 
     def _completion_logits(self, model, inputs):
-        """Logits [B, T, V] predicting the completion tokens (a view; the kernel reads it in place)."""
+        """Logits [B, T + 1, V]: the T positions that predict the completion tokens, then the last one
+        (which the loss drops without a copy). The model computes only these (``logits_to_keep``)."""
         T = inputs["completion_ids"].size(1)
         model_inputs = {**self._sequence(inputs), "logits_to_keep": T + 1}
         for key in ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids"):
@@ -82,7 +86,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
                 model_inputs[key] = inputs[key]
         with self.accelerator.autocast():
             logits = model(**model_inputs).logits
-        return logits[:, -(T + 1):-1]
+        return logits if logits.shape[1] == T + 1 else logits[:, -(T + 1):]  # a model that ignored logits_to_keep
 
     def _completion_hidden_states(self, model, inputs):
         """Last hidden states [B, T, H] whose lm_head logits predict the completion tokens, and the head."""

@@ -184,6 +184,7 @@ def forward(
     grad_weight: Optional[torch.Tensor] = None,
     config: Optional[Dict[str, int]] = None,
     grad_in_place: bool = False,
+    grad_out: Optional[torch.Tensor] = None,
 ) -> ForwardResult:
     """Run the forward kernel.
 
@@ -193,7 +194,9 @@ def forward(
     the kernel also writes dlogits of that loss in the same pass (one-pass mode).
     ``config`` overrides the launch configuration (see ``logits_launch_config``).
     ``grad_in_place`` (one-pass) writes dlogits over the logits themselves: each row is read
-    in full for its log-sum-exp before any of it is written.
+    in full for its log-sum-exp before any of it is written. ``grad_out`` (one-pass) is a
+    [B, T, V] tensor with a unit last stride to write dlogits into, e.g. the aligned view of a
+    [B, T + 1, V] gradient, so that no copy into a bigger buffer follows.
     """
     B, T, V = logits.shape
     N = B * T
@@ -202,7 +205,8 @@ def forward(
     write_grad = grad_weight is not None and out.loss is not None
     grad = None
     if write_grad:
-        grad = logits if grad_in_place else torch.empty((B, T, V), device=logits.device, dtype=logits.dtype)
+        grad = logits if grad_in_place else grad_out if grad_out is not None else torch.empty(
+            (B, T, V), device=logits.device, dtype=logits.dtype)
     constexprs = forward_constexprs(
         opts, has_old=old_logps is not None, has_iw=importance_weights is not None,
         has_mask=mask is not None, compute_entropy=compute_entropy, write_grad=write_grad,
@@ -231,13 +235,16 @@ def backward(
     *,
     in_place: bool = False,
     config: Optional[Dict[str, int]] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dlogits [B, T, V] in the logits' dtype from g = dLoss/dlogp (fp32 [N]).
 
-    ``in_place`` writes into ``logits`` itself (same strides) and returns it.
+    ``in_place`` writes into ``logits`` itself (same strides) and returns it; ``out`` (a
+    [B, T, V] tensor with a unit last stride) is written and returned instead of a new tensor.
     """
     B, T, V = logits.shape
-    grad = logits if in_place else torch.empty((B, T, V), device=logits.device, dtype=logits.dtype)
+    grad = logits if in_place else out if out is not None else torch.empty(
+        (B, T, V), device=logits.device, dtype=logits.dtype)
     launch_config = logits_launch_config(logits, config)
     launch_config.pop("programs_per_sm", None)  # the forward's schedule; the backward reads each row once
     if B * T > 0:
