@@ -134,7 +134,7 @@ class FusedTokenLossOnePass(torch.autograd.Function):
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy, grad_weight=grad_weight, grad_out=written,
         )
-        loss = (result.loss * grad_weight).sum()
+        loss = torch.dot(result.loss, grad_weight)
         ctx.save_for_backward(grad)
         view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         extras = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl), view(result.flags))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 from torch import nn
@@ -13,8 +13,8 @@ from .functions import (FusedLinearThreeProducts, FusedLinearTokenLoss, FusedTok
                         LinearTokenLogprobs, TokenLogprobs, aligned)
 from .kernels import contracts as K
 from .kernels.contracts import launch_module
-from .options import BACKENDS, GRPOOptions
-from .reference import GRPOLossOutput, PerTokenTerms
+from .options import BACKENDS, PPO_CLIP_LOSS_TYPES, GRPOOptions
+from .reference import GRPOLossOutput
 from .validation import check_in_place, check_inputs, check_logits, check_token_ids, resolve_backend
 
 
@@ -33,8 +33,35 @@ def _per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_
 
 def _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts: GRPOOptions) -> GRPOLossOutput:
     """The output of a loss whose per-token terms came from a kernel (clip flags as FLAG_* bits)."""
-    terms = PerTokenTerms(loss_t, kl, (flags & K.FLAG_LOW_CLIPPED) != 0, (flags & K.FLAG_HIGH_CLIPPED) != 0)
-    return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
+    return GRPOLossOutput(loss, _kernel_metrics(entropy, kl, flags, mask, opts), logp.detach())
+
+
+def _kernel_metrics(entropy, kl, flags, mask, opts: GRPOOptions) -> Dict[str, torch.Tensor]:
+    """``reference.loss_metrics`` of a kernel path (token level: every metric a mean over active tokens).
+
+    The same values in a handful of launches instead of five per metric: the metrics' rows are
+    stacked and every masked sum is one matrix-vector product with the mask. A loss call is
+    otherwise a few launches around one kernel, so these small ones are much of its host time.
+    """
+    names, rows = [], []
+    if kl is not None:
+        names.append("kl")
+        rows.append(kl.reshape(1, -1))
+    if entropy is not None:
+        names.append("entropy")
+        rows.append(entropy.reshape(1, -1))
+    flags = None if flags is None else flags.reshape(1, -1)
+    if opts.loss_type in PPO_CLIP_LOSS_TYPES:  # low, high, and either (any bit set)
+        names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+        rows.append(torch.cat([flags & K.FLAG_LOW_CLIPPED, flags & K.FLAG_HIGH_CLIPPED, flags]).ne_(0).float())
+    elif opts.loss_type == "cispo":
+        names.append("cispo_clip_ratio")
+        rows.append((flags & K.FLAG_HIGH_CLIPPED).ne_(0).float())
+    if not rows:
+        return {}
+    weights = mask.reshape(-1).float()
+    means = (torch.cat(rows).detach() @ weights) / weights.sum().clamp(min=1.0)
+    return dict(zip(names, means.unbind()))
 
 
 def grpo_loss(
@@ -145,7 +172,10 @@ def _reduced(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale):
 
 def _grad_weight(mask, opts: GRPOOptions, normalizer, loss_scale) -> torch.Tensor:
     """Each token's weight in the reduced, scaled loss as the one-pass kernels read it: fp32 [B * T]."""
-    return (ref.reduction_weights(mask, opts, normalizer) * loss_scale).float().reshape(-1).contiguous()
+    weights = ref.reduction_weights(mask, opts, normalizer)
+    if not (isinstance(loss_scale, float) and loss_scale == 1.0):
+        weights = weights * loss_scale
+    return weights.float().reshape(-1).contiguous()
 
 
 def _neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: float) -> Optional[torch.Tensor]:
