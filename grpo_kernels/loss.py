@@ -316,11 +316,20 @@ def fused_linear_grpo_loss(
     if lm_head_mode not in LM_HEAD_MODES:
         raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
     wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
-    if engine == "triton" and not opts.sequence_level and lm_head_mode == "three_products" and wants_grad:
-        loss, loss_t, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
-            *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
-            _grad_weight(mask, opts, normalizer, loss_scale), opts, (B, T),
-        )
+    if engine == "triton" and not opts.sequence_level and lm_head_mode == "three_products":
+        per_token = _per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T)
+        if wants_grad:
+            loss, loss_t, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
+                *flat, *per_token, _grad_weight(mask, opts, normalizer, loss_scale), opts, (B, T))
+        else:  # no gradient wanted: cuBLAS logits and the logits kernel, a chunk at a time
+            r = launch_module().linear_three_products(
+                *flat, opts=opts, temperature=opts.temperature, mask=per_token[0], advantages=per_token[1],
+                old_logps=per_token[2], ref_logps=per_token[3], importance_weights=per_token[4],
+                compute_entropy=opts.compute_entropy, grad_weight=None, compute_weight_grad=False)[0]
+            view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
+            loss_t, logp, entropy, kl, flags = (view(r.loss), view(r.logp), view(r.entropy), view(r.kl),
+                                                view(r.flags))
+            loss = _reduced(loss_t, mask, opts, normalizer, loss_scale)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
         loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(

@@ -277,3 +277,30 @@ def test_three_products_mode_scales_and_refuses_a_second_backward(device):
         out.loss.backward()
     with pytest.raises(ValueError, match="lm_head_mode must be one of"):
         FusedLinearGRPOLoss(lm_head_mode="fast")
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo"])
+def test_three_products_mode_without_gradient_is_the_chunked_forward(device, monkeypatch, loss_type):
+    """No gradient wanted (evaluation, old log-probs): cuBLAS logits and the logits kernel a chunk at a
+    time, with no gradient buffer and nothing written in place; loss, log-probs and metrics as materialized."""
+    monkeypatch.setattr(launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
+    calls = []
+    original = launch.forward
+
+    def recording_forward(logits, *args, **kwargs):
+        calls.append((tuple(logits.shape), kwargs.get("grad_weight") is None, kwargs.get("grad_in_place")))
+        return original(logits, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "forward", recording_forward)
+    batch, hidden, weight, bias = _block_spanning_inputs(device)
+    options = dict(loss_type=loss_type, beta=0.04, temperature=0.9, **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+    expected = materialized(hidden, weight, bias, batch, options)
+    with torch.no_grad():
+        actual = three_products(hidden, weight, bias, batch, options)
+    assert calls == [((1, 64, 300), True, False), ((1, 64, 300), True, False), ((1, 32, 300), True, False)]
+    assert_close("loss", expected.loss, actual.loss, atol=1e-5, rtol=1e-5)
+    active = batch["completion_mask"] != 0
+    assert_close("per_token_logps", expected.per_token_logps[active], actual.per_token_logps[active],
+                 atol=1e-5, rtol=1e-5)
+    for name in expected.metrics:
+        assert_close(name, expected.metrics[name], actual.metrics[name], atol=1e-5, rtol=1e-5)

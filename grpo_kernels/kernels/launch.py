@@ -493,11 +493,14 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask,
     then d hidden = dx @ W and d weight += dx^T @ h. The gradient is complete when the forward
     ends: the backward only scales it. Memory is bounded by the chunk, as in the recomputing mode.
     Returns (ForwardResult over the N tokens, d hidden, d weight or None, d bias or None), fp32.
+    With ``grad_weight`` None only the forward runs (no gradient wanted: evaluation, old log-probs):
+    cuBLAS logits and the logits kernel a chunk at a time, and the three gradients are None.
     """
     N, H = hidden.shape
     V = weight.shape[0]
     out = _allocate_outputs(N, hidden.device, opts, compute_entropy)
-    dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad)
+    with_grad = grad_weight is not None
+    dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad) if with_grad else (None,) * 3
     chunk = linear_chunk_tokens(N, V, hidden.element_size(), 1)
     workspace = torch.empty(min(chunk, max(N, 1)), V, device=hidden.device, dtype=hidden.dtype)
     pick = lambda t, n: None if t is None else t[n]  # noqa: E731
@@ -511,11 +514,12 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask,
         r = forward(x.unsqueeze(0), ids[n].unsqueeze(0), opts=opts, temperature=temperature, mask=pick(mask, n),
                     advantages=pick(advantages, n), old_logps=pick(old_logps, n), ref_logps=pick(ref_logps, n),
                     importance_weights=pick(importance_weights, n), compute_entropy=compute_entropy,
-                    grad_weight=grad_weight[n], grad_in_place=True)
+                    grad_weight=pick(grad_weight, n), grad_in_place=with_grad)
         for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):
             if getattr(out, name) is not None:
                 getattr(out, name)[n] = getattr(r, name)
-        _add_chunk_gradients(x, weight, hidden[n], dh[n], dw, db, first=n0 == 0)  # x now holds dlogits
+        if with_grad:
+            _add_chunk_gradients(x, weight, hidden[n], dh[n], dw, db, first=n0 == 0)  # x now holds dlogits
     return out, dh, dw, db
 
 
