@@ -64,17 +64,20 @@ def gradient_buffer(logits: torch.Tensor, trailing: bool, in_place: bool):
     return grad, aligned(grad, trailing)
 
 
-def _write_gradient(ctx, logits, ids, lse, g):
-    """The shared backward: dlogits from g = dLoss/dlogp, by the engine the forward used.
+def _write_gradient(ctx, logits, ids, lse, g, h=None, entropy=None):
+    """The shared backward: dlogits from g = dLoss/dlogp (and h = dLoss/dH with the entropy H, when the
+    loss uses the entropy), by the engine the forward used.
 
     ``logits`` is the Function's input ([B, T, V], or [B, T + 1, V] when ``ctx.trailing``)."""
     grad, written = gradient_buffer(logits, ctx.trailing, ctx.in_place)
     rows = aligned(logits, ctx.trailing)
+    flat = lambda t: None if t is None else t.reshape(-1).float().contiguous()  # noqa: E731
     if ctx.engine == "triton":
-        launch_module().backward(rows, ids, lse.reshape(-1), g.reshape(-1).float().contiguous(), ctx.temperature,
-                                 out=written)
+        launch_module().backward(rows, ids, lse.reshape(-1), flat(g), ctx.temperature, out=written,
+                                 grad_entropy=flat(h), entropy=flat(entropy) if h is not None else None)
     else:
-        torch_path.backward(rows, ids, lse, g.float(), ctx.temperature, out=written)
+        torch_path.backward(rows, ids, lse, g.float(), ctx.temperature, out=written,
+                            grad_entropy=None if h is None else h.float(), entropy=entropy)
     if ctx.in_place:
         torch.autograd.graph.increment_version(logits)
     return grad
@@ -94,20 +97,23 @@ class FusedTokenLoss(torch.autograd.Function):
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy,
         )
-        ctx.save_for_backward(logits, ids, result.lse, result.dloss_dlogp)
+        ctx.save_for_backward(logits, ids, result.lse, result.dloss_dlogp, result.entropy)
         ctx.engine, ctx.temperature, ctx.in_place, ctx.trailing = "triton", opts.temperature, in_place, trailing
         view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         outputs = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl),
                    view(result.flags))
-        ctx.mark_non_differentiable(*[t for t in outputs[1:] if t is not None])
+        # the entropy is differentiable when a loss term uses it (the entropy bonus)
+        frozen = [outputs[1], outputs[3], outputs[4]] + ([outputs[2]] if opts.entropy_coef == 0.0 else [])
+        ctx.mark_non_differentiable(*[t for t in frozen if t is not None])
         return outputs
 
     @staticmethod
-    def backward(ctx, grad_loss, *unused):
-        logits, ids, lse, dloss_dlogp = ctx.saved_tensors
+    def backward(ctx, grad_loss, grad_logp, grad_entropy, *unused):
+        logits, ids, lse, dloss_dlogp, entropy = ctx.saved_tensors
         grad = None
-        if ctx.needs_input_grad[0] and grad_loss is not None:
-            grad = _write_gradient(ctx, logits, ids, lse, grad_loss.reshape(-1) * dloss_dlogp)
+        if ctx.needs_input_grad[0] and (grad_loss is not None or grad_entropy is not None):
+            g = torch.zeros_like(dloss_dlogp) if grad_loss is None else grad_loss.reshape(-1) * dloss_dlogp
+            grad = _write_gradient(ctx, logits, ids, lse, g, grad_entropy, entropy)
         return grad, None, None, None, None, None, None, None, None, None
 
 
@@ -124,7 +130,7 @@ class FusedTokenLossOnePass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights, grad_weight,
-                opts: GRPOOptions, trailing: bool = False):
+                opts: GRPOOptions, trailing: bool = False, entropy_grad_weight=None):
         ctx.set_materialize_grads(False)
         rows = aligned(logits, trailing)
         B, T, _ = rows.shape
@@ -133,8 +139,11 @@ class FusedTokenLossOnePass(torch.autograd.Function):
             rows, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy, grad_weight=grad_weight, grad_out=written,
+            entropy_grad_weight=entropy_grad_weight,
         )
         loss = torch.dot(result.loss, grad_weight)
+        if entropy_grad_weight is not None:  # the entropy bonus: its weights are dLoss/dH, sign included
+            loss = loss + torch.dot(result.entropy, entropy_grad_weight)
         ctx.save_for_backward(grad)
         view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         extras = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl), view(result.flags))
@@ -146,11 +155,11 @@ class FusedTokenLossOnePass(torch.autograd.Function):
         _first_backward(ctx, "the one-pass GRPO loss")
         (grad,) = ctx.saved_tensors
         if grad_loss is None:  # the loss is not part of what is differentiated
-            return (None,) * 10
+            return (None,) * 11
         # In place, with the scale read on the device: no host sync, no second [B, T, V] tensor,
         # and no pass over the gradient at all when grad_loss is 1 (a plain loss.backward()).
         launch_module().scale_in_place(grad, grad_loss.detach())
-        return grad, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None, None
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -179,18 +188,17 @@ class TokenLogprobs(torch.autograd.Function):
             if mask is not None:
                 logp = torch.where(active, logp, 0.0)
                 entropy = None if entropy is None else torch.where(active, entropy, 0.0)
-        ctx.save_for_backward(full, ids, lse)
+        ctx.save_for_backward(full, ids, lse, entropy)
         ctx.engine, ctx.temperature, ctx.in_place, ctx.trailing = engine, temperature, in_place, trailing
-        if entropy is not None:
-            ctx.mark_non_differentiable(entropy)
-        return logp, entropy
+        return logp, entropy  # both differentiable: a loss may use the entropy (the entropy bonus)
 
     @staticmethod
-    def backward(ctx, grad_logp, unused):
-        logits, ids, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, ids, lse, entropy = ctx.saved_tensors
         grad = None
-        if ctx.needs_input_grad[0] and grad_logp is not None:
-            grad = _write_gradient(ctx, logits, ids, lse, grad_logp)
+        if ctx.needs_input_grad[0] and (grad_logp is not None or grad_entropy is not None):
+            g = torch.zeros_like(lse) if grad_logp is None else grad_logp
+            grad = _write_gradient(ctx, logits, ids, lse, g, grad_entropy, entropy)
         return grad, None, None, None, None, None, None, None
 
 

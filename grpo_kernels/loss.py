@@ -123,11 +123,12 @@ def grpo_loss(
             one_pass = launch_module().default_one_pass(logits)
         if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
             loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
-                *kernel_inputs, _grad_weight(mask, opts, normalizer, loss_scale), opts, trailing)
-        else:  # two-pass: dLoss/dlogp applied by the backward kernel
+                *kernel_inputs, _grad_weight(mask, opts, normalizer, loss_scale), opts, trailing,
+                _entropy_grad_weight(mask, opts, loss_scale))
+        else:  # two-pass: dLoss/dlogp (and dLoss/dH) applied by the backward kernel
             loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward,
                                                                     trailing)
-            loss = _reduced(loss_t, mask, opts, normalizer, loss_scale)
+            loss = _reduced(loss_t, mask, opts, normalizer, loss_scale, entropy)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = TokenLogprobs.apply(
         full, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
@@ -163,16 +164,28 @@ def _checked_loss_scale(loss_scale):
     return float(loss_scale)
 
 
-def _reduced(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale):
-    """TRL's reduction of the per-token loss, times ``loss_scale`` (an O(1) op whose backward only
-    scales the O(B * T) per-token gradients)."""
+def _reduced(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale, entropy=None):
+    """TRL's reduction of the per-token loss, less the entropy bonus (with ``entropy_coef``), times
+    ``loss_scale`` (an O(1) op whose backward only scales the O(B * T) per-token gradients)."""
     loss = ref.reduce_loss(per_token_loss, mask, opts, normalizer)
+    if opts.entropy_coef != 0.0:
+        loss = loss - ref.entropy_bonus(entropy, mask, opts)
     return loss if isinstance(loss_scale, float) and loss_scale == 1.0 else loss * loss_scale
 
 
 def _grad_weight(mask, opts: GRPOOptions, normalizer, loss_scale) -> torch.Tensor:
     """Each token's weight in the reduced, scaled loss as the one-pass kernels read it: fp32 [B * T]."""
     weights = ref.reduction_weights(mask, opts, normalizer)
+    if not (isinstance(loss_scale, float) and loss_scale == 1.0):
+        weights = weights * loss_scale
+    return weights.float().reshape(-1).contiguous()
+
+
+def _entropy_grad_weight(mask, opts: GRPOOptions, loss_scale) -> Optional[torch.Tensor]:
+    """Each token's dLoss/dH for the one-pass kernels (the entropy bonus, scaled), or None without one."""
+    if opts.entropy_coef == 0.0:
+        return None
+    weights = ref.entropy_bonus_weights(mask, opts)
     if not (isinstance(loss_scale, float) and loss_scale == 1.0):
         weights = weights * loss_scale
     return weights.float().reshape(-1).contiguous()
@@ -204,7 +217,7 @@ def _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, impo
         logp, mask, _neutral_at_masked(advantages, active, 0.0), _neutral_at_masked(old_logps, active, 0.0),
         _neutral_at_masked(ref_logps, active, 0.0), _neutral_at_masked(importance_weights, active, 1.0), opts,
     )
-    loss = _reduced(terms.per_token_loss, mask, opts, normalizer, loss_scale)
+    loss = _reduced(terms.per_token_loss, mask, opts, normalizer, loss_scale, entropy)
     return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
 
 
@@ -295,6 +308,9 @@ def fused_linear_grpo_loss(
         raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
     opts = options if options is not None else GRPOOptions(**option_kwargs)
     _check_linear_inputs(hidden_states, weight, bias)
+    if opts.entropy_coef != 0.0:
+        raise ValueError(f"entropy_coef={opts.entropy_coef!r}: the entropy bonus is not yet fused into the lm_head "
+                         "kernels; use GRPOLoss on logits for it")
     B, T, H = hidden_states.shape
     logits_like = hidden_states.new_empty(()).expand(B, T, weight.shape[0])  # shape checks only, no memory
     check_inputs(logits_like, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,

@@ -76,6 +76,7 @@ class GRPOOptions:
     log_ratio_clamp: Optional[float] = None
     kl_clamp: Optional[float] = None
     compute_entropy: bool = True
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -112,6 +113,10 @@ class GRPOOptions:
                 raise TypeError(f"max_completion_length must be an int, got {self.max_completion_length!r}")
             if self.max_completion_length < 1:
                 raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length!r}")
+        _check_number("entropy_coef", self.entropy_coef)
+        if self.entropy_coef != 0.0 and not self.compute_entropy:
+            raise ValueError(f"entropy_coef={self.entropy_coef!r} needs the entropy: "
+                             "compute_entropy=False turns it off")
         if self.use_bias_correction_kl and self.beta == 0:
             raise ValueError("use_bias_correction_kl=True multiplies the KL term, but beta=0 turns the KL term off")
 
@@ -154,6 +159,7 @@ class GRPOOptions:
             use_bias_correction_kl=bool(get("use_bias_correction_kl", False)) and beta != 0.0,
             sapo_temperature_pos=float(get("sapo_temperature_pos", 1.0)),
             sapo_temperature_neg=float(get("sapo_temperature_neg", 1.05)),
+            entropy_coef=float(get("entropy_coef", 0.0) or 0.0),
             **PRESETS["trl"],
         )
         return cls(**{**options, **overrides})

@@ -228,6 +228,19 @@ def grpo_loss_reference(
         as_row_column(None if importance_weights is None else importance_weights.float()),
         opts,
     )
-    loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer)
+    loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer) - entropy_bonus(entropy, mask, opts)
     metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
     return GRPOLossOutput(loss, metrics, lp.detach())
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions):
+    """TRL's entropy bonus, subtracted from the loss: ``entropy_coef`` times the mean entropy over the
+    active tokens, whatever the loss type's reduction (0 without a coefficient)."""
+    if opts.entropy_coef == 0.0:
+        return 0.0
+    return opts.entropy_coef * (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
+    """dLoss/dH per token of ``- entropy_bonus``: -entropy_coef * M / max(sum M, 1)."""
+    return -opts.entropy_coef * mask / mask.sum().clamp(min=1.0)

@@ -79,24 +79,38 @@ def backward(
     *,
     in_place: bool = False,
     out: Optional[torch.Tensor] = None,
+    grad_entropy: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dlogits = g * (onehot - softmax(logits / tau)) / tau, in the logits' dtype.
 
     ``grad_logp`` (g) and ``lse`` are fp32 [B, T]. ``in_place`` writes into ``logits``;
-    ``out`` ([B, T, V]) is written and returned instead of a new tensor.
+    ``out`` ([B, T, V]) is written and returned instead of a new tensor. ``grad_entropy`` (h =
+    dLoss/dH) with the forward's ``entropy`` (H), both fp32 [B, T], adds h dH/dlogits, where
+    dH/dz_j = -p_j (log p_j + H): the row becomes (g onehot + p (-g - h H - h log p)) / tau.
     """
     B, T, V = logits.shape
     grad = logits if in_place else out if out is not None else torch.empty(
         (B, T, V), device=logits.device, dtype=logits.dtype)
     flat_ids, flat_lse = ids.reshape(-1).long(), lse.reshape(-1)
-    flat_g = grad_logp.reshape(-1) * (1.0 / temperature)
     inv_temperature = 1.0 / temperature
+    flat_g = grad_logp.reshape(-1) * inv_temperature
+    flat_h = None if grad_entropy is None else grad_entropy.reshape(-1) * inv_temperature
     for piece, grad_piece, n in _chunks(logits, grad):
         g = flat_g[n].unsqueeze(-1)  # [rows, 1]
-        piece_grad = torch.exp(piece.float() * inv_temperature - flat_lse[n].unsqueeze(-1)).mul_(-g)
+        log_p = piece.float() * inv_temperature - flat_lse[n].unsqueeze(-1)
+        if flat_h is None:
+            piece_grad = torch.exp(log_p).mul_(-g)
+            zero_rows = g == 0
+        else:
+            h = flat_h[n].unsqueeze(-1)
+            # a -inf logit: p = 0 and log p = -inf, whose product is NaN; its gradient is 0
+            piece_grad = torch.exp(log_p) * torch.where(log_p > float("-inf"), -g - h * entropy.reshape(-1)[n]
+                                                         .unsqueeze(-1) - h * log_p, 0.0)
+            zero_rows = (g == 0) & (h == 0)
         piece_grad.scatter_add_(-1, flat_ids[n].unsqueeze(-1), g)
-        # g == 0 (a masked token) is a zero row whatever its logits hold: 0 * exp(NaN or inf) is NaN
-        piece_grad.masked_fill_(g == 0, 0.0)
+        # a masked token is a zero row whatever its logits hold: 0 * exp(NaN or inf) is NaN
+        piece_grad.masked_fill_(zero_rows, 0.0)
         grad_piece.copy_(piece_grad)  # cast to the logits' dtype
     return grad
 

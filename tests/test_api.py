@@ -176,7 +176,8 @@ def test_per_step_values_are_runtime_arguments():
         # feature flags, block sizes and the launch schedule (fixed by the configuration, not the step)
         assert constexprs <= {"LOSS_KIND", "HAS_OLD", "HAS_KL", "KL_KIND", "HAS_DELTA", "HAS_DUAL_CLIP",
                               "HAS_LOG_RATIO_CLAMP", "HAS_KL_CLAMP", "BIAS_CORRECTION_KL", "HAS_IW", "HAS_MASK",
-                              "COMPUTE_ENTROPY", "WRITE_GRAD", "ROW_ALIGN", "BLOCK_V", "PERSISTENT"}
+                              "COMPUTE_ENTROPY", "WRITE_GRAD", "ROW_ALIGN", "BLOCK_V", "PERSISTENT",
+                              "HAS_ENTROPY_GRAD"}
     assert set(K.RUNTIME_INTS) == {"T", "V", "N", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"}
     for name in ("grpo_forward_kernel", "logprob_backward_kernel"):
         assert re.search(rf"@triton\.jit\(do_not_specialize=RUNTIME_INTS\)\ndef {name}", source), name

@@ -107,9 +107,30 @@ def test_on_policy_batch_matches_trl(model_dir, dataset, tmp_path):
     assert_same_as_trl(stock, ours, batch)
 
 
+@pytest.mark.parametrize("loss_type, level, accumulation", [("grpo", "token", 2), ("dapo", "token", 2),
+                                                         ("cispo", "token", 1), ("grpo", "sequence", 2)])
+def test_entropy_bonus_matches_trl(model_dir, dataset, tmp_path, loss_type, level, accumulation):
+    """TRL's static entropy bonus (entropy_coef): loss - coef * mean entropy, divided by the accumulation
+    steps in training whatever the loss type."""
+    config = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level, temperature=0.9,
+                  gradient_accumulation_steps=accumulation, epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+                  entropy_coef=0.05)
+    stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
+    assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=0.04), accumulation)
+
+
 def test_unsupported_trl_options_raise(model_dir, dataset, tmp_path):
     with pytest.raises(ValueError, match=r"does not support top_entropy_quantile=0.5"):
         _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, top_entropy_quantile=0.5)
+    with pytest.raises(ValueError, match=r"does not support use_adaptive_entropy \(the adaptive entropy controller"):
+        _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, use_adaptive_entropy=True)
+    args = GRPOConfig(output_dir=str(tmp_path / "fused"), per_device_train_batch_size=B, num_generations=G,
+                      max_completion_length=T, report_to="none", use_cpu=True, max_steps=1, bf16=False,
+                      entropy_coef=0.1)
+    with pytest.raises(ValueError, match=r"does not support entropy_coef with fused_lm_head=True"):
+        GRPOKernelsTrainer(model=model_dir, reward_funcs=exact_answer, args=args, train_dataset=dataset,
+                           processing_class=compare.build_tokenizer(), fused_lm_head=True)
 
 
 def test_short_train_runs(model_dir, dataset, tmp_path):

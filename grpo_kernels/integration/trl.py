@@ -39,8 +39,10 @@ def unsupported_options(trainer) -> list:
         problems.append(f"top_entropy_quantile={trainer.top_entropy_quantile} (the high-entropy token mask)")
     if getattr(trainer, "off_policy_mask_threshold", None) is not None:
         problems.append(f"off_policy_mask_threshold={trainer.off_policy_mask_threshold} (the off-policy mask)")
-    if getattr(trainer, "_entropy_bonus_enabled", False):
-        problems.append("an entropy bonus (entropy_coef / adaptive entropy)")
+    if getattr(args, "use_adaptive_entropy", False):
+        problems.append("use_adaptive_entropy (the adaptive entropy controller; a static entropy_coef is supported)")
+    if getattr(trainer, "entropy_coef", 0.0) != 0.0 and getattr(trainer, "fused_lm_head", False):
+        problems.append("entropy_coef with fused_lm_head=True (the bonus is fused on the logits path only)")
     if getattr(trainer, "aux_loss_enabled", False):
         problems.append("the MoE router auxiliary loss (output_router_logits)")
     if getattr(args, "context_parallel_size", 1) not in (None, 1):
@@ -54,8 +56,8 @@ class GRPOKernelsTrainer(GRPOTrainer):
     def __init__(self, *args, fused_lm_head: bool = False, **kwargs):
         """TRL's arguments, plus ``fused_lm_head``: compute the loss from the last hidden states and the
         lm_head weight (``FusedLinearGRPOLoss``), never materializing the [B, T, V] logits."""
+        self.fused_lm_head = fused_lm_head  # read by unsupported_options, which runs in TRL's __init__
         super().__init__(*args, **kwargs)
-        self.fused_lm_head = fused_lm_head
         problems = unsupported_options(self)
         if problems:
             raise ValueError("GRPOKernelsTrainer does not support " + "; ".join(problems)
@@ -69,6 +71,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
         # gradient is written at that shape, not copied into it by autograd's slice backward.
         self.grpo_loss = (FusedLinearGRPOLoss(options=options) if fused_lm_head
                           else GRPOLoss(options=options, drop_last_position=True))
+        self.loss_fn_entropy_coef = options.entropy_coef  # TRL's static coefficient, before accumulation
 
     @staticmethod
     def _sequence(inputs):
@@ -111,6 +114,11 @@ class GRPOKernelsTrainer(GRPOTrainer):
         # TRL divides these losses by the accumulation steps: declared up front, the one-pass kernel
         # writes the gradient already scaled and the backward moves no extra byte.
         divided = self.loss_type in _DIVIDED_BY_ACCUMULATION and mode == "train"
+        if self.loss_fn_entropy_coef != 0.0:
+            # TRL divides the entropy bonus by the accumulation steps in training whatever the loss type;
+            # loss_scale does that for the types it divides, the coefficient for the others
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" and not divided else 1
+            self.grpo_loss.update(entropy_coef=self.loss_fn_entropy_coef / accumulation)
         loss_inputs = dict(old_logps=inputs.get("old_per_token_logps"),
                            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
                            importance_weights=importance_weights, normalizer=normalizer,

@@ -273,14 +273,14 @@ def _forward_token(
     logits_ptr, stride_b, stride_t, ids_ptr, T, V,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-    grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
+    grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
     inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
     log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
     HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
     HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
 ):
     """Everything the forward does for one token (row ``pid``): see ``grpo_forward_kernel``."""
     active = True
@@ -325,8 +325,12 @@ def _forward_token(
             # One pass: the reduction's weight of this token is known up front, so dLoss/dlogp
             # is too; re-stream the row (an L2 hit, the row was just read) and write dlogits.
             g = tl.where(active, dloss * tl.load(grad_weight_ptr + pid), 0.0)
+            h = 0.0
+            if HAS_ENTROPY_GRAD:  # the entropy bonus: dLoss/dH of this token, known up front like g
+                h = tl.where(active, tl.load(entropy_grad_ptr + pid), 0.0)
             out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
-            _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BLOCK_V)
+            _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, h, entropy, BLOCK_V,
+                                HAS_ENTROPY_GRAD)
 
 
 
@@ -335,14 +339,14 @@ def grpo_forward_kernel(
     logits_ptr, stride_b, stride_t, ids_ptr, T, V, N,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-    grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
+    grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
     inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
     log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
     LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
     HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
     HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
     HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    BLOCK_V: tl.constexpr, PERSISTENT: tl.constexpr,
+    BLOCK_V: tl.constexpr, PERSISTENT: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
 ):
     """One token per program on a grid of N programs; or, PERSISTENT, a grid of a few programs per SM,
     each taking every num_programs-th token, so that the rows in flight (and being re-read by the
@@ -352,39 +356,67 @@ def grpo_forward_kernel(
             _forward_token(
                 tl.cast(row, tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr, old_ptr,
                 ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-                grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, inv_temperature, eps_low, eps_high,
-                delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg, LOSS_KIND, HAS_OLD,
-                HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
-                HAS_IW, HAS_MASK, COMPUTE_ENTROPY, WRITE_GRAD, ROW_ALIGN, BLOCK_V,
+                grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
+                eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+                LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
+                BIAS_CORRECTION_KL, HAS_IW, HAS_MASK, COMPUTE_ENTROPY, WRITE_GRAD, ROW_ALIGN, BLOCK_V, HAS_ENTROPY_GRAD,
             )
     else:
         _forward_token(
             tl.program_id(0).to(tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr,
             old_ptr, ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-            grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, inv_temperature, eps_low, eps_high,
-            delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg, LOSS_KIND, HAS_OLD,
-            HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
-            HAS_IW, HAS_MASK, COMPUTE_ENTROPY, WRITE_GRAD, ROW_ALIGN, BLOCK_V,
+            grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
+            eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+            LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
+            BIAS_CORRECTION_KL, HAS_IW, HAS_MASK, COMPUTE_ENTROPY, WRITE_GRAD, ROW_ALIGN, BLOCK_V, HAS_ENTROPY_GRAD,
         )
 
 
 @triton.jit
-def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BLOCK_V: tl.constexpr):
+def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, h, entropy,
+                        BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
     """out = g * (onehot(target) - softmax(row / tau)) / tau over one row; a zero row, unread, if g == 0.
 
     The loop writes -g / tau * p for every column, one exp2 and one multiply a logit; the target's
     +g / tau is one scalar store after it (ordered after the loop's stores by a barrier), not a
     compare on every element.
+
+    HAS_ENTROPY_GRAD adds h = dLoss/dH times the entropy's gradient, dH/dz_j = -p_j (log p_j + H):
+    out_j = (g onehot_j + p_j (-g - h H - h log p_j)) / tau. With d = x2 - lse2 (base 2, so
+    log p_j = d ln 2) that is p * (a d + b), a = -h ln2 / tau, b = (-g - h H) / tau: one FMA more a
+    logit. The row is zero, unread, only if g and h are both 0.
     """
     cols = tl.arange(0, BLOCK_V)
     out_dtype = out_ptr.dtype.element_ty
     full_end = (V // BLOCK_V) * BLOCK_V
-    if g == 0.0:
+    is_zero = g == 0.0
+    if HAS_ENTROPY_GRAD:
+        is_zero = is_zero & (h == 0.0)
+    if is_zero:
         zeros = tl.zeros([BLOCK_V], dtype=out_dtype)
         for start in range(0, full_end, BLOCK_V):
             tl.store(out_ptr + start + cols, zeros)
         if full_end < V:
             tl.store(out_ptr + full_end + cols, zeros, mask=full_end + cols < V)
+    elif HAS_ENTROPY_GRAD:
+        c = inv_temperature * LOG2E
+        lse2 = lse * LOG2E
+        a = -h * LN2 * inv_temperature
+        b = (-g - h * entropy) * inv_temperature
+        # d is floored at FLOOR so that a -inf logit gives p = 0 times a finite a d + b, not 0 * inf = NaN;
+        # a NaN still propagates (the row's log-sum-exp is NaN then anyway). The target is read before the
+        # loop, which may write in place.
+        d_target = tl.maximum(tl.load(row_ptr + target).to(tl.float32) * c - lse2, FLOOR, propagate_nan=NAN)
+        for start in range(0, full_end, BLOCK_V):
+            d = tl.maximum(tl.load(row_ptr + start + cols).to(tl.float32) * c - lse2, FLOOR, propagate_nan=NAN)
+            tl.store(out_ptr + start + cols, (tl.exp2(d) * (a * d + b)).to(out_dtype))
+        if full_end < V:
+            in_row = full_end + cols < V
+            x = tl.load(row_ptr + full_end + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+            d = tl.maximum(x * c - lse2, FLOOR, propagate_nan=NAN)
+            tl.store(out_ptr + full_end + cols, (tl.exp2(d) * (a * d + b)).to(out_dtype), mask=in_row)
+        tl.debug_barrier()
+        tl.store(out_ptr + target, (g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)).to(out_dtype))
     else:
         c = inv_temperature * LOG2E
         lse2 = lse * LOG2E
@@ -406,16 +438,23 @@ def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BL
 def logprob_backward_kernel(
     logits_ptr, stride_b, stride_t, ids_ptr, T, V,
     grad_logp_ptr, lse_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
-    inv_temperature, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
+    grad_entropy_ptr, entropy_ptr,
+    inv_temperature, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
 ):
-    """dlogits = g * (onehot - p) / tau; may write into the logits' own storage (in place)."""
+    """dlogits = g * (onehot - p) / tau (+ dLoss/dH times dH/dlogits with HAS_ENTROPY_GRAD); may
+    write into the logits' own storage (in place)."""
     pid = tl.program_id(0).to(tl.int64)
     g = tl.load(grad_logp_ptr + pid)
+    h = 0.0
+    entropy = 0.0
+    if HAS_ENTROPY_GRAD:
+        h = tl.load(grad_entropy_ptr + pid)
+        entropy = tl.load(entropy_ptr + pid)
     row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
     out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
     lse = tl.load(lse_ptr + pid)
     target = tl.load(ids_ptr + pid).to(tl.int64)
-    _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, BLOCK_V)
+    _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, h, entropy, BLOCK_V, HAS_ENTROPY_GRAD)
 
 
 @triton.jit(do_not_specialize=["numel"])

@@ -185,6 +185,7 @@ def forward(
     config: Optional[Dict[str, int]] = None,
     grad_in_place: bool = False,
     grad_out: Optional[torch.Tensor] = None,
+    entropy_grad_weight: Optional[torch.Tensor] = None,
 ) -> ForwardResult:
     """Run the forward kernel.
 
@@ -196,13 +197,18 @@ def forward(
     ``grad_in_place`` (one-pass) writes dlogits over the logits themselves: each row is read
     in full for its log-sum-exp before any of it is written. ``grad_out`` (one-pass) is a
     [B, T, V] tensor with a unit last stride to write dlogits into, e.g. the aligned view of a
-    [B, T + 1, V] gradient, so that no copy into a bigger buffer follows.
+    [B, T + 1, V] gradient, so that no copy into a bigger buffer follows. ``entropy_grad_weight``
+    (one-pass, with ``compute_entropy``; fp32 [N]) is each token's dLoss/dH, the entropy bonus's
+    weight: its gradient is written in the same pass.
     """
     B, T, V = logits.shape
     N = B * T
     out = _allocate_outputs(N, logits.device, opts, compute_entropy)
     inputs, outputs, dummy = _loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
     write_grad = grad_weight is not None and out.loss is not None
+    entropy_grad = write_grad and entropy_grad_weight is not None
+    if entropy_grad and not compute_entropy:
+        raise ValueError("entropy_grad_weight needs compute_entropy=True (the gradient uses each token's entropy)")
     grad = None
     if write_grad:
         grad = logits if grad_in_place else grad_out if grad_out is not None else torch.empty(
@@ -218,9 +224,9 @@ def forward(
         K.grpo_forward_kernel[grid](
             logits, logits.stride(0), logits.stride(1), ids, T, V, N, *inputs, *outputs,
             grad_weight if write_grad else dummy, grad_target, grad_target.stride(0), grad_target.stride(1),
-            *_loss_scalar_args(opts, temperature),
+            entropy_grad_weight if entropy_grad else dummy, *_loss_scalar_args(opts, temperature),
             **constexprs, ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])), PERSISTENT=persistent,
-            **launch_config,
+            HAS_ENTROPY_GRAD=entropy_grad, **launch_config,
         )
     out.grad_logits = grad
     return out
@@ -236,11 +242,15 @@ def backward(
     in_place: bool = False,
     config: Optional[Dict[str, int]] = None,
     out: Optional[torch.Tensor] = None,
+    grad_entropy: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dlogits [B, T, V] in the logits' dtype from g = dLoss/dlogp (fp32 [N]).
 
     ``in_place`` writes into ``logits`` itself (same strides) and returns it; ``out`` (a
     [B, T, V] tensor with a unit last stride) is written and returned instead of a new tensor.
+    ``grad_entropy`` (dLoss/dH, fp32 [N]) with the forward's ``entropy`` (fp32 [N]) adds the
+    entropy's gradient in the same pass.
     """
     B, T, V = logits.shape
     grad = logits if in_place else out if out is not None else torch.empty(
@@ -248,10 +258,12 @@ def backward(
     launch_config = logits_launch_config(logits, config)
     launch_config.pop("programs_per_sm", None)  # the forward's schedule; the backward reads each row once
     if B * T > 0:
+        with_entropy = grad_entropy is not None
         K.logprob_backward_kernel[(B * T,)](
             logits, logits.stride(0), logits.stride(1), ids, T, V,
             grad_logp, lse, grad, grad.stride(0), grad.stride(1),
-            1.0 / temperature, ROW_ALIGN=row_alignment(logits, grad), **launch_config,
+            grad_entropy if with_entropy else grad_logp, entropy if with_entropy else grad_logp,
+            1.0 / temperature, ROW_ALIGN=row_alignment(logits, grad), HAS_ENTROPY_GRAD=with_entropy, **launch_config,
         )
     return grad
 
