@@ -15,7 +15,7 @@ from .kernels import contracts as K
 from .kernels.contracts import launch_module
 from .options import BACKENDS, PPO_CLIP_LOSS_TYPES, GRPOOptions
 from .reference import GRPOLossOutput
-from .validation import check_in_place, check_inputs, check_logits, check_token_ids, resolve_backend
+from .validation import check_in_place, check_inputs, check_logits, check_per_token, check_token_ids, resolve_backend
 
 
 def _flat_f32(t: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tensor]:
@@ -81,9 +81,13 @@ def grpo_loss(
     one_pass: Optional[bool] = None,
     loss_scale=1.0,
     drop_last_position: bool = False,
+    sampling_logps: Optional[torch.Tensor] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
+
+    ``sampling_logps`` [B, T] (the sampler's log-probs, e.g. vLLM's) feed the off-policy mask
+    (``off_policy_mask_threshold``); without them it uses ``old_logps``, as TRL does.
 
     With ``drop_last_position=True``, ``logits`` is [B, T + 1, V], as a causal LM returns them
     with ``logits_to_keep = T + 1``: the last position predicts no completion token, is never
@@ -103,12 +107,18 @@ def grpo_loss(
     logits = aligned(full, trailing)  # [B, T, V]: what is checked, and what the kernels read
     check_inputs(logits, completion_ids, completion_mask, advantages, old_logps, ref_logps,
                  importance_weights, normalizer, opts, check_ids)
+    check_per_token("sampling_logps", sampling_logps, logits, allow_row=False)
     engine = resolve_backend(backend, logits)
     check_in_place(in_place_backward, full)
     loss_scale = _checked_loss_scale(loss_scale)
     normalizer = _detached(normalizer)  # a per-step constant, like every per-token input
     B, T, _ = logits.shape
     mask = completion_mask.float()
+    bonus_mask = mask  # the tokens the entropy bonus acts on
+    if opts.masks_tokens:  # the masks need this pass's log-probs / entropies first: one more read of the logits
+        importance_weights, bonus_mask = _with_policy_masks(
+            full, trailing, completion_ids, mask, advantages, old_logps if sampling_logps is None else sampling_logps,
+            importance_weights, opts, engine)
 
     if engine == "triton" and logits.stride(-1) != 1:
         raise ValueError(
@@ -124,18 +134,36 @@ def grpo_loss(
         if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
             loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
                 *kernel_inputs, _grad_weight(mask, opts, normalizer, loss_scale), opts, trailing,
-                _entropy_grad_weight(mask, opts, loss_scale))
+                _entropy_grad_weight(bonus_mask, opts, loss_scale))
         else:  # two-pass: dLoss/dlogp (and dLoss/dH) applied by the backward kernel
             loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward,
                                                                     trailing)
-            loss = _reduced(loss_t, mask, opts, normalizer, loss_scale, entropy)
+            loss = _reduced(loss_t, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = TokenLogprobs.apply(
         full, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
         engine, in_place_backward, trailing,
     )
     return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                            opts, loss_scale)
+                            opts, loss_scale, bonus_mask)
+
+
+def _with_policy_masks(full, trailing, completion_ids, mask, advantages, sampling_logps, importance_weights,
+                       opts: GRPOOptions, engine: str):
+    """(importance weights times the policy masks, the entropy bonus's tokens) from a first, gradient-free
+    pass over the logits: the masks need every token's entropy (the top-entropy quantile, gathered
+    across processes) or each row's mean log-prob gap (the off-policy mask) before any gradient is
+    final. The loss pass then reads them as importance weights, which multiply the policy term only,
+    as TRL's masks do; so the one-pass kernel still writes the gradient in its single pass."""
+    with torch.no_grad():
+        logp, entropy = TokenLogprobs.apply(full, completion_ids.contiguous(), mask.reshape(-1).contiguous(),
+                                            opts.temperature, opts.top_entropy_quantile < 1.0, engine, False,
+                                            trailing)
+    policy_mask, entropy_mask = ref.policy_masks(logp, entropy, mask, advantages.detach().float(), sampling_logps,
+                                                 opts)
+    if importance_weights is not None:
+        policy_mask = ref.as_row_column(importance_weights.detach().float()) * policy_mask
+    return policy_mask, mask if entropy_mask is None else mask * entropy_mask
 
 
 def _checked_drop_last_position(drop_last_position, logits, completion_ids) -> bool:
@@ -164,12 +192,13 @@ def _checked_loss_scale(loss_scale):
     return float(loss_scale)
 
 
-def _reduced(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale, entropy=None):
-    """TRL's reduction of the per-token loss, less the entropy bonus (with ``entropy_coef``), times
-    ``loss_scale`` (an O(1) op whose backward only scales the O(B * T) per-token gradients)."""
+def _reduced(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale, entropy=None, bonus_mask=None):
+    """TRL's reduction of the per-token loss, less the entropy bonus (with ``entropy_coef``, over
+    ``bonus_mask``'s tokens), times ``loss_scale`` (an O(1) op whose backward only scales the
+    O(B * T) per-token gradients)."""
     loss = ref.reduce_loss(per_token_loss, mask, opts, normalizer)
     if opts.entropy_coef != 0.0:
-        loss = loss - ref.entropy_bonus(entropy, mask, opts)
+        loss = loss - ref.entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts)
     return loss if isinstance(loss_scale, float) and loss_scale == 1.0 else loss * loss_scale
 
 
@@ -206,7 +235,7 @@ def _neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: fl
 
 
 def _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                     opts: GRPOOptions, loss_scale=1.0) -> GRPOLossOutput:
+                     opts: GRPOOptions, loss_scale=1.0, bonus_mask=None) -> GRPOLossOutput:
     """The O(B * T) part on differentiable log-probs: per-token terms, reduction, metrics.
 
     ``logp`` (and ``entropy``) are 0 at masked tokens; the per-token inputs get neutral
@@ -217,7 +246,7 @@ def _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, impo
         logp, mask, _neutral_at_masked(advantages, active, 0.0), _neutral_at_masked(old_logps, active, 0.0),
         _neutral_at_masked(ref_logps, active, 0.0), _neutral_at_masked(importance_weights, active, 1.0), opts,
     )
-    loss = _reduced(terms.per_token_loss, mask, opts, normalizer, loss_scale, entropy)
+    loss = _reduced(terms.per_token_loss, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
     return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
 
 
@@ -308,6 +337,9 @@ def fused_linear_grpo_loss(
         raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
     opts = options if options is not None else GRPOOptions(**option_kwargs)
     _check_linear_inputs(hidden_states, weight, bias)
+    if opts.masks_tokens:
+        raise ValueError("top_entropy_quantile < 1 and off_policy_mask_threshold are not yet supported from hidden "
+                         "states (they need a first pass over the logits); use GRPOLoss on logits for them")
     if opts.entropy_coef != 0.0:
         raise ValueError(f"entropy_coef={opts.entropy_coef!r}: the entropy bonus is not yet fused into the lm_head "
                          "kernels; use GRPOLoss on logits for it")
@@ -450,12 +482,12 @@ class GRPOLoss(nn.Module):
         return f"{self.options}, backend={self.backend!r}"
 
     def forward(self, logits, completion_ids, completion_mask, advantages, old_logps=None, ref_logps=None,
-                importance_weights=None, normalizer=None, loss_scale=1.0) -> GRPOLossOutput:
+                importance_weights=None, normalizer=None, loss_scale=1.0, sampling_logps=None) -> GRPOLossOutput:
         return grpo_loss(
             logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
             normalizer, options=self.options, backend=self.backend, in_place_backward=self.in_place_backward,
             check_ids=self.check_ids, one_pass=self.one_pass, loss_scale=loss_scale,
-            drop_last_position=self.drop_last_position,
+            drop_last_position=self.drop_last_position, sampling_logps=sampling_logps,
         )
 
 

@@ -77,6 +77,8 @@ class GRPOOptions:
     kl_clamp: Optional[float] = None
     compute_entropy: bool = True
     entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -114,6 +116,14 @@ class GRPOOptions:
             if self.max_completion_length < 1:
                 raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length!r}")
         _check_number("entropy_coef", self.entropy_coef)
+        _check_number("top_entropy_quantile", self.top_entropy_quantile)
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1] (1 keeps every token), got "
+                             f"{self.top_entropy_quantile!r}")
+        if self.top_entropy_quantile < 1.0 and not self.compute_entropy:
+            raise ValueError("top_entropy_quantile < 1 masks tokens by their entropy: "
+                             "compute_entropy=False turns it off")
+        _check_number("off_policy_mask_threshold", self.off_policy_mask_threshold, optional=True)
         if self.entropy_coef != 0.0 and not self.compute_entropy:
             raise ValueError(f"entropy_coef={self.entropy_coef!r} needs the entropy: "
                              "compute_entropy=False turns it off")
@@ -128,6 +138,12 @@ class GRPOOptions:
     @property
     def uses_kl(self) -> bool:
         return self.beta != 0.0
+
+    @property
+    def masks_tokens(self) -> bool:
+        """A policy-term mask that needs this pass's log-probs or entropies before the loss (TRL's
+        high-entropy mask, DeepSeek-V3.2's off-policy sequence mask): one more read of the logits."""
+        return self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None
 
     @property
     def sequence_level(self) -> bool:
@@ -160,6 +176,8 @@ class GRPOOptions:
             sapo_temperature_pos=float(get("sapo_temperature_pos", 1.0)),
             sapo_temperature_neg=float(get("sapo_temperature_neg", 1.05)),
             entropy_coef=float(get("entropy_coef", 0.0) or 0.0),
+            top_entropy_quantile=float(get("top_entropy_quantile", 1.0)),
+            off_policy_mask_threshold=get("off_policy_mask_threshold"),
             **PRESETS["trl"],
         )
         return cls(**{**options, **overrides})

@@ -213,24 +213,86 @@ def grpo_loss_reference(
     importance_weights: Optional[torch.Tensor] = None,
     normalizer=None,
     options: Optional[GRPOOptions] = None,
+    sampling_logps: Optional[torch.Tensor] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
-    """The whole GRPO loss from logits [B, T, V], materializing fp32 log-softmax. The spec."""
+    """The whole GRPO loss from logits [B, T, V], materializing fp32 log-softmax. The spec.
+
+    ``sampling_logps`` [B, T]: the sampler's log-probs, for the off-policy mask (default: the old
+    log-probs, else this pass's own, which keeps every row)."""
     opts = options if options is not None else GRPOOptions(**option_kwargs)
     mask = completion_mask.float()
     lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.temperature)
+    importance_weights = as_row_column(None if importance_weights is None else importance_weights.float())
+    bonus_mask = mask
+    if opts.masks_tokens:
+        policy_mask, entropy_mask = policy_masks(lp, entropy, mask, advantages.float(),
+                                                 old_logps if sampling_logps is None else sampling_logps, opts)
+        importance_weights = policy_mask if importance_weights is None else importance_weights * policy_mask
+        bonus_mask = mask if entropy_mask is None else mask * entropy_mask
     terms = per_token_terms(
         lp,
         mask,
         as_row_column(advantages.float()),
         None if old_logps is None else old_logps.float(),
         None if ref_logps is None else ref_logps.float(),
-        as_row_column(None if importance_weights is None else importance_weights.float()),
+        importance_weights,
         opts,
     )
-    loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer) - entropy_bonus(entropy, mask, opts)
+    loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer) - entropy_bonus(entropy, bonus_mask, opts)
     metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
     return GRPOLossOutput(loss, metrics, lp.detach())
+
+
+def _gathered_across_processes(values: torch.Tensor) -> torch.Tensor:
+    """The 1-D ``values`` of every process (torch.distributed's default group), concatenated; this
+    process's own where none is initialized. Lengths may differ: each is padded to the longest."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    count = torch.tensor([values.numel()], device=values.device)
+    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, count)
+    longest = int(max(c.item() for c in counts))
+    padded = torch.zeros(longest, device=values.device, dtype=values.dtype)
+    padded[: values.numel()] = values
+    pieces = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(pieces, padded)
+    return torch.cat([p[: int(c.item())] for p, c in zip(pieces, counts)])
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
+    """TRL's top-entropy mask: active tokens whose entropy is at least the (1 - top_entropy_quantile)
+    quantile of every process's active tokens' entropies; float [B, T]."""
+    active = mask != 0
+    gathered = _gathered_across_processes(entropy.detach()[active].float())
+    if gathered.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.float32)
+    threshold = torch.quantile(gathered, 1.0 - opts.top_entropy_quantile)
+    return ((entropy.detach() * mask >= threshold) & active).float()
+
+
+def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampling_logps: Optional[torch.Tensor],
+                    mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, as TRL computes it: keep a row if its advantage is
+    >= 0 or its mean KL(sampler || current) = mean(sampling_logps - logp) over active tokens is at
+    most the threshold; a NaN sampling log-prob (unscored) counts as no evidence. Float [B, 1] or [B, T]."""
+    reference = logp.detach() if sampling_logps is None else sampling_logps.float()
+    kl = torch.nan_to_num(reference - logp.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((as_row_column(advantages) >= 0) | (mean_kl <= opts.off_policy_mask_threshold)).float()
+
+
+def policy_masks(logp: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor, advantages: torch.Tensor,
+                 sampling_logps: Optional[torch.Tensor], opts: GRPOOptions):
+    """(the mask multiplying the policy term, the high-entropy mask or None): TRL multiplies the
+    policy term by both masks (never the KL); the entropy bonus acts on the high-entropy tokens."""
+    entropy_mask = high_entropy_mask(entropy, mask, opts) if opts.top_entropy_quantile < 1.0 else None
+    masks = [m for m in (entropy_mask, off_policy_mask(advantages, logp, sampling_logps, mask, opts)
+                         if opts.off_policy_mask_threshold is not None else None) if m is not None]
+    policy = masks[0] if len(masks) == 1 else masks[0] * masks[1]
+    return policy, entropy_mask
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions):

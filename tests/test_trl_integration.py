@@ -120,9 +120,36 @@ def test_entropy_bonus_matches_trl(model_dir, dataset, tmp_path, loss_type, leve
     assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=0.04), accumulation)
 
 
+@pytest.mark.parametrize("loss_type, level, masks", [
+    ("grpo", "token", dict(top_entropy_quantile=0.5)),
+    ("dapo", "token", dict(off_policy_mask_threshold=0.05)),
+    ("grpo", "sequence", dict(top_entropy_quantile=0.7, off_policy_mask_threshold=0.05, entropy_coef=0.05)),
+    ("cispo", "token", dict(top_entropy_quantile=0.6, entropy_coef=0.05)),
+])
+@pytest.mark.parametrize("with_sampler", [False, True])
+def test_policy_masks_match_trl(model_dir, dataset, tmp_path, loss_type, level, masks, with_sampler):
+    """TRL's top-entropy mask and off-policy sequence mask (from the sampler's log-probs when the
+    batch has them, a NaN among them counting as no evidence; else from the old log-probs)."""
+    config = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level, temperature=0.9,
+                  gradient_accumulation_steps=2, epsilon_high=5.0 if loss_type == "cispo" else 0.28, **masks)
+    stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
+    batch = _batch(stock, off_policy=True, beta=0.04)
+    if with_sampler:
+        g = torch.Generator().manual_seed(3)
+        batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + 0.4 * torch.randn(B, T, generator=g)
+        batch["sampling_per_token_logps"][0, 1] = float("nan")
+    assert_same_as_trl(stock, ours, batch, accumulation=2)
+
+
 def test_unsupported_trl_options_raise(model_dir, dataset, tmp_path):
-    with pytest.raises(ValueError, match=r"does not support top_entropy_quantile=0.5"):
-        _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, top_entropy_quantile=0.5)
+    with pytest.raises(ValueError, match=r"does not support top_entropy_quantile < 1 or off_policy_mask_threshold "
+                                         r"with fused_lm_head=True"):
+        args = GRPOConfig(output_dir=str(tmp_path / "fused-mask"), per_device_train_batch_size=B, num_generations=G,
+                          max_completion_length=T, report_to="none", use_cpu=True, max_steps=1, bf16=False,
+                          top_entropy_quantile=0.5)
+        GRPOKernelsTrainer(model=model_dir, reward_funcs=exact_answer, args=args, train_dataset=dataset,
+                           processing_class=compare.build_tokenizer(), fused_lm_head=True)
     with pytest.raises(ValueError, match=r"does not support use_adaptive_entropy \(the adaptive entropy controller"):
         _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, use_adaptive_entropy=True)
     args = GRPOConfig(output_dir=str(tmp_path / "fused"), per_device_train_batch_size=B, num_generations=G,

@@ -35,10 +35,11 @@ def unsupported_options(trainer) -> list:
     problems = []
     if trainer.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={trainer.loss_type!r} (supported: {list(LOSS_TYPES)})")
-    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
-        problems.append(f"top_entropy_quantile={trainer.top_entropy_quantile} (the high-entropy token mask)")
-    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
-        problems.append(f"off_policy_mask_threshold={trainer.off_policy_mask_threshold} (the off-policy mask)")
+    masks = getattr(trainer, "top_entropy_quantile", 1.0) < 1.0 or getattr(trainer, "off_policy_mask_threshold",
+                                                                            None) is not None
+    if masks and getattr(trainer, "fused_lm_head", False):
+        problems.append("top_entropy_quantile < 1 or off_policy_mask_threshold with fused_lm_head=True (the masks "
+                        "need a first pass over the logits)")
     if getattr(args, "use_adaptive_entropy", False):
         problems.append("use_adaptive_entropy (the adaptive entropy controller; a static entropy_coef is supported)")
     if getattr(trainer, "entropy_coef", 0.0) != 0.0 and getattr(trainer, "fused_lm_head", False):
@@ -123,6 +124,8 @@ class GRPOKernelsTrainer(GRPOTrainer):
                            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
                            importance_weights=importance_weights, normalizer=normalizer,
                            loss_scale=1.0 / self.current_gradient_accumulation_steps if divided else 1.0)
+        if not self.fused_lm_head:  # the off-policy mask's sampler log-probs (the masks are logits-path only)
+            loss_inputs["sampling_logps"] = inputs.get("sampling_per_token_logps")
         if self.fused_lm_head:
             hidden, head = self._completion_hidden_states(model, inputs)
             bias = None if getattr(head, "bias", None) is None else head.bias.to(hidden.dtype)
