@@ -114,18 +114,22 @@ def grpo_loss(
     normalizer = _detached(normalizer)  # a per-step constant, like every per-token input
     B, T, _ = logits.shape
     mask = completion_mask.float()
-    bonus_mask = mask  # the tokens the entropy bonus acts on
+    bonus_mask, policy_mask = mask, None  # the tokens the entropy bonus acts on; TRL's policy-term masks
     if opts.masks_tokens:  # the masks need this pass's log-probs / entropies first: one more read of the logits
-        importance_weights, bonus_mask = _with_policy_masks(
+        policy_mask, bonus_mask = _policy_masks(
             full, trailing, completion_ids, mask, advantages, old_logps if sampling_logps is None else sampling_logps,
-            importance_weights, opts, engine)
+            opts, engine)
+        if opts.loss_in_kernel:  # the kernels read the masks as importance weights: both multiply the policy term
+            importance_weights = policy_mask if importance_weights is None else (
+                ref.as_row_column(importance_weights.detach().float()) * policy_mask)
+            policy_mask = None
 
     if engine == "triton" and logits.stride(-1) != 1:
         raise ValueError(
             f"backend='triton' needs logits with a unit last stride, got strides {tuple(logits.stride())}; "
             "views that slice B or T are fine, a transposed vocabulary is not (call .contiguous())"
         )
-    if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
+    if engine == "triton" and opts.loss_in_kernel:  # the per-token loss math runs inside the kernel
         kernel_inputs = (full, completion_ids.contiguous(), *_per_token_kernel_inputs(
             mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T))
         wants_grad = torch.is_grad_enabled() and logits.requires_grad
@@ -145,24 +149,21 @@ def grpo_loss(
         engine, in_place_backward, trailing,
     )
     return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                            opts, loss_scale, bonus_mask)
+                            opts, loss_scale, bonus_mask, policy_mask)
 
 
-def _with_policy_masks(full, trailing, completion_ids, mask, advantages, sampling_logps, importance_weights,
-                       opts: GRPOOptions, engine: str):
-    """(importance weights times the policy masks, the entropy bonus's tokens) from a first, gradient-free
-    pass over the logits: the masks need every token's entropy (the top-entropy quantile, gathered
-    across processes) or each row's mean log-prob gap (the off-policy mask) before any gradient is
-    final. The loss pass then reads them as importance weights, which multiply the policy term only,
-    as TRL's masks do; so the one-pass kernel still writes the gradient in its single pass."""
+def _policy_masks(full, trailing, completion_ids, mask, advantages, sampling_logps, opts: GRPOOptions, engine: str):
+    """(the policy-term mask, the entropy bonus's tokens) from a first, gradient-free pass over the
+    logits: the masks need every token's entropy (the top-entropy quantile, gathered across
+    processes) or each row's mean log-prob gap (the off-policy mask) before any gradient is final.
+    The kernels' loss pass then reads them as importance weights, which multiply the policy term
+    only, as TRL's masks do; so the one-pass kernel still writes the gradient in its single pass."""
     with torch.no_grad():
         logp, entropy = TokenLogprobs.apply(full, completion_ids.contiguous(), mask.reshape(-1).contiguous(),
                                             opts.temperature, opts.top_entropy_quantile < 1.0, engine, False,
                                             trailing)
     policy_mask, entropy_mask = ref.policy_masks(logp, entropy, mask, advantages.detach().float(), sampling_logps,
                                                  opts)
-    if importance_weights is not None:
-        policy_mask = ref.as_row_column(importance_weights.detach().float()) * policy_mask
     return policy_mask, mask if entropy_mask is None else mask * entropy_mask
 
 
@@ -235,7 +236,7 @@ def _neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: fl
 
 
 def _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                     opts: GRPOOptions, loss_scale=1.0, bonus_mask=None) -> GRPOLossOutput:
+                     opts: GRPOOptions, loss_scale=1.0, bonus_mask=None, policy_mask=None) -> GRPOLossOutput:
     """The O(B * T) part on differentiable log-probs: per-token terms, reduction, metrics.
 
     ``logp`` (and ``entropy``) are 0 at masked tokens; the per-token inputs get neutral
@@ -245,6 +246,7 @@ def _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, impo
     terms = ref.per_token_terms(
         logp, mask, _neutral_at_masked(advantages, active, 0.0), _neutral_at_masked(old_logps, active, 0.0),
         _neutral_at_masked(ref_logps, active, 0.0), _neutral_at_masked(importance_weights, active, 1.0), opts,
+        policy_mask,
     )
     loss = _reduced(terms.per_token_loss, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
     return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
@@ -364,7 +366,7 @@ def fused_linear_grpo_loss(
     if lm_head_mode not in LM_HEAD_MODES:
         raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
     wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
-    if engine == "triton" and not opts.sequence_level and lm_head_mode == "three_products":
+    if engine == "triton" and opts.loss_in_kernel and lm_head_mode == "three_products":
         per_token = _per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T)
         if wants_grad:
             loss, loss_t, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
@@ -379,7 +381,7 @@ def fused_linear_grpo_loss(
                                                 view(r.flags))
             loss = _reduced(loss_t, mask, opts, normalizer, loss_scale)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
-    if engine == "triton" and not opts.sequence_level:  # the per-token loss math runs inside the kernel
+    if engine == "triton" and opts.loss_in_kernel:  # the per-token loss math runs inside the kernel
         loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(
             *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
             opts, (B, T),

@@ -13,10 +13,10 @@ import dataclasses
 import math
 from typing import Optional
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # The loss types whose reduction divides by a token count (the ``normalizer``: global active tokens)
-TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo")
+TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k3", "k1", "k2")
 BACKENDS = ("auto", "triton", "torch")
@@ -79,6 +79,10 @@ class GRPOOptions:
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
     off_policy_mask_threshold: Optional[float] = None
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def __post_init__(self) -> None:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -124,6 +128,11 @@ class GRPOOptions:
             raise ValueError("top_entropy_quantile < 1 masks tokens by their entropy: "
                              "compute_entropy=False turns it off")
         _check_number("off_policy_mask_threshold", self.off_policy_mask_threshold, optional=True)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _check_number(name, getattr(self, name))
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            raise ValueError("loss_type='vespo' computes its own sequence weight from the token log-ratios: use "
+                             f"importance_sampling_level='token', got {self.importance_sampling_level!r}")
         if self.entropy_coef != 0.0 and not self.compute_entropy:
             raise ValueError(f"entropy_coef={self.entropy_coef!r} needs the entropy: "
                              "compute_entropy=False turns it off")
@@ -138,6 +147,13 @@ class GRPOOptions:
     @property
     def uses_kl(self) -> bool:
         return self.beta != 0.0
+
+    @property
+    def loss_in_kernel(self) -> bool:
+        """The kernels compute this loss's per-token terms (token-level ratios, a per-token formula);
+        otherwise the kernels give log-probs and the loss math runs on them in torch (GSPO's
+        sequence ratios, VESPO's sequence weights)."""
+        return not self.sequence_level and self.loss_type != "vespo"
 
     @property
     def masks_tokens(self) -> bool:
@@ -177,6 +193,8 @@ class GRPOOptions:
             sapo_temperature_neg=float(get("sapo_temperature_neg", 1.05)),
             entropy_coef=float(get("entropy_coef", 0.0) or 0.0),
             top_entropy_quantile=float(get("top_entropy_quantile", 1.0)),
+            vespo_k_pos=float(get("vespo_k_pos", 2.0)), vespo_lambda_pos=float(get("vespo_lambda_pos", 3.0)),
+            vespo_k_neg=float(get("vespo_k_neg", 3.0)), vespo_lambda_neg=float(get("vespo_lambda_neg", 2.0)),
             off_policy_mask_threshold=get("off_policy_mask_threshold"),
             **PRESETS["trl"],
         )

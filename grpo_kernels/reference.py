@@ -17,6 +17,7 @@ log-probs that came from a kernel.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, Optional
 
 import torch
@@ -46,6 +47,7 @@ class PerTokenTerms:
     per_token_kl: Optional[torch.Tensor]  # [B, T] or None when beta == 0
     is_low_clipped: Optional[torch.Tensor]  # bool [B, T] ([B, 1] at sequence level)
     is_high_clipped: Optional[torch.Tensor]  # for cispo: TRL's cispo-clipped flag
+    vespo_phi: Optional[torch.Tensor] = None  # vespo: the detached sequence weight phi(w), [B, 1]
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0):
@@ -88,10 +90,14 @@ def per_token_terms(
     ref_logps: Optional[torch.Tensor],
     importance_weights: Optional[torch.Tensor],
     opts: GRPOOptions,
+    policy_mask: Optional[torch.Tensor] = None,
 ) -> PerTokenTerms:
     """The per-token loss of every loss_type, in TRL's order of operations.
 
     ``mask`` is float [B, T]; ``advantages`` and ``importance_weights`` are [B, 1] or [B, T].
+    ``policy_mask`` (TRL's off-policy and high-entropy masks, ``policy_masks``) multiplies the
+    policy term, never the KL. For vespo the importance weights enter its sequence weight phi(w),
+    as in TRL, instead of multiplying the policy term.
     """
     old = lp.detach() if old_logps is None else old_logps  # on-policy: ratio is 1, gradient flows
     log_ratio = lp - old
@@ -115,8 +121,11 @@ def per_token_terms(
             per_token_kl = per_token_kl * coef_1
 
     A = advantages
-    is_low = is_high = None
-    if opts.loss_type == "cispo":
+    is_low = is_high = phi = None
+    if opts.loss_type == "vespo":  # phi(w) detached: the gradient is phi * A * grad log pi
+        phi = vespo_weights(A, log_ratio, mask, importance_weights, opts)
+        policy = -phi * A * lp
+    elif opts.loss_type == "cispo":
         capped = torch.clamp(coef_1, max=opts.eps_high).detach()
         policy = torch.where(capped == 0, 0.0, -capped * A * lp)  # at lp = -inf: the limit 0, not 0 * -inf
         is_high = (coef_1 > opts.eps_high) & (A > 0)
@@ -133,11 +142,36 @@ def per_token_terms(
         is_low = (coef_1 < 1 - opts.epsilon) & (A < 0)
         is_high = (coef_1 > 1 + opts.eps_high) & (A > 0)
 
-    if importance_weights is not None:  # rollout correction: the policy term only, never the KL
+    if policy_mask is not None:
+        policy = policy * policy_mask
+    if importance_weights is not None and opts.loss_type != "vespo":  # rollout correction: policy term only
         policy = policy * importance_weights
     per_token_loss = policy if per_token_kl is None else policy + opts.beta * per_token_kl
     per_token_loss = per_token_loss.expand_as(lp)  # sequence-level without KL is [B, 1]
-    return PerTokenTerms(per_token_loss, per_token_kl, is_low, is_high)
+    return PerTokenTerms(per_token_loss, per_token_kl, is_low, is_high, phi)
+
+
+@torch.no_grad()
+def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
+                  importance_weights: Optional[torch.Tensor], opts: GRPOOptions) -> torch.Tensor:
+    """VESPO's gamma weight phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1), detached, in TRL's log-space
+    form and clamps: w is the row's summed token log-ratio (each clamped to +-20), plus the summed log
+    rollout importance weight (clamped to [log 1e-8, 20]), the sum clamped to [log 1e-8, 20]; k and
+    lambda by the advantage's sign (lambda at least 1e-4); NaN and inf give 0.
+
+    TRL sums the rollout weights' logs over every position; here over active tokens (masked
+    positions may hold anything), which is the same where padding carries a weight of 1.
+    """
+    lower = math.log(1e-8)
+    seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if importance_weights is not None:
+        log_iw = torch.clamp(torch.log(importance_weights.float()), lower, 20.0).expand_as(mask)
+        seq = seq + torch.where(mask != 0, log_iw, 0.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(seq, lower, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, opts.vespo_k_pos, opts.vespo_k_neg)
+    lam = torch.where(nonneg, opts.vespo_lambda_pos, opts.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def active_token_count(mask: torch.Tensor) -> torch.Tensor:
@@ -200,6 +234,9 @@ def loss_metrics(
         metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high), mask, per_row)
     elif opts.loss_type == "cispo":
         metrics["cispo_clip_ratio"] = masked_mean(terms.is_high_clipped.float(), mask, per_row)
+    elif opts.loss_type == "vespo":  # TRL's mean of phi over rows (over active tokens for per-token advantages)
+        phi = terms.vespo_phi.detach()
+        metrics["vespo/phi_seq_mean"] = masked_mean(phi, mask, per_row=phi.shape[-1] == 1)
     return metrics
 
 
@@ -224,12 +261,11 @@ def grpo_loss_reference(
     mask = completion_mask.float()
     lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.temperature)
     importance_weights = as_row_column(None if importance_weights is None else importance_weights.float())
-    bonus_mask = mask
+    bonus_mask = policy_mask = None
     if opts.masks_tokens:
         policy_mask, entropy_mask = policy_masks(lp, entropy, mask, advantages.float(),
                                                  old_logps if sampling_logps is None else sampling_logps, opts)
-        importance_weights = policy_mask if importance_weights is None else importance_weights * policy_mask
-        bonus_mask = mask if entropy_mask is None else mask * entropy_mask
+        bonus_mask = None if entropy_mask is None else mask * entropy_mask
     terms = per_token_terms(
         lp,
         mask,
@@ -238,8 +274,10 @@ def grpo_loss_reference(
         None if ref_logps is None else ref_logps.float(),
         importance_weights,
         opts,
+        policy_mask,
     )
-    loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer) - entropy_bonus(entropy, bonus_mask, opts)
+    loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer) - entropy_bonus(
+        entropy, mask if bonus_mask is None else bonus_mask, opts)
     metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
     return GRPOLossOutput(loss, metrics, lp.detach())
 

@@ -118,7 +118,7 @@ BAD_INPUTS = {
     "normalizer inf": (lambda b: _bad(b, normalizer=float("inf"), loss_type="dapo"), ValueError, "normalizer must be a positive, finite token count, got inf"),
     "normalizer tensor nan": (lambda b: _bad(b, normalizer=torch.tensor(float("nan")), loss_type="dapo"), ValueError, "normalizer must be a positive, finite token count, got nan"),
     "normalizer string": (lambda b: _bad(b, normalizer="10", loss_type="dapo"), ValueError, "normalizer must be a positive number"),
-    "unknown loss_type": (lambda b: _bad(b, loss_type="ppo"), ValueError, r"loss_type must be one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'cispo', 'sapo'\], got 'ppo'"),
+    "unknown loss_type": (lambda b: _bad(b, loss_type="ppo"), ValueError, r"loss_type must be one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'cispo', 'sapo', 'vespo'\], got 'ppo'"),
     "unknown level": (lambda b: _bad(b, importance_sampling_level="seq"), ValueError, "importance_sampling_level must be one of"),
     "unknown kl": (lambda b: _bad(b, kl_estimator="k4"), ValueError, "kl_estimator must be one of"),
     "dr_grpo without length": (lambda b: _bad(b, loss_type="dr_grpo"), ValueError, "loss_type='dr_grpo' needs max_completion_length"),

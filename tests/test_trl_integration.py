@@ -81,8 +81,9 @@ def assert_same_as_trl(stock, ours, batch, accumulation=1):
     return expected_metrics, metrics
 
 
-CASES = [(lt, level, beta, acc) for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
-         for level in ("token", "sequence") for beta, acc in ((0.0, 1), (0.04, 2))]
+CASES = [(lt, level, beta, acc) for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+         for level in ("token", "sequence") for beta, acc in ((0.0, 1), (0.04, 2))
+         if lt != "vespo" or level == "token"]  # vespo makes its own sequence weight from token ratios
 
 
 @pytest.mark.parametrize("loss_type, level, beta, accumulation", CASES)
@@ -95,7 +96,7 @@ def test_same_loss_gradients_and_metrics_as_trl(model_dir, dataset, tmp_path, lo
     expected_metrics, metrics = assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=beta),
                                                    accumulation)
     for key in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "cispo_clip_ratio"):
+                "cispo_clip_ratio", "vespo/phi_seq_mean"):
         if key in expected_metrics:
             assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6), key
 
@@ -175,6 +176,21 @@ def test_vllm_importance_sampling_correction_matches_trl(model_dir, dataset, tmp
     batch = _batch(stock, off_policy=True, beta=0.04)
     g = torch.Generator().manual_seed(5)
     batch["importance_sampling_ratio"] = 0.5 + torch.rand((B, T) if shape == "token" else (B, 1), generator=g)
+    for trainer in (stock, ours):  # what TRL sets when it samples with vLLM
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    assert_same_as_trl(stock, ours, batch)
+
+
+def test_vespo_folds_the_vllm_ratio_into_its_weight_as_trl(model_dir, dataset, tmp_path):
+    """VESPO takes the rollout ratio into phi(w) instead of multiplying the loss (TRL needs a token mode)."""
+    config = dict(beta=0.04, loss_type="vespo", vllm_importance_sampling_mode="token_truncate")
+    stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
+    batch = _batch(stock, off_policy=True, beta=0.04)
+    g = torch.Generator().manual_seed(6)
+    ratio = 0.7 + 0.6 * torch.rand(B, T, generator=g)
+    # padding carries a ratio of 1 (equal old and sampler log-probs there), as TRL's batches do
+    batch["importance_sampling_ratio"] = torch.where(batch["completion_mask"].bool(), ratio, 1.0)
     for trainer in (stock, ours):  # what TRL sets when it samples with vLLM
         trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     assert_same_as_trl(stock, ours, batch)

@@ -134,15 +134,18 @@ class GRPOKernelsTrainer(GRPOTrainer):
         else:
             out = self.grpo_loss(self._completion_logits(model, inputs), completion_ids, mask, inputs["advantages"],
                                  **loss_inputs)
-        self._log_metrics(out.metrics, mask, mode)
+        self._log_metrics(out.metrics, mask, mode, inputs["advantages"].dim() == 1)
         return out.loss
 
-    def _log_metrics(self, metrics, mask, mode: str) -> None:
-        """TRL's global means: each local mean weighted by its count, summed over processes."""
+    def _log_metrics(self, metrics, mask, mode: str, inputs_advantages_per_row: bool = True) -> None:
+        """TRL's global means: each local mean weighted by its count (tokens, or rows for a per-row
+        value: the clip ratios at sequence level, VESPO's phi with per-row advantages), summed over
+        processes."""
         tokens = mask.sum().float()
         rows = torch.tensor(float(mask.shape[0]), device=mask.device)
         for name, value in metrics.items():
-            per_row = name.startswith(("clip_ratio", "cispo")) and self.importance_sampling_level == "sequence"
+            per_row = (name.startswith(("clip_ratio", "cispo")) and self.importance_sampling_level == "sequence"
+                       or name.startswith("vespo/") and inputs_advantages_per_row)
             count = rows if per_row else tokens
             totals = self.accelerator.reduce(torch.stack([value * count.clamp(min=1.0), count]), reduction="sum")
             self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
