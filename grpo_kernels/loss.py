@@ -444,7 +444,7 @@ class GRPOLoss(nn.Module):
     - completion_ids [B, T] integers in [0, V); completion_mask [B, T] bool / int / float
     - advantages [B] or [B, T]; old_logps [B, T] or None (on-policy, ratio 1);
       ref_logps [B, T] when beta > 0; importance_weights [B], [B, 1] or [B, T]
-    - normalizer: token count for dapo / cispo (default: local active tokens)
+    - normalizer: token count for dapo / cispo / vespo (default: local active tokens)
 
     Returns ``GRPOLossOutput(loss, metrics, per_token_logps)``. Per-step values may change
     between calls (``loss_fn.update(beta=0.02)``) without recompiling a kernel.

@@ -175,7 +175,7 @@ def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch
 
 
 def active_token_count(mask: torch.Tensor) -> torch.Tensor:
-    """The default dapo / cispo normalizer: local active tokens, at least 1."""
+    """The default dapo / cispo / vespo normalizer: local active tokens, at least 1."""
     return mask.sum().clamp(min=1.0)
 
 
@@ -186,7 +186,7 @@ def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) ->
 
     - grpo, sapo: mean over rows of the row's token mean: M / (B * max(|o_i|, 1))
     - bnpo: M / max(sum M, 1);  dr_grpo: M / (B * max_completion_length)
-    - dapo, cispo: M / normalizer (default: local active tokens, at least 1);  luspo: M / B
+    - dapo, cispo, vespo: M / normalizer (default: local active tokens, at least 1);  luspo: M / B
     """
     B = mask.shape[0]
     if opts.loss_type in ("grpo", "sapo"):

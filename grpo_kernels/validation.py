@@ -103,7 +103,7 @@ def check_inputs(
     if normalizer is not None:
         if opts.loss_type not in TOKEN_COUNT_LOSS_TYPES:
             raise ValueError(
-                f"normalizer is the dapo / cispo token count; loss_type={opts.loss_type!r} does not use it"
+                f"normalizer is the dapo / cispo / vespo token count; loss_type={opts.loss_type!r} does not use it"
             )
         if isinstance(normalizer, torch.Tensor):
             if normalizer.numel() != 1:

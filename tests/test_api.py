@@ -111,7 +111,7 @@ BAD_INPUTS = {
     "old_logps shape": (lambda b: _bad(b, old_logps=torch.zeros(3)), ValueError, r"old_logps must have shape \(3, 5\), got \(3,\)"),
     "importance_weights shape": (lambda b: _bad(b, importance_weights=torch.ones(2, 5)), ValueError, r"importance_weights must have shape \(3, 5\) or \(3,\) or \(3, 1\), got \(2, 5\)"),
     "beta without ref": (lambda b: _bad(b, ref_logps=None, beta=0.04), ValueError, r"beta=0.04 > 0 needs ref_logps \[B, T\]"),
-    "normalizer for grpo": (lambda b: _bad(b, normalizer=10.0), ValueError, "normalizer is the dapo / cispo token count; loss_type='grpo' does not use it"),
+    "normalizer for grpo": (lambda b: _bad(b, normalizer=10.0), ValueError, "normalizer is the dapo / cispo / vespo token count; loss_type='grpo' does not use it"),
     "normalizer zero": (lambda b: _bad(b, normalizer=0, loss_type="dapo"), ValueError, "normalizer must be a positive, finite token count, got 0"),
     "normalizer tensor zero": (lambda b: _bad(b, normalizer=torch.tensor(0.0), loss_type="dapo"), ValueError, r"normalizer must be a positive, finite token count, got 0.0 \(TRL clamps"),
     "normalizer tensor negative": (lambda b: _bad(b, normalizer=torch.tensor(-4.0), loss_type="cispo"), ValueError, "normalizer must be a positive, finite token count, got -4.0"),
