@@ -89,13 +89,20 @@ def logits_bytes(inputs: Dict) -> int:
     return B * (T1 - 1) * V * full.element_size()
 
 
-def _ours(one_pass: bool, level: str = "token"):
+def _ours(one_pass: bool, level: str = "token", **options):
     def run(inputs, logits):
         return grpo_loss(logits, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
                          inputs["old_logps"], inputs["ref_logps"], beta=BETA, temperature=TEMPERATURE,
                          importance_sampling_level=level, one_pass=one_pass, check_ids=False,
-                         drop_last_position=True).loss
+                         drop_last_position=True, **options).loss
     return run
+
+
+# What the entropy family costs against the plain loss (ours only: no peer fuses them); largest shape
+ENTROPY_FAMILY = {
+    "ours one-pass + entropy bonus": dict(entropy_coef=0.01),
+    "ours one-pass + both masks": dict(top_entropy_quantile=0.2, off_policy_mask_threshold=0.5),
+}
 
 
 def _eager(level: str = "token"):
@@ -191,6 +198,8 @@ def available_paths(level: str = "token") -> Dict[str, Callable]:
         paths["ours two-pass"] = _ours(False, level)
         if level == "token":
             paths["ours one-pass"] = _ours(True, level)
+            for name, options in ENTROPY_FAMILY.items():
+                paths[name] = _ours(True, level, **options)
         try:
             import liger_kernel  # noqa: F401
 
@@ -226,7 +235,9 @@ def model_bytes(name: str, S: int, backward: bool) -> int:
     """Bytes each design moves, by the byte model (eager: at least 10 S with the backward)."""
     if not backward:
         return S if not name.startswith("eager") else 4 * S
-    if name == "ours one-pass":
+    if name == "ours one-pass + both masks":  # the masks' first pass reads S
+        return 3 * S
+    if name.startswith("ours one-pass"):
         return 2 * S
     if name.startswith("ours") or name in ("liger", "trl (triton kernel)"):
         return 3 * S

@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from cases import (DEVICE, ON_GPU, available_paths, environment, logits_bytes, logits_view, make_inputs,
+from cases import (DEVICE, ENTROPY_FAMILY, ON_GPU, available_paths, environment, logits_bytes, logits_view, make_inputs,
                    model_bytes, shapes, sync, warm_up_and_time)
 
 _INPUTS = {}
@@ -68,7 +68,7 @@ def _cases():
         level_shapes = shapes() if level == "token" else shapes()[-1:]
         for shape in level_shapes:
             for name in available_paths(level):
-                if name == "torch.compile" and (level != "token" or shape != shapes()[-1]):
+                if name in ("torch.compile", *ENTROPY_FAMILY) and (level != "token" or shape != shapes()[-1]):
                     continue
                 for backward in (False, True):
                     label = f"{name}-{'x'.join(map(str, shape))}-{'fwd+bwd' if backward else 'fwd'}-{level}"
