@@ -202,13 +202,15 @@ class TokenLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
-def _linear_gradients(ctx, g):
-    """The shared backward of the lm_head Functions: d hidden, d weight, d bias from g = dLoss/dlogp."""
+def _linear_gradients(ctx, g, h=None, entropy=None):
+    """The shared backward of the lm_head Functions: d hidden, d weight, d bias from g = dLoss/dlogp
+    (and h = dLoss/dH with the forward's entropy, when the loss uses the entropy)."""
     hidden, weight, bias, ids, lse = ctx.saved_tensors[:5]
     backward_fn = launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
     wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-    dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, g.reshape(-1).float().contiguous(), ctx.temperature,
-                             wants_weight)
+    flat = lambda t: None if t is None else t.reshape(-1).float().contiguous()  # noqa: E731
+    dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, flat(g), ctx.temperature, wants_weight,
+                             grad_entropy=flat(h), entropy=flat(entropy) if h is not None else None)
     cast = lambda t, like, needed: t.to(like.dtype) if needed and t is not None else None  # noqa: E731
     return (cast(dh, hidden, ctx.needs_input_grad[0]), cast(dw, weight, ctx.needs_input_grad[1]),
             cast(db, bias, ctx.needs_input_grad[2]))
@@ -224,21 +226,24 @@ class LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, engine: str):
+        ctx.set_materialize_grads(False)
         if engine == "triton":
             r = launch_module().linear_forward(hidden, weight, bias, ids, temperature=temperature,
                                       compute_entropy=compute_entropy)
             lse, logp, entropy = r.lse, r.logp, r.entropy
         else:
             lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy)
-        ctx.save_for_backward(hidden, weight, bias, ids, lse)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
         ctx.engine, ctx.temperature = engine, temperature
-        if entropy is not None:
-            ctx.mark_non_differentiable(entropy)
-        return logp, entropy
+        return logp, entropy  # both differentiable: a loss may use the entropy (the entropy bonus)
 
     @staticmethod
-    def backward(ctx, grad_logp, unused):
-        return _linear_gradients(ctx, grad_logp) + (None, None, None, None)
+    def backward(ctx, grad_logp, grad_entropy):
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 7
+        lse, entropy = ctx.saved_tensors[4], ctx.saved_tensors[5]
+        g = torch.zeros_like(lse) if grad_logp is None else grad_logp
+        return _linear_gradients(ctx, g, grad_entropy, entropy) + (None, None, None, None)
 
 
 class FusedLinearTokenLoss(torch.autograd.Function):
@@ -252,22 +257,28 @@ class FusedLinearTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, mask, advantages, old_logps, ref_logps, importance_weights,
                 opts: GRPOOptions, out_shape):
+        ctx.set_materialize_grads(False)
         r = launch_module().linear_forward(
             hidden, weight, bias, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy,
         )
-        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp)
+        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy)
         ctx.engine, ctx.temperature = "triton", opts.temperature
         view = lambda t: None if t is None else t.view(out_shape)  # noqa: E731
         outputs = (view(r.loss), view(r.logp), view(r.entropy), view(r.kl), view(r.flags))
-        ctx.mark_non_differentiable(*[t for t in outputs[1:] if t is not None])
+        # the entropy is differentiable when a loss term uses it (the entropy bonus)
+        frozen = [outputs[1], outputs[3], outputs[4]] + ([outputs[2]] if opts.entropy_coef == 0.0 else [])
+        ctx.mark_non_differentiable(*[t for t in frozen if t is not None])
         return outputs
 
     @staticmethod
-    def backward(ctx, grad_loss, *unused):
-        dloss_dlogp = ctx.saved_tensors[5]
-        return _linear_gradients(ctx, grad_loss.reshape(-1) * dloss_dlogp) + (None,) * 8
+    def backward(ctx, grad_loss, grad_logp, grad_entropy, *unused):
+        if grad_loss is None and grad_entropy is None:
+            return (None,) * 11
+        dloss_dlogp, entropy = ctx.saved_tensors[5], ctx.saved_tensors[6]
+        g = torch.zeros_like(dloss_dlogp) if grad_loss is None else grad_loss.reshape(-1) * dloss_dlogp
+        return _linear_gradients(ctx, g, grad_entropy, entropy) + (None,) * 8
 
 
 class FusedLinearThreeProducts(torch.autograd.Function):
@@ -281,18 +292,22 @@ class FusedLinearThreeProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, mask, advantages, old_logps, ref_logps, importance_weights,
-                grad_weight, opts: GRPOOptions, out_shape):
+                grad_weight, opts: GRPOOptions, out_shape, entropy_grad_weight=None):
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         r, dh, dw, db = launch_module().linear_three_products(
             hidden, weight, bias, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
-            compute_entropy=opts.compute_entropy, grad_weight=grad_weight, compute_weight_grad=wants_weight)
+            compute_entropy=opts.compute_entropy, grad_weight=grad_weight, compute_weight_grad=wants_weight,
+            entropy_grad_weight=entropy_grad_weight)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         view = lambda t: None if t is None else t.view(out_shape)  # noqa: E731
         extras = (view(r.loss), view(r.logp), view(r.entropy), view(r.kl), view(r.flags))
         ctx.mark_non_differentiable(*[t for t in extras if t is not None])
-        return ((r.loss * grad_weight).sum(),) + extras
+        loss = torch.dot(r.loss, grad_weight)
+        if entropy_grad_weight is not None:  # the entropy bonus: its weights are dLoss/dH, sign included
+            loss = loss + torch.dot(r.entropy, entropy_grad_weight)
+        return (loss,) + extras
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
@@ -304,4 +319,4 @@ class FusedLinearThreeProducts(torch.autograd.Function):
                 continue
             launch_module().scale_in_place(t, grad_loss.detach())  # fp32, small next to the logits; no host sync
             grads.append(t.to(dtype))
-        return tuple(grads) + (None,) * 9
+        return tuple(grads) + (None,) * 10

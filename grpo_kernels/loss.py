@@ -116,13 +116,13 @@ def grpo_loss(
     mask = completion_mask.float()
     bonus_mask, policy_mask = mask, None  # the tokens the entropy bonus acts on; TRL's policy-term masks
     if opts.masks_tokens:  # the masks need this pass's log-probs / entropies first: one more read of the logits
-        policy_mask, bonus_mask = _policy_masks(
-            full, trailing, completion_ids, mask, advantages, old_logps if sampling_logps is None else sampling_logps,
-            opts, engine)
-        if opts.loss_in_kernel:  # the kernels read the masks as importance weights: both multiply the policy term
-            importance_weights = policy_mask if importance_weights is None else (
-                ref.as_row_column(importance_weights.detach().float()) * policy_mask)
-            policy_mask = None
+        with torch.no_grad():
+            first_pass = TokenLogprobs.apply(full, completion_ids.contiguous(), mask.reshape(-1).contiguous(),
+                                             opts.temperature, opts.top_entropy_quantile < 1.0, engine, False,
+                                             trailing)
+        importance_weights, policy_mask, bonus_mask = _with_policy_masks(
+            *first_pass, mask, advantages, old_logps if sampling_logps is None else sampling_logps,
+            importance_weights, opts)
 
     if engine == "triton" and logits.stride(-1) != 1:
         raise ValueError(
@@ -152,19 +152,26 @@ def grpo_loss(
                             opts, loss_scale, bonus_mask, policy_mask)
 
 
-def _policy_masks(full, trailing, completion_ids, mask, advantages, sampling_logps, opts: GRPOOptions, engine: str):
-    """(the policy-term mask, the entropy bonus's tokens) from a first, gradient-free pass over the
-    logits: the masks need every token's entropy (the top-entropy quantile, gathered across
+def _with_policy_masks(logp, entropy, mask, advantages, sampling_logps, importance_weights, opts: GRPOOptions):
+    """TRL's policy-term masks from a first, gradient-free pass's log-probs and entropies ([B, T], 0 at
+    masked tokens): the masks need every token's entropy (the top-entropy quantile, gathered across
     processes) or each row's mean log-prob gap (the off-policy mask) before any gradient is final.
-    The kernels' loss pass then reads them as importance weights, which multiply the policy term
-    only, as TRL's masks do; so the one-pass kernel still writes the gradient in its single pass."""
-    with torch.no_grad():
-        logp, entropy = TokenLogprobs.apply(full, completion_ids.contiguous(), mask.reshape(-1).contiguous(),
-                                            opts.temperature, opts.top_entropy_quantile < 1.0, engine, False,
-                                            trailing)
-    policy_mask, entropy_mask = ref.policy_masks(logp, entropy, mask, advantages.detach().float(), sampling_logps,
-                                                 opts)
-    return policy_mask, mask if entropy_mask is None else mask * entropy_mask
+
+    Returns (importance weights, policy mask, the entropy bonus's tokens). Where the kernels compute
+    the loss, the masks are folded into the importance weights, which multiply the policy term only,
+    as TRL's masks do: so the one-pass kernel still writes the gradient in its single pass. Where the
+    loss math runs in torch, the mask stays separate (vespo takes the importance weights into its
+    sequence weight instead of the loss)."""
+    B, T = mask.shape
+    as_bt = lambda t: None if t is None else t.reshape(B, T)  # noqa: E731
+    policy_mask, entropy_mask = ref.policy_masks(as_bt(logp), as_bt(entropy), mask, advantages.detach().float(),
+                                                 sampling_logps, opts)
+    bonus_mask = mask if entropy_mask is None else mask * entropy_mask
+    if not opts.loss_in_kernel:
+        return importance_weights, policy_mask, bonus_mask
+    if importance_weights is not None:
+        policy_mask = ref.as_row_column(importance_weights.detach().float()) * policy_mask
+    return policy_mask, None, bonus_mask
 
 
 def _checked_drop_last_position(drop_last_position, logits, completion_ids) -> bool:
@@ -321,6 +328,7 @@ def fused_linear_grpo_loss(
     check_ids: bool = True,
     loss_scale=1.0,
     lm_head_mode: Optional[str] = None,
+    sampling_logps: Optional[torch.Tensor] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
@@ -339,16 +347,11 @@ def fused_linear_grpo_loss(
         raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
     opts = options if options is not None else GRPOOptions(**option_kwargs)
     _check_linear_inputs(hidden_states, weight, bias)
-    if opts.masks_tokens:
-        raise ValueError("top_entropy_quantile < 1 and off_policy_mask_threshold are not yet supported from hidden "
-                         "states (they need a first pass over the logits); use GRPOLoss on logits for them")
-    if opts.entropy_coef != 0.0:
-        raise ValueError(f"entropy_coef={opts.entropy_coef!r}: the entropy bonus is not yet fused into the lm_head "
-                         "kernels; use GRPOLoss on logits for it")
     B, T, H = hidden_states.shape
     logits_like = hidden_states.new_empty(()).expand(B, T, weight.shape[0])  # shape checks only, no memory
     check_inputs(logits_like, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
                  normalizer, opts, check_ids)
+    check_per_token("sampling_logps", sampling_logps, logits_like, allow_row=False)
     engine = resolve_backend(backend, hidden_states)
     loss_scale = _checked_loss_scale(loss_scale)
     normalizer = _detached(normalizer)
@@ -366,11 +369,20 @@ def fused_linear_grpo_loss(
     if lm_head_mode not in LM_HEAD_MODES:
         raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
     wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+    bonus_mask, policy_mask = mask, None
+    if opts.masks_tokens:  # a first, gradient-free pass for the masks (see _with_policy_masks)
+        with torch.no_grad():
+            first_pass = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.top_entropy_quantile < 1.0, engine)
+        first_pass = [None if t is None else torch.where(active.view(-1), t.view(-1), 0.0) for t in first_pass]
+        importance_weights, policy_mask, bonus_mask = _with_policy_masks(
+            *first_pass, mask, advantages, old_logps if sampling_logps is None else sampling_logps,
+            importance_weights, opts)
     if engine == "triton" and opts.loss_in_kernel and lm_head_mode == "three_products":
         per_token = _per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T)
         if wants_grad:
             loss, loss_t, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
-                *flat, *per_token, _grad_weight(mask, opts, normalizer, loss_scale), opts, (B, T))
+                *flat, *per_token, _grad_weight(mask, opts, normalizer, loss_scale), opts, (B, T),
+                _entropy_grad_weight(bonus_mask, opts, loss_scale))
         else:  # no gradient wanted: cuBLAS logits and the logits kernel, a chunk at a time
             r = launch_module().linear_three_products(
                 *flat, opts=opts, temperature=opts.temperature, mask=per_token[0], advantages=per_token[1],
@@ -379,21 +391,21 @@ def fused_linear_grpo_loss(
             view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
             loss_t, logp, entropy, kl, flags = (view(r.loss), view(r.logp), view(r.entropy), view(r.kl),
                                                 view(r.flags))
-            loss = _reduced(loss_t, mask, opts, normalizer, loss_scale)
+            loss = _reduced(loss_t, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     if engine == "triton" and opts.loss_in_kernel:  # the per-token loss math runs inside the kernel
         loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(
             *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
             opts, (B, T),
         )
-        loss = _reduced(loss_t, mask, opts, normalizer, loss_scale)
+        loss = _reduced(loss_t, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     logp, entropy = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine)
     active = active.view(B, T)  # as in the logits path: masked positions read as 0
     logp = torch.where(active, logp.view(B, T), 0.0)
     entropy = None if entropy is None else torch.where(active, entropy.view(B, T), 0.0)
     return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                            opts, loss_scale)
+                            opts, loss_scale, bonus_mask, policy_mask)
 
 
 def selective_log_softmax(
@@ -512,9 +524,11 @@ class FusedLinearGRPOLoss(GRPOLoss):
         self.lm_head_mode = lm_head_mode
 
     def forward(self, hidden_states, weight, completion_ids, completion_mask, advantages, old_logps=None,
-                ref_logps=None, importance_weights=None, normalizer=None, bias=None, loss_scale=1.0) -> GRPOLossOutput:
+                ref_logps=None, importance_weights=None, normalizer=None, bias=None, loss_scale=1.0,
+                sampling_logps=None) -> GRPOLossOutput:
         return fused_linear_grpo_loss(
             hidden_states, weight, completion_ids, completion_mask, advantages, old_logps, ref_logps,
             importance_weights, normalizer, bias=bias, options=self.options, backend=self.backend,
             check_ids=self.check_ids, loss_scale=loss_scale, lm_head_mode=self.lm_head_mode,
+            sampling_logps=sampling_logps,
         )

@@ -146,8 +146,10 @@ def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entrop
     return lse, logp, entropy
 
 
-def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool):
-    """d hidden, d weight (or None), d bias (or None) in fp32, recomputing each chunk's logits."""
+def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool,
+                    grad_entropy=None, entropy=None):
+    """d hidden, d weight (or None), d bias (or None) in fp32, recomputing each chunk's logits; with
+    ``grad_entropy`` (h = dLoss/dH) and the forward's ``entropy``, the entropy's gradient too."""
     N, H = hidden.shape
     dh = torch.empty(N, H, device=hidden.device, dtype=torch.float32)
     dw = torch.zeros_like(weight, dtype=torch.float32) if compute_weight_grad else None
@@ -158,7 +160,13 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
         n = slice(n0, min(n0 + step, N))
         x = _chunk_logits(hidden[n], weight, bias, inv_temperature)
         gs = (g[n] * inv_temperature).unsqueeze(-1)
-        dx = torch.exp(x - lse[n].unsqueeze(-1)).mul_(-gs)  # in place: one [chunk, V] buffer
+        log_p = x - lse[n].unsqueeze(-1)
+        if grad_entropy is None:
+            dx = torch.exp(log_p).mul_(-gs)  # in place: one [chunk, V] buffer
+        else:  # + h dH/dz = -h p (log p + H); p = 0 (a -inf logit) adds 0, not 0 * -inf
+            hs = (grad_entropy[n] * inv_temperature).unsqueeze(-1)
+            p = torch.exp(log_p)
+            dx = p * torch.where(p > 0, -gs - hs * (log_p + entropy[n].unsqueeze(-1)), 0.0)
         dx.scatter_add_(-1, flat_ids[n].unsqueeze(-1), gs)
         dh[n] = dx @ w32
         if dw is not None:

@@ -106,15 +106,34 @@ def test_entropy_bonus_on_bf16_logits(device, backend, one_pass):
     assert_close("dlogits", expected_grad.to(torch.bfloat16), grad, atol=1e-7, rtol=2 ** -7)
 
 
-def test_entropy_coef_needs_the_entropy_and_the_logits_path(device):
+def test_entropy_coef_needs_the_entropy():
     with pytest.raises(ValueError, match="entropy_coef=0.1 needs the entropy: compute_entropy=False turns it off"):
         GRPOOptions(entropy_coef=0.1, compute_entropy=False)
     with pytest.raises(TypeError, match="entropy_coef must be a finite number, got nan"):
         GRPOOptions(entropy_coef=float("nan"))
+
+
+@pytest.mark.parametrize("backend, lm_head_mode",
+                         [("torch", None), ("triton", "recompute"), ("triton", "three_products")])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_entropy_bonus_from_hidden_states(device, backend, lm_head_mode, level):
+    """The lm_head paths: the recomputing dlogits kernel, the 3-product mode (the one-pass logits kernel
+    on each chunk) and the torch path, against autograd of the reference on materialized logits."""
     from grpo_kernels import fused_linear_grpo_loss
 
-    batch = make_batch(device=device, seed=26, V=50)
-    hidden, weight = torch.randn(3, 5, 8, device=device), torch.randn(50, 8, device=device)
-    with pytest.raises(ValueError, match="the entropy bonus is not yet fused into the lm_head kernels"):
-        fused_linear_grpo_loss(hidden, weight, **{k: v for k, v in batch.items() if k != "logits"},
-                               entropy_coef=0.1)
+    g = torch.Generator().manual_seed(27)
+    hidden = torch.randn(3, 5, 20, generator=g).to(device)
+    weight = (0.5 * torch.randn(333, 20, generator=g)).to(device)
+    batch = make_batch(device=device, seed=28, V=333)
+    inputs = {k: v for k, v in batch.items() if k != "logits"}
+    options = dict(entropy_coef=0.2, beta=0.04, temperature=0.8, importance_sampling_level=level)
+    h, w = hidden.clone().double().requires_grad_(), weight.clone().double().requires_grad_()
+    up = {k: (v.double() if v.is_floating_point() and k != "completion_mask" else v) for k, v in inputs.items()}
+    expected = grpo_loss_reference(h @ w.T, **up, **options)
+    expected.loss.backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_linear_grpo_loss(h2, w2, **inputs, backend=backend, lm_head_mode=lm_head_mode, **options)
+    out.loss.backward()
+    assert_close("loss", expected.loss, out.loss, **TOL)
+    assert_close("d hidden", h.grad, h2.grad, atol=1e-5, rtol=1e-5)
+    assert_close("d weight", w.grad, w2.grad, atol=1e-5, rtol=1e-5)

@@ -92,12 +92,6 @@ def test_the_options_are_checked():
     batch = make_batch(seed=33)
     with pytest.raises(ValueError, match=r"sampling_logps must have shape \(3, 5\), got \(3,\)"):
         grpo_loss(**batch, sampling_logps=torch.zeros(3), off_policy_mask_threshold=0.1)
-    from grpo_kernels import fused_linear_grpo_loss
-
-    hidden, weight = torch.randn(3, 5, 8), torch.randn(1003, 8)
-    with pytest.raises(ValueError, match="not yet supported from hidden states"):
-        fused_linear_grpo_loss(hidden, weight, **{k: v for k, v in batch.items() if k != "logits"},
-                               top_entropy_quantile=0.5)
 
 
 def _rank_entropy_mask(rank: int, world: int):
@@ -118,3 +112,38 @@ def test_the_entropy_quantile_is_over_every_process():
     assert torch.tensor(per_rank[0] + per_rank[1]).equal(single)
     assert not torch.equal(torch.tensor(per_rank[1]), high_entropy_mask(entropy[2:], mask[2:],
                                                                         GRPOOptions(top_entropy_quantile=0.3)))
+
+
+# From hidden states: the same first pass (log-probs and entropies, no logits kept), every lm_head mode
+LM_HEAD_PATHS = [("torch", None), ("triton", "recompute"), ("triton", "three_products")]
+
+
+@pytest.mark.parametrize("options", [
+    dict(top_entropy_quantile=0.5, entropy_coef=0.1, beta=0.04),
+    dict(off_policy_mask_threshold=0.05, beta=0.04),
+    dict(top_entropy_quantile=0.7, off_policy_mask_threshold=0.05, importance_sampling_level="sequence"),
+    dict(loss_type="vespo", top_entropy_quantile=0.6, entropy_coef=0.05),
+], ids=["entropy_mask_and_bonus", "off_policy", "both_sequence", "vespo"])
+@pytest.mark.parametrize("backend, lm_head_mode", LM_HEAD_PATHS)
+def test_masks_and_bonus_from_hidden_states(device, backend, lm_head_mode, options):
+    from grpo_kernels import fused_linear_grpo_loss
+
+    g = torch.Generator().manual_seed(51)
+    hidden = torch.randn(4, 6, 24, generator=g).to(device)
+    weight = (0.4 * torch.randn(600, 24, generator=g)).to(device)
+    batch = _batch(device, seed=52)
+    with torch.no_grad():  # the sampler's log-probs relative to this lm_head's
+        current, _ = token_logprobs_and_entropy(hidden @ weight.T, batch["completion_ids"])
+        batch["sampling_logps"] = current + torch.tensor([[0.0], [0.5], [0.0], [0.5]], device=device)
+    inputs = {k: v for k, v in batch.items() if k != "logits"}
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = grpo_loss_reference(h @ w.T, **inputs, **options)
+    expected.loss.backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_linear_grpo_loss(h2, w2, **inputs, backend=backend, lm_head_mode=lm_head_mode, **options)
+    out.loss.backward()
+    assert_close("loss", expected.loss, out.loss, **TOL)
+    assert_close("d hidden", h.grad, h2.grad, atol=1e-5, rtol=1e-5)
+    assert_close("d weight", w.grad, w2.grad, atol=1e-5, rtol=1e-5)
+    for name, value in expected.metrics.items():
+        assert_close(name, value, out.metrics[name], **TOL)

@@ -36,12 +36,13 @@ def dataset():
     return Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
 
-def _trainer(cls, model_dir, dataset, tmp_path, **config):
+def _trainer(cls, model_dir, dataset, tmp_path, fused_lm_head=None, **config):
     args = GRPOConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=B, num_generations=G,
                       max_completion_length=T, report_to="none", use_cpu=True, logging_steps=1, max_steps=2, bf16=False,
                       **config)
+    extra = {} if fused_lm_head is None else {"fused_lm_head": fused_lm_head}
     return cls(model=model_dir, reward_funcs=exact_answer, args=args, train_dataset=dataset,
-               processing_class=compare.build_tokenizer())
+               processing_class=compare.build_tokenizer(), **extra)
 
 
 def _batch(trainer, off_policy: bool, beta: float):
@@ -110,14 +111,15 @@ def test_on_policy_batch_matches_trl(model_dir, dataset, tmp_path):
 
 @pytest.mark.parametrize("loss_type, level, accumulation", [("grpo", "token", 2), ("dapo", "token", 2),
                                                          ("cispo", "token", 1), ("grpo", "sequence", 2)])
-def test_entropy_bonus_matches_trl(model_dir, dataset, tmp_path, loss_type, level, accumulation):
+@pytest.mark.parametrize("fused_lm_head", [False, True])
+def test_entropy_bonus_matches_trl(model_dir, dataset, tmp_path, loss_type, level, accumulation, fused_lm_head):
     """TRL's static entropy bonus (entropy_coef): loss - coef * mean entropy, divided by the accumulation
-    steps in training whatever the loss type."""
+    steps in training whatever the loss type; from logits and from hidden states."""
     config = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level, temperature=0.9,
                   gradient_accumulation_steps=accumulation, epsilon_high=5.0 if loss_type == "cispo" else 0.28,
                   entropy_coef=0.05)
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
-    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=fused_lm_head, **config)
     assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=0.04), accumulation)
 
 
@@ -128,13 +130,15 @@ def test_entropy_bonus_matches_trl(model_dir, dataset, tmp_path, loss_type, leve
     ("cispo", "token", dict(top_entropy_quantile=0.6, entropy_coef=0.05)),
 ])
 @pytest.mark.parametrize("with_sampler", [False, True])
-def test_policy_masks_match_trl(model_dir, dataset, tmp_path, loss_type, level, masks, with_sampler):
+@pytest.mark.parametrize("fused_lm_head", [False, True])
+def test_policy_masks_match_trl(model_dir, dataset, tmp_path, loss_type, level, masks, with_sampler, fused_lm_head):
     """TRL's top-entropy mask and off-policy sequence mask (from the sampler's log-probs when the
-    batch has them, a NaN among them counting as no evidence; else from the old log-probs)."""
+    batch has them, a NaN among them counting as no evidence; else from the old log-probs), from
+    logits and from hidden states."""
     config = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level, temperature=0.9,
                   gradient_accumulation_steps=2, epsilon_high=5.0 if loss_type == "cispo" else 0.28, **masks)
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
-    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=fused_lm_head, **config)
     batch = _batch(stock, off_policy=True, beta=0.04)
     if with_sampler:
         g = torch.Generator().manual_seed(3)
@@ -143,22 +147,55 @@ def test_policy_masks_match_trl(model_dir, dataset, tmp_path, loss_type, level, 
     assert_same_as_trl(stock, ours, batch, accumulation=2)
 
 
-def test_unsupported_trl_options_raise(model_dir, dataset, tmp_path):
-    with pytest.raises(ValueError, match=r"does not support top_entropy_quantile < 1 or off_policy_mask_threshold "
-                                         r"with fused_lm_head=True"):
-        args = GRPOConfig(output_dir=str(tmp_path / "fused-mask"), per_device_train_batch_size=B, num_generations=G,
-                          max_completion_length=T, report_to="none", use_cpu=True, max_steps=1, bf16=False,
-                          top_entropy_quantile=0.5)
-        GRPOKernelsTrainer(model=model_dir, reward_funcs=exact_answer, args=args, train_dataset=dataset,
-                           processing_class=compare.build_tokenizer(), fused_lm_head=True)
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """A tiny Mixtral (2 experts, top-1) with a router auxiliary loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-mixtral")
+    tokenizer = compare.build_tokenizer()
+    torch.manual_seed(2)
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, num_local_experts=2, num_experts_per_tok=1,
+                           max_position_embeddings=64, router_aux_loss_coef=0.02, output_router_logits=False,
+                           pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                           eos_token_id=tokenizer.eos_token_id)
+    MixtralForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_moe_router_auxiliary_loss_matches_trl(moe_dir, dataset, tmp_path):
+    """TRL adds router_aux_loss_coef x the model's load-balancing loss, divided by the accumulation steps."""
+    config = dict(loss_type="dapo", beta=0.04, gradient_accumulation_steps=2)
+    stock = _trainer(GRPOTrainer, moe_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, moe_dir, dataset, tmp_path, **config)
+    assert stock.aux_loss_enabled and ours.aux_loss_enabled
+    expected_metrics, metrics = assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=0.04), 2)
+    assert metrics["aux_loss"] == pytest.approx(expected_metrics["aux_loss"], rel=1e-5)
+
+
+def test_cast_lm_head_to_fp32_runs_the_fused_lm_head_in_fp32(model_dir, dataset, tmp_path, monkeypatch):
+    """With TRL's cast_lm_head_to_fp32, the fused loss gets fp32 hidden states and weight (bf16 model)."""
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=True, cast_lm_head_to_fp32=True,
+                    model_init_kwargs={"dtype": torch.bfloat16})
+    seen = []
+    original = ours.grpo_loss.forward
+
+    def spy(hidden, weight, *args, **kwargs):
+        seen.append((hidden.dtype, weight.dtype))
+        return original(hidden, weight, *args, **kwargs)
+
+    monkeypatch.setattr(ours.grpo_loss, "forward", spy)
+    _loss_and_grads(ours, _batch(ours, off_policy=True, beta=0.0), 1)
+    assert seen == [(torch.float32, torch.float32)]
+
+
+def test_unsupported_trl_options_raise(model_dir, dataset, tmp_path, moe_dir):
+    with pytest.raises(ValueError, match=r"does not support the MoE router auxiliary loss with fused_lm_head=True"):
+        _trainer(GRPOKernelsTrainer, moe_dir, dataset, tmp_path, fused_lm_head=True)
     with pytest.raises(ValueError, match=r"does not support use_adaptive_entropy \(the adaptive entropy controller"):
         _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, use_adaptive_entropy=True)
-    args = GRPOConfig(output_dir=str(tmp_path / "fused"), per_device_train_batch_size=B, num_generations=G,
-                      max_completion_length=T, report_to="none", use_cpu=True, max_steps=1, bf16=False,
-                      entropy_coef=0.1)
-    with pytest.raises(ValueError, match=r"does not support entropy_coef with fused_lm_head=True"):
-        GRPOKernelsTrainer(model=model_dir, reward_funcs=exact_answer, args=args, train_dataset=dataset,
-                           processing_class=compare.build_tokenizer(), fused_lm_head=True)
 
 
 def test_short_train_runs(model_dir, dataset, tmp_path):

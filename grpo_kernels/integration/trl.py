@@ -35,17 +35,11 @@ def unsupported_options(trainer) -> list:
     problems = []
     if trainer.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={trainer.loss_type!r} (supported: {list(LOSS_TYPES)})")
-    masks = getattr(trainer, "top_entropy_quantile", 1.0) < 1.0 or getattr(trainer, "off_policy_mask_threshold",
-                                                                            None) is not None
-    if masks and getattr(trainer, "fused_lm_head", False):
-        problems.append("top_entropy_quantile < 1 or off_policy_mask_threshold with fused_lm_head=True (the masks "
-                        "need a first pass over the logits)")
     if getattr(args, "use_adaptive_entropy", False):
         problems.append("use_adaptive_entropy (the adaptive entropy controller; a static entropy_coef is supported)")
-    if getattr(trainer, "entropy_coef", 0.0) != 0.0 and getattr(trainer, "fused_lm_head", False):
-        problems.append("entropy_coef with fused_lm_head=True (the bonus is fused on the logits path only)")
-    if getattr(trainer, "aux_loss_enabled", False):
-        problems.append("the MoE router auxiliary loss (output_router_logits)")
+    if getattr(trainer, "aux_loss_enabled", False) and getattr(trainer, "fused_lm_head", False):
+        problems.append("the MoE router auxiliary loss with fused_lm_head=True (the model's own LM-head forward "
+                        "computes it; the logits path adds it as TRL does)")
     if getattr(args, "context_parallel_size", 1) not in (None, 1):
         problems.append("context parallelism")
     return problems
@@ -81,16 +75,21 @@ class GRPOKernelsTrainer(GRPOTrainer):
                 "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)}
 
     def _completion_logits(self, model, inputs):
-        """Logits [B, T + 1, V]: the T positions that predict the completion tokens, then the last one
-        (which the loss drops without a copy). The model computes only these (``logits_to_keep``)."""
+        """(logits [B, T + 1, V], the MoE auxiliary loss or None): the T positions that predict the
+        completion tokens, then the last one (which the loss drops without a copy). The model computes
+        only these (``logits_to_keep``); an MoE model returns its load-balancing loss when TRL adds it."""
         T = inputs["completion_ids"].size(1)
         model_inputs = {**self._sequence(inputs), "logits_to_keep": T + 1}
         for key in ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids"):
             if inputs.get(key) is not None:
                 model_inputs[key] = inputs[key]
+        if self.aux_loss_enabled:
+            model_inputs["output_router_logits"] = True
         with self.accelerator.autocast():
-            logits = model(**model_inputs).logits
-        return logits if logits.shape[1] == T + 1 else logits[:, -(T + 1):]  # a model that ignored logits_to_keep
+            outputs = model(**model_inputs)
+        logits = outputs.logits
+        logits = logits if logits.shape[1] == T + 1 else logits[:, -(T + 1):]  # a model that ignored logits_to_keep
+        return logits, outputs.aux_loss if self.aux_loss_enabled else None
 
     def _completion_hidden_states(self, model, inputs):
         """Last hidden states [B, T, H] whose lm_head logits predict the completion tokens, and the head."""
@@ -124,18 +123,25 @@ class GRPOKernelsTrainer(GRPOTrainer):
                            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
                            importance_weights=importance_weights, normalizer=normalizer,
                            loss_scale=1.0 / self.current_gradient_accumulation_steps if divided else 1.0)
-        if not self.fused_lm_head:  # the off-policy mask's sampler log-probs (the masks are logits-path only)
-            loss_inputs["sampling_logps"] = inputs.get("sampling_per_token_logps")
+        loss_inputs["sampling_logps"] = inputs.get("sampling_per_token_logps")  # the off-policy mask's sampler
+        aux_loss = None
         if self.fused_lm_head:
             hidden, head = self._completion_hidden_states(model, inputs)
-            bias = None if getattr(head, "bias", None) is None else head.bias.to(hidden.dtype)
-            out = self.grpo_loss(hidden, head.weight.to(hidden.dtype), completion_ids, mask, inputs["advantages"],
+            # cast_lm_head_to_fp32: TRL runs the lm_head in fp32; so do the fused kernels, on fp32 operands
+            dtype = torch.float32 if getattr(self.args, "cast_lm_head_to_fp32", False) else hidden.dtype
+            bias = None if getattr(head, "bias", None) is None else head.bias.to(dtype)
+            out = self.grpo_loss(hidden.to(dtype), head.weight.to(dtype), completion_ids, mask, inputs["advantages"],
                                  bias=bias, **loss_inputs)
         else:
-            out = self.grpo_loss(self._completion_logits(model, inputs), completion_ids, mask, inputs["advantages"],
-                                 **loss_inputs)
+            logits, aux_loss = self._completion_logits(model, inputs)
+            out = self.grpo_loss(logits, completion_ids, mask, inputs["advantages"], **loss_inputs)
         self._log_metrics(out.metrics, mask, mode, inputs["advantages"].dim() == 1)
-        return out.loss
+        loss = out.loss
+        if aux_loss is not None:  # MoE load balancing, scaled for accumulation as TRL scales it
+            loss = loss + self.router_aux_loss_coef * aux_loss / (
+                self.current_gradient_accumulation_steps if mode == "train" else 1.0)
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+        return loss
 
     def _log_metrics(self, metrics, mask, mode: str, inputs_advantages_per_row: bool = True) -> None:
         """TRL's global means: each local mean weighted by its count (tokens, or rows for a per-row

@@ -231,11 +231,14 @@ def linear_grpo_combine_kernel(
 
 @triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)
 def linear_dlogits_kernel(
-    h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, lse_ptr, g_ptr, dx_ptr, inv_temperature,
+    h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, lse_ptr, g_ptr, dx_ptr, inv_temperature, grad_entropy_ptr, entropy_ptr,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
 ):
     """dx [N, V] (row stride V) = g * (onehot - softmax(x)) / tau, x recomputed; N is one chunk's tokens.
+
+    HAS_ENTROPY_GRAD adds h = dLoss/dH (per token) times dH/dz = -p (log p + H), with the forward's
+    entropy H: the entropy bonus's gradient.
 
     Programs run token blocks fastest, so the programs in flight share one W tile (read
     from HBM once) and re-read the chunk's hidden states from L2.
@@ -252,6 +255,12 @@ def linear_dlogits_kernel(
     in_v = v0 + c < V
     g = tl.load(g_ptr + first + r, mask=in_rows, other=0.0)
     live = in_rows & (g != 0.0)
+    h = tl.zeros([BLOCK_N], dtype=tl.float32)
+    entropy = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_ENTROPY_GRAD:
+        h = tl.load(grad_entropy_ptr + first + r, mask=in_rows, other=0.0)
+        entropy = tl.load(entropy_ptr + first + r, mask=in_rows, other=0.0)
+        live = in_rows & ((g != 0.0) | (h != 0.0))
     dx_block = dx_ptr + first * V + v0
     out_mask = in_rows[:, None] & in_v[None, :]
     if tl.max(live.to(tl.int32), axis=0) > 0:
@@ -261,7 +270,11 @@ def linear_dlogits_kernel(
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST)
         p = tl.exp(x - lse[:, None])  # 0 in out-of-range columns (x = -inf)
         onehot = tl.where((v0 + c)[None, :] == target[:, None], 1.0, 0.0)
-        dx = tl.where(live[:, None], (g * inv_temperature)[:, None] * (onehot - p), 0.0)
+        dx = (g * inv_temperature)[:, None] * (onehot - p)
+        if HAS_ENTROPY_GRAD:  # p = 0 (a -inf or out-of-range column) adds 0, not 0 * -inf
+            log_p = tl.where(p > 0.0, x - lse[:, None], 0.0)
+            dx -= (h * inv_temperature)[:, None] * p * (log_p + entropy[:, None])
+        dx = tl.where(live[:, None], dx, 0.0)
         tl.store(dx_block + r[:, None] * V + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=out_mask)
     else:
         zeros = tl.zeros([BLOCK_N, BLOCK_V], dtype=dx_ptr.dtype.element_ty)

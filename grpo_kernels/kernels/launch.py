@@ -496,7 +496,8 @@ def _add_chunk_gradients(dx, weight, hidden_chunk, dh_chunk, dw, db, first: bool
 
 
 def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask, advantages, old_logps, ref_logps,
-                          importance_weights, compute_entropy, grad_weight, compute_weight_grad):
+                          importance_weights, compute_entropy, grad_weight, compute_weight_grad,
+                          entropy_grad_weight=None):
     """The fused lm_head with 3 products instead of 4: loss terms and every gradient in one chunk loop.
 
     Each chunk's logits are computed once (``hidden @ weight.T + bias``, in the input dtype, into
@@ -526,7 +527,8 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask,
         r = forward(x.unsqueeze(0), ids[n].unsqueeze(0), opts=opts, temperature=temperature, mask=pick(mask, n),
                     advantages=pick(advantages, n), old_logps=pick(old_logps, n), ref_logps=pick(ref_logps, n),
                     importance_weights=pick(importance_weights, n), compute_entropy=compute_entropy,
-                    grad_weight=pick(grad_weight, n), grad_in_place=with_grad)
+                    grad_weight=pick(grad_weight, n), grad_in_place=with_grad,
+                    entropy_grad_weight=pick(entropy_grad_weight, n) if with_grad else None)
         for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):
             if getattr(out, name) is not None:
                 getattr(out, name)[n] = getattr(r, name)
@@ -535,8 +537,10 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask,
     return out, dh, dw, db
 
 
-def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool, config=None):
-    """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N]).
+def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool, config=None,
+                    grad_entropy=None, entropy=None):
+    """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N])
+    and, when the loss uses the entropy, h = dLoss/dH (``grad_entropy``) with the forward's ``entropy``.
 
     A chunk of tokens at a time: the dlogits kernel writes the chunk's [chunk, V] gradient
     of the logits into one reused workspace, then two products give the chunk's d hidden
@@ -557,7 +561,8 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
         FL.linear_dlogits_kernel[grid](
             hidden[n0:n1], weight, weight if bias is None else bias, ids[n0:n1], n1 - n0, V, H,
             lse[n0:n1], g[n0:n1], dx, 1.0 / temperature,
-            HAS_BIAS=bias is not None, **cfg,
+            g if grad_entropy is None else grad_entropy[n0:n1], g if grad_entropy is None else entropy[n0:n1],
+            HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=grad_entropy is not None, **cfg,
         )
         _add_chunk_gradients(dx, weight, hidden[n0:n1], dh[n0:n1], dw, db, first=n0 == 0)
     return dh, dw, db
