@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     t.add_argument("--fused-lm-head", action="store_true",
                    help="loss from hidden states and the lm_head weight: no [B, T, V] logits in the update")
+    t.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (TRL's entropy_coef)")
+    t.add_argument("--adaptive-entropy", action="store_true",
+                   help="TRL's adaptive controller: move --entropy-coef toward --entropy-target each step")
+    t.add_argument("--entropy-target", type=float, default=DEFAULTS.entropy_target)
     t.add_argument("--warmup-steps", type=int, default=600, help="format-only supervised warm-up (built-in model)")
     t.add_argument("--eval-every", type=int, default=25)
     t.add_argument("--save-every", type=int, default=50)
@@ -133,7 +137,8 @@ def train(args) -> dict:
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, steps=args.steps,
         learning_rate=args.lr, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
         loss_type=args.loss_type, num_iterations=args.num_iterations, process_rollouts=args.process_rollouts,
-        fused_lm_head=args.fused_lm_head,
+        fused_lm_head=args.fused_lm_head, entropy_coef=args.entropy_coef, adaptive_entropy=args.adaptive_entropy,
+        entropy_target=args.entropy_target,
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, seed=args.seed, eval_every=args.eval_every,
         save_every=args.save_every, output_dir=args.output_dir,

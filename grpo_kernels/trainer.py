@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .advantages import group_advantages, process_advantages
 from .loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
+from .entropy_control import AdaptiveEntropy
 from .options import TOKEN_COUNT_LOSS_TYPES
 from .process_labels import labels_to_step_rewards
 
@@ -50,6 +51,14 @@ class TrainerConfig:
     # compute the loss from the last hidden states and the lm_head weight (FusedLinearGRPOLoss):
     # the [B, T, V] logits of the update are never materialized
     fused_lm_head: bool = False
+    # the entropy bonus: the loss less entropy_coef x mean entropy; with adaptive_entropy, TRL's
+    # controller moves the coefficient by entropy_coef_delta each step toward entropy_target
+    entropy_coef: float = 0.0
+    adaptive_entropy: bool = False
+    entropy_target: float = 0.2
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
     temperature: float = 1.0
     max_new_tokens: int = 8
     max_grad_norm: float = 1.0
@@ -130,7 +139,10 @@ class GRPOTrainer:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         loss_options = dict(loss_type=config.loss_type, beta=config.beta, epsilon=config.epsilon,
                             epsilon_high=config.epsilon_high, temperature=config.temperature,
-                            max_completion_length=config.max_new_tokens)
+                            max_completion_length=config.max_new_tokens, entropy_coef=config.entropy_coef)
+        self.entropy_control = AdaptiveEntropy(
+            coef=config.entropy_coef, target=config.entropy_target, coef_min=config.entropy_coef_min,
+            coef_max=config.entropy_coef_max, delta=config.entropy_coef_delta) if config.adaptive_entropy else None
         # from logits, the loss takes the model's [B, T + 1, V] output whole (see _logits)
         self.loss_fn = (FusedLinearGRPOLoss(**loss_options) if config.fused_lm_head
                         else GRPOLoss(drop_last_position=True, **loss_options))
@@ -279,6 +291,8 @@ class GRPOTrainer:
         # so that the one-pass kernel writes the gradient already scaled
         scale = local_tokens.clamp(min=1.0) * size / global_tokens if self.config.loss_type == "bnpo" else 1.0
         per_token = dict(old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer, loss_scale=scale)
+        if self.entropy_control is not None:  # this step applies the coefficient the last step left
+            self.loss_fn.update(entropy_coef=self.entropy_control.applied_coef())
         if self.config.fused_lm_head:
             head = self.model.get_output_embeddings()
             hidden = self._hidden_states(self.model, *inputs)
@@ -293,6 +307,9 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self._average_gradients()
+        if self.entropy_control is not None:  # one optimizer step is one window; all ranks' tokens
+            self.entropy_control.observe(out.metrics["entropy"] * local_tokens.clamp(min=1.0), local_tokens)
+            self.entropy_control.end_window(all_reduce_sum)
         return loss.detach(), out.metrics
 
     def train_step(self) -> Dict[str, float]:
@@ -320,8 +337,11 @@ class GRPOTrainer:
                              r.completion_mask.sum().float().cpu() / r.completion_mask.shape[0],
                              metrics.get("kl", torch.tensor(0.0)).cpu(), loss.cpu()])
         reward, accuracy, zero_std, length, kl, loss_value = (all_reduce_sum(stats) / size).tolist()
-        return {"step": self.step, "reward": reward, "accuracy": accuracy, "kl": kl, "loss": loss_value,
-                "zero_std_groups": zero_std, "completion_length": length, "grad_norm": float(grad_norm)}
+        record = {"step": self.step, "reward": reward, "accuracy": accuracy, "kl": kl, "loss": loss_value,
+                  "zero_std_groups": zero_std, "completion_length": length, "grad_norm": float(grad_norm)}
+        if self.entropy_control is not None:
+            record.update(entropy_coef=self.entropy_control.coef, entropy=self.entropy_control.last_world_entropy)
+        return record
 
     def _weights(self, rewards: torch.Tensor) -> List[float]:
         return list(self.reward_weights) if self.reward_weights is not None else [1.0] * rewards.shape[1]
@@ -364,6 +384,8 @@ class GRPOTrainer:
         self.tokenizer.save_pretrained(tmp)
         state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "rng": self.rng.getstate(),
                  "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(self.config), **(extra or {})}
+        if self.entropy_control is not None:
+            state["entropy_control"] = self.entropy_control.state_dict()
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -376,6 +398,8 @@ class GRPOTrainer:
         self.step = state["step"]
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
+        if self.entropy_control is not None and "entropy_control" in state:
+            self.entropy_control.load_state_dict(state["entropy_control"])
 
     def train(self, on_step: Optional[Callable[[Dict], None]] = None, progress: bool = False) -> List[Dict]:
         """Run to ``config.steps``: evaluate first and at the end, save every ``save_every``.

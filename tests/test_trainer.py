@@ -195,3 +195,48 @@ def test_train_any_local_hugging_face_model(tmp_path, tiny):
     assert cli.main(["train", "--model", path, "--steps", "2", "--eval-size", "8", "--group-size", "2",
                      "--prompts-per-step", "2", "--output-dir", out, "--no-progress", "--save-every", "0"]) == 0
     assert latest_checkpoint(out).endswith("checkpoint-2")
+
+
+def test_adaptive_entropy_moves_the_coefficient_and_survives_a_resume(tiny, tmp_path):
+    """TRL's rule in the thin trainer: gated off until a step has measured the entropy, then the
+    coefficient moves by delta toward the target each step; its state is in the checkpoint."""
+    config = dict(entropy_coef=0.05, adaptive_entropy=True, entropy_target=100.0, entropy_coef_delta=0.01,
+                  entropy_coef_max=0.065, output_dir=str(tmp_path / "run"))
+    trainer = _trainer(tiny, **config)
+    first = trainer.train_step()
+    assert first["entropy_coef"] == pytest.approx(0.06) and 0.0 < first["entropy"] < 100.0
+    second = trainer.train_step()
+    assert second["entropy_coef"] == pytest.approx(0.065)  # capped at entropy_coef_max
+    checkpoint = trainer.save_checkpoint()
+    resumed = _trainer(tiny, **config)
+    resumed.load_state(checkpoint)
+    assert resumed.entropy_control.state_dict() == trainer.entropy_control.state_dict()
+    low = _trainer(tiny, entropy_coef=0.05, adaptive_entropy=True, entropy_target=0.0, entropy_coef_delta=0.01)
+    assert low.train_step()["entropy_coef"] == pytest.approx(0.04)  # entropy above the target: down
+
+
+def test_adaptive_entropy_controller_rules():
+    from grpo_kernels.entropy_control import AdaptiveEntropy
+
+    control = AdaptiveEntropy(coef=0.1, target=1.0, coef_min=0.05, coef_max=0.2, delta=0.1)
+    assert control.applied_coef() == 0.0  # nothing measured yet
+    control.observe(torch.tensor(3.0), torch.tensor(4.0))
+    control.observe(torch.tensor(1.0), torch.tensor(2.0))  # the window's mean is 4 / 6, not the last batch's
+    assert control.end_window() == pytest.approx(4 / 6)
+    assert control.coef == pytest.approx(0.2) and control.applied_coef() == pytest.approx(0.2)
+    control.observe(torch.tensor(9.0), torch.tensor(3.0))
+    control.end_window(lambda t: t * torch.tensor([1.0, 3.0]))  # another process's tokens, no entropy: mean 1
+    assert control.coef == pytest.approx(0.2) and control.last_world_entropy == pytest.approx(1.0)
+    with pytest.raises(RuntimeError, match="end_window\\(\\) before any observe\\(\\)"):
+        control.end_window()
+    with pytest.raises(ValueError, match="coef_min <= coef_max"):
+        AdaptiveEntropy(coef=0.1, coef_min=0.5, coef_max=0.2)
+
+
+def test_entropy_flags_from_the_command_line(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert cli.main(["train", "--steps", "2", "--warmup-steps", "2", "--eval-size", "4", "--group-size", "2",
+                     "--prompts-per-step", "2", "--output-dir", out, "--no-progress", "--save-every", "0",
+                     "--entropy-coef", "0.01", "--adaptive-entropy", "--entropy-target", "100"]) == 0
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [round(r["entropy_coef"], 4) for r in lines if "reward" in r] == [0.015, 0.02]

@@ -147,6 +147,23 @@ def test_policy_masks_match_trl(model_dir, dataset, tmp_path, loss_type, level, 
     assert_same_as_trl(stock, ours, batch, accumulation=2)
 
 
+@pytest.mark.parametrize("target", [100.0, 0.01])
+def test_adaptive_entropy_follows_trl_step_by_step(model_dir, dataset, tmp_path, target):
+    """TRL's adaptive rule: the first window is gated off (no measurement yet), each optimizer-step
+    boundary moves the coefficient up (entropy at or below the target) or down, and the next window
+    applies it; the loss, gradients and controller state match stock TRL after every step."""
+    config = dict(loss_type="grpo", beta=0.04, use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=target,
+                  entropy_coef_delta=0.05, entropy_coef_min=0.02, entropy_coef_max=0.3)
+    stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
+    batch = _batch(stock, off_policy=True, beta=0.04)
+    for _ in range(3):
+        assert_same_as_trl(stock, ours, batch)
+        assert ours.entropy_coef == pytest.approx(stock.entropy_coef)
+        assert ours._last_world_entropy == pytest.approx(stock._last_world_entropy, rel=1e-5)
+    assert stock.entropy_coef == pytest.approx(0.25 if target > 1 else 0.02)  # it moved, both ways covered
+
+
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     """A tiny Mixtral (2 experts, top-1) with a router auxiliary loss."""
@@ -194,8 +211,8 @@ def test_cast_lm_head_to_fp32_runs_the_fused_lm_head_in_fp32(model_dir, dataset,
 def test_unsupported_trl_options_raise(model_dir, dataset, tmp_path, moe_dir):
     with pytest.raises(ValueError, match=r"does not support the MoE router auxiliary loss with fused_lm_head=True"):
         _trainer(GRPOKernelsTrainer, moe_dir, dataset, tmp_path, fused_lm_head=True)
-    with pytest.raises(ValueError, match=r"does not support use_adaptive_entropy \(the adaptive entropy controller"):
-        _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, use_adaptive_entropy=True)
+    with pytest.raises(ValueError, match=r"does not support use_adaptive_entropy with top_entropy_quantile < 1"):
+        _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, use_adaptive_entropy=True, top_entropy_quantile=0.5)
 
 
 def test_short_train_runs(model_dir, dataset, tmp_path):

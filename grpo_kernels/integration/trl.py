@@ -22,6 +22,7 @@ try:
 except ImportError as err:  # the trl extra is optional
     raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
 
+from ..entropy_control import AdaptiveEntropy
 from ..loss import FusedLinearGRPOLoss, GRPOLoss
 from ..options import LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 
@@ -35,8 +36,9 @@ def unsupported_options(trainer) -> list:
     problems = []
     if trainer.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={trainer.loss_type!r} (supported: {list(LOSS_TYPES)})")
-    if getattr(args, "use_adaptive_entropy", False):
-        problems.append("use_adaptive_entropy (the adaptive entropy controller; a static entropy_coef is supported)")
+    if getattr(args, "use_adaptive_entropy", False) and getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+        problems.append("use_adaptive_entropy with top_entropy_quantile < 1 (the controller would need the "
+                        "entropy over the high-entropy tokens, which the loss does not report)")
     if getattr(trainer, "aux_loss_enabled", False) and getattr(trainer, "fused_lm_head", False):
         problems.append("the MoE router auxiliary loss with fused_lm_head=True (the model's own LM-head forward "
                         "computes it; the logits path adds it as TRL does)")
@@ -66,7 +68,10 @@ class GRPOKernelsTrainer(GRPOTrainer):
         # gradient is written at that shape, not copied into it by autograd's slice backward.
         self.grpo_loss = (FusedLinearGRPOLoss(options=options) if fused_lm_head
                           else GRPOLoss(options=options, drop_last_position=True))
-        self.loss_fn_entropy_coef = options.entropy_coef  # TRL's static coefficient, before accumulation
+        self._entropy_controller = AdaptiveEntropy(
+            coef=self.entropy_coef, target=self.args.entropy_target, coef_min=self.args.entropy_coef_min,
+            coef_max=self.args.entropy_coef_max, delta=self.args.entropy_coef_delta,
+        ) if getattr(self.args, "use_adaptive_entropy", False) else None
 
     @staticmethod
     def _sequence(inputs):
@@ -114,11 +119,16 @@ class GRPOKernelsTrainer(GRPOTrainer):
         # TRL divides these losses by the accumulation steps: declared up front, the one-pass kernel
         # writes the gradient already scaled and the backward moves no extra byte.
         divided = self.loss_type in _DIVIDED_BY_ACCUMULATION and mode == "train"
-        if self.loss_fn_entropy_coef != 0.0:
+        if self._entropy_bonus_enabled:
+            applied = self.entropy_coef
+            if self._entropy_controller is not None:  # TRL's attributes hold the state its checkpoints save
+                control = self._entropy_controller
+                control.coef, control.last_world_entropy = self.entropy_coef, self._last_world_entropy
+                applied = control.applied_coef()
             # TRL divides the entropy bonus by the accumulation steps in training whatever the loss type;
             # loss_scale does that for the types it divides, the coefficient for the others
             accumulation = self.current_gradient_accumulation_steps if mode == "train" and not divided else 1
-            self.grpo_loss.update(entropy_coef=self.loss_fn_entropy_coef / accumulation)
+            self.grpo_loss.update(entropy_coef=applied / accumulation)
         loss_inputs = dict(old_logps=inputs.get("old_per_token_logps"),
                            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
                            importance_weights=importance_weights, normalizer=normalizer,
@@ -136,12 +146,28 @@ class GRPOKernelsTrainer(GRPOTrainer):
             logits, aux_loss = self._completion_logits(model, inputs)
             out = self.grpo_loss(logits, completion_ids, mask, inputs["advantages"], **loss_inputs)
         self._log_metrics(out.metrics, mask, mode, inputs["advantages"].dim() == 1)
+        self._control_entropy(out.metrics, mask, mode)
         loss = out.loss
         if aux_loss is not None:  # MoE load balancing, scaled for accumulation as TRL scales it
             loss = loss + self.router_aux_loss_coef * aux_loss / (
                 self.current_gradient_accumulation_steps if mode == "train" else 1.0)
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         return loss
+
+    def _control_entropy(self, metrics, mask, mode: str) -> None:
+        """TRL's adaptive rule at its points: each training micro-batch adds its entropy to the window,
+        the optimizer-step boundary moves the coefficient (``grpo_kernels.entropy_control``)."""
+        if not self._entropy_bonus_enabled:
+            return
+        if self._entropy_controller is not None and mode == "train":
+            tokens = mask.sum().float()
+            self._entropy_controller.observe(metrics["entropy"] * tokens.clamp(min=1.0), tokens)
+            if self.accelerator.sync_gradients:
+                self._entropy_controller.end_window(lambda t: self.accelerator.reduce(t, reduction="sum"))
+                self.entropy_coef = self._entropy_controller.coef
+                self._last_world_entropy = self._entropy_controller.last_world_entropy
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
     def _log_metrics(self, metrics, mask, mode: str, inputs_advantages_per_row: bool = True) -> None:
         """TRL's global means: each local mean weighted by its count (tokens, or rows for a per-row
