@@ -418,9 +418,7 @@ def selective_log_softmax(
     is written in the logits' dtype without materializing the log-softmax: a drop-in for
     TRL's ``selective_log_softmax`` and verl's ``logprobs_from_logits``.
     """
-    lead = logits.shape[:-1]
-    as_3d = logits if logits.dim() == 3 else logits.reshape(1, -1, logits.shape[-1])
-    check_logits(as_3d)
+    as_3d, lead = _last_dim_rows(logits)
     if tuple(index.shape) != tuple(lead):
         raise ValueError(f"index must have shape {tuple(lead)} (logits without V), got {tuple(index.shape)}")
     ids = index.reshape(as_3d.shape[:2])
@@ -430,6 +428,44 @@ def selective_log_softmax(
     engine = resolve_backend(backend, logits)
     logp, _ = TokenLogprobs.apply(as_3d, ids.contiguous(), None, float(temperature), False, engine, in_place_backward)
     return logp.reshape(lead)
+
+
+def _last_dim_rows(logits: torch.Tensor):
+    """logits [..., V] as [B, T, V] (a view where possible) and the leading shape."""
+    lead = logits.shape[:-1]
+    as_3d = logits if logits.dim() == 3 else logits.reshape(1, -1, logits.shape[-1])
+    check_logits(as_3d)
+    return as_3d, lead
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto") -> torch.Tensor:
+    """Differentiable entropy of softmax(logits / temperature) over the last dim, fp32 [...], on the fused kernel.
+
+    One read of the logits in the forward, one more in the backward, which writes
+    dH/dlogits = -p (log p + H) / tau scaled by the incoming gradient, in the logits' dtype; no
+    fp32 [N, V] softmax is materialized. A drop-in for verl's ``entropy_from_logits``.
+    """
+    as_3d, lead = _last_dim_rows(logits)
+    GRPOOptions(temperature=temperature)  # validates the temperature
+    engine = resolve_backend(backend, logits)
+    ids = torch.zeros(as_3d.shape[:2], dtype=torch.long, device=logits.device)  # no target: the entropy alone
+    _, entropy = TokenLogprobs.apply(as_3d, ids, None, float(temperature), True, engine, False)
+    return entropy.reshape(lead)
+
+
+def selective_log_softmax_and_entropy(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, *,
+                                      backend: str = "auto"):
+    """``(selective_log_softmax(...), token_entropy(...))`` from one pass over the logits, both differentiable
+    (the backward is one pass too, whichever of the two the loss uses). fp32, shapes ``index.shape``."""
+    as_3d, lead = _last_dim_rows(logits)
+    if tuple(index.shape) != tuple(lead):
+        raise ValueError(f"index must have shape {tuple(lead)} (logits without V), got {tuple(index.shape)}")
+    ids = index.reshape(as_3d.shape[:2])
+    check_token_ids(ids, as_3d, True)
+    GRPOOptions(temperature=temperature)
+    engine = resolve_backend(backend, logits)
+    logp, entropy = TokenLogprobs.apply(as_3d, ids.contiguous(), None, float(temperature), True, engine, False)
+    return logp.reshape(lead), entropy.reshape(lead)
 
 
 class GRPOLoss(nn.Module):

@@ -137,3 +137,32 @@ def test_entropy_bonus_from_hidden_states(device, backend, lm_head_mode, level):
     assert_close("loss", expected.loss, out.loss, **TOL)
     assert_close("d hidden", h.grad, h2.grad, atol=1e-5, rtol=1e-5)
     assert_close("d weight", w.grad, w2.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_token_entropy_and_the_pair_are_differentiable(device, backend):
+    """token_entropy and selective_log_softmax_and_entropy on any leading shape, against autograd in fp64."""
+    from grpo_kernels import selective_log_softmax_and_entropy, token_entropy
+
+    g = torch.Generator().manual_seed(29)
+    logits = (3 * torch.randn(2, 3, 7, 301, generator=g)).to(device)
+    index = torch.randint(0, 301, (2, 3, 7), generator=g).to(device)
+    w_lp, w_h = torch.randn(2, 3, 7, generator=g).to(device), torch.randn(2, 3, 7, generator=g).to(device)
+    x = logits.double().requires_grad_()
+    lp_all = torch.log_softmax(x / 0.8, -1)
+    lp = lp_all.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    h = -(lp_all.exp() * lp_all).sum(-1)
+    (g_h,) = torch.autograd.grad((h * w_h).sum(), x, retain_graph=True)
+    (g_both,) = torch.autograd.grad((h * w_h + lp * w_lp).sum(), x)
+
+    ours = logits.clone().requires_grad_()
+    entropy = token_entropy(ours, 0.8, backend=backend)
+    assert entropy.shape == (2, 3, 7) and entropy.dtype == torch.float32
+    (grad,) = torch.autograd.grad((entropy * w_h).sum(), ours)
+    assert_close("entropy", h, entropy, **TOL)
+    assert_close("d entropy / d logits", g_h, grad, atol=1e-5, rtol=1e-5)
+    lp_ours, h_ours = selective_log_softmax_and_entropy(ours, index, 0.8, backend=backend)
+    (grad,) = torch.autograd.grad((h_ours * w_h + lp_ours * w_lp).sum(), ours)
+    assert_close("log-probs", lp, lp_ours, **TOL)
+    # fp32 on logits / tau up to about 15: log p reaches -40, and p (log p + H) cancels to ~1e-5 absolute
+    assert_close("d (both) / d logits", g_both, grad, atol=1e-5, rtol=1e-5)

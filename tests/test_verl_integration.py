@@ -97,6 +97,32 @@ def test_patched_logprobs_match_verl_and_use_our_kernel():
     torch.testing.assert_close(g_actual, g_expected, atol=1e-6, rtol=1e-5)
 
 
+def test_patched_entropy_matches_verl_with_its_gradient():
+    """verl's entropy_from_logits (and its chunked form) on our kernel: same values, same gradient."""
+    from verl.utils import torch_functional
+
+    logits = 3 * torch.randn(13, 401)
+    logits.requires_grad_()
+    weights = torch.randn(13)
+    expected = torch_functional.entropy_from_logits(logits)
+    (g_expected,) = torch.autograd.grad((expected * weights).sum(), logits)
+    chunked = torch_functional.entropy_from_logits_with_chunking(logits.detach(), chunk_size=4)
+    originals = {n: getattr(torch_functional, n) for n in ("logprobs_from_logits", "entropy_from_logits",
+                                                           "entropy_from_logits_with_chunking")}
+    try:
+        adapter.patch_logprobs()
+        assert torch_functional.entropy_from_logits is not originals["entropy_from_logits"]
+        actual = torch_functional.entropy_from_logits(logits)
+        (g_actual,) = torch.autograd.grad((actual * weights).sum(), logits)
+        actual_chunked = torch_functional.entropy_from_logits_with_chunking(logits.detach(), chunk_size=4)
+    finally:
+        for name, fn in originals.items():
+            setattr(torch_functional, name, fn)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_actual, g_expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(actual_chunked, chunked, atol=1e-5, rtol=1e-5)
+
+
 def test_unknown_modes_are_named():
     with pytest.raises(ValueError, match="loss_agg_mode must be one of"):
         adapter.aggregate(torch.zeros(2, 2), torch.ones(2, 2), "mean")
@@ -109,10 +135,13 @@ def test_enable_module_registers_and_patches():
 
     from verl.utils import torch_functional
 
-    original = torch_functional.logprobs_from_logits
+    originals = {n: getattr(torch_functional, n) for n in ("logprobs_from_logits", "entropy_from_logits",
+                                                           "entropy_from_logits_with_chunking")}
     try:
         importlib.import_module("grpo_kernels.integration.enable")
         assert core_algos.get_policy_loss_fn("grpo_kernels") is adapter.vanilla_policy_loss
-        assert torch_functional.logprobs_from_logits is not original
+        for name, original in originals.items():
+            assert getattr(torch_functional, name) is not original, name
     finally:
-        torch_functional.logprobs_from_logits = original
+        for name, fn in originals.items():
+            setattr(torch_functional, name, fn)

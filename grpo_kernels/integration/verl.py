@@ -151,17 +151,28 @@ def register() -> None:
 
 
 def patch_logprobs() -> None:
-    """Make verl's ``logprobs_from_logits`` our fused kernel (every module that imported it by name)."""
+    """Make verl's ``logprobs_from_logits``, ``entropy_from_logits`` and ``entropy_from_logits_with_chunking``
+    our fused kernel, with their gradients (in every module that imported them by name; verl's engines
+    read them when they are built, after ``external_lib`` is imported). Our entropy is fp32 whatever
+    the logits' dtype."""
     import sys
 
     from verl.utils import torch_functional
 
-    from ..loss import selective_log_softmax
+    from ..loss import selective_log_softmax, token_entropy
 
     def logprobs_from_logits(logits, labels, inplace_backward=True):
         return selective_log_softmax(logits, labels)
 
-    original = torch_functional.logprobs_from_logits
-    for module in list(sys.modules.values()):
-        if module is not None and getattr(module, "logprobs_from_logits", None) is original:
-            module.logprobs_from_logits = logprobs_from_logits
+    def entropy_from_logits(logits):
+        return token_entropy(logits)
+
+    def entropy_from_logits_with_chunking(logits, chunk_size: int = 2048):  # no chunks needed: no [N, V] temporary
+        return token_entropy(logits)
+
+    for name, ours in (("logprobs_from_logits", logprobs_from_logits), ("entropy_from_logits", entropy_from_logits),
+                       ("entropy_from_logits_with_chunking", entropy_from_logits_with_chunking)):
+        original = getattr(torch_functional, name)
+        for module in list(sys.modules.values()):
+            if module is not None and getattr(module, name, None) is original:
+                setattr(module, name, ours)
