@@ -203,6 +203,9 @@ def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
             yield (f"backward bias={with_bias} {dtype_name}",
                    lambda b=with_bias: launch.linear_backward(hidden, weight, bias if b else None, ids, ones, ones,
                                                               1.0, True))
+        yield (f"backward entropy-bonus {dtype_name}",
+               lambda: launch.linear_backward(hidden, weight, None, ids, ones, ones, 1.0, True, grad_entropy=ones,
+                                              entropy=ones))
     yield from calls("bf16", torch.bfloat16)
     yield from calls("fp32", torch.float32)
 
