@@ -14,21 +14,17 @@ from .functions import (FusedLinearThreeProducts, FusedLinearTokenLoss, FusedTok
 from .kernels import contracts as K
 from .kernels.contracts import launch_module
 from .options import BACKENDS, PPO_CLIP_LOSS_TYPES, GRPOOptions
+from .packing import Rows
 from .reference import GRPOLossOutput
 from .validation import check_in_place, check_inputs, check_logits, check_per_token, check_token_ids, resolve_backend
 
 
-def _flat_f32(t: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tensor]:
-    """[B], [B, 1] or [B, T] -> contiguous fp32 [B * T] for the kernels (O(N), negligible)."""
-    if t is None:
-        return None
-    return ref.as_row_column(t.detach()).float().expand(B, T).reshape(-1).contiguous()
-
-
-def _per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts: GRPOOptions, B, T):
-    """mask, advantages, old, ref (only with a KL term) and importance weights as the kernels read them."""
-    return (mask.reshape(-1).contiguous(), _flat_f32(advantages, B, T), _flat_f32(old_logps, B, T),
-            _flat_f32(ref_logps, B, T) if opts.uses_kl else None, _flat_f32(importance_weights, B, T))
+def _per_token_kernel_inputs(rows: Rows, mask, advantages, old_logps, ref_logps, importance_weights,
+                             opts: GRPOOptions):
+    """mask, advantages, old, ref (only with a KL term) and importance weights as the kernels read them:
+    contiguous fp32 [N] (O(N), negligible)."""
+    return (mask.reshape(-1).contiguous(), rows.tokens(advantages), rows.tokens(old_logps),
+            rows.tokens(ref_logps) if opts.uses_kl else None, rows.tokens(importance_weights))
 
 
 def _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts: GRPOOptions) -> GRPOLossOutput:
@@ -82,9 +78,16 @@ def grpo_loss(
     loss_scale=1.0,
     drop_last_position: bool = False,
     sampling_logps: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
+
+    A packed (padding-free) batch: ``cu_seqlens`` [S + 1] (int32 / int64, flash-attention's
+    convention: sequence s is tokens cu_seqlens[s] to cu_seqlens[s + 1]) with logits [total, V] or
+    [1, total, V]; ids, mask and the per-token inputs [total] or [1, total]; advantages and
+    importance weights per sequence [S] or per token. The loss, gradient and metrics are those of
+    the padded layout for the same sequences.
 
     ``sampling_logps`` [B, T] (the sampler's log-probs, e.g. vLLM's) feed the off-policy mask
     (``off_policy_mask_threshold``); without them it uses ``old_logps``, as TRL does.
@@ -103,26 +106,39 @@ def grpo_loss(
     if options is not None and option_kwargs:
         raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
     opts = options if options is not None else GRPOOptions(**option_kwargs)
+    rows, user_shape = None, None
+    if cu_seqlens is not None:  # a packed batch: one row of tokens to the kernels, sequences to the reductions
+        if drop_last_position:
+            raise ValueError("drop_last_position=True applies to padded [B, T + 1, V] logits, not to a packed batch "
+                             "(cu_seqlens): give the packed logits of the completion tokens only")
+        user_shape = completion_ids.shape if isinstance(completion_ids, torch.Tensor) else None
+        rows, logits, completion_ids, completion_mask, old_logps, ref_logps, sampling_logps = _packed_inputs(
+            cu_seqlens, logits, completion_ids, completion_mask, advantages, old_logps, ref_logps,
+            importance_weights, sampling_logps)
     full, trailing = logits, _checked_drop_last_position(drop_last_position, logits, completion_ids)
     logits = aligned(full, trailing)  # [B, T, V]: what is checked, and what the kernels read
-    check_inputs(logits, completion_ids, completion_mask, advantages, old_logps, ref_logps,
-                 importance_weights, normalizer, opts, check_ids)
+    check_inputs(logits, completion_ids, completion_mask, rows.tokens(advantages).view(1, -1) if rows else advantages,
+                 old_logps, ref_logps, None if rows else importance_weights, normalizer, opts, check_ids)
     check_per_token("sampling_logps", sampling_logps, logits, allow_row=False)
     engine = resolve_backend(backend, logits)
     check_in_place(in_place_backward, full)
     loss_scale = _checked_loss_scale(loss_scale)
     normalizer = _detached(normalizer)  # a per-step constant, like every per-token input
     B, T, _ = logits.shape
-    mask = completion_mask.float()
-    bonus_mask, policy_mask = mask, None  # the tokens the entropy bonus acts on; TRL's policy-term masks
+    rows = rows or Rows(B, T)
+    mask = completion_mask.float()  # the token layout: [B, T], or [1, total] packed
+    mask_seq = rows.seq(mask)  # the sequence layout the reductions see: [B, T], or [S, T_max] packed
+    bonus_mask, policy_mask = mask_seq, None  # the tokens the entropy bonus acts on; TRL's policy-term masks
     if opts.masks_tokens:  # the masks need this pass's log-probs / entropies first: one more read of the logits
         with torch.no_grad():
             first_pass = TokenLogprobs.apply(full, completion_ids.contiguous(), mask.reshape(-1).contiguous(),
                                              opts.temperature, opts.top_entropy_quantile < 1.0, engine, False,
                                              trailing)
         importance_weights, policy_mask, bonus_mask = _with_policy_masks(
-            *first_pass, mask, advantages, old_logps if sampling_logps is None else sampling_logps,
-            importance_weights, opts)
+            *[rows.seq(t) for t in first_pass], mask_seq, rows.seq(advantages),
+            rows.seq(old_logps if sampling_logps is None else sampling_logps), rows.seq(importance_weights), opts)
+        if opts.loss_in_kernel:  # folded into the importance weights the kernels read (sequence layout)
+            importance_weights = importance_weights.expand_as(mask_seq)
 
     if engine == "triton" and logits.stride(-1) != 1:
         raise ValueError(
@@ -131,25 +147,77 @@ def grpo_loss(
         )
     if engine == "triton" and opts.loss_in_kernel:  # the per-token loss math runs inside the kernel
         kernel_inputs = (full, completion_ids.contiguous(), *_per_token_kernel_inputs(
-            mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T))
+            rows, mask, advantages, old_logps, ref_logps, importance_weights, opts))
         wants_grad = torch.is_grad_enabled() and logits.requires_grad
         if one_pass is None:  # the device sweep's measured choice for this GPU and vocabulary, else one-pass
             one_pass = launch_module().default_one_pass(logits)
         if one_pass and wants_grad and not in_place_backward:  # dlogits written in the forward
             loss, loss_t, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
-                *kernel_inputs, _grad_weight(mask, opts, normalizer, loss_scale), opts, trailing,
-                _entropy_grad_weight(bonus_mask, opts, loss_scale))
+                *kernel_inputs, _grad_weight(mask_seq, opts, normalizer, loss_scale, rows), opts, trailing,
+                _entropy_grad_weight(bonus_mask, opts, loss_scale, rows))
         else:  # two-pass: dLoss/dlogp (and dLoss/dH) applied by the backward kernel
             loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward,
                                                                     trailing)
-            loss = _reduced(loss_t, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
-        return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
-    logp, entropy = TokenLogprobs.apply(
-        full, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
-        engine, in_place_backward, trailing,
-    )
-    return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                            opts, loss_scale, bonus_mask, policy_mask)
+            loss = _reduced(rows.seq(loss_t), mask_seq, opts, normalizer, loss_scale, rows.seq(entropy), bonus_mask)
+        out = _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
+    else:
+        logp, entropy = TokenLogprobs.apply(
+            full, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
+            engine, in_place_backward, trailing,
+        )
+        out = _loss_from_logps(rows.seq(logp), rows.seq(entropy), mask_seq, rows.seq(advantages),
+                               rows.seq(old_logps), rows.seq(ref_logps), rows.seq(importance_weights), normalizer,
+                               opts, loss_scale, bonus_mask, policy_mask)
+        if rows.packed:
+            out = GRPOLossOutput(out.loss, out.metrics, rows.from_seq(out.per_token_logps))
+    if user_shape is not None:  # a packed call gets its per-token log-probs in the ids' shape
+        out = GRPOLossOutput(out.loss, out.metrics, out.per_token_logps.reshape(user_shape))
+    return out
+
+
+def _packed_inputs(cu_seqlens, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights,
+                   sampling_logps):
+    """Check a packed call and give its tensors as one row: (Rows, logits [1, total, V], and ids, mask,
+    old, ref, sampling log-probs as [1, total]); advantages and importance weights stay as given
+    (per sequence [S] or per token [total]), read through the Rows."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or \
+            cu_seqlens.dtype not in (torch.int32, torch.int64):
+        got = (f"shape {tuple(cu_seqlens.shape)}, dtype {cu_seqlens.dtype}" if isinstance(cu_seqlens, torch.Tensor)
+               else type(cu_seqlens).__name__)
+        raise ValueError(f"cu_seqlens must be an int32 / int64 tensor [S + 1] (flash-attention's convention), "
+                         f"got {got}")
+    check_logits(logits if logits.dim() == 3 else logits.unsqueeze(0))
+    if logits.dim() == 3 and logits.shape[0] != 1:
+        raise ValueError(f"packed logits must be [total, V] or [1, total, V], got {tuple(logits.shape)}")
+    rows3 = logits if logits.dim() == 3 else logits.unsqueeze(0)
+    total = rows3.shape[1]
+    if cu_seqlens.device != logits.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but logits is on {logits.device}")
+    bounds = cu_seqlens.detach().cpu()
+    if int(bounds[0]) != 0 or int(bounds[-1]) != total or bool((bounds[1:] < bounds[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the packed token count {total}, "
+                         f"got {bounds.tolist()[:8]}{' ...' if bounds.numel() > 8 else ''}")
+    rows = Rows(1, total, cu_seqlens)
+
+    def one_row(name, t):
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor) or t.numel() != total or t.dim() not in (1, 2) or t.shape[-1] != total:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} of a packed batch must be [total] or [1, total] with total = {total}, got {got}")
+        return t.reshape(1, total)
+
+    for name, t in (("advantages", advantages), ("importance_weights", importance_weights)):
+        if t is None:
+            continue
+        per_sequence = isinstance(t, torch.Tensor) and t.dim() in (1, 2) and t.numel() == rows.S and \
+            (t.dim() == 1 or t.shape[1] == 1)
+        if not per_sequence:
+            one_row(f"{name} (per token; or per sequence [S] = [{rows.S}])", t)
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    return (rows, rows3, one_row("completion_ids", ids), one_row("completion_mask", mask),
+            one_row("old_logps", old_logps), one_row("ref_logps", ref_logps), one_row("sampling_logps", sampling_logps))
 
 
 def _with_policy_masks(logp, entropy, mask, advantages, sampling_logps, importance_weights, opts: GRPOOptions):
@@ -210,21 +278,24 @@ def _reduced(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale, en
     return loss if isinstance(loss_scale, float) and loss_scale == 1.0 else loss * loss_scale
 
 
-def _grad_weight(mask, opts: GRPOOptions, normalizer, loss_scale) -> torch.Tensor:
-    """Each token's weight in the reduced, scaled loss as the one-pass kernels read it: fp32 [B * T]."""
+def _grad_weight(mask, opts: GRPOOptions, normalizer, loss_scale, rows: Optional[Rows] = None) -> torch.Tensor:
+    """Each token's weight in the reduced, scaled loss as the one-pass kernels read it: fp32 [N].
+    ``mask`` is in the sequence layout ([B, T] or a packed batch's [S, T_max], ``rows``)."""
     weights = ref.reduction_weights(mask, opts, normalizer)
     if not (isinstance(loss_scale, float) and loss_scale == 1.0):
         weights = weights * loss_scale
+    weights = weights if rows is None else rows.from_seq(weights)
     return weights.float().reshape(-1).contiguous()
 
 
-def _entropy_grad_weight(mask, opts: GRPOOptions, loss_scale) -> Optional[torch.Tensor]:
+def _entropy_grad_weight(mask, opts: GRPOOptions, loss_scale, rows: Optional[Rows] = None) -> Optional[torch.Tensor]:
     """Each token's dLoss/dH for the one-pass kernels (the entropy bonus, scaled), or None without one."""
     if opts.entropy_coef == 0.0:
         return None
     weights = ref.entropy_bonus_weights(mask, opts)
     if not (isinstance(loss_scale, float) and loss_scale == 1.0):
         weights = weights * loss_scale
+    weights = weights if rows is None else rows.from_seq(weights)
     return weights.float().reshape(-1).contiguous()
 
 
@@ -273,13 +344,20 @@ def token_logprobs(
     backend: str = "auto",
     check_ids: bool = True,
     drop_last_position: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ):
     """Per-token log softmax(logits / temperature)[ids] in fp32 [B, T], without gradient.
 
     For a trainer's old and reference log-probs; the same kernel as the loss, one read of
     the logits. logits [B, T, V] (or [B, T + 1, V] with ``drop_last_position``, as in
-    ``grpo_loss``). With ``return_entropy`` returns ``(logps, entropy)``.
+    ``grpo_loss``), or a packed batch's [total, V] with ``cu_seqlens`` (the result is then [total]:
+    log-probs are per token, the sequences only need to be valid). With ``return_entropy`` returns
+    ``(logps, entropy)``.
     """
+    if cu_seqlens is not None:
+        rows3 = _packed_inputs(cu_seqlens, logits, ids, None, None, None, None, None, None)
+        flat = token_logprobs(rows3[1], rows3[2], temperature, return_entropy, backend=backend, check_ids=check_ids)
+        return tuple(t.reshape(-1) for t in flat) if return_entropy else flat.reshape(-1)
     check_logits(logits)
     logits = aligned(logits, _checked_drop_last_position(drop_last_position, logits, ids))  # a view, no copy
     check_token_ids(ids, logits, check_ids)
@@ -378,7 +456,8 @@ def fused_linear_grpo_loss(
             *first_pass, mask, advantages, old_logps if sampling_logps is None else sampling_logps,
             importance_weights, opts)
     if engine == "triton" and opts.loss_in_kernel and lm_head_mode == "three_products":
-        per_token = _per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T)
+        per_token = _per_token_kernel_inputs(Rows(B, T), mask, advantages, old_logps, ref_logps, importance_weights,
+                                             opts)
         if wants_grad:
             loss, loss_t, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
                 *flat, *per_token, _grad_weight(mask, opts, normalizer, loss_scale), opts, (B, T),
@@ -395,7 +474,8 @@ def fused_linear_grpo_loss(
         return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     if engine == "triton" and opts.loss_in_kernel:  # the per-token loss math runs inside the kernel
         loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(
-            *flat, *_per_token_kernel_inputs(mask, advantages, old_logps, ref_logps, importance_weights, opts, B, T),
+            *flat, *_per_token_kernel_inputs(Rows(B, T), mask, advantages, old_logps, ref_logps, importance_weights,
+                                             opts),
             opts, (B, T),
         )
         loss = _reduced(loss_t, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
@@ -532,12 +612,13 @@ class GRPOLoss(nn.Module):
         return f"{self.options}, backend={self.backend!r}"
 
     def forward(self, logits, completion_ids, completion_mask, advantages, old_logps=None, ref_logps=None,
-                importance_weights=None, normalizer=None, loss_scale=1.0, sampling_logps=None) -> GRPOLossOutput:
+                importance_weights=None, normalizer=None, loss_scale=1.0, sampling_logps=None,
+                cu_seqlens=None) -> GRPOLossOutput:
         return grpo_loss(
             logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
             normalizer, options=self.options, backend=self.backend, in_place_backward=self.in_place_backward,
             check_ids=self.check_ids, one_pass=self.one_pass, loss_scale=loss_scale,
-            drop_last_position=self.drop_last_position, sampling_logps=sampling_logps,
+            drop_last_position=self.drop_last_position, sampling_logps=sampling_logps, cu_seqlens=cu_seqlens,
         )
 
 

@@ -1,0 +1,114 @@
+"""Packed (padding-free) batches: ``cu_seqlens`` and [total, V] logits give what the padded layout gives.
+
+The oracle is the same loss on the padded [S, T_max] layout of the same sequences (itself
+checked against the reference everywhere else): loss, the gradient of every real token's
+logits, the per-token log-probs and every metric, for every loss type, importance-sampling
+level and path. Packs hold sequences of very different lengths, an empty one, and one alone.
+"""
+
+import pytest
+import torch
+from helpers import assert_close
+
+from grpo_kernels import GRPOLoss, grpo_loss, token_logprobs
+
+TOL = dict(atol=2e-6, rtol=1e-5)
+PATHS = [("torch", None), ("triton", True), ("triton", False)]
+LOSS_DEFAULTS = {"dr_grpo": dict(max_completion_length=9), "cispo": dict(epsilon_high=1.2)}
+
+
+def _pack(lengths, V=301, seed=0, per_token_adv=False, device="cpu"):
+    """(padded inputs [S, T_max], packed inputs [total], cu_seqlens) of the same sequences."""
+    g = torch.Generator().manual_seed(seed)
+    S, T = len(lengths), max(max(lengths), 1)
+    mask = (torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float()
+    if S > 2 and lengths[0] > 3:
+        mask[0, 1] = 0  # a masked token inside a sequence too (a tool-output token, say)
+    padded = dict(logits=2 * torch.randn(S, T, V, generator=g), completion_ids=torch.randint(0, V, (S, T), generator=g),
+                  completion_mask=mask, advantages=torch.randn((S, T) if per_token_adv else (S,), generator=g),
+                  old_logps=-5 + 0.5 * torch.randn(S, T, generator=g),
+                  ref_logps=-5 + 0.5 * torch.randn(S, T, generator=g))
+    valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    packed = {k: (v[valid] if v.dim() >= 2 and v.shape[:2] == (S, T) else v) for k, v in padded.items()}
+    cu = torch.zeros(S + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    to = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+    return to(padded), to(packed), cu.to(device), valid.to(device)
+
+
+def _run(inputs, backend, one_pass, **kwargs):
+    logits = inputs["logits"].detach().clone().requires_grad_()
+    out = grpo_loss(logits, **{k: v for k, v in inputs.items() if k != "logits"}, backend=backend, one_pass=one_pass,
+                    **kwargs)
+    out.loss.backward()
+    return out, logits.grad
+
+
+def _assert_same(padded_run, packed_run, valid, mask):
+    (expected, expected_grad), (out, grad) = padded_run, packed_run
+    assert_close("loss", expected.loss, out.loss, **TOL)
+    assert_close("dlogits of the real tokens", expected_grad[valid], grad, **TOL)
+    assert torch.count_nonzero(expected_grad[~valid]) == 0
+    active = mask[valid] != 0
+    assert_close("per-token log-probs", expected.per_token_logps[valid][active], out.per_token_logps[active], **TOL)
+    assert set(out.metrics) == set(expected.metrics)
+    for name, value in expected.metrics.items():
+        assert_close(name, value, out.metrics[name], **TOL)
+
+
+# vespo makes its own sequence weight from token-level ratios: its options refuse the other levels
+CASES = [(loss_type, level) for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+         for level in ("token", "sequence", "sequence_token") if loss_type != "vespo" or level == "token"]
+
+
+@pytest.mark.parametrize("loss_type, level", CASES)
+@pytest.mark.parametrize("backend, one_pass", PATHS)
+def test_packed_equals_padded(device, backend, one_pass, loss_type, level):
+    padded, packed, cu, valid = _pack([5, 1, 0, 9, 3], seed=len(loss_type), device=device)
+    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, temperature=0.9,
+                   **LOSS_DEFAULTS.get(loss_type, {}))
+    _assert_same(_run(padded, backend, one_pass, **options),
+                 _run(packed, backend, one_pass, cu_seqlens=cu, **options), valid, padded["completion_mask"])
+
+
+@pytest.mark.parametrize("backend, one_pass", PATHS)
+def test_packed_with_every_input_form(device, backend, one_pass):
+    """Per-token advantages, per-sequence importance weights, [1, total] shapes, the entropy bonus and
+    both policy masks (whose per-sequence KL and entropy quantile must see the sequences)."""
+    padded, packed, cu, valid = _pack([4, 8, 2, 6], seed=3, per_token_adv=True, device=device)
+    iw = torch.tensor([0.9, 1.1, 1.3, 0.7], device=device)
+    packed_1row = {k: (v.unsqueeze(0) if k != "logits" else v.unsqueeze(0)) for k, v in packed.items()}
+    options = dict(beta=0.04, entropy_coef=0.05, top_entropy_quantile=0.6, off_policy_mask_threshold=0.02)
+    expected = _run(padded, backend, one_pass, importance_weights=iw, **options)
+    out, grad = _run(packed_1row, backend, one_pass, importance_weights=iw, cu_seqlens=cu, **options)
+    assert out.per_token_logps.shape == (1, int(cu[-1]))
+    flat = type(out)(out.loss, out.metrics, out.per_token_logps.reshape(-1))
+    _assert_same(expected, (flat, grad[0]), valid, padded["completion_mask"])
+
+
+@pytest.mark.parametrize("backend, one_pass", PATHS)
+def test_a_pack_of_one_sequence_and_the_module(device, backend, one_pass):
+    padded, packed, cu, valid = _pack([7], seed=4, device=device)
+    module = GRPOLoss(beta=0.04, backend=backend, one_pass=one_pass)
+    expected, out = module(**padded), module(**packed, cu_seqlens=cu)
+    assert_close("loss", expected.loss, out.loss, **TOL)
+    lp = token_logprobs(packed["logits"], packed["completion_ids"], 0.8, backend=backend, cu_seqlens=cu)
+    assert lp.shape == (7,)
+    assert_close("token_logprobs", token_logprobs(padded["logits"], padded["completion_ids"], 0.8, backend=backend)[0],
+                 lp, **TOL)
+
+
+def test_bad_packs_are_named():
+    _, packed, cu, _ = _pack([3, 2], seed=5)
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, never decrease and end at the packed token "
+                                         r"count 5, got \[0, 3, 4\]"):
+        grpo_loss(**packed, cu_seqlens=torch.tensor([0, 3, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must be an int32 / int64 tensor"):
+        grpo_loss(**packed, cu_seqlens=cu.float())
+    with pytest.raises(ValueError, match=r"old_logps of a packed batch must be \[total\] or \[1, total\] with "
+                                         r"total = 5, got \(4,\)"):
+        grpo_loss(**{**packed, "old_logps": packed["old_logps"][:4]}, cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"advantages \(per token; or per sequence \[S\] = \[2\]\)"):
+        grpo_loss(**{**packed, "advantages": torch.zeros(3)}, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="drop_last_position=True applies to padded"):
+        grpo_loss(**packed, cu_seqlens=cu, drop_last_position=True)
