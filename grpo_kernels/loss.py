@@ -176,7 +176,7 @@ def grpo_loss(
 
 
 def _packed_inputs(cu_seqlens, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights,
-                   sampling_logps):
+                   sampling_logps, what: str = "logits"):
     """Check a packed call and give its tensors as one row: (Rows, logits [1, total, V], and ids, mask,
     old, ref, sampling log-probs as [1, total]); advantages and importance weights stay as given
     (per sequence [S] or per token [total]), read through the Rows."""
@@ -186,9 +186,13 @@ def _packed_inputs(cu_seqlens, logits, ids, mask, advantages, old_logps, ref_log
                else type(cu_seqlens).__name__)
         raise ValueError(f"cu_seqlens must be an int32 / int64 tensor [S + 1] (flash-attention's convention), "
                          f"got {got}")
-    check_logits(logits if logits.dim() == 3 else logits.unsqueeze(0))
-    if logits.dim() == 3 and logits.shape[0] != 1:
-        raise ValueError(f"packed logits must be [total, V] or [1, total, V], got {tuple(logits.shape)}")
+    if what == "logits":
+        check_logits(logits if logits.dim() == 3 else logits.unsqueeze(0))
+    if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3) or (
+            logits.dim() == 3 and logits.shape[0] != 1):
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        last = "V" if what == "logits" else "H"
+        raise ValueError(f"packed {what} must be [total, {last}] or [1, total, {last}], got {got}")
     rows3 = logits if logits.dim() == 3 else logits.unsqueeze(0)
     total = rows3.shape[1]
     if cu_seqlens.device != logits.device:
@@ -407,6 +411,7 @@ def fused_linear_grpo_loss(
     loss_scale=1.0,
     lm_head_mode: Optional[str] = None,
     sampling_logps: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
@@ -424,11 +429,19 @@ def fused_linear_grpo_loss(
     if options is not None and option_kwargs:
         raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
     opts = options if options is not None else GRPOOptions(**option_kwargs)
+    rows, user_shape = None, None
+    if cu_seqlens is not None:  # a packed batch: see grpo_loss
+        user_shape = completion_ids.shape if isinstance(completion_ids, torch.Tensor) else None
+        rows, hidden_states, completion_ids, completion_mask, old_logps, ref_logps, sampling_logps = _packed_inputs(
+            cu_seqlens, hidden_states, completion_ids, completion_mask, advantages, old_logps, ref_logps,
+            importance_weights, sampling_logps, what="hidden_states")
     _check_linear_inputs(hidden_states, weight, bias)
     B, T, H = hidden_states.shape
     logits_like = hidden_states.new_empty(()).expand(B, T, weight.shape[0])  # shape checks only, no memory
-    check_inputs(logits_like, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-                 normalizer, opts, check_ids)
+    check_inputs(logits_like, completion_ids, completion_mask,
+                 rows.tokens(advantages).view(1, -1) if rows else advantages, old_logps, ref_logps,
+                 None if rows else importance_weights, normalizer, opts, check_ids)
+    rows = rows or Rows(B, T)
     check_per_token("sampling_logps", sampling_logps, logits_like, allow_row=False)
     engine = resolve_backend(backend, hidden_states)
     loss_scale = _checked_loss_scale(loss_scale)
@@ -447,21 +460,24 @@ def fused_linear_grpo_loss(
     if lm_head_mode not in LM_HEAD_MODES:
         raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
     wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
-    bonus_mask, policy_mask = mask, None
+    mask_seq = rows.seq(mask)  # the sequence layout of the reductions (see grpo_loss)
+    bonus_mask, policy_mask = mask_seq, None
     if opts.masks_tokens:  # a first, gradient-free pass for the masks (see _with_policy_masks)
         with torch.no_grad():
             first_pass = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.top_entropy_quantile < 1.0, engine)
-        first_pass = [None if t is None else torch.where(active.view(-1), t.view(-1), 0.0) for t in first_pass]
+        first_pass = [None if t is None else torch.where(active.view(-1), t.view(-1), 0.0).view(B, T)
+                      for t in first_pass]
         importance_weights, policy_mask, bonus_mask = _with_policy_masks(
-            *first_pass, mask, advantages, old_logps if sampling_logps is None else sampling_logps,
-            importance_weights, opts)
+            *[rows.seq(t) for t in first_pass], mask_seq, rows.seq(advantages),
+            rows.seq(old_logps if sampling_logps is None else sampling_logps), rows.seq(importance_weights), opts)
+        if opts.loss_in_kernel:
+            importance_weights = importance_weights.expand_as(mask_seq)
     if engine == "triton" and opts.loss_in_kernel and lm_head_mode == "three_products":
-        per_token = _per_token_kernel_inputs(Rows(B, T), mask, advantages, old_logps, ref_logps, importance_weights,
-                                             opts)
+        per_token = _per_token_kernel_inputs(rows, mask, advantages, old_logps, ref_logps, importance_weights, opts)
         if wants_grad:
             loss, loss_t, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
-                *flat, *per_token, _grad_weight(mask, opts, normalizer, loss_scale), opts, (B, T),
-                _entropy_grad_weight(bonus_mask, opts, loss_scale))
+                *flat, *per_token, _grad_weight(mask_seq, opts, normalizer, loss_scale, rows), opts, (B, T),
+                _entropy_grad_weight(bonus_mask, opts, loss_scale, rows))
         else:  # no gradient wanted: cuBLAS logits and the logits kernel, a chunk at a time
             r = launch_module().linear_three_products(
                 *flat, opts=opts, temperature=opts.temperature, mask=per_token[0], advantages=per_token[1],
@@ -470,22 +486,28 @@ def fused_linear_grpo_loss(
             view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
             loss_t, logp, entropy, kl, flags = (view(r.loss), view(r.logp), view(r.entropy), view(r.kl),
                                                 view(r.flags))
-            loss = _reduced(loss_t, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
-        return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
-    if engine == "triton" and opts.loss_in_kernel:  # the per-token loss math runs inside the kernel
+            loss = _reduced(rows.seq(loss_t), mask_seq, opts, normalizer, loss_scale, rows.seq(entropy), bonus_mask)
+        out = _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
+    elif engine == "triton" and opts.loss_in_kernel:  # the per-token loss math runs inside the kernel
         loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(
-            *flat, *_per_token_kernel_inputs(Rows(B, T), mask, advantages, old_logps, ref_logps, importance_weights,
-                                             opts),
+            *flat, *_per_token_kernel_inputs(rows, mask, advantages, old_logps, ref_logps, importance_weights, opts),
             opts, (B, T),
         )
-        loss = _reduced(loss_t, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
-        return _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
-    logp, entropy = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine)
-    active = active.view(B, T)  # as in the logits path: masked positions read as 0
-    logp = torch.where(active, logp.view(B, T), 0.0)
-    entropy = None if entropy is None else torch.where(active, entropy.view(B, T), 0.0)
-    return _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, normalizer,
-                            opts, loss_scale, bonus_mask, policy_mask)
+        loss = _reduced(rows.seq(loss_t), mask_seq, opts, normalizer, loss_scale, rows.seq(entropy), bonus_mask)
+        out = _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
+    else:
+        logp, entropy = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine)
+        active = active.view(B, T)  # as in the logits path: masked positions read as 0
+        logp = torch.where(active, logp.view(B, T), 0.0)
+        entropy = None if entropy is None else torch.where(active, entropy.view(B, T), 0.0)
+        out = _loss_from_logps(rows.seq(logp), rows.seq(entropy), mask_seq, rows.seq(advantages), rows.seq(old_logps),
+                               rows.seq(ref_logps), rows.seq(importance_weights), normalizer, opts, loss_scale,
+                               bonus_mask, policy_mask)
+        if rows.packed:
+            out = GRPOLossOutput(out.loss, out.metrics, rows.from_seq(out.per_token_logps))
+    if user_shape is not None:
+        out = GRPOLossOutput(out.loss, out.metrics, out.per_token_logps.reshape(user_shape))
+    return out
 
 
 def selective_log_softmax(
@@ -642,10 +664,10 @@ class FusedLinearGRPOLoss(GRPOLoss):
 
     def forward(self, hidden_states, weight, completion_ids, completion_mask, advantages, old_logps=None,
                 ref_logps=None, importance_weights=None, normalizer=None, bias=None, loss_scale=1.0,
-                sampling_logps=None) -> GRPOLossOutput:
+                sampling_logps=None, cu_seqlens=None) -> GRPOLossOutput:
         return fused_linear_grpo_loss(
             hidden_states, weight, completion_ids, completion_mask, advantages, old_logps, ref_logps,
             importance_weights, normalizer, bias=bias, options=self.options, backend=self.backend,
             check_ids=self.check_ids, loss_scale=loss_scale, lm_head_mode=self.lm_head_mode,
-            sampling_logps=sampling_logps,
+            sampling_logps=sampling_logps, cu_seqlens=cu_seqlens,
         )

@@ -112,3 +112,32 @@ def test_bad_packs_are_named():
         grpo_loss(**{**packed, "advantages": torch.zeros(3)}, cu_seqlens=cu)
     with pytest.raises(ValueError, match="drop_last_position=True applies to padded"):
         grpo_loss(**packed, cu_seqlens=cu, drop_last_position=True)
+
+
+@pytest.mark.parametrize("loss_type, level", [("grpo", "token"), ("dr_grpo", "sequence"), ("luspo", "token"),
+                                              ("vespo", "token"), ("sapo", "sequence_token")])
+@pytest.mark.parametrize("backend, lm_head_mode", [("torch", None), ("triton", "recompute"),
+                                                   ("triton", "three_products")])
+def test_packed_hidden_states_equal_padded(device, backend, lm_head_mode, loss_type, level):
+    """The fused lm_head on a packed batch: hidden states [total, H], the same loss and d hidden, d weight."""
+    from grpo_kernels import fused_linear_grpo_loss
+
+    padded, packed, cu, valid = _pack([6, 0, 2, 9], V=257, seed=7, device=device)
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(*valid.shape, 24, generator=g).to(device)
+    weight = (0.4 * torch.randn(257, 24, generator=g)).to(device)
+    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.05,
+                   **LOSS_DEFAULTS.get(loss_type, {}))
+    runs = []
+    for inputs, h, extra in ((padded, hidden, {}), (packed, hidden[valid], {"cu_seqlens": cu})):
+        h, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fused_linear_grpo_loss(h, w, **{k: v for k, v in inputs.items() if k != "logits"}, backend=backend,
+                                     lm_head_mode=lm_head_mode, **options, **extra)
+        out.loss.backward()
+        runs.append((out, h.grad, w.grad))
+    (expected, dh_expected, dw_expected), (out, dh, dw) = runs
+    assert_close("loss", expected.loss, out.loss, **TOL)
+    assert_close("d hidden", dh_expected[valid], dh, atol=1e-5, rtol=1e-5)
+    assert_close("d weight", dw_expected, dw, atol=1e-5, rtol=1e-5)
+    for name, value in expected.metrics.items():
+        assert_close(name, value, out.metrics[name], **TOL)
