@@ -79,9 +79,17 @@ def grpo_loss(
     drop_last_position: bool = False,
     sampling_logps: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
+    vocab_parallel_group=None,
+    vocab_start_index: Optional[int] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
+
+    Vocabulary parallelism: with ``vocab_parallel_group`` (a torch.distributed ProcessGroup), the
+    logits are this rank's contiguous slice of the vocabulary [B, T, V / P] (Megatron's equal
+    partitions, or starting at ``vocab_start_index``); the ids stay global. The ranks exchange
+    O(B * T) values, never logits; the loss, log-probs and metrics are the unsharded ones on every
+    rank, and each rank's gradient is its slice of the unsharded gradient (``vocab_parallel.py``).
 
     A packed (padding-free) batch: ``cu_seqlens`` [S + 1] (int32 / int64, flash-attention's
     convention: sequence s is tokens cu_seqlens[s] to cu_seqlens[s + 1]) with logits [total, V] or
@@ -117,8 +125,19 @@ def grpo_loss(
             importance_weights, sampling_logps)
     full, trailing = logits, _checked_drop_last_position(drop_last_position, logits, completion_ids)
     logits = aligned(full, trailing)  # [B, T, V]: what is checked, and what the kernels read
+    sharded = vocab_parallel_group is not None
     check_inputs(logits, completion_ids, completion_mask, rows.tokens(advantages).view(1, -1) if rows else advantages,
-                 old_logps, ref_logps, None if rows else importance_weights, normalizer, opts, check_ids)
+                 old_logps, ref_logps, None if rows else importance_weights, normalizer, opts,
+                 check_ids and not sharded)
+    if sharded:  # the ids are global: checked against the whole vocabulary
+        from .vocab_parallel import vocab_range
+
+        vocab_start, vocab_size = vocab_range(logits, vocab_parallel_group, vocab_start_index)
+        if check_ids:
+            check_token_ids(completion_ids, logits.new_empty(()).expand(*logits.shape[:2], vocab_size), True,
+                            mask=completion_mask, normalizer=normalizer)
+        if in_place_backward:
+            raise ValueError("in_place_backward=True is not supported with vocab_parallel_group")
     check_per_token("sampling_logps", sampling_logps, logits, allow_row=False)
     engine = resolve_backend(backend, logits)
     check_in_place(in_place_backward, full)
@@ -131,9 +150,14 @@ def grpo_loss(
     bonus_mask, policy_mask = mask_seq, None  # the tokens the entropy bonus acts on; TRL's policy-term masks
     if opts.masks_tokens:  # the masks need this pass's log-probs / entropies first: one more read of the logits
         with torch.no_grad():
-            first_pass = TokenLogprobs.apply(full, completion_ids.contiguous(), mask.reshape(-1).contiguous(),
-                                             opts.temperature, opts.top_entropy_quantile < 1.0, engine, False,
-                                             trailing)
+            if sharded:
+                first_pass = _vocab_parallel_logprobs(logits, completion_ids, mask, opts.temperature,
+                                                      opts.top_entropy_quantile < 1.0, engine, vocab_parallel_group,
+                                                      vocab_start)
+            else:
+                first_pass = TokenLogprobs.apply(full, completion_ids.contiguous(), mask.reshape(-1).contiguous(),
+                                                 opts.temperature, opts.top_entropy_quantile < 1.0, engine, False,
+                                                 trailing)
         importance_weights, policy_mask, bonus_mask = _with_policy_masks(
             *[rows.seq(t) for t in first_pass], mask_seq, rows.seq(advantages),
             rows.seq(old_logps if sampling_logps is None else sampling_logps), rows.seq(importance_weights), opts)
@@ -145,7 +169,7 @@ def grpo_loss(
             f"backend='triton' needs logits with a unit last stride, got strides {tuple(logits.stride())}; "
             "views that slice B or T are fine, a transposed vocabulary is not (call .contiguous())"
         )
-    if engine == "triton" and opts.loss_in_kernel:  # the per-token loss math runs inside the kernel
+    if engine == "triton" and opts.loss_in_kernel and not sharded:  # the per-token loss math runs in the kernel
         kernel_inputs = (full, completion_ids.contiguous(), *_per_token_kernel_inputs(
             rows, mask, advantages, old_logps, ref_logps, importance_weights, opts))
         wants_grad = torch.is_grad_enabled() and logits.requires_grad
@@ -161,10 +185,14 @@ def grpo_loss(
             loss = _reduced(rows.seq(loss_t), mask_seq, opts, normalizer, loss_scale, rows.seq(entropy), bonus_mask)
         out = _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     else:
-        logp, entropy = TokenLogprobs.apply(
-            full, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature, opts.compute_entropy,
-            engine, in_place_backward, trailing,
-        )
+        if sharded:
+            logp, entropy = _vocab_parallel_logprobs(logits, completion_ids, mask, opts.temperature,
+                                                     opts.compute_entropy, engine, vocab_parallel_group, vocab_start)
+        else:
+            logp, entropy = TokenLogprobs.apply(
+                full, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature,
+                opts.compute_entropy, engine, in_place_backward, trailing,
+            )
         out = _loss_from_logps(rows.seq(logp), rows.seq(entropy), mask_seq, rows.seq(advantages),
                                rows.seq(old_logps), rows.seq(ref_logps), rows.seq(importance_weights), normalizer,
                                opts, loss_scale, bonus_mask, policy_mask)
@@ -173,6 +201,14 @@ def grpo_loss(
     if user_shape is not None:  # a packed call gets its per-token log-probs in the ids' shape
         out = GRPOLossOutput(out.loss, out.metrics, out.per_token_logps.reshape(user_shape))
     return out
+
+
+def _vocab_parallel_logprobs(logits, ids, mask, temperature, compute_entropy, engine, group, start):
+    """Global (log-probs, entropy) [B, T] from this rank's vocabulary slice (``vocab_parallel.py``)."""
+    from .vocab_parallel import VocabParallelLogprobs
+
+    return VocabParallelLogprobs.apply(logits, ids.contiguous(), mask.reshape(-1).contiguous(), float(temperature),
+                                       compute_entropy, engine, group, start)
 
 
 def _packed_inputs(cu_seqlens, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights,
@@ -602,7 +638,8 @@ class GRPOLoss(nn.Module):
 
     def __init__(self, *, backend: str = "auto", in_place_backward: bool = False, check_ids: bool = True,
                  one_pass: Optional[bool] = None, options: Optional[GRPOOptions] = None, preset: Optional[str] = None,
-                 drop_last_position: bool = False, **option_kwargs):
+                 drop_last_position: bool = False, vocab_parallel_group=None, vocab_start_index: Optional[int] = None,
+                 **option_kwargs):
         super().__init__()
         if options is not None and (option_kwargs or preset is not None):
             raise ValueError("pass options either as options= or as keywords (with an optional preset=), got both")
@@ -617,6 +654,7 @@ class GRPOLoss(nn.Module):
         self.check_ids = check_ids
         self.one_pass = one_pass
         self.drop_last_position = drop_last_position
+        self.vocab_parallel_group, self.vocab_start_index = vocab_parallel_group, vocab_start_index
 
     @classmethod
     def from_trl_config(cls, config, **kwargs) -> "GRPOLoss":
@@ -641,6 +679,7 @@ class GRPOLoss(nn.Module):
             normalizer, options=self.options, backend=self.backend, in_place_backward=self.in_place_backward,
             check_ids=self.check_ids, one_pass=self.one_pass, loss_scale=loss_scale,
             drop_last_position=self.drop_last_position, sampling_logps=sampling_logps, cu_seqlens=cu_seqlens,
+            vocab_parallel_group=self.vocab_parallel_group, vocab_start_index=self.vocab_start_index,
         )
 
 
@@ -653,7 +692,7 @@ class FusedLinearGRPOLoss(GRPOLoss):
     """
 
     def __init__(self, *, lm_head_mode: Optional[str] = None, **kwargs):
-        for name in ("in_place_backward", "one_pass", "drop_last_position"):  # they concern logits, which never exist
+        for name in ("in_place_backward", "one_pass", "drop_last_position", "vocab_parallel_group"):  # logits only
             if kwargs.get(name):
                 raise ValueError(f"{name}={kwargs[name]!r} applies to GRPOLoss on logits; FusedLinearGRPOLoss takes "
                                  "hidden states and never holds logits (its modes: lm_head_mode=)")

@@ -1,0 +1,104 @@
+"""The vocabulary-parallel loss: each process holds a contiguous slice of the vocabulary's logits.
+
+Megatron's layout (a column-parallel lm_head): rank r of the group holds logits [B, T, V / P]
+for token ids [start, start + V / P); the ids stay global. Each rank runs the logits kernel on
+its slice (a log-sum-exp, the entropy's sums and, where it owns the target, the target's logit),
+then three all-reduces of O(B * T) values combine them, never a logit:
+
+  m = max over ranks of lse_r                       (the global max, for stability)
+  W = sum_r exp(lse_r - m),  lse = m + log W        (the global log-sum-exp)
+  E = sum_r exp(lse_r - m) (lse_r - H_r)            (sum over V of p x, in each rank's share)
+  H = lse - E / W                                   (the global entropy)
+  x_t = the target's logit / tau, from its owner    (0 elsewhere; summed)
+
+The loss math runs on the global log-probs (and entropy) in torch, identical on every rank.
+The backward writes each rank's slice of dlogits with the global lse and H in the same
+kernel as the single-device path; the target's one-hot term belongs to its owner only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import torch_path
+from .kernels.contracts import launch_module
+
+
+def vocab_range(logits_local: torch.Tensor, group, vocab_start_index: Optional[int]) -> tuple:
+    """(this rank's first id, the global vocabulary size): Megatron's equal partitions unless
+    ``vocab_start_index`` says where this rank's slice starts. One all-reduce of one integer."""
+    local = logits_local.shape[-1]
+    size = torch.tensor([local], device=logits_local.device, dtype=torch.int64)
+    dist.all_reduce(size, group=group)
+    start = dist.get_rank(group) * local if vocab_start_index is None else int(vocab_start_index)
+    total = int(size.item())
+    if not 0 <= start <= total - local:
+        raise ValueError(f"vocab_start_index {start} with {local} local logits does not fit the global vocabulary "
+                         f"of {total} (the sum of the ranks' slices)")
+    return start, total
+
+
+class VocabParallelLogprobs(torch.autograd.Function):
+    """Global log softmax(logits / tau)[ids] and entropy from this rank's vocabulary slice; both differentiable."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, mask: Optional[torch.Tensor], temperature: float, compute_entropy: bool,
+                engine: str, group, start: int):
+        ctx.set_materialize_grads(False)
+        B, T, V_local = logits.shape
+        owned = (ids >= start) & (ids < start + V_local)
+        local_ids = torch.where(owned, ids - start, 0).contiguous()
+        if engine == "triton":
+            r = launch_module().forward(logits, local_ids, temperature=temperature, mask=mask,
+                                        compute_entropy=compute_entropy)
+            lse_r, logp_r, entropy_r = r.lse.view(B, T), r.logp.view(B, T), r.entropy
+            entropy_r = None if entropy_r is None else entropy_r.view(B, T)
+        else:
+            logp_r, entropy_r, lse_r = torch_path.forward(logits, local_ids, temperature, compute_entropy)
+        m = lse_r.clone()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        w = torch.exp(lse_r - m)
+        parts = [w, torch.where(owned, logp_r + lse_r, 0.0)]  # the target's logit / tau from its owner
+        if compute_entropy:
+            parts.append(w * (lse_r - entropy_r))
+        stats = torch.stack(parts)
+        dist.all_reduce(stats, group=group)
+        lse = m + torch.log(stats[0])
+        logp = stats[1] - lse
+        entropy = lse - stats[2] / stats[0] if compute_entropy else None
+        if mask is not None:  # the kernels never read masked rows: their values are 0, as everywhere
+            active = (mask != 0).view(B, T)
+            logp = torch.where(active, logp, 0.0)
+            entropy = None if entropy is None else torch.where(active, entropy, 0.0)
+        ctx.save_for_backward(logits, local_ids, owned, lse, entropy)
+        ctx.engine, ctx.temperature = engine, temperature
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, local_ids, owned, lse, entropy = ctx.saved_tensors
+        if not ctx.needs_input_grad[0] or (grad_logp is None and grad_entropy is None):
+            return (None,) * 8
+        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
+        h = None if grad_entropy is None else grad_entropy.float()
+        if ctx.engine == "triton":
+            flat = lambda t: None if t is None else t.reshape(-1).contiguous()  # noqa: E731
+            grad = launch_module().backward(logits, local_ids, flat(lse), flat(g), ctx.temperature,
+                                            grad_entropy=flat(h), entropy=flat(entropy) if h is not None else None)
+        else:
+            grad = torch_path.backward(logits, local_ids, lse, g, ctx.temperature, grad_entropy=h,
+                                       entropy=entropy if h is not None else None)
+        # Where this rank does not own the target, the kernel's one-hot landed on local column 0:
+        # that column is rewritten without it, from its own logit (O(B * T), no host sync).
+        inv_t = 1.0 / ctx.temperature
+        log_p0 = logits[..., 0].float() * inv_t - lse
+        p0 = torch.exp(log_p0)
+        column = -g * inv_t * p0
+        if h is not None:
+            column = column - h * inv_t * p0 * (torch.where(p0 > 0, log_p0, 0.0) + entropy)
+        live = (g != 0) if h is None else (g != 0) | (h != 0)  # a masked row stays all zero
+        grad[..., 0] = torch.where(~owned & live, column, grad[..., 0].float()).to(grad.dtype)
+        return grad, None, None, None, None, None, None, None

@@ -1,0 +1,139 @@
+"""The vocabulary-parallel loss on 2 and 4 gloo processes against the unsharded loss in one process.
+
+Each rank holds a contiguous slice of the vocabulary's logits; the ids are global. On every rank
+the loss, the per-token log-probs and the metrics must equal the unsharded ones, and the rank's
+gradient must be its slice of the unsharded gradient. The exchange is O(B * T) values: the count
+of all-reduced elements does not change with V.
+"""
+
+import pytest
+import torch
+from gloo_ranks import run_ranks
+
+from grpo_kernels import grpo_loss
+
+B, T = 3, 5
+TOL = dict(atol=2e-6, rtol=1e-5)
+CASES = [dict(loss_type=loss_type, importance_sampling_level=level, beta=beta, temperature=0.9,
+              **({"max_completion_length": 8} if loss_type == "dr_grpo" else {}),
+              **({"epsilon_high": 1.2} if loss_type == "cispo" else {}))
+         for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+         for level, beta in (("token", 0.04), ("sequence", 0.0))
+         if loss_type != "vespo" or level == "token"]
+CASES += [dict(beta=0.04, entropy_coef=0.1, top_entropy_quantile=0.6, off_policy_mask_threshold=0.05)]
+
+
+def _batch(V: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, T)
+    mask[0, 3:] = 0
+    mask[2] = 0  # a fully masked row
+    lp = -4 + 0.3 * torch.randn(B, T, generator=g)
+    return dict(logits=2 * torch.randn(B, T, V, generator=g), completion_ids=torch.randint(0, V, (B, T), generator=g),
+                completion_mask=mask, advantages=torch.randn(B, generator=g), old_logps=lp + 0.2 * torch.randn(B, T,
+                generator=g), ref_logps=lp + 0.2 * torch.randn(B, T, generator=g))
+
+
+def _run(batch, logits, **kwargs):
+    leaf = logits.detach().clone().requires_grad_()
+    out = grpo_loss(leaf, **{k: v for k, v in batch.items() if k != "logits"}, **kwargs)
+    out.loss.backward()
+    return out.loss.detach(), out.per_token_logps, {k: v.detach() for k, v in out.metrics.items()}, leaf.grad
+
+
+def _rank_cases(rank: int, world: int, backend: str, V: int):
+    import torch.distributed as dist
+
+    batch, part = _batch(V), V // world
+    mine = batch["logits"][..., rank * part:(rank + 1) * part]
+    return [_run(batch, mine, backend=backend, vocab_parallel_group=dist.group.WORLD, **case) for case in CASES]
+
+
+@pytest.mark.parametrize("world, backend", [(2, "torch"), (2, "triton"), (4, "torch")])
+def test_sharded_vocabulary_equals_the_unsharded_loss(world, backend):
+    V = 4 * 37
+    per_rank = run_ranks(_rank_cases, world, backend, V, timeout=600)
+    batch = _batch(V)
+    for i, case in enumerate(CASES):
+        loss, logps, metrics, grad = _run(batch, batch["logits"], backend=backend, **case)
+        for rank, results in enumerate(per_rank):
+            r_loss, r_logps, r_metrics, r_grad = results[i]
+            where = f"case {case}, rank {rank}"
+            torch.testing.assert_close(r_loss, loss, **TOL, msg=lambda m: f"{where}: loss\n{m}")
+            active = batch["completion_mask"] != 0
+            torch.testing.assert_close(r_logps[active], logps[active], **TOL, msg=lambda m: f"{where}: logps\n{m}")
+            assert set(r_metrics) == set(metrics), where
+            for name in metrics:
+                torch.testing.assert_close(r_metrics[name], metrics[name], **TOL, msg=lambda m: f"{where}: {name}\n{m}")
+            part = V // world
+            torch.testing.assert_close(r_grad, grad[..., rank * part:(rank + 1) * part], **TOL,
+                                       msg=lambda m: f"{where}: gradient slice\n{m}")
+
+
+def _rank_all_reduced_elements(rank: int, world: int, V: int):
+    import torch.distributed as dist
+
+    counted = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        counted.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        batch, part = _batch(V), V // world
+        _run(batch, batch["logits"][..., rank * part:(rank + 1) * part], backend="torch",
+             vocab_parallel_group=dist.group.WORLD, beta=0.04)
+    finally:
+        dist.all_reduce = original
+    return sum(counted)
+
+
+def test_the_exchange_does_not_grow_with_the_vocabulary():
+    small, large = (run_ranks(_rank_all_reduced_elements, 2, V, timeout=300)[0] for V in (64, 1024))
+    assert small == large and small <= 4 * B * T + 1  # max, then (W, target logit, entropy sum) per token, and V
+
+
+def _rank_uneven(rank: int, world: int):
+    import torch.distributed as dist
+
+    V, cut = 90, 61  # rank 0 holds ids [0, 61), rank 1 [61, 90): not Megatron's equal partitions
+    batch = _batch(V, seed=2)
+    start, stop = (0, cut) if rank == 0 else (cut, V)
+    return _run(batch, batch["logits"][..., start:stop], backend="torch", vocab_parallel_group=dist.group.WORLD,
+                vocab_start_index=start, beta=0.04, entropy_coef=0.1)
+
+
+def test_an_explicit_vocab_start_index():
+    per_rank = run_ranks(_rank_uneven, 2, timeout=300)
+    batch = _batch(90, seed=2)
+    loss, _, _, grad = _run(batch, batch["logits"], backend="torch", beta=0.04, entropy_coef=0.1)
+    for rank, (r_loss, _, _, r_grad) in enumerate(per_rank):
+        torch.testing.assert_close(r_loss, loss, **TOL)
+        torch.testing.assert_close(r_grad, grad[..., :61] if rank == 0 else grad[..., 61:], **TOL)
+
+
+def _rank_packed(rank: int, world: int):
+    """A packed batch on a sharded vocabulary: both keywords together."""
+    import torch.distributed as dist
+
+    V, part = 80, 40
+    batch = _batch(V, seed=3)
+    lengths = [5, 2, 0]  # rows of the padded batch, packed (row 2 is fully masked: an empty sequence)
+    valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    packed = {k: (v[valid] if v.dim() >= 2 else v) for k, v in batch.items()}
+    cu = torch.tensor([0, 5, 7, 7], dtype=torch.int32)
+    return _run(packed, packed["logits"][..., rank * part:(rank + 1) * part], backend="torch",
+                vocab_parallel_group=dist.group.WORLD, cu_seqlens=cu, beta=0.04, importance_sampling_level="sequence")
+
+
+def test_a_packed_batch_on_a_sharded_vocabulary():
+    per_rank = run_ranks(_rank_packed, 2, timeout=300)
+    batch = _batch(80, seed=3)
+    batch["completion_mask"][1, 2:] = 0  # the padded layout of the same two sequences (lengths 5 and 2)
+    valid = torch.arange(T).unsqueeze(0) < torch.tensor([5, 2, 0]).unsqueeze(1)
+    loss, _, _, grad = _run(batch, batch["logits"], backend="torch", beta=0.04, importance_sampling_level="sequence")
+    for rank, (r_loss, _, _, r_grad) in enumerate(per_rank):
+        torch.testing.assert_close(r_loss, loss, **TOL)
+        torch.testing.assert_close(r_grad, grad[valid][..., rank * 40:(rank + 1) * 40], **TOL)
