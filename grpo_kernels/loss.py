@@ -211,6 +211,13 @@ def _vocab_parallel_logprobs(logits, ids, mask, temperature, compute_entropy, en
                                        compute_entropy, engine, group, start)
 
 
+def _vocab_parallel_linear_logprobs(flat, temperature, compute_entropy, engine, group, start):
+    """Global (log-probs, entropy) [N] from this rank's lm_head shard (``vocab_parallel.py``)."""
+    from .vocab_parallel import VocabParallelLinearLogprobs
+
+    return VocabParallelLinearLogprobs.apply(*flat, float(temperature), compute_entropy, engine, group, start)
+
+
 def _packed_inputs(cu_seqlens, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights,
                    sampling_logps, what: str = "logits"):
     """Check a packed call and give its tensors as one row: (Rows, logits [1, total, V], and ids, mask,
@@ -448,6 +455,8 @@ def fused_linear_grpo_loss(
     lm_head_mode: Optional[str] = None,
     sampling_logps: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
+    vocab_parallel_group=None,
+    vocab_start_index: Optional[int] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
@@ -474,9 +483,18 @@ def fused_linear_grpo_loss(
     _check_linear_inputs(hidden_states, weight, bias)
     B, T, H = hidden_states.shape
     logits_like = hidden_states.new_empty(()).expand(B, T, weight.shape[0])  # shape checks only, no memory
+    sharded = vocab_parallel_group is not None
     check_inputs(logits_like, completion_ids, completion_mask,
                  rows.tokens(advantages).view(1, -1) if rows else advantages, old_logps, ref_logps,
-                 None if rows else importance_weights, normalizer, opts, check_ids)
+                 None if rows else importance_weights, normalizer, opts, check_ids and not sharded)
+    if sharded:  # weight is this rank's shard [V / P, H]; the ids are global (see grpo_loss)
+        from .vocab_parallel import vocab_range
+
+        vocab_start, vocab_size = vocab_range(logits_like, vocab_parallel_group, vocab_start_index)
+        if check_ids:
+            check_token_ids(completion_ids, hidden_states.new_empty(()).expand(B, T, vocab_size), True,
+                            mask=completion_mask,
+                            normalizer=normalizer)
     rows = rows or Rows(B, T)
     check_per_token("sampling_logps", sampling_logps, logits_like, allow_row=False)
     engine = resolve_backend(backend, hidden_states)
@@ -500,7 +518,10 @@ def fused_linear_grpo_loss(
     bonus_mask, policy_mask = mask_seq, None
     if opts.masks_tokens:  # a first, gradient-free pass for the masks (see _with_policy_masks)
         with torch.no_grad():
-            first_pass = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.top_entropy_quantile < 1.0, engine)
+            first_pass = (_vocab_parallel_linear_logprobs(flat, opts.temperature, opts.top_entropy_quantile < 1.0,
+                                                          engine, vocab_parallel_group, vocab_start) if sharded
+                          else LinearTokenLogprobs.apply(*flat, opts.temperature, opts.top_entropy_quantile < 1.0,
+                                                         engine))
         first_pass = [None if t is None else torch.where(active.view(-1), t.view(-1), 0.0).view(B, T)
                       for t in first_pass]
         importance_weights, policy_mask, bonus_mask = _with_policy_masks(
@@ -508,7 +529,7 @@ def fused_linear_grpo_loss(
             rows.seq(old_logps if sampling_logps is None else sampling_logps), rows.seq(importance_weights), opts)
         if opts.loss_in_kernel:
             importance_weights = importance_weights.expand_as(mask_seq)
-    if engine == "triton" and opts.loss_in_kernel and lm_head_mode == "three_products":
+    if engine == "triton" and opts.loss_in_kernel and lm_head_mode == "three_products" and not sharded:
         per_token = _per_token_kernel_inputs(rows, mask, advantages, old_logps, ref_logps, importance_weights, opts)
         if wants_grad:
             loss, loss_t, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
@@ -524,7 +545,7 @@ def fused_linear_grpo_loss(
                                                 view(r.flags))
             loss = _reduced(rows.seq(loss_t), mask_seq, opts, normalizer, loss_scale, rows.seq(entropy), bonus_mask)
         out = _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
-    elif engine == "triton" and opts.loss_in_kernel:  # the per-token loss math runs inside the kernel
+    elif engine == "triton" and opts.loss_in_kernel and not sharded:  # the per-token loss math runs in the kernel
         loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(
             *flat, *_per_token_kernel_inputs(rows, mask, advantages, old_logps, ref_logps, importance_weights, opts),
             opts, (B, T),
@@ -532,7 +553,9 @@ def fused_linear_grpo_loss(
         loss = _reduced(rows.seq(loss_t), mask_seq, opts, normalizer, loss_scale, rows.seq(entropy), bonus_mask)
         out = _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     else:
-        logp, entropy = LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine)
+        logp, entropy = (_vocab_parallel_linear_logprobs(flat, opts.temperature, opts.compute_entropy, engine,
+                                                         vocab_parallel_group, vocab_start) if sharded
+                         else LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine))
         active = active.view(B, T)  # as in the logits path: masked positions read as 0
         logp = torch.where(active, logp.view(B, T), 0.0)
         entropy = None if entropy is None else torch.where(active, entropy.view(B, T), 0.0)
@@ -692,7 +715,7 @@ class FusedLinearGRPOLoss(GRPOLoss):
     """
 
     def __init__(self, *, lm_head_mode: Optional[str] = None, **kwargs):
-        for name in ("in_place_backward", "one_pass", "drop_last_position", "vocab_parallel_group"):  # logits only
+        for name in ("in_place_backward", "one_pass", "drop_last_position"):  # they concern logits only
             if kwargs.get(name):
                 raise ValueError(f"{name}={kwargs[name]!r} applies to GRPOLoss on logits; FusedLinearGRPOLoss takes "
                                  "hidden states and never holds logits (its modes: lm_head_mode=)")
@@ -708,5 +731,6 @@ class FusedLinearGRPOLoss(GRPOLoss):
             hidden_states, weight, completion_ids, completion_mask, advantages, old_logps, ref_logps,
             importance_weights, normalizer, bias=bias, options=self.options, backend=self.backend,
             check_ids=self.check_ids, loss_scale=loss_scale, lm_head_mode=self.lm_head_mode,
-            sampling_logps=sampling_logps, cu_seqlens=cu_seqlens,
+            sampling_logps=sampling_logps, cu_seqlens=cu_seqlens, vocab_parallel_group=self.vocab_parallel_group,
+            vocab_start_index=self.vocab_start_index,
         )

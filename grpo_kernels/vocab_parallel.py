@@ -58,17 +58,7 @@ class VocabParallelLogprobs(torch.autograd.Function):
             entropy_r = None if entropy_r is None else entropy_r.view(B, T)
         else:
             logp_r, entropy_r, lse_r = torch_path.forward(logits, local_ids, temperature, compute_entropy)
-        m = lse_r.clone()
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        w = torch.exp(lse_r - m)
-        parts = [w, torch.where(owned, logp_r + lse_r, 0.0)]  # the target's logit / tau from its owner
-        if compute_entropy:
-            parts.append(w * (lse_r - entropy_r))
-        stats = torch.stack(parts)
-        dist.all_reduce(stats, group=group)
-        lse = m + torch.log(stats[0])
-        logp = stats[1] - lse
-        entropy = lse - stats[2] / stats[0] if compute_entropy else None
+        lse, logp, entropy = _combine(lse_r, logp_r, entropy_r if compute_entropy else None, owned, group)
         if mask is not None:  # the kernels never read masked rows: their values are 0, as everywhere
             active = (mask != 0).view(B, T)
             logp = torch.where(active, logp, 0.0)
@@ -102,3 +92,70 @@ class VocabParallelLogprobs(torch.autograd.Function):
         live = (g != 0) if h is None else (g != 0) | (h != 0)  # a masked row stays all zero
         grad[..., 0] = torch.where(~owned & live, column, grad[..., 0].float()).to(grad.dtype)
         return grad, None, None, None, None, None, None, None
+
+
+def _combine(lse_r, logp_r, entropy_r, owned, group):
+    """The global (lse, log-probs, entropy) from each rank's slice: three all-reduces of O(N) values."""
+    m = lse_r.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    w = torch.exp(lse_r - m)
+    parts = [w, torch.where(owned, logp_r + lse_r, 0.0)]
+    if entropy_r is not None:
+        parts.append(w * (lse_r - entropy_r))
+    stats = torch.stack(parts)
+    dist.all_reduce(stats, group=group)
+    lse = m + torch.log(stats[0])
+    return lse, stats[1] - lse, (lse - stats[2] / stats[0]) if entropy_r is not None else None
+
+
+class VocabParallelLinearLogprobs(torch.autograd.Function):
+    """``VocabParallelLogprobs`` from hidden states [N, H] and this rank's lm_head weight shard [V / P, H]
+    (Megatron's column-parallel head): no logits kept on any rank.
+
+    The gradient of the hidden states sums every rank's share of the vocabulary: it is all-reduced
+    here (O(N * H)), so every rank gets the unsharded d hidden; the weight and bias shards get their
+    slices of the unsharded d weight and d bias.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, engine: str, group,
+                start: int):
+        ctx.set_materialize_grads(False)
+        V_local = weight.shape[0]
+        owned = (ids >= start) & (ids < start + V_local)
+        local_ids = torch.where(owned, ids - start, 0).contiguous()
+        if engine == "triton":
+            r = launch_module().linear_forward(hidden, weight, bias, local_ids, temperature=temperature,
+                                               compute_entropy=compute_entropy)
+            lse_r, logp_r, entropy_r = r.lse, r.logp, r.entropy
+        else:
+            lse_r, logp_r, entropy_r = torch_path.linear_forward(hidden, weight, bias, local_ids, temperature,
+                                                                 compute_entropy)
+        lse, logp, entropy = _combine(lse_r, logp_r, entropy_r, owned, group)
+        ctx.save_for_backward(hidden, weight, bias, local_ids, owned, lse, entropy)
+        ctx.engine, ctx.temperature, ctx.group = engine, temperature, group
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, local_ids, owned, lse, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 9
+        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).float().contiguous()
+        h = None if grad_entropy is None else grad_entropy.reshape(-1).float().contiguous()
+        wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        backward_fn = launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
+        dh, dw, db = backward_fn(hidden, weight, bias, local_ids, lse, g, ctx.temperature, wants_weight,
+                                 grad_entropy=h, entropy=entropy if h is not None else None)
+        # Where this rank does not own the target, the backward added the one-hot term g / tau at
+        # local column 0; take it out of d hidden, d weight[0] and d bias[0] (O(N * H)).
+        spurious = torch.where(owned, 0.0, g / ctx.temperature)  # [N]
+        dh -= spurious.unsqueeze(1) * weight[0].float()
+        if dw is not None:
+            dw[0] -= spurious @ hidden.float()
+        if db is not None:
+            db[0] -= spurious.sum()
+        dist.all_reduce(dh, group=ctx.group)  # every rank's share of the vocabulary
+        cast = lambda t, like, needed: t.to(like.dtype) if needed and t is not None else None  # noqa: E731
+        return (cast(dh, hidden, ctx.needs_input_grad[0]), cast(dw, weight, ctx.needs_input_grad[1]),
+                cast(db, bias, ctx.needs_input_grad[2]), None, None, None, None, None, None)

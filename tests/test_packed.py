@@ -29,6 +29,9 @@ def _pack(lengths, V=301, seed=0, per_token_adv=False, device="cpu"):
                   old_logps=-5 + 0.5 * torch.randn(S, T, generator=g),
                   ref_logps=-5 + 0.5 * torch.randn(S, T, generator=g))
     valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    # old and reference log-probs near the current ones: ratios on both sides of the clip range, VESPO's weight alive
+    lp = torch.log_softmax(padded["logits"] / 0.9, -1).gather(-1, padded["completion_ids"].unsqueeze(-1))[..., 0]
+    padded["old_logps"], padded["ref_logps"] = lp + padded["old_logps"] + 5, lp + padded["ref_logps"] + 5
     packed = {k: (v[valid] if v.dim() >= 2 and v.shape[:2] == (S, T) else v) for k, v in padded.items()}
     cu = torch.zeros(S + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths).cumsum(0)

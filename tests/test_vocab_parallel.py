@@ -28,10 +28,12 @@ def _batch(V: int, seed: int = 0):
     mask = torch.ones(B, T)
     mask[0, 3:] = 0
     mask[2] = 0  # a fully masked row
-    lp = -4 + 0.3 * torch.randn(B, T, generator=g)
-    return dict(logits=2 * torch.randn(B, T, V, generator=g), completion_ids=torch.randint(0, V, (B, T), generator=g),
-                completion_mask=mask, advantages=torch.randn(B, generator=g), old_logps=lp + 0.2 * torch.randn(B, T,
-                generator=g), ref_logps=lp + 0.2 * torch.randn(B, T, generator=g))
+    logits, ids = 2 * torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
+    # old and reference log-probs near the current ones: ratios on both sides of the clip range, VESPO's weight alive
+    lp = torch.log_softmax(logits / 0.9, -1).gather(-1, ids.unsqueeze(-1))[..., 0]
+    return dict(logits=logits, completion_ids=ids, completion_mask=mask, advantages=torch.randn(B, generator=g),
+                old_logps=lp + 0.2 * torch.randn(B, T, generator=g),
+                ref_logps=lp + 0.2 * torch.randn(B, T, generator=g))
 
 
 def _run(batch, logits, **kwargs):
@@ -137,3 +139,56 @@ def test_a_packed_batch_on_a_sharded_vocabulary():
     for rank, (r_loss, _, _, r_grad) in enumerate(per_rank):
         torch.testing.assert_close(r_loss, loss, **TOL)
         torch.testing.assert_close(r_grad, grad[valid][..., rank * 40:(rank + 1) * 40], **TOL)
+
+
+def _rank_lm_head_shard(rank: int, world: int, backend: str, options: dict):
+    """Megatron's column-parallel lm_head: this rank's weight (and bias) rows, hidden states replicated."""
+    import torch.distributed as dist
+
+    from grpo_kernels import fused_linear_grpo_loss
+
+    hidden, weight, bias, batch = _lm_head_inputs()
+    part = weight.shape[0] // world
+    h = hidden.clone().requires_grad_()
+    w = weight[rank * part:(rank + 1) * part].clone().requires_grad_()
+    b = bias[rank * part:(rank + 1) * part].clone().requires_grad_()
+    out = fused_linear_grpo_loss(h, w, **{k: v for k, v in batch.items() if k != "logits"}, bias=b, backend=backend,
+                                 vocab_parallel_group=dist.group.WORLD, **options)
+    out.loss.backward()
+    return out.loss.detach(), {k: v.detach() for k, v in out.metrics.items()}, h.grad, w.grad, b.grad
+
+
+def _lm_head_inputs(V: int = 96, H: int = 12):
+    """Old and reference log-probs near this head's own, so that every term (VESPO's weight too) is alive."""
+    g = torch.Generator().manual_seed(9)
+    hidden, weight, bias = torch.randn(B, T, H, generator=g), 0.5 * torch.randn(V, H, generator=g), \
+        0.1 * torch.randn(V, generator=g)
+    batch = _batch(V, seed=9)
+    lp = torch.log_softmax(hidden @ weight.T + bias, -1).gather(-1, batch["completion_ids"].unsqueeze(-1))[..., 0]
+    batch["old_logps"] = lp + 0.05 * torch.randn(B, T, generator=g)
+    batch["ref_logps"] = lp + 0.05 * torch.randn(B, T, generator=g)
+    return hidden, weight, bias, batch
+
+
+@pytest.mark.parametrize("backend, options", [
+    ("torch", dict(beta=0.04, entropy_coef=0.1)),
+    ("triton", dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence")),
+    ("torch", dict(loss_type="vespo", top_entropy_quantile=0.5)),
+])
+def test_a_sharded_lm_head_equals_the_unsharded_loss(backend, options):
+    per_rank = run_ranks(_rank_lm_head_shard, 2, backend, options, timeout=300)
+    hidden, weight, bias, batch = _lm_head_inputs()
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    from grpo_kernels import grpo_loss_reference
+
+    expected = grpo_loss_reference(h @ w.T + b, **{k: v for k, v in batch.items() if k != "logits"}, **options)
+    expected.loss.backward()
+    part = weight.shape[0] // 2
+    for rank, (loss, metrics, dh, dw, db) in enumerate(per_rank):
+        rows = slice(rank * part, (rank + 1) * part)
+        torch.testing.assert_close(loss, expected.loss, **TOL)
+        for name, value in expected.metrics.items():
+            torch.testing.assert_close(metrics[name], value, **TOL)
+        torch.testing.assert_close(dh, h.grad, atol=1e-5, rtol=1e-5)  # the whole d hidden on every rank
+        torch.testing.assert_close(dw, w.grad[rows], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(db, b.grad[rows], atol=1e-5, rtol=1e-5)
