@@ -98,6 +98,28 @@ def _ours(one_pass: bool, level: str = "token", **options):
     return run
 
 
+def _ours_packed(one_pass: bool = True):
+    """Ours on the same batch packed (padding-free): only the active tokens' logits, gathered once
+    here (outside the timing), the rows' lengths from the mask, the padding's share of S saved."""
+    def run(inputs, logits):
+        packed = inputs.get("_packed")
+        if packed is None:
+            mask = inputs["completion_mask"] != 0
+            lengths = mask.sum(-1)
+            cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=mask.device)
+            cu[1:] = lengths.cumsum(0)
+            packed = inputs["_packed"] = dict(
+                logits=inputs["full_logits"][:, :-1][mask].contiguous(), ids=inputs["completion_ids"][mask],
+                old=inputs["old_logps"][mask], ref=inputs["ref_logps"][mask], cu=cu)
+        leaf = packed["logits"]
+        if logits.requires_grad:  # the gradient is wanted: of the packed logits (benchmarks read "_grad_wrt")
+            leaf = inputs["_grad_wrt"] = packed["logits"].detach().requires_grad_()
+        return grpo_loss(leaf, packed["ids"], torch.ones_like(packed["old"]), inputs["advantages"], packed["old"],
+                         packed["ref"], beta=BETA, temperature=TEMPERATURE, one_pass=one_pass, check_ids=False,
+                         cu_seqlens=packed["cu"]).loss
+    return run
+
+
 # What the entropy family costs against the plain loss (ours only: no peer fuses them); largest shape
 ENTROPY_FAMILY = {
     "ours one-pass + entropy bonus": dict(entropy_coef=0.01),
@@ -200,6 +222,7 @@ def available_paths(level: str = "token") -> Dict[str, Callable]:
             paths["ours one-pass"] = _ours(True, level)
             for name, options in ENTROPY_FAMILY.items():
                 paths[name] = _ours(True, level, **options)
+            paths["ours one-pass packed"] = _ours_packed()
         try:
             import liger_kernel  # noqa: F401
 

@@ -392,6 +392,8 @@ def token_logprobs(
     check_ids: bool = True,
     drop_last_position: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
+    vocab_parallel_group=None,
+    vocab_start_index: Optional[int] = None,
 ):
     """Per-token log softmax(logits / temperature)[ids] in fp32 [B, T], without gradient.
 
@@ -399,17 +401,27 @@ def token_logprobs(
     the logits. logits [B, T, V] (or [B, T + 1, V] with ``drop_last_position``, as in
     ``grpo_loss``), or a packed batch's [total, V] with ``cu_seqlens`` (the result is then [total]:
     log-probs are per token, the sequences only need to be valid). With ``return_entropy`` returns
-    ``(logps, entropy)``.
+    ``(logps, entropy)``. With ``vocab_parallel_group``, ``logits`` is this rank's vocabulary slice
+    and the ids are global, as in ``grpo_loss``.
     """
     if cu_seqlens is not None:
         rows3 = _packed_inputs(cu_seqlens, logits, ids, None, None, None, None, None, None)
-        flat = token_logprobs(rows3[1], rows3[2], temperature, return_entropy, backend=backend, check_ids=check_ids)
+        flat = token_logprobs(rows3[1], rows3[2], temperature, return_entropy, backend=backend, check_ids=check_ids,
+                              vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index)
         return tuple(t.reshape(-1) for t in flat) if return_entropy else flat.reshape(-1)
     check_logits(logits)
     logits = aligned(logits, _checked_drop_last_position(drop_last_position, logits, ids))  # a view, no copy
-    check_token_ids(ids, logits, check_ids)
     GRPOOptions(temperature=temperature)  # validates the temperature
     engine = resolve_backend(backend, logits)
+    if vocab_parallel_group is not None:
+        from .vocab_parallel import vocab_range
+
+        start, vocab_size = vocab_range(logits, vocab_parallel_group, vocab_start_index)
+        check_token_ids(ids, logits.new_empty(()).expand(*logits.shape[:2], vocab_size), check_ids)
+        logp, entropy = _vocab_parallel_logprobs(logits, ids, torch.ones(ids.shape, device=ids.device),
+                                                 temperature, return_entropy, engine, vocab_parallel_group, start)
+        return (logp, entropy) if return_entropy else logp
+    check_token_ids(ids, logits, check_ids)
     logp, entropy = TokenLogprobs.apply(logits, ids.contiguous(), None, float(temperature), return_entropy,
                                         engine, False)
     return (logp, entropy) if return_entropy else logp

@@ -175,15 +175,16 @@ def _lm_head_inputs(V: int = 96, H: int = 12):
     ("triton", dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence")),
     ("torch", dict(loss_type="vespo", top_entropy_quantile=0.5)),
 ])
-def test_a_sharded_lm_head_equals_the_unsharded_loss(backend, options):
-    per_rank = run_ranks(_rank_lm_head_shard, 2, backend, options, timeout=300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sharded_lm_head_equals_the_unsharded_loss(backend, options, world):
+    per_rank = run_ranks(_rank_lm_head_shard, world, backend, options, timeout=300)
     hidden, weight, bias, batch = _lm_head_inputs()
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     from grpo_kernels import grpo_loss_reference
 
     expected = grpo_loss_reference(h @ w.T + b, **{k: v for k, v in batch.items() if k != "logits"}, **options)
     expected.loss.backward()
-    part = weight.shape[0] // 2
+    part = weight.shape[0] // world
     for rank, (loss, metrics, dh, dw, db) in enumerate(per_rank):
         rows = slice(rank * part, (rank + 1) * part)
         torch.testing.assert_close(loss, expected.loss, **TOL)
@@ -192,3 +193,23 @@ def test_a_sharded_lm_head_equals_the_unsharded_loss(backend, options):
         torch.testing.assert_close(dh, h.grad, atol=1e-5, rtol=1e-5)  # the whole d hidden on every rank
         torch.testing.assert_close(dw, w.grad[rows], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(db, b.grad[rows], atol=1e-5, rtol=1e-5)
+
+
+def _rank_token_logprobs(rank: int, world: int):
+    import torch.distributed as dist
+
+    from grpo_kernels import token_logprobs
+
+    batch = _batch(64, seed=4)
+    return token_logprobs(batch["logits"][..., rank * 32:(rank + 1) * 32], batch["completion_ids"], 0.8,
+                          return_entropy=True, vocab_parallel_group=dist.group.WORLD)
+
+
+def test_token_logprobs_on_a_sharded_vocabulary():
+    from grpo_kernels import token_logprobs
+
+    batch = _batch(64, seed=4)
+    expected = token_logprobs(batch["logits"], batch["completion_ids"], 0.8, return_entropy=True)
+    for logp, entropy in run_ranks(_rank_token_logprobs, 2, timeout=300):
+        torch.testing.assert_close(logp, expected[0], **TOL)
+        torch.testing.assert_close(entropy, expected[1], **TOL)
