@@ -62,3 +62,24 @@ OPTION_CASES = {
     "gspo_token_dapo": dict(importance_sampling_level="sequence_token", loss_type="dapo", log_ratio_clamp=0.2),
 }
 BATCH_KEYS = ("B", "T", "V", "per_token_adv", "clip_spread", "strided", "temperature")
+
+
+def check_lm_head_against_reference(hidden, weight, inputs, *, backend, lm_head_mode, options, fp64=False,
+                                    tol=dict(atol=2e-6, rtol=1e-5)):
+    """fused_linear_grpo_loss against the reference on materialized logits (in fp64 with ``fp64``): the loss,
+    d hidden, d weight and every metric."""
+    from grpo_kernels import fused_linear_grpo_loss, grpo_loss_reference
+
+    up = (lambda t: t.double()) if fp64 else (lambda t: t)  # noqa: E731
+    h, w = up(hidden.clone()).requires_grad_(), up(weight.clone()).requires_grad_()
+    ref_inputs = {k: (up(v) if v.is_floating_point() and k != "completion_mask" else v) for k, v in inputs.items()}
+    expected = grpo_loss_reference(h @ w.T, **ref_inputs, **options)
+    expected.loss.backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_linear_grpo_loss(h2, w2, **inputs, backend=backend, lm_head_mode=lm_head_mode, **options)
+    out.loss.backward()
+    assert_close("loss", expected.loss, out.loss, **tol)
+    assert_close("d hidden", h.grad, h2.grad, atol=1e-5, rtol=1e-5)
+    assert_close("d weight", w.grad, w2.grad, atol=1e-5, rtol=1e-5)
+    for name, value in expected.metrics.items():
+        assert_close(name, value, out.metrics[name], **tol)

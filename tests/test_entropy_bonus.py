@@ -8,7 +8,7 @@ the reference in fp64, for the loss value and the gradient of the logits.
 
 import pytest
 import torch
-from helpers import assert_close, make_batch
+from helpers import assert_close, check_lm_head_against_reference, make_batch
 
 from grpo_kernels import GRPOOptions, grpo_loss, grpo_loss_reference
 from grpo_kernels.reference import token_logprobs_and_entropy
@@ -119,24 +119,14 @@ def test_entropy_coef_needs_the_entropy():
 def test_entropy_bonus_from_hidden_states(device, backend, lm_head_mode, level):
     """The lm_head paths: the recomputing dlogits kernel, the 3-product mode (the one-pass logits kernel
     on each chunk) and the torch path, against autograd of the reference on materialized logits."""
-    from grpo_kernels import fused_linear_grpo_loss
-
     g = torch.Generator().manual_seed(27)
     hidden = torch.randn(3, 5, 20, generator=g).to(device)
     weight = (0.5 * torch.randn(333, 20, generator=g)).to(device)
     batch = make_batch(device=device, seed=28, V=333)
     inputs = {k: v for k, v in batch.items() if k != "logits"}
     options = dict(entropy_coef=0.2, beta=0.04, temperature=0.8, importance_sampling_level=level)
-    h, w = hidden.clone().double().requires_grad_(), weight.clone().double().requires_grad_()
-    up = {k: (v.double() if v.is_floating_point() and k != "completion_mask" else v) for k, v in inputs.items()}
-    expected = grpo_loss_reference(h @ w.T, **up, **options)
-    expected.loss.backward()
-    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = fused_linear_grpo_loss(h2, w2, **inputs, backend=backend, lm_head_mode=lm_head_mode, **options)
-    out.loss.backward()
-    assert_close("loss", expected.loss, out.loss, **TOL)
-    assert_close("d hidden", h.grad, h2.grad, atol=1e-5, rtol=1e-5)
-    assert_close("d weight", w.grad, w2.grad, atol=1e-5, rtol=1e-5)
+    check_lm_head_against_reference(hidden, weight, inputs, backend=backend, lm_head_mode=lm_head_mode,
+                                    options=options, fp64=True, tol=TOL)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -11,7 +11,7 @@ adapter's tests (tests/test_trl_integration.py).
 import pytest
 import torch
 from gloo_ranks import run_ranks
-from helpers import assert_close, make_batch
+from helpers import assert_close, check_lm_head_against_reference, make_batch
 
 from grpo_kernels import GRPOOptions, grpo_loss, grpo_loss_reference
 from grpo_kernels.reference import high_entropy_mask, token_logprobs_and_entropy
@@ -126,8 +126,6 @@ LM_HEAD_PATHS = [("torch", None), ("triton", "recompute"), ("triton", "three_pro
 ], ids=["entropy_mask_and_bonus", "off_policy", "both_sequence", "vespo"])
 @pytest.mark.parametrize("backend, lm_head_mode", LM_HEAD_PATHS)
 def test_masks_and_bonus_from_hidden_states(device, backend, lm_head_mode, options):
-    from grpo_kernels import fused_linear_grpo_loss
-
     g = torch.Generator().manual_seed(51)
     hidden = torch.randn(4, 6, 24, generator=g).to(device)
     weight = (0.4 * torch.randn(600, 24, generator=g)).to(device)
@@ -136,14 +134,5 @@ def test_masks_and_bonus_from_hidden_states(device, backend, lm_head_mode, optio
         current, _ = token_logprobs_and_entropy(hidden @ weight.T, batch["completion_ids"])
         batch["sampling_logps"] = current + torch.tensor([[0.0], [0.5], [0.0], [0.5]], device=device)
     inputs = {k: v for k, v in batch.items() if k != "logits"}
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    expected = grpo_loss_reference(h @ w.T, **inputs, **options)
-    expected.loss.backward()
-    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = fused_linear_grpo_loss(h2, w2, **inputs, backend=backend, lm_head_mode=lm_head_mode, **options)
-    out.loss.backward()
-    assert_close("loss", expected.loss, out.loss, **TOL)
-    assert_close("d hidden", h.grad, h2.grad, atol=1e-5, rtol=1e-5)
-    assert_close("d weight", w.grad, w2.grad, atol=1e-5, rtol=1e-5)
-    for name, value in expected.metrics.items():
-        assert_close(name, value, out.metrics[name], **TOL)
+    check_lm_head_against_reference(hidden, weight, inputs, backend=backend, lm_head_mode=lm_head_mode,
+                                    options=options, tol=TOL)
