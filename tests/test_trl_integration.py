@@ -280,9 +280,9 @@ def test_two_processes_match_one_process_on_the_trl_path(model_dir, dataset, tmp
             torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo", "cispo", "sapo"])
 def test_fused_lm_head_option_matches_trl(model_dir, dataset, tmp_path, loss_type):
-    config = dict(loss_type=loss_type, beta=0.04)
+    config = dict(loss_type=loss_type, beta=0.04, **({"epsilon_high": 5.0} if loss_type == "cispo" else {}))
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
     args = GRPOConfig(output_dir=str(tmp_path / "fused"), per_device_train_batch_size=B, num_generations=G,
                       max_completion_length=T, report_to="none", use_cpu=True, bf16=False, **config)

@@ -141,21 +141,41 @@ def test_a_packed_batch_on_a_sharded_vocabulary():
         torch.testing.assert_close(r_grad, grad[valid][..., rank * 40:(rank + 1) * 40], **TOL)
 
 
-def _rank_lm_head_shard(rank: int, world: int, backend: str, options: dict):
+def _lm_head_shard_run(rank: int, world: int, backend: str, options: dict, packed: bool = False):
     """Megatron's column-parallel lm_head: this rank's weight (and bias) rows, hidden states replicated."""
     import torch.distributed as dist
 
     from grpo_kernels import fused_linear_grpo_loss
 
     hidden, weight, bias, batch = _lm_head_inputs()
+    inputs = {k: v for k, v in batch.items() if k != "logits"}
+    extra = {}
+    if packed:  # the same rows packed: sequences of lengths 3, 5 and 0 (row 2 is fully masked)
+        valid = batch["completion_mask"].sum(-1, keepdim=True) > torch.arange(T)
+        valid[0] = torch.arange(T) < 3
+        hidden = hidden[valid]
+        inputs = {k: (v[valid] if v.dim() == 2 else v) for k, v in inputs.items()}
+        extra["cu_seqlens"] = torch.tensor([0, 3, 8, 8], dtype=torch.int32)
     part = weight.shape[0] // world
     h = hidden.clone().requires_grad_()
     w = weight[rank * part:(rank + 1) * part].clone().requires_grad_()
     b = bias[rank * part:(rank + 1) * part].clone().requires_grad_()
-    out = fused_linear_grpo_loss(h, w, **{k: v for k, v in batch.items() if k != "logits"}, bias=b, backend=backend,
-                                 vocab_parallel_group=dist.group.WORLD, **options)
+    out = fused_linear_grpo_loss(h, w, **inputs, bias=b, backend=backend, vocab_parallel_group=dist.group.WORLD,
+                                 **options, **extra)
     out.loss.backward()
     return out.loss.detach(), {k: v.detach() for k, v in out.metrics.items()}, h.grad, w.grad, b.grad
+
+
+def _rank_lm_head_shard(rank: int, world: int, backend: str, options: dict):
+    return _lm_head_shard_run(rank, world, backend, options)
+
+
+def _rank_lm_head_every_loss_type(rank: int, world: int):
+    return [_lm_head_shard_run(rank, world, "torch", case) for case in CASES]
+
+
+def _rank_lm_head_packed(rank: int, world: int):
+    return _lm_head_shard_run(rank, world, "torch", dict(beta=0.04, importance_sampling_level="sequence"), True)
 
 
 def _lm_head_inputs(V: int = 96, H: int = 12):
@@ -213,3 +233,41 @@ def test_token_logprobs_on_a_sharded_vocabulary():
     for logp, entropy in run_ranks(_rank_token_logprobs, 2, timeout=300):
         torch.testing.assert_close(logp, expected[0], **TOL)
         torch.testing.assert_close(entropy, expected[1], **TOL)
+
+
+def _lm_head_reference(options, rows=None):
+    from grpo_kernels import grpo_loss_reference
+
+    hidden, weight, bias, batch = _lm_head_inputs()
+    if rows is not None:  # the padded layout of the packed test's sequences
+        batch["completion_mask"] = batch["completion_mask"] * rows
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    expected = grpo_loss_reference(h @ w.T + b, **{k: v for k, v in batch.items() if k != "logits"}, **options)
+    expected.loss.backward()
+    return expected, h.grad, w.grad, b.grad
+
+
+def test_a_sharded_lm_head_for_every_loss_type():
+    per_rank = run_ranks(_rank_lm_head_every_loss_type, 2, timeout=600)
+    for i, case in enumerate(CASES):
+        expected, dh, dw, db = _lm_head_reference(case)
+        for rank, results in enumerate(per_rank):
+            loss, metrics, r_dh, r_dw, r_db = results[i]
+            rows = slice(rank * 48, (rank + 1) * 48)
+            torch.testing.assert_close(loss, expected.loss, **TOL, msg=lambda m: f"{case}: loss\n{m}")
+            for name, value in expected.metrics.items():
+                torch.testing.assert_close(metrics[name], value, **TOL, msg=lambda m: f"{case}: {name}\n{m}")
+            torch.testing.assert_close(r_dh, dh, atol=1e-5, rtol=1e-5, msg=lambda m: f"{case}: d hidden\n{m}")
+            torch.testing.assert_close(r_dw, dw[rows], atol=1e-5, rtol=1e-5, msg=lambda m: f"{case}: d weight\n{m}")
+            torch.testing.assert_close(r_db, db[rows], atol=1e-5, rtol=1e-5, msg=lambda m: f"{case}: d bias\n{m}")
+
+
+def test_a_packed_batch_on_a_sharded_lm_head():
+    per_rank = run_ranks(_rank_lm_head_packed, 2, timeout=300)
+    lengths = torch.tensor([3, 5, 0])
+    rows = (torch.arange(T) < lengths.unsqueeze(1)).float()
+    expected, dh, dw, db = _lm_head_reference(dict(beta=0.04, importance_sampling_level="sequence"), rows)
+    for rank, (loss, _, r_dh, r_dw, _) in enumerate(per_rank):
+        torch.testing.assert_close(loss, expected.loss, **TOL)
+        torch.testing.assert_close(r_dh, dh[rows.bool()], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r_dw, dw[rank * 48:(rank + 1) * 48], atol=1e-5, rtol=1e-5)
