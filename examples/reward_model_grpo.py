@@ -20,10 +20,10 @@ import os
 
 import torch
 
-from grpo_kernels.reward_model import RewardModelReward, preference_accuracy, train_reward_model
-from grpo_kernels.rewards import numeric_match
-from grpo_kernels.tasks import compare
-from grpo_kernels.trainer import GRPOTrainer, TrainerConfig, append_jsonl
+from grpo_kernels.training.reward_model import RewardModelReward, preference_accuracy, train_reward_model
+from grpo_kernels.training.rewards import numeric_match
+from grpo_kernels.training.tasks import compare
+from grpo_kernels.training.trainer import GRPOTrainer, TrainerConfig, append_jsonl
 
 
 def pairs(rows):

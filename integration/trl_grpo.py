@@ -17,8 +17,8 @@ from datasets import Dataset
 from trl import GRPOConfig
 
 from grpo_kernels.integration.trl import GRPOKernelsTrainer as GRPOTrainer  # the drop-in
-from grpo_kernels.rewards import numeric_match
-from grpo_kernels.tasks import compare
+from grpo_kernels.training.rewards import numeric_match
+from grpo_kernels.training.tasks import compare
 
 
 def main(argv=None) -> dict:

@@ -5,9 +5,9 @@ import pytest
 import torch
 from gloo_ranks import run_ranks
 
-from grpo_kernels.rewards import numeric_match
-from grpo_kernels.tasks import compare
-from grpo_kernels.trainer import GRPOTrainer, Rollout, TrainerConfig
+from grpo_kernels.training.rewards import numeric_match
+from grpo_kernels.training.tasks import compare
+from grpo_kernels.training.trainer import GRPOTrainer, Rollout, TrainerConfig
 
 ROWS, GROUP = 8, 2
 

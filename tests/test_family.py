@@ -94,8 +94,8 @@ def test_reward_model_loss_is_bradley_terry_and_stable():
 
 
 def test_reward_model_learns_preferences_and_scores_completions():
-    from grpo_kernels.reward_model import RewardModelReward, train_reward_model
-    from grpo_kernels.tasks import compare
+    from grpo_kernels.training.reward_model import RewardModelReward, train_reward_model
+    from grpo_kernels.training.tasks import compare
 
     import importlib.util
     import pathlib

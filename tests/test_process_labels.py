@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_kernels.advantages import process_advantages
-from grpo_kernels.process_labels import labels_to_step_rewards, step_labels
+from grpo_kernels.training.process_labels import labels_to_step_rewards, step_labels
 
 
 def test_hard_and_soft_labels_by_hand():

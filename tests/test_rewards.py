@@ -2,7 +2,7 @@
 
 import pytest
 
-from grpo_kernels.rewards import boxed_match, extract_boxed, format_reward, numeric_match, parse_number
+from grpo_kernels.training.rewards import boxed_match, extract_boxed, format_reward, numeric_match, parse_number
 
 
 @pytest.mark.parametrize("completion, gold, score", [

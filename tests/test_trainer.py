@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from grpo_kernels import cli
-from grpo_kernels.rewards import numeric_match, parse_number
-from grpo_kernels.tasks import compare
-from grpo_kernels.trainer import GRPOTrainer, TrainerConfig, latest_checkpoint
+from grpo_kernels.training import cli
+from grpo_kernels.training.rewards import numeric_match, parse_number
+from grpo_kernels.training.tasks import compare
+from grpo_kernels.training.trainer import GRPOTrainer, TrainerConfig, latest_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from grpo_kernels.integration.trl import GRPOKernelsTrainer  # noqa: E402
-from grpo_kernels.tasks import compare  # noqa: E402
+from grpo_kernels.training.tasks import compare  # noqa: E402
 
 B, G, T = 4, 2, 6
 

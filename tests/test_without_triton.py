@@ -12,7 +12,7 @@ def test_import_and_cpu_path_without_triton():
         import torch
         import grpo_kernels
         from grpo_kernels import GRPOLoss, fused_linear_grpo_loss, token_logprobs
-        from grpo_kernels.trainer import GRPOTrainer  # the trainer and its imports too
+        from grpo_kernels.training.trainer import GRPOTrainer  # the trainer and its imports too
 
         g = torch.Generator().manual_seed(0)
         logits = torch.randn(2, 3, 11, generator=g, requires_grad=True)

@@ -26,7 +26,7 @@ def step_labels(
 
     ``step_answers[i]`` holds the final answers of the N completions sampled from step i
     onward (None where a completion gave no answer). ``equal(answer, gold)`` decides a
-    match (default: the numeric / normalized-text comparison of ``grpo_kernels.rewards``).
+    match (default: the numeric / normalized-text comparison of ``grpo_kernels.training.rewards``).
     """
     same = equal or (lambda answer, target: _same(answer, target, 1e-9))
     hard, soft = [], []

@@ -24,10 +24,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .advantages import group_advantages, process_advantages
-from .loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
-from .entropy_control import AdaptiveEntropy
-from .options import TOKEN_COUNT_LOSS_TYPES
+from ..advantages import group_advantages, process_advantages
+from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
+from ..entropy_control import AdaptiveEntropy
+from ..options import TOKEN_COUNT_LOSS_TYPES
 from .process_labels import labels_to_step_rewards
 
 RewardFunction = Callable[..., List[Optional[float]]]

@@ -13,7 +13,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .family import reward_model_loss
+from ..family import reward_model_loss
 from .trainer import left_padded_positions
 
 
