@@ -152,21 +152,25 @@ def _allocate_outputs(N: int, device, opts: Optional[GRPOOptions], compute_entro
 
 
 def _loss_pointer_args(out: ForwardResult, mask, advantages, old_logps, ref_logps, importance_weights):
-    """(per-token inputs, outputs, placeholder) in the forward kernels' order (mask, adv, old, ref, iw; logp,
-    entropy, lse, loss, dloss, kl, flags); absent ones are the placeholder, which the constexprs keep unread."""
+    """(per-token inputs, outputs, placeholder) as the forward kernels' keyword arguments; an absent one is
+    the placeholder, which the constexprs (HAS_MASK, HAS_OLD, ...) keep unread."""
     dummy = out.logp
     either = lambda t: dummy if t is None else t  # noqa: E731
-    inputs = (either(mask), either(advantages), either(old_logps), either(ref_logps), either(importance_weights))
-    outputs = tuple(either(t) for t in (out.logp, out.entropy, out.lse, out.loss, out.dloss_dlogp, out.kl, out.flags))
+    inputs = dict(mask_ptr=either(mask), adv_ptr=either(advantages), old_ptr=either(old_logps),
+                  ref_ptr=either(ref_logps), iw_ptr=either(importance_weights))
+    outputs = dict(logp_out=out.logp, entropy_out=either(out.entropy), lse_out=out.lse, loss_out=either(out.loss),
+                   dloss_out=either(out.dloss_dlogp), kl_out=either(out.kl), flags_out=either(out.flags))
     return inputs, outputs, dummy
 
 
-def _loss_scalar_args(opts: Optional[GRPOOptions], temperature: float):
-    """inv_temperature and the loss's run-time scalars, in kernel order."""
+def _loss_scalar_args(opts: Optional[GRPOOptions], temperature: Optional[float] = None) -> Dict[str, float]:
+    """The loss's run-time scalars as the kernels' keyword arguments (and inv_temperature, with a temperature)."""
     o = opts or GRPOOptions()
-    return (1.0 / temperature, float(o.epsilon), float(o.eps_high), _zero_if_none(o.delta),
-            _zero_if_none(o.dual_clip), float(o.beta), _zero_if_none(o.log_ratio_clamp),
-            _zero_if_none(o.kl_clamp), float(o.sapo_temperature_pos), float(o.sapo_temperature_neg))
+    scalars = dict(eps_low=float(o.epsilon), eps_high=float(o.eps_high), delta=_zero_if_none(o.delta),
+                   dual_clip=_zero_if_none(o.dual_clip), beta=float(o.beta),
+                   log_ratio_clamp=_zero_if_none(o.log_ratio_clamp), kl_clamp=_zero_if_none(o.kl_clamp),
+                   sapo_tau_pos=float(o.sapo_temperature_pos), sapo_tau_neg=float(o.sapo_temperature_neg))
+    return scalars if temperature is None else dict(inv_temperature=1.0 / temperature, **scalars)
 
 
 def forward(
@@ -222,9 +226,10 @@ def forward(
     grad_target = grad if write_grad else logits  # unread without WRITE_GRAD
     if N > 0:
         K.grpo_forward_kernel[grid](
-            logits, logits.stride(0), logits.stride(1), ids, T, V, N, *inputs, *outputs,
-            grad_weight if write_grad else dummy, grad_target, grad_target.stride(0), grad_target.stride(1),
-            entropy_grad_weight if entropy_grad else dummy, *_loss_scalar_args(opts, temperature),
+            logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V, N=N,
+            **inputs, **outputs, grad_weight_ptr=grad_weight if write_grad else dummy, grad_logits_ptr=grad_target,
+            grad_stride_b=grad_target.stride(0), grad_stride_t=grad_target.stride(1),
+            entropy_grad_ptr=entropy_grad_weight if entropy_grad else dummy, **_loss_scalar_args(opts, temperature),
             **constexprs, ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])), PERSISTENT=persistent,
             HAS_ENTROPY_GRAD=entropy_grad, **launch_config,
         )
@@ -260,10 +265,11 @@ def backward(
     if B * T > 0:
         with_entropy = grad_entropy is not None
         K.logprob_backward_kernel[(B * T,)](
-            logits, logits.stride(0), logits.stride(1), ids, T, V,
-            grad_logp, lse, grad, grad.stride(0), grad.stride(1),
-            grad_entropy if with_entropy else grad_logp, entropy if with_entropy else grad_logp,
-            1.0 / temperature, ROW_ALIGN=row_alignment(logits, grad), HAS_ENTROPY_GRAD=with_entropy, **launch_config,
+            logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V,
+            grad_logp_ptr=grad_logp, lse_ptr=lse, grad_logits_ptr=grad, grad_stride_b=grad.stride(0),
+            grad_stride_t=grad.stride(1), grad_entropy_ptr=grad_entropy if with_entropy else grad_logp,
+            entropy_ptr=entropy if with_entropy else grad_logp, inv_temperature=1.0 / temperature,
+            ROW_ALIGN=row_alignment(logits, grad), HAS_ENTROPY_GRAD=with_entropy, **launch_config,
         )
     return grad
 
@@ -285,7 +291,8 @@ def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         blocks = min(blocks, 8 * torch.cuda.get_device_properties(x.device).multi_processor_count)
     else:
         blocks = min(blocks, 16)
-    K.scale_in_place_kernel[(blocks,)](x, scale.reshape(1).float(), numel, BLOCK=SCALE_BLOCK, num_warps=8)
+    K.scale_in_place_kernel[(blocks,)](x_ptr=x, scale_ptr=scale.reshape(1).float(), numel=numel, BLOCK=SCALE_BLOCK,
+                                       num_warps=8)
     return x
 
 
@@ -382,13 +389,13 @@ def linear_forward(
     splits, v_per_split = linear_vocab_splits(blocks_n, V, cfg["BLOCK_V"], hidden.device)
     partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32) if splits > 1 else out.logp
     FL.linear_grpo_forward_kernel[(blocks_n, splits)](
-        hidden, weight, weight if bias is None else bias, ids, N, V, H, v_per_split, partials, *inputs, *outputs,
-        *_loss_scalar_args(opts, temperature), **constexprs,
-        HAS_BIAS=bias is not None, SPLIT_V=splits > 1, **cfg,
+        h_ptr=hidden, w_ptr=weight, b_ptr=weight if bias is None else bias, ids_ptr=ids, N=N, V=V, H=H,
+        v_per_split=v_per_split, partials_ptr=partials, **inputs, **outputs, **_loss_scalar_args(opts, temperature),
+        **constexprs, HAS_BIAS=bias is not None, SPLIT_V=splits > 1, **cfg,
     )
     if splits > 1:
         FL.linear_grpo_combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
-            partials, N, splits, *inputs, *outputs, *_loss_scalar_args(opts, temperature)[1:], **constexprs,
+            partials_ptr=partials, N=N, splits=splits, **inputs, **outputs, **_loss_scalar_args(opts), **constexprs,
             BLOCK_N=COMBINE_BLOCK,
         )
     return out
@@ -440,7 +447,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
               "BLOCK_K": _shrink(cfg["BLOCK_K"], K_)}
     grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"]),)
     FL.matmul_kernel[grid](
-        a, b, out, M, N, K_, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        a_ptr=a, b_ptr=b, c_ptr=out, M=M, N=N, K=K_, stride_am=a.stride(0), stride_ak=a.stride(1),
+        stride_bk=b.stride(0), stride_bn=b.stride(1),
         ACCUMULATE=accumulate, DOT_PRECISION="ieee" if upcast else cfg["DOT_PRECISION"], UPCAST=upcast,
         GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **blocks,
     )
@@ -559,9 +567,10 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
         dx = workspace[: n1 - n0]
         grid = (triton.cdiv(n1 - n0, cfg["BLOCK_N"]) * triton.cdiv(V, cfg["BLOCK_V"]),)
         FL.linear_dlogits_kernel[grid](
-            hidden[n0:n1], weight, weight if bias is None else bias, ids[n0:n1], n1 - n0, V, H,
-            lse[n0:n1], g[n0:n1], dx, 1.0 / temperature,
-            g if grad_entropy is None else grad_entropy[n0:n1], g if grad_entropy is None else entropy[n0:n1],
+            h_ptr=hidden[n0:n1], w_ptr=weight, b_ptr=weight if bias is None else bias, ids_ptr=ids[n0:n1], N=n1 - n0,
+            V=V, H=H, lse_ptr=lse[n0:n1], g_ptr=g[n0:n1], dx_ptr=dx, inv_temperature=1.0 / temperature,
+            grad_entropy_ptr=g if grad_entropy is None else grad_entropy[n0:n1],
+            entropy_ptr=g if grad_entropy is None else entropy[n0:n1],
             HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=grad_entropy is not None, **cfg,
         )
         _add_chunk_gradients(dx, weight, hidden[n0:n1], dh[n0:n1], dw, db, first=n0 == 0)
