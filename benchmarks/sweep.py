@@ -216,7 +216,7 @@ def fused_inputs(N, H, V, device, seed=0):
 def run_fused(x, candidate):
     if candidate["mode"] == "three_products":
         r, dh, dw, _ = launch.linear_three_products(
-            x["hidden"], x["weight"], None, x["ids"], opts=x["opts"], temperature=TEMPERATURE, mask=x["mask"],
+            x["hidden"], x["weight"], None, x["ids"], opts=x["opts"], mask=x["mask"],
             advantages=x["adv"], old_logps=x["old"], ref_logps=x["ref"], importance_weights=None,
             compute_entropy=True, grad_weight=x["weight_per_token"], compute_weight_grad=True)
         return r.logp, r.loss, dh, dw

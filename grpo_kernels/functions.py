@@ -93,7 +93,7 @@ class FusedTokenLoss(torch.autograd.Function):
         rows = aligned(logits, trailing)
         B, T, _ = rows.shape
         result = launch_module().forward(
-            rows, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
+            rows, ids, opts=opts, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy,
         )
@@ -136,7 +136,7 @@ class FusedTokenLossOnePass(torch.autograd.Function):
         B, T, _ = rows.shape
         grad, written = gradient_buffer(logits, trailing, in_place=False)
         result = launch_module().forward(
-            rows, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
+            rows, ids, opts=opts, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy, grad_weight=grad_weight, grad_out=written,
             entropy_grad_weight=entropy_grad_weight,
@@ -259,7 +259,7 @@ class FusedLinearTokenLoss(torch.autograd.Function):
                 opts: GRPOOptions, out_shape):
         ctx.set_materialize_grads(False)
         r = launch_module().linear_forward(
-            hidden, weight, bias, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
+            hidden, weight, bias, ids, opts=opts, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy,
         )
@@ -295,7 +295,7 @@ class FusedLinearThreeProducts(torch.autograd.Function):
                 grad_weight, opts: GRPOOptions, out_shape, entropy_grad_weight=None):
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         r, dh, dw, db = launch_module().linear_three_products(
-            hidden, weight, bias, ids, opts=opts, temperature=opts.temperature, mask=mask, advantages=advantages,
+            hidden, weight, bias, ids, opts=opts, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy, grad_weight=grad_weight, compute_weight_grad=wants_weight,
             entropy_grad_weight=entropy_grad_weight)

@@ -549,7 +549,7 @@ def fused_linear_grpo_loss(
                 _entropy_grad_weight(bonus_mask, opts, loss_scale, rows))
         else:  # no gradient wanted: cuBLAS logits and the logits kernel, a chunk at a time
             r = launch_module().linear_three_products(
-                *flat, opts=opts, temperature=opts.temperature, mask=per_token[0], advantages=per_token[1],
+                *flat, opts=opts, mask=per_token[0], advantages=per_token[1],
                 old_logps=per_token[2], ref_logps=per_token[3], importance_weights=per_token[4],
                 compute_entropy=opts.compute_entropy, grad_weight=None, compute_weight_grad=False)[0]
             view = lambda t: None if t is None else t.view(B, T)  # noqa: E731

@@ -255,3 +255,14 @@ def test_presets_and_trl_config():
     groups = rewards.view(2, 2)
     expected = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
     torch.testing.assert_close(trl_adv, expected)
+
+
+def test_the_launchers_take_the_temperature_from_one_source():
+    """With options, the launchers read the temperature from them; a different one beside them is refused."""
+    from grpo_kernels.kernels import launch
+
+    logits, ids = torch.randn(1, 2, 50), torch.randint(0, 50, (1, 2))
+    opts = GRPOOptions(temperature=0.7)
+    assert launch.resolved_temperature(opts, None) == 0.7 and launch.resolved_temperature(None, None) == 1.0
+    with pytest.raises(ValueError, match="temperature=0.9 disagrees with the options' temperature=0.7"):
+        launch.forward(logits, ids, opts=opts, temperature=0.9, advantages=torch.zeros(2))

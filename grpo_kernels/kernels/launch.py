@@ -132,6 +132,17 @@ def row_alignment(*tensors: torch.Tensor) -> int:
     return 16 // size if aligned else 1
 
 
+def resolved_temperature(opts: Optional[GRPOOptions], temperature: Optional[float]) -> float:
+    """The temperature of a launch, from one source: the options when there are any (a ``temperature``
+    beside them must agree), else the argument (default 1)."""
+    if opts is None:
+        return 1.0 if temperature is None else float(temperature)
+    if temperature is not None and float(temperature) != opts.temperature:
+        raise ValueError(f"temperature={temperature!r} disagrees with the options' temperature={opts.temperature!r}: "
+                         "pass it once, in the options")
+    return opts.temperature
+
+
 def _zero_if_none(value: Optional[float]) -> float:
     return 0.0 if value is None else float(value)
 
@@ -178,7 +189,7 @@ def forward(
     ids: torch.Tensor,
     *,
     opts: Optional[GRPOOptions] = None,
-    temperature: float = 1.0,
+    temperature: Optional[float] = None,
     mask: Optional[torch.Tensor] = None,
     advantages: Optional[torch.Tensor] = None,
     old_logps: Optional[torch.Tensor] = None,
@@ -205,6 +216,7 @@ def forward(
     (one-pass, with ``compute_entropy``; fp32 [N]) is each token's dLoss/dH, the entropy bonus's
     weight: its gradient is written in the same pass.
     """
+    temperature = resolved_temperature(opts, temperature)
     B, T, V = logits.shape
     N = B * T
     out = _allocate_outputs(N, logits.device, opts, compute_entropy)
@@ -357,7 +369,7 @@ def linear_forward(
     ids: torch.Tensor,
     *,
     opts: Optional[GRPOOptions] = None,
-    temperature: float = 1.0,
+    temperature: Optional[float] = None,
     mask: Optional[torch.Tensor] = None,
     advantages: Optional[torch.Tensor] = None,
     old_logps: Optional[torch.Tensor] = None,
@@ -373,6 +385,7 @@ def linear_forward(
     """
     from . import fused_linear as FL
 
+    temperature = resolved_temperature(opts, temperature)
     N, H = hidden.shape
     V = weight.shape[0]
     out = _allocate_outputs(N, hidden.device, opts, compute_entropy)
@@ -503,7 +516,7 @@ def _add_chunk_gradients(dx, weight, hidden_chunk, dh_chunk, dw, db, first: bool
         db += dx.sum(0, dtype=torch.float32)
 
 
-def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask, advantages, old_logps, ref_logps,
+def linear_three_products(hidden, weight, bias, ids, *, opts, mask, advantages, old_logps, ref_logps,
                           importance_weights, compute_entropy, grad_weight, compute_weight_grad,
                           entropy_grad_weight=None):
     """The fused lm_head with 3 products instead of 4: loss terms and every gradient in one chunk loop.
@@ -532,7 +545,7 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, temperature, mask,
             torch.mm(hidden[n], weight.T, out=x)
         else:
             torch.addmm(bias, hidden[n], weight.T, out=x)
-        r = forward(x.unsqueeze(0), ids[n].unsqueeze(0), opts=opts, temperature=temperature, mask=pick(mask, n),
+        r = forward(x.unsqueeze(0), ids[n].unsqueeze(0), opts=opts, mask=pick(mask, n),
                     advantages=pick(advantages, n), old_logps=pick(old_logps, n), ref_logps=pick(ref_logps, n),
                     importance_weights=pick(importance_weights, n), compute_entropy=compute_entropy,
                     grad_weight=pick(grad_weight, n), grad_in_place=with_grad,
