@@ -44,6 +44,11 @@ def _first_backward(ctx, what: str) -> None:
     ctx.backward_done = True
 
 
+def flat_f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A per-token tensor as the kernels read it: contiguous fp32 [N] (None stays None)."""
+    return None if t is None else t.reshape(-1).float().contiguous()
+
+
 def aligned(logits: torch.Tensor, trailing: bool) -> torch.Tensor:
     """The [B, T, V] logits that predict the completion: ``logits[:, :-1]`` of a [B, T + 1, V] input
     (the model's last position predicts no completion token), else the input itself."""
@@ -71,10 +76,9 @@ def _write_gradient(ctx, logits, ids, lse, g, h=None, entropy=None):
     ``logits`` is the Function's input ([B, T, V], or [B, T + 1, V] when ``ctx.trailing``)."""
     grad, written = gradient_buffer(logits, ctx.trailing, ctx.in_place)
     rows = aligned(logits, ctx.trailing)
-    flat = lambda t: None if t is None else t.reshape(-1).float().contiguous()  # noqa: E731
     if ctx.engine == "triton":
-        launch_module().backward(rows, ids, lse.reshape(-1), flat(g), ctx.temperature, out=written,
-                                 grad_entropy=flat(h), entropy=flat(entropy) if h is not None else None)
+        launch_module().backward(rows, ids, lse.reshape(-1), flat_f32(g), ctx.temperature, out=written,
+                                 grad_entropy=flat_f32(h), entropy=flat_f32(entropy) if h is not None else None)
     else:
         torch_path.backward(rows, ids, lse, g.float(), ctx.temperature, out=written,
                             grad_entropy=None if h is None else h.float(), entropy=entropy)
@@ -208,9 +212,8 @@ def _linear_gradients(ctx, g, h=None, entropy=None):
     hidden, weight, bias, ids, lse = ctx.saved_tensors[:5]
     backward_fn = launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
     wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-    flat = lambda t: None if t is None else t.reshape(-1).float().contiguous()  # noqa: E731
-    dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, flat(g), ctx.temperature, wants_weight,
-                             grad_entropy=flat(h), entropy=flat(entropy) if h is not None else None)
+    dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, flat_f32(g), ctx.temperature, wants_weight,
+                             grad_entropy=flat_f32(h), entropy=flat_f32(entropy) if h is not None else None)
     cast = lambda t, like, needed: t.to(like.dtype) if needed and t is not None else None  # noqa: E731
     return (cast(dh, hidden, ctx.needs_input_grad[0]), cast(dw, weight, ctx.needs_input_grad[1]),
             cast(db, bias, ctx.needs_input_grad[2]))

@@ -148,21 +148,21 @@ def grpo_loss(
     mask = completion_mask.float()  # the token layout: [B, T], or [1, total] packed
     mask_seq = rows.seq(mask)  # the sequence layout the reductions see: [B, T], or [S, T_max] packed
     bonus_mask, policy_mask = mask_seq, None  # the tokens the entropy bonus acts on; TRL's policy-term masks
+
+    def logprob_pass(compute_entropy: bool, in_place: bool = False):
+        """This call's (log-probs, entropy) in the token layout, differentiable, 0 at masked tokens."""
+        if sharded:
+            return _vocab_parallel_logprobs(logits, completion_ids, mask, opts.temperature, compute_entropy, engine,
+                                            vocab_parallel_group, vocab_start)
+        return TokenLogprobs.apply(full, completion_ids.contiguous(), mask.reshape(-1).contiguous(),
+                                   opts.temperature, compute_entropy, engine, in_place, trailing)
+
     if opts.masks_tokens:  # the masks need this pass's log-probs / entropies first: one more read of the logits
         with torch.no_grad():
-            if sharded:
-                first_pass = _vocab_parallel_logprobs(logits, completion_ids, mask, opts.temperature,
-                                                      opts.top_entropy_quantile < 1.0, engine, vocab_parallel_group,
-                                                      vocab_start)
-            else:
-                first_pass = TokenLogprobs.apply(full, completion_ids.contiguous(), mask.reshape(-1).contiguous(),
-                                                 opts.temperature, opts.top_entropy_quantile < 1.0, engine, False,
-                                                 trailing)
+            first_pass = logprob_pass(opts.top_entropy_quantile < 1.0)
         importance_weights, policy_mask, bonus_mask = _with_policy_masks(
-            *[rows.seq(t) for t in first_pass], mask_seq, rows.seq(advantages),
-            rows.seq(old_logps if sampling_logps is None else sampling_logps), rows.seq(importance_weights), opts)
-        if opts.loss_in_kernel:  # folded into the importance weights the kernels read (sequence layout)
-            importance_weights = importance_weights.expand_as(mask_seq)
+            rows, first_pass, mask_seq, advantages, old_logps if sampling_logps is None else sampling_logps,
+            importance_weights, opts)
 
     if engine == "triton" and logits.stride(-1) != 1:
         raise ValueError(
@@ -183,24 +183,21 @@ def grpo_loss(
             loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, opts, in_place_backward,
                                                                     trailing)
             loss = _reduced(rows.seq(loss_t), mask_seq, opts, normalizer, loss_scale, rows.seq(entropy), bonus_mask)
-        out = _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
-    else:
-        if sharded:
-            logp, entropy = _vocab_parallel_logprobs(logits, completion_ids, mask, opts.temperature,
-                                                     opts.compute_entropy, engine, vocab_parallel_group, vocab_start)
-        else:
-            logp, entropy = TokenLogprobs.apply(
-                full, completion_ids.contiguous(), mask.reshape(-1).contiguous(), opts.temperature,
-                opts.compute_entropy, engine, in_place_backward, trailing,
-            )
-        out = _loss_from_logps(rows.seq(logp), rows.seq(entropy), mask_seq, rows.seq(advantages),
-                               rows.seq(old_logps), rows.seq(ref_logps), rows.seq(importance_weights), normalizer,
-                               opts, loss_scale, bonus_mask, policy_mask)
-        if rows.packed:
-            out = GRPOLossOutput(out.loss, out.metrics, rows.from_seq(out.per_token_logps))
-    if user_shape is not None:  # a packed call gets its per-token log-probs in the ids' shape
-        out = GRPOLossOutput(out.loss, out.metrics, out.per_token_logps.reshape(user_shape))
-    return out
+        return _as_called(_output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts), rows, user_shape)
+    logp, entropy = logprob_pass(opts.compute_entropy, in_place_backward)
+    return _as_called(_loss_from_logps(rows.seq(logp), rows.seq(entropy), mask_seq, rows.seq(advantages),
+                                       rows.seq(old_logps), rows.seq(ref_logps), rows.seq(importance_weights),
+                                       normalizer, opts, loss_scale, bonus_mask, policy_mask),
+                      rows, user_shape, seq_layout=True)
+
+
+def _as_called(out: GRPOLossOutput, rows: Rows, user_shape, seq_layout: bool = False) -> GRPOLossOutput:
+    """A packed call's output with its per-token log-probs in the token layout, shaped as its ids (from the
+    sequence layout with ``seq_layout``); a padded call's as it is."""
+    if user_shape is None:
+        return out
+    logps = rows.from_seq(out.per_token_logps) if seq_layout else out.per_token_logps
+    return GRPOLossOutput(out.loss, out.metrics, logps.reshape(user_shape))
 
 
 def _vocab_parallel_logprobs(logits, ids, mask, temperature, compute_entropy, engine, group, start):
@@ -267,26 +264,28 @@ def _packed_inputs(cu_seqlens, logits, ids, mask, advantages, old_logps, ref_log
             one_row("old_logps", old_logps), one_row("ref_logps", ref_logps), one_row("sampling_logps", sampling_logps))
 
 
-def _with_policy_masks(logp, entropy, mask, advantages, sampling_logps, importance_weights, opts: GRPOOptions):
-    """TRL's policy-term masks from a first, gradient-free pass's log-probs and entropies ([B, T], 0 at
-    masked tokens): the masks need every token's entropy (the top-entropy quantile, gathered across
-    processes) or each row's mean log-prob gap (the off-policy mask) before any gradient is final.
+def _with_policy_masks(rows: Rows, first_pass, mask_seq, advantages, sampling_logps, importance_weights,
+                       opts: GRPOOptions):
+    """TRL's policy-term masks from a first, gradient-free pass's (log-probs, entropy) in the token layout
+    (0 at masked tokens): the masks need every token's entropy (the top-entropy quantile, gathered across
+    processes) or each row's mean log-prob gap (the off-policy mask) before any gradient is final. They
+    are computed in the sequence layout (``mask_seq``).
 
     Returns (importance weights, policy mask, the entropy bonus's tokens). Where the kernels compute
-    the loss, the masks are folded into the importance weights, which multiply the policy term only,
-    as TRL's masks do: so the one-pass kernel still writes the gradient in its single pass. Where the
-    loss math runs in torch, the mask stays separate (vespo takes the importance weights into its
-    sequence weight instead of the loss)."""
-    B, T = mask.shape
-    as_bt = lambda t: None if t is None else t.reshape(B, T)  # noqa: E731
-    policy_mask, entropy_mask = ref.policy_masks(as_bt(logp), as_bt(entropy), mask, advantages.detach().float(),
-                                                 sampling_logps, opts)
-    bonus_mask = mask if entropy_mask is None else mask * entropy_mask
+    the loss, the masks are folded into the importance weights (sequence layout), which multiply the
+    policy term only, as TRL's masks do: so the one-pass kernel still writes the gradient in its single
+    pass. Where the loss math runs in torch, the mask stays separate (vespo takes the importance
+    weights into its sequence weight instead of the loss)."""
+    logp, entropy = (rows.seq(t) for t in first_pass)
+    policy_mask, entropy_mask = ref.policy_masks(logp, entropy, mask_seq, rows.seq(advantages).detach().float(),
+                                                 rows.seq(sampling_logps), opts)
+    bonus_mask = mask_seq if entropy_mask is None else mask_seq * entropy_mask
+    importance_weights = rows.seq(importance_weights)
     if not opts.loss_in_kernel:
         return importance_weights, policy_mask, bonus_mask
     if importance_weights is not None:
-        policy_mask = ref.as_row_column(importance_weights.detach().float()) * policy_mask
-    return policy_mask, None, bonus_mask
+        policy_mask = importance_weights.detach().float() * policy_mask
+    return policy_mask.expand_as(mask_seq), None, bonus_mask
 
 
 def _checked_drop_last_position(drop_last_position, logits, completion_ids) -> bool:
@@ -322,28 +321,32 @@ def _reduced(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale, en
     loss = ref.reduce_loss(per_token_loss, mask, opts, normalizer)
     if opts.entropy_coef != 0.0:
         loss = loss - ref.entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts)
-    return loss if isinstance(loss_scale, float) and loss_scale == 1.0 else loss * loss_scale
+    return _scaled(loss, loss_scale)
+
+
+def _scaled(x, loss_scale):
+    """``x * loss_scale``, with no op at all for a plain 1.0 (a Python float)."""
+    return x if isinstance(loss_scale, float) and loss_scale == 1.0 else x * loss_scale
+
+
+def _kernel_weights(weights: torch.Tensor, loss_scale, rows: Optional[Rows]) -> torch.Tensor:
+    """Per-token weights of the sequence layout ([B, T], or a packed batch's [S, T_max] with ``rows``),
+    scaled, as the one-pass kernels read them: fp32 [N]."""
+    weights = _scaled(weights, loss_scale)
+    weights = weights if rows is None else rows.from_seq(weights)
+    return weights.float().reshape(-1).contiguous()
 
 
 def _grad_weight(mask, opts: GRPOOptions, normalizer, loss_scale, rows: Optional[Rows] = None) -> torch.Tensor:
-    """Each token's weight in the reduced, scaled loss as the one-pass kernels read it: fp32 [N].
-    ``mask`` is in the sequence layout ([B, T] or a packed batch's [S, T_max], ``rows``)."""
-    weights = ref.reduction_weights(mask, opts, normalizer)
-    if not (isinstance(loss_scale, float) and loss_scale == 1.0):
-        weights = weights * loss_scale
-    weights = weights if rows is None else rows.from_seq(weights)
-    return weights.float().reshape(-1).contiguous()
+    """Each token's weight in the reduced, scaled loss (``mask`` in the sequence layout)."""
+    return _kernel_weights(ref.reduction_weights(mask, opts, normalizer), loss_scale, rows)
 
 
 def _entropy_grad_weight(mask, opts: GRPOOptions, loss_scale, rows: Optional[Rows] = None) -> Optional[torch.Tensor]:
-    """Each token's dLoss/dH for the one-pass kernels (the entropy bonus, scaled), or None without one."""
+    """Each token's dLoss/dH (the entropy bonus, scaled), or None without one."""
     if opts.entropy_coef == 0.0:
         return None
-    weights = ref.entropy_bonus_weights(mask, opts)
-    if not (isinstance(loss_scale, float) and loss_scale == 1.0):
-        weights = weights * loss_scale
-    weights = weights if rows is None else rows.from_seq(weights)
-    return weights.float().reshape(-1).contiguous()
+    return _kernel_weights(ref.entropy_bonus_weights(mask, opts), loss_scale, rows)
 
 
 def _neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: float) -> Optional[torch.Tensor]:
@@ -528,19 +531,20 @@ def fused_linear_grpo_loss(
     wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
     mask_seq = rows.seq(mask)  # the sequence layout of the reductions (see grpo_loss)
     bonus_mask, policy_mask = mask_seq, None
+
+    def logprob_pass(compute_entropy: bool):
+        """This call's (log-probs, entropy) [B, T], differentiable, 0 at masked tokens, as in the logits path."""
+        pair = (_vocab_parallel_linear_logprobs(flat, opts.temperature, compute_entropy, engine,
+                                                vocab_parallel_group, vocab_start) if sharded
+                else LinearTokenLogprobs.apply(*flat, opts.temperature, compute_entropy, engine))
+        return tuple(None if t is None else torch.where(active.view(B, T), t.view(B, T), 0.0) for t in pair)
+
     if opts.masks_tokens:  # a first, gradient-free pass for the masks (see _with_policy_masks)
         with torch.no_grad():
-            first_pass = (_vocab_parallel_linear_logprobs(flat, opts.temperature, opts.top_entropy_quantile < 1.0,
-                                                          engine, vocab_parallel_group, vocab_start) if sharded
-                          else LinearTokenLogprobs.apply(*flat, opts.temperature, opts.top_entropy_quantile < 1.0,
-                                                         engine))
-        first_pass = [None if t is None else torch.where(active.view(-1), t.view(-1), 0.0).view(B, T)
-                      for t in first_pass]
+            first_pass = logprob_pass(opts.top_entropy_quantile < 1.0)
         importance_weights, policy_mask, bonus_mask = _with_policy_masks(
-            *[rows.seq(t) for t in first_pass], mask_seq, rows.seq(advantages),
-            rows.seq(old_logps if sampling_logps is None else sampling_logps), rows.seq(importance_weights), opts)
-        if opts.loss_in_kernel:
-            importance_weights = importance_weights.expand_as(mask_seq)
+            rows, first_pass, mask_seq, advantages, old_logps if sampling_logps is None else sampling_logps,
+            importance_weights, opts)
     if engine == "triton" and opts.loss_in_kernel and lm_head_mode == "three_products" and not sharded:
         per_token = _per_token_kernel_inputs(rows, mask, advantages, old_logps, ref_logps, importance_weights, opts)
         if wants_grad:
@@ -565,20 +569,12 @@ def fused_linear_grpo_loss(
         loss = _reduced(rows.seq(loss_t), mask_seq, opts, normalizer, loss_scale, rows.seq(entropy), bonus_mask)
         out = _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     else:
-        logp, entropy = (_vocab_parallel_linear_logprobs(flat, opts.temperature, opts.compute_entropy, engine,
-                                                         vocab_parallel_group, vocab_start) if sharded
-                         else LinearTokenLogprobs.apply(*flat, opts.temperature, opts.compute_entropy, engine))
-        active = active.view(B, T)  # as in the logits path: masked positions read as 0
-        logp = torch.where(active, logp.view(B, T), 0.0)
-        entropy = None if entropy is None else torch.where(active, entropy.view(B, T), 0.0)
-        out = _loss_from_logps(rows.seq(logp), rows.seq(entropy), mask_seq, rows.seq(advantages), rows.seq(old_logps),
-                               rows.seq(ref_logps), rows.seq(importance_weights), normalizer, opts, loss_scale,
-                               bonus_mask, policy_mask)
-        if rows.packed:
-            out = GRPOLossOutput(out.loss, out.metrics, rows.from_seq(out.per_token_logps))
-    if user_shape is not None:
-        out = GRPOLossOutput(out.loss, out.metrics, out.per_token_logps.reshape(user_shape))
-    return out
+        logp, entropy = logprob_pass(opts.compute_entropy)
+        return _as_called(_loss_from_logps(rows.seq(logp), rows.seq(entropy), mask_seq, rows.seq(advantages),
+                                           rows.seq(old_logps), rows.seq(ref_logps), rows.seq(importance_weights),
+                                           normalizer, opts, loss_scale, bonus_mask, policy_mask),
+                          rows, user_shape, seq_layout=True)
+    return _as_called(out, rows, user_shape)
 
 
 def selective_log_softmax(

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import torch_path
+from .functions import flat_f32
 from .kernels.contracts import launch_module
 
 
@@ -75,9 +76,9 @@ class VocabParallelLogprobs(torch.autograd.Function):
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
         h = None if grad_entropy is None else grad_entropy.float()
         if ctx.engine == "triton":
-            flat = lambda t: None if t is None else t.reshape(-1).contiguous()  # noqa: E731
-            grad = launch_module().backward(logits, local_ids, flat(lse), flat(g), ctx.temperature,
-                                            grad_entropy=flat(h), entropy=flat(entropy) if h is not None else None)
+            grad = launch_module().backward(logits, local_ids, flat_f32(lse), flat_f32(g), ctx.temperature,
+                                            grad_entropy=flat_f32(h),
+                                            entropy=flat_f32(entropy) if h is not None else None)
         else:
             grad = torch_path.backward(logits, local_ids, lse, g, ctx.temperature, grad_entropy=h,
                                        entropy=entropy if h is not None else None)
