@@ -201,11 +201,13 @@ def _as_called(out: GRPOLossOutput, rows: Rows, user_shape, seq_layout: bool = F
 
 
 def _vocab_parallel_logprobs(logits, ids, mask, temperature, compute_entropy, engine, group, start):
-    """Global (log-probs, entropy) [B, T] from this rank's vocabulary slice (``vocab_parallel.py``)."""
+    """Global (log-probs, entropy) [B, T] from this rank's vocabulary slice (``vocab_parallel.py``); no mask
+    reads every token."""
     from .vocab_parallel import VocabParallelLogprobs
 
-    return VocabParallelLogprobs.apply(logits, ids.contiguous(), mask.reshape(-1).contiguous(), float(temperature),
-                                       compute_entropy, engine, group, start)
+    flat_mask = None if mask is None else mask.reshape(-1).contiguous()
+    return VocabParallelLogprobs.apply(logits, ids.contiguous(), flat_mask, float(temperature), compute_entropy, engine,
+                                       group, start)
 
 
 def _vocab_parallel_linear_logprobs(flat, temperature, compute_entropy, engine, group, start):
@@ -421,7 +423,7 @@ def token_logprobs(
 
         start, vocab_size = vocab_range(logits, vocab_parallel_group, vocab_start_index)
         check_token_ids(ids, logits.new_empty(()).expand(*logits.shape[:2], vocab_size), check_ids)
-        logp, entropy = _vocab_parallel_logprobs(logits, ids, torch.ones(ids.shape, device=ids.device),
+        logp, entropy = _vocab_parallel_logprobs(logits, ids, None,
                                                  temperature, return_entropy, engine, vocab_parallel_group, start)
         return (logp, entropy) if return_entropy else logp
     check_token_ids(ids, logits, check_ids)
