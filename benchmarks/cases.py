@@ -15,8 +15,8 @@ from typing import Callable, Dict, Optional
 import torch
 import triton
 
-from grpo_kernels import grpo_loss, grpo_loss_reference
-from grpo_kernels import reference as ref
+from grpo_kernels import GRPOOptions, grpo_loss, objective
+from grpo_kernels.objective import grpo_loss_eager
 
 SMOKE = os.environ.get("GRPO_BENCH_SMOKE") == "1"
 ON_GPU = torch.cuda.is_available()
@@ -98,23 +98,27 @@ def _ours(one_pass: bool, level: str = "token", **options):
     return run
 
 
+def packed_batch(inputs: Dict) -> Dict:
+    """The same batch packed (padding-free): only the active tokens' logits, gathered once and kept in
+    ``inputs`` (the first call is a warm-up call, outside the timing), the rows' lengths from the mask."""
+    packed = inputs.get("_packed")
+    if packed is None:
+        mask = inputs["completion_mask"] != 0
+        lengths = mask.sum(-1)
+        cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=mask.device)
+        cu[1:] = lengths.cumsum(0)
+        packed = inputs["_packed"] = dict(
+            logits=inputs["full_logits"][:, :-1][mask].contiguous(), ids=inputs["completion_ids"][mask],
+            old=inputs["old_logps"][mask], ref=inputs["ref_logps"][mask], cu=cu)
+    return packed
+
+
 def _ours_packed(one_pass: bool = True):
-    """Ours on the same batch packed (padding-free): only the active tokens' logits, gathered once
-    here (outside the timing), the rows' lengths from the mask, the padding's share of S saved."""
+    """Ours on the packed batch (``path_input`` gives it the packed logits [total, V]): the padding's
+    share of S saved."""
     def run(inputs, logits):
-        packed = inputs.get("_packed")
-        if packed is None:
-            mask = inputs["completion_mask"] != 0
-            lengths = mask.sum(-1)
-            cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=mask.device)
-            cu[1:] = lengths.cumsum(0)
-            packed = inputs["_packed"] = dict(
-                logits=inputs["full_logits"][:, :-1][mask].contiguous(), ids=inputs["completion_ids"][mask],
-                old=inputs["old_logps"][mask], ref=inputs["ref_logps"][mask], cu=cu)
-        leaf = packed["logits"]
-        if logits.requires_grad:  # the gradient is wanted: of the packed logits (benchmarks read "_grad_wrt")
-            leaf = inputs["_grad_wrt"] = packed["logits"].detach().requires_grad_()
-        return grpo_loss(leaf, packed["ids"], torch.ones_like(packed["old"]), inputs["advantages"], packed["old"],
+        packed = packed_batch(inputs)
+        return grpo_loss(logits, packed["ids"], torch.ones_like(packed["old"]), inputs["advantages"], packed["old"],
                          packed["ref"], beta=BETA, temperature=TEMPERATURE, one_pass=one_pass, check_ids=False,
                          cu_seqlens=packed["cu"]).loss
     return run
@@ -129,14 +133,14 @@ ENTROPY_FAMILY = {
 
 def _eager(level: str = "token"):
     def run(inputs, logits):
-        return grpo_loss_reference(logits, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
-                                   inputs["old_logps"], inputs["ref_logps"], beta=BETA, temperature=TEMPERATURE,
-                                   importance_sampling_level=level).loss
+        return grpo_loss_eager(logits, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
+                               inputs["old_logps"], inputs["ref_logps"], beta=BETA, temperature=TEMPERATURE,
+                               importance_sampling_level=level).loss
     return run
 
 
 def _compiled(level: str = "token"):
-    """torch.compile of the reference. Each shape, level and grad mode is its own graph: past
+    """torch.compile of the eager loss. Each shape, level and grad mode is its own graph: past
     dynamo's recompile limit (8) it would silently run eager instead, so the limit is raised and
     hitting it is an error, which fails that case rather than mislabel an eager time."""
     import torch._dynamo.config as dynamo_config
@@ -151,7 +155,7 @@ def _trl(level: str = "token"):
     """TRL's own path: selective_log_softmax and entropy_from_logits, then TRL's loss math."""
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-    opts = ref.GRPOOptions(beta=BETA, temperature=TEMPERATURE, importance_sampling_level=level)
+    opts = GRPOOptions(beta=BETA, temperature=TEMPERATURE, importance_sampling_level=level)
 
     def run(inputs, logits):
         scaled = logits / TEMPERATURE
@@ -159,9 +163,9 @@ def _trl(level: str = "token"):
         with torch.no_grad():
             entropy_from_logits(scaled)
         mask = inputs["completion_mask"]
-        terms = ref.per_token_terms(lp, mask, inputs["advantages"].unsqueeze(1), inputs["old_logps"],
+        terms = objective.per_token_terms(lp, mask, inputs["advantages"].unsqueeze(1), inputs["old_logps"],
                                     inputs["ref_logps"], None, opts)
-        return ref.reduce_loss(terms.per_token_loss, mask, opts)
+        return objective.reduce_loss(terms.per_token_loss, mask, opts)
     return run
 
 
@@ -202,19 +206,20 @@ def load_trl_kernel():
 def _trl_kernel(level: str = "token"):
     """Stock TRL on a GPU: its Triton log-prob + entropy kernel, then TRL's loss math in torch."""
     fused = load_trl_kernel()
-    opts = ref.GRPOOptions(beta=BETA, temperature=TEMPERATURE, importance_sampling_level=level)
+    opts = GRPOOptions(beta=BETA, temperature=TEMPERATURE, importance_sampling_level=level)
 
     def run(inputs, logits):
         mask = inputs["completion_mask"]
         lp, _ = fused(logits, inputs["completion_ids"], temperature=TEMPERATURE, row_mask=mask.bool())
-        terms = ref.per_token_terms(lp, mask, inputs["advantages"].unsqueeze(1), inputs["old_logps"],
+        terms = objective.per_token_terms(lp, mask, inputs["advantages"].unsqueeze(1), inputs["old_logps"],
                                     inputs["ref_logps"], None, opts)
-        return ref.reduce_loss(terms.per_token_loss, mask, opts)
+        return objective.reduce_loss(terms.per_token_loss, mask, opts)
     return run
 
 
 def available_paths(level: str = "token") -> Dict[str, Callable]:
-    """Name -> fn(inputs, logits_view) returning the scalar loss. Peers only where installed / runnable."""
+    """Name -> fn(inputs, logits) returning the scalar loss (the logits as ``path_input`` gives them).
+    Peers only where installed / runnable."""
     paths = {}
     if ON_GPU:  # ours and the Triton peers first: a run stopped by its time limit keeps them
         paths["ours two-pass"] = _ours(False, level)
@@ -247,11 +252,19 @@ def available_paths(level: str = "token") -> Dict[str, Callable]:
     return paths
 
 
-def logits_view(name: str, full: torch.Tensor) -> torch.Tensor:
-    """What each path is given: ours (``drop_last_position=True``) and Liger take the model's
-    [B, T + 1, V] logits whole and write the gradient at that shape; the others the aligned view
-    [B, T, V], whose gradient autograd copies into a zero-filled [B, T + 1, V] tensor."""
-    return full if name == "liger" or name.startswith("ours") else full[:, :-1]
+def path_input(name: str, full: torch.Tensor, inputs: Dict, requires_grad: bool):
+    """(the leaf a gradient is taken of, what the path is given).
+
+    Ours (``drop_last_position=True``) and Liger take the model's [B, T + 1, V] logits whole and write
+    the gradient at that shape; the others the aligned view [B, T, V], whose gradient autograd copies
+    into a zero-filled [B, T + 1, V] tensor (that copy is part of their time, as in a trainer); the
+    packed path its packed logits [total, V]."""
+    if name.endswith("packed"):
+        leaf = packed_batch(inputs)["logits"]
+        leaf = leaf.detach().requires_grad_() if requires_grad else leaf
+        return leaf, leaf
+    leaf = full.detach().requires_grad_() if requires_grad else full
+    return leaf, leaf if name == "liger" or name.startswith("ours") else leaf[:, :-1]
 
 
 def model_bytes(name: str, S: int, backward: bool) -> int:

@@ -21,7 +21,8 @@ PATHS = ("materialized (eager)", "ours, unfused", "ours, fused")
 def run_one(path: str, n: int, h: int, v: int) -> dict:
     import torch
 
-    from grpo_kernels import fused_linear_grpo_loss, grpo_loss, grpo_loss_reference
+    from grpo_kernels import fused_linear_grpo_loss, grpo_loss
+    from grpo_kernels.objective import grpo_loss_eager
 
     torch.manual_seed(0)
     B, T = max(1, n // 512), min(n, 512)
@@ -37,7 +38,7 @@ def run_one(path: str, n: int, h: int, v: int) -> dict:
         elif path == "ours, unfused":
             loss = grpo_loss(hidden @ weight.T, ids, mask, adv, old, ref, backend="torch", **kw).loss
         else:
-            loss = grpo_loss_reference(hidden @ weight.T, ids, mask, adv, old, ref, **kw).loss
+            loss = grpo_loss_eager(hidden @ weight.T, ids, mask, adv, old, ref, **kw).loss
         loss.backward()
 
     step()  # warm-up; the gradients it leaves are inputs-sized and stay allocated

@@ -23,7 +23,8 @@ PATHS = ("eager", "ours", "ours in-place")
 def run_one(path: str, n: int, v: int, temperature: float) -> dict:
     import torch
 
-    from grpo_kernels import grpo_loss, grpo_loss_reference
+    from grpo_kernels import grpo_loss
+    from grpo_kernels.objective import grpo_loss_eager
 
     torch.manual_seed(0)
     B, T = n // 512, 512
@@ -37,7 +38,7 @@ def run_one(path: str, n: int, v: int, temperature: float) -> dict:
     def step(logits):
         kwargs = dict(beta=0.04, temperature=temperature)
         if path == "eager":
-            loss = grpo_loss_reference(logits, ids, mask, adv, old, ref, **kwargs).loss
+            loss = grpo_loss_eager(logits, ids, mask, adv, old, ref, **kwargs).loss
         else:
             loss = grpo_loss(logits, ids, mask, adv, old, ref, backend="torch", check_ids=False,
                              in_place_backward=path.endswith("in-place"), **kwargs).loss

@@ -41,7 +41,8 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from grpo_kernels import GRPOOptions  # noqa: E402
-from grpo_kernels import reference as ref  # noqa: E402
+from grpo_kernels import objective  # noqa: E402
+from grpo_kernels.kernels import fused_linear_launch as lm_head_launch  # noqa: E402
 from grpo_kernels.kernels import launch, tuned  # noqa: E402
 
 TEMPERATURE, BETA = 0.7, 0.04
@@ -118,7 +119,7 @@ def logits_inputs(B, T, V, device, seed=0):
     ref_lp = lp + 0.05 * torch.randn(B * T, device=device, generator=g)
     adv = torch.randn(B, device=device, generator=g).repeat_interleave(T)
     opts = GRPOOptions(beta=BETA, temperature=TEMPERATURE)
-    weight = flat(ref.reduction_weights(mask, opts).float())
+    weight = flat(objective.reduction_weights(mask, opts).float())
     return dict(logits=logits, ids=ids, mask=flat(mask), adv=adv, old=old, ref=ref_lp, weight=weight, opts=opts)
 
 
@@ -207,7 +208,7 @@ def fused_inputs(N, H, V, device, seed=0):
     weight = (torch.randn(V, H, device=device, dtype=dtype, generator=g) * H ** -0.5).to(dtype)
     ids = torch.randint(0, V, (N,), device=device, generator=g)
     opts = GRPOOptions(beta=BETA, temperature=TEMPERATURE)
-    lp = launch.linear_forward(hidden, weight, None, ids, temperature=TEMPERATURE).logp
+    lp = lm_head_launch.linear_forward(hidden, weight, None, ids, temperature=TEMPERATURE).logp
     return dict(hidden=hidden, weight=weight, ids=ids, mask=torch.ones(N, device=device),
                 adv=torch.randn(N, device=device, generator=g), old=lp + 0.05, ref=lp - 0.05,
                 weight_per_token=torch.full((N,), 1.0 / N, device=device), opts=opts)
@@ -215,17 +216,17 @@ def fused_inputs(N, H, V, device, seed=0):
 
 def run_fused(x, candidate):
     if candidate["mode"] == "three_products":
-        r, dh, dw, _ = launch.linear_three_products(
+        r, dh, dw, _ = lm_head_launch.linear_three_products(
             x["hidden"], x["weight"], None, x["ids"], opts=x["opts"], mask=x["mask"],
             advantages=x["adv"], old_logps=x["old"], ref_logps=x["ref"], importance_weights=None,
             compute_entropy=True, grad_weight=x["weight_per_token"], compute_weight_grad=True)
         return r.logp, r.loss, dh, dw
     config = {k: candidate[k] for k in tuned.FUSED_LINEAR_KEYS}
-    r = launch.linear_forward(x["hidden"], x["weight"], None, x["ids"], opts=x["opts"], temperature=TEMPERATURE,
-                              mask=x["mask"], advantages=x["adv"], old_logps=x["old"], ref_logps=x["ref"],
-                              compute_entropy=True, config=config)
-    dh, dw, _ = launch.linear_backward(x["hidden"], x["weight"], None, x["ids"], r.lse,
-                                       r.dloss_dlogp * x["weight_per_token"], TEMPERATURE, True, config=config)
+    r = lm_head_launch.linear_forward(x["hidden"], x["weight"], None, x["ids"], opts=x["opts"],
+                                      temperature=TEMPERATURE, mask=x["mask"], advantages=x["adv"], old_logps=x["old"],
+                                      ref_logps=x["ref"], compute_entropy=True, config=config)
+    dh, dw, _ = lm_head_launch.linear_backward(x["hidden"], x["weight"], None, x["ids"], r.lse,
+                                               r.dloss_dlogp * x["weight_per_token"], TEMPERATURE, True, config=config)
     return r.logp, r.loss, dh, dw
 
 

@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from cases import (DEVICE, ENTROPY_FAMILY, ON_GPU, available_paths, environment, logits_bytes, logits_view, make_inputs,
+from cases import (DEVICE, ENTROPY_FAMILY, ON_GPU, available_paths, environment, logits_bytes, make_inputs, path_input,
                    model_bytes, shapes, sync, warm_up_and_time)
 
 _INPUTS = {}
@@ -84,13 +84,12 @@ def test_grpo_loss(benchmark, name, shape, backward, level):
     full = inputs["full_logits"]
 
     def step():
+        leaf, given = path_input(name, full, inputs, requires_grad=backward)
         if backward:
-            leaf = full.detach().requires_grad_()
-            loss = fn(inputs, logits_view(name, leaf))
-            torch.autograd.grad(loss, inputs.pop("_grad_wrt", leaf))  # a packed path's own logits
+            torch.autograd.grad(fn(inputs, given), leaf)
         else:
             with torch.no_grad():
-                fn(inputs, logits_view(name, full))
+                fn(inputs, given)
         sync()
 
     peak_extra = warm_up_and_time(benchmark, step, rounds=5 if DEVICE == "cpu" else 20)

@@ -3,7 +3,8 @@
 from .loss import (FusedLinearGRPOLoss, GRPOLoss, fused_linear_grpo_loss, grpo_loss, selective_log_softmax,
                    selective_log_softmax_and_entropy, token_entropy, token_logprobs)
 from .options import GRPOOptions
-from .reference import GRPOLossOutput, grpo_loss_reference
+from .objective import GRPOLossOutput
+from .reference import grpo_loss_reference
 
 __all__ = [
     "FusedLinearGRPOLoss", "GRPOLoss", "GRPOLossOutput", "GRPOOptions", "fused_linear_grpo_loss", "grpo_loss",

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .functions import TokenLogprobs
 from .options import GRPOOptions
-from .reference import GRPOLossOutput, token_logprobs_and_entropy
+from .objective import GRPOLossOutput, token_logprobs_and_entropy
 from .validation import check_logits, check_per_token, check_token_ids, resolve_backend
 
 

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from . import torch_path
-from .kernels.contracts import launch_module
+from .kernels.contracts import launch_module, lm_head_launch_module
 from .options import GRPOOptions
 
 
@@ -210,7 +210,7 @@ def _linear_gradients(ctx, g, h=None, entropy=None):
     """The shared backward of the lm_head Functions: d hidden, d weight, d bias from g = dLoss/dlogp
     (and h = dLoss/dH with the forward's entropy, when the loss uses the entropy)."""
     hidden, weight, bias, ids, lse = ctx.saved_tensors[:5]
-    backward_fn = launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
+    backward_fn = lm_head_launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
     wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
     dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, flat_f32(g), ctx.temperature, wants_weight,
                              grad_entropy=flat_f32(h), entropy=flat_f32(entropy) if h is not None else None)
@@ -231,7 +231,7 @@ class LinearTokenLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, engine: str):
         ctx.set_materialize_grads(False)
         if engine == "triton":
-            r = launch_module().linear_forward(hidden, weight, bias, ids, temperature=temperature,
+            r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, temperature=temperature,
                                       compute_entropy=compute_entropy)
             lse, logp, entropy = r.lse, r.logp, r.entropy
         else:
@@ -261,7 +261,7 @@ class FusedLinearTokenLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, mask, advantages, old_logps, ref_logps, importance_weights,
                 opts: GRPOOptions, out_shape):
         ctx.set_materialize_grads(False)
-        r = launch_module().linear_forward(
+        r = lm_head_launch_module().linear_forward(
             hidden, weight, bias, ids, opts=opts, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy,
@@ -287,7 +287,7 @@ class FusedLinearTokenLoss(torch.autograd.Function):
 class FusedLinearThreeProducts(torch.autograd.Function):
     """The fused lm_head with 3 products (Triton token level): the whole gradient is computed in the forward.
 
-    ``launch.linear_three_products`` computes each chunk's logits once, turns them into the loss
+    ``fused_linear_launch.linear_three_products`` computes each chunk's logits once, turns them into the loss
     terms and, in place, into dlogits of the reduced loss (``grad_weight``: each token's weight),
     and runs the two gradient products in the same chunk loop. The backward only scales d hidden,
     d weight and d bias by the incoming gradient, in place and on the device.
@@ -297,7 +297,7 @@ class FusedLinearThreeProducts(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, mask, advantages, old_logps, ref_logps, importance_weights,
                 grad_weight, opts: GRPOOptions, out_shape, entropy_grad_weight=None):
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        r, dh, dw, db = launch_module().linear_three_products(
+        r, dh, dw, db = lm_head_launch_module().linear_three_products(
             hidden, weight, bias, ids, opts=opts, mask=mask, advantages=advantages,
             old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
             compute_entropy=opts.compute_entropy, grad_weight=grad_weight, compute_weight_grad=wants_weight,

@@ -8,14 +8,14 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from . import reference as ref
+from . import objective
 from .functions import (FusedLinearThreeProducts, FusedLinearTokenLoss, FusedTokenLoss, FusedTokenLossOnePass,
                         LinearTokenLogprobs, TokenLogprobs, aligned)
 from .kernels import contracts as K
-from .kernels.contracts import launch_module
-from .options import BACKENDS, PPO_CLIP_LOSS_TYPES, GRPOOptions
+from .kernels.contracts import launch_module, lm_head_launch_module
+from .options import BACKENDS, GRPOOptions
 from .packing import Rows
-from .reference import GRPOLossOutput
+from .objective import GRPOLossOutput
 from .validation import check_in_place, check_inputs, check_logits, check_per_token, check_token_ids, resolve_backend
 
 
@@ -33,31 +33,26 @@ def _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts: GRPO
 
 
 def _kernel_metrics(entropy, kl, flags, mask, opts: GRPOOptions) -> Dict[str, torch.Tensor]:
-    """``reference.loss_metrics`` of a kernel path (token level: every metric a mean over active tokens).
+    """``objective.loss_metrics`` of a kernel path (token level: every metric a mean over active tokens).
 
     The same values in a handful of launches instead of five per metric: the metrics' rows are
     stacked and every masked sum is one matrix-vector product with the mask. A loss call is
     otherwise a few launches around one kernel, so these small ones are much of its host time.
     """
-    names, rows = [], []
+    rows = {}
     if kl is not None:
-        names.append("kl")
-        rows.append(kl.reshape(1, -1))
+        rows["kl"] = kl.reshape(-1)
     if entropy is not None:
-        names.append("entropy")
-        rows.append(entropy.reshape(1, -1))
-    flags = None if flags is None else flags.reshape(1, -1)
-    if opts.loss_type in PPO_CLIP_LOSS_TYPES:  # low, high, and either (any bit set)
-        names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
-        rows.append(torch.cat([flags & K.FLAG_LOW_CLIPPED, flags & K.FLAG_HIGH_CLIPPED, flags]).ne_(0).float())
-    elif opts.loss_type == "cispo":
-        names.append("cispo_clip_ratio")
-        rows.append((flags & K.FLAG_HIGH_CLIPPED).ne_(0).float())
+        rows["entropy"] = entropy.reshape(-1)
+    if flags is not None:
+        flags = flags.reshape(-1)
+        low, high = torch.stack([flags & K.FLAG_LOW_CLIPPED, flags & K.FLAG_HIGH_CLIPPED]).ne_(0).float()
+        rows.update(objective.clip_metric_values(opts, low, high))
     if not rows:
         return {}
     weights = mask.reshape(-1).float()
-    means = (torch.cat(rows).detach() @ weights) / weights.sum().clamp(min=1.0)
-    return dict(zip(names, means.unbind()))
+    means = (torch.stack(list(rows.values())).detach() @ weights) / weights.sum().clamp(min=1.0)
+    return dict(zip(rows, means.unbind()))
 
 
 def grpo_loss(
@@ -279,7 +274,7 @@ def _with_policy_masks(rows: Rows, first_pass, mask_seq, advantages, sampling_lo
     pass. Where the loss math runs in torch, the mask stays separate (vespo takes the importance
     weights into its sequence weight instead of the loss)."""
     logp, entropy = (rows.seq(t) for t in first_pass)
-    policy_mask, entropy_mask = ref.policy_masks(logp, entropy, mask_seq, rows.seq(advantages).detach().float(),
+    policy_mask, entropy_mask = objective.policy_masks(logp, entropy, mask_seq, rows.seq(advantages).detach().float(),
                                                  rows.seq(sampling_logps), opts)
     bonus_mask = mask_seq if entropy_mask is None else mask_seq * entropy_mask
     importance_weights = rows.seq(importance_weights)
@@ -320,9 +315,9 @@ def _reduced(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale, en
     """TRL's reduction of the per-token loss, less the entropy bonus (with ``entropy_coef``, over
     ``bonus_mask``'s tokens), times ``loss_scale`` (an O(1) op whose backward only scales the
     O(B * T) per-token gradients)."""
-    loss = ref.reduce_loss(per_token_loss, mask, opts, normalizer)
+    loss = objective.reduce_loss(per_token_loss, mask, opts, normalizer)
     if opts.entropy_coef != 0.0:
-        loss = loss - ref.entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts)
+        loss = loss - objective.entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts)
     return _scaled(loss, loss_scale)
 
 
@@ -341,14 +336,14 @@ def _kernel_weights(weights: torch.Tensor, loss_scale, rows: Optional[Rows]) -> 
 
 def _grad_weight(mask, opts: GRPOOptions, normalizer, loss_scale, rows: Optional[Rows] = None) -> torch.Tensor:
     """Each token's weight in the reduced, scaled loss (``mask`` in the sequence layout)."""
-    return _kernel_weights(ref.reduction_weights(mask, opts, normalizer), loss_scale, rows)
+    return _kernel_weights(objective.reduction_weights(mask, opts, normalizer), loss_scale, rows)
 
 
 def _entropy_grad_weight(mask, opts: GRPOOptions, loss_scale, rows: Optional[Rows] = None) -> Optional[torch.Tensor]:
     """Each token's dLoss/dH (the entropy bonus, scaled), or None without one."""
     if opts.entropy_coef == 0.0:
         return None
-    return _kernel_weights(ref.entropy_bonus_weights(mask, opts), loss_scale, rows)
+    return _kernel_weights(objective.entropy_bonus_weights(mask, opts), loss_scale, rows)
 
 
 def _neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: float) -> Optional[torch.Tensor]:
@@ -360,7 +355,7 @@ def _neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: fl
     """
     if t is None:
         return None
-    t = ref.as_row_column(t.detach().float())
+    t = objective.as_row_column(t.detach().float())
     where = active if t.shape[1] == active.shape[1] else active.any(-1, keepdim=True)  # [B, T] or per row
     return torch.where(where, t, fill)
 
@@ -373,13 +368,13 @@ def _loss_from_logps(logp, entropy, mask, advantages, old_logps, ref_logps, impo
     values there (ratio 1, KL 0, advantage 0) and are detached: no gradient reaches them.
     """
     active = mask != 0
-    terms = ref.per_token_terms(
+    terms = objective.per_token_terms(
         logp, mask, _neutral_at_masked(advantages, active, 0.0), _neutral_at_masked(old_logps, active, 0.0),
         _neutral_at_masked(ref_logps, active, 0.0), _neutral_at_masked(importance_weights, active, 1.0), opts,
         policy_mask,
     )
     loss = _reduced(terms.per_token_loss, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
-    return GRPOLossOutput(loss, ref.loss_metrics(terms, entropy, mask, opts), logp.detach())
+    return GRPOLossOutput(loss, objective.loss_metrics(terms, entropy, mask, opts), logp.detach())
 
 
 def _detached(normalizer):
@@ -527,7 +522,7 @@ def fused_linear_grpo_loss(
             torch.where(active.squeeze(1), completion_ids.reshape(-1), 0).contiguous())
     if lm_head_mode is None:
         lm_head_mode = ("recompute" if engine != "triton"
-                        else launch_module().default_lm_head_mode(hidden_states, weight.shape[0]))
+                        else lm_head_launch_module().default_lm_head_mode(hidden_states, weight.shape[0]))
     if lm_head_mode not in LM_HEAD_MODES:
         raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
     wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
@@ -554,7 +549,7 @@ def fused_linear_grpo_loss(
                 *flat, *per_token, _grad_weight(mask_seq, opts, normalizer, loss_scale, rows), opts, (B, T),
                 _entropy_grad_weight(bonus_mask, opts, loss_scale, rows))
         else:  # no gradient wanted: cuBLAS logits and the logits kernel, a chunk at a time
-            r = launch_module().linear_three_products(
+            r = lm_head_launch_module().linear_three_products(
                 *flat, opts=opts, mask=per_token[0], advantages=per_token[1],
                 old_logps=per_token[2], ref_logps=per_token[3], importance_weights=per_token[4],
                 compute_entropy=opts.compute_entropy, grad_weight=None, compute_weight_grad=False)[0]
@@ -579,26 +574,50 @@ def fused_linear_grpo_loss(
     return _as_called(out, rows, user_shape)
 
 
+def _differentiable_logprobs(logits, index, temperature, backend, compute_entropy, in_place_backward,
+                             vocab_parallel_group, vocab_start_index):
+    """(log-probs, entropy or None) with gradients, shaped like ``index`` (``logits`` without V); index None:
+    the entropy alone. The one body of ``selective_log_softmax``, ``token_entropy`` and both at once."""
+    as_3d, lead = _last_dim_rows(logits)
+    if index is not None and tuple(index.shape) != tuple(lead):
+        raise ValueError(f"index must have shape {tuple(lead)} (logits without V), got {tuple(index.shape)}")
+    GRPOOptions(temperature=temperature)  # validates the temperature
+    check_in_place(in_place_backward, logits)
+    engine = resolve_backend(backend, logits)
+    ids = (torch.zeros(as_3d.shape[:2], dtype=torch.long, device=logits.device) if index is None  # no target
+           else index.reshape(as_3d.shape[:2]))
+    if vocab_parallel_group is not None:
+        from .vocab_parallel import vocab_range
+
+        if in_place_backward:
+            raise ValueError("in_place_backward=True is not supported with vocab_parallel_group")
+        start, vocab_size = vocab_range(as_3d, vocab_parallel_group, vocab_start_index)
+        if index is not None:
+            check_token_ids(ids, as_3d.new_empty(()).expand(*as_3d.shape[:2], vocab_size), True)
+        logp, entropy = _vocab_parallel_logprobs(as_3d, ids, None, temperature, compute_entropy, engine,
+                                                 vocab_parallel_group, start)
+    else:
+        if index is not None:
+            check_token_ids(ids, as_3d, True)
+        logp, entropy = TokenLogprobs.apply(as_3d, ids.contiguous(), None, float(temperature), compute_entropy,
+                                            engine, in_place_backward)
+    return logp.reshape(lead), None if entropy is None else entropy.reshape(lead)
+
+
 def selective_log_softmax(
     logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto",
-    in_place_backward: bool = False,
+    in_place_backward: bool = False, vocab_parallel_group=None, vocab_start_index: Optional[int] = None,
 ) -> torch.Tensor:
     """Differentiable ``log_softmax(logits / temperature).gather(-1, index)`` in fp32, on the fused kernel.
 
     logits [..., V] (any leading dims, e.g. verl's packed [N, V]); index [...]. The gradient
     is written in the logits' dtype without materializing the log-softmax: a drop-in for
-    TRL's ``selective_log_softmax`` and verl's ``logprobs_from_logits``.
+    TRL's ``selective_log_softmax`` and verl's ``logprobs_from_logits``. With ``vocab_parallel_group``
+    the logits are this rank's vocabulary slice and the index global (Megatron's layout, as in
+    ``grpo_loss``): a drop-in for verl's ``vocab_parallel_log_probs_from_logits``.
     """
-    as_3d, lead = _last_dim_rows(logits)
-    if tuple(index.shape) != tuple(lead):
-        raise ValueError(f"index must have shape {tuple(lead)} (logits without V), got {tuple(index.shape)}")
-    ids = index.reshape(as_3d.shape[:2])
-    check_token_ids(ids, as_3d, True)
-    GRPOOptions(temperature=temperature)  # validates the temperature
-    check_in_place(in_place_backward, logits)
-    engine = resolve_backend(backend, logits)
-    logp, _ = TokenLogprobs.apply(as_3d, ids.contiguous(), None, float(temperature), False, engine, in_place_backward)
-    return logp.reshape(lead)
+    return _differentiable_logprobs(logits, index, temperature, backend, False, in_place_backward,
+                                    vocab_parallel_group, vocab_start_index)[0]
 
 
 def _last_dim_rows(logits: torch.Tensor):
@@ -609,34 +628,26 @@ def _last_dim_rows(logits: torch.Tensor):
     return as_3d, lead
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto") -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto",
+                  vocab_parallel_group=None, vocab_start_index: Optional[int] = None) -> torch.Tensor:
     """Differentiable entropy of softmax(logits / temperature) over the last dim, fp32 [...], on the fused kernel.
 
     One read of the logits in the forward, one more in the backward, which writes
     dH/dlogits = -p (log p + H) / tau scaled by the incoming gradient, in the logits' dtype; no
-    fp32 [N, V] softmax is materialized. A drop-in for verl's ``entropy_from_logits``.
+    fp32 [N, V] softmax is materialized. A drop-in for verl's ``entropy_from_logits`` (and, with
+    ``vocab_parallel_group``, on this rank's vocabulary slice, for ``vocab_parallel_entropy``).
     """
-    as_3d, lead = _last_dim_rows(logits)
-    GRPOOptions(temperature=temperature)  # validates the temperature
-    engine = resolve_backend(backend, logits)
-    ids = torch.zeros(as_3d.shape[:2], dtype=torch.long, device=logits.device)  # no target: the entropy alone
-    _, entropy = TokenLogprobs.apply(as_3d, ids, None, float(temperature), True, engine, False)
-    return entropy.reshape(lead)
+    return _differentiable_logprobs(logits, None, temperature, backend, True, False,
+                                    vocab_parallel_group, vocab_start_index)[1]
 
 
 def selective_log_softmax_and_entropy(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0, *,
-                                      backend: str = "auto"):
+                                      backend: str = "auto", vocab_parallel_group=None,
+                                      vocab_start_index: Optional[int] = None):
     """``(selective_log_softmax(...), token_entropy(...))`` from one pass over the logits, both differentiable
     (the backward is one pass too, whichever of the two the loss uses). fp32, shapes ``index.shape``."""
-    as_3d, lead = _last_dim_rows(logits)
-    if tuple(index.shape) != tuple(lead):
-        raise ValueError(f"index must have shape {tuple(lead)} (logits without V), got {tuple(index.shape)}")
-    ids = index.reshape(as_3d.shape[:2])
-    check_token_ids(ids, as_3d, True)
-    GRPOOptions(temperature=temperature)
-    engine = resolve_backend(backend, logits)
-    logp, entropy = TokenLogprobs.apply(as_3d, ids.contiguous(), None, float(temperature), True, engine, False)
-    return logp.reshape(lead), entropy.reshape(lead)
+    return _differentiable_logprobs(logits, index, temperature, backend, True, False,
+                                    vocab_parallel_group, vocab_start_index)
 
 
 class GRPOLoss(nn.Module):

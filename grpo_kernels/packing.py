@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .reference import as_row_column
+from .objective import as_row_column
 
 
 class Rows:

@@ -1,242 +1,250 @@
-"""The specification: a plain fp32 PyTorch GRPO loss, written to be read.
+"""The specification: the GRPO loss stated once more, plainly, as the oracle the tests use.
 
-Every fast path (the Triton kernels, compiled or interpreted, and the chunked torch path)
-is tested against the functions here, for values and for gradients. The math follows
-TRL 1.16 ``GRPOTrainer._compute_loss`` (see ``docs/loss-semantics.md``); the
-extra options (dual_clip, kl_estimator, log_ratio_clamp, kl_clamp) follow verl and
-OpenRLHF.
+Nothing on a loss path imports this module (a test checks it), and it shares no math with the
+production code in ``objective.py``. It is written the other way round on purpose: one
+sequence at a time, over that sequence's active tokens only, each formula as
+``docs/loss-semantics.md`` states it. A broadcasting or padding mistake in the vectorized
+production math cannot be repeated here, and masked positions never enter the arithmetic, so
+whatever a caller pads with (NaN, inf, -100) cannot reach the loss.
 
-Shapes: B rows, T completion positions, V vocabulary. ``lp`` is the current per-token
-log-prob, ``old`` the sampling policy's, ``ref`` the reference model's, all [B, T].
-
-The pieces are separate functions because the fast paths reuse them:
-``per_token_terms`` (O(B*T) math), ``reduce_loss`` and ``loss_metrics`` run unchanged on
-log-probs that came from a kernel.
+It computes in fp64 when given fp64 logits, else in fp32, and materializes the log-softmax
+over the whole vocabulary: it is slow and meant to be read. Gradients come from autograd.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
-from .options import PPO_CLIP_LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
-
-
-@dataclasses.dataclass
-class GRPOLossOutput:
-    """What a GRPO loss call returns.
-
-    loss: the scalar to call ``backward`` on.
-    metrics: 0-d tensors under TRL's names (no host sync has happened).
-    per_token_logps: detached fp32 [B, T], reusable as the next step's old log-probs.
-    """
-
-    loss: torch.Tensor
-    metrics: Dict[str, torch.Tensor]
-    per_token_logps: torch.Tensor
-
-
-@dataclasses.dataclass
-class PerTokenTerms:
-    """Per-token results of the loss math, before the reduction."""
-
-    per_token_loss: torch.Tensor  # [B, T]: policy term * importance weight + beta * KL
-    per_token_kl: Optional[torch.Tensor]  # [B, T] or None when beta == 0
-    is_low_clipped: Optional[torch.Tensor]  # bool [B, T] ([B, 1] at sequence level)
-    is_high_clipped: Optional[torch.Tensor]  # for cispo: TRL's cispo-clipped flag
-    vespo_phi: Optional[torch.Tensor] = None  # vespo: the detached sequence weight phi(w), [B, 1]
+from .objective import GRPOLossOutput  # the result's container only, no math
+from .options import GRPOOptions
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0):
-    """log softmax(logits / temperature)[ids] and the entropy of that distribution, in fp32."""
-    logps_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, T, V]
-    lp = logps_all.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
-    p = logps_all.exp()
-    entropy = -(p * torch.where(p > 0, logps_all, 0.0)).sum(-1)  # a -inf logit adds 0, not 0 * -inf
-    return lp, entropy
+    """log softmax(logits / temperature) at ``ids``, and the entropy -sum p log p of that distribution."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    log_p = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    picked = torch.gather(log_p, -1, ids.long().unsqueeze(-1)).squeeze(-1)
+    p = log_p.exp()
+    # p log p -> 0 as p -> 0; log p is replaced before the product, so that no 0 * -inf reaches the gradient
+    entropy = -(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)
+    return picked, entropy
 
 
-def as_row_column(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """[B] -> [B, 1] so per-row values broadcast over T; [B, 1] and [B, T] pass through."""
-    if x is None or x.dim() == 2:
-        return x
-    return x.unsqueeze(1)
+@dataclasses.dataclass
+class _Sequence:
+    """One row's active tokens: its mask weights and per-token values, 1-D over those tokens.
+
+    A per-row input ([B] or [B, 1]) is a 0-d tensor here, one value for all of the row's tokens.
+    """
+
+    m: torch.Tensor  # the mask's (possibly fractional) weights
+    lp: torch.Tensor  # current log-probs, with gradient
+    entropy: torch.Tensor
+    advantage: torch.Tensor
+    old: torch.Tensor
+    ref: Optional[torch.Tensor]
+    rollout_weight: Optional[torch.Tensor]
+    sampling: Optional[torch.Tensor]
 
 
-def kl_term(lp: torch.Tensor, ref: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate, before multiplying by beta."""
+def _row_value(t: Optional[torch.Tensor], i: int, active: torch.Tensor, dtype) -> Optional[torch.Tensor]:
+    """Row i of a per-row ([B], [B, 1]) or per-token ([B, T]) input, at the row's active tokens."""
+    if t is None:
+        return None
+    t = t.detach().to(dtype)
+    if t.dim() == 1 or t.shape[-1] == 1:
+        return t.reshape(-1)[i]
+    return t[i][active]
+
+
+def _sequences(lp, entropy, mask, advantages, old_logps, ref_logps, importance_weights, sampling_logps, dtype):
+    rows = []
+    for i in range(mask.shape[0]):
+        active = mask[i] != 0
+        row_lp = lp[i][active]
+        old = _row_value(old_logps, i, active, dtype)
+        rows.append(_Sequence(
+            m=mask[i][active].to(dtype), lp=row_lp, entropy=entropy[i][active],
+            advantage=_row_value(advantages, i, active, dtype),
+            old=row_lp.detach() if old is None else old,  # on-policy: the ratio is 1, its gradient flows
+            ref=_row_value(ref_logps, i, active, dtype),
+            rollout_weight=_row_value(importance_weights, i, active, dtype),
+            sampling=_row_value(sampling_logps, i, active, dtype),
+        ))
+    return rows
+
+
+def _weighted_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """sum(x m) / max(sum m, 1), x broadcast over the tokens."""
+    return (x * m).sum() / torch.clamp(m.sum(), min=1.0)
+
+
+def _clamp(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
+    return x if bound is None else torch.clamp(x, -bound, bound)
+
+
+def _kl(seq: _Sequence, opts: GRPOOptions) -> torch.Tensor:
+    """The estimate of KL(pi || pi_ref) at each token, before beta."""
     if opts.kl_estimator == "k3":
-        x = ref - lp
-        if opts.log_ratio_clamp is not None:
-            x = torch.clamp(x, -opts.log_ratio_clamp, opts.log_ratio_clamp)
+        x = _clamp(seq.ref - seq.lp, opts.log_ratio_clamp)
         kl = torch.exp(x) - x - 1
     elif opts.kl_estimator == "k1":
-        kl = lp - ref
-    else:  # k2
-        kl = 0.5 * (lp - ref) ** 2
-    if opts.kl_clamp is not None:
-        kl = torch.clamp(kl, -opts.kl_clamp, opts.kl_clamp)
-    return kl
-
-
-def per_token_terms(
-    lp: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logps: Optional[torch.Tensor],
-    ref_logps: Optional[torch.Tensor],
-    importance_weights: Optional[torch.Tensor],
-    opts: GRPOOptions,
-    policy_mask: Optional[torch.Tensor] = None,
-) -> PerTokenTerms:
-    """The per-token loss of every loss_type, in TRL's order of operations.
-
-    ``mask`` is float [B, T]; ``advantages`` and ``importance_weights`` are [B, 1] or [B, T].
-    ``policy_mask`` (TRL's off-policy and high-entropy masks, ``policy_masks``) multiplies the
-    policy term, never the KL. For vespo the importance weights enter its sequence weight phi(w),
-    as in TRL, instead of multiplying the policy term.
-    """
-    old = lp.detach() if old_logps is None else old_logps  # on-policy: ratio is 1, gradient flows
-    log_ratio = lp - old
-    if opts.importance_sampling_level == "sequence":  # GSPO: one weight per row, the masked mean log-ratio
-        log_weight = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    elif opts.importance_sampling_level == "sequence_token":
-        # GSPO-token (verl's "gspo"): the row's weight as a value, a per-token gradient:
-        # log w_it = sg[mean_t log-ratio] + logp_it - sg[logp_it]
-        row = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-        log_weight = lp - lp.detach() + row.detach()
+        kl = seq.lp - seq.ref
     else:
-        log_weight = log_ratio
-    if opts.log_ratio_clamp is not None:
-        log_weight = torch.clamp(log_weight, -opts.log_ratio_clamp, opts.log_ratio_clamp)
-    coef_1 = torch.exp(log_weight)
+        kl = (seq.lp - seq.ref) ** 2 / 2
+    return _clamp(kl, opts.kl_clamp)
 
-    per_token_kl = None
-    if opts.uses_kl:
-        per_token_kl = kl_term(lp, ref_logps, opts)
-        if opts.use_bias_correction_kl:
-            per_token_kl = per_token_kl * coef_1
 
-    A = advantages
-    is_low = is_high = phi = None
-    if opts.loss_type == "vespo":  # phi(w) detached: the gradient is phi * A * grad log pi
-        phi = vespo_weights(A, log_ratio, mask, importance_weights, opts)
-        policy = -phi * A * lp
+def _vespo_phi(seq: _Sequence, opts: GRPOOptions) -> torch.Tensor:
+    """phi(w) = exp(lambda + k log w - lambda w), detached, of the row's ratio w (TRL's clamps)."""
+    lower = math.log(1e-8)
+    log_w = torch.clamp(seq.lp.detach() - seq.old, -20.0, 20.0).mul(seq.m).sum()
+    if seq.rollout_weight is not None:
+        log_iw = torch.clamp(torch.log(seq.rollout_weight), lower, 20.0)
+        log_w = log_w + log_iw.expand_as(seq.m).sum()
+    log_w = torch.clamp(log_w, lower, 20.0)
+    positive = seq.advantage >= 0
+    k = torch.where(positive, opts.vespo_k_pos, opts.vespo_k_neg)
+    lam = torch.clamp(torch.where(positive, opts.vespo_lambda_pos, opts.vespo_lambda_neg), min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.where(torch.isfinite(phi), phi, torch.zeros_like(phi))
+
+
+@dataclasses.dataclass
+class _RowLoss:
+    per_token: torch.Tensor  # the row's per-token loss (policy + beta * KL), over its active tokens
+    kl: Optional[torch.Tensor]
+    low_clipped: Optional[torch.Tensor]  # bool, per token or one per row
+    high_clipped: Optional[torch.Tensor]
+    phi: Optional[torch.Tensor]
+
+
+def _row_loss(seq: _Sequence, keep: torch.Tensor, opts: GRPOOptions) -> _RowLoss:
+    """A row's per-token loss in TRL's order: the ratio, the policy term of its loss type (times the
+    policy masks ``keep`` and the rollout weight), plus beta times the KL."""
+    A = seq.advantage
+    log_ratio = seq.lp - seq.old
+    level = opts.importance_sampling_level
+    if level == "token":
+        log_r = log_ratio
+    elif level == "sequence":  # GSPO: the row's mean log-ratio, one ratio for the row
+        log_r = _weighted_mean(log_ratio, seq.m)
+    else:  # GSPO-token: the row's ratio as the value, each token's own gradient
+        log_r = _weighted_mean(log_ratio, seq.m).detach() + seq.lp - seq.lp.detach()
+    r = torch.exp(_clamp(log_r, opts.log_ratio_clamp))
+
+    low = high = phi = None
+    if opts.loss_type == "vespo":
+        phi = _vespo_phi(seq, opts)
+        policy = -phi * A * seq.lp
     elif opts.loss_type == "cispo":
-        capped = torch.clamp(coef_1, max=opts.eps_high).detach()
-        policy = torch.where(capped == 0, 0.0, -capped * A * lp)  # at lp = -inf: the limit 0, not 0 * -inf
-        is_high = (coef_1 > opts.eps_high) & (A > 0)
+        cap = torch.clamp(r, max=opts.eps_high).detach()
+        policy = torch.where(cap == 0, torch.zeros_like(seq.lp), -cap * A * seq.lp)
+        high = (r > opts.eps_high) & (A > 0)
     elif opts.loss_type == "sapo":
         tau = torch.where(A > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
-        policy = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
-    else:  # PPO-clip family
-        coef_2 = torch.clamp(coef_1, 1 - opts.epsilon, 1 + opts.eps_high)
-        if opts.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=opts.delta)
-        policy = -torch.min(coef_1 * A, coef_2 * A)
-        if opts.dual_clip is not None:  # verl / OpenRLHF: bound the loss of negative advantages by -A*c
-            policy = torch.where(A < 0, torch.min(-A * opts.dual_clip, policy), policy)
-        is_low = (coef_1 < 1 - opts.epsilon) & (A < 0)
-        is_high = (coef_1 > 1 + opts.eps_high) & (A > 0)
+        policy = -(4 / tau) * torch.sigmoid(tau * (r - 1)) * A
+    else:  # PPO clip
+        clipped = torch.clamp(r, 1 - opts.epsilon, 1 + opts.eps_high)
+        unclipped = r if opts.delta is None else torch.clamp(r, max=opts.delta)
+        policy = torch.maximum(-unclipped * A, -clipped * A)
+        if opts.dual_clip is not None:
+            policy = torch.where(A < 0, torch.minimum(policy, -opts.dual_clip * A), policy)
+        low = (unclipped < 1 - opts.epsilon) & (A < 0)
+        high = (unclipped > 1 + opts.eps_high) & (A > 0)
 
-    if policy_mask is not None:
-        policy = policy * policy_mask
-    if importance_weights is not None and opts.loss_type != "vespo":  # rollout correction: policy term only
-        policy = policy * importance_weights
-    per_token_loss = policy if per_token_kl is None else policy + opts.beta * per_token_kl
-    per_token_loss = per_token_loss.expand_as(lp)  # sequence-level without KL is [B, 1]
-    return PerTokenTerms(per_token_loss, per_token_kl, is_low, is_high, phi)
-
-
-@torch.no_grad()
-def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
-                  importance_weights: Optional[torch.Tensor], opts: GRPOOptions) -> torch.Tensor:
-    """VESPO's gamma weight phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1), detached, in TRL's log-space
-    form and clamps: w is the row's summed token log-ratio (each clamped to +-20), plus the summed log
-    rollout importance weight (clamped to [log 1e-8, 20]), the sum clamped to [log 1e-8, 20]; k and
-    lambda by the advantage's sign (lambda at least 1e-4); NaN and inf give 0.
-
-    TRL sums the rollout weights' logs over every position; here over active tokens (masked
-    positions may hold anything), which is the same where padding carries a weight of 1.
-    """
-    lower = math.log(1e-8)
-    seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
-    if importance_weights is not None:
-        log_iw = torch.clamp(torch.log(importance_weights.float()), lower, 20.0).expand_as(mask)
-        seq = seq + torch.where(mask != 0, log_iw, 0.0).sum(-1, keepdim=True)
-    log_w = torch.clamp(seq, lower, 20.0)
-    nonneg = advantages >= 0
-    k = torch.where(nonneg, opts.vespo_k_pos, opts.vespo_k_neg)
-    lam = torch.where(nonneg, opts.vespo_lambda_pos, opts.vespo_lambda_neg).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    policy = policy * keep
+    if seq.rollout_weight is not None and opts.loss_type != "vespo":
+        policy = policy * seq.rollout_weight
+    kl = None
+    per_token = policy.expand_as(seq.lp)
+    if opts.beta != 0.0:
+        kl = _kl(seq, opts)
+        if opts.use_bias_correction_kl:
+            kl = kl * r
+        per_token = per_token + opts.beta * kl
+    return _RowLoss(per_token, kl, low, high, phi)
 
 
-def active_token_count(mask: torch.Tensor) -> torch.Tensor:
-    """The default dapo / cispo / vespo normalizer: local active tokens, at least 1."""
-    return mask.sum().clamp(min=1.0)
-
-
-def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) -> torch.Tensor:
-    """Each token's weight in TRL's reductions (without TRL's division by gradient-accumulation steps).
-
-    loss = sum over tokens of per_token_loss * weight, for every loss_type:
-
-    - grpo, sapo: mean over rows of the row's token mean: M / (B * max(|o_i|, 1))
-    - bnpo: M / max(sum M, 1);  dr_grpo: M / (B * max_completion_length)
-    - dapo, cispo, vespo: M / normalizer (default: local active tokens, at least 1);  luspo: M / B
-    """
-    B = mask.shape[0]
-    if opts.loss_type in ("grpo", "sapo"):
-        return mask / (B * mask.sum(-1, keepdim=True).clamp(min=1.0))
+def _token_weight_denominator(seq: _Sequence, rows: List[_Sequence], opts: GRPOOptions, normalizer):
+    """The loss is sum over rows and active tokens of per_token * m / this."""
+    B = len(rows)
+    all_tokens = torch.clamp(sum(s.m.sum() for s in rows), min=1.0)
+    if opts.loss_type in ("grpo", "sapo"):  # each row's token mean, then the mean over rows
+        return B * torch.clamp(seq.m.sum(), min=1.0)
     if opts.loss_type == "bnpo":
-        return mask / mask.sum().clamp(min=1.0)
+        return all_tokens
     if opts.loss_type == "dr_grpo":
-        return mask / (B * opts.max_completion_length)
-    if opts.loss_type in TOKEN_COUNT_LOSS_TYPES:
-        return mask / (active_token_count(mask) if normalizer is None else normalizer)
-    return mask / B  # luspo
+        return B * opts.max_completion_length
+    if opts.loss_type in ("dapo", "cispo", "vespo"):
+        return all_tokens if normalizer is None else normalizer
+    return B  # luspo: each row's token sum, then the mean over rows
 
 
-def reduce_loss(
-    per_token_loss: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, normalizer=None
-) -> torch.Tensor:
-    """TRL's reduction of the per-token loss to the scalar loss."""
-    return (per_token_loss * reduction_weights(mask, opts, normalizer)).sum()
+def _all_processes(values: torch.Tensor) -> torch.Tensor:
+    """``values`` from every process of torch.distributed's default group, if one is running."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values.cpu())
+    return torch.cat(gathered).to(values.device)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, per_row: bool = False) -> torch.Tensor:
-    """TRL's metric mean: over active tokens, or over all rows for a per-row [B, 1] value.
+def _policy_keep(rows: List[_Sequence], opts: GRPOOptions) -> tuple:
+    """Each row's policy-term mask (the high-entropy and off-policy masks multiplied), and the
+    high-entropy mask alone (the entropy bonus's tokens) or None."""
+    entropy_keep = [None] * len(rows)
+    if opts.top_entropy_quantile < 1.0:
+        entropies = _all_processes(torch.cat([s.entropy.detach() for s in rows]))
+        if entropies.numel() == 0:
+            entropy_keep = [torch.zeros_like(s.m) for s in rows]
+        else:
+            threshold = torch.quantile(entropies, 1.0 - opts.top_entropy_quantile)
+            entropy_keep = [(s.entropy.detach() * s.m >= threshold).to(s.m.dtype) for s in rows]
+    keep = []
+    for s, e in zip(rows, entropy_keep):
+        k = torch.ones_like(s.m) if e is None else e
+        if opts.off_policy_mask_threshold is not None:
+            sampler = s.old if s.sampling is None else s.sampling  # the old log-probs, else this pass's own
+            gap = torch.nan_to_num(sampler - s.lp.detach(), nan=0.0)
+            on_policy_enough = _weighted_mean(gap, s.m) <= opts.off_policy_mask_threshold
+            k = k * ((s.advantage >= 0) | on_policy_enough).to(s.m.dtype)
+        keep.append(k)
+    return keep, None if entropy_keep[0] is None else entropy_keep
 
-    (TRL tells the two apart by ``x.shape[1] == 1``, which misreads T = 1; we say which.)
-    """
-    if per_row:
-        return x.float().mean()
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+def _metric_mean(values: List[torch.Tensor], rows: List[_Sequence]) -> torch.Tensor:
+    """TRL's metric mean: over all rows for a per-row value (one per row, even a row without active
+    tokens), else over active tokens weighted by the mask."""
+    if all(v.dim() == 0 for v in values):
+        return torch.stack(values).mean()
+    total = sum((v * s.m).sum() for v, s in zip(values, rows))
+    return total / torch.clamp(sum(s.m.sum() for s in rows), min=1.0)
 
 
-def loss_metrics(
-    terms: PerTokenTerms, entropy: Optional[torch.Tensor], mask: torch.Tensor, opts: GRPOOptions
-) -> Dict[str, torch.Tensor]:
-    """TRL's logged metrics, as detached 0-d tensors."""
+def _metrics(losses: List[_RowLoss], rows: List[_Sequence], opts: GRPOOptions) -> Dict[str, torch.Tensor]:
     metrics = {}
-    per_row = opts.importance_sampling_level == "sequence"  # the clip flags are one per row there
-    if terms.per_token_kl is not None:
-        metrics["kl"] = masked_mean(terms.per_token_kl.detach(), mask)
-    if entropy is not None:
-        metrics["entropy"] = masked_mean(entropy.detach(), mask)
-    if opts.loss_type in PPO_CLIP_LOSS_TYPES:
-        low, high = terms.is_low_clipped.float(), terms.is_high_clipped.float()
-        metrics["clip_ratio/low_mean"] = masked_mean(low, mask, per_row)
-        metrics["clip_ratio/high_mean"] = masked_mean(high, mask, per_row)
-        metrics["clip_ratio/region_mean"] = masked_mean(torch.maximum(low, high), mask, per_row)
+    if opts.beta != 0.0:
+        metrics["kl"] = _metric_mean([x.kl.detach() for x in losses], rows)
+    if opts.compute_entropy:
+        metrics["entropy"] = _metric_mean([s.entropy.detach() for s in rows], rows)
+    if opts.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        low = [x.low_clipped.to(s.m.dtype) for x, s in zip(losses, rows)]
+        high = [x.high_clipped.to(s.m.dtype) for x, s in zip(losses, rows)]
+        metrics["clip_ratio/low_mean"] = _metric_mean(low, rows)
+        metrics["clip_ratio/high_mean"] = _metric_mean(high, rows)
+        metrics["clip_ratio/region_mean"] = _metric_mean([torch.maximum(a, b) for a, b in zip(low, high)], rows)
     elif opts.loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = masked_mean(terms.is_high_clipped.float(), mask, per_row)
-    elif opts.loss_type == "vespo":  # TRL's mean of phi over rows (over active tokens for per-token advantages)
-        phi = terms.vespo_phi.detach()
-        metrics["vespo/phi_seq_mean"] = masked_mean(phi, mask, per_row=phi.shape[-1] == 1)
+        metrics["cispo_clip_ratio"] = _metric_mean([x.high_clipped.to(s.m.dtype) for x, s in zip(losses, rows)],
+                                                   rows)
+    elif opts.loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = _metric_mean([x.phi for x in losses], rows)
     return metrics
 
 
@@ -253,94 +261,26 @@ def grpo_loss_reference(
     sampling_logps: Optional[torch.Tensor] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
-    """The whole GRPO loss from logits [B, T, V], materializing fp32 log-softmax. The spec.
+    """The GRPO loss of logits [B, T, V] for completion ids [B, T], the specification.
 
-    ``sampling_logps`` [B, T]: the sampler's log-probs, for the off-policy mask (default: the old
-    log-probs, else this pass's own, which keeps every row)."""
+    The arguments are ``grpo_loss``'s: ``completion_mask`` [B, T] (a fractional value weights the
+    token), ``advantages`` [B] or [B, T], optional old / reference log-probs and rollout importance
+    weights ([B] or [B, T]), the token-count ``normalizer`` of dapo / cispo / vespo, the options, and
+    ``sampling_logps`` for the off-policy mask (default: the old log-probs, else this pass's own).
+    """
     opts = options if options is not None else GRPOOptions(**option_kwargs)
-    mask = completion_mask.float()
     lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.temperature)
-    importance_weights = as_row_column(None if importance_weights is None else importance_weights.float())
-    bonus_mask = policy_mask = None
-    if opts.masks_tokens:
-        policy_mask, entropy_mask = policy_masks(lp, entropy, mask, advantages.float(),
-                                                 old_logps if sampling_logps is None else sampling_logps, opts)
-        bonus_mask = None if entropy_mask is None else mask * entropy_mask
-    terms = per_token_terms(
-        lp,
-        mask,
-        as_row_column(advantages.float()),
-        None if old_logps is None else old_logps.float(),
-        None if ref_logps is None else ref_logps.float(),
-        importance_weights,
-        opts,
-        policy_mask,
-    )
-    loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer) - entropy_bonus(
-        entropy, mask if bonus_mask is None else bonus_mask, opts)
-    metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
-    return GRPOLossOutput(loss, metrics, lp.detach())
+    dtype = lp.dtype
+    rows = _sequences(lp, entropy, completion_mask, advantages, old_logps, ref_logps, importance_weights,
+                      sampling_logps, dtype)
+    keep, entropy_keep = _policy_keep(rows, opts)
+    losses = [_row_loss(s, k, opts) for s, k in zip(rows, keep)]
 
-
-def _gathered_across_processes(values: torch.Tensor) -> torch.Tensor:
-    """The 1-D ``values`` of every process (torch.distributed's default group), concatenated; this
-    process's own where none is initialized. Lengths may differ: each is padded to the longest."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    count = torch.tensor([values.numel()], device=values.device)
-    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, count)
-    longest = int(max(c.item() for c in counts))
-    padded = torch.zeros(longest, device=values.device, dtype=values.dtype)
-    padded[: values.numel()] = values
-    pieces = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(pieces, padded)
-    return torch.cat([p[: int(c.item())] for p, c in zip(pieces, counts)])
-
-
-def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
-    """TRL's top-entropy mask: active tokens whose entropy is at least the (1 - top_entropy_quantile)
-    quantile of every process's active tokens' entropies; float [B, T]."""
-    active = mask != 0
-    gathered = _gathered_across_processes(entropy.detach()[active].float())
-    if gathered.numel() == 0:
-        return torch.zeros_like(mask, dtype=torch.float32)
-    threshold = torch.quantile(gathered, 1.0 - opts.top_entropy_quantile)
-    return ((entropy.detach() * mask >= threshold) & active).float()
-
-
-def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampling_logps: Optional[torch.Tensor],
-                    mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
-    """DeepSeek-V3.2's off-policy sequence mask, as TRL computes it: keep a row if its advantage is
-    >= 0 or its mean KL(sampler || current) = mean(sampling_logps - logp) over active tokens is at
-    most the threshold; a NaN sampling log-prob (unscored) counts as no evidence. Float [B, 1] or [B, T]."""
-    reference = logp.detach() if sampling_logps is None else sampling_logps.float()
-    kl = torch.nan_to_num(reference - logp.detach(), nan=0.0)
-    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-    return ((as_row_column(advantages) >= 0) | (mean_kl <= opts.off_policy_mask_threshold)).float()
-
-
-def policy_masks(logp: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor, advantages: torch.Tensor,
-                 sampling_logps: Optional[torch.Tensor], opts: GRPOOptions):
-    """(the mask multiplying the policy term, the high-entropy mask or None): TRL multiplies the
-    policy term by both masks (never the KL); the entropy bonus acts on the high-entropy tokens."""
-    entropy_mask = high_entropy_mask(entropy, mask, opts) if opts.top_entropy_quantile < 1.0 else None
-    masks = [m for m in (entropy_mask, off_policy_mask(advantages, logp, sampling_logps, mask, opts)
-                         if opts.off_policy_mask_threshold is not None else None) if m is not None]
-    policy = masks[0] if len(masks) == 1 else masks[0] * masks[1]
-    return policy, entropy_mask
-
-
-def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions):
-    """TRL's entropy bonus, subtracted from the loss: ``entropy_coef`` times the mean entropy over the
-    active tokens, whatever the loss type's reduction (0 without a coefficient)."""
-    if opts.entropy_coef == 0.0:
-        return 0.0
-    return opts.entropy_coef * (entropy * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
-    """dLoss/dH per token of ``- entropy_bonus``: -entropy_coef * M / max(sum M, 1)."""
-    return -opts.entropy_coef * mask / mask.sum().clamp(min=1.0)
+    loss = torch.zeros((), dtype=dtype, device=lp.device)
+    for seq, row in zip(rows, losses):
+        loss = loss + (row.per_token * seq.m).sum() / _token_weight_denominator(seq, rows, opts, normalizer)
+    if opts.entropy_coef != 0.0:  # TRL's bonus: the mean entropy over the (high-entropy) active tokens
+        bonus_m = [s.m for s in rows] if entropy_keep is None else [s.m * e for s, e in zip(rows, entropy_keep)]
+        total = sum((s.entropy * m).sum() for s, m in zip(rows, bonus_m))
+        loss = loss - opts.entropy_coef * total / torch.clamp(sum(m.sum() for m in bonus_m), min=1.0)
+    return GRPOLossOutput(loss, _metrics(losses, rows, opts), lp.detach())

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import torch_path
 from .functions import flat_f32
-from .kernels.contracts import launch_module
+from .kernels.contracts import launch_module, lm_head_launch_module
 
 
 def vocab_range(logits_local: torch.Tensor, group, vocab_start_index: Optional[int]) -> tuple:
@@ -126,7 +126,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         owned = (ids >= start) & (ids < start + V_local)
         local_ids = torch.where(owned, ids - start, 0).contiguous()
         if engine == "triton":
-            r = launch_module().linear_forward(hidden, weight, bias, local_ids, temperature=temperature,
+            r = lm_head_launch_module().linear_forward(hidden, weight, bias, local_ids, temperature=temperature,
                                                compute_entropy=compute_entropy)
             lse_r, logp_r, entropy_r = r.lse, r.logp, r.entropy
         else:
@@ -145,7 +145,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).float().contiguous()
         h = None if grad_entropy is None else grad_entropy.reshape(-1).float().contiguous()
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        backward_fn = launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
+        backward_fn = lm_head_launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
         dh, dw, db = backward_fn(hidden, weight, bias, local_ids, lse, g, ctx.temperature, wants_weight,
                                  grad_entropy=h, entropy=entropy if h is not None else None)
         # Where this rank does not own the target, the backward added the one-hot term g / tau at

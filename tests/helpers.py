@@ -52,6 +52,10 @@ OPTION_CASES = {
     "temperature": dict(temperature=0.7, beta=0.04),
     "sapo_temperatures": dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0),
     "cispo_per_token_adv": dict(loss_type="cispo", epsilon_high=1.05, per_token_adv=True, beta=0.04),
+    # per-token advantages make the sequence level's clip flags per token: their metrics are token means (TRL)
+    "sequence_level_per_token_adv": dict(importance_sampling_level="sequence", per_token_adv=True, beta=0.04),
+    "cispo_sequence_per_token_adv": dict(loss_type="cispo", epsilon_high=1.05, importance_sampling_level="sequence",
+                                         per_token_adv=True),
     "no_entropy": dict(compute_entropy=False, beta=0.04),
     "strided_logits_view": dict(strided=True, beta=0.04),
     "strided_sequence_level": dict(strided=True, importance_sampling_level="sequence"),

@@ -266,3 +266,25 @@ def test_the_launchers_take_the_temperature_from_one_source():
     assert launch.resolved_temperature(opts, None) == 0.7 and launch.resolved_temperature(None, None) == 1.0
     with pytest.raises(ValueError, match="temperature=0.9 disagrees with the options' temperature=0.7"):
         launch.forward(logits, ids, opts=opts, temperature=0.9, advantages=torch.zeros(2))
+
+
+def test_the_specification_is_imported_by_no_loss_path():
+    """reference.py is the oracle: if a loss path imported it, the spec and the product would be one code
+    and the tests would compare the code with itself. Only the package's public re-export may name it."""
+    import ast
+    import pathlib
+
+    import grpo_kernels
+
+    package = pathlib.Path(grpo_kernels.__file__).parent
+    importers = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent == package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [f"{node.module}.{a.name}" if node.module else a.name for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[-1] == "reference" or ".reference." in f".{n}." for n in names):
+                importers.append(str(path.relative_to(package)))
+    assert importers == [], f"production modules import the specification: {importers}"

@@ -13,7 +13,7 @@ from helpers import BATCH_KEYS, OPTION_CASES, assert_close, make_batch
 
 from grpo_kernels import FusedLinearGRPOLoss, fused_linear_grpo_loss, grpo_loss_reference
 from grpo_kernels.kernels import fused_linear as FL
-from grpo_kernels.kernels import launch
+from grpo_kernels.kernels import fused_linear_launch, launch
 
 BACKENDS = ["torch", "triton"]
 B, T, H, V = 3, 5, 37, 203  # odd H and V: every tile has a ragged edge
@@ -131,7 +131,7 @@ def test_forward_split_over_the_vocabulary(device, monkeypatch, splits, options)
     calls = []
     combine = FL.linear_grpo_combine_kernel
     monkeypatch.setattr(FL, "linear_grpo_combine_kernel", _Recorder(combine, calls))
-    monkeypatch.setattr(launch, "LINEAR_FORWARD_SPLITS", splits)
+    monkeypatch.setattr(fused_linear_launch, "LINEAR_FORWARD_SPLITS", splits)
     check("triton", *_block_spanning_inputs(device), **options)
     assert calls and all(args["splits"] == splits for args in calls)  # every split's partials were merged
 
@@ -154,7 +154,7 @@ def test_triton_backward_works_in_bounded_chunks(device, monkeypatch):
     each writing the same [64, V] workspace, and still matches the reference."""
     calls = []
     monkeypatch.setattr(FL, "linear_dlogits_kernel", _Recorder(FL.linear_dlogits_kernel, calls))
-    monkeypatch.setattr(launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
+    monkeypatch.setattr(fused_linear_launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
     check("triton", *_block_spanning_inputs(device), beta=0.04, loss_type="dapo")
     workspaces = [args["dx_ptr"] for args in calls]
     assert [tuple(w.shape) for w in workspaces] == [(64, 300), (64, 300), (32, 300)]
@@ -249,7 +249,7 @@ def test_three_products_mode_options(device, case):
 
 def test_three_products_mode_in_bounded_chunks_frozen_weight_and_no_bias(device, monkeypatch):
     """A workspace of 64 tokens: three chunks (64, 64, 32), one buffer; a frozen head skips d weight."""
-    monkeypatch.setattr(launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
+    monkeypatch.setattr(fused_linear_launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
     calls = []
     original = launch.forward
 
@@ -283,7 +283,7 @@ def test_three_products_mode_scales_and_refuses_a_second_backward(device):
 def test_three_products_mode_without_gradient_is_the_chunked_forward(device, monkeypatch, loss_type):
     """No gradient wanted (evaluation, old log-probs): cuBLAS logits and the logits kernel a chunk at a
     time, with no gradient buffer and nothing written in place; loss, log-probs and metrics as materialized."""
-    monkeypatch.setattr(launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
+    monkeypatch.setattr(fused_linear_launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
     calls = []
     original = launch.forward
 

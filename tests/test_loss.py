@@ -18,6 +18,7 @@ from helpers import BATCH_KEYS, OPTION_CASES, assert_close, make_batch
 
 from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference
 from grpo_kernels import torch_path
+from grpo_kernels.objective import grpo_loss_eager
 
 # "triton" is the default one-pass kernel at token level (two-pass at sequence level);
 # "triton-two-pass" forces the forward-then-backward kernels everywhere.
@@ -27,11 +28,13 @@ FP32_TOL = dict(atol=1e-6, rtol=1e-5)
 
 
 def _run(backend, batch, importance_weights=None, normalizer=None, **options):
-    """(output, dlogits) of one path; backend None is the reference."""
+    """(output, dlogits) of one path; backend None is the reference, "eager" the materializing eager loss."""
     logits = batch["logits"].detach().clone().requires_grad_()
     inputs = {**batch, "logits": logits, "importance_weights": importance_weights, "normalizer": normalizer}
     if backend is None:
         out = grpo_loss_reference(**inputs, **options)
+    elif backend == "eager":
+        out = grpo_loss_eager(**inputs, **options)
     else:
         one_pass = backend != "triton-two-pass"
         out = grpo_loss(**inputs, backend=backend.replace("-two-pass", ""), one_pass=one_pass, **options)
@@ -67,7 +70,18 @@ def test_every_loss_type_matches_reference(device, backend, loss_type, level, be
                             **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_type,level", [  # vespo is defined at token level only
+    (loss_type, level) for loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
+    for level in ["token", "sequence"] if (loss_type, level) != ("vespo", "sequence")])
+def test_eager_loss_matches_reference(device, loss_type, level):
+    """The benchmarks' eager baseline (the materialized log-softmax, then the production math of
+    grpo_kernels/objective.py) against the independent specification."""
+    batch = make_batch(device=device, seed=zlib.crc32(f"eager/{loss_type}/{level}".encode()) % 1000, per_token_adv=True)
+    check_against_reference("eager", batch, loss_type=loss_type, importance_sampling_level=level, beta=0.04,
+                            **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["eager"])
 @pytest.mark.parametrize("case", sorted(OPTION_CASES))
 def test_options_match_reference(device, backend, case):
     spec = dict(OPTION_CASES[case])
@@ -184,7 +198,7 @@ def test_torch_path_never_materializes_full_fp32_logits(monkeypatch):
 
 def test_reduction_weights_are_trls_reductions():
     """reduce_loss against TRL 1.16's formulas, transcribed (grpo_trainer.py::_compute_loss)."""
-    from grpo_kernels.reference import reduce_loss
+    from grpo_kernels.objective import reduce_loss
 
     g = torch.Generator().manual_seed(0)
     loss, mask = torch.randn(4, 6, generator=g), (torch.rand(4, 6, generator=g) > 0.4).float()

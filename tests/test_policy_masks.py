@@ -14,7 +14,8 @@ from gloo_ranks import run_ranks
 from helpers import assert_close, check_lm_head_against_reference, make_batch
 
 from grpo_kernels import GRPOOptions, grpo_loss, grpo_loss_reference
-from grpo_kernels.reference import high_entropy_mask, token_logprobs_and_entropy
+from grpo_kernels.objective import high_entropy_mask
+from grpo_kernels.reference import token_logprobs_and_entropy
 
 TOL = dict(atol=2e-6, rtol=1e-5)
 PATHS = [("torch", None), ("triton", True), ("triton", False)]

@@ -13,7 +13,7 @@ import torch
 from helpers import assert_close, make_batch
 
 from grpo_kernels import GRPOOptions, fused_linear_grpo_loss, grpo_loss, grpo_loss_reference
-from grpo_kernels.reference import vespo_weights
+from grpo_kernels.objective import vespo_weights
 
 TOL = dict(atol=2e-6, rtol=1e-5)
 

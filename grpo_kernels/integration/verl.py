@@ -14,8 +14,11 @@ log-probs. Both halves can be ours:
 
   both with every ``loss_agg_mode`` (token-mean, token-sum, seq-mean-token-sum,
   seq-mean-token-mean, seq-mean-token-sum-norm) and the rollout correction weights.
-- ``patch_logprobs()`` replaces verl's ``logprobs_from_logits`` with our fused kernel
-  (``selective_log_softmax``): no fp32 [N, V] log-softmax, the gradient in the logits' dtype.
+- ``patch_logprobs()`` replaces verl's ``logprobs_from_logits`` and entropy functions with our fused
+  kernel (``selective_log_softmax``, ``token_entropy``): no fp32 [N, V] log-softmax, the gradient in
+  the logits' dtype; with megatron-core installed, also the Megatron backend's vocabulary-parallel
+  ones (``vocab_parallel_log_probs_from_logits``, ``vocab_parallel_entropy``), over Megatron's
+  tensor-parallel group.
 - ``kl_loss(...)`` is verl's KL loss (``kl_penalty`` + ``agg_loss``) on our estimators.
 
 Turning it on in a verl run: put ``grpo_kernels.integration.enable`` in verl's
@@ -31,7 +34,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..options import GRPOOptions
-from ..reference import kl_term, per_token_terms
+from ..objective import kl_term, per_token_terms
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 VERL_KL = {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
@@ -150,13 +153,30 @@ def register() -> None:
     core_algos.register_policy_loss("grpo_kernels_gspo")(gspo_policy_loss)
 
 
-def patch_logprobs() -> None:
-    """Make verl's ``logprobs_from_logits``, ``entropy_from_logits`` and ``entropy_from_logits_with_chunking``
-    our fused kernel, with their gradients (in every module that imported them by name; verl's engines
-    read them when they are built, after ``external_lib`` is imported). Our entropy is fp32 whatever
-    the logits' dtype."""
+def _replace_everywhere(source, replacements: Dict[str, Any]) -> None:
+    """Replace each ``source.<name>`` by ours in every loaded module that holds that function by name."""
     import sys
 
+    for name, ours in replacements.items():
+        original = getattr(source, name)
+        for module in list(sys.modules.values()):
+            if module is not None and getattr(module, name, None) is original:
+                setattr(module, name, ours)
+
+
+def patch_logprobs() -> None:
+    """Make verl's log-prob and entropy functions our fused kernel, with their gradients, in every module
+    that imported them by name (verl's engines read them when they are built, after ``external_lib`` is
+    imported). Our log-probs and entropies are fp32 whatever the logits' dtype.
+
+    - FSDP (whole vocabulary): ``logprobs_from_logits``, ``entropy_from_logits``,
+      ``entropy_from_logits_with_chunking``;
+    - Megatron (a tensor-parallel lm_head, each rank holding a vocabulary slice), where megatron-core
+      is installed: ``vocab_parallel_log_probs_from_logits``, ``vocab_parallel_entropy`` and
+      ``vocab_parallel_entropy_with_chunking`` become our vocabulary-parallel kernels over Megatron's
+      tensor-parallel group (three all-reduces of O(tokens) values; no chunks needed, as no [N, V]
+      fp32 temporary is made).
+    """
     from verl.utils import torch_functional
 
     from ..loss import selective_log_softmax, token_entropy
@@ -170,9 +190,26 @@ def patch_logprobs() -> None:
     def entropy_from_logits_with_chunking(logits, chunk_size: int = 2048):  # no chunks needed: no [N, V] temporary
         return token_entropy(logits)
 
-    for name, ours in (("logprobs_from_logits", logprobs_from_logits), ("entropy_from_logits", entropy_from_logits),
-                       ("entropy_from_logits_with_chunking", entropy_from_logits_with_chunking)):
-        original = getattr(torch_functional, name)
-        for module in list(sys.modules.values()):
-            if module is not None and getattr(module, name, None) is original:
-                setattr(module, name, ours)
+    _replace_everywhere(torch_functional, {"logprobs_from_logits": logprobs_from_logits,
+                                           "entropy_from_logits": entropy_from_logits,
+                                           "entropy_from_logits_with_chunking": entropy_from_logits_with_chunking})
+    try:
+        from megatron.core import parallel_state
+        from verl.utils.megatron import tensor_parallel
+    except ImportError:  # no megatron-core: verl's Megatron backend cannot run either
+        return
+
+    def vocab_parallel_log_probs_from_logits(logits, labels):
+        group = parallel_state.get_tensor_model_parallel_group()
+        return selective_log_softmax(logits, labels, vocab_parallel_group=group)
+
+    def vocab_parallel_entropy(vocab_parallel_logits):
+        group = parallel_state.get_tensor_model_parallel_group()
+        return token_entropy(vocab_parallel_logits, vocab_parallel_group=group)
+
+    def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size: int = 2048):
+        return vocab_parallel_entropy(vocab_parallel_logits)
+
+    _replace_everywhere(tensor_parallel, {"vocab_parallel_log_probs_from_logits": vocab_parallel_log_probs_from_logits,
+                                          "vocab_parallel_entropy": vocab_parallel_entropy,
+                                          "vocab_parallel_entropy_with_chunking": vocab_parallel_entropy_with_chunking})

@@ -1,16 +1,16 @@
 """Ahead-of-time compile of every kernel specialization for a GPU target, without a GPU.
 
-``python -m grpo_kernels.kernels.aot --arch 90`` runs the launchers (``kernels/launch.py``)
-on CPU tensors of representative shapes with every kernel replaced by a recorder, so that
-what gets compiled is exactly what the launchers pass: the same arguments, and from them,
-through Triton's own JIT binder, the same signature (i32 or i64 by value, as the JIT types
-integers), divisibility hints and constexprs the JIT would derive at that launch. Each
-distinct specialization is compiled for the target with the ptxas in the triton wheel, and
-the wheel's cuobjdump reads registers, spills and the SASS. For the streaming logits kernels
-the SASS of each hot loop (an innermost loop that loads the logits) gives instructions, MUFU
-operations (exp2, log2) and bytes loaded per logit, and from them a static roofline against the
-H200 (``roofline``). It must run without TRITON_INTERPRET (the interpreter has nothing to
-compile). tests/test_aot_compile.py runs it in a subprocess and checks the budgets.
+``python -m grpo_kernels.kernels.aot --arch 90`` runs the launchers (``kernels/launch.py`` and
+``kernels/fused_linear_launch.py``) on CPU tensors of representative shapes with every kernel
+replaced by a recorder, so that what gets compiled is exactly what the launchers pass: the same
+arguments, and from them, through Triton's own JIT binder, the same signature (i32 or i64 by value,
+as the JIT types integers), divisibility hints and constexprs the JIT would derive at that launch.
+Each distinct specialization is compiled for the target with the ptxas in the triton wheel, and the
+wheel's cuobjdump reads registers, spills and the SASS. For the streaming logits kernels the SASS of
+each hot loop (an innermost loop that loads the logits) gives instructions, MUFU operations (exp2,
+log2) and bytes loaded per logit, and from them a static roofline against the H200 (``roofline``).
+It must run without TRITON_INTERPRET (the interpreter has nothing to compile).
+tests/test_aot_compile.py runs it in a subprocess and checks the budgets.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from ..options import GRPOOptions
 from . import fused_linear as FL
 from . import grpo as K
+from . import fused_linear_launch as lm_head_launch
 from . import launch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -189,23 +190,23 @@ def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                                                   importance_weights=ones)
             for with_bias in (False, True):
                 yield (f"forward {name} bias={with_bias} {dtype_name}",
-                       lambda b=with_bias, p=per_token: launch.linear_forward(
+                       lambda b=with_bias, p=per_token: lm_head_launch.linear_forward(
                            hidden, weight, bias if b else None, ids, mask=ones, compute_entropy=True, **p))
 
             def split(p=per_token):
-                launch.LINEAR_FORWARD_SPLITS = 4
+                lm_head_launch.LINEAR_FORWARD_SPLITS = 4
                 try:
-                    launch.linear_forward(hidden, weight, None, ids, mask=ones, compute_entropy=True, **p)
+                    lm_head_launch.linear_forward(hidden, weight, None, ids, mask=ones, compute_entropy=True, **p)
                 finally:
-                    launch.LINEAR_FORWARD_SPLITS = None
+                    lm_head_launch.LINEAR_FORWARD_SPLITS = None
             yield f"forward {name} split-v {dtype_name}", split
         for with_bias in (False, True):
             yield (f"backward bias={with_bias} {dtype_name}",
-                   lambda b=with_bias: launch.linear_backward(hidden, weight, bias if b else None, ids, ones, ones,
-                                                              1.0, True))
+                   lambda b=with_bias: lm_head_launch.linear_backward(hidden, weight, bias if b else None, ids, ones,
+                                                                      ones, 1.0, True))
         yield (f"backward entropy-bonus {dtype_name}",
-               lambda: launch.linear_backward(hidden, weight, None, ids, ones, ones, 1.0, True, grad_entropy=ones,
-                                              entropy=ones))
+               lambda: lm_head_launch.linear_backward(hidden, weight, None, ids, ones, ones, 1.0, True,
+                                                      grad_entropy=ones, entropy=ones))
     yield from calls("bf16", torch.bfloat16)
     yield from calls("fp32", torch.float32)
 

@@ -20,14 +20,25 @@ FLAG_LOW_CLIPPED = 1
 FLAG_HIGH_CLIPPED = 2  # for cispo: ratio above the cap with a positive advantage
 
 
-def launch_module():
-    """``grpo_kernels.kernels.launch``, imported on first use: it needs triton, the CPU path does not."""
+def _triton_module(name: str):
     try:
-        from . import launch
+        import importlib
+
+        return importlib.import_module(f"{__package__}.{name}")
     except ImportError as e:
         raise ImportError(
             "the Triton backend needs the triton package (pip install triton: Linux, with a CUDA GPU, or "
             "TRITON_INTERPRET=1 for its CPU interpreter); backend='torch' (the default for CPU tensors) "
             f"works without it ({e})"
         ) from e
-    return launch
+
+
+def launch_module():
+    """``grpo_kernels.kernels.launch`` (the logits kernels' launchers), imported on first use: it needs
+    triton, the CPU path does not."""
+    return _triton_module("launch")
+
+
+def lm_head_launch_module():
+    """``grpo_kernels.kernels.fused_linear_launch`` (the fused lm_head's launchers), imported on first use."""
+    return _triton_module("fused_linear_launch")

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .grpo import C_LOSS_NONE, token_loss_and_grad
+from .logsumexp import finite_or_zero, merge_lse
 
 # N (tokens) changes every step: no recompile for it. V and H are fixed by the model and
 # stay specialized, so that Triton knows the rows are 16-byte aligned and issues wide,
@@ -115,28 +116,6 @@ def _finish_tokens(
 
 
 @triton.jit
-def _finite_or_zero(m):
-    """The running max as the exponent's offset: 0 while it is -inf (nothing, or only -inf logits, seen yet),
-    so that exp(-inf - offset) is 0 and never exp(-inf - -inf) = NaN."""
-    return tl.where(m == float("-inf"), 0.0, m)
-
-
-@triton.jit
-def _merge_lse(running_max, sum_exp, sum_exp_x, part_max, part_sum, part_sum_x, COMPUTE_ENTROPY: tl.constexpr):
-    """Fold a part's log-sum-exp state (its max, sum of exp(x - max) and, for the entropy, of exp(x - max) x)
-    into the running one, per token: the online log-sum-exp update, in one place for the tile loop of the
-    forward kernel and the merge of the vocabulary splits. Returns (max, sum exp, sum exp x)."""
-    new_max = tl.maximum(running_max, part_max)
-    offset = _finite_or_zero(new_max)
-    old_scale = tl.exp(running_max - offset)
-    part_scale = tl.exp(part_max - offset)
-    sum_exp = sum_exp * old_scale + part_sum * part_scale
-    if COMPUTE_ENTROPY:
-        sum_exp_x = sum_exp_x * old_scale + part_sum_x * part_scale
-    return new_max, sum_exp, sum_exp_x
-
-
-@triton.jit
 def _active_rows(rows, N, mask_ptr, HAS_MASK: tl.constexpr):
     """Rows inside [0, N) and not masked: masked tokens are computed with their block but read as 0."""
     active = rows < N
@@ -184,10 +163,10 @@ def linear_grpo_forward_kernel(
             cols = v0 + tl.arange(0, BLOCK_V)
             target_x += tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), axis=1)
             new_max = tl.maximum(running_max, tl.max(x, axis=1))
-            e = tl.exp(x - _finite_or_zero(new_max)[:, None])  # the tile, already at the running max
+            e = tl.exp(x - finite_or_zero(new_max)[:, None])  # the tile, already at the running max
             tile_x = tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=1) if COMPUTE_ENTROPY else sum_exp_x
-            running_max, sum_exp, sum_exp_x = _merge_lse(running_max, sum_exp, sum_exp_x, new_max, tl.sum(e, axis=1),
-                                                         tile_x, COMPUTE_ENTROPY)
+            running_max, sum_exp, sum_exp_x = merge_lse(running_max, sum_exp, sum_exp_x, new_max, tl.sum(e, axis=1),
+                                                        tile_x, COMPUTE_ENTROPY, BASE2=False)
     if SPLIT_V:
         stride_split = tl.num_programs(1).to(tl.int64) * N
         out = partials_ptr + split.to(tl.int64) * N + rows
@@ -230,9 +209,9 @@ def linear_grpo_combine_kernel(
     for split in range(0, splits):
         part = partials_ptr + tl.cast(split, tl.int64) * N + rows
         part_x = tl.load(part + 2 * stride_split, mask=in_rows, other=0.0) if COMPUTE_ENTROPY else sum_exp_x
-        running_max, sum_exp, sum_exp_x = _merge_lse(
+        running_max, sum_exp, sum_exp_x = merge_lse(
             running_max, sum_exp, sum_exp_x, tl.load(part, mask=in_rows, other=float("-inf")),
-            tl.load(part + stride_split, mask=in_rows, other=0.0), part_x, COMPUTE_ENTROPY)
+            tl.load(part + stride_split, mask=in_rows, other=0.0), part_x, COMPUTE_ENTROPY, BASE2=False)
         target_x += tl.load(part + 3 * stride_split, mask=in_rows, other=0.0)  # 0 outside the target's split
     _finish_tokens(
         rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,

@@ -31,6 +31,7 @@ import triton.language as tl
 # The host's values and the flag bits, named in one place (triton-free, for the front end).
 from .contracts import (FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, KL_K1, KL_K2, KL_K3, LOSS_CISPO,  # noqa: E402,F401
                         LOSS_NONE, LOSS_PPO_CLIP, LOSS_SAPO)
+from .logsumexp import merge_lse  # noqa: E402
 
 # The same contracts as the kernels read them: Triton takes module globals only as constexprs.
 C_LOSS_NONE = tl.constexpr(LOSS_NONE)
@@ -88,14 +89,15 @@ def _lse_fold(x2, m, s, t, COMPUTE_ENTROPY: tl.constexpr):
 
 @triton.jit
 def _lse_finish(m, s, t, COMPUTE_ENTROPY: tl.constexpr):
-    """(log-sum-exp in base 2, entropy in nats) of a row from its lanes' (m, s, t)."""
+    """(log-sum-exp in base 2, entropy in nats) of a row from its lanes' (m, s, t): every lane's state
+    is merged into an empty one at the row's max, then the lanes' sums are added."""
     row_max = tl.max(m, axis=0)
-    scale = tl.exp2(m - row_max)
-    sum_exp = tl.sum(s * scale, axis=0)
+    _, s, t = merge_lse(row_max, 0.0, 0.0, m, s, t, COMPUTE_ENTROPY, BASE2=True)
+    sum_exp = tl.sum(s, axis=0)
     lse2 = row_max + tl.log2(sum_exp)
     entropy = 0.0
     if COMPUTE_ENTROPY:
-        entropy = LN2 * (lse2 - tl.sum(t * scale, axis=0) / sum_exp)
+        entropy = LN2 * (lse2 - tl.sum(t, axis=0) / sum_exp)
     return lse2, entropy
 
 

@@ -1,0 +1,306 @@
+"""Host launchers for the fused lm_head kernels (``fused_linear.py``): tiles, vocabulary splits, the
+chunked backward, and the 3-product mode's cuBLAS chunks.
+
+They share the per-token inputs, outputs and loss scalars with the logits kernels' launchers
+(``launch.py``), since both kernel families end in the same per-token loss code. No autograd here:
+the autograd Functions in ``grpo_kernels.functions`` call these.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+import triton
+
+from ..options import GRPOOptions
+from . import fused_linear as FL
+from . import tuned
+from . import launch as logits_launch  # the 3-product mode runs the logits kernels on each chunk
+from .launch import (ForwardResult, allocate_outputs, forward_constexprs, loss_pointer_args, loss_scalar_args,
+                     resolved_temperature)
+
+
+def default_lm_head_mode(hidden: torch.Tensor, vocab_size: int) -> str:
+    """"recompute" unless the device sweep measured the 3-product mode faster for this GPU and vocabulary."""
+    entry = tuned.fused_linear_entry(hidden.device, hidden.dtype, vocab_size)
+    return "recompute" if entry is None else entry.get("mode", "recompute")
+
+
+
+# The backward's only V-sized buffer, [chunk, V] in the input dtype, is at most this big
+# (at least one token block). 1 GiB is 3,530 tokens of a 151,936 vocabulary in bf16: few
+# enough chunks that re-reading the fp32 d weight per chunk (2 x V x H x 4 bytes) stays a
+# small part of the products. Lower it to trade speed for memory.
+LINEAR_WORKSPACE_BYTES = 1 << 30
+
+
+def linear_block_config(dtype: torch.dtype) -> Dict[str, Dict[str, object]]:
+    """Tiles of the fused lm_head kernels, per kernel: "logits" (forward and dlogits) and "matmul".
+
+    logits: 64 x 128 output tiles over 64-wide H slices, 8 warps: a [64, 128] fp32 tile is
+    32 registers a thread, and the online log-sum-exp needs a few of those live.
+    matmul: 128 x 128 tiles over 64-wide (16-bit) or 32-wide (fp32) K slices, 8 warps, in
+    groups of 8 row blocks. tests/test_aot_compile.py checks every one for spills. fp32
+    inputs use exact ("ieee") products so that fp32 matches the reference; 16-bit inputs
+    the tensor cores.
+    """
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return {
+        "logits": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "DOT_PRECISION": precision},
+        "matmul": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32 if dtype == torch.float32 else 64, "GROUP_M": 8,
+                   "num_warps": 8, "DOT_PRECISION": precision},
+    }
+
+
+def _shrink(block: int, extent: int) -> int:
+    """Small problems (tests, the interpreter): a tile no bigger than the problem; tl.dot needs 16."""
+    return max(16, min(block, triton.next_power_of_2(max(extent, 1))))
+
+
+def _interpreted_bf16(dtype) -> bool:
+    """True under TRITON_INTERPRET with bf16 inputs, where tl.dot operands must be upcast (see fused_linear.py)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+
+    return dtype == torch.bfloat16 and isinstance(FL.linear_grpo_forward_kernel, InterpretedFunction)
+
+
+def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) -> Dict[str, object]:
+    """The lm_head logits tiles: ``override`` (the sweep), else the measured winner, else the defaults."""
+    cfg = dict(linear_block_config(dtype)["logits"])
+    entry = None if device is None else tuned.fused_linear_entry(device, dtype, V)
+    for source in (entry, override):
+        if source:
+            cfg.update({k: source[k] for k in tuned.FUSED_LINEAR_KEYS if source.get(k) is not None})
+    cfg["UPCAST"] = _interpreted_bf16(dtype)
+    if cfg["UPCAST"]:
+        cfg["DOT_PRECISION"] = "ieee"
+    for key, extent in (("BLOCK_N", N), ("BLOCK_V", V), ("BLOCK_H", H)):
+        cfg[key] = _shrink(cfg[key], extent)
+    return cfg
+
+
+def linear_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ids: torch.Tensor,
+    *,
+    opts: Optional[GRPOOptions] = None,
+    temperature: Optional[float] = None,
+    mask: Optional[torch.Tensor] = None,
+    advantages: Optional[torch.Tensor] = None,
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    importance_weights: Optional[torch.Tensor] = None,
+    compute_entropy: bool = False,
+    config: Optional[Dict[str, int]] = None,
+) -> ForwardResult:
+    """The forward kernel on (hidden [N, H] @ weight[V, H]^T + bias) / temperature, logits never stored.
+
+    Per-token inputs and outputs as in ``forward`` (fp32 [N]); with ``opts`` None only
+    log-probs (and entropy) are computed.
+    """
+
+    temperature = resolved_temperature(opts, temperature)
+    N, H = hidden.shape
+    V = weight.shape[0]
+    out = allocate_outputs(N, hidden.device, opts, compute_entropy)
+    inputs, outputs, _ = loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
+    constexprs = forward_constexprs(
+        opts, has_old=old_logps is not None, has_iw=importance_weights is not None,
+        has_mask=mask is not None, compute_entropy=compute_entropy,
+    )
+    del constexprs["WRITE_GRAD"]  # the lm_head gradient needs the full log-sum-exp first: see linear_backward
+    cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
+    if N == 0:
+        return out
+    blocks_n = triton.cdiv(N, cfg["BLOCK_N"])
+    splits, v_per_split = linear_vocab_splits(blocks_n, V, cfg["BLOCK_V"], hidden.device)
+    partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32) if splits > 1 else out.logp
+    FL.linear_grpo_forward_kernel[(blocks_n, splits)](
+        h_ptr=hidden, w_ptr=weight, b_ptr=weight if bias is None else bias, ids_ptr=ids, N=N, V=V, H=H,
+        v_per_split=v_per_split, partials_ptr=partials, **inputs, **outputs, **loss_scalar_args(opts, temperature),
+        **constexprs, HAS_BIAS=bias is not None, SPLIT_V=splits > 1, **cfg,
+    )
+    if splits > 1:
+        FL.linear_grpo_combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
+            partials_ptr=partials, N=N, splits=splits, **inputs, **outputs, **loss_scalar_args(opts), **constexprs,
+            BLOCK_N=COMBINE_BLOCK,
+        )
+    return out
+
+
+# Vocabulary splits of the lm_head forward: None picks them from the GPU's size (below);
+# tests set a number to run the split path in the interpreter.
+LINEAR_FORWARD_SPLITS: Optional[int] = None
+COMBINE_BLOCK = 128
+
+
+def linear_vocab_splits(blocks_n: int, V: int, block_v: int, device) -> tuple:
+    """(splits, vocabulary columns per split) of the forward grid.
+
+    One program per token block streams all of V, which fills an H200's 132 SMs only from
+    about 2 x 132 blocks (17k tokens at 64 a block). With fewer blocks the vocabulary is
+    cut into splits so that the grid has about two programs per SM; each split is whole
+    BLOCK_V tiles. The price is a [4, splits, N] fp32 buffer and one small combine kernel.
+    """
+    tiles = triton.cdiv(V, block_v)
+    if LINEAR_FORWARD_SPLITS is not None:
+        wanted = LINEAR_FORWARD_SPLITS
+    elif device.type == "cuda":
+        wanted = triton.cdiv(2 * torch.cuda.get_device_properties(device).multi_processor_count, blocks_n)
+    else:
+        wanted = 1
+    tiles_per_split = triton.cdiv(tiles, max(1, min(wanted, tiles)))
+    splits = triton.cdiv(tiles, tiles_per_split)  # every split has at least one tile
+    return splits, tiles_per_split * block_v
+
+
+def linear_chunk_tokens(N: int, V: int, element_size: int, block_n: int) -> int:
+    """Tokens per backward chunk: the [chunk, V] workspace within LINEAR_WORKSPACE_BYTES, whole token blocks."""
+    fits = LINEAR_WORKSPACE_BYTES // max(V * element_size, 1)
+    if fits >= N:
+        return max(N, 1)
+    return max(block_n, fits // block_n * block_n)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """out (fp32 [M, N], contiguous) = (out if accumulate) + a [M, K] @ b [K, N], any strides."""
+
+    M, K_ = a.shape
+    N = b.shape[1]
+    cfg = dict(linear_block_config(a.dtype)["matmul"])
+    upcast = _interpreted_bf16(a.dtype)
+    blocks = {"BLOCK_M": _shrink(cfg["BLOCK_M"], M), "BLOCK_N": _shrink(cfg["BLOCK_N"], N),
+              "BLOCK_K": _shrink(cfg["BLOCK_K"], K_)}
+    grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"]),)
+    FL.matmul_kernel[grid](
+        a_ptr=a, b_ptr=b, c_ptr=out, M=M, N=N, K=K_, stride_am=a.stride(0), stride_ak=a.stride(1),
+        stride_bk=b.stride(0), stride_bn=b.stride(1),
+        ACCUMULATE=accumulate, DOT_PRECISION="ieee" if upcast else cfg["DOT_PRECISION"], UPCAST=upcast,
+        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **blocks,
+    )
+
+
+# cuBLAS products with fp32 output (torch's mm / addmm with out_dtype, CUDA), per op: None = not
+# tried yet; False = this torch lacks it, and the Triton product runs instead.
+_CUBLAS_FP32_OUT: Dict[str, Optional[bool]] = {"mm": None, "addmm": None}
+
+
+def product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """out (fp32 [M, N]) = (out if accumulate) + a @ b with fp32 accumulation.
+
+    On CUDA, cuBLAS (about 790 TFLOP/s in bf16 on an H200) writing fp32 directly, d weight
+    accumulated in place across chunks (addmm's beta = 1); where torch has no fp32-output
+    product (or on CPU, under the interpreter), the Triton tile product ``matmul_kernel``.
+    """
+    op = "addmm" if accumulate else "mm"
+    if a.is_cuda and _CUBLAS_FP32_OUT[op] is not False:
+        try:
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            else:
+                torch.mm(a, b, out_dtype=torch.float32, out=out)
+            _CUBLAS_FP32_OUT[op] = True
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            if _CUBLAS_FP32_OUT[op]:  # it worked before: a real error
+                raise
+            _CUBLAS_FP32_OUT[op] = False
+    _matmul(a, b, out, accumulate)
+
+
+def _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad: bool):
+    """fp32 d hidden [N, H], d weight [V, H] (or None: a frozen head) and d bias [V] (or None).
+
+    d weight is written by the first chunk's product and added to by the later ones.
+    """
+    N, H = hidden.shape
+    f32 = dict(device=hidden.device, dtype=torch.float32)
+    dw = torch.empty(weight.shape[0], H, **f32) if compute_weight_grad else None
+    db = torch.zeros(weight.shape[0], **f32) if compute_weight_grad and bias is not None else None
+    return torch.empty(N, H, **f32), dw, db
+
+
+def _add_chunk_gradients(dx, weight, hidden_chunk, dh_chunk, dw, db, first: bool) -> None:
+    """From one chunk's dlogits dx [chunk, V]: its d hidden, and its share of d weight and d bias."""
+    product_into(dx, weight, dh_chunk, accumulate=False)
+    if dw is not None:
+        product_into(dx.T, hidden_chunk, dw, accumulate=not first)
+    if db is not None:
+        db += dx.sum(0, dtype=torch.float32)
+
+
+def linear_three_products(hidden, weight, bias, ids, *, opts, mask, advantages, old_logps, ref_logps,
+                          importance_weights, compute_entropy, grad_weight, compute_weight_grad,
+                          entropy_grad_weight=None):
+    """The fused lm_head with 3 products instead of 4: loss terms and every gradient in one chunk loop.
+
+    Each chunk's logits are computed once (``hidden @ weight.T + bias``, in the input dtype, into
+    one reused [chunk, V] workspace); the one-pass logits kernel turns them into the loss terms
+    and, in place, into dlogits of the reduced loss (``grad_weight`` is each token's weight);
+    then d hidden = dx @ W and d weight += dx^T @ h. The gradient is complete when the forward
+    ends: the backward only scales it. Memory is bounded by the chunk, as in the recomputing mode.
+    Returns (ForwardResult over the N tokens, d hidden, d weight or None, d bias or None), fp32.
+    With ``grad_weight`` None only the forward runs (no gradient wanted: evaluation, old log-probs):
+    cuBLAS logits and the logits kernel a chunk at a time, and the three gradients are None.
+    """
+    N, H = hidden.shape
+    V = weight.shape[0]
+    out = allocate_outputs(N, hidden.device, opts, compute_entropy)
+    with_grad = grad_weight is not None
+    dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad) if with_grad else (None,) * 3
+    chunk = linear_chunk_tokens(N, V, hidden.element_size(), 1)
+    workspace = torch.empty(min(chunk, max(N, 1)), V, device=hidden.device, dtype=hidden.dtype)
+    pick = lambda t, n: None if t is None else t[n]  # noqa: E731
+    for n0 in range(0, N, chunk):
+        n = slice(n0, min(n0 + chunk, N))
+        x = workspace[: n.stop - n0]
+        if bias is None:
+            torch.mm(hidden[n], weight.T, out=x)
+        else:
+            torch.addmm(bias, hidden[n], weight.T, out=x)
+        r = logits_launch.forward(x.unsqueeze(0), ids[n].unsqueeze(0), opts=opts, mask=pick(mask, n),
+                    advantages=pick(advantages, n), old_logps=pick(old_logps, n), ref_logps=pick(ref_logps, n),
+                    importance_weights=pick(importance_weights, n), compute_entropy=compute_entropy,
+                    grad_weight=pick(grad_weight, n), grad_in_place=with_grad,
+                    entropy_grad_weight=pick(entropy_grad_weight, n) if with_grad else None)
+        for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):
+            if getattr(out, name) is not None:
+                getattr(out, name)[n] = getattr(r, name)
+        if with_grad:
+            _add_chunk_gradients(x, weight, hidden[n], dh[n], dw, db, first=n0 == 0)  # x now holds dlogits
+    return out, dh, dw, db
+
+
+def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool, config=None,
+                    grad_entropy=None, entropy=None):
+    """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N])
+    and, when the loss uses the entropy, h = dLoss/dH (``grad_entropy``) with the forward's ``entropy``.
+
+    A chunk of tokens at a time: the dlogits kernel writes the chunk's [chunk, V] gradient
+    of the logits into one reused workspace, then two products give the chunk's d hidden
+    and add its share of d weight (fp32, in place).
+    """
+
+    N, H = hidden.shape
+    V = weight.shape[0]
+    cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
+    dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad)
+    chunk = linear_chunk_tokens(N, V, hidden.element_size(), cfg["BLOCK_N"])
+    workspace = torch.empty(min(chunk, N), V, device=hidden.device, dtype=hidden.dtype)
+    for n0 in range(0, N, chunk):
+        n1 = min(n0 + chunk, N)
+        dx = workspace[: n1 - n0]
+        grid = (triton.cdiv(n1 - n0, cfg["BLOCK_N"]) * triton.cdiv(V, cfg["BLOCK_V"]),)
+        FL.linear_dlogits_kernel[grid](
+            h_ptr=hidden[n0:n1], w_ptr=weight, b_ptr=weight if bias is None else bias, ids_ptr=ids[n0:n1], N=n1 - n0,
+            V=V, H=H, lse_ptr=lse[n0:n1], g_ptr=g[n0:n1], dx_ptr=dx, inv_temperature=1.0 / temperature,
+            grad_entropy_ptr=g if grad_entropy is None else grad_entropy[n0:n1],
+            entropy_ptr=g if grad_entropy is None else entropy[n0:n1],
+            HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=grad_entropy is not None, **cfg,
+        )
+        _add_chunk_gradients(dx, weight, hidden[n0:n1], dh[n0:n1], dw, db, first=n0 == 0)
+    return dh, dw, db

@@ -1,0 +1,360 @@
+"""The GRPO objective's O(B * T) math: the one production home of each loss type's per-token
+terms, the reductions, the policy masks, the entropy bonus and the logged metrics.
+
+Every loss path runs these functions on log-probs (and entropies) that a kernel or the
+chunked torch path produced; the kernels' own per-token code implements the same formulas
+(``kernels/grpo.py``) and is tested against them. The math follows TRL 1.16's
+``GRPOTrainer._compute_loss`` (``docs/loss-semantics.md``); the extra options (dual_clip,
+kl_estimator, log_ratio_clamp, kl_clamp) follow verl and OpenRLHF.
+
+This is not the specification: ``reference.py`` states the same loss once more, written
+independently (a sequence at a time, over its active tokens), and the tests hold this module,
+the kernels and ``grpo_loss_eager`` to it.
+
+Shapes: B rows, T completion positions, V vocabulary. ``lp`` is the current per-token
+log-prob, ``old`` the sampling policy's, ``ref`` the reference model's, all [B, T].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Optional
+
+import torch
+
+from .options import PPO_CLIP_LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
+
+
+@dataclasses.dataclass
+class GRPOLossOutput:
+    """What a GRPO loss call returns.
+
+    loss: the scalar to call ``backward`` on.
+    metrics: 0-d tensors under TRL's names (no host sync has happened).
+    per_token_logps: detached fp32 [B, T], reusable as the next step's old log-probs.
+    """
+
+    loss: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+    per_token_logps: torch.Tensor
+
+
+@dataclasses.dataclass
+class PerTokenTerms:
+    """Per-token results of the loss math, before the reduction."""
+
+    per_token_loss: torch.Tensor  # [B, T]: policy term * importance weight + beta * KL
+    per_token_kl: Optional[torch.Tensor]  # [B, T] or None when beta == 0
+    is_low_clipped: Optional[torch.Tensor]  # bool [B, T] ([B, 1] at sequence level)
+    is_high_clipped: Optional[torch.Tensor]  # for cispo: TRL's cispo-clipped flag
+    vespo_phi: Optional[torch.Tensor] = None  # vespo: the detached sequence weight phi(w), [B, 1]
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0):
+    """log softmax(logits / temperature)[ids] and the entropy of that distribution, in fp32."""
+    logps_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, T, V]
+    lp = logps_all.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
+    p = logps_all.exp()
+    entropy = -(p * torch.where(p > 0, logps_all, 0.0)).sum(-1)  # a -inf logit adds 0, not 0 * -inf
+    return lp, entropy
+
+
+def as_row_column(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[B] -> [B, 1] so per-row values broadcast over T; [B, 1] and [B, T] pass through."""
+    if x is None or x.dim() == 2:
+        return x
+    return x.unsqueeze(1)
+
+
+def kl_term(lp: torch.Tensor, ref: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate, before multiplying by beta."""
+    if opts.kl_estimator == "k3":
+        x = ref - lp
+        if opts.log_ratio_clamp is not None:
+            x = torch.clamp(x, -opts.log_ratio_clamp, opts.log_ratio_clamp)
+        kl = torch.exp(x) - x - 1
+    elif opts.kl_estimator == "k1":
+        kl = lp - ref
+    else:  # k2
+        kl = 0.5 * (lp - ref) ** 2
+    if opts.kl_clamp is not None:
+        kl = torch.clamp(kl, -opts.kl_clamp, opts.kl_clamp)
+    return kl
+
+
+def per_token_terms(
+    lp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: Optional[torch.Tensor],
+    ref_logps: Optional[torch.Tensor],
+    importance_weights: Optional[torch.Tensor],
+    opts: GRPOOptions,
+    policy_mask: Optional[torch.Tensor] = None,
+) -> PerTokenTerms:
+    """The per-token loss of every loss_type, in TRL's order of operations.
+
+    ``mask`` is float [B, T]; ``advantages`` and ``importance_weights`` are [B, 1] or [B, T].
+    ``policy_mask`` (TRL's off-policy and high-entropy masks, ``policy_masks``) multiplies the
+    policy term, never the KL. For vespo the importance weights enter its sequence weight phi(w),
+    as in TRL, instead of multiplying the policy term.
+    """
+    old = lp.detach() if old_logps is None else old_logps  # on-policy: ratio is 1, gradient flows
+    log_ratio = lp - old
+    if opts.importance_sampling_level == "sequence":  # GSPO: one weight per row, the masked mean log-ratio
+        log_weight = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    elif opts.importance_sampling_level == "sequence_token":
+        # GSPO-token (verl's "gspo"): the row's weight as a value, a per-token gradient:
+        # log w_it = sg[mean_t log-ratio] + logp_it - sg[logp_it]
+        row = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        log_weight = lp - lp.detach() + row.detach()
+    else:
+        log_weight = log_ratio
+    if opts.log_ratio_clamp is not None:
+        log_weight = torch.clamp(log_weight, -opts.log_ratio_clamp, opts.log_ratio_clamp)
+    coef_1 = torch.exp(log_weight)
+
+    per_token_kl = None
+    if opts.uses_kl:
+        per_token_kl = kl_term(lp, ref_logps, opts)
+        if opts.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+
+    A = advantages
+    is_low = is_high = phi = None
+    if opts.loss_type == "vespo":  # phi(w) detached: the gradient is phi * A * grad log pi
+        phi = vespo_weights(A, log_ratio, mask, importance_weights, opts)
+        policy = -phi * A * lp
+    elif opts.loss_type == "cispo":
+        capped = torch.clamp(coef_1, max=opts.eps_high).detach()
+        policy = torch.where(capped == 0, 0.0, -capped * A * lp)  # at lp = -inf: the limit 0, not 0 * -inf
+        is_high = (coef_1 > opts.eps_high) & (A > 0)
+    elif opts.loss_type == "sapo":
+        tau = torch.where(A > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
+        policy = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
+    else:  # PPO-clip family
+        coef_2 = torch.clamp(coef_1, 1 - opts.epsilon, 1 + opts.eps_high)
+        if opts.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=opts.delta)
+        policy = -torch.min(coef_1 * A, coef_2 * A)
+        if opts.dual_clip is not None:  # verl / OpenRLHF: bound the loss of negative advantages by -A*c
+            policy = torch.where(A < 0, torch.min(-A * opts.dual_clip, policy), policy)
+        is_low = (coef_1 < 1 - opts.epsilon) & (A < 0)
+        is_high = (coef_1 > 1 + opts.eps_high) & (A > 0)
+
+    if policy_mask is not None:
+        policy = policy * policy_mask
+    if importance_weights is not None and opts.loss_type != "vespo":  # rollout correction: policy term only
+        policy = policy * importance_weights
+    per_token_loss = policy if per_token_kl is None else policy + opts.beta * per_token_kl
+    per_token_loss = per_token_loss.expand_as(lp)  # sequence-level without KL is [B, 1]
+    return PerTokenTerms(per_token_loss, per_token_kl, is_low, is_high, phi)
+
+
+@torch.no_grad()
+def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
+                  importance_weights: Optional[torch.Tensor], opts: GRPOOptions) -> torch.Tensor:
+    """VESPO's gamma weight phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1), detached, in TRL's log-space
+    form and clamps: w is the row's summed token log-ratio (each clamped to +-20), plus the summed log
+    rollout importance weight (clamped to [log 1e-8, 20]), the sum clamped to [log 1e-8, 20]; k and
+    lambda by the advantage's sign (lambda at least 1e-4); NaN and inf give 0.
+
+    TRL sums the rollout weights' logs over every position; here over active tokens (masked
+    positions may hold anything), which is the same where padding carries a weight of 1.
+    """
+    lower = math.log(1e-8)
+    seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if importance_weights is not None:
+        log_iw = torch.clamp(torch.log(importance_weights.float()), lower, 20.0).expand_as(mask)
+        seq = seq + torch.where(mask != 0, log_iw, 0.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(seq, lower, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, opts.vespo_k_pos, opts.vespo_k_neg)
+    lam = torch.where(nonneg, opts.vespo_lambda_pos, opts.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def active_token_count(mask: torch.Tensor) -> torch.Tensor:
+    """The default dapo / cispo / vespo normalizer: local active tokens, at least 1."""
+    return mask.sum().clamp(min=1.0)
+
+
+def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) -> torch.Tensor:
+    """Each token's weight in TRL's reductions (without TRL's division by gradient-accumulation steps).
+
+    loss = sum over tokens of per_token_loss * weight, for every loss_type:
+
+    - grpo, sapo: mean over rows of the row's token mean: M / (B * max(|o_i|, 1))
+    - bnpo: M / max(sum M, 1);  dr_grpo: M / (B * max_completion_length)
+    - dapo, cispo, vespo: M / normalizer (default: local active tokens, at least 1);  luspo: M / B
+    """
+    B = mask.shape[0]
+    if opts.loss_type in ("grpo", "sapo"):
+        return mask / (B * mask.sum(-1, keepdim=True).clamp(min=1.0))
+    if opts.loss_type == "bnpo":
+        return mask / mask.sum().clamp(min=1.0)
+    if opts.loss_type == "dr_grpo":
+        return mask / (B * opts.max_completion_length)
+    if opts.loss_type in TOKEN_COUNT_LOSS_TYPES:
+        return mask / (active_token_count(mask) if normalizer is None else normalizer)
+    return mask / B  # luspo
+
+
+def reduce_loss(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, normalizer=None
+) -> torch.Tensor:
+    """TRL's reduction of the per-token loss to the scalar loss."""
+    return (per_token_loss * reduction_weights(mask, opts, normalizer)).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """TRL's metric mean: over active tokens, or over all rows for a per-row [B, 1] value.
+
+    (TRL tells the two apart by ``x.shape[1] == 1``, which misreads T = 1; we say which.)
+    """
+    if per_row:
+        return x.float().mean()
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def clip_metric_values(opts: GRPOOptions, low: Optional[torch.Tensor], high: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """TRL's clip metrics of a loss type, by name, as the 0 / 1 values their means are taken of, from the
+    per-token (or per-row) low- and high-clipped indicators: the PPO-clip types log low, high and either
+    (the region); cispo its capped share. The one place the kernel paths' metrics take their names too."""
+    if opts.loss_type in PPO_CLIP_LOSS_TYPES:
+        return {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                "clip_ratio/region_mean": torch.maximum(low, high)}
+    if opts.loss_type == "cispo":
+        return {"cispo_clip_ratio": high}
+    return {}
+
+
+def loss_metrics(
+    terms: PerTokenTerms, entropy: Optional[torch.Tensor], mask: torch.Tensor, opts: GRPOOptions
+) -> Dict[str, torch.Tensor]:
+    """TRL's logged metrics, as detached 0-d tensors."""
+    metrics = {}
+    # The clip flags are one per row at sequence level, unless per-token advantages make them per token
+    # (then TRL's [B, T] flags take the token mean, like every other level's)
+    flags = terms.is_high_clipped
+    per_row = opts.importance_sampling_level == "sequence" and flags is not None and flags.shape[-1] == 1
+    if terms.per_token_kl is not None:
+        metrics["kl"] = masked_mean(terms.per_token_kl.detach(), mask)
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+    if flags is not None:
+        low = None if terms.is_low_clipped is None else terms.is_low_clipped.float()
+        for name, x in clip_metric_values(opts, low, flags.float()).items():
+            metrics[name] = masked_mean(x, mask, per_row)
+    if opts.loss_type == "vespo":  # TRL's mean of phi over rows (over active tokens for per-token advantages)
+        phi = terms.vespo_phi.detach()
+        metrics["vespo/phi_seq_mean"] = masked_mean(phi, mask, per_row=phi.shape[-1] == 1)
+    return metrics
+
+
+def grpo_loss_eager(
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: Optional[torch.Tensor] = None,
+    ref_logps: Optional[torch.Tensor] = None,
+    importance_weights: Optional[torch.Tensor] = None,
+    normalizer=None,
+    options: Optional[GRPOOptions] = None,
+    sampling_logps: Optional[torch.Tensor] = None,
+    **option_kwargs,
+) -> GRPOLossOutput:
+    """The whole GRPO loss from logits [B, T, V] the way an eager trainer computes it: the fp32
+    log-softmax materialized ([B, T, V]), then this module's math. The benchmarks' "eager" baseline.
+
+    ``sampling_logps`` [B, T]: the sampler's log-probs, for the off-policy mask (default: the old
+    log-probs, else this pass's own, which keeps every row)."""
+    opts = options if options is not None else GRPOOptions(**option_kwargs)
+    mask = completion_mask.float()
+    lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.temperature)
+    importance_weights = as_row_column(None if importance_weights is None else importance_weights.float())
+    bonus_mask = policy_mask = None
+    if opts.masks_tokens:
+        policy_mask, entropy_mask = policy_masks(lp, entropy, mask, advantages.float(),
+                                                 old_logps if sampling_logps is None else sampling_logps, opts)
+        bonus_mask = None if entropy_mask is None else mask * entropy_mask
+    terms = per_token_terms(
+        lp,
+        mask,
+        as_row_column(advantages.float()),
+        None if old_logps is None else old_logps.float(),
+        None if ref_logps is None else ref_logps.float(),
+        importance_weights,
+        opts,
+        policy_mask,
+    )
+    loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer) - entropy_bonus(
+        entropy, mask if bonus_mask is None else bonus_mask, opts)
+    metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
+    return GRPOLossOutput(loss, metrics, lp.detach())
+
+
+def _gathered_across_processes(values: torch.Tensor) -> torch.Tensor:
+    """The 1-D ``values`` of every process (torch.distributed's default group), concatenated; this
+    process's own where none is initialized. Lengths may differ: each is padded to the longest."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    count = torch.tensor([values.numel()], device=values.device)
+    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, count)
+    longest = int(max(c.item() for c in counts))
+    padded = torch.zeros(longest, device=values.device, dtype=values.dtype)
+    padded[: values.numel()] = values
+    pieces = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(pieces, padded)
+    return torch.cat([p[: int(c.item())] for p, c in zip(pieces, counts)])
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
+    """TRL's top-entropy mask: active tokens whose entropy is at least the (1 - top_entropy_quantile)
+    quantile of every process's active tokens' entropies; float [B, T]."""
+    active = mask != 0
+    gathered = _gathered_across_processes(entropy.detach()[active].float())
+    if gathered.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.float32)
+    threshold = torch.quantile(gathered, 1.0 - opts.top_entropy_quantile)
+    return ((entropy.detach() * mask >= threshold) & active).float()
+
+
+def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampling_logps: Optional[torch.Tensor],
+                    mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, as TRL computes it: keep a row if its advantage is
+    >= 0 or its mean KL(sampler || current) = mean(sampling_logps - logp) over active tokens is at
+    most the threshold; a NaN sampling log-prob (unscored) counts as no evidence. Float [B, 1] or [B, T]."""
+    reference = logp.detach() if sampling_logps is None else sampling_logps.float()
+    kl = torch.nan_to_num(reference - logp.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((as_row_column(advantages) >= 0) | (mean_kl <= opts.off_policy_mask_threshold)).float()
+
+
+def policy_masks(logp: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor, advantages: torch.Tensor,
+                 sampling_logps: Optional[torch.Tensor], opts: GRPOOptions):
+    """(the mask multiplying the policy term, the high-entropy mask or None): TRL multiplies the
+    policy term by both masks (never the KL); the entropy bonus acts on the high-entropy tokens."""
+    entropy_mask = high_entropy_mask(entropy, mask, opts) if opts.top_entropy_quantile < 1.0 else None
+    masks = [m for m in (entropy_mask, off_policy_mask(advantages, logp, sampling_logps, mask, opts)
+                         if opts.off_policy_mask_threshold is not None else None) if m is not None]
+    policy = masks[0] if len(masks) == 1 else masks[0] * masks[1]
+    return policy, entropy_mask
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions):
+    """TRL's entropy bonus, subtracted from the loss: ``entropy_coef`` times the mean entropy over the
+    active tokens, whatever the loss type's reduction (0 without a coefficient)."""
+    if opts.entropy_coef == 0.0:
+        return 0.0
+    return opts.entropy_coef * (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
+    """dLoss/dH per token of ``- entropy_bonus``: -entropy_coef * M / max(sum M, 1)."""
+    return -opts.entropy_coef * mask / mask.sum().clamp(min=1.0)
