@@ -1,6 +1,7 @@
 """Turn saved benchmark results into markdown tables (and a plot) for the README.
 
     python benchmarks/report.py RUN.json [MORE.json] [--plot RUN.png] [--sweep sweep.json] [--ncu ncu.csv]
+                                [--vocab-parallel vocab_parallel.json]
 """
 
 from __future__ import annotations
@@ -117,6 +118,26 @@ def sweep_table(path: str, top: int = 5) -> str:
     return "\n".join(lines)
 
 
+def vocab_parallel_table(path: str) -> str:
+    """benchmarks/vocab_parallel.py's sharded step against the unsharded one."""
+    with open(path) as f:
+        results = json.load(f)
+    env = results["environment"]
+    head = (f"Vocabulary-parallel step on {env['device']} ({env['gpus']} GPU(s), {env['transport']}); "
+            f"torch {env['torch']}")
+    if env["transport"] == "gloo" and env["gpus"] == 1:
+        head += " (the ranks share one GPU: the difference is the protocol's cost, not a speed-up)"
+    if "error" in results:
+        return head + f"\n\nfailed: {results['error']}"
+    lines = [head, "", "| B x T x V | dtype | ranks | sharded step ms | unsharded ms | sharded / unsharded | "
+             "GB/s (2 S) sharded | unsharded | matches |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results.get("cases", []):
+        lines.append(f"| {r['B']} x {r['T']} x {r['V']} | {r['dtype']} | {r['P']} | {r['sharded_ms']:.3f} | "
+                     f"{r['unsharded_ms']:.3f} | {r['sharded_ms'] / r['unsharded_ms']:.2f} | "
+                     f"{r['sharded_GBps']:.0f} | {r['unsharded_GBps']:.0f} | {r['matches_unsharded']} |")
+    return "\n".join(lines)
+
+
 def ncu_summary(path: str, logits_bytes: int) -> str:
     """Nsight Compute's raw CSV (one row a kernel launch) against the byte model: DRAM bytes over S."""
     import csv
@@ -154,6 +175,7 @@ def main() -> None:
     parser.add_argument("--plot", default=None)
     parser.add_argument("--sweep", default=None, help="a benchmarks/sweep.py results JSON")
     parser.add_argument("--ncu", default=None, help="Nsight Compute raw CSV of benchmarks/ncu_target.py")
+    parser.add_argument("--vocab-parallel", default=None, help="a benchmarks/vocab_parallel.py results JSON")
     args = parser.parse_args()
     rows, fused_rows = [], []
     for path in args.json:
@@ -165,6 +187,8 @@ def main() -> None:
         print(fused_linear_table(fused_rows) + "\n")
     if args.sweep:
         print(sweep_table(args.sweep) + "\n")
+    if args.vocab_parallel:
+        print(vocab_parallel_table(args.vocab_parallel) + "\n")
     if args.ncu:
         B, T, V = 16, 1024, 151936  # benchmarks/ncu_target.py's shape, bf16
         print(ncu_summary(args.ncu, B * T * V * 2))

@@ -12,5 +12,7 @@ python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.1
 python -m pip install --quiet -e ".[test,trl,verl]"
 # verl without its own dependencies (vLLM, ...): the loss adapter needs only core_algos
 python -c "import verl" 2>/dev/null || python -m pip install --quiet --no-deps "verl==0.9.1"
+# megatron-core (2.6 MB; torch, numpy, packaging): verl's Megatron vocabulary-parallel functions, our oracle there
+python -c "import megatron.core" 2>/dev/null || python -m pip install --quiet --no-deps "megatron-core==0.16.1"
 # Liger-Kernel, a peer the tests check our numbers against (its own deps are torch and triton)
 python -c "import liger_kernel" 2>/dev/null || python -m pip install --quiet --no-deps "liger-kernel==0.8.5"

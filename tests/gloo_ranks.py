@@ -33,13 +33,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rank_main(fn, rank: int, world: int, workdir: str, port: int, args: tuple) -> None:
+def _rank_main(fn, rank: int, world: int, workdir: str, port: int, args: tuple, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     result, error = None, None
     try:
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
+        if backend == "nccl":  # one GPU a rank (NCCL refuses two ranks on one device)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
         result = fn(rank, world, *args)
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent as text
@@ -61,8 +63,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
-    """`[fn(0, world, *args), ..., fn(world - 1, world, *args)]`, each on its own gloo rank.
+def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
+    """`[fn(0, world, *args), ..., fn(world - 1, world, *args)]`, each on its own rank (gloo, or the
+    ``backend`` named: with "nccl", rank r runs on GPU r modulo the GPU count).
 
     `fn` must be a module-level function (the ranks are spawned, so it is pickled by name) and
     its result picklable by `torch.save`. The default process group is initialized before `fn`
@@ -71,7 +74,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> list:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="grpo-ranks-") as workdir:
         port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, workdir, port, args), daemon=True)
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, workdir, port, args, backend),
+                             daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -138,3 +138,38 @@ def test_ncu_summary_reads_the_raw_csv(tmp_path):
     summary = report.ncu_summary(str(path), logits_bytes=4_980_000_000)
     assert "| one-pass forward (writes dlogits) | grpo_forward_kernel | 2.400 | 1.02 | 1.00 | 51 | 88 | 62 | 30 |" \
         in summary
+
+
+def test_the_vocab_parallel_step_runs_on_two_ranks_and_matches_the_unsharded_one(tmp_path):
+    """benchmarks/vocab_parallel.py as the suite runs it without CUDA: two gloo ranks, tiny shapes."""
+    import subprocess
+
+    out = tmp_path / "vocab_parallel.json"
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "vocab_parallel.py"), "--out", str(out), "--smoke"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert "error" not in results and results["cases"]
+    for case in results["cases"]:
+        assert case["P"] == 2 and case["matches_unsharded"], case
+        assert case["loss_difference"] < 1e-5 and case["grad_sum_relative_difference"] < 1e-5
+        assert len(case["sharded_ms_per_rank"]) == 2
+    table = report.vocab_parallel_table(str(out))
+    assert "| 2 x 8 x 1004 | float32 | 2 |" in table
+
+
+def test_the_packed_benchmark_path_times_the_padded_loss_on_its_own_logits():
+    """The GPU suite's packed case: given its packed logits by ``path_input``, it computes the padded
+    batch's loss, and its gradient is taken of those logits (only the active tokens')."""
+    import cases
+
+    x = cases.make_inputs(2, 8, 1003, device="cpu")
+    leaf, given = cases.path_input("ours one-pass packed", x["full_logits"], x, requires_grad=True)
+    assert given is leaf and tuple(leaf.shape) == (int((x["completion_mask"] != 0).sum()), 1003)
+    loss = cases._ours_packed()(x, given)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    padded_leaf, padded_given = cases.path_input("ours one-pass", x["full_logits"], x, requires_grad=True)
+    padded = cases._ours(True)(x, padded_given)
+    (padded_grad,) = torch.autograd.grad(padded, padded_leaf)
+    torch.testing.assert_close(loss, padded, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, padded_grad[:, :-1][x["completion_mask"] != 0], atol=1e-7, rtol=1e-5)
