@@ -352,7 +352,11 @@ def grpo_forward_kernel(
 ):
     """One token per program on a grid of N programs; or, PERSISTENT, a grid of a few programs per SM,
     each taking every num_programs-th token, so that the rows in flight (and being re-read by the
-    one-pass gradient loop) are bounded by the grid, not by what the hardware keeps resident."""
+    one-pass gradient loop) are bounded by the grid, not by what the hardware keeps resident.
+
+    The two calls of ``_forward_token`` are kept apart on purpose: one loop with a single trip for the
+    plain grid (tried, AOT sm_90) cost the fp32 one-pass hot loops 0.3 instructions a logit and up to
+    14 registers, though bf16 was unchanged."""
     if PERSISTENT:
         for row in range(tl.program_id(0), N, tl.num_programs(0)):
             _forward_token(
