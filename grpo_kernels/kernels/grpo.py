@@ -31,7 +31,7 @@ import triton.language as tl
 # The host's values and the flag bits, named in one place (triton-free, for the front end).
 from .contracts import (FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, KL_K1, KL_K2, KL_K3, LOSS_CISPO,  # noqa: E402,F401
                         LOSS_NONE, LOSS_PPO_CLIP, LOSS_SAPO)
-from .logsumexp import merge_lse  # noqa: E402
+from .logsumexp import rescale_lse  # noqa: E402
 
 # The same contracts as the kernels read them: Triton takes module globals only as constexprs.
 C_LOSS_NONE = tl.constexpr(LOSS_NONE)
@@ -89,10 +89,10 @@ def _lse_fold(x2, m, s, t, COMPUTE_ENTROPY: tl.constexpr):
 
 @triton.jit
 def _lse_finish(m, s, t, COMPUTE_ENTROPY: tl.constexpr):
-    """(log-sum-exp in base 2, entropy in nats) of a row from its lanes' (m, s, t): every lane's state
-    is merged into an empty one at the row's max, then the lanes' sums are added."""
+    """(log-sum-exp in base 2, entropy in nats) of a row from its lanes' (m, s, t): every lane's sums are
+    rescaled to the row's max (finite: the lanes start at FLOOR), then added."""
     row_max = tl.max(m, axis=0)
-    _, s, t = merge_lse(row_max, 0.0, 0.0, m, s, t, COMPUTE_ENTROPY, BASE2=True)
+    s, t = rescale_lse(m, s, t, row_max, COMPUTE_ENTROPY, BASE2=True)
     sum_exp = tl.sum(s, axis=0)
     lse2 = row_max + tl.log2(sum_exp)
     entropy = 0.0

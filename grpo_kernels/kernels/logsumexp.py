@@ -2,7 +2,9 @@
 vocabulary splits).
 
 A log-sum-exp state is (max, sum exp(x - max), sum exp(x - max) x): the third sum is the entropy's,
-H = lse - sum p x. Two states merge by rescaling both sums to the larger max. The per-logit update in
+H = lse - sum p x. A state is moved to a larger max by rescaling its sums (``rescale_lse``: how
+``grpo.py`` brings its lanes to the row's max); two states merge by moving both to the larger max
+(``merge_lse``: ``fused_linear.py``'s tiles and vocabulary splits). The per-logit update in
 ``grpo.py``'s row loop (``_lse_fold``) is the one special case kept apart: there the part is a single
 logit, and one exp2 is both the rescale and the logit's own term, half the exponentials of a merge.
 """
@@ -21,22 +23,28 @@ def finite_or_zero(m):
 
 
 @triton.jit
+def rescale_lse(state_max, sum_exp, sum_exp_x, to_max, COMPUTE_ENTROPY: tl.constexpr, BASE2: tl.constexpr):
+    """A state's two sums re-expressed at a max ``to_max`` >= its own (finite): both times exp(max - to_max).
+
+    BASE2: the values are in base 2 (x log2(e), as ``grpo.py``'s row loop keeps them), so the factor is
+    exp2; else natural. Without COMPUTE_ENTROPY the third sum is passed through."""
+    if BASE2:
+        scale = tl.exp2(state_max - to_max)
+    else:
+        scale = tl.exp(state_max - to_max)
+    if COMPUTE_ENTROPY:
+        sum_exp_x = sum_exp_x * scale
+    return sum_exp * scale, sum_exp_x
+
+
+@triton.jit
 def merge_lse(running_max, sum_exp, sum_exp_x, part_max, part_sum, part_sum_x,
               COMPUTE_ENTROPY: tl.constexpr, BASE2: tl.constexpr):
-    """Fold a part's state into the running one, elementwise: returns (max, sum exp, sum exp x).
-
-    BASE2: the values are in base 2 (x log2(e), as ``grpo.py``'s row loop keeps them), so the
-    rescale is exp2; else natural. Without COMPUTE_ENTROPY the third sum is passed through.
-    """
+    """Fold a part's state into the running one, elementwise: returns (max, sum exp, sum exp x)."""
     new_max = tl.maximum(running_max, part_max)
     offset = finite_or_zero(new_max)
-    if BASE2:
-        old_scale = tl.exp2(running_max - offset)
-        part_scale = tl.exp2(part_max - offset)
-    else:
-        old_scale = tl.exp(running_max - offset)
-        part_scale = tl.exp(part_max - offset)
-    sum_exp = sum_exp * old_scale + part_sum * part_scale
+    sum_exp, sum_exp_x = rescale_lse(running_max, sum_exp, sum_exp_x, offset, COMPUTE_ENTROPY, BASE2)
+    part_sum, part_sum_x = rescale_lse(part_max, part_sum, part_sum_x, offset, COMPUTE_ENTROPY, BASE2)
     if COMPUTE_ENTROPY:
-        sum_exp_x = sum_exp_x * old_scale + part_sum_x * part_scale
-    return new_max, sum_exp, sum_exp_x
+        sum_exp_x = sum_exp_x + part_sum_x
+    return new_max, sum_exp + part_sum, sum_exp_x
