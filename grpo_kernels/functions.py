@@ -87,6 +87,17 @@ def _write_gradient(ctx, logits, ids, lse, g, h=None, entropy=None):
     return grad
 
 
+def _loss_outputs(ctx, result, shape, opts: GRPOOptions) -> tuple:
+    """(per-token loss, log-probs, entropy, KL, clip flags) of a forward kernel's result, shaped ``shape``.
+    The per-token loss is differentiable, and so is the entropy when a loss term uses it (the entropy
+    bonus); the rest are not."""
+    view = lambda t: None if t is None else t.view(shape)  # noqa: E731
+    outputs = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl), view(result.flags))
+    frozen = [outputs[1], outputs[3], outputs[4]] + ([outputs[2]] if opts.entropy_coef == 0.0 else [])
+    ctx.mark_non_differentiable(*[t for t in frozen if t is not None])
+    return outputs
+
+
 class FusedTokenLoss(torch.autograd.Function):
     """Triton: log-probs and the per-token GRPO loss in one pass over the logits."""
 
@@ -103,13 +114,7 @@ class FusedTokenLoss(torch.autograd.Function):
         )
         ctx.save_for_backward(logits, ids, result.lse, result.dloss_dlogp, result.entropy)
         ctx.engine, ctx.temperature, ctx.in_place, ctx.trailing = "triton", opts.temperature, in_place, trailing
-        view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
-        outputs = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl),
-                   view(result.flags))
-        # the entropy is differentiable when a loss term uses it (the entropy bonus)
-        frozen = [outputs[1], outputs[3], outputs[4]] + ([outputs[2]] if opts.entropy_coef == 0.0 else [])
-        ctx.mark_non_differentiable(*[t for t in frozen if t is not None])
-        return outputs
+        return _loss_outputs(ctx, result, (B, T), opts)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logp, grad_entropy, *unused):
@@ -214,9 +219,13 @@ def _linear_gradients(ctx, g, h=None, entropy=None):
     wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
     dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, flat_f32(g), ctx.temperature, wants_weight,
                              grad_entropy=flat_f32(h), entropy=flat_f32(entropy) if h is not None else None)
-    cast = lambda t, like, needed: t.to(like.dtype) if needed and t is not None else None  # noqa: E731
-    return (cast(dh, hidden, ctx.needs_input_grad[0]), cast(dw, weight, ctx.needs_input_grad[1]),
-            cast(db, bias, ctx.needs_input_grad[2]))
+    return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias))
+
+
+def as_input_grads(ctx, grads, inputs) -> tuple:
+    """fp32 gradients in their inputs' dtypes, None where the input wants none (or has none)."""
+    return tuple(g.to(x.dtype) if needed and g is not None else None
+                 for g, x, needed in zip(grads, inputs, ctx.needs_input_grad))
 
 
 class LinearTokenLogprobs(torch.autograd.Function):
@@ -232,7 +241,7 @@ class LinearTokenLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if engine == "triton":
             r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, temperature=temperature,
-                                      compute_entropy=compute_entropy)
+                                                       compute_entropy=compute_entropy)
             lse, logp, entropy = r.lse, r.logp, r.entropy
         else:
             lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy)
@@ -268,12 +277,7 @@ class FusedLinearTokenLoss(torch.autograd.Function):
         )
         ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy)
         ctx.engine, ctx.temperature = "triton", opts.temperature
-        view = lambda t: None if t is None else t.view(out_shape)  # noqa: E731
-        outputs = (view(r.loss), view(r.logp), view(r.entropy), view(r.kl), view(r.flags))
-        # the entropy is differentiable when a loss term uses it (the entropy bonus)
-        frozen = [outputs[1], outputs[3], outputs[4]] + ([outputs[2]] if opts.entropy_coef == 0.0 else [])
-        ctx.mark_non_differentiable(*[t for t in frozen if t is not None])
-        return outputs
+        return _loss_outputs(ctx, r, out_shape, opts)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logp, grad_entropy, *unused):

@@ -125,12 +125,8 @@ def grpo_loss(
                  old_logps, ref_logps, None if rows else importance_weights, normalizer, opts,
                  check_ids and not sharded)
     if sharded:  # the ids are global: checked against the whole vocabulary
-        from .vocab_parallel import vocab_range
-
-        vocab_start, vocab_size = vocab_range(logits, vocab_parallel_group, vocab_start_index)
-        if check_ids:
-            check_token_ids(completion_ids, logits.new_empty(()).expand(*logits.shape[:2], vocab_size), True,
-                            mask=completion_mask, normalizer=normalizer)
+        vocab_start = _sharded_vocab_start(logits, completion_ids, vocab_parallel_group, vocab_start_index,
+                                           check_ids, mask=completion_mask, normalizer=normalizer)
         if in_place_backward:
             raise ValueError("in_place_backward=True is not supported with vocab_parallel_group")
     check_per_token("sampling_logps", sampling_logps, logits, allow_row=False)
@@ -180,10 +176,29 @@ def grpo_loss(
             loss = _reduced(rows.seq(loss_t), mask_seq, opts, normalizer, loss_scale, rows.seq(entropy), bonus_mask)
         return _as_called(_output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts), rows, user_shape)
     logp, entropy = logprob_pass(opts.compute_entropy, in_place_backward)
+    return _loss_in_torch(rows, user_shape, logp, entropy, mask_seq, advantages, old_logps, ref_logps,
+                          importance_weights, normalizer, opts, loss_scale, bonus_mask, policy_mask)
+
+
+def _loss_in_torch(rows: Rows, user_shape, logp, entropy, mask_seq, advantages, old_logps, ref_logps,
+                   importance_weights, normalizer, opts, loss_scale, bonus_mask, policy_mask) -> GRPOLossOutput:
+    """The loss math in torch on differentiable log-probs (and entropy) of the token layout: every
+    per-token input taken to the sequence layout, the output given back as the caller shaped it."""
     return _as_called(_loss_from_logps(rows.seq(logp), rows.seq(entropy), mask_seq, rows.seq(advantages),
                                        rows.seq(old_logps), rows.seq(ref_logps), rows.seq(importance_weights),
                                        normalizer, opts, loss_scale, bonus_mask, policy_mask),
                       rows, user_shape, seq_layout=True)
+
+
+def _sharded_vocab_start(logits_like, ids, group, vocab_start_index, check_ids, *, mask=None, normalizer=None) -> int:
+    """This rank's first vocabulary id (``vocab_parallel.vocab_range``), after checking the ids, which are
+    global, against the whole vocabulary (with ``check_ids``: one host sync, as unsharded)."""
+    from .vocab_parallel import vocab_range
+
+    start, vocab_size = vocab_range(logits_like, group, vocab_start_index)
+    whole = logits_like.new_empty(()).expand(*logits_like.shape[:2], vocab_size)  # shape checks only, no memory
+    check_token_ids(ids, whole, check_ids, mask=mask, normalizer=normalizer)
+    return start
 
 
 def _as_called(out: GRPOLossOutput, rows: Rows, user_shape, seq_layout: bool = False) -> GRPOLossOutput:
@@ -414,10 +429,7 @@ def token_logprobs(
     GRPOOptions(temperature=temperature)  # validates the temperature
     engine = resolve_backend(backend, logits)
     if vocab_parallel_group is not None:
-        from .vocab_parallel import vocab_range
-
-        start, vocab_size = vocab_range(logits, vocab_parallel_group, vocab_start_index)
-        check_token_ids(ids, logits.new_empty(()).expand(*logits.shape[:2], vocab_size), check_ids)
+        start = _sharded_vocab_start(logits, ids, vocab_parallel_group, vocab_start_index, check_ids)
         logp, entropy = _vocab_parallel_logprobs(logits, ids, None,
                                                  temperature, return_entropy, engine, vocab_parallel_group, start)
         return (logp, entropy) if return_entropy else logp
@@ -500,13 +512,8 @@ def fused_linear_grpo_loss(
                  rows.tokens(advantages).view(1, -1) if rows else advantages, old_logps, ref_logps,
                  None if rows else importance_weights, normalizer, opts, check_ids and not sharded)
     if sharded:  # weight is this rank's shard [V / P, H]; the ids are global (see grpo_loss)
-        from .vocab_parallel import vocab_range
-
-        vocab_start, vocab_size = vocab_range(logits_like, vocab_parallel_group, vocab_start_index)
-        if check_ids:
-            check_token_ids(completion_ids, hidden_states.new_empty(()).expand(B, T, vocab_size), True,
-                            mask=completion_mask,
-                            normalizer=normalizer)
+        vocab_start = _sharded_vocab_start(logits_like, completion_ids, vocab_parallel_group, vocab_start_index,
+                                           check_ids, mask=completion_mask, normalizer=normalizer)
     rows = rows or Rows(B, T)
     check_per_token("sampling_logps", sampling_logps, logits_like, allow_row=False)
     engine = resolve_backend(backend, hidden_states)
@@ -567,10 +574,8 @@ def fused_linear_grpo_loss(
         out = _output_from_kernel(loss, loss_t, logp, entropy, kl, flags, mask, opts)
     else:
         logp, entropy = logprob_pass(opts.compute_entropy)
-        return _as_called(_loss_from_logps(rows.seq(logp), rows.seq(entropy), mask_seq, rows.seq(advantages),
-                                           rows.seq(old_logps), rows.seq(ref_logps), rows.seq(importance_weights),
-                                           normalizer, opts, loss_scale, bonus_mask, policy_mask),
-                          rows, user_shape, seq_layout=True)
+        return _loss_in_torch(rows, user_shape, logp, entropy, mask_seq, advantages, old_logps, ref_logps,
+                              importance_weights, normalizer, opts, loss_scale, bonus_mask, policy_mask)
     return _as_called(out, rows, user_shape)
 
 
@@ -587,13 +592,9 @@ def _differentiable_logprobs(logits, index, temperature, backend, compute_entrop
     ids = (torch.zeros(as_3d.shape[:2], dtype=torch.long, device=logits.device) if index is None  # no target
            else index.reshape(as_3d.shape[:2]))
     if vocab_parallel_group is not None:
-        from .vocab_parallel import vocab_range
-
         if in_place_backward:
             raise ValueError("in_place_backward=True is not supported with vocab_parallel_group")
-        start, vocab_size = vocab_range(as_3d, vocab_parallel_group, vocab_start_index)
-        if index is not None:
-            check_token_ids(ids, as_3d.new_empty(()).expand(*as_3d.shape[:2], vocab_size), True)
+        start = _sharded_vocab_start(as_3d, ids, vocab_parallel_group, vocab_start_index, index is not None)
         logp, entropy = _vocab_parallel_logprobs(as_3d, ids, None, temperature, compute_entropy, engine,
                                                  vocab_parallel_group, start)
     else:

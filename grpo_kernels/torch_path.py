@@ -70,6 +70,18 @@ def forward(
     return as_bt(logp), as_bt(entropy), as_bt(lse)
 
 
+def _softmax_gradient(log_p: torch.Tensor, g: torch.Tensor, h: Optional[torch.Tensor] = None,
+                      entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gradient of g logp_target + h H over the logits, without the target's one-hot term g: -g p, plus
+    h dH/dz = -h p (log p + H) with the entropy. fp32 [rows, V] from log p [rows, V] and g, h, H [rows, 1]
+    (g and h already divided by the temperature). A -inf logit (p = 0, log p = -inf) gets 0, not 0 * -inf.
+    Without h it is computed in place in one [rows, V] buffer."""
+    if h is None:
+        return torch.exp(log_p).mul_(-g)
+    p = torch.exp(log_p)
+    return p * torch.where(p > 0, -g - h * (log_p + entropy), 0.0)
+
+
 def backward(
     logits: torch.Tensor,
     ids: torch.Tensor,
@@ -99,15 +111,9 @@ def backward(
     for piece, grad_piece, n in _chunks(logits, grad):
         g = flat_g[n].unsqueeze(-1)  # [rows, 1]
         log_p = piece.float() * inv_temperature - flat_lse[n].unsqueeze(-1)
-        if flat_h is None:
-            piece_grad = torch.exp(log_p).mul_(-g)
-            zero_rows = g == 0
-        else:
-            h = flat_h[n].unsqueeze(-1)
-            # a -inf logit: p = 0 and log p = -inf, whose product is NaN; its gradient is 0
-            piece_grad = torch.exp(log_p) * torch.where(log_p > float("-inf"), -g - h * entropy.reshape(-1)[n]
-                                                         .unsqueeze(-1) - h * log_p, 0.0)
-            zero_rows = (g == 0) & (h == 0)
+        h = None if flat_h is None else flat_h[n].unsqueeze(-1)
+        piece_grad = _softmax_gradient(log_p, g, h, None if h is None else entropy.reshape(-1)[n].unsqueeze(-1))
+        zero_rows = g == 0 if h is None else (g == 0) & (h == 0)
         piece_grad.scatter_add_(-1, flat_ids[n].unsqueeze(-1), g)
         # a masked token is a zero row whatever its logits hold: 0 * exp(NaN or inf) is NaN
         piece_grad.masked_fill_(zero_rows, 0.0)
@@ -160,13 +166,8 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
         n = slice(n0, min(n0 + step, N))
         x = _chunk_logits(hidden[n], weight, bias, inv_temperature)
         gs = (g[n] * inv_temperature).unsqueeze(-1)
-        log_p = x - lse[n].unsqueeze(-1)
-        if grad_entropy is None:
-            dx = torch.exp(log_p).mul_(-gs)  # in place: one [chunk, V] buffer
-        else:  # + h dH/dz = -h p (log p + H); p = 0 (a -inf logit) adds 0, not 0 * -inf
-            hs = (grad_entropy[n] * inv_temperature).unsqueeze(-1)
-            p = torch.exp(log_p)
-            dx = p * torch.where(p > 0, -gs - hs * (log_p + entropy[n].unsqueeze(-1)), 0.0)
+        hs = None if grad_entropy is None else (grad_entropy[n] * inv_temperature).unsqueeze(-1)
+        dx = _softmax_gradient(x - lse[n].unsqueeze(-1), gs, hs, None if hs is None else entropy[n].unsqueeze(-1))
         dx.scatter_add_(-1, flat_ids[n].unsqueeze(-1), gs)
         dh[n] = dx @ w32
         if dw is not None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import torch_path
-from .functions import flat_f32
+from .functions import as_input_grads, flat_f32
 from .kernels.contracts import launch_module, lm_head_launch_module
 
 
@@ -127,7 +127,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         local_ids = torch.where(owned, ids - start, 0).contiguous()
         if engine == "triton":
             r = lm_head_launch_module().linear_forward(hidden, weight, bias, local_ids, temperature=temperature,
-                                               compute_entropy=compute_entropy)
+                                                       compute_entropy=compute_entropy)
             lse_r, logp_r, entropy_r = r.lse, r.logp, r.entropy
         else:
             lse_r, logp_r, entropy_r = torch_path.linear_forward(hidden, weight, bias, local_ids, temperature,
@@ -142,8 +142,8 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, local_ids, owned, lse, entropy = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
             return (None,) * 9
-        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.reshape(-1).float().contiguous()
-        h = None if grad_entropy is None else grad_entropy.reshape(-1).float().contiguous()
+        g = torch.zeros_like(lse) if grad_logp is None else flat_f32(grad_logp)
+        h = flat_f32(grad_entropy)
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         backward_fn = lm_head_launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
         dh, dw, db = backward_fn(hidden, weight, bias, local_ids, lse, g, ctx.temperature, wants_weight,
@@ -157,6 +157,4 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         if db is not None:
             db[0] -= spurious.sum()
         dist.all_reduce(dh, group=ctx.group)  # every rank's share of the vocabulary
-        cast = lambda t, like, needed: t.to(like.dtype) if needed and t is not None else None  # noqa: E731
-        return (cast(dh, hidden, ctx.needs_input_grad[0]), cast(dw, weight, ctx.needs_input_grad[1]),
-                cast(db, bias, ctx.needs_input_grad[2]), None, None, None, None, None, None)
+        return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * 6

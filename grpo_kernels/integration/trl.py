@@ -176,8 +176,10 @@ class GRPOKernelsTrainer(GRPOTrainer):
         tokens = mask.sum().float()
         rows = torch.tensor(float(mask.shape[0]), device=mask.device)
         for name, value in metrics.items():
-            per_row = (name.startswith(("clip_ratio", "cispo")) and self.importance_sampling_level == "sequence"
-                       or name.startswith("vespo/") and inputs_advantages_per_row)
+            # as objective.loss_metrics: clip flags are one per row at sequence level with per-row advantages
+            per_row = inputs_advantages_per_row and (
+                name.startswith(("clip_ratio", "cispo")) and self.importance_sampling_level == "sequence"
+                or name.startswith("vespo/"))
             count = rows if per_row else tokens
             totals = self.accelerator.reduce(torch.stack([value * count.clamp(min=1.0), count]), reduction="sum")
             self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())

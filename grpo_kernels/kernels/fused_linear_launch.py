@@ -102,7 +102,6 @@ def linear_forward(
     Per-token inputs and outputs as in ``forward`` (fp32 [N]); with ``opts`` None only
     log-probs (and entropy) are computed.
     """
-
     temperature = resolved_temperature(opts, temperature)
     N, H = hidden.shape
     V = weight.shape[0]
@@ -168,7 +167,6 @@ def linear_chunk_tokens(N: int, V: int, element_size: int, block_n: int) -> int:
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
     """out (fp32 [M, N], contiguous) = (out if accumulate) + a [M, K] @ b [K, N], any strides."""
-
     M, K_ = a.shape
     N = b.shape[1]
     cfg = dict(linear_block_config(a.dtype)["matmul"])
@@ -263,10 +261,11 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, mask, advantages, 
         else:
             torch.addmm(bias, hidden[n], weight.T, out=x)
         r = logits_launch.forward(x.unsqueeze(0), ids[n].unsqueeze(0), opts=opts, mask=pick(mask, n),
-                    advantages=pick(advantages, n), old_logps=pick(old_logps, n), ref_logps=pick(ref_logps, n),
-                    importance_weights=pick(importance_weights, n), compute_entropy=compute_entropy,
-                    grad_weight=pick(grad_weight, n), grad_in_place=with_grad,
-                    entropy_grad_weight=pick(entropy_grad_weight, n) if with_grad else None)
+                                  advantages=pick(advantages, n), old_logps=pick(old_logps, n),
+                                  ref_logps=pick(ref_logps, n), importance_weights=pick(importance_weights, n),
+                                  compute_entropy=compute_entropy, grad_weight=pick(grad_weight, n),
+                                  grad_in_place=with_grad,
+                                  entropy_grad_weight=pick(entropy_grad_weight, n) if with_grad else None)
         for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):
             if getattr(out, name) is not None:
                 getattr(out, name)[n] = getattr(r, name)
@@ -284,7 +283,6 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
     of the logits into one reused workspace, then two products give the chunk's d hidden
     and add its share of d weight (fp32, in place).
     """
-
     N, H = hidden.shape
     V = weight.shape[0]
     cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
