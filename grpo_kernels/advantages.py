@@ -34,6 +34,7 @@ COMBINES = ("sum_then_normalize", "normalize_then_sum")
 class GroupAdvantages:
     advantages: torch.Tensor  # [B]
     zero_std_fraction: torch.Tensor  # 0-d: share of groups whose rewards are all equal (no signal)
+    zero_std_groups: torch.Tensor  # [groups] bool: which groups those are (what dynamic sampling drops)
 
 
 def _check_groups(rewards: torch.Tensor, group_size: int, name: str = "rewards") -> int:
@@ -129,7 +130,7 @@ def group_advantages(
         per_reward = [_normalize(rewards[:, k].contiguous(), group_size, std, eps, scale) for k in range(K)]
         advantages = sum(w[k] * adv for k, (adv, _) in enumerate(per_reward))
         zero_std = torch.stack([z for _, z in per_reward]).all(0)
-    return GroupAdvantages(advantages, zero_std.float().mean())
+    return GroupAdvantages(advantages, zero_std.float().mean(), zero_std)
 
 
 def process_advantages(

@@ -20,6 +20,7 @@ def test_groups_are_never_mixed_and_zero_std_fraction_counts_groups():
     out = group_advantages(rewards, 2)
     torch.testing.assert_close(out.advantages, torch.tensor([1.0, -1.0, 0.0, 0.0, -1.0, 1.0]), atol=1e-6, rtol=0)
     assert out.zero_std_fraction.item() == pytest.approx(1 / 3)
+    assert out.zero_std_groups.tolist() == [False, True, False]  # the groups dynamic sampling drops
 
 
 @pytest.mark.parametrize("std, eps", [("sample", 1e-4), ("sample", 1e-6)])  # TRL, verl

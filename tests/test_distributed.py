@@ -23,8 +23,9 @@ def _rollout(trainer, rows: slice) -> Rollout:
     completion_mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).long()
     advantages = torch.randn(ROWS, generator=g)
     rewards = torch.zeros(ROWS, 1)
+    n = len(range(ROWS)[rows])
     return Rollout(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows],
-                   advantages[rows], rewards[rows], torch.tensor(0.0))
+                   advantages[rows], rewards[rows], torch.zeros(n // GROUP, dtype=torch.bool), [{}] * n)
 
 
 def _gradients(loss_type: str, rows: slice):

@@ -240,3 +240,95 @@ def test_entropy_flags_from_the_command_line(tmp_path, capsys):
                      "--entropy-coef", "0.01", "--adaptive-entropy", "--entropy-target", "100"]) == 0
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [round(r["entropy_coef"], 4) for r in lines if "reward" in r] == [0.015, 0.02]
+
+
+def _scripted_reward(signal_every: int):
+    """A reward function whose groups (of 2) carry signal only for every ``signal_every``-th call: the other
+    calls score every completion 1.0, so all their groups are zero-std."""
+    calls = []
+
+    def scripted(prompts, completions, **_):
+        calls.append(len(completions))
+        if len(calls) % signal_every:
+            return [1.0] * len(completions)
+        return [float(i % 2) for i in range(len(completions))]
+
+    return scripted, calls
+
+
+def test_rollouts_select_and_concatenate_groups(tiny):
+    trainer = _trainer(tiny, max_new_tokens=6)
+    first, second = trainer.sample_groups(), trainer.sample_groups()
+    second.prompt_ids, second.prompt_mask = second.prompt_ids[:, 2:], second.prompt_mask[:, 2:]  # narrower
+    second.completion_ids, second.completion_mask = second.completion_ids[:, :3], second.completion_mask[:, :3]
+    both = type(first).concat([first, second], trainer.tokenizer.pad_token_id)
+    assert both.completion_ids.shape[0] == 8 and both.zero_std.shape == (4,) and len(both.rows) == 8
+    width = both.prompt_ids.shape[1]
+    assert width == first.prompt_ids.shape[1]
+    # the narrower prompts are padded on the left, the shorter completions on the right, masks 0 there
+    assert torch.equal(both.prompt_ids[4:, 2:], second.prompt_ids) and not both.prompt_mask[4:, :2].any()
+    T = second.completion_ids.shape[1]
+    assert torch.equal(both.completion_ids[4:, :T], second.completion_ids)
+    assert not both.completion_mask[4:, T:].any()
+    picked = both.groups(torch.tensor([False, True, False, True]))
+    assert torch.equal(picked.completion_ids[:2], both.completion_ids[2:4])
+    assert torch.equal(picked.advantages[2:], both.advantages[6:]) and picked.rows == both.rows[2:4] + both.rows[6:]
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(tiny):
+    reward, calls = _scripted_reward(signal_every=3)
+    trainer = _trainer(tiny, [reward], dynamic_sampling=True, max_sampling_rounds=5)
+    batch = trainer.rollout()
+    assert len(calls) == 3  # two rounds with no signal, the third fills the batch
+    assert not batch.update.zero_std.any() and batch.update.zero_std.shape == (2,)
+    assert batch.update.advantages.abs().min() > 0 and batch.sampled.zero_std.tolist() == [True] * 4 + [False] * 2
+    record = trainer.train_step()
+    assert record["groups_sampled"] == 6 and record["groups_kept"] == 2
+    assert record["zero_std_groups"] == pytest.approx(4 / 6)  # measured on everything sampled
+
+
+def test_dynamic_sampling_gives_up_after_its_rounds_and_still_steps(tiny):
+    reward, calls = _scripted_reward(signal_every=10 ** 6)  # never any signal
+    trainer = _trainer(tiny, [reward], dynamic_sampling=True, max_sampling_rounds=3)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    record = trainer.train_step()
+    assert len(calls) == 3 and record["groups_sampled"] == 6 and record["groups_kept"] == 0
+    assert record["zero_std_groups"] == 1.0 and all(torch.isfinite(torch.tensor(v)) for v in record.values())
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # zero advantages: no move
+    with pytest.raises(ValueError, match="max_sampling_rounds must be >= 1"):
+        TrainerConfig(max_sampling_rounds=0)
+
+
+def test_dynamic_sampling_with_process_supervision_labels_the_kept_groups(tiny):
+    reward, calls = _scripted_reward(signal_every=2)
+    trainer = _trainer(tiny, [reward], dynamic_sampling=True, process_rollouts=2, max_new_tokens=4)
+    batch = trainer.rollout()
+    assert batch.update.zero_std.shape == (2,) and not batch.update.zero_std.any()
+    assert batch.update.advantages.shape == batch.update.completion_mask.shape  # per-token advantages
+
+
+def test_steps_log_entropy_and_clip_ratios(tiny):
+    record = _trainer(tiny, num_iterations=2, epsilon_high=0.28).train_step()
+    assert {"entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl"} <= set(record)
+    assert record["entropy"] > 0 and "groups_sampled" not in record
+
+
+def test_seeds_command_reports_the_spread(tmp_path, capsys):
+    out = str(tmp_path / "seeds")
+    assert cli.main(["seeds", "--seeds", "2", "--first-seed", "3", "--jobs", "2", "--output-dir", out, "--",
+                     "--warmup-steps", "5", "--steps", "2", "--eval-size", "8", "--group-size", "2",
+                     "--prompts-per-step", "2", "--eval-every", "1", "--save-every", "0"]) == 0
+    printed = capsys.readouterr().out
+    result = json.load(open(os.path.join(out, "seeds.json")))
+    assert [r["seed"] for r in result["runs"]] == [3, 4]
+    for run in result["runs"]:
+        evals = [json.loads(line)["eval_accuracy"] for line in open(os.path.join(out, f"seed-{run['seed']}",
+                                                                               "metrics.jsonl"))
+                 if "eval_accuracy" in line]
+        assert len(evals) == 3 and run["final_eval_accuracy"] == evals[-1] and run["best_eval_accuracy"] == max(evals)
+        assert run["drop_from_best"] == pytest.approx(max(evals) - evals[-1])
+    finals = sorted(r["final_eval_accuracy"] for r in result["runs"])
+    assert result["final_eval_accuracy"] == {"min": finals[0], "median": sum(finals) / 2, "max": finals[1]}
+    assert "2 seeds, min / median / max" in printed and "seed 3:" in printed
+    with pytest.raises(ValueError, match="--seed is set per run"):
+        cli.main(["seeds", "--output-dir", out, "--", "--seed", "1"])

@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-iterations", type=int, default=DEFAULTS.num_iterations, help="mu: updates per batch")
     t.add_argument("--process-rollouts", type=int, default=0,
                    help="process supervision: label every token-step with N sampled completions (0: outcome)")
+    t.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=DEFAULTS.dynamic_sampling,
+                   help="DAPO's dynamic sampling: drop groups whose rewards are all equal, sample more prompts")
+    t.add_argument("--max-sampling-rounds", type=int, default=DEFAULTS.max_sampling_rounds,
+                   help="with --dynamic-sampling: at most this many batches of prompts a step")
     t.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
     t.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     t.add_argument("--fused-lm-head", action="store_true",
@@ -55,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output-dir", default="runs/grpo")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     t.add_argument("--no-progress", action="store_true", help="no progress bars (warm-up, GRPO steps, evaluation)")
+    s = sub.add_parser("seeds", help="one training command over several seeds: the spread of its results",
+                       description="Run `grpo-kernels train` once per seed and print the min / median / max "
+                                   "held-out accuracy, the largest drop from a run's best evaluation, the "
+                                   "zero-std share and the time. Training options go after `--`.")
+    s.add_argument("--seeds", type=int, default=5, help="how many seeds (default: 5)")
+    s.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, first-seed + 1, ... (default: 0)")
+    s.add_argument("--jobs", type=int, default=1, help="runs at a time, sharing the cores (default: 1)")
+    s.add_argument("--output-dir", default="runs/seeds", help="seed-N/ per run and seeds.json (default: runs/seeds)")
+    s.add_argument("train_args", nargs=argparse.REMAINDER, help="options for `grpo-kernels train`, after --")
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint")
     e.add_argument("checkpoint")
     _add_common(e)
@@ -138,8 +151,8 @@ def train(args) -> dict:
         learning_rate=args.lr, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
         loss_type=args.loss_type, num_iterations=args.num_iterations, process_rollouts=args.process_rollouts,
         fused_lm_head=args.fused_lm_head, entropy_coef=args.entropy_coef, adaptive_entropy=args.adaptive_entropy,
-        entropy_target=args.entropy_target,
-        temperature=args.temperature,
+        entropy_target=args.entropy_target, dynamic_sampling=args.dynamic_sampling,
+        max_sampling_rounds=args.max_sampling_rounds, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, seed=args.seed, eval_every=args.eval_every,
         save_every=args.save_every, output_dir=args.output_dir,
     )
@@ -204,10 +217,20 @@ def evaluate(args) -> dict:
     return result
 
 
+def seeds(args) -> dict:
+    from .seeds import format_summary, run_seeds
+
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    result = run_seeds(range(args.first_seed, args.first_seed + args.seeds), args.output_dir, train_args,
+                       jobs=args.jobs)
+    print(format_summary(result))
+    return result
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        (train if args.command == "train" else evaluate)(args)
+        {"train": train, "eval": evaluate, "seeds": seeds}[args.command](args)
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

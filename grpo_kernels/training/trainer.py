@@ -59,6 +59,11 @@ class TrainerConfig:
     entropy_coef_min: float = 0.0
     entropy_coef_max: float = 1.0
     entropy_coef_delta: float = 0.005
+    # DAPO's dynamic sampling (verl's filter_groups): groups whose rewards are all equal carry no
+    # signal and are dropped; more prompts are sampled, up to max_sampling_rounds batches of
+    # prompts_per_step, until prompts_per_step groups are kept (the update then takes those only)
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
     temperature: float = 1.0
     max_new_tokens: int = 8
     max_grad_norm: float = 1.0
@@ -74,6 +79,9 @@ class TrainerConfig:
         if self.prompts_per_step < 1 or self.steps < 0 or self.num_iterations < 1 or self.max_new_tokens < 1:
             raise ValueError(f"prompts_per_step, num_iterations and max_new_tokens must be >= 1 and steps >= 0, "
                              f"got {self.prompts_per_step}, {self.num_iterations}, {self.max_new_tokens}, {self.steps}")
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"max_sampling_rounds must be >= 1 (batches of prompts a step may sample), "
+                             f"got {self.max_sampling_rounds}")
 
 
 def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -100,17 +108,71 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_ranks_min(value: int) -> int:
+    """The smallest of every rank's ``value`` (the value itself outside torchrun)."""
+    if world()[1] == 1:
+        return value
+    t = torch.tensor([value])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _pad_to(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
+    """``t`` [B, W, ...] padded with ``value`` to [B, width, ...], on the left or the right."""
+    missing = width - t.shape[1]
+    if missing == 0:
+        return t
+    pad = t.new_full((t.shape[0], missing, *t.shape[2:]), value)
+    return torch.cat([pad, t] if left else [t, pad], 1)
+
+
 @dataclasses.dataclass
 class Rollout:
-    """One rank's generation batch: B = prompts x G rows."""
+    """One rank's generation batch: B = groups x G rows, the rows of a group consecutive."""
 
     prompt_ids: torch.Tensor  # [B, P] left-padded
     prompt_mask: torch.Tensor  # [B, P]
     completion_ids: torch.Tensor  # [B, T]
     completion_mask: torch.Tensor  # [B, T], 1 up to and including the first EOS
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B], or [B, T] with process supervision
     rewards: torch.Tensor  # [B, K], NaN where a reward function returned None
-    zero_std_fraction: torch.Tensor  # 0-d
+    zero_std: torch.Tensor  # [groups] bool: the groups whose rewards are all equal (no signal)
+    rows: List[Dict]  # [B]: the dataset row of each completion
+
+    def groups(self, keep: torch.Tensor) -> "Rollout":
+        """The rollout of the groups ``keep`` [groups] (bool) selects, in order."""
+        rows_kept = keep.repeat_interleave(self.completion_ids.shape[0] // keep.shape[0])
+        index = rows_kept.nonzero().squeeze(1)
+        return Rollout(*(t[index.to(t.device)] for t in (self.prompt_ids, self.prompt_mask, self.completion_ids,
+                                                         self.completion_mask, self.advantages, self.rewards)),
+                       self.zero_std[keep], [self.rows[i] for i in index.tolist()])
+
+    @staticmethod
+    def concat(parts: Sequence["Rollout"], pad_token_id: int) -> "Rollout":
+        """One rollout of several rounds' groups: prompts re-padded on the left, completions on the right."""
+        if len(parts) == 1:
+            return parts[0]
+        P = max(p.prompt_ids.shape[1] for p in parts)
+        T = max(p.completion_ids.shape[1] for p in parts)
+        cat = lambda tensors, width, value, left: torch.cat([_pad_to(t, width, value, left) for t in tensors])  # noqa: E731
+        per_token_advantages = parts[0].advantages.dim() == 2
+        return Rollout(cat([p.prompt_ids for p in parts], P, pad_token_id, True),
+                       cat([p.prompt_mask for p in parts], P, 0, True),
+                       cat([p.completion_ids for p in parts], T, pad_token_id, False),
+                       cat([p.completion_mask for p in parts], T, 0, False),
+                       cat([p.advantages for p in parts], T, 0.0, False) if per_token_advantages
+                       else torch.cat([p.advantages for p in parts]),
+                       torch.cat([p.rewards for p in parts]), torch.cat([p.zero_std for p in parts]),
+                       [row for p in parts for row in p.rows])
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """What one step trains on (``update``) and what it sampled to get it (``sampled``: every round's
+    groups, kept or not; the step's reward, accuracy and zero-std share are measured on these)."""
+
+    update: Rollout
+    sampled: Rollout
 
 
 class GRPOTrainer:
@@ -216,8 +278,9 @@ class GRPOTrainer:
         out, _ = self._completion_outputs(model, *inputs, logits_to_keep=T + 1)
         return out.logits if out.logits.shape[1] == T + 1 else out.logits[:, -(T + 1):]
 
-    def rollout(self) -> Rollout:
-        """Sample this rank's prompts, G completions each, score them, group advantages."""
+    def sample_groups(self) -> Rollout:
+        """Sample this rank's share of ``prompts_per_step`` prompts, G completions each, score them,
+        group advantages (outcome advantages: process labels come after any filtering)."""
         config, (_, size) = self.config, world()
         rows = [self.rng.choice(self.train_rows) for _ in range(config.prompts_per_step // size)]
         grouped = [row for row in rows for _ in range(config.group_size)]
@@ -225,12 +288,34 @@ class GRPOTrainer:
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         rewards = self.score(grouped, completions)
         adv = group_advantages(rewards, config.group_size, weights=self.reward_weights)
-        advantages = adv.advantages.to(self.device)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, adv.advantages.to(self.device),
+                       rewards, adv.zero_std_groups.cpu(), grouped)
+
+    def rollout(self) -> StepBatch:
+        """This step's groups. With ``dynamic_sampling``, batches of prompts are sampled until this
+        rank's share of ``prompts_per_step`` groups with unequal rewards is kept on every rank, or
+        ``max_sampling_rounds`` batches were sampled (then the update takes the groups kept so far;
+        if a rank kept none, its first group, whose zero advantages add nothing). With process
+        supervision the step labels are computed for the kept groups only."""
+        config = self.config
+        sampled = [self.sample_groups()]
+        update = sampled[0]
+        if config.dynamic_sampling:
+            wanted = sampled[0].zero_std.shape[0]
+            kept = [sampled[0].groups(~sampled[0].zero_std)]
+            count = lambda: sum(k.zero_std.shape[0] for k in kept)  # noqa: E731
+            while len(sampled) < config.max_sampling_rounds and all_ranks_min(count()) < wanted:
+                sampled.append(self.sample_groups())
+                kept.append(sampled[-1].groups(~sampled[-1].zero_std))
+            update = Rollout.concat(kept, self.tokenizer.pad_token_id) if count() else sampled[0]
+            if count() > wanted:
+                update = update.groups(torch.arange(update.zero_std.shape[0]) < wanted)
+            elif not count():
+                update = update.groups(torch.arange(wanted) < 1)
         if config.process_rollouts > 0:
-            step_rewards, step_end = self.step_labels(grouped, completion_ids, completion_mask)
-            advantages = process_advantages(step_rewards, step_end, completion_mask, config.group_size)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, rewards,
-                       adv.zero_std_fraction)
+            step_rewards, step_end = self.step_labels(update.rows, update.completion_ids, update.completion_mask)
+            update.advantages = process_advantages(step_rewards, step_end, update.completion_mask, config.group_size)
+        return StepBatch(update, Rollout.concat(sampled, self.tokenizer.pad_token_id))
 
     @torch.no_grad()
     def step_labels(self, grouped: List[Dict], completion_ids: torch.Tensor, completion_mask: torch.Tensor):
@@ -314,7 +399,8 @@ class GRPOTrainer:
 
     def train_step(self) -> Dict[str, float]:
         config, size = self.config, world()[1]
-        r = self.rollout()
+        batch = self.rollout()
+        r = batch.update
         inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
         old_logps = ref_logps = None
         with torch.no_grad():
@@ -331,14 +417,23 @@ class GRPOTrainer:
             self.optimizer.step()
         self.step += 1
 
-        weights = torch.tensor(self._weights(r.rewards))
-        stats = torch.stack([r.rewards.nan_to_num(0.0).mul(weights).sum(1).mean(),
-                             r.rewards[:, 0].nan_to_num(0.0).mean(), r.zero_std_fraction,
-                             r.completion_mask.sum().float().cpu() / r.completion_mask.shape[0],
-                             metrics.get("kl", torch.tensor(0.0)).cpu(), loss.cpu()])
-        reward, accuracy, zero_std, length, kl, loss_value = (all_reduce_sum(stats) / size).tolist()
-        record = {"step": self.step, "reward": reward, "accuracy": accuracy, "kl": kl, "loss": loss_value,
-                  "zero_std_groups": zero_std, "completion_length": length, "grad_norm": float(grad_norm)}
+        # reward, accuracy, zero-std share and length of everything sampled; the loss's metrics (KL,
+        # entropy, clip ratios) of the update; all averaged over ranks
+        s = batch.sampled
+        weights = torch.tensor(self._weights(s.rewards))
+        loss_metrics = {name: value.detach().float().cpu() for name, value in sorted(metrics.items())}
+        loss_metrics.setdefault("kl", torch.tensor(0.0))
+        stats = torch.stack([s.rewards.nan_to_num(0.0).mul(weights).sum(1).mean(),
+                             s.rewards[:, 0].nan_to_num(0.0).mean(), s.zero_std.float().mean(),
+                             s.completion_mask.sum().float().cpu() / s.completion_mask.shape[0], loss.cpu(),
+                             *loss_metrics.values()])
+        reward, accuracy, zero_std, length, loss_value, *metric_values = (all_reduce_sum(stats) / size).tolist()
+        record = {"step": self.step, "reward": reward, "accuracy": accuracy, "loss": loss_value,
+                  "zero_std_groups": zero_std, "completion_length": length, "grad_norm": float(grad_norm),
+                  **dict(zip(loss_metrics, metric_values))}
+        if config.dynamic_sampling:  # over all ranks
+            groups = all_reduce_sum(torch.tensor([s.zero_std.shape[0], int((~r.zero_std).sum())])).tolist()
+            record.update(groups_sampled=groups[0], groups_kept=groups[1])
         if self.entropy_control is not None:
             record.update(entropy_coef=self.entropy_control.coef, entropy=self.entropy_control.last_world_entropy)
         return record

@@ -1,0 +1,112 @@
+"""``grpo-kernels seeds``: one training command over several seeds, judged by its spread.
+
+RL turns a last-bit difference in floating point (another CPU, another BLAS) into another
+trajectory within a few steps, so one run says little about a recipe: this runs ``grpo-kernels
+train`` once per seed (``--jobs`` at a time, the cores shared among them) and reports, per seed
+and as minimum / median / maximum, the held-out accuracy at the start and the end, the best
+evaluation and how far the end fell below it (a collapse), the zero-std share of the last steps
+and the time. Each run keeps its own folder (``seed-N/``: metrics, curves, checkpoints, log);
+the table goes to ``seeds.json`` beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Sequence
+
+LAST_STEPS = 10  # the zero-std share at the end: the mean over this many last steps
+
+
+def run_summary(metrics_path: str) -> Dict[str, float]:
+    """One run's figures from its ``metrics.jsonl``."""
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    evals = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]
+    steps = [r for r in records if "reward" in r]
+    tail = steps[-LAST_STEPS:]
+    return {
+        "first_eval_accuracy": evals[0] if evals else None,
+        "final_eval_accuracy": evals[-1] if evals else None,
+        "best_eval_accuracy": max(evals) if evals else None,
+        "drop_from_best": max(evals) - evals[-1] if evals else None,
+        "final_zero_std_groups": sum(r["zero_std_groups"] for r in tail) / len(tail) if tail else None,
+        "steps": steps[-1]["step"] if steps else 0,
+    }
+
+
+def spread(values: Sequence[float]) -> Dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def _train_one(seed: int, output_dir: str, train_args: Sequence[str], threads: int) -> Dict[str, float]:
+    run_dir = os.path.join(output_dir, f"seed-{seed}")
+    os.makedirs(run_dir, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "grpo_kernels", "train", *train_args, "--seed", str(seed),
+               "--output-dir", run_dir, "--no-progress"]
+    started = time.time()
+    with open(os.path.join(run_dir, "train.log"), "w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"seed {seed}: `{' '.join(command)}` exited with {done.returncode}; "
+                           f"see {os.path.join(run_dir, 'train.log')}")
+    return {"seed": seed, **run_summary(os.path.join(run_dir, "metrics.jsonl")),
+            "seconds": round(time.time() - started, 1)}
+
+
+def run_seeds(seeds: Sequence[int], output_dir: str, train_args: Sequence[str], jobs: int = 1) -> Dict:
+    """Train once per seed (``jobs`` at a time) and summarize; writes ``output_dir/seeds.json``."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if not seeds:
+        raise ValueError("seeds must name at least one seed, got none")
+    for flag in ("--seed", "--output-dir"):
+        if any(a == flag or a.startswith(flag + "=") for a in train_args):
+            raise ValueError(f"{flag} is set per run by `grpo-kernels seeds`; drop it from the training arguments")
+    os.makedirs(output_dir, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // min(jobs, len(seeds)))
+    started = time.time()
+    runs: List[Dict] = []
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for run in pool.map(lambda s: _train_one(s, output_dir, train_args, threads), seeds):
+            runs.append(run)
+            print(format_run(run), flush=True)
+    finals = [r["final_eval_accuracy"] for r in runs]
+    result = {
+        "train_args": list(train_args), "jobs": jobs, "threads_per_run": threads, "runs": runs,
+        "final_eval_accuracy": spread(finals),
+        "first_eval_accuracy": spread([r["first_eval_accuracy"] for r in runs]),
+        "largest_drop_from_best": max(r["drop_from_best"] for r in runs),
+        "final_zero_std_groups": spread([r["final_zero_std_groups"] for r in runs]),
+        "seconds_per_run": spread([r["seconds"] for r in runs]),
+        "wall_seconds": round(time.time() - started, 1),
+    }
+    with open(os.path.join(output_dir, "seeds.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def format_run(run: Dict) -> str:
+    return (f"seed {run['seed']}: {100 * run['first_eval_accuracy']:.1f} % -> {100 * run['final_eval_accuracy']:.1f} %"
+            f" (best {100 * run['best_eval_accuracy']:.1f} %), zero-std share at the end "
+            f"{100 * run['final_zero_std_groups']:.0f} %, {run['seconds']:.0f} s")
+
+
+def format_summary(result: Dict) -> str:
+    pct = lambda d: f"{100 * d['min']:.1f} / {100 * d['median']:.1f} / {100 * d['max']:.1f} %"  # noqa: E731
+    secs = result["seconds_per_run"]
+    return "\n".join([
+        f"{len(result['runs'])} seeds, min / median / max:",
+        f"  held-out accuracy at step 0   {pct(result['first_eval_accuracy'])}",
+        f"  held-out accuracy at the end  {pct(result['final_eval_accuracy'])}",
+        f"  largest drop from a seed's best evaluation  {100 * result['largest_drop_from_best']:.1f} points",
+        f"  zero-std share, last {LAST_STEPS} steps  {pct(result['final_zero_std_groups'])}",
+        f"  time per run  {secs['min']:.0f} / {secs['median']:.0f} / {secs['max']:.0f} s "
+        f"({result['jobs']} at a time, {result['threads_per_run']} threads each; {result['wall_seconds']:.0f} s in all)",
+    ])
