@@ -197,8 +197,16 @@ def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) ->
     if opts.loss_type == "dr_grpo":
         return mask / (B * opts.max_completion_length)
     if opts.loss_type in TOKEN_COUNT_LOSS_TYPES:
-        return mask / (active_token_count(mask) if normalizer is None else normalizer)
+        return mask / (active_token_count(mask) if normalizer is None else _nonzero(normalizer))
     return mask / B  # luspo
+
+
+def _nonzero(normalizer):
+    """A normalizer of 0 comes only with no active token (validation checks it): every weight is 0 then,
+    and it divides as 1 so that they stay 0 rather than 0 / 0."""
+    if isinstance(normalizer, torch.Tensor):
+        return torch.where(normalizer == 0, torch.ones_like(normalizer), normalizer)
+    return normalizer if normalizer != 0 else 1
 
 
 def reduce_loss(

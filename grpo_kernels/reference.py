@@ -181,7 +181,10 @@ def _token_weight_denominator(seq: _Sequence, rows: List[_Sequence], opts: GRPOO
     if opts.loss_type == "dr_grpo":
         return B * opts.max_completion_length
     if opts.loss_type in ("dapo", "cispo", "vespo"):
-        return all_tokens if normalizer is None else normalizer
+        if normalizer is None:
+            return all_tokens
+        # 0 is a valid normalizer only with no active token, where every numerator is 0: the loss is 0
+        return normalizer if float(normalizer) != 0 else 1.0
     return B  # luspo: each row's token sum, then the mean over rows
 
 

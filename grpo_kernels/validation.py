@@ -44,7 +44,8 @@ def check_token_ids(ids, logits: torch.Tensor, check_range: bool, *, mask=None, 
         return
     checked = ids if mask is None else torch.where(mask != 0, ids, 0)
     stats = [v.reshape(1).double().to(ids.device) for v in torch.aminmax(checked)] if ids.numel() else []
-    if isinstance(normalizer, torch.Tensor):
+    if isinstance(normalizer, torch.Tensor):  # its value, and the active tokens a normalizer of 0 needs none of
+        stats.append(_active_tokens(mask, ids).reshape(1).double().to(ids.device))
         stats.append(normalizer.detach().reshape(1).double().to(ids.device))
     values = torch.cat(stats).tolist() if stats else []  # the one host sync
     if ids.numel():
@@ -56,13 +57,24 @@ def check_token_ids(ids, logits: torch.Tensor, check_range: bool, *, mask=None, 
                 "(masked positions may hold any id, -100 included)"
             )
     if isinstance(normalizer, torch.Tensor):
-        _check_normalizer_value(values[-1])
+        _check_normalizer_value(values[-1], lambda: int(values[-2]))
 
 
-def _check_normalizer_value(value) -> None:
+def _active_tokens(mask, like: torch.Tensor) -> torch.Tensor:
+    """The number of active tokens (``mask != 0``; every position without a mask), as a 0-d tensor."""
+    return (mask != 0).sum() if mask is not None else torch.tensor(like.numel())
+
+
+def _check_normalizer_value(value, active_tokens) -> None:
+    """A token count: positive and finite, or 0 for a batch with no active token (``active_tokens()``
+    counts them), whose loss and gradient are then 0, as with TRL's count clamped to 1."""
+    active = active_tokens() if value == 0 else None
+    if active == 0:
+        return
     if not (math.isfinite(value) and value > 0):
+        zero = "" if active is None else f"; 0 is accepted only for a batch with no active token, this one has {active}"
         raise ValueError(f"normalizer must be a positive, finite token count, got {value!r} (TRL clamps its "
-                         "num_items_in_batch to at least 1 before dividing by the process count; do the same)")
+                         f"num_items_in_batch to at least 1 before dividing by the process count; do the same){zero}")
 
 
 def check_per_token(name: str, t, logits: torch.Tensor, *, allow_row: bool, allow_bool=False, allow_int=False):
@@ -112,8 +124,8 @@ def check_inputs(
                 raise TypeError(f"normalizer must be a real number tensor, got {normalizer.dtype}")
         elif isinstance(normalizer, bool) or not isinstance(normalizer, (int, float)):
             raise ValueError(f"normalizer must be a positive number (a token count), got {normalizer!r}")
-        else:
-            _check_normalizer_value(normalizer)
+        else:  # a Python number: checked at once (a host sync only to count the tokens behind a 0)
+            _check_normalizer_value(normalizer, lambda: int(_active_tokens(completion_mask, completion_ids)))
     check_token_ids(completion_ids, logits, check_ids, mask=completion_mask, normalizer=normalizer)
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from helpers import assert_close
 
-from grpo_kernels import GRPOLoss, fused_linear_grpo_loss, grpo_loss
+from grpo_kernels import (GRPOLoss, fused_linear_grpo_loss, grpo_loss, grpo_loss_reference,
+                          selective_log_softmax_and_entropy, token_entropy, token_logprobs)
 
 # The garbage is meant: numpy's warnings about NaN and inf arithmetic in Triton's interpreter are expected.
 pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
@@ -330,3 +331,111 @@ def test_a_non_finite_active_input_stays_in_its_row(path, poison):
     other_rows[1, 1] = False
     assert_close(f"other rows {path}", expected_grad[other_rows], logits.grad[other_rows], atol=1e-7, rtol=1e-4)
 
+
+
+# ----- the last bad inputs: an empty batch's normalizer of 0, a vocabulary of one token -----------------
+
+
+def _lm_head_paths():
+    return [("torch", "recompute"), ("triton", "recompute"), ("triton", "three_products")]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
+@pytest.mark.parametrize("zero", ["python", "tensor"])
+def test_a_normalizer_of_zero_with_no_active_token_gives_a_zero_loss_and_gradient(loss_type, zero):
+    """A micro-batch whose completions are all empty: TRL's count clamps to 1 and gives 0; so does a count
+    of 0, on every path (logits, packed, the fused lm_head), where 0 / 0 would have given NaN."""
+    d = _small_batch(seed=8)
+    d["mask"].zero_()
+    expected = grpo_loss_reference(d["logits"], d["ids"], d["mask"], d["adv"], d["old"], normalizer=0.0,
+                                   loss_type=loss_type)
+    assert expected.loss == 0
+    for path in PATHS:
+        backend = "torch" if path == "torch" else "triton"
+        dev = _device(backend)
+        normalizer = 0 if zero == "python" else torch.tensor(0.0, device=dev)
+        logits = d["logits"].to(dev, copy=True).requires_grad_()
+        ids, mask, adv, old = _to(dev, d["ids"], d["mask"], d["adv"], d["old"])
+        out = grpo_loss(logits, ids, mask, adv, old, normalizer=normalizer, loss_type=loss_type, backend=backend,
+                        one_pass=path == "triton_one_pass")
+        out.loss.backward()
+        assert out.loss.item() == 0 and torch.equal(logits.grad, torch.zeros_like(logits)), path
+        # the same batch packed: three empty sequences of 4 tokens
+        packed = d["logits"].reshape(-1, d["logits"].shape[-1]).to(dev, copy=True).requires_grad_()
+        cu = torch.tensor([0, 4, 8, 12], device=dev)
+        out = grpo_loss(packed, ids.reshape(-1), mask.reshape(-1), adv, old.reshape(-1), normalizer=normalizer,
+                        loss_type=loss_type, backend=backend, cu_seqlens=cu, one_pass=path == "triton_one_pass")
+        out.loss.backward()
+        assert out.loss.item() == 0 and torch.equal(packed.grad, torch.zeros_like(packed)), f"packed {path}"
+    g = torch.Generator().manual_seed(9)
+    hidden, weight = torch.randn(3, 4, 8, generator=g), torch.randn(33, 8, generator=g)
+    for backend, mode in _lm_head_paths():
+        dev = _device(backend)
+        normalizer = 0 if zero == "python" else torch.tensor(0.0, device=dev)
+        h, w = (t.to(dev, copy=True).requires_grad_() for t in (hidden, weight))
+        out = fused_linear_grpo_loss(h, w, *_to(dev, d["ids"], d["mask"], d["adv"], d["old"]), normalizer=normalizer,
+                                     loss_type=loss_type, backend=backend, lm_head_mode=mode)
+        out.loss.backward()
+        assert out.loss.item() == 0 and not h.grad.any() and not w.grad.any(), f"lm_head {backend} {mode}"
+
+
+@pytest.mark.parametrize("zero", [0, 0.0, torch.tensor(0)])
+def test_a_normalizer_of_zero_with_active_tokens_is_still_refused(zero):
+    d = _small_batch(seed=8)
+    with pytest.raises(ValueError, match="0 is accepted only for a batch with no active token, this one has 11"):
+        grpo_loss(d["logits"], d["ids"], d["mask"], d["adv"], normalizer=zero, loss_type="dapo")
+
+
+ONE_TOKEN_CASES = {"kl": dict(beta=0.1), "entropy_bonus": dict(loss_type="dapo", entropy_coef=0.05),
+                   "cispo_sequence": dict(importance_sampling_level="sequence", loss_type="cispo")}
+
+
+# the sequence level has one Triton path (two-pass): no one-pass case for it
+@pytest.mark.parametrize("path, options", [
+    pytest.param(path, options, id=f"{path}-{name}") for name, options in ONE_TOKEN_CASES.items() for path in PATHS
+    if not (path == "triton_one_pass" and options.get("importance_sampling_level") == "sequence")])
+def test_a_vocabulary_of_one_token_works_on_every_path(path, options):
+    """V = 1: every log-prob is 0 and the entropy 0; the loss is the reference's and the gradient 0."""
+    backend = "torch" if path == "torch" else "triton"
+    dev = _device(backend)
+    d = _small_batch(seed=10, V=1)
+    d["old"], d["ref"] = 0.3 * torch.randn(3, 4), 0.2 * torch.randn(3, 4)
+    expected = grpo_loss_reference(d["logits"].double(), d["ids"], d["mask"], d["adv"].double(), d["old"].double(),
+                                   d["ref"].double(), **options)
+    logits = d["logits"].to(dev, copy=True).requires_grad_()
+    ids, mask, adv, old, ref = _to(dev, d["ids"], d["mask"], d["adv"], d["old"], d["ref"])
+    out = grpo_loss(logits, ids, mask, adv, old, ref if options.get("beta") else None, backend=backend,
+                    one_pass=path == "triton_one_pass", **options)
+    out.loss.backward()
+    assert_close(f"loss {path}", expected.loss, out.loss, atol=1e-6, rtol=1e-6)
+    # 0 up to fp32 rounding: the kernels take the log-sum-exp in base 2
+    assert_close(f"logps {path}", torch.zeros(3, 4), out.per_token_logps, atol=2e-7, rtol=0)
+    assert_close(f"dlogits {path}", torch.zeros(3, 4, 1), logits.grad, atol=1e-7, rtol=0)
+    for name, value in expected.metrics.items():
+        assert_close(f"{name} {path}", value, out.metrics[name], atol=1e-6, rtol=1e-6)
+    x = d["logits"].to(dev, copy=True).requires_grad_()
+    lp, entropy = selective_log_softmax_and_entropy(x, ids, backend=backend)
+    (lp.sum() + entropy.sum()).backward()
+    for name, value in [("log-probs", lp), ("entropy", entropy), ("their gradient", x.grad),
+                        ("token_logprobs", token_logprobs(x.detach(), ids, backend=backend)),
+                        ("token_entropy", token_entropy(x.detach(), backend=backend))]:
+        assert_close(f"{name} {path}", torch.zeros_like(value), value, atol=2e-7, rtol=0)
+
+
+@pytest.mark.parametrize("backend, mode", _lm_head_paths())
+def test_a_vocabulary_of_one_token_works_from_hidden_states(backend, mode):
+    d = _small_batch(seed=11, V=1)
+    g = torch.Generator().manual_seed(11)
+    hidden, weight = torch.randn(3, 4, 8, generator=g), torch.randn(1, 8, generator=g)
+    d["old"] = 0.3 * torch.randn(3, 4, generator=g)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    expected = grpo_loss_reference(h64 @ w64.T, d["ids"], d["mask"], d["adv"].double(), d["old"].double())
+    expected.loss.backward()
+    dev = _device(backend)
+    h, w = (t.to(dev, copy=True).requires_grad_() for t in (hidden, weight))
+    out = fused_linear_grpo_loss(h, w, *_to(dev, d["ids"], d["mask"], d["adv"], d["old"]), backend=backend,
+                                 lm_head_mode=mode)
+    out.loss.backward()
+    assert_close(f"loss {backend} {mode}", expected.loss, out.loss, atol=1e-6, rtol=1e-6)
+    assert_close("d hidden", h64.grad, h.grad, atol=1e-7, rtol=0)
+    assert_close("d weight", w64.grad, w.grad, atol=1e-7, rtol=0)

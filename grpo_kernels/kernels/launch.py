@@ -29,7 +29,8 @@ def block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
     two 128-bit loads. The loop runs ceil(V / BLOCK_V) times: 38 at V = 151,936 in bf16.
     """
     max_block = 4096 if element_size <= 2 else 2048
-    block = min(max_block, triton.next_power_of_2(vocab_size))
+    # at least 2: the kernels fold each block as two halves (V = 1 then runs as one masked half block)
+    block = max(2, min(max_block, triton.next_power_of_2(vocab_size)))
     elements_per_128_bits = 16 // element_size
     num_warps = max(1, min(8, block // (32 * elements_per_128_bits * 2)))
     return {"BLOCK_V": block, "num_warps": num_warps}
