@@ -23,7 +23,7 @@ import torch
 from grpo_kernels.training.reward_model import RewardModelReward, preference_accuracy, train_reward_model
 from grpo_kernels.training.rewards import numeric_match
 from grpo_kernels.training.tasks import compare
-from grpo_kernels.training.trainer import GRPOTrainer, TrainerConfig, append_jsonl
+from grpo_kernels.training.trainer import RECIPE, GRPOTrainer, TrainerConfig, append_jsonl
 
 
 def pairs(rows):
@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rm-steps", type=int, default=300)
     parser.add_argument("--grpo-steps", type=int, default=150)
-    parser.add_argument("--warmup-steps", type=int, default=600)
+    parser.add_argument("--warmup-steps", type=int, default=compare.WARMUP_STEPS)
     parser.add_argument("--eval-size", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="runs/rm-grpo")
@@ -63,8 +63,8 @@ def main(argv=None) -> dict:
 
     policy = compare.build_model(tokenizer, seed=args.seed)
     compare.warmup(policy, tokenizer, steps=args.warmup_steps, seed=args.seed)
-    config = TrainerConfig(group_size=8, prompts_per_step=32, steps=args.grpo_steps, learning_rate=5e-4,
-                           epsilon_high=0.28, eval_every=50, save_every=0, output_dir=args.output_dir)
+    config = TrainerConfig(**{**RECIPE, "steps": args.grpo_steps, "eval_every": 50, "save_every": 0,
+                              "seed": args.seed, "output_dir": args.output_dir})
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if os.path.exists(metrics_path):
         os.remove(metrics_path)

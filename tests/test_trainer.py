@@ -278,7 +278,7 @@ def test_rollouts_select_and_concatenate_groups(tiny):
 def test_dynamic_sampling_keeps_only_groups_with_signal(tiny):
     reward, calls = _scripted_reward(signal_every=3)
     trainer = _trainer(tiny, [reward], dynamic_sampling=True, max_sampling_rounds=5)
-    batch = trainer.rollout()
+    batch = trainer.sample_step()
     assert len(calls) == 3  # two rounds with no signal, the third fills the batch
     assert not batch.update.zero_std.any() and batch.update.zero_std.shape == (2,)
     assert batch.update.advantages.abs().min() > 0 and batch.sampled.zero_std.tolist() == [True] * 4 + [False] * 2
@@ -302,7 +302,7 @@ def test_dynamic_sampling_gives_up_after_its_rounds_and_still_steps(tiny):
 def test_dynamic_sampling_with_process_supervision_labels_the_kept_groups(tiny):
     reward, calls = _scripted_reward(signal_every=2)
     trainer = _trainer(tiny, [reward], dynamic_sampling=True, process_rollouts=2, max_new_tokens=4)
-    batch = trainer.rollout()
+    batch = trainer.sample_step()
     assert batch.update.zero_std.shape == (2,) and not batch.update.zero_std.any()
     assert batch.update.advantages.shape == batch.update.completion_mask.shape  # per-token advantages
 
@@ -332,3 +332,18 @@ def test_seeds_command_reports_the_spread(tmp_path, capsys):
     assert "2 seeds, min / median / max" in printed and "seed 3:" in printed
     with pytest.raises(ValueError, match="--seed is set per run"):
         cli.main(["seeds", "--output-dir", out, "--", "--seed", "1"])
+
+
+def test_samples_of_a_prompt_share_its_prefill(tiny):
+    """generate(prompts, samples_per_prompt=n) runs each prompt's prefill once and continues n samples from
+    it: greedy, it gives what generating the repeated prompts gives, left padding included."""
+    trainer = _trainer(tiny, max_new_tokens=6)
+    rows = trainer.train_rows
+    prompts = [rows[0]["prompt"], rows[1]["prompt"][5:], rows[2]["prompt"][9:]]
+    shared = trainer.generate(prompts, greedy=True, samples_per_prompt=3)
+    repeated = trainer.generate([p for p in prompts for _ in range(3)], greedy=True)
+    assert shared[1][:, 0].tolist() == [1] * 3 + [0] * 6  # the shorter prompts are left-padded
+    for a, b in zip(shared, repeated):
+        assert torch.equal(a, b)
+    ids, mask = trainer.generate(prompts, samples_per_prompt=4)[2:]
+    assert ids.shape[0] == 12 and mask.shape == ids.shape

@@ -11,10 +11,10 @@ from typing import List, Optional
 
 import torch
 
-from .tasks import TASKS, get_task
-from .trainer import GRPOTrainer, TrainerConfig, append_jsonl, latest_checkpoint, world
+from .tasks import TASKS, compare, get_task
+from .trainer import RECIPE, GRPOTrainer, TrainerConfig, append_jsonl, latest_checkpoint, world
 
-DEFAULTS = TrainerConfig()
+DEFAULTS = TrainerConfig(**RECIPE)  # the built-in task's recipe
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -31,18 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(t)
     t.add_argument("--model", default=None, help="a local Hugging Face causal LM folder (default: built-in tiny model)")
     t.add_argument("--group-size", type=int, default=DEFAULTS.group_size)
-    t.add_argument("--prompts-per-step", type=int, default=32)
-    t.add_argument("--steps", type=int, default=200)
-    t.add_argument("--lr", type=float, default=5e-4)
-    t.add_argument("--beta", type=float, default=0.0, help="KL coefficient (a frozen reference copy when > 0)")
+    t.add_argument("--prompts-per-step", type=int, default=DEFAULTS.prompts_per_step)
+    t.add_argument("--steps", type=int, default=DEFAULTS.steps)
+    t.add_argument("--lr", type=float, default=DEFAULTS.learning_rate)
+    t.add_argument("--beta", type=float, default=DEFAULTS.beta,
+                   help=f"KL coefficient (a frozen reference copy when > 0; default: {DEFAULTS.beta})")
     t.add_argument("--epsilon", type=float, default=DEFAULTS.epsilon)
-    t.add_argument("--epsilon-high", type=float, default=0.28, help="clip-higher (DAPO) keeps exploring")
+    t.add_argument("--epsilon-high", type=float, default=DEFAULTS.epsilon_high, help="clip-higher (DAPO)")
     t.add_argument("--loss-type", default=DEFAULTS.loss_type)
     t.add_argument("--num-iterations", type=int, default=DEFAULTS.num_iterations, help="mu: updates per batch")
     t.add_argument("--process-rollouts", type=int, default=0,
                    help="process supervision: label every token-step with N sampled completions (0: outcome)")
     t.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=DEFAULTS.dynamic_sampling,
-                   help="DAPO's dynamic sampling: drop groups whose rewards are all equal, sample more prompts")
+                   help="DAPO's dynamic sampling: drop groups whose rewards are all equal, sample more prompts "
+                        "(default: on)")
     t.add_argument("--max-sampling-rounds", type=int, default=DEFAULTS.max_sampling_rounds,
                    help="with --dynamic-sampling: at most this many batches of prompts a step")
     t.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
@@ -53,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--adaptive-entropy", action="store_true",
                    help="TRL's adaptive controller: move --entropy-coef toward --entropy-target each step")
     t.add_argument("--entropy-target", type=float, default=DEFAULTS.entropy_target)
-    t.add_argument("--warmup-steps", type=int, default=600, help="format-only supervised warm-up (built-in model)")
-    t.add_argument("--eval-every", type=int, default=25)
+    t.add_argument("--warmup-steps", type=int, default=compare.WARMUP_STEPS,
+                   help=f"format-only supervised warm-up steps of 32 examples (built-in model; default: "
+                        f"{compare.WARMUP_STEPS})")
+    t.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every)
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--output-dir", default="runs/grpo")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
@@ -67,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, first-seed + 1, ... (default: 0)")
     s.add_argument("--jobs", type=int, default=1, help="runs at a time, sharing the cores (default: 1)")
     s.add_argument("--output-dir", default="runs/seeds", help="seed-N/ per run and seeds.json (default: runs/seeds)")
+    s.add_argument("--script", default=None,
+                   help="a Python script to run instead of `grpo-kernels train` (e.g. examples/reward_model_grpo.py); "
+                        "it takes --seed and --output-dir and writes metrics.jsonl there")
     s.add_argument("train_args", nargs=argparse.REMAINDER, help="options for `grpo-kernels train`, after --")
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint")
     e.add_argument("checkpoint")
@@ -222,7 +229,7 @@ def seeds(args) -> dict:
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     result = run_seeds(range(args.first_seed, args.first_seed + args.seeds), args.output_dir, train_args,
-                       jobs=args.jobs)
+                       jobs=args.jobs, script=args.script)
     print(format_summary(result))
     return result
 

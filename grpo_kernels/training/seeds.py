@@ -5,7 +5,8 @@ trajectory within a few steps, so one run says little about a recipe: this runs 
 train`` once per seed (``--jobs`` at a time, the cores shared among them) and reports, per seed
 and as minimum / median / maximum, the held-out accuracy at the start and the end, the best
 evaluation and how far the end fell below it (a collapse), the zero-std share of the last steps
-and the time. Each run keeps its own folder (``seed-N/``: metrics, curves, checkpoints, log);
+and the time (``--script`` runs another training script the same way, such as the reward-model
+example). Each run keeps its own folder (``seed-N/``: metrics, curves, checkpoints, log);
 the table goes to ``seeds.json`` beside them.
 """
 
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 LAST_STEPS = 10  # the zero-std share at the end: the mean over this many last steps
 
@@ -44,12 +45,13 @@ def spread(values: Sequence[float]) -> Dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def _train_one(seed: int, output_dir: str, train_args: Sequence[str], threads: int) -> Dict[str, float]:
+def _train_one(seed: int, output_dir: str, train_args: Sequence[str], threads: int,
+               script: Optional[str]) -> Dict[str, float]:
     run_dir = os.path.join(output_dir, f"seed-{seed}")
     os.makedirs(run_dir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "grpo_kernels", "train", *train_args, "--seed", str(seed),
-               "--output-dir", run_dir, "--no-progress"]
+    program = [script] if script else ["-m", "grpo_kernels", "train", "--no-progress"]
+    command = [sys.executable, *program, *train_args, "--seed", str(seed), "--output-dir", run_dir]
     started = time.time()
     with open(os.path.join(run_dir, "train.log"), "w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -60,8 +62,12 @@ def _train_one(seed: int, output_dir: str, train_args: Sequence[str], threads: i
             "seconds": round(time.time() - started, 1)}
 
 
-def run_seeds(seeds: Sequence[int], output_dir: str, train_args: Sequence[str], jobs: int = 1) -> Dict:
-    """Train once per seed (``jobs`` at a time) and summarize; writes ``output_dir/seeds.json``."""
+def run_seeds(seeds: Sequence[int], output_dir: str, train_args: Sequence[str], jobs: int = 1,
+              script: Optional[str] = None) -> Dict:
+    """Train once per seed (``jobs`` at a time) and summarize; writes ``output_dir/seeds.json``.
+
+    ``script``: a Python script to run instead of ``grpo-kernels train`` (the reward-model example), which
+    takes ``--seed`` and ``--output-dir`` and writes the trainer's ``metrics.jsonl`` there."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     if not seeds:
@@ -74,12 +80,13 @@ def run_seeds(seeds: Sequence[int], output_dir: str, train_args: Sequence[str], 
     started = time.time()
     runs: List[Dict] = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for run in pool.map(lambda s: _train_one(s, output_dir, train_args, threads), seeds):
+        for run in pool.map(lambda s: _train_one(s, output_dir, train_args, threads, script), seeds):
             runs.append(run)
             print(format_run(run), flush=True)
     finals = [r["final_eval_accuracy"] for r in runs]
     result = {
-        "train_args": list(train_args), "jobs": jobs, "threads_per_run": threads, "runs": runs,
+        "command": script or "grpo-kernels train", "train_args": list(train_args), "jobs": jobs,
+        "threads_per_run": threads, "runs": runs,
         "final_eval_accuracy": spread(finals),
         "first_eval_accuracy": spread([r["first_eval_accuracy"] for r in runs]),
         "largest_drop_from_best": max(r["drop_from_best"] for r in runs),
@@ -108,5 +115,6 @@ def format_summary(result: Dict) -> str:
         f"  largest drop from a seed's best evaluation  {100 * result['largest_drop_from_best']:.1f} points",
         f"  zero-std share, last {LAST_STEPS} steps  {pct(result['final_zero_std_groups'])}",
         f"  time per run  {secs['min']:.0f} / {secs['median']:.0f} / {secs['max']:.0f} s "
-        f"({result['jobs']} at a time, {result['threads_per_run']} threads each; {result['wall_seconds']:.0f} s in all)",
+        f"({result['jobs']} at a time, {result['threads_per_run']} threads each; "
+        f"{result['wall_seconds']:.0f} s in all)",
     ])

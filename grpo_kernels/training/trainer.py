@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -82,6 +83,14 @@ class TrainerConfig:
         if self.max_sampling_rounds < 1:
             raise ValueError(f"max_sampling_rounds must be >= 1 (batches of prompts a step may sample), "
                              f"got {self.max_sampling_rounds}")
+
+
+# The recipe of `grpo-kernels train` and the examples on the built-in task, chosen by its spread over seeds
+# (README, "The trainer and the built-in task"): the KL term keeps the warmed-up model's copying of the
+# chosen number while the choice moves, and dynamic sampling fills each update with groups that carry
+# signal. TrainerConfig's own defaults stay plain GRPO.
+RECIPE = dict(group_size=8, prompts_per_step=32, steps=200, learning_rate=5e-4, beta=0.04, epsilon_high=0.28,
+              dynamic_sampling=True, eval_every=25)
 
 
 def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -226,12 +235,20 @@ class GRPOTrainer:
         return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
 
     @torch.no_grad()
-    def generate(self, prompts: List[str], *, greedy: bool = False):
-        """Completion ids [B, T] and mask [B, T] (1 up to and including the first EOS)."""
+    def generate(self, prompts: List[str], *, greedy: bool = False, samples_per_prompt: int = 1):
+        """Prompt ids and mask [B, P] and completion ids and mask [B, T] (1 up to and including the first
+        EOS), B = len(prompts) x samples_per_prompt, each prompt's samples consecutive.
+
+        With several samples a prompt, its prefill runs once: the cache of all but its last token is
+        computed for the distinct prompts and repeated for the samples, and ``generate`` continues from
+        it (the same distribution; the prefill is most of the work when completions are short)."""
         prompt_ids, prompt_mask = self._encode_prompts(prompts)
         self.model.eval()
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=self.config.temperature,
                                                               top_k=0, top_p=1.0)
+        sampling.update(self._shared_prefill(prompt_ids, prompt_mask, samples_per_prompt))
+        prompt_ids = prompt_ids.repeat_interleave(samples_per_prompt, 0)
+        prompt_mask = prompt_mask.repeat_interleave(samples_per_prompt, 0)
         out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
                                   max_new_tokens=self.config.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
                                   eos_token_id=self.tokenizer.eos_token_id, **sampling)
@@ -242,6 +259,23 @@ class GRPOTrainer:
         completion_mask = (positions.unsqueeze(0) <= first_eos.unsqueeze(1)).long()
         completion_ids = torch.where(completion_mask.bool(), completion_ids, self.tokenizer.pad_token_id)
         return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+    def _shared_prefill(self, prompt_ids, prompt_mask, samples: int) -> Dict:
+        """``generate``'s keyword for a cache of the prompts but their last token, repeated ``samples``
+        times; none where there is nothing to share or the model's cache cannot be repeated."""
+        # transformers 5 names the argument "cache", earlier versions "past_key_values"
+        forward_params = inspect.signature(type(self.model).forward).parameters
+        name = "cache" if "cache" in forward_params else "past_key_values"
+        if samples == 1 or prompt_ids.shape[1] < 2 or name not in forward_params:
+            return {}
+        prefix_mask = prompt_mask[:, :-1]
+        prefix = self.model(input_ids=prompt_ids[:, :-1], attention_mask=prefix_mask,
+                            position_ids=left_padded_positions(prefix_mask), use_cache=True, logits_to_keep=1)
+        cache = prefix[name] if name in prefix else None
+        if not hasattr(cache, "batch_repeat_interleave"):
+            return {}
+        cache.batch_repeat_interleave(samples)
+        return {name: cache}
 
     def score(self, rows: List[Dict], completions: List[str]) -> torch.Tensor:
         """Rewards [B, K]: one column per reward function, NaN where it returned None."""
@@ -284,14 +318,19 @@ class GRPOTrainer:
         config, (_, size) = self.config, world()
         rows = [self.rng.choice(self.train_rows) for _ in range(config.prompts_per_step // size)]
         grouped = [row for row in rows for _ in range(config.group_size)]
-        prompt_ids, prompt_mask, completion_ids, completion_mask = self.generate([r["prompt"] for r in grouped])
+        prompt_ids, prompt_mask, completion_ids, completion_mask = self.generate(
+            [r["prompt"] for r in rows], samples_per_prompt=config.group_size)
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         rewards = self.score(grouped, completions)
         adv = group_advantages(rewards, config.group_size, weights=self.reward_weights)
         return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, adv.advantages.to(self.device),
                        rewards, adv.zero_std_groups.cpu(), grouped)
 
-    def rollout(self) -> StepBatch:
+    def rollout(self) -> Rollout:
+        """The groups this step trains on (``sample_step().update``)."""
+        return self.sample_step().update
+
+    def sample_step(self) -> StepBatch:
         """This step's groups. With ``dynamic_sampling``, batches of prompts are sampled until this
         rank's share of ``prompts_per_step`` groups with unequal rewards is kept on every rank, or
         ``max_sampling_rounds`` batches were sampled (then the update takes the groups kept so far;
@@ -345,7 +384,8 @@ class GRPOTrainer:
             labels[b][j] = float(score or 0.0)
         if open_prefixes:
             repeated = [item for item in open_prefixes for _ in range(N)]
-            _, _, cont_ids, _ = self.generate([grouped[b]["prompt"] + text for b, _, text in repeated])
+            _, _, cont_ids, _ = self.generate([grouped[b]["prompt"] + text for b, _, text in open_prefixes],
+                                              samples_per_prompt=N)
             continuations = self.tokenizer.batch_decode(cont_ids, skip_special_tokens=True)
             scores = verify(repeated, [text + c for (_, _, text), c in zip(repeated, continuations)])
             for i, (b, j, _) in enumerate(open_prefixes):
@@ -399,7 +439,7 @@ class GRPOTrainer:
 
     def train_step(self) -> Dict[str, float]:
         config, size = self.config, world()[1]
-        batch = self.rollout()
+        batch = self.sample_step()
         r = batch.update
         inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
         old_logps = ref_logps = None

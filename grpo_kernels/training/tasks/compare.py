@@ -22,6 +22,9 @@ PROMPT = "Which is bigger? {a:<4} or {b:<4}\nAnswer: "  # fixed-width fields: ev
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 SAME_INTEGER_SHARE = 1.0  # the 9.11 vs 9.9 trap: the fractional parts decide
 CHARACTERS = "0123456789.-/ ?:\nWhichsbgeronwA"
+# The warm-up's length in steps of 32 examples: short of it, some seeds' models still mix the digits of the
+# two numbers in a tenth to a half of their sampled answers (more steps of fewer examples beat fewer of more)
+WARMUP_STEPS = 1200
 
 
 def _number(rng: random.Random, integer: int) -> str:
@@ -81,7 +84,7 @@ def build_model(tokenizer, *, seed: int = 0, hidden_size: int = 128, layers: int
     return LlamaForCausalLM(config)
 
 
-def warmup(model, tokenizer, *, steps: int, batch_size: int = 64, lr: float = 2e-3, seed: int = 0,
+def warmup(model, tokenizer, *, steps: int, batch_size: int = 32, lr: float = 2e-3, seed: int = 0,
            device: str = "cpu", progress: bool = False) -> float:
     """Supervised warm-up on the format only: the target is one of the two numbers at random.
 
