@@ -40,9 +40,9 @@ def _logps(logits, ids, mask, temperature, backend):
     check_token_ids(ids, logits, True)
     check_per_token("completion_mask", mask, logits, allow_row=False, allow_bool=True, allow_int=True)
     GRPOOptions(temperature=temperature)  # validates the temperature
-    engine = resolve_backend(backend, logits)
+    resolved = resolve_backend(backend, logits)
     flat_mask = mask.float().reshape(-1).contiguous()
-    logp, _ = TokenLogprobs.apply(logits, ids.contiguous(), flat_mask, float(temperature), False, engine, False)
+    logp, _ = TokenLogprobs.apply(logits, ids.contiguous(), flat_mask, float(temperature), False, resolved, False)
     return logp
 
 

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from . import torch_path
-from .kernels.contracts import launch_module, lm_head_launch_module
+from .backends import get_backend
+from .kernels.contracts import TokenInputs, launch_module, lm_head_launch_module
 from .options import GRPOOptions
 
 
@@ -49,13 +49,18 @@ def flat_f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.reshape(-1).float().contiguous()
 
 
-def aligned(logits: torch.Tensor, trailing: bool) -> torch.Tensor:
+def _input_grads(ctx, *grads) -> tuple:
+    """A backward's return: the given gradients of the first inputs, None for every later forward input."""
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
+
+
+def aligned(logits: torch.Tensor, drop_last_position: bool) -> torch.Tensor:
     """The [B, T, V] logits that predict the completion: ``logits[:, :-1]`` of a [B, T + 1, V] input
     (the model's last position predicts no completion token), else the input itself."""
-    return logits[:, :-1] if trailing else logits
+    return logits[:, :-1] if drop_last_position else logits
 
 
-def gradient_buffer(logits: torch.Tensor, trailing: bool, in_place: bool):
+def gradient_buffer(logits: torch.Tensor, drop_last_position: bool, in_place: bool):
     """(the gradient returned for ``logits``, the [B, T, V] view of it that the kernels write).
 
     For a [B, T + 1, V] input the gradient is allocated at that shape, its last position
@@ -64,24 +69,19 @@ def gradient_buffer(logits: torch.Tensor, trailing: bool, in_place: bool):
     In place, the logits' own storage is the gradient.
     """
     grad = logits if in_place else torch.empty(logits.shape, device=logits.device, dtype=logits.dtype)
-    if trailing:
+    if drop_last_position:
         grad[:, -1].zero_()
-    return grad, aligned(grad, trailing)
+    return grad, aligned(grad, drop_last_position)
 
 
 def _write_gradient(ctx, logits, ids, lse, g, h=None, entropy=None):
     """The shared backward: dlogits from g = dLoss/dlogp (and h = dLoss/dH with the entropy H, when the
-    loss uses the entropy), by the engine the forward used.
+    loss uses the entropy), by the backend the forward used.
 
-    ``logits`` is the Function's input ([B, T, V], or [B, T + 1, V] when ``ctx.trailing``)."""
-    grad, written = gradient_buffer(logits, ctx.trailing, ctx.in_place)
-    rows = aligned(logits, ctx.trailing)
-    if ctx.engine == "triton":
-        launch_module().backward(rows, ids, lse.reshape(-1), flat_f32(g), ctx.temperature, out=written,
-                                 grad_entropy=flat_f32(h), entropy=flat_f32(entropy) if h is not None else None)
-    else:
-        torch_path.backward(rows, ids, lse, g.float(), ctx.temperature, out=written,
-                            grad_entropy=None if h is None else h.float(), entropy=entropy)
+    ``logits`` is the Function's input ([B, T, V], or [B, T + 1, V] when ``ctx.drop_last_position``)."""
+    grad, written = gradient_buffer(logits, ctx.drop_last_position, ctx.in_place)
+    get_backend(ctx.backend).logprobs_backward(aligned(logits, ctx.drop_last_position), ids, lse, g, ctx.temperature,
+                                               out=written, grad_entropy=h, entropy=entropy)
     if ctx.in_place:
         torch.autograd.graph.increment_version(logits)
     return grad
@@ -102,18 +102,16 @@ class FusedTokenLoss(torch.autograd.Function):
     """Triton: log-probs and the per-token GRPO loss in one pass over the logits."""
 
     @staticmethod
-    def forward(ctx, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights,
-                opts: GRPOOptions, in_place: bool, trailing: bool = False):
+    def forward(ctx, logits, ids, token_inputs: TokenInputs, opts: GRPOOptions, in_place: bool,
+                drop_last_position: bool = False):
         ctx.set_materialize_grads(False)
-        rows = aligned(logits, trailing)
-        B, T, _ = rows.shape
-        result = launch_module().forward(
-            rows, ids, opts=opts, mask=mask, advantages=advantages,
-            old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
-            compute_entropy=opts.compute_entropy,
-        )
+        predicting = aligned(logits, drop_last_position)
+        B, T, _ = predicting.shape
+        result = launch_module().forward(predicting, ids, opts=opts, **token_inputs._asdict(),
+                                         compute_entropy=opts.compute_entropy)
         ctx.save_for_backward(logits, ids, result.lse, result.dloss_dlogp, result.entropy)
-        ctx.engine, ctx.temperature, ctx.in_place, ctx.trailing = "triton", opts.temperature, in_place, trailing
+        ctx.backend, ctx.temperature, ctx.in_place = "triton", opts.temperature, in_place
+        ctx.drop_last_position = drop_last_position
         return _loss_outputs(ctx, result, (B, T), opts)
 
     @staticmethod
@@ -123,7 +121,7 @@ class FusedTokenLoss(torch.autograd.Function):
         if ctx.needs_input_grad[0] and (grad_loss is not None or grad_entropy is not None):
             g = torch.zeros_like(dloss_dlogp) if grad_loss is None else grad_loss.reshape(-1) * dloss_dlogp
             grad = _write_gradient(ctx, logits, ids, lse, g, grad_entropy, entropy)
-        return grad, None, None, None, None, None, None, None, None, None
+        return _input_grads(ctx, grad)
 
 
 class FusedTokenLossOnePass(torch.autograd.Function):
@@ -138,18 +136,15 @@ class FusedTokenLossOnePass(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, mask, advantages, old_logps, ref_logps, importance_weights, grad_weight,
-                opts: GRPOOptions, trailing: bool = False, entropy_grad_weight=None):
+    def forward(ctx, logits, ids, token_inputs: TokenInputs, grad_weight, opts: GRPOOptions,
+                drop_last_position: bool = False, entropy_grad_weight=None):
         ctx.set_materialize_grads(False)
-        rows = aligned(logits, trailing)
-        B, T, _ = rows.shape
-        grad, written = gradient_buffer(logits, trailing, in_place=False)
+        predicting = aligned(logits, drop_last_position)
+        B, T, _ = predicting.shape
+        grad, written = gradient_buffer(logits, drop_last_position, in_place=False)
         result = launch_module().forward(
-            rows, ids, opts=opts, mask=mask, advantages=advantages,
-            old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
-            compute_entropy=opts.compute_entropy, grad_weight=grad_weight, grad_out=written,
-            entropy_grad_weight=entropy_grad_weight,
-        )
+            predicting, ids, opts=opts, **token_inputs._asdict(), compute_entropy=opts.compute_entropy,
+            grad_weight=grad_weight, grad_out=written, entropy_grad_weight=entropy_grad_weight)
         loss = torch.dot(result.loss, grad_weight)
         if entropy_grad_weight is not None:  # the entropy bonus: its weights are dLoss/dH, sign included
             loss = loss + torch.dot(result.entropy, entropy_grad_weight)
@@ -164,11 +159,11 @@ class FusedTokenLossOnePass(torch.autograd.Function):
         _first_backward(ctx, "the one-pass GRPO loss")
         (grad,) = ctx.saved_tensors
         if grad_loss is None:  # the loss is not part of what is differentiated
-            return (None,) * 11
+            return _input_grads(ctx)
         # In place, with the scale read on the device: no host sync, no second [B, T, V] tensor,
         # and no pass over the gradient at all when grad_loss is 1 (a plain loss.backward()).
         launch_module().scale_in_place(grad, grad_loss.detach())
-        return grad, None, None, None, None, None, None, None, None, None, None
+        return _input_grads(ctx, grad)
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -180,26 +175,16 @@ class TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, mask: Optional[torch.Tensor], temperature: float,
-                compute_entropy: bool, engine: str, in_place: bool, trailing: bool = False):
+                compute_entropy: bool, backend: str, in_place: bool, drop_last_position: bool = False):
         ctx.set_materialize_grads(False)
-        full, logits = logits, aligned(logits, trailing)
-        B, T, _ = logits.shape
-        if engine == "triton":
-            r = launch_module().forward(logits, ids, temperature=temperature, mask=mask,
-                                        compute_entropy=compute_entropy)
-            logp, entropy, lse = r.logp.view(B, T), r.entropy, r.lse.view(B, T)
-            entropy = None if entropy is None else entropy.view(B, T)
-        else:
-            if mask is not None:  # masked ids may be anything (-100): gather and scatter get 0 there
-                active = (mask != 0).view(B, T)
-                ids = torch.where(active, ids, 0)
-            logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy)
-            if mask is not None:
-                logp = torch.where(active, logp, 0.0)
-                entropy = None if entropy is None else torch.where(active, entropy, 0.0)
-        ctx.save_for_backward(full, ids, lse, entropy)
-        ctx.engine, ctx.temperature, ctx.in_place, ctx.trailing = engine, temperature, in_place, trailing
-        return logp, entropy  # both differentiable: a loss may use the entropy (the entropy bonus)
+        predicting = aligned(logits, drop_last_position)
+        B, T, _ = predicting.shape
+        r = get_backend(backend).logprobs(predicting, ids, temperature, mask, compute_entropy)
+        ctx.save_for_backward(logits, r.ids, r.lse, r.entropy)
+        ctx.backend, ctx.temperature, ctx.in_place = backend, temperature, in_place
+        ctx.drop_last_position = drop_last_position
+        entropy = None if r.entropy is None else r.entropy.view(B, T)
+        return r.logp.view(B, T), entropy  # both differentiable: a loss may use the entropy (the entropy bonus)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
@@ -208,17 +193,17 @@ class TokenLogprobs(torch.autograd.Function):
         if ctx.needs_input_grad[0] and (grad_logp is not None or grad_entropy is not None):
             g = torch.zeros_like(lse) if grad_logp is None else grad_logp
             grad = _write_gradient(ctx, logits, ids, lse, g, grad_entropy, entropy)
-        return grad, None, None, None, None, None, None, None
+        return _input_grads(ctx, grad)
 
 
 def _linear_gradients(ctx, g, h=None, entropy=None):
     """The shared backward of the lm_head Functions: d hidden, d weight, d bias from g = dLoss/dlogp
     (and h = dLoss/dH with the forward's entropy, when the loss uses the entropy)."""
     hidden, weight, bias, ids, lse = ctx.saved_tensors[:5]
-    backward_fn = lm_head_launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
     wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-    dh, dw, db = backward_fn(hidden, weight, bias, ids, lse, flat_f32(g), ctx.temperature, wants_weight,
-                             grad_entropy=flat_f32(h), entropy=flat_f32(entropy) if h is not None else None)
+    dh, dw, db = get_backend(ctx.backend).linear_backward(
+        hidden, weight, bias, ids, lse, flat_f32(g), ctx.temperature, wants_weight, grad_entropy=flat_f32(h),
+        entropy=flat_f32(entropy) if h is not None else None)
     return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias))
 
 
@@ -237,25 +222,20 @@ class LinearTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, engine: str):
+    def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, backend: str):
         ctx.set_materialize_grads(False)
-        if engine == "triton":
-            r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, temperature=temperature,
-                                                       compute_entropy=compute_entropy)
-            lse, logp, entropy = r.lse, r.logp, r.entropy
-        else:
-            lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy)
-        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
-        ctx.engine, ctx.temperature = engine, temperature
-        return logp, entropy  # both differentiable: a loss may use the entropy (the entropy bonus)
+        r = get_backend(backend).linear_logprobs(hidden, weight, bias, ids, temperature, compute_entropy)
+        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.entropy)
+        ctx.backend, ctx.temperature = backend, temperature
+        return r.logp, r.entropy  # both differentiable: a loss may use the entropy (the entropy bonus)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 7
+            return _input_grads(ctx)
         lse, entropy = ctx.saved_tensors[4], ctx.saved_tensors[5]
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp
-        return _linear_gradients(ctx, g, grad_entropy, entropy) + (None, None, None, None)
+        return _input_grads(ctx, *_linear_gradients(ctx, g, grad_entropy, entropy))
 
 
 class FusedLinearTokenLoss(torch.autograd.Function):
@@ -267,25 +247,21 @@ class FusedLinearTokenLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, mask, advantages, old_logps, ref_logps, importance_weights,
-                opts: GRPOOptions, out_shape):
+    def forward(ctx, hidden, weight, bias, ids, token_inputs: TokenInputs, opts: GRPOOptions, out_shape):
         ctx.set_materialize_grads(False)
-        r = lm_head_launch_module().linear_forward(
-            hidden, weight, bias, ids, opts=opts, mask=mask, advantages=advantages,
-            old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
-            compute_entropy=opts.compute_entropy,
-        )
+        r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, opts=opts, **token_inputs._asdict(),
+                                                   compute_entropy=opts.compute_entropy)
         ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy)
-        ctx.engine, ctx.temperature = "triton", opts.temperature
+        ctx.backend, ctx.temperature = "triton", opts.temperature
         return _loss_outputs(ctx, r, out_shape, opts)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logp, grad_entropy, *unused):
         if grad_loss is None and grad_entropy is None:
-            return (None,) * 11
+            return _input_grads(ctx)
         dloss_dlogp, entropy = ctx.saved_tensors[5], ctx.saved_tensors[6]
         g = torch.zeros_like(dloss_dlogp) if grad_loss is None else grad_loss.reshape(-1) * dloss_dlogp
-        return _linear_gradients(ctx, g, grad_entropy, entropy) + (None,) * 8
+        return _input_grads(ctx, *_linear_gradients(ctx, g, grad_entropy, entropy))
 
 
 class FusedLinearThreeProducts(torch.autograd.Function):
@@ -298,14 +274,12 @@ class FusedLinearThreeProducts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, mask, advantages, old_logps, ref_logps, importance_weights,
-                grad_weight, opts: GRPOOptions, out_shape, entropy_grad_weight=None):
+    def forward(ctx, hidden, weight, bias, ids, token_inputs: TokenInputs, grad_weight, opts: GRPOOptions, out_shape,
+                entropy_grad_weight=None):
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         r, dh, dw, db = lm_head_launch_module().linear_three_products(
-            hidden, weight, bias, ids, opts=opts, mask=mask, advantages=advantages,
-            old_logps=old_logps, ref_logps=ref_logps, importance_weights=importance_weights,
-            compute_entropy=opts.compute_entropy, grad_weight=grad_weight, compute_weight_grad=wants_weight,
-            entropy_grad_weight=entropy_grad_weight)
+            hidden, weight, bias, ids, opts=opts, **token_inputs._asdict(), compute_entropy=opts.compute_entropy,
+            grad_weight=grad_weight, compute_weight_grad=wants_weight, entropy_grad_weight=entropy_grad_weight)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         view = lambda t: None if t is None else t.view(out_shape)  # noqa: E731
@@ -326,4 +300,4 @@ class FusedLinearThreeProducts(torch.autograd.Function):
                 continue
             launch_module().scale_in_place(t, grad_loss.detach())  # fp32, small next to the logits; no host sync
             grads.append(t.to(dtype))
-        return tuple(grads) + (None,) * 10
+        return _input_grads(ctx, *grads)

@@ -23,7 +23,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .options import PPO_CLIP_LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
+from .kernels.contracts import FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED
+from .options import GRPOOptions
 
 
 @dataclasses.dataclass
@@ -189,16 +190,16 @@ def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) ->
     - bnpo: M / max(sum M, 1);  dr_grpo: M / (B * max_completion_length)
     - dapo, cispo, vespo: M / normalizer (default: local active tokens, at least 1);  luspo: M / B
     """
-    B = mask.shape[0]
-    if opts.loss_type in ("grpo", "sapo"):
+    B, reduction = mask.shape[0], opts.loss.reduction
+    if reduction == "row_token_mean":
         return mask / (B * mask.sum(-1, keepdim=True).clamp(min=1.0))
-    if opts.loss_type == "bnpo":
+    if reduction == "batch_token_mean":
         return mask / mask.sum().clamp(min=1.0)
-    if opts.loss_type == "dr_grpo":
+    if reduction == "constant":
         return mask / (B * opts.max_completion_length)
-    if opts.loss_type in TOKEN_COUNT_LOSS_TYPES:
+    if reduction == "token_count":
         return mask / (active_token_count(mask) if normalizer is None else _nonzero(normalizer))
-    return mask / B  # luspo
+    return mask / B  # "rows"
 
 
 def _nonzero(normalizer):
@@ -230,11 +231,11 @@ def clip_metric_values(opts: GRPOOptions, low: Optional[torch.Tensor], high: tor
     """TRL's clip metrics of a loss type, by name, as the 0 / 1 values their means are taken of, from the
     per-token (or per-row) low- and high-clipped indicators: the PPO-clip types log low, high and either
     (the region); cispo its capped share. The one place the kernel paths' metrics take their names too."""
-    if opts.loss_type in PPO_CLIP_LOSS_TYPES:
-        return {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
-                "clip_ratio/region_mean": torch.maximum(low, high)}
-    if opts.loss_type == "cispo":
-        return {"cispo_clip_ratio": high}
+    names = opts.loss.clip_metrics
+    if opts.loss.policy_term == "ppo_clip":
+        return dict(zip(names, (low, high, torch.maximum(low, high))))
+    if opts.loss.policy_term == "cispo":
+        return dict(zip(names, (high,)))
     return {}
 
 
@@ -366,3 +367,114 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions):
 def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
     """dLoss/dH per token of ``- entropy_bonus``: -entropy_coef * M / max(sum M, 1)."""
     return -opts.entropy_coef * mask / mask.sum().clamp(min=1.0)
+
+
+# ---- The loss assembled from per-token results, for every path (sources.py, dispatch.py) ----------------------
+#
+# ``layout`` is the call's ``packing.SequenceLayout``: the per-token results come in the token layout
+# the kernels write ([B * T], or a packed batch's [total]), the reductions run in the sequence layout.
+
+
+def scaled(x, loss_scale):
+    """``x * loss_scale``, with no op at all for a plain 1.0 (a Python float)."""
+    return x if isinstance(loss_scale, float) and loss_scale == 1.0 else x * loss_scale
+
+
+def reduced_loss(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale, entropy=None, bonus_mask=None):
+    """TRL's reduction of the per-token loss, less the entropy bonus (with ``entropy_coef``, over
+    ``bonus_mask``'s tokens), times ``loss_scale`` (an O(1) op whose backward only scales the
+    O(B * T) per-token gradients)."""
+    loss = reduce_loss(per_token_loss, mask, opts, normalizer)
+    if opts.entropy_coef != 0.0:
+        loss = loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts)
+    return scaled(loss, loss_scale)
+
+
+def kernel_weights(weights: torch.Tensor, loss_scale, layout) -> torch.Tensor:
+    """Per-token weights of the sequence layout, scaled, as the one-pass kernels read them: fp32 [N]."""
+    return layout.from_seq(scaled(weights, loss_scale)).float().reshape(-1).contiguous()
+
+
+def loss_grad_weight(mask, opts: GRPOOptions, normalizer, loss_scale, layout) -> torch.Tensor:
+    """Each token's weight in the reduced, scaled loss (``mask`` in the sequence layout)."""
+    return kernel_weights(reduction_weights(mask, opts, normalizer), loss_scale, layout)
+
+
+def entropy_grad_weight(mask, opts: GRPOOptions, loss_scale, layout) -> Optional[torch.Tensor]:
+    """Each token's dLoss/dH (the entropy bonus, scaled), or None without one."""
+    if opts.entropy_coef == 0.0:
+        return None
+    return kernel_weights(entropy_bonus_weights(mask, opts), loss_scale, layout)
+
+
+_FLAG_TABLES: Dict[tuple, torch.Tensor] = {}
+
+
+def _flag_metric_table(opts: GRPOOptions, device) -> torch.Tensor:
+    """[k, 4]: each clip metric's 0 / 1 value for each value of a kernel's 2-bit clip flags (``FLAG_*``),
+    so that a token's metric values are one gather from its flag."""
+    key = (opts.loss.policy_term, str(device))
+    if key not in _FLAG_TABLES:
+        flags = torch.arange(4)
+        low, high = ((flags & bit) != 0 for bit in (FLAG_LOW_CLIPPED, FLAG_HIGH_CLIPPED))
+        values = clip_metric_values(opts, low.float(), high.float())
+        _FLAG_TABLES[key] = torch.stack(list(values.values())).to(device) if values else torch.zeros(0, 4)
+    return _FLAG_TABLES[key]
+
+
+def kernel_metrics(entropy, kl, flags, mask, opts: GRPOOptions) -> Dict[str, torch.Tensor]:
+    """``loss_metrics`` of a kernel path (token level: every metric a mean over active tokens), from the
+    kernel's per-token entropy, KL and clip flags (``FLAG_*`` bits).
+
+    The same values in a handful of ops instead of five per metric: a token's clip metrics are one
+    gather from a small table by its flag, the metrics' rows are concatenated, and every masked sum is
+    one matrix-vector product with the mask. A loss call is otherwise a few launches around one
+    kernel, so these small ops are much of its host time.
+    """
+    names, rows = [], []
+    for name, t in (("kl", kl), ("entropy", entropy)):
+        if t is not None:
+            names.append(name)
+            rows.append(t.reshape(1, -1))
+    if flags is not None:
+        table = _flag_metric_table(opts, flags.device)
+        names.extend(opts.loss.clip_metrics)  # clip_metric_values' names, in the table's order
+        rows.append(table.index_select(1, flags.reshape(-1).long()))
+    if not rows:
+        return {}
+    weights = mask.reshape(-1)
+    means = (torch.cat(rows).detach() @ weights) / weights.sum().clamp(min=1.0)
+    return dict(zip(names, means.unbind()))
+
+
+def neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: float) -> Optional[torch.Tensor]:
+    """A detached fp32 per-token input with ``fill`` wherever no token counts.
+
+    [B, T] inputs are replaced at masked tokens, per-row ([B] / [B, 1]) inputs on rows with
+    no active token, so that whatever a caller pads with (-100, NaN, inf) never enters the
+    arithmetic: a 0 weight cannot cancel a NaN (NaN * 0 is NaN, and so is its gradient).
+    """
+    if t is None:
+        return None
+    t = as_row_column(t.detach().float())
+    where = active if t.shape[1] == active.shape[1] else active.any(-1, keepdim=True)  # [B, T] or per row
+    return torch.where(where, t, fill)
+
+
+def loss_from_logps(logp, entropy, per_token, normalizer, opts: GRPOOptions, loss_scale=1.0, bonus_mask=None,
+                    policy_mask=None) -> GRPOLossOutput:
+    """The O(B * T) part on differentiable log-probs of the sequence layout: per-token terms, reduction,
+    metrics. ``per_token``: a ``kernels.contracts.TokenInputs`` in the sequence layout (its mask required).
+
+    ``logp`` (and ``entropy``) are 0 at masked tokens; the per-token inputs get neutral
+    values there (ratio 1, KL 0, advantage 0) and are detached: no gradient reaches them.
+    """
+    mask = per_token.mask
+    active = mask != 0
+    terms = per_token_terms(
+        logp, mask, neutral_at_masked(per_token.advantages, active, 0.0),
+        neutral_at_masked(per_token.old_logps, active, 0.0), neutral_at_masked(per_token.ref_logps, active, 0.0),
+        neutral_at_masked(per_token.importance_weights, active, 1.0), opts, policy_mask,
+    )
+    loss = reduced_loss(terms.per_token_loss, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
+    return GRPOLossOutput(loss, loss_metrics(terms, entropy, mask, opts), logp.detach())

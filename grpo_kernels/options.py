@@ -13,10 +13,44 @@ import dataclasses
 import math
 from typing import Optional
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
-PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossType:
+    """What every layer needs to know of one loss type: the one registry (``LOSS_TYPE_REGISTRY``).
+
+    ``policy_term``: the per-token policy term, which is also the kernels' LOSS_KIND ("ppo_clip", "cispo",
+    "sapo"; "vespo" runs its loss math in torch on the kernels' log-probs). ``reduction``: TRL's
+    (``objective.reduction_weights``): "row_token_mean" (each row's token mean, then the mean over rows),
+    "batch_token_mean" (over the local batch's tokens), "constant" (B x max_completion_length),
+    "token_count" (the ``normalizer``: global active tokens / processes), "rows" (over B).
+    ``clip_metrics``: the names of the clip metrics it logs. ``divided_by_accumulation``: TRL divides its
+    loss by the gradient-accumulation steps in training (the TRL adapter's ``loss_scale``).
+    docs/extending.md lists what else a new loss type needs.
+    """
+
+    name: str
+    policy_term: str
+    reduction: str
+    clip_metrics: tuple
+    divided_by_accumulation: bool
+
+
+_PPO_CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+LOSS_TYPE_REGISTRY = {t.name: t for t in (
+    LossType("grpo", "ppo_clip", "row_token_mean", _PPO_CLIP_METRICS, True),
+    LossType("bnpo", "ppo_clip", "batch_token_mean", _PPO_CLIP_METRICS, True),
+    LossType("dr_grpo", "ppo_clip", "constant", _PPO_CLIP_METRICS, True),
+    LossType("dapo", "ppo_clip", "token_count", _PPO_CLIP_METRICS, False),
+    LossType("luspo", "ppo_clip", "rows", _PPO_CLIP_METRICS, True),
+    LossType("cispo", "cispo", "token_count", ("cispo_clip_ratio",), False),
+    LossType("sapo", "sapo", "row_token_mean", (), True),
+    LossType("vespo", "vespo", "token_count", (), False),
+)}
+LOSS_TYPES = tuple(LOSS_TYPE_REGISTRY)
+PPO_CLIP_LOSS_TYPES = tuple(n for n, t in LOSS_TYPE_REGISTRY.items() if t.policy_term == "ppo_clip")
 # The loss types whose reduction divides by a token count (the ``normalizer``: global active tokens)
-TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
+TOKEN_COUNT_LOSS_TYPES = tuple(n for n, t in LOSS_TYPE_REGISTRY.items() if t.reduction == "token_count")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k3", "k1", "k2")
 BACKENDS = ("auto", "triton", "torch")
@@ -138,6 +172,11 @@ class GRPOOptions:
                              "compute_entropy=False turns it off")
         if self.use_bias_correction_kl and self.beta == 0:
             raise ValueError("use_bias_correction_kl=True multiplies the KL term, but beta=0 turns the KL term off")
+
+    @property
+    def loss(self) -> LossType:
+        """This loss type's registry entry."""
+        return LOSS_TYPE_REGISTRY[self.loss_type]
 
     @property
     def eps_high(self) -> float:

@@ -9,14 +9,15 @@ so a packed batch gives exactly what the padded layout gives for the same sequen
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from .objective import as_row_column
+from .validation import check_logits
 
 
-class Rows:
+class SequenceLayout:
     """The map between the token layout (what the kernels read: [B * T] or [total]) and the sequence
     layout ([B, T] or [S, T_max], 0 where a sequence has no token)."""
 
@@ -38,8 +39,10 @@ class Rows:
         """A per-token or per-sequence input as the kernels read it: contiguous fp32 [N]."""
         if t is None:
             return None
-        t = t.detach().float()
+        t = t.float()  # (not detached: the kernels read it inside a Function, where no gradient can reach it)
         if not self.packed:
+            if tuple(t.shape) == (self.S, self.T_max):  # per token already: a view where it can be one
+                return t.reshape(-1).contiguous()
             return as_row_column(t).expand(self.S, self.T_max).reshape(-1).contiguous()
         if self._is_seq_layout(t):
             return self.from_seq(t).contiguous()
@@ -64,3 +67,51 @@ class Rows:
     def from_seq(self, t: torch.Tensor) -> torch.Tensor:
         """A sequence-layout [S, T_max] tensor back in the token layout, [N]."""
         return t.reshape(-1) if not self.packed else t[self.valid]
+
+    def one_row(self, name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A packed call's per-token input, checked, as one row [1, total]."""
+        if t is None:
+            return None
+        total = self.N
+        if not isinstance(t, torch.Tensor) or t.numel() != total or t.dim() not in (1, 2) or t.shape[-1] != total:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} of a packed batch must be [total] or [1, total] with total = {total}, got {got}")
+        return t.reshape(1, total)
+
+    def check_per_sequence_or_token(self, name: str, t: Optional[torch.Tensor]) -> None:
+        """A packed call's advantages or importance weights: per sequence [S] / [S, 1], or per token."""
+        if t is None:
+            return
+        per_sequence = isinstance(t, torch.Tensor) and t.dim() in (1, 2) and t.numel() == self.S and \
+            (t.dim() == 1 or t.shape[1] == 1)
+        if not per_sequence:
+            self.one_row(f"{name} (per token; or per sequence [S] = [{self.S}])", t)
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def packed_layout(cu_seqlens, source: torch.Tensor, what: str) -> Tuple[SequenceLayout, torch.Tensor]:
+    """Check a packed call's ``cu_seqlens`` and its logits or hidden states (``what``) [total, last] or
+    [1, total, last]: (its layout, the source as one row [1, total, last], a view)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or \
+            cu_seqlens.dtype not in (torch.int32, torch.int64):
+        got = (f"shape {tuple(cu_seqlens.shape)}, dtype {cu_seqlens.dtype}" if isinstance(cu_seqlens, torch.Tensor)
+               else type(cu_seqlens).__name__)
+        raise ValueError(f"cu_seqlens must be an int32 / int64 tensor [S + 1] (flash-attention's convention), "
+                         f"got {got}")
+    if what == "logits":
+        check_logits(source if source.dim() == 3 else source.unsqueeze(0))
+    if not isinstance(source, torch.Tensor) or source.dim() not in (2, 3) or (
+            source.dim() == 3 and source.shape[0] != 1):
+        got = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__
+        last = "V" if what == "logits" else "H"
+        raise ValueError(f"packed {what} must be [total, {last}] or [1, total, {last}], got {got}")
+    one_row = source if source.dim() == 3 else source.unsqueeze(0)
+    total = one_row.shape[1]
+    if cu_seqlens.device != source.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but {what} is on {source.device}")
+    bounds = cu_seqlens.detach().cpu()
+    if int(bounds[0]) != 0 or int(bounds[-1]) != total or bool((bounds[1:] < bounds[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the packed token count {total}, "
+                         f"got {bounds.tolist()[:8]}{' ...' if bounds.numel() > 8 else ''}")
+    return SequenceLayout(1, total, cu_seqlens), one_row

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -155,6 +156,7 @@ def triton_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)  # fixed when triton is imported
 def interpreter_enabled() -> bool:
     """True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -181,3 +183,49 @@ def check_in_place(in_place: bool, logits: torch.Tensor) -> None:
             f"in_place_backward=True would overwrite logits, {what} that requires grad, with its own "
             "gradient; use it only on logits produced by the model (an lm_head output)"
         )
+
+
+def checked_drop_last_position(drop_last_position, logits, completion_ids) -> bool:
+    """``drop_last_position`` after checking that the logits carry exactly one position more than the ids."""
+    if not isinstance(drop_last_position, bool):
+        raise TypeError(f"drop_last_position must be a bool, got {drop_last_position!r}")
+    if drop_last_position:
+        check_logits(logits)
+        T = completion_ids.shape[-1] if isinstance(completion_ids, torch.Tensor) and completion_ids.dim() == 2 else None
+        if T is None or logits.shape[1] != T + 1:
+            got = tuple(completion_ids.shape) if isinstance(completion_ids, torch.Tensor) else None
+            raise ValueError(f"drop_last_position=True needs logits [B, T + 1, V] for completion_ids [B, T], got "
+                             f"logits {tuple(logits.shape)} and completion_ids {got}")
+    return drop_last_position
+
+
+def checked_loss_scale(loss_scale):
+    """A loss scale as the loss reads it: a Python float, or a detached 0-d float tensor."""
+    if isinstance(loss_scale, torch.Tensor):
+        if loss_scale.numel() != 1 or not loss_scale.dtype.is_floating_point:
+            raise ValueError(f"loss_scale must be a number or a one-element float tensor, got shape "
+                             f"{tuple(loss_scale.shape)} and dtype {loss_scale.dtype}")
+        return loss_scale.detach().reshape(())
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not math.isfinite(loss_scale):
+        raise ValueError(f"loss_scale must be a finite number (e.g. 1 / gradient-accumulation steps), got "
+                         f"{loss_scale!r}")
+    return float(loss_scale)
+
+
+def check_linear_inputs(hidden_states, weight, bias) -> None:
+    """Hidden states [B, T, H], the lm_head weight [V, H] and bias [V] of the fused lm_head."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+        raise ValueError(f"hidden_states must be [B, T, H], got {got}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be the lm_head weight [V, H] with H = {hidden_states.shape[-1]}, got {got}")
+    for name, t in (("hidden_states", hidden_states), ("weight", weight)):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if weight.dtype != hidden_states.dtype or weight.device != hidden_states.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden_states "
+                         f"({hidden_states.dtype}, {hidden_states.device})")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.device != weight.device):
+        raise ValueError(f"bias must be [V] = ({weight.shape[0]},) on {weight.device}, got {tuple(bias.shape)} "
+                         f"on {bias.device}")

@@ -23,9 +23,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import torch_path
+from .backends import get_backend
 from .functions import as_input_grads, flat_f32
-from .kernels.contracts import launch_module, lm_head_launch_module
 
 
 def vocab_range(logits_local: torch.Tensor, group, vocab_start_index: Optional[int]) -> tuple:
@@ -47,41 +46,33 @@ class VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, mask: Optional[torch.Tensor], temperature: float, compute_entropy: bool,
-                engine: str, group, start: int):
+                backend: str, group, start: int):
         ctx.set_materialize_grads(False)
         B, T, V_local = logits.shape
         owned = (ids >= start) & (ids < start + V_local)
         local_ids = torch.where(owned, ids - start, 0).contiguous()
-        if engine == "triton":
-            r = launch_module().forward(logits, local_ids, temperature=temperature, mask=mask,
-                                        compute_entropy=compute_entropy)
-            lse_r, logp_r, entropy_r = r.lse.view(B, T), r.logp.view(B, T), r.entropy
-            entropy_r = None if entropy_r is None else entropy_r.view(B, T)
-        else:
-            logp_r, entropy_r, lse_r = torch_path.forward(logits, local_ids, temperature, compute_entropy)
+        r = get_backend(backend).logprobs(logits, local_ids, temperature, mask, compute_entropy)
+        as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
+        lse_r, logp_r, entropy_r = as_bt(r.lse), as_bt(r.logp), as_bt(r.entropy)
         lse, logp, entropy = _combine(lse_r, logp_r, entropy_r if compute_entropy else None, owned, group)
         if mask is not None:  # the kernels never read masked rows: their values are 0, as everywhere
             active = (mask != 0).view(B, T)
             logp = torch.where(active, logp, 0.0)
             entropy = None if entropy is None else torch.where(active, entropy, 0.0)
         ctx.save_for_backward(logits, local_ids, owned, lse, entropy)
-        ctx.engine, ctx.temperature = engine, temperature
+        ctx.backend, ctx.temperature = backend, temperature
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, local_ids, owned, lse, entropy = ctx.saved_tensors
         if not ctx.needs_input_grad[0] or (grad_logp is None and grad_entropy is None):
-            return (None,) * 8
+            return (None,) * len(ctx.needs_input_grad)
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
         h = None if grad_entropy is None else grad_entropy.float()
-        if ctx.engine == "triton":
-            grad = launch_module().backward(logits, local_ids, flat_f32(lse), flat_f32(g), ctx.temperature,
-                                            grad_entropy=flat_f32(h),
-                                            entropy=flat_f32(entropy) if h is not None else None)
-        else:
-            grad = torch_path.backward(logits, local_ids, lse, g, ctx.temperature, grad_entropy=h,
-                                       entropy=entropy if h is not None else None)
+        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        grad = get_backend(ctx.backend).logprobs_backward(logits, local_ids, lse, g, ctx.temperature, out=out,
+                                                          grad_entropy=h, entropy=entropy if h is not None else None)
         # Where this rank does not own the target, the kernel's one-hot landed on local column 0:
         # that column is rewritten without it, from its own logit (O(B * T), no host sync).
         inv_t = 1.0 / ctx.temperature
@@ -92,7 +83,7 @@ class VocabParallelLogprobs(torch.autograd.Function):
             column = column - h * inv_t * p0 * (torch.where(p0 > 0, log_p0, 0.0) + entropy)
         live = (g != 0) if h is None else (g != 0) | (h != 0)  # a masked row stays all zero
         grad[..., 0] = torch.where(~owned & live, column, grad[..., 0].float()).to(grad.dtype)
-        return grad, None, None, None, None, None, None, None
+        return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 def _combine(lse_r, logp_r, entropy_r, owned, group):
@@ -119,35 +110,29 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, engine: str, group,
+    def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, backend: str, group,
                 start: int):
         ctx.set_materialize_grads(False)
         V_local = weight.shape[0]
         owned = (ids >= start) & (ids < start + V_local)
         local_ids = torch.where(owned, ids - start, 0).contiguous()
-        if engine == "triton":
-            r = lm_head_launch_module().linear_forward(hidden, weight, bias, local_ids, temperature=temperature,
-                                                       compute_entropy=compute_entropy)
-            lse_r, logp_r, entropy_r = r.lse, r.logp, r.entropy
-        else:
-            lse_r, logp_r, entropy_r = torch_path.linear_forward(hidden, weight, bias, local_ids, temperature,
-                                                                 compute_entropy)
-        lse, logp, entropy = _combine(lse_r, logp_r, entropy_r, owned, group)
+        r = get_backend(backend).linear_logprobs(hidden, weight, bias, local_ids, temperature, compute_entropy)
+        lse, logp, entropy = _combine(r.lse, r.logp, r.entropy, owned, group)
         ctx.save_for_backward(hidden, weight, bias, local_ids, owned, lse, entropy)
-        ctx.engine, ctx.temperature, ctx.group = engine, temperature, group
+        ctx.backend, ctx.temperature, ctx.group = backend, temperature, group
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, local_ids, owned, lse, entropy = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 9
+            return (None,) * len(ctx.needs_input_grad)
         g = torch.zeros_like(lse) if grad_logp is None else flat_f32(grad_logp)
         h = flat_f32(grad_entropy)
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        backward_fn = lm_head_launch_module().linear_backward if ctx.engine == "triton" else torch_path.linear_backward
-        dh, dw, db = backward_fn(hidden, weight, bias, local_ids, lse, g, ctx.temperature, wants_weight,
-                                 grad_entropy=h, entropy=entropy if h is not None else None)
+        dh, dw, db = get_backend(ctx.backend).linear_backward(
+            hidden, weight, bias, local_ids, lse, g, ctx.temperature, wants_weight, grad_entropy=h,
+            entropy=entropy if h is not None else None)
         # Where this rank does not own the target, the backward added the one-hot term g / tau at
         # local column 0; take it out of d hidden, d weight[0] and d bias[0] (O(N * H)).
         spurious = torch.where(owned, 0.0, g / ctx.temperature)  # [N]
@@ -157,4 +142,28 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         if db is not None:
             db[0] -= spurious.sum()
         dist.all_reduce(dh, group=ctx.group)  # every rank's share of the vocabulary
-        return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * 6
+        return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+def sharded_vocab_start(logits_like, ids, group, vocab_start_index, check_ids, *, mask=None, normalizer=None) -> int:
+    """This rank's first vocabulary id (``vocab_range``), after checking the ids, which are global, against
+    the whole vocabulary (with ``check_ids``: one host sync, as unsharded)."""
+    from .validation import check_token_ids
+
+    start, vocab_size = vocab_range(logits_like, group, vocab_start_index)
+    whole = logits_like.new_empty(()).expand(*logits_like.shape[:2], vocab_size)  # shape checks only, no memory
+    check_token_ids(ids, whole, check_ids, mask=mask, normalizer=normalizer)
+    return start
+
+
+def vocab_parallel_logprobs(logits, ids, flat_mask, temperature, compute_entropy, backend, shard):
+    """Global (log-probs, entropy) [B, T] from this rank's vocabulary slice; ``flat_mask`` fp32 [N] or None
+    (every token read). ``shard``: an ``inputs.VocabShard``."""
+    return VocabParallelLogprobs.apply(logits, ids.contiguous(), flat_mask, float(temperature), compute_entropy,
+                                       backend, shard.group, shard.start)
+
+
+def vocab_parallel_linear_logprobs(flat, temperature, compute_entropy, backend, shard):
+    """Global (log-probs, entropy) [N] from this rank's lm_head shard; ``flat`` = (hidden, weight, bias, ids)."""
+    return VocabParallelLinearLogprobs.apply(*flat, float(temperature), compute_entropy, backend, shard.group,
+                                             shard.start)

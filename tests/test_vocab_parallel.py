@@ -271,3 +271,27 @@ def test_a_packed_batch_on_a_sharded_lm_head():
         torch.testing.assert_close(loss, expected.loss, **TOL)
         torch.testing.assert_close(r_dh, dh[rows.bool()], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(r_dw, dw[rank * 48:(rank + 1) * 48], atol=1e-5, rtol=1e-5)
+
+
+def _rank_linear_token_logprobs(rank: int, world: int, backend: str):
+    import torch.distributed as dist
+
+    from grpo_kernels import linear_token_logprobs
+
+    hidden, weight, bias, batch = _lm_head_inputs()
+    part = weight.shape[0] // world
+    rows = slice(rank * part, (rank + 1) * part)
+    return linear_token_logprobs(hidden, weight[rows], batch["completion_ids"], bias[rows], 0.8, return_entropy=True,
+                                 backend=backend, vocab_parallel_group=dist.group.WORLD)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_linear_token_logprobs_on_a_sharded_lm_head(backend):
+    """A column-parallel lm_head's old / reference log-probs: every rank gets the unsharded values."""
+    from grpo_kernels import token_logprobs
+
+    hidden, weight, bias, batch = _lm_head_inputs()
+    expected = token_logprobs(hidden @ weight.T + bias, batch["completion_ids"], 0.8, return_entropy=True)
+    for logp, entropy in run_ranks(_rank_linear_token_logprobs, 2, backend, timeout=300):
+        torch.testing.assert_close(logp, expected[0], **TOL)
+        torch.testing.assert_close(entropy, expected[1], **TOL)

@@ -24,10 +24,8 @@ except ImportError as err:  # the trl extra is optional
 
 from ..entropy_control import AdaptiveEntropy
 from ..loss import FusedLinearGRPOLoss, GRPOLoss
-from ..options import LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
+from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 
-# loss_type -> TRL divides the loss by the gradient-accumulation steps (in training)
-_DIVIDED_BY_ACCUMULATION = ("grpo", "bnpo", "dr_grpo", "sapo", "luspo")
 
 
 def unsupported_options(trainer) -> list:
@@ -118,7 +116,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
                 normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         # TRL divides these losses by the accumulation steps: declared up front, the one-pass kernel
         # writes the gradient already scaled and the backward moves no extra byte.
-        divided = self.loss_type in _DIVIDED_BY_ACCUMULATION and mode == "train"
+        divided = LOSS_TYPE_REGISTRY[self.loss_type].divided_by_accumulation and mode == "train"
         if self._entropy_bonus_enabled:
             applied = self.entropy_coef
             if self._entropy_controller is not None:  # TRL's attributes hold the state its checkpoints save

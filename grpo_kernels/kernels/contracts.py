@@ -4,6 +4,22 @@ The kernels (``kernels/grpo.py``) and the front end (``loss.py``) share these na
 imports nothing heavy, so ``import grpo_kernels`` and the CPU path work where Triton is absent.
 """
 
+import functools
+from typing import Any, NamedTuple, Optional
+
+
+class TokenInputs(NamedTuple):
+    """A loss's per-token inputs, None where absent: the mask, advantages, old and reference log-probs and the
+    importance weights. The loss kernels read them as contiguous fp32 [N] (the launchers' keywords of the same
+    names); the torch loss math (``objective.loss_from_logps``) in the sequence layout."""
+
+    mask: Optional[Any] = None
+    advantages: Optional[Any] = None
+    old_logps: Optional[Any] = None
+    ref_logps: Optional[Any] = None
+    importance_weights: Optional[Any] = None
+
+
 # LOSS_KIND values: which policy term the forward computes.
 LOSS_NONE = 0  # log-probs (and entropy) only: token_logprobs and the sequence-level path
 LOSS_PPO_CLIP = 1  # grpo, bnpo, dr_grpo, dapo, luspo (optionally delta and dual-clip)
@@ -20,6 +36,7 @@ FLAG_LOW_CLIPPED = 1
 FLAG_HIGH_CLIPPED = 2  # for cispo: ratio above the cap with a positive advantage
 
 
+@functools.lru_cache(maxsize=None)  # a successful import only (an ImportError is raised again each call)
 def _triton_module(name: str):
     try:
         import importlib

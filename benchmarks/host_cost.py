@@ -1,0 +1,158 @@
+"""The host work of one GRPO forward + backward, with every Triton launch made a no-op.
+
+On tiny CPU shapes, with the kernels' launches replaced by a counter, what is left of a loss call is
+the Python, the dispatcher and the small torch ops around the kernels: the cost that decides the
+end-to-end time at small shapes on a GPU. Per path: the aten ops dispatched in the forward and in the
+backward (every op that reaches the dispatcher, views and allocations included), the Triton launches,
+and the host time per forward + backward (median of repeats). Liger-Kernel's ``triton_grpo_loss`` is
+measured the same way in the same run where it is installed.
+
+    python benchmarks/host_cost.py [--iters 300] [--repeats 5] [--json out.json]
+
+What this does not see: the Triton launcher's own cost on a GPU (binding and packing the arguments,
+which grows with their number); the device suite times host and GPU apart there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors on backend="triton": before triton is imported
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+B, T, V = 2, 8, 1003
+TEMPERATURE, BETA = 0.7, 0.04
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op that reaches the dispatcher inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_op_launches():
+    """Every interpreted Triton kernel (ours and Liger's) launches nothing; yields the launch counter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    counter = {"launches": 0}
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        counter["launches"] += 1
+        if isinstance(kwargs.get("flags_out"), torch.Tensor):  # the clip flags a kernel writes are 0 to 3
+            with _disable_current_modes():  # (not counted: the kernel's own work)
+                kwargs["flags_out"].zero_()
+
+    InterpretedFunction.run = counted
+    try:
+        yield counter
+    finally:
+        InterpretedFunction.run = run
+
+
+def inputs(seed: int = 0) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, T)
+    mask[0, T // 2:] = 0
+    return dict(logits=torch.randn(B, T + 1, V, generator=g), completion_ids=torch.randint(0, V, (B, T), generator=g),
+                completion_mask=mask, advantages=torch.randn(B, generator=g),
+                old_logps=-torch.rand(B, T, generator=g), ref_logps=-torch.rand(B, T, generator=g))
+
+
+def paths() -> Dict[str, Callable]:
+    from grpo_kernels import GRPOLoss, grpo_loss
+
+    def ours(**kw):
+        def call(x, logits):
+            return grpo_loss(logits, x["completion_ids"], x["completion_mask"], x["advantages"], x["old_logps"],
+                             x["ref_logps"], beta=BETA, temperature=TEMPERATURE, backend="triton",
+                             drop_last_position=True, **kw).loss
+        return call
+
+    module = GRPOLoss(beta=BETA, temperature=TEMPERATURE, backend="triton", drop_last_position=True, check_ids=False)
+    found = {
+        "grpo_loss one-pass": ours(one_pass=True),
+        "grpo_loss one-pass, check_ids=False": ours(one_pass=True, check_ids=False),
+        "grpo_loss two-pass": ours(one_pass=False),
+        "GRPOLoss module, check_ids=False": lambda x, logits: module(
+            logits, x["completion_ids"], x["completion_mask"], x["advantages"], x["old_logps"], x["ref_logps"]).loss,
+    }
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+    except ImportError:
+        return found
+
+    def liger(x, logits):
+        return triton_grpo_loss(logits, x["old_logps"], x["ref_logps"], x["completion_ids"], x["advantages"],
+                                x["completion_mask"], temperature=TEMPERATURE, beta=BETA, eps_low=0.2, eps_high=0.2,
+                                inplace=False, loss_type="grpo", reduce=True)[0]
+    found["Liger triton_grpo_loss"] = liger
+    return found
+
+
+def measure(call: Callable, iters: int, repeats: int) -> Dict[str, float]:
+    x = inputs()
+    with no_op_launches() as launches:
+        logits = x["logits"].clone().requires_grad_()
+        call(x, logits).backward()  # warm-up (imports, caches)
+        logits.grad = None
+        forward, backward = OpCounter(), OpCounter()
+        before = launches["launches"]
+        with forward:
+            loss = call(x, logits)
+        with backward:
+            loss.backward()
+        counted_launches = launches["launches"] - before
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(iters):
+                logits.grad = None
+                call(x, logits).backward()
+            times.append((time.perf_counter() - start) / iters)
+    return {"aten_ops_forward": forward.count, "aten_ops_backward": backward.count, "triton_launches": counted_launches,
+            "host_us": round(statistics.median(times) * 1e6, 1)}
+
+
+def main(argv=None) -> Dict[str, Dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the table here too")
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # host time: one thread, no pool wake-ups
+    try:
+        results = {name: measure(call, args.iters, args.repeats) for name, call in paths().items()}
+    finally:
+        torch.set_num_threads(threads)
+    print(f"host work of one forward + backward, every Triton launch a no-op (B, T, V = {B}, {T}, {V}; "
+          f"torch {torch.__version__}, 1 thread)")
+    print(f"{'path':40s} {'aten fwd':>9s} {'aten bwd':>9s} {'launches':>9s} {'host us':>9s}")
+    for name, r in results.items():
+        print(f"{name:40s} {r['aten_ops_forward']:9d} {r['aten_ops_backward']:9d} {r['triton_launches']:9d} "
+              f"{r['host_us']:9.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": [B, T, V], "torch": torch.__version__, "results": results}, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

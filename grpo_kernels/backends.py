@@ -1,0 +1,109 @@
+"""The two backends behind one interface: the Triton launchers and the chunked torch path answer the same
+calls with the same result types, so nothing above this module branches on which one runs.
+
+No autograd here: the autograd Functions (``functions.py``, ``vocab_parallel.py``) call these with plain
+tensors. Per-token values are fp32 [N]. The fused loss kernels (the per-token loss math inside the
+logits pass) exist on Triton only: ``fuses_loss`` says whether a backend has them, and the sources
+(``sources.py``) call them through ``launch`` / ``lm_head_launch``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import torch_path
+from .kernels.contracts import launch_module, lm_head_launch_module
+
+
+class LogprobResult(NamedTuple):
+    logp: torch.Tensor  # fp32 [N], 0 at masked tokens
+    entropy: Optional[torch.Tensor]  # fp32 [N] (0 at masked tokens) or None
+    lse: torch.Tensor  # fp32 [N], what the backward reads
+    ids: torch.Tensor  # the ids the backward reads: masked ones may be replaced (any id is allowed there)
+
+
+class TorchBackend:
+    """The chunked torch path (CPU, or CUDA without triton)."""
+
+    name = "torch"
+    fuses_loss = False
+
+    def logprobs(self, logits, ids, temperature: float, mask: Optional[torch.Tensor],
+                 compute_entropy: bool) -> LogprobResult:
+        """log softmax(logits / temperature)[ids] (and entropy) of logits [B, T, V]; ``mask`` fp32 [N] or None."""
+        B, T, _ = logits.shape
+        active = None if mask is None else (mask != 0).view(B, T)
+        if active is not None:  # masked ids may be anything (-100): gather and scatter get 0 there
+            ids = torch.where(active, ids, 0)
+        logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy)
+        if active is not None:
+            logp = torch.where(active, logp, 0.0)
+            entropy = None if entropy is None else torch.where(active, entropy, 0.0)
+        flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+        return LogprobResult(flat(logp), flat(entropy), flat(lse), ids)
+
+    def logprobs_backward(self, logits, ids, lse, g, temperature: float, *, out: torch.Tensor,
+                          grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None):
+        """dlogits of g = dLoss/dlogp (and h = dLoss/dH) written into ``out`` [B, T, V]."""
+        B, T, _ = logits.shape
+        as_bt = lambda t: None if t is None else t.float().reshape(B, T)  # noqa: E731
+        return torch_path.backward(logits, ids, lse.reshape(B, T), as_bt(g), temperature, out=out,
+                                   grad_entropy=as_bt(grad_entropy), entropy=as_bt(entropy))
+
+    def linear_logprobs(self, hidden, weight, bias, ids, temperature: float, compute_entropy: bool) -> LogprobResult:
+        """The same from hidden [N, H] and the lm_head weight [V, H] (bias [V] or None), a chunk at a time."""
+        lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy)
+        return LogprobResult(logp, entropy, lse, ids)
+
+    def linear_backward(self, hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool,
+                        grad_entropy=None, entropy=None):
+        """(d hidden, d weight or None, d bias or None), fp32."""
+        return torch_path.linear_backward(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad,
+                                          grad_entropy=grad_entropy, entropy=entropy)
+
+
+class TritonBackend:
+    """The Triton kernels (CUDA, or CPU tensors in Triton's interpreter)."""
+
+    name = "triton"
+    fuses_loss = True
+
+    @property
+    def launch(self):
+        return launch_module()
+
+    @property
+    def lm_head_launch(self):
+        return lm_head_launch_module()
+
+    def logprobs(self, logits, ids, temperature: float, mask: Optional[torch.Tensor],
+                 compute_entropy: bool) -> LogprobResult:
+        r = self.launch.forward(logits, ids, temperature=temperature, mask=mask, compute_entropy=compute_entropy)
+        return LogprobResult(r.logp, r.entropy, r.lse, ids)  # the kernels never read a masked row's id
+
+    def logprobs_backward(self, logits, ids, lse, g, temperature: float, *, out: torch.Tensor,
+                          grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None):
+        flat = lambda t: None if t is None else t.reshape(-1).float().contiguous()  # noqa: E731
+        return self.launch.backward(logits, ids, lse.reshape(-1), flat(g), temperature, out=out,
+                                    grad_entropy=flat(grad_entropy),
+                                    entropy=flat(entropy) if grad_entropy is not None else None)
+
+    def linear_logprobs(self, hidden, weight, bias, ids, temperature: float, compute_entropy: bool) -> LogprobResult:
+        r = self.lm_head_launch.linear_forward(hidden, weight, bias, ids, temperature=temperature,
+                                               compute_entropy=compute_entropy)
+        return LogprobResult(r.logp, r.entropy, r.lse, ids)
+
+    def linear_backward(self, hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool,
+                        grad_entropy=None, entropy=None):
+        return self.lm_head_launch.linear_backward(hidden, weight, bias, ids, lse, g, temperature,
+                                                   compute_weight_grad, grad_entropy=grad_entropy, entropy=entropy)
+
+
+_BACKENDS = {"torch": TorchBackend(), "triton": TritonBackend()}
+
+
+def get_backend(name: str):
+    """The backend object of a resolved backend name ('triton' or 'torch'; see ``validation.resolve_backend``)."""
+    return _BACKENDS[name]

@@ -1,0 +1,219 @@
+"""A loss call's inputs, prepared once.
+
+``prepare_inputs`` takes what a caller passed (the source, logits or hidden states with an lm_head;
+the per-call tensors; the per-call settings) and does, in one place, everything both loss functions
+need before any logit is read: a packed batch is turned into one row of tokens, every tensor is
+checked (shapes, dtypes, devices, the ids' range and the normalizer in one host sync), the vocabulary
+shard is located, the backend resolved and the loss scale and normalizer normalized. What it returns,
+``LossInputs``, is frozen: the layers below (``dispatch.py``, ``sources.py``) read it and never
+re-check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .kernels.contracts import TokenInputs
+from .objective import GRPOLossOutput
+from .options import GRPOOptions
+from .packing import SequenceLayout
+from .validation import (
+    check_inputs,
+    check_logits,
+    check_per_token,
+    check_token_ids,
+    checked_loss_scale,
+    resolve_backend,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossTensors:
+    """A loss call's tensors as the caller gave them (see ``grpo_loss``)."""
+
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: Optional[torch.Tensor] = None
+    ref_logps: Optional[torch.Tensor] = None
+    importance_weights: Optional[torch.Tensor] = None
+    sampling_logps: Optional[torch.Tensor] = None
+    normalizer: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSettings:
+    """A loss call's non-tensor settings, besides the source's own (see ``sources.py``)."""
+
+    options: GRPOOptions
+    backend: str = "auto"
+    check_ids: bool = True
+    loss_scale: Union[float, torch.Tensor] = 1.0
+    cu_seqlens: Optional[torch.Tensor] = None
+    vocab_parallel_group: object = None
+    vocab_start_index: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobSettings:
+    """The settings of a log-prob call (``token_logprobs`` and its family); in_place_backward is the source's."""
+
+    backend: str = "auto"
+    check_ids: bool = True
+    drop_last_position: bool = False
+    cu_seqlens: Optional[torch.Tensor] = None
+    vocab_parallel_group: object = None
+    vocab_start_index: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice of a vocabulary-parallel call: its process group and its first global id."""
+
+    group: object
+    start: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LossInputs:
+    """One call's checked inputs. ids, mask, old / reference / sampling log-probs are [B, T] (a packed batch:
+    one row, [1, total]); advantages and importance weights stay as given (per row or per token; a packed
+    batch's per sequence [S] or per token), read through ``layout``."""
+
+    ids: torch.Tensor
+    mask: Optional[torch.Tensor]  # fp32: the token layout's weights (1 where a token counts); None: every token
+    advantages: Optional[torch.Tensor]  # None in a log-prob call
+    old_logps: Optional[torch.Tensor]
+    ref_logps: Optional[torch.Tensor]
+    importance_weights: Optional[torch.Tensor]
+    sampling_logps: Optional[torch.Tensor]
+    normalizer: object  # None, a number, or a detached 0-d tensor
+    loss_scale: Union[float, torch.Tensor]
+    options: GRPOOptions
+    backend: str  # resolved: "triton" or "torch"
+    layout: SequenceLayout
+    caller_shape: Optional[torch.Size]  # a packed call's ids' shape, which its per-token log-probs take
+    vocab_shard: Optional[VocabShard]
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return tuple(self.ids.shape)
+
+    @functools.cached_property
+    def mask_seq(self) -> torch.Tensor:
+        """The mask in the sequence layout the reductions see: [B, T], or [S, T_max] packed."""
+        return self.layout.seq(self.mask)
+
+    @functools.cached_property
+    def flat_mask(self) -> Optional[torch.Tensor]:
+        return None if self.mask is None else self.mask.reshape(-1).contiguous()
+
+    def kernel_tensors(self, importance_weights: Optional[torch.Tensor]) -> TokenInputs:
+        """mask, advantages, old, ref (only with a KL term) and the given importance weights as the loss
+        kernels read them: contiguous fp32 [N] (O(N), negligible)."""
+        tokens = self.layout.tokens
+        return TokenInputs(self.flat_mask, tokens(self.advantages), tokens(self.old_logps),
+                           tokens(self.ref_logps) if self.options.uses_kl else None, tokens(importance_weights))
+
+    def as_called(self, out: GRPOLossOutput, seq_layout: bool = False) -> GRPOLossOutput:
+        """A packed call's output with its per-token log-probs in the token layout, shaped as its ids (from
+        the sequence layout with ``seq_layout``); a padded call's as it is."""
+        if self.caller_shape is None:
+            return out
+        logps = self.layout.from_seq(out.per_token_logps) if seq_layout else out.per_token_logps
+        return GRPOLossOutput(out.loss, out.metrics, logps.reshape(self.caller_shape))
+
+
+def options_from(options: Optional[GRPOOptions], option_kwargs: dict) -> GRPOOptions:
+    """The call's options: ``options=`` or the keywords (TRL's names), not both."""
+    if options is not None and option_kwargs:
+        raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
+    return options if options is not None else GRPOOptions(**option_kwargs)
+
+
+def prepare_inputs(source, tensors: LossTensors, settings: CallSettings):
+    """(the source, as the kernels read it; the call's ``LossInputs``), every input checked.
+
+    ``source`` is a ``sources.LogitsSource`` or ``sources.HiddenStatesSource``."""
+    t, opts = tensors, settings.options
+    ids, mask, old, ref, sampling = t.completion_ids, t.completion_mask, t.old_logps, t.ref_logps, t.sampling_logps
+    layout, caller_shape = None, None
+    if settings.cu_seqlens is not None:  # a packed batch: one row of tokens to the kernels, sequences to reductions
+        caller_shape = ids.shape if isinstance(ids, torch.Tensor) else None
+        layout, source = source.packed(settings.cu_seqlens)
+        ids, mask, old, ref, sampling = (layout.one_row(name, x) for name, x in (
+            ("completion_ids", ids), ("completion_mask", mask), ("old_logps", old), ("ref_logps", ref),
+            ("sampling_logps", sampling)))
+        layout.check_per_sequence_or_token("advantages", t.advantages)
+        layout.check_per_sequence_or_token("importance_weights", t.importance_weights)
+    logits_like = source.checked_logits_shape(ids)  # [B, T, V]: the logits, or an expanded 0-d stand-in
+    sharded = settings.vocab_parallel_group is not None
+    check_inputs(logits_like, ids, mask, layout.tokens(t.advantages).view(1, -1) if layout else t.advantages,
+                 old, ref, None if layout else t.importance_weights, t.normalizer, opts,
+                 settings.check_ids and not sharded)
+    shard = None
+    if sharded:  # the ids are global: checked against the whole vocabulary
+        from .vocab_parallel import sharded_vocab_start
+
+        shard = VocabShard(settings.vocab_parallel_group, sharded_vocab_start(
+            logits_like, ids, settings.vocab_parallel_group, settings.vocab_start_index, settings.check_ids,
+            mask=mask, normalizer=t.normalizer))
+    check_per_token("sampling_logps", sampling, logits_like, allow_row=False)
+    backend = resolve_backend(settings.backend, source.tensor)
+    source = source.for_call(backend, sharded)
+    normalizer = t.normalizer.detach() if isinstance(t.normalizer, torch.Tensor) else t.normalizer  # per step
+    B, T = logits_like.shape[:2]
+    inputs = LossInputs(ids=ids, mask=mask.float(), advantages=t.advantages, old_logps=old, ref_logps=ref,
+                        importance_weights=t.importance_weights, sampling_logps=sampling, normalizer=normalizer,
+                        loss_scale=checked_loss_scale(settings.loss_scale), options=opts, backend=backend,
+                        layout=layout or SequenceLayout(B, T), caller_shape=caller_shape, vocab_shard=shard)
+    return source, inputs
+
+
+def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: float, settings: LogprobSettings):
+    """(the source as the kernels read it; the ``LossInputs`` of a log-prob call: no mask, every token read).
+
+    ``ids`` None: the entropy alone (no target). A source with other leading dims than [B, T] ([N, V],
+    [B, T, K, V], ...) is read as one row; the results take the ids' shape (a packed call's: [total])."""
+    opts = GRPOOptions(temperature=temperature)  # validates the temperature
+    caller_shape = None
+    if settings.cu_seqlens is not None:
+        layout, source = source.packed(settings.cu_seqlens)
+        caller_shape = (layout.N,)
+        ids = None if ids is None else layout.one_row("ids", ids)
+    elif isinstance(source.tensor, torch.Tensor) and source.tensor.dim() not in (0, 3):
+        lead = source.tensor.shape[:-1]
+        if ids is not None and (not isinstance(ids, torch.Tensor) or tuple(ids.shape) != tuple(lead)):
+            got = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"ids must have shape {tuple(lead)} ({source.what} without its last dim), got {got}")
+        caller_shape, source = lead, source.as_one_row()
+        ids = None if ids is None else ids.reshape(1, -1)
+    if ids is None:  # no target: every id 0, never checked
+        check_logits(source.tensor)
+        B, T = source.tensor.shape[0], source.tensor.shape[1] - int(settings.drop_last_position)
+        ids = torch.zeros((B, max(T, 0)), dtype=torch.long, device=source.tensor.device)
+        check = False
+    else:
+        check = settings.check_ids
+    logits_like = source.checked_logits_shape(ids)
+    check_logits(logits_like)
+    sharded = settings.vocab_parallel_group is not None
+    shard = None
+    if sharded:  # the ids are global: checked against the whole vocabulary
+        from .vocab_parallel import sharded_vocab_start
+
+        shard = VocabShard(settings.vocab_parallel_group, sharded_vocab_start(
+            logits_like, ids, settings.vocab_parallel_group, settings.vocab_start_index, check))
+    else:
+        check_token_ids(ids, logits_like, check)
+    backend = resolve_backend(settings.backend, source.tensor)
+    source = source.for_call(backend, sharded)
+    B, T = logits_like.shape[:2]
+    inputs = LossInputs(ids=ids, mask=None, advantages=None, old_logps=None, ref_logps=None, importance_weights=None,
+                        sampling_logps=None, normalizer=None, loss_scale=1.0, options=opts, backend=backend,
+                        layout=SequenceLayout(B, T), caller_shape=caller_shape, vocab_shard=shard)
+    return source, inputs

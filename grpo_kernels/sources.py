@@ -1,0 +1,228 @@
+"""The two input forms of a loss call, as two sources with the same three operations.
+
+- ``LogitsSource``: logits [B, T, V] (or [B, T + 1, V] with ``drop_last_position``).
+- ``HiddenStatesSource``: hidden states [B, T, H] and the lm_head weight [V, H] (and bias): the
+  [N, V] logits are never held.
+
+Each one checks itself (``checked_logits_shape``, ``for_call``), gives the call's differentiable
+log-probs (``logprobs``: the loss math then runs in torch) and runs the fused loss kernels where they
+apply (``fused_loss``: the per-token loss math inside the logits pass). The schedule of a fused call
+(one-pass or two-pass; recompute or 3-product lm_head) is chosen here, with the launchers' measured
+defaults (``kernels/tuned.json``) where the caller gave no hint. ``dispatch.compute_loss`` drives both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .backends import get_backend
+from .functions import (
+    FusedLinearThreeProducts,
+    FusedLinearTokenLoss,
+    FusedTokenLoss,
+    FusedTokenLossOnePass,
+    LinearTokenLogprobs,
+    TokenLogprobs,
+    aligned,
+)
+from .inputs import LossInputs
+from .objective import GRPOLossOutput, entropy_grad_weight, kernel_metrics, loss_grad_weight, reduced_loss
+from .packing import packed_layout
+from .validation import check_in_place, check_linear_inputs, checked_drop_last_position
+
+LM_HEAD_MODES = ("recompute", "three_products")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyTerms:
+    """What TRL's policy-term masks make of a call (``dispatch.with_policy_masks``): the importance weights,
+    a separate policy mask where the loss math runs in torch (else folded into the weights), and the
+    tokens the entropy bonus acts on. Without masks: the call's weights, no mask, every active token."""
+
+    importance_weights: Optional[torch.Tensor]
+    policy_mask: Optional[torch.Tensor]
+    bonus_mask: torch.Tensor
+
+
+def _kernel_output(inputs: LossInputs, loss, logp, entropy, kl, flags) -> GRPOLossOutput:
+    """The output of a loss whose per-token terms came from a kernel (clip flags as FLAG_* bits)."""
+    return GRPOLossOutput(loss, kernel_metrics(entropy, kl, flags, inputs.mask, inputs.options), logp.detach())
+
+
+def _two_pass_loss(inputs: LossInputs, loss_t, entropy, policy: PolicyTerms):
+    """The reduced loss of a kernel's differentiable per-token loss (the backward applies dLoss/dlogp)."""
+    L = inputs.layout
+    return reduced_loss(L.seq(loss_t), inputs.mask_seq, inputs.options, inputs.normalizer, inputs.loss_scale,
+                        L.seq(entropy), policy.bonus_mask)
+
+
+def _gradient_weights(inputs: LossInputs, policy: PolicyTerms):
+    """(each token's weight in the reduced loss, its dLoss/dH or None): what a kernel that writes the
+    gradient in its forward folds in."""
+    o, L = inputs.options, inputs.layout
+    return (loss_grad_weight(inputs.mask_seq, o, inputs.normalizer, inputs.loss_scale, L),
+            entropy_grad_weight(policy.bonus_mask, o, inputs.loss_scale, L))
+
+
+class LogitsSource:
+    what = "logits"
+
+    def __init__(self, logits: torch.Tensor, *, drop_last_position: bool = False, in_place_backward: bool = False,
+                 one_pass: Optional[bool] = None):
+        self.tensor = logits  # as passed: [B, T, V], or [B, T + 1, V] with drop_last_position
+        self.drop_last_position = drop_last_position
+        self.in_place_backward = in_place_backward
+        self.one_pass = one_pass
+        self.logits = None  # the [B, T, V] view that predicts the completion (for checks: made without autograd)
+
+    def packed(self, cu_seqlens):
+        """(layout, this source as one row [1, total, V]) of a packed batch."""
+        if self.drop_last_position:
+            raise ValueError("drop_last_position=True applies to padded [B, T + 1, V] logits, not to a packed batch "
+                             "(cu_seqlens): give the packed logits of the completion tokens only")
+        layout, one_row = packed_layout(cu_seqlens, self.tensor, self.what)
+        return layout, LogitsSource(one_row, in_place_backward=self.in_place_backward, one_pass=self.one_pass)
+
+    def as_one_row(self) -> "LogitsSource":
+        """Logits [..., V] of other leading dims as one row [1, N, V] (a view where possible)."""
+        return LogitsSource(self.tensor.reshape(1, -1, self.tensor.shape[-1]), in_place_backward=self.in_place_backward,
+                            one_pass=self.one_pass)
+
+    def checked_logits_shape(self, ids) -> torch.Tensor:
+        checked_drop_last_position(self.drop_last_position, self.tensor, ids)
+        with torch.no_grad():  # a view for shapes and strides: no autograd node (host time)
+            self.logits = aligned(self.tensor, self.drop_last_position)
+        return self.logits
+
+    def for_call(self, backend: str, sharded: bool) -> "LogitsSource":
+        if sharded and self.in_place_backward:
+            raise ValueError("in_place_backward=True is not supported with vocab_parallel_group")
+        check_in_place(self.in_place_backward, self.tensor)
+        if backend == "triton" and self.logits.stride(-1) != 1:
+            raise ValueError(
+                f"backend='triton' needs logits with a unit last stride, got strides {tuple(self.logits.stride())}; "
+                "views that slice B or T are fine, a transposed vocabulary is not (call .contiguous())"
+            )
+        return self
+
+    def logprobs(self, inputs: LossInputs, compute_entropy: bool, final: bool = False):
+        """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens. ``final``: the pass the
+        gradient flows through (it may write the gradient into the logits, with in_place_backward)."""
+        temperature = inputs.options.temperature
+        if inputs.vocab_shard is not None:
+            from .vocab_parallel import vocab_parallel_logprobs
+
+            return vocab_parallel_logprobs(aligned(self.tensor, self.drop_last_position), inputs.ids, inputs.flat_mask,
+                                           temperature, compute_entropy, inputs.backend, inputs.vocab_shard)
+        return TokenLogprobs.apply(self.tensor, inputs.ids.contiguous(), inputs.flat_mask, temperature,
+                                   compute_entropy, inputs.backend, final and self.in_place_backward,
+                                   self.drop_last_position)
+
+    def fused_loss(self, inputs: LossInputs, policy: PolicyTerms) -> GRPOLossOutput:
+        """The loss with its per-token math in the logits kernel: one-pass (dlogits written in the
+        forward, 2 x S bytes) where a gradient is wanted and the schedule allows, else two-pass."""
+        o = inputs.options
+        kernel_inputs = (self.tensor, inputs.ids.contiguous(), inputs.kernel_tensors(policy.importance_weights))
+        wants_grad = torch.is_grad_enabled() and self.tensor.requires_grad
+        one_pass = self.one_pass
+        if one_pass is None:  # the device sweep's measured choice for this GPU and vocabulary, else one-pass
+            one_pass = get_backend(inputs.backend).launch.default_one_pass(self.logits)
+        if one_pass and wants_grad and not self.in_place_backward:
+            grad_weight, entropy_weight = _gradient_weights(inputs, policy)
+            loss, _, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
+                *kernel_inputs, grad_weight, o, self.drop_last_position, entropy_weight)
+        else:  # two-pass: dLoss/dlogp (and dLoss/dH) applied by the backward kernel
+            loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, o, self.in_place_backward,
+                                                                    self.drop_last_position)
+            loss = _two_pass_loss(inputs, loss_t, entropy, policy)
+        return _kernel_output(inputs, loss, logp, entropy, kl, flags)
+
+
+class HiddenStatesSource:
+    what = "hidden_states"
+
+    def __init__(self, hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 lm_head_mode: Optional[str] = None):
+        self.tensor, self.weight, self.bias, self.lm_head_mode = hidden_states, weight, bias, lm_head_mode
+        self._flat, self._flat_with_grad = None, False
+
+    def packed(self, cu_seqlens):
+        layout, one_row = packed_layout(cu_seqlens, self.tensor, self.what)
+        return layout, HiddenStatesSource(one_row, self.weight, self.bias, self.lm_head_mode)
+
+    def as_one_row(self) -> "HiddenStatesSource":
+        return HiddenStatesSource(self.tensor.reshape(1, -1, self.tensor.shape[-1]), self.weight, self.bias,
+                                  self.lm_head_mode)
+
+    def checked_logits_shape(self, ids) -> torch.Tensor:
+        check_linear_inputs(self.tensor, self.weight, self.bias)
+        B, T, _ = self.tensor.shape
+        return self.tensor.new_empty(()).expand(B, T, self.weight.shape[0])  # shape checks only, no memory
+
+    def for_call(self, backend: str, sharded: bool) -> "HiddenStatesSource":
+        mode = self.lm_head_mode
+        if mode is None:  # the device sweep's measured choice, else recompute
+            mode = ("recompute" if backend != "triton"
+                    else get_backend(backend).lm_head_launch.default_lm_head_mode(self.tensor, self.weight.shape[0]))
+        if mode not in LM_HEAD_MODES:
+            raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {mode!r}")
+        return HiddenStatesSource(self.tensor, self.weight, self.bias, mode)
+
+    def flat(self, inputs: LossInputs) -> tuple:
+        """(hidden [N, H], weight, bias, ids [N]) as the kernels read them. Masked tokens are never read:
+        their hidden states become 0 and their ids 0 (one O(N * H) copy, which also makes a sliced view
+        contiguous). Padding garbage (NaN, inf) would otherwise reach d weight, a sum over every token's
+        hidden state."""
+        if self._flat is not None and (self._flat_with_grad or not torch.is_grad_enabled()):
+            return self._flat  # (a copy made under no_grad, for the masks' first pass, carries no gradient)
+        B, T, H = self.tensor.shape
+        if inputs.mask is None:  # a log-prob call: every token read
+            hidden, ids = self.tensor.reshape(B * T, H).contiguous(), inputs.ids.reshape(-1).contiguous()
+        else:
+            active = (inputs.mask != 0).reshape(B * T, 1)
+            hidden = torch.where(active, self.tensor.reshape(B * T, H), 0.0)
+            ids = torch.where(active.squeeze(1), inputs.ids.reshape(-1), 0).contiguous()
+        self._flat = (hidden, self.weight.contiguous(), None if self.bias is None else self.bias.contiguous(), ids)
+        self._flat_with_grad = torch.is_grad_enabled()
+        return self._flat
+
+    def logprobs(self, inputs: LossInputs, compute_entropy: bool, final: bool = False):
+        """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens, as in the logits source."""
+        B, T = inputs.shape
+        temperature = inputs.options.temperature
+        if inputs.vocab_shard is not None:
+            from .vocab_parallel import vocab_parallel_linear_logprobs
+
+            pair = vocab_parallel_linear_logprobs(self.flat(inputs), temperature, compute_entropy, inputs.backend,
+                                                  inputs.vocab_shard)
+        else:
+            pair = LinearTokenLogprobs.apply(*self.flat(inputs), temperature, compute_entropy, inputs.backend)
+        if inputs.mask is None:
+            return tuple(None if t is None else t.view(B, T) for t in pair)
+        active = (inputs.mask != 0).view(B, T)
+        return tuple(None if t is None else torch.where(active, t.view(B, T), 0.0) for t in pair)
+
+    def fused_loss(self, inputs: LossInputs, policy: PolicyTerms) -> GRPOLossOutput:
+        """The loss with its per-token math in the lm_head kernels: "recompute" (the backward recomputes
+        each chunk's logits) or "three_products" (each chunk's logits once, by cuBLAS; the gradient in the
+        forward)."""
+        o, shape = inputs.options, inputs.shape
+        flat, per_token = self.flat(inputs), inputs.kernel_tensors(policy.importance_weights)
+        wants_grad = torch.is_grad_enabled() and (self.tensor.requires_grad or self.weight.requires_grad)
+        if self.lm_head_mode == "three_products" and wants_grad:
+            grad_weight, entropy_weight = _gradient_weights(inputs, policy)
+            loss, _, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
+                *flat, per_token, grad_weight, o, shape, entropy_weight)
+            return _kernel_output(inputs, loss, logp, entropy, kl, flags)
+        if self.lm_head_mode == "three_products":  # no gradient wanted: cuBLAS logits and the logits kernel
+            r = get_backend(inputs.backend).lm_head_launch.linear_three_products(
+                *flat, opts=o, **per_token._asdict(), compute_entropy=o.compute_entropy, grad_weight=None,
+                compute_weight_grad=False)[0]
+            view = lambda t: None if t is None else t.view(shape)  # noqa: E731
+            loss_t, logp, entropy, kl, flags = view(r.loss), view(r.logp), view(r.entropy), view(r.kl), view(r.flags)
+        else:
+            loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(*flat, per_token, o, shape)
+        return _kernel_output(inputs, _two_pass_loss(inputs, loss_t, entropy, policy), logp, entropy, kl, flags)
