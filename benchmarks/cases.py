@@ -98,6 +98,21 @@ def _ours(one_pass: bool, level: str = "token", **options):
     return run
 
 
+def _ours_split_row(chunks: int):
+    """Ours one-pass on the split-row kernel (each row over ``chunks`` programs: kernels/split_row.py)."""
+    from grpo_kernels.kernels import launch
+
+    plain = _ours(True)
+
+    def run(inputs, logits):
+        saved, launch.SPLIT_ROW_CHUNKS = launch.SPLIT_ROW_CHUNKS, chunks
+        try:
+            return plain(inputs, logits)
+        finally:
+            launch.SPLIT_ROW_CHUNKS = saved
+    return run
+
+
 def packed_batch(inputs: Dict) -> Dict:
     """The same batch packed (padding-free): only the active tokens' logits, gathered once and kept in
     ``inputs`` (the first call is a warm-up call, outside the timing), the rows' lengths from the mask."""
@@ -225,6 +240,7 @@ def available_paths(level: str = "token") -> Dict[str, Callable]:
         paths["ours two-pass"] = _ours(False, level)
         if level == "token":
             paths["ours one-pass"] = _ours(True, level)
+            paths["ours one-pass split-row K=8"] = _ours_split_row(8)
             for name, options in ENTROPY_FAMILY.items():
                 paths[name] = _ours(True, level, **options)
             paths["ours one-pass packed"] = _ours_packed()

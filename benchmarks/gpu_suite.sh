@@ -84,7 +84,7 @@ stage() {
 if [ -n "${GRPO_SUITE_TESTS:-}" ]; then
     eval "TESTS=($GRPO_SUITE_TESTS)"  # pytest arguments as a shell would split them (quotes for -k)
 elif [ "$MODE" = gpu ]; then
-    TESTS=(tests/test_loss.py tests/test_fused_linear.py tests/test_reliability.py tests/test_lean_backward.py
+    TESTS=(tests/test_split_row.py tests/test_loss.py tests/test_fused_linear.py tests/test_reliability.py tests/test_lean_backward.py
            tests/test_api.py tests/test_family.py tests/test_liger_parity.py tests/test_drop_last_position.py
            tests/test_entropy_bonus.py tests/test_policy_masks.py tests/test_packed.py -k "not torch")  # the kernels' tests: the torch-path cases and torch.compile did not fit in the time
 else

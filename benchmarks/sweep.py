@@ -60,14 +60,20 @@ def logits_candidates():
     """
     # Pruned by the first H200 runs (benchmarks/results/gpu/): BLOCK_V 8192 never came within 5 %
     # of the best, and the persistent schedule lost at every programs_per_sm (one kept as the
-    # record); 42 candidates a shape did not fit the stage's time in the second run, these 25 should.
+    # record); 42 candidates a shape did not fit the stage's time in the second run, these 25 should
+    # (31 with the split-row candidates).
     blocks, warps, stages = (4096, 2048), (16, 8, 4), (1, 3)
+    # the split-row schedule first (never measured yet): each row over K programs, read once (2 S)
+    for split_row, num_warps in itertools.product((8, 4, 16), (8, 4)):
+        yield {"mode": "one_pass", "BLOCK_V": 4096, "num_warps": num_warps, "num_stages": 1, "programs_per_sm": None,
+               "split_row": split_row}
     for mode in ("one_pass", "two_pass"):
         for block_v, num_warps, num_stages in itertools.product(blocks, warps, stages):
             yield {"mode": mode, "BLOCK_V": block_v, "num_warps": num_warps, "num_stages": num_stages,
-                   "programs_per_sm": None}
+                   "programs_per_sm": None, "split_row": None}
         if mode == "one_pass":
-            yield {"mode": mode, "BLOCK_V": 4096, "num_warps": 16, "num_stages": 1, "programs_per_sm": 4}
+            yield {"mode": mode, "BLOCK_V": 4096, "num_warps": 16, "num_stages": 1, "programs_per_sm": 4,
+                   "split_row": None}
 
 
 def fused_candidates():

@@ -41,13 +41,29 @@ def test_every_specialization_compiles_without_spills(records):
               f"{r['spill_bytes']:5} {r['specialization']}")
     assert {r["arch"] for r in records} == {"sm_90", "sm_80"}
     assert {r["dtype"] for r in records} == set(DTYPES)
-    assert {r["kernel"] for r in records} == {"forward", "backward", "scale", "dlogits", "matmul", "combine"}
+    assert {r["kernel"] for r in records} == {"forward", "backward", "scale", "dlogits", "matmul", "combine",
+                                              "split-row"}
     spilled = [r for r in records if r["spill_bytes"] or r["local_bytes"]]
     assert not spilled, f"register spills: {spilled}"
     streaming = [r for r in records if "fused-linear" not in r["specialization"]]
     # the memory-bound logits kernels need occupancy: at most 128 registers a thread
     assert all(0 < r["registers"] <= 128 for r in streaming), "a logits kernel needs over 128 registers"
     assert any("fused-linear" in r["specialization"] for r in records)
+
+
+def test_the_split_row_kernel_compiles_as_one_cooperative_launch_that_fits_the_gpu(records):
+    """The split-row kernel's single launch (publish, wait, merge and write) on sm_90 and sm_80: no spills, no
+    local memory, 128-bit loads, and a grid no larger than what the compiled kernel keeps resident at once
+    (from its registers, shared memory and warps, on 132 SMs), so that every sibling's wait returns."""
+    split = [r for r in records if r["kernel"] == "split-row"]
+    assert {r["arch"] for r in split} == {"sm_90", "sm_80"} and {r["chunks"] for r in split} == {4, 8}
+    assert all(r["spill_bytes"] == 0 and r["local_bytes"] == 0 and r["vector_loads_128"] >= 1 for r in split)
+    for r in split:
+        resident = 132 * r["resident_programs_per_sm"]
+        assert resident >= r["chunks"], r
+        for N in (1, 7, 4096, 16384):
+            programs = launch.split_row_grid(resident, N, r["chunks"])
+            assert programs % r["chunks"] == 0 and r["chunks"] <= programs <= min(resident, N * r["chunks"])
 
 
 def test_aligned_rows_use_128_bit_vector_loads(records):

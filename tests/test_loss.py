@@ -7,6 +7,7 @@ gradients at the rounding of the gradient's own dtype (values are computed in fp
 the same 16-bit logits, so only the final cast differs).
 """
 
+import contextlib
 import os
 import zlib
 
@@ -14,15 +15,16 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import BATCH_KEYS, OPTION_CASES, assert_close, make_batch
+from helpers import BATCH_KEYS, OPTION_CASES, assert_close, make_batch, split_row
 
 from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference
 from grpo_kernels import torch_path
 from grpo_kernels.objective import grpo_loss_eager
 
 # "triton" is the default one-pass kernel at token level (two-pass at sequence level);
-# "triton-two-pass" forces the forward-then-backward kernels everywhere.
-BACKENDS = ["torch", "triton", "triton-two-pass"]
+# "triton-two-pass" forces the forward-then-backward kernels everywhere; "triton-split-row" runs the
+# one-pass loss on the split-row kernel (each row over 4 programs; kernels/split_row.py).
+BACKENDS = ["torch", "triton", "triton-two-pass", "triton-split-row"]
 LOSS_TYPE_DEFAULTS = {"dr_grpo": dict(max_completion_length=8), "cispo": dict(epsilon_high=1.1)}
 FP32_TOL = dict(atol=1e-6, rtol=1e-5)
 
@@ -37,7 +39,8 @@ def _run(backend, batch, importance_weights=None, normalizer=None, **options):
         out = grpo_loss_eager(**inputs, **options)
     else:
         one_pass = backend != "triton-two-pass"
-        out = grpo_loss(**inputs, backend=backend.replace("-two-pass", ""), one_pass=one_pass, **options)
+        with split_row(4) if backend == "triton-split-row" else contextlib.nullcontext():
+            out = grpo_loss(**inputs, backend=backend.split("-")[0], one_pass=one_pass, **options)
     out.loss.backward()
     return out, logits.grad
 

@@ -29,9 +29,9 @@ import torch
 
 from ..options import GRPOOptions
 from . import fused_linear as FL
-from . import grpo as K
+from . import grpo
 from . import fused_linear_launch as lm_head_launch
-from . import launch
+from . import launch, split_row
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VOCAB_SIZES = (1003, 32000, 151936)  # one block (small V) and the looping configs
@@ -60,7 +60,8 @@ class Launch:
     label: str = ""
 
 
-_KERNELS = {K: ("grpo_forward_kernel", "logprob_backward_kernel", "scale_in_place_kernel"),
+_KERNELS = {grpo: ("grpo_forward_kernel", "logprob_backward_kernel", "scale_in_place_kernel"),
+            split_row: ("split_row_forward_kernel",),
             FL: ("linear_grpo_forward_kernel", "linear_grpo_combine_kernel", "linear_dlogits_kernel", "matmul_kernel")}
 
 
@@ -159,6 +160,13 @@ def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                 yield f"ppo+entropy-bonus one-pass {tag}", lambda: launch.forward(
                     x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], mask=x["mask"], advantages=x["adv"],
                     old_logps=x["old"], compute_entropy=True, grad_weight=x["weight"], entropy_grad_weight=x["weight"])
+                if V >= 32000:  # the split-row schedule (one cooperative launch: see record_all)
+                    for chunks, extra in ((8, {}), (4, dict(entropy_grad_weight=x["weight"]))):
+                        name = "ppo+entropy-bonus" if extra else "ppo+old+iw"
+                        yield f"{name} one-pass split-row K={chunks} {tag}", lambda k=chunks, e=extra: _split_row(
+                            k, launch.forward, x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], mask=x["mask"],
+                            advantages=x["adv"], old_logps=x["old"], importance_weights=None if e else x["iw"],
+                            compute_entropy=True, grad_weight=x["weight"], **e)
                 yield f"dlogits {tag}", lambda: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0)
                 yield f"dlogits+entropy-bonus {tag}", lambda: launch.backward(
                     x["logits"], x["ids"], x["adv"], x["adv"], 1.0, grad_entropy=x["weight"], entropy=x["adv"])
@@ -211,13 +219,29 @@ def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
     yield from calls("fp32", torch.float32)
 
 
+def _split_row(chunks: int, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the one-pass loss on the split-row kernel, K = ``chunks``."""
+    saved, launch.SPLIT_ROW_CHUNKS = launch.SPLIT_ROW_CHUNKS, chunks
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        launch.SPLIT_ROW_CHUNKS = saved
+
+
 def record_all() -> List[Launch]:
-    """Every distinct launch of the representative calls, labelled by the first call that made it."""
+    """Every distinct launch of the representative calls, labelled by the first call that made it.
+
+    The split-row kernel's launcher, given CPU tensors, makes the interpreter's two launches (publish;
+    merge and write): what a GPU runs is the same arguments in one cooperative launch (PHASE 0)."""
     found: Dict[tuple, Launch] = {}
     for label, call in list(logits_launches()) + list(fused_linear_launches()):
         with recorded_launches() as launches:
             call()
         for item in launches:
+            if item.kernel.fn.__name__ == "split_row_forward_kernel":
+                if item.kwargs["PHASE"] == 1:
+                    continue
+                item.kwargs = {**item.kwargs, "PHASE": 0, "launch_cooperative_grid": True}
             item.label = label
             key = (item.kernel.fn.__name__, _specialization_key(item))
             found.setdefault(key, item)
@@ -297,6 +321,7 @@ def hot_loops(cubin: bytes) -> List[Dict[str, int]]:
 
 
 KERNEL_KINDS = {"grpo_forward_kernel": "forward", "logprob_backward_kernel": "backward",
+                "split_row_forward_kernel": "split-row",
                 "scale_in_place_kernel": "scale",
                 "linear_grpo_forward_kernel": "forward", "linear_grpo_combine_kernel": "combine",
                 "linear_dlogits_kernel": "dlogits", "matmul_kernel": "matmul"}
@@ -325,7 +350,11 @@ def _record(item: Launch, arch: int) -> Dict[str, object]:
         "async_copies": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
         "shared_bytes": compiled.metadata.shared,
     }
-    if not fused and name in ("grpo_forward_kernel", "logprob_backward_kernel"):
+    if name == "split_row_forward_kernel":  # a cooperative launch: every program resident at once
+        record["chunks"] = named["K"]
+        record["resident_programs_per_sm"] = launch.resident_programs_per_sm(
+            usage.get("REG"), options.num_warps, compiled.metadata.shared)
+    if not fused and name in ("grpo_forward_kernel", "logprob_backward_kernel", "split_row_forward_kernel"):
         logit_bytes = DTYPES[record["dtype"]].itemsize
         loops = hot_loops(compiled.asm["cubin"])
         for loop in loops:

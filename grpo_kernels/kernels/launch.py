@@ -7,13 +7,14 @@ autograd Functions in ``grpo_kernels.functions`` call them.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Dict, Optional
 
 import torch
 import triton
 
-from ..options import PPO_CLIP_LOSS_TYPES, GRPOOptions
-from . import grpo as K
+from ..options import GRPOOptions
+from . import grpo
 from . import tuned
 
 
@@ -82,14 +83,16 @@ class ForwardResult:
     kl: Optional[torch.Tensor]  # fp32 [N] or None
     flags: Optional[torch.Tensor]  # int8 [N]
     grad_logits: Optional[torch.Tensor] = None  # [B, T, V] in the logits' dtype (one-pass mode)
+    split_row_error: Optional[torch.Tensor] = None  # int32 [1], 1 if a split-row wait timed out (a GPU launch)
 
 
 def loss_kind(opts: Optional[GRPOOptions]) -> int:
     if opts is None:
-        return K.LOSS_NONE
-    if opts.loss_type in PPO_CLIP_LOSS_TYPES:
-        return K.LOSS_PPO_CLIP
-    return K.LOSS_CISPO if opts.loss_type == "cispo" else K.LOSS_SAPO
+        return grpo.LOSS_NONE
+    kinds = {"ppo_clip": grpo.LOSS_PPO_CLIP, "cispo": grpo.LOSS_CISPO, "sapo": grpo.LOSS_SAPO}
+    if opts.loss.policy_term not in kinds:
+        raise ValueError(f"loss_type={opts.loss_type!r} has no loss kernel (its loss math runs in torch)")
+    return kinds[opts.loss.policy_term]
 
 
 def forward_constexprs(
@@ -98,12 +101,12 @@ def forward_constexprs(
 ) -> Dict[str, object]:
     """The compile-time flags of one forward specialization."""
     kind = loss_kind(opts)
-    with_loss = kind != K.LOSS_NONE
+    with_loss = kind != grpo.LOSS_NONE
     return {
         "LOSS_KIND": kind,
         "HAS_OLD": with_loss and has_old,
         "HAS_KL": with_loss and opts.uses_kl,
-        "KL_KIND": {"k3": K.KL_K3, "k1": K.KL_K1, "k2": K.KL_K2}[opts.kl_estimator] if with_loss else 0,
+        "KL_KIND": {"k3": grpo.KL_K3, "k1": grpo.KL_K1, "k2": grpo.KL_K2}[opts.kl_estimator] if with_loss else 0,
         "HAS_DELTA": with_loss and opts.delta is not None,
         "HAS_DUAL_CLIP": with_loss and opts.dual_clip is not None,
         "HAS_LOG_RATIO_CLAMP": with_loss and opts.log_ratio_clamp is not None,
@@ -143,18 +146,19 @@ def _zero_if_none(value: Optional[float]) -> float:
 
 
 def allocate_outputs(N: int, device, opts: Optional[GRPOOptions], compute_entropy: bool) -> ForwardResult:
-    """The fp32 [N] outputs of a forward kernel (int8 flags); None where the options ask for none."""
-    f32 = dict(device=device, dtype=torch.float32)
-    with_loss = loss_kind(opts) != K.LOSS_NONE
-    return ForwardResult(
-        logp=torch.empty(N, **f32),
-        entropy=torch.empty(N, **f32) if compute_entropy else None,
-        lse=torch.empty(N, **f32),
-        loss=torch.empty(N, **f32) if with_loss else None,
-        dloss_dlogp=torch.empty(N, **f32) if with_loss else None,
-        kl=torch.empty(N, **f32) if with_loss and opts.uses_kl else None,
-        flags=torch.empty(N, device=device, dtype=torch.int8) if with_loss else None,
-    )
+    """The fp32 [N] outputs of a forward kernel (int8 flags); None where the options ask for none. The fp32
+    ones are rows of one buffer (two allocations a call, not seven: host time at small N)."""
+    with_loss = loss_kind(opts) != grpo.LOSS_NONE
+    wanted = dict(logp=True, entropy=compute_entropy, lse=True, loss=with_loss, dloss_dlogp=with_loss,
+                  kl=with_loss and opts.uses_kl)
+    names = [name for name, on in wanted.items() if on]
+    # each row starts 128-byte aligned whatever N is, as a tensor of its own would: the JIT specializes
+    # pointers on their alignment, so an N-dependent one would compile other kernels as T changes
+    padded = triton.cdiv(N, 32) * 32
+    buffer = torch.empty(len(names), padded, device=device, dtype=torch.float32)
+    rows = dict(zip(names, buffer[:, :N].unbind()))
+    flags = torch.empty(N, device=device, dtype=torch.int8) if with_loss else None
+    return ForwardResult(**{name: rows.get(name) for name in wanted}, flags=flags)
 
 
 def loss_pointer_args(out: ForwardResult, mask, advantages, old_logps, ref_logps, importance_weights):
@@ -229,10 +233,16 @@ def forward(
         has_mask=mask is not None, compute_entropy=compute_entropy, write_grad=write_grad,
     )
     launch_config = logits_launch_config(logits, config)
+    chunks = launch_config.pop("split_row", None) or SPLIT_ROW_CHUNKS
+    if write_grad and not grad_in_place and chunks and chunks > 1 and _split_row_forward(
+            logits, ids, out, inputs, opts, constexprs, launch_config, grad, grad_weight,
+            entropy_grad_weight if entropy_grad else None, int(chunks)):
+        out.grad_logits = grad
+        return out
     grid, persistent = _forward_grid(N, logits.device, launch_config.pop("programs_per_sm", None))
     grad_target = grad if write_grad else logits  # unread without WRITE_GRAD
     if N > 0:
-        K.grpo_forward_kernel[grid](
+        grpo.grpo_forward_kernel[grid](
             logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V, N=N,
             **inputs, **outputs, grad_weight_ptr=grad_weight if write_grad else dummy, grad_logits_ptr=grad_target,
             grad_stride_b=grad_target.stride(0), grad_stride_t=grad_target.stride(1),
@@ -271,7 +281,7 @@ def backward(
     launch_config.pop("programs_per_sm", None)  # the forward's schedule; the backward reads each row once
     if B * T > 0:
         with_entropy = grad_entropy is not None
-        K.logprob_backward_kernel[(B * T,)](
+        grpo.logprob_backward_kernel[(B * T,)](
             logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V,
             grad_logp_ptr=grad_logp, lse_ptr=lse, grad_logits_ptr=grad, grad_stride_b=grad.stride(0),
             grad_stride_t=grad.stride(1), grad_entropy_ptr=grad_entropy if with_entropy else grad_logp,
@@ -279,6 +289,112 @@ def backward(
             ROW_ALIGN=row_alignment(logits, grad), HAS_ENTROPY_GRAD=with_entropy, **launch_config,
         )
     return grad
+
+
+# The split-row schedule (kernels/split_row.py): None keeps the one-program-per-row kernel unless the device
+# sweep measured a K for this GPU and vocabulary (tuned.json's "split_row"); tests set a K to run it.
+SPLIT_ROW_CHUNKS: Optional[int] = None
+SPLIT_ROW_MAX_SPIN = 1 << 22  # a wait's bound in reads of the counter (a cooperative launch never reaches it)
+_RESIDENT_PROGRAMS: Dict[tuple, int] = {}
+
+
+def split_row_chunks(V: int, block_v: int, chunks: int) -> tuple:
+    """(K, chunk length): K a power of 2 (the merge reads the K states as one vector), at least ``chunks``
+    where the row has that many blocks, at most its blocks; each chunk a whole number of blocks (so that
+    its full blocks load unmasked), the K chunks covering the row (the last ones may be short or empty)."""
+    blocks = triton.cdiv(V, block_v)
+    most = 1 << (blocks.bit_length() - 1)  # the largest power of 2 <= blocks
+    k = min(triton.next_power_of_2(max(int(chunks), 1)), most)
+    return k, triton.cdiv(blocks, k) * block_v
+
+
+def resident_programs_per_sm(registers: int, num_warps: int, shared_bytes: int, *, regs_per_sm: int = 65536,
+                             threads_per_sm: int = 2048, shared_per_sm: int = 228 * 1024) -> int:
+    """How many programs of a compiled kernel one SM holds at once, from its registers a thread, its warps
+    and its shared memory (the defaults: sm_90's limits). Registers are allocated per warp in units of
+    256, as the occupancy calculator does."""
+    threads = 32 * num_warps
+    warp_registers = -(-max(1, registers) * 32 // 256) * 256
+    by_registers = (regs_per_sm // warp_registers) // num_warps
+    by_threads = threads_per_sm // threads
+    by_shared = shared_per_sm // shared_bytes if shared_bytes else by_threads
+    return max(0, min(by_registers, by_threads, by_shared))
+
+
+def resident_programs(compiled, device, num_warps: int) -> int:
+    """How many programs of a compiled kernel the GPU holds at once (what a cooperative launch may use)."""
+    compiled._init_handles()  # loads the binary: n_regs is known from then on (Triton 3.2 to 3.9)
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count * resident_programs_per_sm(
+        compiled.n_regs, num_warps, compiled.metadata.shared, regs_per_sm=props.regs_per_multiprocessor,
+        threads_per_sm=props.max_threads_per_multi_processor, shared_per_sm=props.shared_memory_per_multiprocessor)
+
+
+def split_row_grid(resident: int, N: int, K: int) -> int:
+    """The cooperative grid: as many programs as the GPU holds at once (``resident``), no more than the
+    N x K items, a multiple of K (so that a row's K siblings run in the same iteration of the same K
+    programs, all resident: the wait always returns)."""
+    programs = min(resident, N * K) // K * K
+    if programs < K:
+        raise RuntimeError(f"the split-row kernel fits {resident} programs on this GPU, fewer than its K = {K} "
+                           "siblings of a row; use a smaller split_row")
+    return programs
+
+
+def _split_row_forward(logits, ids, out: ForwardResult, inputs: dict, opts, constexprs: dict, launch_config: dict,
+                       grad, grad_weight, entropy_grad_weight, chunks: int) -> bool:
+    """The one-pass forward on the split-row kernel: one cooperative, persistent launch on a GPU; in
+    Triton's interpreter (which runs programs one at a time) two launches, publish then merge. False if
+    the GPU refused the cooperative launch (nothing ran; the caller runs the one-pass kernel)."""
+    from . import split_row
+
+    B, T, V = logits.shape
+    N = B * T
+    if N == 0:
+        return True
+    # a chunk smaller than the row's block (a small vocabulary) gets its own, smaller block and warps
+    per_chunk = block_config(triton.cdiv(V, chunks), logits.element_size())
+    if per_chunk["BLOCK_V"] < launch_config["BLOCK_V"]:
+        launch_config = {**launch_config, **per_chunk}
+    K, chunk_len = split_row_chunks(V, launch_config["BLOCK_V"], chunks)
+    state = torch.empty(N, K, split_row.STATE_WIDTH, device=logits.device, dtype=torch.float32)
+    counters = torch.zeros(N, device=logits.device, dtype=torch.int32)
+    error = torch.zeros(1, device=logits.device, dtype=torch.int32)
+    dummy = out.logp
+    kwargs = dict(
+        logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V, N=N,
+        **inputs, logp_out=out.logp, entropy_out=dummy if out.entropy is None else out.entropy, lse_out=out.lse,
+        loss_out=out.loss, dloss_out=out.dloss_dlogp, kl_out=dummy if out.kl is None else out.kl,
+        flags_out=out.flags, grad_weight_ptr=grad_weight, grad_logits_ptr=grad, grad_stride_b=grad.stride(0),
+        grad_stride_t=grad.stride(1), entropy_grad_ptr=dummy if entropy_grad_weight is None else entropy_grad_weight,
+        state_ptr=state, counter_ptr=counters, error_ptr=error, chunk_blocks=chunk_len // launch_config["BLOCK_V"],
+        **loss_scalar_args(opts),
+        inv_temperature=1.0 / opts.temperature,
+        **{k: v for k, v in constexprs.items() if k != "WRITE_GRAD"}, ROW_ALIGN=row_alignment(logits, grad),
+        HAS_ENTROPY_GRAD=entropy_grad_weight is not None, K=K, MAX_SPIN=SPLIT_ROW_MAX_SPIN,
+        BLOCK_V=launch_config["BLOCK_V"], num_warps=launch_config["num_warps"],
+        **({"num_stages": launch_config["num_stages"]} if "num_stages" in launch_config else {}),
+    )
+    kernel = split_row.split_row_forward_kernel
+    if not logits.is_cuda:  # the interpreter: every item publishes, then every item merges and writes
+        kernel[(N * K,)](**kwargs, PHASE=1)
+        kernel[(N * K,)](**kwargs, PHASE=2)
+        return True
+    key = (logits.device.index, logits.dtype, launch_config["num_warps"], launch_config.get("num_stages"),
+           tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int)) and k.isupper())))
+    try:
+        if key not in _RESIDENT_PROGRAMS:
+            compiled = kernel.warmup(**kwargs, PHASE=0, grid=(K,), launch_cooperative_grid=True)
+            _RESIDENT_PROGRAMS[key] = resident_programs(compiled, logits.device, launch_config["num_warps"])
+        programs = split_row_grid(_RESIDENT_PROGRAMS[key], N, K)
+        kernel[(programs,)](**kwargs, PHASE=0, launch_cooperative_grid=True)
+    except RuntimeError as refused:  # the driver refused the cooperative launch: today's schedule runs instead
+        warnings.warn(f"the split-row kernel's cooperative launch was refused ({refused}); the one-pass kernel "
+                      "runs instead", RuntimeWarning)
+        _RESIDENT_PROGRAMS[key] = 0
+        return False
+    out.split_row_error = error
+    return True
 
 
 SCALE_BLOCK = 4096
@@ -298,6 +414,6 @@ def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         blocks = min(blocks, 8 * torch.cuda.get_device_properties(x.device).multi_processor_count)
     else:
         blocks = min(blocks, 16)
-    K.scale_in_place_kernel[(blocks,)](x_ptr=x, scale_ptr=scale.reshape(1).float(), numel=numel, BLOCK=SCALE_BLOCK,
+    grpo.scale_in_place_kernel[(blocks,)](x_ptr=x, scale_ptr=scale.reshape(1).float(), numel=numel, BLOCK=SCALE_BLOCK,
                                        num_warps=8)
     return x

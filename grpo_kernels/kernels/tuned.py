@@ -11,7 +11,8 @@ Entries (lists under "logits" and "fused_linear"):
 
 - logits: ``{"arch": "sm_90", "dtype": "bfloat16", "V": 151936, "one_pass": true,
   "BLOCK_V": 4096, "num_warps": 8, "num_stages": 1, "programs_per_sm": null, "measured": "..."}``
-  (``programs_per_sm``: null is one program per token, a number the persistent schedule)
+  (``programs_per_sm``: null is one program per token, a number the persistent schedule; ``split_row``:
+  null, or the one-pass loss on the split-row kernel with each row over that many programs)
 - fused_linear: ``{"arch": ..., "dtype": ..., "V": ..., "H": ..., "BLOCK_N": 64,
   "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3, "measured": "..."}``
 """
@@ -27,7 +28,7 @@ from typing import Dict, Optional
 import torch
 
 TABLE_PATH = pathlib.Path(__file__).with_name("tuned.json")
-LOGITS_KEYS = ("BLOCK_V", "num_warps", "num_stages", "programs_per_sm")
+LOGITS_KEYS = ("BLOCK_V", "num_warps", "num_stages", "programs_per_sm", "split_row")
 FUSED_LINEAR_KEYS = ("BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")
 
 

@@ -1,0 +1,255 @@
+"""The split-row one-pass kernel: each token's row is cut into K contiguous chunks handled by K sibling
+programs, so that a row's logits are read from HBM once and its gradient written once (2 S).
+
+Why: the one-pass kernel (``grpo.py``) reads each row twice, once for its log-sum-exp and once, for the
+gradient, after it; with a program per row, hundreds of 297 KiB rows are in flight against a 60 MB L2
+and the second read comes back from HBM (3 S). Here a chunk is V / K logits: the L2 working set is the
+resident programs times a chunk, which K brings under the L2.
+
+One work item is a (row, chunk). A program, for each of its items:
+
+1. **publish**: folds its chunk into a log-sum-exp state (max, sum 2^(x - max), sum 2^(x - max) x, base
+   2, as ``grpo.py``'s lanes) and stores it in the row's scratch; then arrives on the row's counter
+   (release);
+2. **wait**: until the row's K siblings have arrived (acquire), a bounded spin;
+3. **merge and write**: merges the K states into the row's log-sum-exp and entropy, reads the target
+   logit, computes the loss terms and dLoss/dlogp (``grpo.token_loss_and_grad``, as every kernel does)
+   and writes its chunk's gradient (chunk 0 also writes the token's outputs).
+
+The K siblings of a row must be resident at once, or the wait never returns: the grid is persistent
+(programs take items ``pid, pid + P, ...``, P a multiple of K, so a row's siblings are in the same
+iteration of the same group of K programs), no larger than the GPU holds at once, and launched with
+``launch_cooperative_grid=True`` so that the driver guarantees co-residency (or refuses the launch).
+
+Triton's interpreter runs programs one after another, so a wait there would never return: with
+``PHASE`` = 1 and then 2 the kernel is launched twice, publish for every item, then merge and write,
+the same device functions without the wait (``PHASE`` = 0: the single cooperative launch). Rows whose
+mask is 0 are never read (every sibling skips the row, no wait): their gradient chunks are zeros.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .grpo import FLOOR, LN2, LOG2E, NAN, RUNTIME_INTS, _lse_fold, _row_pointer, token_loss_and_grad
+from .logsumexp import rescale_lse
+
+# the scratch's floats per (row, chunk): max, sum, entropy sum (base 2), one pad for 16-byte rows
+STATE_WIDTH = 4
+
+
+@triton.jit
+def _chunk_state(row_ptr, c0, c1, c, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+    """(max, sum 2^(x2 - max), sum 2^(x2 - max) x2) of x2 = logits * c over columns [c0, c1); c0 is a
+    multiple of BLOCK_V, so full blocks load unmasked (128-bit loads on aligned rows)."""
+    HALF: tl.constexpr = BLOCK_V // 2
+    cols = tl.arange(0, HALF)
+    m = tl.full([HALF], FLOOR, tl.float32)
+    s = tl.zeros([HALF], tl.float32)
+    t = tl.zeros([HALF], tl.float32)
+    full_end = c0 + ((c1 - c0) // BLOCK_V) * BLOCK_V
+    for start in range(c0, full_end, BLOCK_V):
+        low = tl.load(row_ptr + start + cols).to(tl.float32) * c
+        high = tl.load(row_ptr + start + HALF + cols).to(tl.float32) * c
+        m, s, t = _lse_fold(low, m, s, t, COMPUTE_ENTROPY)
+        m, s, t = _lse_fold(high, m, s, t, COMPUTE_ENTROPY)
+    for start in range(full_end, c1, HALF):  # the row's remainder (the last chunk only)
+        in_chunk = start + cols < c1
+        x2 = tl.load(row_ptr + start + cols, mask=in_chunk, other=float("-inf")).to(tl.float32) * c
+        m, s, t_folded = _lse_fold(x2, m, s, t, COMPUTE_ENTROPY)
+        t = tl.where(in_chunk, t_folded, t)
+    chunk_max = tl.max(m, axis=0)
+    s, t = rescale_lse(m, s, t, chunk_max, COMPUTE_ENTROPY, BASE2=True)
+    sum_exp = tl.sum(s, axis=0)
+    sum_x = 0.0
+    if COMPUTE_ENTROPY:
+        sum_x = tl.sum(t, axis=0)
+        # a -inf logit adds 0 * -inf = NaN to t (as in grpo.py): sum the chunk again, -inf adding 0
+        if (sum_x != sum_x) & (sum_exp == sum_exp) & (tl.abs(chunk_max) < float("inf")):
+            sum_x = _chunk_sum_x2(row_ptr, c0, c1, c, chunk_max, BLOCK_V)
+    return chunk_max, sum_exp, sum_x
+
+
+@triton.jit
+def _chunk_sum_x2(row_ptr, c0, c1, c, chunk_max, BLOCK_V: tl.constexpr):
+    """sum of 2^(x2 - chunk_max) x2 over [c0, c1), where -inf logits add 0: the entropy's slow path."""
+    cols = tl.arange(0, BLOCK_V)
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(c0, c1, BLOCK_V):
+        x2 = tl.load(row_ptr + start + cols, mask=start + cols < c1, other=float("-inf")).to(tl.float32) * c
+        e = tl.exp2(x2 - chunk_max)
+        acc += tl.where(e > 0.0, e * x2, 0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _merged_state(state_row, K: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+    """(lse, entropy) in nats of a row from its K chunks' published states."""
+    k = tl.arange(0, K)
+    # from L2 (".cg"), never a line an earlier load left in this SM's L1: L2 is where siblings' stores meet
+    maxes = tl.load(state_row + k * 4, cache_modifier=".cg")
+    sums = tl.load(state_row + k * 4 + 1, cache_modifier=".cg")
+    row_max = tl.max(maxes, axis=0)
+    scale = tl.exp2(maxes - row_max)
+    sum_exp = tl.sum(sums * scale, axis=0)
+    lse2 = row_max + tl.log2(sum_exp)
+    entropy = 0.0
+    if COMPUTE_ENTROPY:
+        sum_x = tl.sum(tl.load(state_row + k * 4 + 2, cache_modifier=".cg") * scale, axis=0)
+        entropy = LN2 * (lse2 - sum_x / sum_exp)
+    return lse2 * LN2, entropy
+
+
+@triton.jit
+def _wait_for_siblings(counter, K: tl.constexpr, error_ptr, MAX_SPIN: tl.constexpr):
+    """Spin until the row's counter reaches K (acquire), at most MAX_SPIN reads; a timeout (siblings not
+    resident: the launch was not cooperative) is recorded in ``error_ptr``, never a hang."""
+    arrived = tl.atomic_add(counter, 0, sem="acquire")
+    spins = 0
+    while (arrived < K) & (spins < MAX_SPIN):
+        arrived = tl.atomic_add(counter, 0, sem="acquire")
+        spins += 1
+    if arrived < K:
+        tl.atomic_xchg(error_ptr, 1)
+    tl.debug_barrier()  # the acquiring thread's view, to the whole program
+
+
+@triton.jit
+def _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, h, entropy,
+                          BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+    """``grpo._write_row_gradient`` over columns [c0, c1) of the row: -g / tau p (plus the entropy term),
+    and the target's +g / tau where the target lies in the chunk; zeros, unread, if g (and h) are 0.
+
+    A copy of the row version with a start and a target-ownership test, kept apart on purpose: one
+    function for both (tried, AOT) cost the row kernels up to 0.25 instructions a logit and up to 17
+    registers (sm_90 persistent bf16: 128 -> 145), which the AOT report must not lose."""
+    cols = tl.arange(0, BLOCK_V)
+    out_dtype = out_ptr.dtype.element_ty
+    full_end = c0 + ((c1 - c0) // BLOCK_V) * BLOCK_V
+    owns_target = (target >= c0) & (target < c1)
+    is_zero = g == 0.0
+    if HAS_ENTROPY_GRAD:
+        is_zero = is_zero & (h == 0.0)
+    if is_zero:
+        zeros = tl.zeros([BLOCK_V], dtype=out_dtype)
+        for start in range(c0, full_end, BLOCK_V):
+            tl.store(out_ptr + start + cols, zeros)
+        if full_end < c1:
+            tl.store(out_ptr + full_end + cols, zeros, mask=full_end + cols < c1)
+    elif HAS_ENTROPY_GRAD:
+        c = inv_temperature * LOG2E
+        lse2 = lse * LOG2E
+        a = -h * LN2 * inv_temperature
+        b = (-g - h * entropy) * inv_temperature
+        d_target = tl.maximum(tl.load(row_ptr + target).to(tl.float32) * c - lse2, FLOOR, propagate_nan=NAN)
+        for start in range(c0, full_end, BLOCK_V):
+            d = tl.maximum(tl.load(row_ptr + start + cols).to(tl.float32) * c - lse2, FLOOR, propagate_nan=NAN)
+            tl.store(out_ptr + start + cols, (tl.exp2(d) * (a * d + b)).to(out_dtype))
+        if full_end < c1:
+            in_chunk = full_end + cols < c1
+            x = tl.load(row_ptr + full_end + cols, mask=in_chunk, other=float("-inf")).to(tl.float32)
+            d = tl.maximum(x * c - lse2, FLOOR, propagate_nan=NAN)
+            tl.store(out_ptr + full_end + cols, (tl.exp2(d) * (a * d + b)).to(out_dtype), mask=in_chunk)
+        tl.debug_barrier()
+        if owns_target:
+            tl.store(out_ptr + target, (g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)).to(out_dtype))
+    else:
+        c = inv_temperature * LOG2E
+        lse2 = lse * LOG2E
+        minus_g = -g * inv_temperature
+        p_target = tl.exp2(tl.load(row_ptr + target).to(tl.float32) * c - lse2)
+        for start in range(c0, full_end, BLOCK_V):
+            p = tl.exp2(tl.load(row_ptr + start + cols).to(tl.float32) * c - lse2)
+            tl.store(out_ptr + start + cols, (minus_g * p).to(out_dtype))
+        if full_end < c1:
+            in_chunk = full_end + cols < c1
+            x = tl.load(row_ptr + full_end + cols, mask=in_chunk, other=float("-inf")).to(tl.float32)
+            tl.store(out_ptr + full_end + cols, (minus_g * tl.exp2(x * c - lse2)).to(out_dtype), mask=in_chunk)
+        tl.debug_barrier()
+        if owns_target:
+            tl.store(out_ptr + target, (g * inv_temperature * (1.0 - p_target)).to(out_dtype))
+
+
+@triton.jit(do_not_specialize=RUNTIME_INTS + ["chunk_blocks"])
+def split_row_forward_kernel(
+    logits_ptr, stride_b, stride_t, ids_ptr, T, V, N,
+    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
+    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
+    grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
+    state_ptr, counter_ptr, error_ptr, chunk_blocks,
+    inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
+    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
+    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
+    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, K: tl.constexpr, PHASE: tl.constexpr,
+    MAX_SPIN: tl.constexpr,
+):
+    """The one-pass loss (every output of ``grpo.grpo_forward_kernel`` with WRITE_GRAD) with each row
+    split over K sibling programs: see the module's docstring. PHASE 0: the cooperative launch (publish,
+    wait, merge and write); 1 and 2: the interpreter's two launches (publish; merge and write)."""
+    c = inv_temperature * LOG2E
+    for item in range(tl.program_id(0), N * K, tl.num_programs(0)):
+        row = tl.cast(item // K, tl.int64)
+        chunk = item - (item // K) * K
+        # chunks are whole blocks: c0 is a multiple of BLOCK_V, which keeps aligned rows' loads 128-bit
+        c0 = chunk * chunk_blocks * BLOCK_V
+        c1 = tl.maximum(tl.minimum(c0 + chunk_blocks * BLOCK_V, V), c0)  # past the row's end: empty, [c0, c0)
+        active = True
+        if HAS_MASK:
+            active = tl.load(mask_ptr + row) != 0.0
+        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t, ROW_ALIGN)
+        state_row = state_ptr + row * (K * 4)
+        if active & (PHASE != 2):
+            chunk_max, sum_exp, sum_x = _chunk_state(row_ptr, c0, c1, c, BLOCK_V, COMPUTE_ENTROPY)
+            tl.store(state_row + chunk * 4, chunk_max)
+            tl.store(state_row + chunk * 4 + 1, sum_exp)
+            tl.store(state_row + chunk * 4 + 2, sum_x)
+            if PHASE == 0:
+                tl.debug_barrier()  # every thread's stores before the release
+                tl.atomic_add(counter_ptr + row, 1, sem="release")
+        if PHASE != 1:
+            out_ptr = _row_pointer(grad_logits_ptr, row, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
+            target = tl.load(ids_ptr + row).to(tl.int64)
+            if active:
+                if PHASE == 0:
+                    _wait_for_siblings(counter_ptr + row, K, error_ptr, MAX_SPIN)
+                lse, entropy = _merged_state(state_row, K, COMPUTE_ENTROPY)
+                logp = tl.load(row_ptr + target).to(tl.float32) * inv_temperature - lse
+            else:
+                lse = 0.0
+                entropy = 0.0
+                logp = 0.0
+            old = 0.0
+            ref = 0.0
+            iw = 1.0
+            if HAS_OLD:
+                old = tl.load(old_ptr + row)
+            if HAS_KL:
+                ref = tl.load(ref_ptr + row)
+            if HAS_IW:
+                iw = tl.load(iw_ptr + row)
+            loss, dloss, kl, flags = token_loss_and_grad(
+                logp, tl.load(adv_ptr + row), old, ref, iw, eps_low, eps_high, delta, dual_clip, beta,
+                log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
+                LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
+                BIAS_CORRECTION_KL, HAS_IW,
+            )
+            if chunk == 0:
+                tl.store(logp_out + row, logp)
+                tl.store(lse_out + row, lse)
+                if COMPUTE_ENTROPY:
+                    tl.store(entropy_out + row, entropy)
+                if HAS_KL:
+                    tl.store(kl_out + row, tl.where(active, kl, 0.0))
+                tl.store(loss_out + row, tl.where(active, loss, 0.0))
+                tl.store(dloss_out + row, tl.where(active, dloss, 0.0))
+                tl.store(flags_out + row, tl.where(active, flags, 0).to(tl.int8))
+            g = tl.where(active, dloss * tl.load(grad_weight_ptr + row), 0.0)
+            h = 0.0
+            if HAS_ENTROPY_GRAD:
+                h = tl.where(active, tl.load(entropy_grad_ptr + row), 0.0)
+            _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, h, entropy, BLOCK_V,
+                                  HAS_ENTROPY_GRAD)

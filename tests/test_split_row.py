@@ -1,0 +1,139 @@
+"""The split-row one-pass kernel (kernels/split_row.py) against the reference.
+
+In Triton's interpreter the kernel runs as its two launches (publish every chunk's state; merge and
+write), the same device functions as the single cooperative launch a GPU runs (compiled ahead of time
+for sm_90 and sm_80 in tests/test_aot_compile.py). Every loss type and option also runs on it through
+tests/test_loss.py's "triton-split-row" path; here: the number of chunks, a vocabulary that is not a
+multiple of the chunks or blocks, -inf logits, masked rows, the entropy bonus and bf16.
+"""
+
+import pytest
+import torch
+from helpers import OPTION_CASES, assert_close, make_batch, split_row
+
+from grpo_kernels import grpo_loss, grpo_loss_reference
+from grpo_kernels.kernels import launch
+
+TOL = dict(atol=1e-6, rtol=1e-5)
+
+
+def _both(batch, chunks, **options):
+    """((loss, dlogits, output) of the reference, (the same) of the split-row kernel)."""
+    results = []
+    for ours in (False, True):
+        logits = batch["logits"].detach().clone().requires_grad_()
+        inputs = {**batch, "logits": logits}
+        if ours:
+            with split_row(chunks):
+                out = grpo_loss(**inputs, backend="triton", one_pass=True, **options)
+        else:
+            out = grpo_loss_reference(**{**inputs, "logits": logits.float()} if logits.dtype != torch.float32
+                                      else inputs, **options)
+        out.loss.backward()
+        results.append((out.loss, logits.grad, out))
+    return results
+
+
+def _check(expected, actual, tol=TOL, batch=None):
+    assert_close("loss", expected[0], actual[0], **tol)
+    assert_close("dlogits", expected[1], actual[1], **tol)
+    assert sorted(expected[2].metrics) == sorted(actual[2].metrics)
+    for name, value in expected[2].metrics.items():
+        assert_close(f"metric {name}", value, actual[2].metrics[name], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 4, 8])
+@pytest.mark.parametrize("V", [1003, 64, 4999])
+def test_any_number_of_chunks_and_any_vocabulary(device, chunks, V):
+    """K is rounded up to a power of 2 and capped by the row's blocks; chunks are whole blocks, the last
+    one short (V not a multiple of anything)."""
+    batch = make_batch(device=device, V=V, seed=V + chunks)
+    _check(*_both(batch, chunks, beta=0.04, temperature=0.9))
+
+
+def test_the_chunks_cover_the_row_in_whole_blocks():
+    for V, block, chunks in [(151936, 4096, 8), (32000, 4096, 4), (1003, 256, 4), (5, 2, 8), (1, 2, 4)]:
+        k, chunk_len = launch.split_row_chunks(V, block, chunks)
+        assert k & (k - 1) == 0 and k * chunk_len >= V and chunk_len % block == 0
+        assert k <= -(-V // block) and (k >= chunks or 2 * k > -(-V // block))
+    assert launch.split_row_chunks(151936, 4096, 8) == (8, 5 * 4096)
+
+
+@pytest.mark.parametrize("case", ["delta_and_dual_clip_per_token_adv", "kl_k3_clamped_verl", "bias_corrected_kl",
+                                  "cispo_per_token_adv", "sapo_temperatures", "no_entropy", "strided_logits_view",
+                                  "one_token", "vocab_over_several_blocks"])
+def test_options(device, case):
+    from helpers import BATCH_KEYS
+
+    options = dict(OPTION_CASES[case])
+    batch = make_batch(device=device, seed=5, **{k: options.pop(k) for k in list(options) if k in BATCH_KEYS})
+    _check(*_both(batch, 4, **options))
+
+
+def test_minus_inf_logits_and_masked_rows(device):
+    """-inf logits (a vocabulary masked out) in several chunks, including a whole chunk of them; the
+    partly and fully masked rows of make_batch are never read and get zero gradient rows."""
+    batch = make_batch(device=device, V=1003, seed=2)
+    logits = batch["logits"].clone()
+    logits[..., 5:40] = float("-inf")
+    logits[..., 600:900] = float("-inf")  # a whole chunk of 256 at K = 4
+    batch["logits"] = logits
+    batch["completion_ids"] = batch["completion_ids"].clamp(min=40, max=599)
+    expected, actual = _both(batch, 4, beta=0.04)
+    _check(expected, actual)
+    masked = batch["completion_mask"] == 0
+    assert masked.any() and torch.count_nonzero(actual[1][masked]) == 0
+    assert torch.isfinite(actual[2].metrics["entropy"])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+def test_the_entropy_bonus(device, loss_type):
+    batch = make_batch(device=device, V=2053, seed=7)
+    extra = {"cispo": dict(epsilon_high=1.1)}.get(loss_type, {})
+    _check(*_both(batch, 4, loss_type=loss_type, entropy_coef=0.05, temperature=0.8, **extra))
+
+
+def test_bf16_logits(device):
+    batch = make_batch(device=device, V=4999, seed=4, dtype=torch.bfloat16)
+    expected, actual = _both(batch, 8, beta=0.04)
+    eps = torch.finfo(torch.bfloat16).eps
+    assert_close("loss", expected[0], actual[0], atol=1e-5, rtol=1e-4)
+    assert_close("dlogits", expected[1], actual[1], atol=1e-5, rtol=2 * eps)
+    assert actual[1].dtype == torch.bfloat16
+
+
+def test_the_default_schedule_is_unchanged_until_measured(device, monkeypatch):
+    """Without a K (tuned.json's "split_row", or SPLIT_ROW_CHUNKS) the one-pass loss keeps its kernel."""
+    assert launch.SPLIT_ROW_CHUNKS is None
+    calls = []
+    real = launch._split_row_forward
+    monkeypatch.setattr(launch, "_split_row_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    batch = make_batch(device=device, seed=1)
+    grpo_loss(**batch, backend="triton", one_pass=True).loss
+    assert not calls
+    with split_row(2):
+        logits = batch["logits"].clone().requires_grad_()
+        grpo_loss(**{**batch, "logits": logits}, backend="triton", one_pass=True).loss.backward()
+    assert calls == [1]
+
+
+def test_no_wait_times_out(device):
+    """On a GPU the kernel is one cooperative launch whose every wait must return (no timeout recorded);
+    in the interpreter there is no wait (two launches) and no flag."""
+    from grpo_kernels import GRPOOptions
+
+    batch = make_batch(device=device, V=4999, seed=3)
+    logits, ids = batch["logits"], batch["completion_ids"]
+    N = ids.numel()
+    f32 = dict(device=device, dtype=torch.float32)
+    with split_row(8):
+        r = launch.forward(logits, ids, opts=GRPOOptions(beta=0.04), mask=batch["completion_mask"].reshape(-1),
+                           advantages=batch["advantages"].repeat_interleave(ids.shape[1]).contiguous(),
+                           old_logps=batch["old_logps"].reshape(-1).contiguous(),
+                           ref_logps=batch["ref_logps"].reshape(-1).contiguous(), compute_entropy=True,
+                           grad_weight=torch.full((N,), 1.0 / N, **f32))
+    assert r.grad_logits is not None and torch.isfinite(r.grad_logits).all()
+    if logits.is_cuda:
+        assert int(r.split_row_error) == 0
+    else:
+        assert r.split_row_error is None
