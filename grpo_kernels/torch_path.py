@@ -9,6 +9,8 @@ stride or not); the chunks are views into it.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -121,6 +123,16 @@ def backward(
     return grad
 
 
+def fp32_products(fn):
+    """``fn`` with autocast off: its products are meant in fp32 (the lm_head's logits and gradients,
+    accumulated in fp32), which an ambient bf16 / fp16 autocast would silently cast down."""
+    @functools.wraps(fn)
+    def without_autocast(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+    return without_autocast
+
+
 def linear_chunk_rows(V: int) -> int:
     """Tokens per chunk of the fused lm_head path: CHUNK_ELEMENTS logits at a time."""
     return max(1, CHUNK_ELEMENTS // max(V, 1))
@@ -133,6 +145,7 @@ def _chunk_logits(hidden_chunk, weight, bias, inv_temperature):
     return x * inv_temperature
 
 
+@fp32_products
 def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entropy: bool):
     """lse, logp, entropy (fp32 [N]) of the lm_head logits, a chunk of tokens at a time."""
     N = hidden.shape[0]
@@ -152,6 +165,7 @@ def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entrop
     return lse, logp, entropy
 
 
+@fp32_products
 def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool,
                     grad_entropy=None, entropy=None):
     """d hidden, d weight (or None), d bias (or None) in fp32, recomputing each chunk's logits; with

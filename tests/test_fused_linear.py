@@ -304,3 +304,20 @@ def test_three_products_mode_without_gradient_is_the_chunked_forward(device, mon
                  atol=1e-5, rtol=1e-5)
     for name in expected.metrics:
         assert_close(name, expected.metrics[name], actual.metrics[name], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_does_not_cast_the_lm_heads_fp32_products_down(device, backend):
+    """Under a bf16 autocast the fused lm_head still computes its logits and gradients in fp32: the same
+    loss and gradients as without autocast (an ambient autocast used to run the torch path's products in
+    bf16, a weight gradient several times less accurate than a materialized head's)."""
+    batch, hidden, weight, bias = _inputs(device)
+    results = []
+    for autocast in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast(device_type=hidden.device.type, dtype=torch.bfloat16, enabled=autocast):
+            out = fused_linear_grpo_loss(h, w, **batch, bias=bias, backend=backend, beta=0.04)
+        out.loss.backward()
+        results.append((out.loss, h.grad, w.grad))
+    for name, plain, cast in zip(("loss", "d hidden", "d weight"), *results):
+        assert_close(name, plain, cast, atol=1e-6, rtol=1e-5)

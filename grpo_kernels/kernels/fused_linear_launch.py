@@ -14,6 +14,7 @@ import torch
 import triton
 
 from ..options import GRPOOptions
+from ..torch_path import fp32_products
 from . import fused_linear as FL
 from . import tuned
 from . import launch as logits_launch  # the 3-product mode runs the logits kernels on each chunk
@@ -81,6 +82,7 @@ def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) ->
     return cfg
 
 
+@fp32_products
 def linear_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -231,6 +233,7 @@ def _add_chunk_gradients(dx, weight, hidden_chunk, dh_chunk, dw, db, first: bool
         db += dx.sum(0, dtype=torch.float32)
 
 
+@fp32_products
 def linear_three_products(hidden, weight, bias, ids, *, opts, mask, advantages, old_logps, ref_logps,
                           importance_weights, compute_entropy, grad_weight, compute_weight_grad,
                           entropy_grad_weight=None):
@@ -274,6 +277,7 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, mask, advantages, 
     return out, dh, dw, db
 
 
+@fp32_products
 def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool, config=None,
                     grad_entropy=None, entropy=None):
     """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N])
