@@ -48,7 +48,7 @@ class TorchBackend:
                           grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None):
         """dlogits of g = dLoss/dlogp (and h = dLoss/dH) written into ``out`` [B, T, V]."""
         B, T, _ = logits.shape
-        as_bt = lambda t: None if t is None else t.float().reshape(B, T)  # noqa: E731
+        as_bt = lambda t: None if t is None else t.to(lse.dtype).reshape(B, T)  # noqa: E731  (fp32, or fp64)
         return torch_path.backward(logits, ids, lse.reshape(B, T), as_bt(g), temperature, out=out,
                                    grad_entropy=as_bt(grad_entropy), entropy=as_bt(entropy))
 

@@ -45,8 +45,11 @@ def _first_backward(ctx, what: str) -> None:
 
 
 def flat_f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A per-token tensor as the kernels read it: contiguous fp32 [N] (None stays None)."""
-    return None if t is None else t.reshape(-1).float().contiguous()
+    """A per-token tensor as the kernels read it: contiguous fp32 [N] (fp64 stays fp64: the torch path's
+    gradcheck precision; None stays None)."""
+    if t is None:
+        return None
+    return t.reshape(-1).to(torch.float64 if t.dtype == torch.float64 else torch.float32).contiguous()
 
 
 def _input_grads(ctx, *grads) -> tuple:

@@ -44,6 +44,11 @@ def _chunks(*tensors: torch.Tensor) -> Iterator[Tuple[torch.Tensor, ...]]:
             yield (*(t[b, t0:t1] for t in tensors), slice(b * T + t0, b * T + t1))
 
 
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the torch path computes in: fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _nan_if_inf(lse: torch.Tensor) -> torch.Tensor:
     """A +inf log-sum-exp (a +inf logit in the row) is NaN, as the kernels' inf - inf makes it: the
     row's softmax is undefined, and its log-probs must not read as a finite -inf."""
@@ -55,13 +60,13 @@ def forward(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """log-probs, entropy (or None) and log-sum-exp of logits / temperature, each fp32 [B, T]."""
     B, T, V = logits.shape
-    f32 = dict(device=logits.device, dtype=torch.float32)
+    f32 = dict(device=logits.device, dtype=compute_dtype(logits))
     logp, lse = torch.empty(B * T, **f32), torch.empty(B * T, **f32)
     entropy = torch.empty(B * T, **f32) if compute_entropy else None
     flat_ids = ids.reshape(-1).long()
     inv_temperature = 1.0 / temperature
     for piece, n in _chunks(logits):
-        x = piece.float() * inv_temperature  # [rows, V]
+        x = piece.to(f32["dtype"]) * inv_temperature  # [rows, V]
         piece_lse = _nan_if_inf(torch.logsumexp(x, dim=-1))
         lse[n] = piece_lse
         logp[n] = x.gather(-1, flat_ids[n].unsqueeze(-1)).squeeze(-1) - piece_lse
@@ -112,7 +117,7 @@ def backward(
     flat_h = None if grad_entropy is None else grad_entropy.reshape(-1) * inv_temperature
     for piece, grad_piece, n in _chunks(logits, grad):
         g = flat_g[n].unsqueeze(-1)  # [rows, 1]
-        log_p = piece.float() * inv_temperature - flat_lse[n].unsqueeze(-1)
+        log_p = piece.to(flat_lse.dtype) * inv_temperature - flat_lse[n].unsqueeze(-1)
         h = None if flat_h is None else flat_h[n].unsqueeze(-1)
         piece_grad = _softmax_gradient(log_p, g, h, None if h is None else entropy.reshape(-1)[n].unsqueeze(-1))
         zero_rows = g == 0 if h is None else (g == 0) & (h == 0)
@@ -139,9 +144,10 @@ def linear_chunk_rows(V: int) -> int:
 
 
 def _chunk_logits(hidden_chunk, weight, bias, inv_temperature):
-    x = hidden_chunk.float() @ weight.float().T
+    dtype = compute_dtype(hidden_chunk)
+    x = hidden_chunk.to(dtype) @ weight.to(dtype).T
     if bias is not None:
-        x += bias.float()
+        x += bias.to(dtype)
     return x * inv_temperature
 
 
@@ -149,7 +155,7 @@ def _chunk_logits(hidden_chunk, weight, bias, inv_temperature):
 def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entropy: bool):
     """lse, logp, entropy (fp32 [N]) of the lm_head logits, a chunk of tokens at a time."""
     N = hidden.shape[0]
-    f32 = dict(device=hidden.device, dtype=torch.float32)
+    f32 = dict(device=hidden.device, dtype=compute_dtype(hidden))
     lse, logp = torch.empty(N, **f32), torch.empty(N, **f32)
     entropy = torch.empty(N, **f32) if compute_entropy else None
     step, inv_temperature, flat_ids = linear_chunk_rows(weight.shape[0]), 1.0 / temperature, ids.long()
@@ -168,14 +174,17 @@ def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entrop
 @fp32_products
 def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool,
                     grad_entropy=None, entropy=None):
-    """d hidden, d weight (or None), d bias (or None) in fp32, recomputing each chunk's logits; with
-    ``grad_entropy`` (h = dLoss/dH) and the forward's ``entropy``, the entropy's gradient too."""
+    """d hidden, d weight (or None), d bias (or None) in fp32 (fp64 for fp64 inputs), recomputing each
+    chunk's logits; with ``grad_entropy`` (h = dLoss/dH) and the forward's ``entropy``, the entropy's
+    gradient too."""
     N, H = hidden.shape
-    dh = torch.empty(N, H, device=hidden.device, dtype=torch.float32)
-    dw = torch.zeros_like(weight, dtype=torch.float32) if compute_weight_grad else None
-    db = torch.zeros(weight.shape[0], device=hidden.device) if compute_weight_grad and bias is not None else None
+    dtype = compute_dtype(hidden)
+    dh = torch.empty(N, H, device=hidden.device, dtype=dtype)
+    dw = torch.zeros_like(weight, dtype=dtype) if compute_weight_grad else None
+    db = (torch.zeros(weight.shape[0], device=hidden.device, dtype=dtype) if compute_weight_grad and bias is not None
+          else None)
     step, inv_temperature, flat_ids = linear_chunk_rows(weight.shape[0]), 1.0 / temperature, ids.long()
-    w32 = weight.float()
+    w32 = weight.to(dtype)
     for n0 in range(0, N, step):
         n = slice(n0, min(n0 + step, N))
         x = _chunk_logits(hidden[n], weight, bias, inv_temperature)
@@ -185,7 +194,7 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
         dx.scatter_add_(-1, flat_ids[n].unsqueeze(-1), gs)
         dh[n] = dx @ w32
         if dw is not None:
-            dw.addmm_(dx.T, hidden[n].float())
+            dw.addmm_(dx.T, hidden[n].to(dtype))
         if db is not None:
             db += dx.sum(0)
     return dh, dw, db

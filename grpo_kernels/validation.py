@@ -10,20 +10,37 @@ import torch
 from .kernels.contracts import launch_module
 from .options import BACKENDS, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 
-LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the torch path only
 
 
 def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
+def _is_dtensor(t) -> bool:
+    """A torch.distributed DTensor (FSDP2's parameters, tensor parallelism's shards)."""
+    cls = type(t)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def check_not_sharded(name: str, t, local_hint: str) -> None:
+    """A DTensor cannot enter the kernels (its data pointer is one shard's, its ops redistribute): name it."""
+    if _is_dtensor(t):
+        raise TypeError(
+            f"{name} is a DTensor (placements {tuple(t.placements)} over a mesh of {t.device_mesh.size()} ranks); the "
+            f"loss reads plain tensors. Under FSDP2, compute the loss inside the wrapped model's forward, where the "
+            f"parameters are gathered, or pass {name}.full_tensor(); {local_hint}")
+
+
 def check_logits(logits) -> None:
+    check_not_sharded("logits", logits, "logits sharded over the vocabulary are logits.to_local() with "
+                      "vocab_parallel_group=<their process group>")
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor [B, T, V], got {type(logits).__name__}")
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V] (3 dims), got shape {tuple(logits.shape)}")
     if logits.dtype not in LOGIT_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+        raise TypeError(f"logits must be float32, bfloat16, float16 or float64 (the torch path), got {logits.dtype}")
     if logits.shape[-1] == 0:
         raise ValueError(f"logits must have a vocabulary dimension V >= 1, got shape {tuple(logits.shape)}")
 
@@ -134,8 +151,13 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     """'triton' or 'torch' for this call."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "auto" and logits.dtype == torch.float64:
+        return "torch"  # the kernels are fp32 inside; fp64 (gradcheck) is the torch path's
     if backend == "auto":  # the chunked torch path also runs on CUDA where triton is absent
         return "triton" if logits.is_cuda and triton_available() else "torch"
+    if backend == "triton" and logits.dtype == torch.float64:
+        raise TypeError("backend='triton' takes float32, bfloat16 or float16; float64 runs on backend='torch' "
+                        "(for gradcheck), or cast to float32")
     if backend == "triton":
         launch_module()  # a clear ImportError where triton is absent
     if backend == "triton" and not logits.is_cuda:
@@ -214,6 +236,10 @@ def checked_loss_scale(loss_scale):
 
 def check_linear_inputs(hidden_states, weight, bias) -> None:
     """Hidden states [B, T, H], the lm_head weight [V, H] and bias [V] of the fused lm_head."""
+    shard_hint = ("a weight sharded over the vocabulary (Shard(0), a column-parallel head) is weight.to_local() with "
+                  "vocab_parallel_group=<its process group>")
+    for name, t in (("hidden_states", hidden_states), ("weight", weight), ("bias", bias)):
+        check_not_sharded(name, t, shard_hint)
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
         raise ValueError(f"hidden_states must be [B, T, H], got {got}")
@@ -221,8 +247,8 @@ def check_linear_inputs(hidden_states, weight, bias) -> None:
         got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(f"weight must be the lm_head weight [V, H] with H = {hidden_states.shape[-1]}, got {got}")
     for name, t in (("hidden_states", hidden_states), ("weight", weight)):
-        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+        if t.dtype not in LOGIT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16, float16 or float64 (the torch path), got {t.dtype}")
     if weight.dtype != hidden_states.dtype or weight.device != hidden_states.device:
         raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden_states "
                          f"({hidden_states.dtype}, {hidden_states.device})")

@@ -99,7 +99,7 @@ def _bad(batch, **changes):
 
 BAD_INPUTS = {
     "logits 2-d": (lambda b: _bad(b, logits=b["logits"][0]), ValueError, r"logits must be \[B, T, V\] \(3 dims\), got shape \(5, 1003\)"),
-    "logits int": (lambda b: _bad(b, logits=b["logits"].long()), TypeError, "logits must be float32, bfloat16 or float16, got torch.int64"),
+    "logits int": (lambda b: _bad(b, logits=b["logits"].long()), TypeError, r"logits must be float32, bfloat16, float16 or float64 \(the torch path\), got torch.int64"),
     "ids shape": (lambda b: _bad(b, completion_ids=b["completion_ids"][:, :4]), ValueError, r"completion_ids must be \[B, T\] = \(3, 5\) to match logits \[B, T, V\], got \(3, 4\)"),
     "ids float": (lambda b: _bad(b, completion_ids=b["completion_ids"].float()), TypeError, "completion_ids must be an integer tensor, got torch.float32"),
     "ids too large": (lambda b: _bad(b, completion_ids=b["completion_ids"].clone().fill_(1003)), ValueError, r"completion_ids must lie in \[0, V\) = \[0, 1003\) at active positions, got a token id 1003"),

@@ -10,8 +10,9 @@ import pytest
 import torch
 from helpers import assert_close
 
-from grpo_kernels import (FusedLinearGRPOLoss, GRPOLoss, GRPOOptions, fused_linear_grpo_loss, linear_token_logprobs,
-                          selective_log_softmax, selective_log_softmax_and_entropy, token_entropy, token_logprobs)
+from grpo_kernels import (FusedLinearGRPOLoss, GRPOLoss, GRPOOptions, fused_linear_grpo_loss, grpo_loss,
+                          linear_token_logprobs, selective_log_softmax, selective_log_softmax_and_entropy,
+                          token_entropy, token_logprobs)
 from grpo_kernels.inputs import CallSettings, LossTensors, prepare_inputs
 from grpo_kernels.option_docs import option_names, options_table, undocumented_fields
 from grpo_kernels.options import LOSS_TYPE_REGISTRY, LOSS_TYPES
@@ -171,3 +172,64 @@ def test_the_loss_type_registry_covers_every_loss_type():
         # TRL divides exactly the losses not normalized by a global token count by the accumulation steps
         assert entry.divided_by_accumulation == (entry.reduction != "token_count")
         assert GRPOOptions(loss_type=name, max_completion_length=8).loss is entry
+
+
+def _rank_dtensor_errors(rank: int, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 3, 8, generator=g), torch.randn(16, 8, generator=g)
+    ids, mask, adv = torch.randint(0, 16, (2, 3), generator=g), torch.ones(2, 3), torch.randn(2, generator=g)
+    messages = []
+    sharded_weight = distribute_tensor(weight, mesh, [Shard(0)])
+    sharded_logits = distribute_tensor(hidden @ weight.T, mesh, [Shard(2)])
+    for call in (lambda: fused_linear_grpo_loss(hidden, sharded_weight, ids, mask, adv),
+                 lambda: grpo_loss(sharded_logits, ids, mask, adv)):
+        try:
+            call()
+            messages.append(None)
+        except TypeError as e:
+            messages.append(str(e))
+    return messages
+
+
+
+def test_sharded_dtensor_inputs_are_named_in_a_clear_error():
+    """An FSDP2 / tensor-parallel DTensor weight or logits never reaches the kernels or the torch ops (where it
+    failed deep inside aten.mm or the launcher): the error names it and says what to pass instead."""
+    from gloo_ranks import run_ranks
+
+    (weight_error, logits_error), = run_ranks(_rank_dtensor_errors, 1, timeout=120)
+    assert weight_error and "weight is a DTensor" in weight_error and "full_tensor()" in weight_error
+    assert "vocab_parallel_group" in weight_error
+    assert logits_error and "logits is a DTensor" in logits_error and "to_local()" in logits_error
+
+
+@pytest.mark.parametrize("options", [dict(beta=0.04, entropy_coef=0.1), dict(loss_type="dapo", delta=1.5),
+                                     dict(importance_sampling_level="sequence", beta=0.04),
+                                     dict(loss_type="sapo", kl_estimator="k2", beta=0.1)])
+def test_float64_on_the_torch_path_passes_gradcheck(options):
+    """fp64 logits (and hidden states) run on the torch path in fp64, so torch.autograd.gradcheck applies;
+    the Triton kernels refuse them by name. (Not for cispo and vespo: their coefficients are detached by
+    definition, so their gradient is not the loss value's derivative.)"""
+    g = torch.Generator().manual_seed(0)
+    batch = make_batch_fp64(g)
+    logits = batch.pop("logits").requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: grpo_loss(x, **batch, **options).loss, (logits,), eps=1e-6, atol=1e-6)
+    hidden = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda h, w: fused_linear_grpo_loss(h, w, **batch, **options).loss,
+                                    (hidden, weight), eps=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="float64 runs on backend='torch'"):
+        grpo_loss(logits, **batch, backend="triton")
+
+
+def make_batch_fp64(g):
+    ids = torch.randint(0, 7, (2, 3), generator=g)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    lp = -torch.rand(2, 3, generator=g, dtype=torch.float64) - 1.5
+    return dict(logits=torch.randn(2, 3, 7, generator=g, dtype=torch.float64), completion_ids=ids,
+                completion_mask=mask, advantages=torch.randn(2, generator=g, dtype=torch.float64), old_logps=lp,
+                ref_logps=lp + 0.1)
