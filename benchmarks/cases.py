@@ -105,11 +105,8 @@ def _ours_split_row(chunks: int):
     plain = _ours(True)
 
     def run(inputs, logits):
-        saved, launch.SPLIT_ROW_CHUNKS = launch.SPLIT_ROW_CHUNKS, chunks
-        try:
+        with launch.split_row_schedule(chunks):
             return plain(inputs, logits)
-        finally:
-            launch.SPLIT_ROW_CHUNKS = saved
     return run
 
 

@@ -135,6 +135,18 @@ def options_from(options: Optional[GRPOOptions], option_kwargs: dict) -> GRPOOpt
     return options if options is not None else GRPOOptions(**option_kwargs)
 
 
+def _vocab_shard(settings, logits_like, ids, check_ids: bool, *, mask=None, normalizer=None) -> Optional[VocabShard]:
+    """This rank's vocabulary shard of a vocabulary-parallel call (None without a group), after checking the
+    ids, which are global, against the whole vocabulary (with ``check_ids``)."""
+    if settings.vocab_parallel_group is None:
+        return None
+    from .vocab_parallel import sharded_vocab_start
+
+    return VocabShard(settings.vocab_parallel_group, sharded_vocab_start(
+        logits_like, ids, settings.vocab_parallel_group, settings.vocab_start_index, check_ids, mask=mask,
+        normalizer=normalizer))
+
+
 def prepare_inputs(source, tensors: LossTensors, settings: CallSettings):
     """(the source, as the kernels read it; the call's ``LossInputs``), every input checked.
 
@@ -155,13 +167,7 @@ def prepare_inputs(source, tensors: LossTensors, settings: CallSettings):
     check_inputs(logits_like, ids, mask, layout.tokens(t.advantages).view(1, -1) if layout else t.advantages,
                  old, ref, None if layout else t.importance_weights, t.normalizer, opts,
                  settings.check_ids and not sharded)
-    shard = None
-    if sharded:  # the ids are global: checked against the whole vocabulary
-        from .vocab_parallel import sharded_vocab_start
-
-        shard = VocabShard(settings.vocab_parallel_group, sharded_vocab_start(
-            logits_like, ids, settings.vocab_parallel_group, settings.vocab_start_index, settings.check_ids,
-            mask=mask, normalizer=t.normalizer))
+    shard = _vocab_shard(settings, logits_like, ids, settings.check_ids, mask=mask, normalizer=t.normalizer)
     check_per_token("sampling_logps", sampling, logits_like, allow_row=False)
     backend = resolve_backend(settings.backend, source.tensor)
     source = source.for_call(backend, sharded)
@@ -202,13 +208,8 @@ def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: flo
     logits_like = source.checked_logits_shape(ids)
     check_logits(logits_like)
     sharded = settings.vocab_parallel_group is not None
-    shard = None
-    if sharded:  # the ids are global: checked against the whole vocabulary
-        from .vocab_parallel import sharded_vocab_start
-
-        shard = VocabShard(settings.vocab_parallel_group, sharded_vocab_start(
-            logits_like, ids, settings.vocab_parallel_group, settings.vocab_start_index, check))
-    else:
+    shard = _vocab_shard(settings, logits_like, ids, check)
+    if not sharded:
         check_token_ids(ids, logits_like, check)
     backend = resolve_backend(settings.backend, source.tensor)
     source = source.for_call(backend, sharded)

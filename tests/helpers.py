@@ -1,7 +1,5 @@
 """Shared test helpers: input builders and a closeness check that prints its errors."""
 
-import contextlib
-
 import torch
 
 
@@ -91,14 +89,9 @@ def check_lm_head_against_reference(hidden, weight, inputs, *, backend, lm_head_
         assert_close(name, value, out.metrics[name], **tol)
 
 
-@contextlib.contextmanager
 def split_row(chunks: int = 4):
     """Within the block the one-pass loss runs on the split-row kernel, each row over ``chunks`` programs
     (in the interpreter: its two launches, publish then merge)."""
     from grpo_kernels.kernels import launch
 
-    saved, launch.SPLIT_ROW_CHUNKS = launch.SPLIT_ROW_CHUNKS, chunks
-    try:
-        yield
-    finally:
-        launch.SPLIT_ROW_CHUNKS = saved
+    return launch.split_row_schedule(chunks)

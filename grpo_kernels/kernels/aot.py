@@ -221,11 +221,8 @@ def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
 
 def _split_row(chunks: int, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with the one-pass loss on the split-row kernel, K = ``chunks``."""
-    saved, launch.SPLIT_ROW_CHUNKS = launch.SPLIT_ROW_CHUNKS, chunks
-    try:
+    with launch.split_row_schedule(chunks):
         return fn(*args, **kwargs)
-    finally:
-        launch.SPLIT_ROW_CHUNKS = saved
 
 
 def record_all() -> List[Launch]:

@@ -6,6 +6,7 @@ autograd Functions in ``grpo_kernels.functions`` call them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Dict, Optional
@@ -296,6 +297,18 @@ def backward(
 SPLIT_ROW_CHUNKS: Optional[int] = None
 SPLIT_ROW_MAX_SPIN = 1 << 22  # a wait's bound in reads of the counter (a cooperative launch never reaches it)
 _RESIDENT_PROGRAMS: Dict[tuple, int] = {}
+
+
+@contextlib.contextmanager
+def split_row_schedule(chunks: Optional[int]):
+    """Within the block the one-pass loss runs on the split-row kernel with each row over ``chunks``
+    programs (None: the measured default); for tests, benchmarks and the AOT report."""
+    global SPLIT_ROW_CHUNKS
+    saved, SPLIT_ROW_CHUNKS = SPLIT_ROW_CHUNKS, chunks
+    try:
+        yield
+    finally:
+        SPLIT_ROW_CHUNKS = saved
 
 
 def split_row_chunks(V: int, block_v: int, chunks: int) -> tuple:
