@@ -37,6 +37,7 @@ from .logsumexp import rescale_lse
 
 # the scratch's floats per (row, chunk): max, sum, entropy sum (base 2), one pad for 16-byte rows
 STATE_WIDTH = 4
+C_STATE_WIDTH = tl.constexpr(STATE_WIDTH)  # the same, as the kernels read it (the host allocates with STATE_WIDTH)
 
 
 @triton.jit
@@ -88,15 +89,15 @@ def _merged_state(state_row, K: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
     """(lse, entropy) in nats of a row from its K chunks' published states."""
     k = tl.arange(0, K)
     # from L2 (".cg"), never a line an earlier load left in this SM's L1: L2 is where siblings' stores meet
-    maxes = tl.load(state_row + k * 4, cache_modifier=".cg")
-    sums = tl.load(state_row + k * 4 + 1, cache_modifier=".cg")
+    maxes = tl.load(state_row + k * C_STATE_WIDTH, cache_modifier=".cg")
+    sums = tl.load(state_row + k * C_STATE_WIDTH + 1, cache_modifier=".cg")
     row_max = tl.max(maxes, axis=0)
     scale = tl.exp2(maxes - row_max)
     sum_exp = tl.sum(sums * scale, axis=0)
     lse2 = row_max + tl.log2(sum_exp)
     entropy = 0.0
     if COMPUTE_ENTROPY:
-        sum_x = tl.sum(tl.load(state_row + k * 4 + 2, cache_modifier=".cg") * scale, axis=0)
+        sum_x = tl.sum(tl.load(state_row + k * C_STATE_WIDTH + 2, cache_modifier=".cg") * scale, axis=0)
         entropy = LN2 * (lse2 - sum_x / sum_exp)
     return lse2 * LN2, entropy
 
@@ -201,12 +202,12 @@ def split_row_forward_kernel(
         if HAS_MASK:
             active = tl.load(mask_ptr + row) != 0.0
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t, ROW_ALIGN)
-        state_row = state_ptr + row * (K * 4)
+        state_row = state_ptr + row * (K * C_STATE_WIDTH)
         if active & (PHASE != 2):
             chunk_max, sum_exp, sum_x = _chunk_state(row_ptr, c0, c1, c, BLOCK_V, COMPUTE_ENTROPY)
-            tl.store(state_row + chunk * 4, chunk_max)
-            tl.store(state_row + chunk * 4 + 1, sum_exp)
-            tl.store(state_row + chunk * 4 + 2, sum_x)
+            tl.store(state_row + chunk * C_STATE_WIDTH, chunk_max)
+            tl.store(state_row + chunk * C_STATE_WIDTH + 1, sum_exp)
+            tl.store(state_row + chunk * C_STATE_WIDTH + 2, sum_x)
             if PHASE == 0:
                 tl.debug_barrier()  # every thread's stores before the release
                 tl.atomic_add(counter_ptr + row, 1, sem="release")
