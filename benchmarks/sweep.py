@@ -44,6 +44,7 @@ from grpo_kernels import GRPOOptions  # noqa: E402
 from grpo_kernels import objective  # noqa: E402
 from grpo_kernels.kernels import fused_linear_launch as lm_head_launch  # noqa: E402
 from grpo_kernels.kernels import launch, tuned  # noqa: E402
+from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs  # noqa: E402
 
 TEMPERATURE, BETA = 0.7, 0.04
 LOGITS_SHAPES = [(16, 1024, 151936), (16, 1024, 32000)]  # (B, T, V)
@@ -129,13 +130,17 @@ def logits_inputs(B, T, V, device, seed=0):
     return dict(logits=logits, ids=ids, mask=flat(mask), adv=adv, old=old, ref=ref_lp, weight=weight, opts=opts)
 
 
+def _tokens(x) -> TokenInputs:
+    """A case's per-token inputs as the launchers take them."""
+    return TokenInputs(mask=x["mask"], advantages=x["adv"], old_logps=x["old"], ref_logps=x["ref"])
+
+
 def run_logits(x, candidate):
     """(logp, loss per token, dlogits) of one candidate: the one-pass kernel, or the forward + backward pair."""
     config = {k: candidate.get(k) for k in tuned.LOGITS_KEYS}
-    common = dict(opts=x["opts"], temperature=TEMPERATURE, mask=x["mask"], advantages=x["adv"], old_logps=x["old"],
-                  ref_logps=x["ref"], compute_entropy=True, config=config)
+    common = dict(opts=x["opts"], temperature=TEMPERATURE, tokens=_tokens(x), compute_entropy=True, config=config)
     if candidate["mode"] == "one_pass":
-        r = launch.forward(x["logits"], x["ids"], grad_weight=x["weight"], **common)
+        r = launch.forward(x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **common)
         return r.logp, r.loss, r.grad_logits
     r = launch.forward(x["logits"], x["ids"], **common)
     grad = launch.backward(x["logits"], x["ids"], r.lse, r.dloss_dlogp * x["weight"], TEMPERATURE, config=config)
@@ -223,14 +228,12 @@ def fused_inputs(N, H, V, device, seed=0):
 def run_fused(x, candidate):
     if candidate["mode"] == "three_products":
         r, dh, dw, _ = lm_head_launch.linear_three_products(
-            x["hidden"], x["weight"], None, x["ids"], opts=x["opts"], mask=x["mask"],
-            advantages=x["adv"], old_logps=x["old"], ref_logps=x["ref"], importance_weights=None,
-            compute_entropy=True, grad_weight=x["weight_per_token"], compute_weight_grad=True)
+            x["hidden"], x["weight"], None, x["ids"], opts=x["opts"], tokens=_tokens(x), compute_entropy=True,
+            gradient=OnePassGradient(x["weight_per_token"]), compute_weight_grad=True)
         return r.logp, r.loss, dh, dw
     config = {k: candidate[k] for k in tuned.FUSED_LINEAR_KEYS}
     r = lm_head_launch.linear_forward(x["hidden"], x["weight"], None, x["ids"], opts=x["opts"],
-                                      temperature=TEMPERATURE, mask=x["mask"], advantages=x["adv"], old_logps=x["old"],
-                                      ref_logps=x["ref"], compute_entropy=True, config=config)
+                                      temperature=TEMPERATURE, tokens=_tokens(x), compute_entropy=True, config=config)
     dh, dw, _ = lm_head_launch.linear_backward(x["hidden"], x["weight"], None, x["ids"], r.lse,
                                                r.dloss_dlogp * x["weight_per_token"], TEMPERATURE, True, config=config)
     return r.logp, r.loss, dh, dw
@@ -242,8 +245,7 @@ def run_unfused(x):
     The three-product mode computes exactly this, a chunk at a time, so this is its reference."""
     logits = x["hidden"] @ x["weight"].T
     r = launch.forward(logits.unsqueeze(0), x["ids"].unsqueeze(0), opts=x["opts"], temperature=TEMPERATURE,
-                       mask=x["mask"], advantages=x["adv"], old_logps=x["old"], ref_logps=x["ref"],
-                       compute_entropy=True, grad_weight=x["weight_per_token"])
+                       tokens=_tokens(x), compute_entropy=True, gradient=OnePassGradient(x["weight_per_token"]))
     del logits
     dlogits = r.grad_logits.reshape(x["ids"].shape[0], -1).float()
     return r.logp, r.loss, dlogits @ x["weight"].float(), dlogits.T @ x["hidden"].float()

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import torch_path
-from .kernels.contracts import launch_module, lm_head_launch_module
+from .kernels.contracts import TokenInputs, launch_module, lm_head_launch_module
 
 
 class LogprobResult(NamedTuple):
@@ -80,7 +80,8 @@ class TritonBackend:
 
     def logprobs(self, logits, ids, temperature: float, mask: Optional[torch.Tensor],
                  compute_entropy: bool) -> LogprobResult:
-        r = self.launch.forward(logits, ids, temperature=temperature, mask=mask, compute_entropy=compute_entropy)
+        r = self.launch.forward(logits, ids, temperature=temperature, tokens=TokenInputs(mask=mask),
+                                compute_entropy=compute_entropy)
         return LogprobResult(r.logp, r.entropy, r.lse, ids)  # the kernels never read a masked row's id
 
     def logprobs_backward(self, logits, ids, lse, g, temperature: float, *, out: torch.Tensor,

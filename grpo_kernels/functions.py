@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .backends import get_backend
-from .kernels.contracts import TokenInputs, launch_module, lm_head_launch_module
+from .kernels.contracts import OnePassGradient, TokenInputs, launch_module, lm_head_launch_module
 from .options import GRPOOptions
 
 
@@ -110,7 +110,7 @@ class FusedTokenLoss(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         predicting = aligned(logits, drop_last_position)
         B, T, _ = predicting.shape
-        result = launch_module().forward(predicting, ids, opts=opts, **token_inputs._asdict(),
+        result = launch_module().forward(predicting, ids, opts=opts, tokens=token_inputs,
                                          compute_entropy=opts.compute_entropy)
         ctx.save_for_backward(logits, ids, result.lse, result.dloss_dlogp, result.entropy)
         ctx.backend, ctx.temperature, ctx.in_place = "triton", opts.temperature, in_place
@@ -146,8 +146,8 @@ class FusedTokenLossOnePass(torch.autograd.Function):
         B, T, _ = predicting.shape
         grad, written = gradient_buffer(logits, drop_last_position, in_place=False)
         result = launch_module().forward(
-            predicting, ids, opts=opts, **token_inputs._asdict(), compute_entropy=opts.compute_entropy,
-            grad_weight=grad_weight, grad_out=written, entropy_grad_weight=entropy_grad_weight)
+            predicting, ids, opts=opts, tokens=token_inputs, compute_entropy=opts.compute_entropy,
+            gradient=OnePassGradient(grad_weight, entropy_grad_weight, out=written))
         loss = torch.dot(result.loss, grad_weight)
         if entropy_grad_weight is not None:  # the entropy bonus: its weights are dLoss/dH, sign included
             loss = loss + torch.dot(result.entropy, entropy_grad_weight)
@@ -252,7 +252,7 @@ class FusedLinearTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, token_inputs: TokenInputs, opts: GRPOOptions, out_shape):
         ctx.set_materialize_grads(False)
-        r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, opts=opts, **token_inputs._asdict(),
+        r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, opts=opts, tokens=token_inputs,
                                                    compute_entropy=opts.compute_entropy)
         ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy)
         ctx.backend, ctx.temperature = "triton", opts.temperature
@@ -281,8 +281,8 @@ class FusedLinearThreeProducts(torch.autograd.Function):
                 entropy_grad_weight=None):
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         r, dh, dw, db = lm_head_launch_module().linear_three_products(
-            hidden, weight, bias, ids, opts=opts, **token_inputs._asdict(), compute_entropy=opts.compute_entropy,
-            grad_weight=grad_weight, compute_weight_grad=wants_weight, entropy_grad_weight=entropy_grad_weight)
+            hidden, weight, bias, ids, opts=opts, tokens=token_inputs, compute_entropy=opts.compute_entropy,
+            gradient=OnePassGradient(grad_weight, entropy_grad_weight), compute_weight_grad=wants_weight)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         view = lambda t: None if t is None else t.view(out_shape)  # noqa: E731

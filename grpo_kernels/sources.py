@@ -219,7 +219,7 @@ class HiddenStatesSource:
             return _kernel_output(inputs, loss, logp, entropy, kl, flags)
         if self.lm_head_mode == "three_products":  # no gradient wanted: cuBLAS logits and the logits kernel
             r = get_backend(inputs.backend).lm_head_launch.linear_three_products(
-                *flat, opts=o, **per_token._asdict(), compute_entropy=o.compute_entropy, grad_weight=None,
+                *flat, opts=o, tokens=per_token, compute_entropy=o.compute_entropy, gradient=None,
                 compute_weight_grad=False)[0]
             view = lambda t: None if t is None else t.view(shape)  # noqa: E731
             loss_t, logp, entropy, kl, flags = view(r.loss), view(r.logp), view(r.entropy), view(r.kl), view(r.flags)

@@ -254,7 +254,7 @@ def test_three_products_mode_in_bounded_chunks_frozen_weight_and_no_bias(device,
     original = launch.forward
 
     def recording_forward(logits, *args, **kwargs):
-        calls.append((tuple(logits.shape), logits.data_ptr(), kwargs.get("grad_in_place")))
+        calls.append((tuple(logits.shape), logits.data_ptr(), kwargs["gradient"].in_place))
         return original(logits, *args, **kwargs)
 
     monkeypatch.setattr(launch, "forward", recording_forward)
@@ -288,7 +288,8 @@ def test_three_products_mode_without_gradient_is_the_chunked_forward(device, mon
     original = launch.forward
 
     def recording_forward(logits, *args, **kwargs):
-        calls.append((tuple(logits.shape), kwargs.get("grad_weight") is None, kwargs.get("grad_in_place")))
+        gradient = kwargs.get("gradient")
+        calls.append((tuple(logits.shape), gradient is None, gradient is not None and gradient.in_place))
         return original(logits, *args, **kwargs)
 
     monkeypatch.setattr(launch, "forward", recording_forward)

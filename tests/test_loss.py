@@ -247,16 +247,17 @@ def test_one_pass_and_two_pass_agree_with_each_other(device):
 def test_persistent_schedule_matches_one_program_per_token(programs_per_sm, one_pass):
     """The persistent grid (a few programs striding over the tokens) computes exactly what the default does."""
     from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs
     from grpo_kernels.options import GRPOOptions
 
     batch = make_batch(B=3, T=5, V=1003, seed=11)
     opts = GRPOOptions(beta=0.04)
     B, T = 3, 5
     flat = lambda t: t.reshape(-1).float().contiguous()  # noqa: E731
-    common = dict(opts=opts, temperature=1.0, mask=flat(batch["completion_mask"]),
-                  advantages=flat(batch["advantages"][:, None].expand(B, T)), old_logps=flat(batch["old_logps"]),
-                  ref_logps=flat(batch["ref_logps"]), compute_entropy=True,
-                  grad_weight=torch.full((B * T,), 0.1, device=batch["logits"].device) if one_pass else None)
+    tokens = TokenInputs(mask=flat(batch["completion_mask"]), advantages=flat(batch["advantages"][:, None].expand(B, T)),
+                         old_logps=flat(batch["old_logps"]), ref_logps=flat(batch["ref_logps"]))
+    gradient = OnePassGradient(torch.full((B * T,), 0.1, device=batch["logits"].device)) if one_pass else None
+    common = dict(opts=opts, temperature=1.0, tokens=tokens, compute_entropy=True, gradient=gradient)
     default = launch.forward(batch["logits"], batch["completion_ids"], **common)
     persistent = launch.forward(batch["logits"], batch["completion_ids"], config={"programs_per_sm": programs_per_sm},
                                 **common)

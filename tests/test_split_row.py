@@ -121,17 +121,19 @@ def test_no_wait_times_out(device):
     """On a GPU the kernel is one cooperative launch whose every wait must return (no timeout recorded);
     in the interpreter there is no wait (two launches) and no flag."""
     from grpo_kernels import GRPOOptions
+    from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs
 
     batch = make_batch(device=device, V=4999, seed=3)
     logits, ids = batch["logits"], batch["completion_ids"]
     N = ids.numel()
     f32 = dict(device=device, dtype=torch.float32)
     with split_row(8):
-        r = launch.forward(logits, ids, opts=GRPOOptions(beta=0.04), mask=batch["completion_mask"].reshape(-1),
-                           advantages=batch["advantages"].repeat_interleave(ids.shape[1]).contiguous(),
-                           old_logps=batch["old_logps"].reshape(-1).contiguous(),
-                           ref_logps=batch["ref_logps"].reshape(-1).contiguous(), compute_entropy=True,
-                           grad_weight=torch.full((N,), 1.0 / N, **f32))
+        tokens = TokenInputs(mask=batch["completion_mask"].reshape(-1),
+                             advantages=batch["advantages"].repeat_interleave(ids.shape[1]).contiguous(),
+                             old_logps=batch["old_logps"].reshape(-1).contiguous(),
+                             ref_logps=batch["ref_logps"].reshape(-1).contiguous())
+        r = launch.forward(logits, ids, opts=GRPOOptions(beta=0.04), tokens=tokens, compute_entropy=True,
+                           gradient=OnePassGradient(torch.full((N,), 1.0 / N, **f32)))
     assert r.grad_logits is not None and torch.isfinite(r.grad_logits).all()
     if logits.is_cuda:
         assert int(r.split_row_error) == 0

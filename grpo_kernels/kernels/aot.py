@@ -32,6 +32,7 @@ from . import fused_linear as FL
 from . import grpo
 from . import fused_linear_launch as lm_head_launch
 from . import launch, split_row
+from .contracts import OnePassGradient, TokenInputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VOCAB_SIZES = (1003, 32000, 151936)  # one block (small V) and the looping configs
@@ -142,31 +143,31 @@ def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                 x = _logits_inputs(dtype, V)
                 yield f"logprobs {tag}", lambda: launch.forward(x["logits"], x["ids"])
                 yield f"logprobs+entropy+mask {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], mask=x["mask"], compute_entropy=True)
+                    x["logits"], x["ids"], tokens=TokenInputs(mask=x["mask"]), compute_entropy=True)
                 for name, opts in LOSS_OPTIONS.items():
-                    common = dict(opts=opts, mask=x["mask"], advantages=x["adv"], old_logps=x["old"],
-                                  ref_logps=x["ref"] if opts.uses_kl else None, importance_weights=x["iw"],
+                    common = dict(opts=opts, tokens=TokenInputs(x["mask"], x["adv"], x["old"],
+                                                                x["ref"] if opts.uses_kl else None, x["iw"]),
                                   compute_entropy=True)
                     yield f"{name}+old+iw one-pass {tag}", lambda c=common: launch.forward(
-                        x["logits"], x["ids"], grad_weight=x["weight"], **c)
+                        x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **c)
                     yield f"{name}+old+iw {tag}", lambda c=common: launch.forward(x["logits"], x["ids"], **c)
                 yield f"ppo+old+iw one-pass persistent {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], mask=x["mask"], advantages=x["adv"],
-                    old_logps=x["old"], importance_weights=x["iw"], compute_entropy=True, grad_weight=x["weight"],
-                    config={"programs_per_sm": 2})
+                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"],
+                    tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]), compute_entropy=True,
+                    gradient=OnePassGradient(x["weight"]), config={"programs_per_sm": 2})
                 yield f"ppo on-policy one-pass {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], mask=x["mask"], advantages=x["adv"],
-                    grad_weight=x["weight"])
+                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], tokens=TokenInputs(x["mask"], x["adv"]),
+                    gradient=OnePassGradient(x["weight"]))
                 yield f"ppo+entropy-bonus one-pass {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], mask=x["mask"], advantages=x["adv"],
-                    old_logps=x["old"], compute_entropy=True, grad_weight=x["weight"], entropy_grad_weight=x["weight"])
+                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], tokens=TokenInputs(x["mask"], x["adv"], x["old"]),
+                    compute_entropy=True, gradient=OnePassGradient(x["weight"], x["weight"]))
                 if V >= 32000:  # the split-row schedule (one cooperative launch: see record_all)
-                    for chunks, extra in ((8, {}), (4, dict(entropy_grad_weight=x["weight"]))):
-                        name = "ppo+entropy-bonus" if extra else "ppo+old+iw"
-                        yield f"{name} one-pass split-row K={chunks} {tag}", lambda k=chunks, e=extra: _split_row(
-                            k, launch.forward, x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], mask=x["mask"],
-                            advantages=x["adv"], old_logps=x["old"], importance_weights=None if e else x["iw"],
-                            compute_entropy=True, grad_weight=x["weight"], **e)
+                    for chunks, bonus in ((8, False), (4, True)):
+                        name = "ppo+entropy-bonus" if bonus else "ppo+old+iw"
+                        yield f"{name} one-pass split-row K={chunks} {tag}", lambda k=chunks, e=bonus: _split_row(
+                            k, launch.forward, x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"],
+                            tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=None if e else x["iw"]),
+                            compute_entropy=True, gradient=OnePassGradient(x["weight"], x["weight"] if e else None))
                 yield f"dlogits {tag}", lambda: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0)
                 yield f"dlogits+entropy-bonus {tag}", lambda: launch.backward(
                     x["logits"], x["ids"], x["adv"], x["adv"], 1.0, grad_entropy=x["weight"], entropy=x["adv"])
@@ -181,7 +182,7 @@ def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
     long_rows = (1 << 31) // 151936 + 1
     long = _logits_inputs(torch.bfloat16, 151936, rows=long_rows)
     yield "logprobs+entropy+mask bf16 V=151936 long-context", lambda: launch.forward(
-        long["logits"], long["ids"], mask=long["mask"], compute_entropy=True)
+        long["logits"], long["ids"], tokens=TokenInputs(mask=long["mask"]), compute_entropy=True)
 
 
 def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
@@ -194,17 +195,17 @@ def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
         hidden, weight = torch.empty(N, H, dtype=dtype), torch.empty(V, H, dtype=dtype)
         bias, ids, ones = torch.empty(V, dtype=dtype), torch.zeros(N, dtype=torch.int64), torch.ones(N)
         for name, o in opts.items():
-            per_token = {} if o is None else dict(opts=o, advantages=ones, old_logps=ones, ref_logps=ones,
-                                                  importance_weights=ones)
+            per_token = dict(tokens=TokenInputs(mask=ones)) if o is None else dict(
+                opts=o, tokens=TokenInputs(ones, ones, ones, ones, ones))
             for with_bias in (False, True):
                 yield (f"forward {name} bias={with_bias} {dtype_name}",
                        lambda b=with_bias, p=per_token: lm_head_launch.linear_forward(
-                           hidden, weight, bias if b else None, ids, mask=ones, compute_entropy=True, **p))
+                           hidden, weight, bias if b else None, ids, compute_entropy=True, **p))
 
             def split(p=per_token):
                 lm_head_launch.LINEAR_FORWARD_SPLITS = 4
                 try:
-                    lm_head_launch.linear_forward(hidden, weight, None, ids, mask=ones, compute_entropy=True, **p)
+                    lm_head_launch.linear_forward(hidden, weight, None, ids, compute_entropy=True, **p)
                 finally:
                     lm_head_launch.LINEAR_FORWARD_SPLITS = None
             yield f"forward {name} split-v {dtype_name}", split
@@ -422,7 +423,7 @@ def signature_facts() -> Dict[str, object]:
     for name, rows in (("typical", 1024), ("long_context", (1 << 31) // 151936 + 1)):
         logits = torch.empty(1, rows, 151936, dtype=torch.bfloat16)
         with recorded_launches() as launches:
-            launch.forward(logits, torch.zeros(1, rows, dtype=torch.int64), mask=torch.ones(rows),
+            launch.forward(logits, torch.zeros(1, rows, dtype=torch.int64), tokens=TokenInputs(mask=torch.ones(rows)),
                            compute_entropy=True)
         (item,) = launches
         options, signature, constexprs, attrs = jit_specialization(item, 90)

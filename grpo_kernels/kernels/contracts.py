@@ -20,6 +20,22 @@ class TokenInputs(NamedTuple):
     importance_weights: Optional[Any] = None
 
 
+class OnePassGradient(NamedTuple):
+    """What a one-pass launch writes besides the loss terms: dlogits of the reduced loss. ``weight`` is each
+    token's weight in the reduced loss (fp32 [N]); ``entropy_weight`` each token's dLoss/dH, the entropy
+    bonus's weight (fp32 [N], or None); ``out`` a [B, T, V] tensor with a unit last stride to write into (None:
+    a new one), or ``in_place`` to write over the logits themselves."""
+
+    weight: Any
+    entropy_weight: Optional[Any] = None
+    out: Optional[Any] = None
+    in_place: bool = False
+
+
+# The loss kernels' run-time scalars, in the order of their ``loss_scalars`` tuple (grpo.token_loss_and_grad).
+LOSS_SCALARS = ("eps_low", "eps_high", "delta", "dual_clip", "beta", "log_ratio_clamp", "kl_clamp", "sapo_tau_pos",
+                "sapo_tau_neg")
+
 # LOSS_KIND values: which policy term the forward computes.
 LOSS_NONE = 0  # log-probs (and entropy) only: token_logprobs and the sequence-level path
 LOSS_PPO_CLIP = 1  # grpo, bnpo, dr_grpo, dapo, luspo (optionally delta and dual-clip)

@@ -73,14 +73,12 @@ def _logits_tile(h_block, w_block, b_ptr, n_left, v0, V, H, inv_temperature,
 def _finish_tokens(
     rows, active, running_max, sum_exp, sum_exp_x, target_x, N,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-    eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
-    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
-    COMPUTE_ENTROPY: tl.constexpr,
+    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out, loss_scalars,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
 ):
     """From a token block's log-sum-exp state: store lse, logp, entropy, then the per-token loss terms."""
+    COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
     # Inactive rows (sum_exp may be 0 there) are stored as 0; a 0 lse also keeps the
     # backward's exp(x - lse) finite for them.
     sum_exp = tl.where(active, sum_exp, 1.0)
@@ -93,22 +91,19 @@ def _finish_tokens(
         tl.store(entropy_out + rows, tl.where(active, lse - sum_exp_x / sum_exp, 0.0), mask=in_rows)
 
     if LOSS_KIND != C_LOSS_NONE:
-        old = 0.0
-        ref = 0.0
-        iw = 1.0
-        if HAS_OLD:
+        old = None
+        ref = None
+        iw = None
+        if old_ptr is not None:
             old = tl.load(old_ptr + rows, mask=active, other=0.0)
-        if HAS_KL:
+        if ref_ptr is not None:
             ref = tl.load(ref_ptr + rows, mask=active, other=0.0)
-        if HAS_IW:
+        if iw_ptr is not None:
             iw = tl.load(iw_ptr + rows, mask=active, other=0.0)
         loss, dloss, kl, flags = token_loss_and_grad(
-            logp, tl.load(adv_ptr + rows, mask=active, other=0.0), old, ref, iw, eps_low, eps_high, delta,
-            dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-            LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
-            BIAS_CORRECTION_KL, HAS_IW,
-        )
-        if HAS_KL:
+            logp, tl.load(adv_ptr + rows, mask=active, other=0.0), old, ref, iw, loss_scalars,
+            LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
+        if kl_out is not None:
             tl.store(kl_out + rows, tl.where(active, kl, 0.0), mask=in_rows)
         tl.store(loss_out + rows, tl.where(active, loss, 0.0), mask=in_rows)
         tl.store(dloss_out + rows, tl.where(active, dloss, 0.0), mask=in_rows)
@@ -116,10 +111,11 @@ def _finish_tokens(
 
 
 @triton.jit
-def _active_rows(rows, N, mask_ptr, HAS_MASK: tl.constexpr):
-    """Rows inside [0, N) and not masked: masked tokens are computed with their block but read as 0."""
+def _active_rows(rows, N, mask_ptr):
+    """Rows inside [0, N) and not masked (``mask_ptr`` None: no mask): masked tokens are computed with their
+    block but read as 0."""
     active = rows < N
-    if HAS_MASK:
+    if mask_ptr is not None:
         active = active & (tl.load(mask_ptr + rows, mask=active, other=0.0) != 0.0)
     return active
 
@@ -129,23 +125,24 @@ def linear_grpo_forward_kernel(
     h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, v_per_split, partials_ptr,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-    inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
-    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
-    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
-    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT_V: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    inv_temperature, loss_scalars,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Grid (token blocks, vocabulary splits). Without SPLIT_V one split covers V and the program
-    finishes its tokens; with SPLIT_V it stores its split's (max, sum exp, sum exp * x, target x)
-    in ``partials`` [4, splits, N] for ``linear_grpo_combine_kernel``."""
+    """Grid (token blocks, vocabulary splits). With ``partials_ptr`` None one split covers V and the program
+    finishes its tokens; else (SPLIT_V) it stores its split's (max, sum exp, sum exp * x, target x) in
+    ``partials`` [4, splits, N] for ``linear_grpo_combine_kernel``. Optional tensors (``b_ptr`` the bias,
+    the per-token inputs, ``entropy_out``) are None where absent."""
+    HAS_BIAS: tl.constexpr = b_ptr is not None
+    SPLIT_V: tl.constexpr = partials_ptr is not None
+    COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     first = pid * BLOCK_N
     rows = first + tl.arange(0, BLOCK_N)
-    active = _active_rows(rows, N, mask_ptr, HAS_MASK)
+    active = _active_rows(rows, N, mask_ptr)
     n_left = N - first
     h_block = h_ptr + first * H
     stride_w = tl.cast(H, tl.int64)  # V * H may pass 2^31
@@ -178,10 +175,8 @@ def linear_grpo_forward_kernel(
     else:
         _finish_tokens(
             rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-            logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-            eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-            LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
-            BIAS_CORRECTION_KL, HAS_IW, COMPUTE_ENTROPY,
+            logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out, loss_scalars,
+            LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
         )
 
 
@@ -190,17 +185,16 @@ def linear_grpo_combine_kernel(
     partials_ptr, N, splits,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-    eps_low, eps_high, delta, dual_clip, beta,
-    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
-    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
-    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
+    loss_scalars,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Merge the vocabulary splits' log-sum-exp states of a token block, then finish its tokens."""
+    COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
-    active = _active_rows(rows, N, mask_ptr, HAS_MASK)
+    active = _active_rows(rows, N, mask_ptr)
     stride_split = tl.cast(splits, tl.int64) * N
     running_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
     sum_exp = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -215,27 +209,28 @@ def linear_grpo_combine_kernel(
         target_x += tl.load(part + 3 * stride_split, mask=in_rows, other=0.0)  # 0 outside the target's split
     _finish_tokens(
         rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-        logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-        eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-        LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
-        BIAS_CORRECTION_KL, HAS_IW, COMPUTE_ENTROPY,
+        logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out, loss_scalars,
+        LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
     )
 
 
 @triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)
 def linear_dlogits_kernel(
     h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, lse_ptr, g_ptr, dx_ptr, inv_temperature, grad_entropy_ptr, entropy_ptr,
-    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """dx [N, V] (row stride V) = g * (onehot - softmax(x)) / tau, x recomputed; N is one chunk's tokens.
 
-    HAS_ENTROPY_GRAD adds h = dLoss/dH (per token) times dH/dz = -p (log p + H), with the forward's
-    entropy H: the entropy bonus's gradient.
+    ``grad_entropy_ptr`` and ``entropy_ptr`` (None without the entropy bonus) add h = dLoss/dH (per token)
+    times dH/dz = -p (log p + H), with the forward's entropy H: the entropy bonus's gradient. ``b_ptr`` is
+    None without a bias.
 
     Programs run token blocks fastest, so the programs in flight share one W tile (read
     from HBM once) and re-read the chunk's hidden states from L2.
     """
+    HAS_BIAS: tl.constexpr = b_ptr is not None
+    HAS_ENTROPY_GRAD: tl.constexpr = grad_entropy_ptr is not None
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BLOCK_N)
     pid_v = pid // blocks_n

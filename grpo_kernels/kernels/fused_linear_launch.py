@@ -18,7 +18,8 @@ from ..torch_path import fp32_products
 from . import fused_linear as FL
 from . import tuned
 from . import launch as logits_launch  # the 3-product mode runs the logits kernels on each chunk
-from .launch import (ForwardResult, allocate_outputs, forward_constexprs, loss_pointer_args, loss_scalar_args,
+from .contracts import OnePassGradient, TokenInputs
+from .launch import (ForwardResult, allocate_outputs, loss_constexprs, loss_pointer_args, loss_scalar_args,
                      resolved_temperature)
 
 
@@ -91,44 +92,34 @@ def linear_forward(
     *,
     opts: Optional[GRPOOptions] = None,
     temperature: Optional[float] = None,
-    mask: Optional[torch.Tensor] = None,
-    advantages: Optional[torch.Tensor] = None,
-    old_logps: Optional[torch.Tensor] = None,
-    ref_logps: Optional[torch.Tensor] = None,
-    importance_weights: Optional[torch.Tensor] = None,
+    tokens: TokenInputs = TokenInputs(),
     compute_entropy: bool = False,
     config: Optional[Dict[str, int]] = None,
 ) -> ForwardResult:
     """The forward kernel on (hidden [N, H] @ weight[V, H]^T + bias) / temperature, logits never stored.
 
-    Per-token inputs and outputs as in ``forward`` (fp32 [N]); with ``opts`` None only
-    log-probs (and entropy) are computed.
+    Per-token inputs (``tokens``) and outputs as in ``launch.forward`` (fp32 [N]); with ``opts`` None
+    only log-probs (and entropy) are computed. The lm_head gradient needs the full log-sum-exp first:
+    see ``linear_backward``.
     """
     temperature = resolved_temperature(opts, temperature)
     N, H = hidden.shape
     V = weight.shape[0]
     out = allocate_outputs(N, hidden.device, opts, compute_entropy)
-    inputs, outputs, _ = loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
-    constexprs = forward_constexprs(
-        opts, has_old=old_logps is not None, has_iw=importance_weights is not None,
-        has_mask=mask is not None, compute_entropy=compute_entropy,
-    )
-    del constexprs["WRITE_GRAD"]  # the lm_head gradient needs the full log-sum-exp first: see linear_backward
+    per_token = dict(**loss_pointer_args(out, tokens), **loss_scalar_args(opts), **loss_constexprs(opts))
     cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
     if N == 0:
         return out
     blocks_n = triton.cdiv(N, cfg["BLOCK_N"])
     splits, v_per_split = linear_vocab_splits(blocks_n, V, cfg["BLOCK_V"], hidden.device)
-    partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32) if splits > 1 else out.logp
+    partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32) if splits > 1 else None
     FL.linear_grpo_forward_kernel[(blocks_n, splits)](
-        h_ptr=hidden, w_ptr=weight, b_ptr=weight if bias is None else bias, ids_ptr=ids, N=N, V=V, H=H,
-        v_per_split=v_per_split, partials_ptr=partials, **inputs, **outputs, **loss_scalar_args(opts, temperature),
-        **constexprs, HAS_BIAS=bias is not None, SPLIT_V=splits > 1, **cfg,
+        h_ptr=hidden, w_ptr=weight, b_ptr=bias, ids_ptr=ids, N=N, V=V, H=H, v_per_split=v_per_split,
+        partials_ptr=partials, inv_temperature=1.0 / temperature, **per_token, **cfg,
     )
     if splits > 1:
         FL.linear_grpo_combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
-            partials_ptr=partials, N=N, splits=splits, **inputs, **outputs, **loss_scalar_args(opts), **constexprs,
-            BLOCK_N=COMBINE_BLOCK,
+            partials_ptr=partials, N=N, splits=splits, **per_token, BLOCK_N=COMBINE_BLOCK,
         )
     return out
 
@@ -234,24 +225,24 @@ def _add_chunk_gradients(dx, weight, hidden_chunk, dh_chunk, dw, db, first: bool
 
 
 @fp32_products
-def linear_three_products(hidden, weight, bias, ids, *, opts, mask, advantages, old_logps, ref_logps,
-                          importance_weights, compute_entropy, grad_weight, compute_weight_grad,
-                          entropy_grad_weight=None):
+def linear_three_products(hidden, weight, bias, ids, *, opts, tokens: TokenInputs, compute_entropy: bool,
+                          gradient: Optional[OnePassGradient], compute_weight_grad: bool):
     """The fused lm_head with 3 products instead of 4: loss terms and every gradient in one chunk loop.
 
     Each chunk's logits are computed once (``hidden @ weight.T + bias``, in the input dtype, into
     one reused [chunk, V] workspace); the one-pass logits kernel turns them into the loss terms
-    and, in place, into dlogits of the reduced loss (``grad_weight`` is each token's weight);
-    then d hidden = dx @ W and d weight += dx^T @ h. The gradient is complete when the forward
-    ends: the backward only scales it. Memory is bounded by the chunk, as in the recomputing mode.
-    Returns (ForwardResult over the N tokens, d hidden, d weight or None, d bias or None), fp32.
-    With ``grad_weight`` None only the forward runs (no gradient wanted: evaluation, old log-probs):
-    cuBLAS logits and the logits kernel a chunk at a time, and the three gradients are None.
+    and, in place, into dlogits of the reduced loss (``gradient``: each token's weight, and the entropy
+    bonus's; its ``out`` and ``in_place`` are this function's); then d hidden = dx @ W and d weight +=
+    dx^T @ h. The gradient is complete when the forward ends: the backward only scales it. Memory is
+    bounded by the chunk, as in the recomputing mode. Returns (ForwardResult over the N tokens, d hidden,
+    d weight or None, d bias or None), fp32. With ``gradient`` None only the forward runs (no gradient
+    wanted: evaluation, old log-probs): cuBLAS logits and the logits kernel a chunk at a time, and the
+    three gradients are None.
     """
     N, H = hidden.shape
     V = weight.shape[0]
     out = allocate_outputs(N, hidden.device, opts, compute_entropy)
-    with_grad = grad_weight is not None
+    with_grad = gradient is not None
     dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad) if with_grad else (None,) * 3
     chunk = linear_chunk_tokens(N, V, hidden.element_size(), 1)
     workspace = torch.empty(min(chunk, max(N, 1)), V, device=hidden.device, dtype=hidden.dtype)
@@ -263,12 +254,11 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, mask, advantages, 
             torch.mm(hidden[n], weight.T, out=x)
         else:
             torch.addmm(bias, hidden[n], weight.T, out=x)
-        r = logits_launch.forward(x.unsqueeze(0), ids[n].unsqueeze(0), opts=opts, mask=pick(mask, n),
-                                  advantages=pick(advantages, n), old_logps=pick(old_logps, n),
-                                  ref_logps=pick(ref_logps, n), importance_weights=pick(importance_weights, n),
-                                  compute_entropy=compute_entropy, grad_weight=pick(grad_weight, n),
-                                  grad_in_place=with_grad,
-                                  entropy_grad_weight=pick(entropy_grad_weight, n) if with_grad else None)
+        chunk_gradient = OnePassGradient(gradient.weight[n], pick(gradient.entropy_weight, n),
+                                         in_place=True) if with_grad else None
+        r = logits_launch.forward(x.unsqueeze(0), ids[n].unsqueeze(0), opts=opts,
+                                  tokens=TokenInputs(*(pick(t, n) for t in tokens)), compute_entropy=compute_entropy,
+                                  gradient=chunk_gradient)
         for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):
             if getattr(out, name) is not None:
                 getattr(out, name)[n] = getattr(r, name)
@@ -298,11 +288,10 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
         dx = workspace[: n1 - n0]
         grid = (triton.cdiv(n1 - n0, cfg["BLOCK_N"]) * triton.cdiv(V, cfg["BLOCK_V"]),)
         FL.linear_dlogits_kernel[grid](
-            h_ptr=hidden[n0:n1], w_ptr=weight, b_ptr=weight if bias is None else bias, ids_ptr=ids[n0:n1], N=n1 - n0,
+            h_ptr=hidden[n0:n1], w_ptr=weight, b_ptr=bias, ids_ptr=ids[n0:n1], N=n1 - n0,
             V=V, H=H, lse_ptr=lse[n0:n1], g_ptr=g[n0:n1], dx_ptr=dx, inv_temperature=1.0 / temperature,
-            grad_entropy_ptr=g if grad_entropy is None else grad_entropy[n0:n1],
-            entropy_ptr=g if grad_entropy is None else entropy[n0:n1],
-            HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=grad_entropy is not None, **cfg,
+            grad_entropy_ptr=None if grad_entropy is None else grad_entropy[n0:n1],
+            entropy_ptr=None if grad_entropy is None else entropy[n0:n1], **cfg,
         )
         _add_chunk_gradients(dx, weight, hidden[n0:n1], dh[n0:n1], dw, db, first=n0 == 0)
     return dh, dw, db

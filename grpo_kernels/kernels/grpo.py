@@ -195,20 +195,26 @@ def _kl_with_grad(
 
 @triton.jit
 def token_loss_and_grad(
-    logp, adv, old, ref, iw, eps_low, eps_high, delta, dual_clip, beta,
-    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
-    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
+    logp, adv, old, ref, iw, loss_scalars,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
 ):
     """The per-token loss of one loss_type, its derivative with respect to logp, the KL and the clip flags.
 
     Element-wise: ``logp`` and the per-token inputs may be scalars (the logits kernel, one
     token per program) or [BLOCK_N] vectors (the fused lm_head kernel). ``old``, ``ref``
-    and ``iw`` are read only when HAS_OLD, HAS_KL and HAS_IW say they are present.
+    and ``iw`` are None where absent (on-policy, no KL term, no importance weights): what
+    they switch on is decided at compile time. ``loss_scalars`` is the kernels' run-time
+    tuple in ``contracts.LOSS_SCALARS`` order (the host's ``launch.loss_scalar_args``); the
+    flags stay separate constexpr parameters, since a tuple passed to a jit function carries
+    run-time values only (tried on triton 3.6 and 3.9: its flags compiled as run-time ifs).
     Returns (loss, dloss_dlogp, kl, flags); kl is 0 without KL, flags holds the
     FLAG_LOW_CLIPPED / FLAG_HIGH_CLIPPED bits.
     """
+    eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg = loss_scalars
+    HAS_OLD: tl.constexpr = old is not None
+    HAS_KL: tl.constexpr = ref is not None
+    HAS_IW: tl.constexpr = iw is not None
     # Importance ratio coef_1 = exp(logp - old); on-policy (no old) it is exactly 1
     # while its derivative, coef_1 itself, still flows (TRL's logp.detach()).
     # Zeros and ones are built with tl.full, never as 0.0 * logp: a -inf target log-prob
@@ -276,15 +282,16 @@ def _forward_token(
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
-    inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
-    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
-    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
-    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    inv_temperature, loss_scalars,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Everything the forward does for one token (row ``pid``): see ``grpo_forward_kernel``."""
+    HAS_MASK: tl.constexpr = mask_ptr is not None
+    COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
+    WRITE_GRAD: tl.constexpr = grad_weight_ptr is not None
+    HAS_ENTROPY_GRAD: tl.constexpr = entropy_grad_ptr is not None
     active = True
     if HAS_MASK:
         active = tl.load(mask_ptr + pid) != 0.0
@@ -303,22 +310,19 @@ def _forward_token(
         tl.store(entropy_out + pid, entropy)
 
     if LOSS_KIND != C_LOSS_NONE:
-        old = 0.0
-        ref = 0.0
-        iw = 1.0
-        if HAS_OLD:
+        old = None
+        ref = None
+        iw = None
+        if old_ptr is not None:
             old = tl.load(old_ptr + pid)
-        if HAS_KL:
+        if ref_ptr is not None:
             ref = tl.load(ref_ptr + pid)
-        if HAS_IW:
+        if iw_ptr is not None:
             iw = tl.load(iw_ptr + pid)
         loss, dloss, kl, flags = token_loss_and_grad(
-            logp, tl.load(adv_ptr + pid), old, ref, iw, eps_low, eps_high, delta, dual_clip, beta,
-            log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-            LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
-            BIAS_CORRECTION_KL, HAS_IW,
-        )
-        if HAS_KL:
+            logp, tl.load(adv_ptr + pid), old, ref, iw, loss_scalars,
+            LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
+        if kl_out is not None:
             tl.store(kl_out + pid, tl.where(active, kl, 0.0))
         tl.store(loss_out + pid, tl.where(active, loss, 0.0))
         tl.store(dloss_out + pid, tl.where(active, dloss, 0.0))
@@ -342,17 +346,18 @@ def grpo_forward_kernel(
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
-    inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
-    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
-    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
-    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    BLOCK_V: tl.constexpr, PERSISTENT: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    inv_temperature, loss_scalars,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     """One token per program on a grid of N programs; or, PERSISTENT, a grid of a few programs per SM,
     each taking every num_programs-th token, so that the rows in flight (and being re-read by the
     one-pass gradient loop) are bounded by the grid, not by what the hardware keeps resident.
+
+    An optional tensor is None where absent, and what it switches on is derived from that at compile
+    time: the mask, old and reference log-probs, importance weights, the entropy (``entropy_out``), the
+    one-pass gradient (``grad_weight_ptr``) and the entropy bonus's (``entropy_grad_ptr``).
 
     The two calls of ``_forward_token`` are kept apart on purpose: one loop with a single trip for the
     plain grid (tried, AOT sm_90) cost the fp32 one-pass hot loops 0.3 instructions a logit and up to
@@ -363,18 +368,16 @@ def grpo_forward_kernel(
                 tl.cast(row, tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr, old_ptr,
                 ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
                 grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-                eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-                LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
-                BIAS_CORRECTION_KL, HAS_IW, HAS_MASK, COMPUTE_ENTROPY, WRITE_GRAD, ROW_ALIGN, BLOCK_V, HAS_ENTROPY_GRAD,
+                loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
+                ROW_ALIGN, BLOCK_V,
             )
     else:
         _forward_token(
             tl.program_id(0).to(tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr,
             old_ptr, ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
             grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-            eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-            LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
-            BIAS_CORRECTION_KL, HAS_IW, HAS_MASK, COMPUTE_ENTROPY, WRITE_GRAD, ROW_ALIGN, BLOCK_V, HAS_ENTROPY_GRAD,
+            loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
+                ROW_ALIGN, BLOCK_V,
         )
 
 
@@ -445,10 +448,11 @@ def logprob_backward_kernel(
     logits_ptr, stride_b, stride_t, ids_ptr, T, V,
     grad_logp_ptr, lse_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
     grad_entropy_ptr, entropy_ptr,
-    inv_temperature, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    inv_temperature, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """dlogits = g * (onehot - p) / tau (+ dLoss/dH times dH/dlogits with HAS_ENTROPY_GRAD); may
-    write into the logits' own storage (in place)."""
+    """dlogits = g * (onehot - p) / tau (+ dLoss/dH times dH/dlogits with ``grad_entropy_ptr`` and
+    ``entropy_ptr``, None without the entropy bonus); may write into the logits' own storage (in place)."""
+    HAS_ENTROPY_GRAD: tl.constexpr = grad_entropy_ptr is not None
     pid = tl.program_id(0).to(tl.int64)
     g = tl.load(grad_logp_ptr + pid)
     h = 0.0

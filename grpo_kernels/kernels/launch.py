@@ -17,6 +17,7 @@ import triton
 from ..options import GRPOOptions
 from . import grpo
 from . import tuned
+from .contracts import LOSS_SCALARS, OnePassGradient, TokenInputs
 
 
 def block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
@@ -96,27 +97,19 @@ def loss_kind(opts: Optional[GRPOOptions]) -> int:
     return kinds[opts.loss.policy_term]
 
 
-def forward_constexprs(
-    opts: Optional[GRPOOptions], *, has_old: bool, has_iw: bool, has_mask: bool, compute_entropy: bool,
-    write_grad: bool = False,
-) -> Dict[str, object]:
-    """The compile-time flags of one forward specialization."""
+def loss_constexprs(opts: Optional[GRPOOptions]) -> Dict[str, object]:
+    """The loss options' compile-time flags. The rest (mask, old and reference log-probs, importance weights,
+    entropy, the one-pass gradient) the kernels derive from which of their tensors are None."""
     kind = loss_kind(opts)
     with_loss = kind != grpo.LOSS_NONE
     return {
         "LOSS_KIND": kind,
-        "HAS_OLD": with_loss and has_old,
-        "HAS_KL": with_loss and opts.uses_kl,
         "KL_KIND": {"k3": grpo.KL_K3, "k1": grpo.KL_K1, "k2": grpo.KL_K2}[opts.kl_estimator] if with_loss else 0,
         "HAS_DELTA": with_loss and opts.delta is not None,
         "HAS_DUAL_CLIP": with_loss and opts.dual_clip is not None,
         "HAS_LOG_RATIO_CLAMP": with_loss and opts.log_ratio_clamp is not None,
         "HAS_KL_CLAMP": with_loss and opts.kl_clamp is not None,
         "BIAS_CORRECTION_KL": with_loss and opts.use_bias_correction_kl,
-        "HAS_IW": with_loss and has_iw,
-        "HAS_MASK": has_mask,
-        "COMPUTE_ENTROPY": compute_entropy,
-        "WRITE_GRAD": with_loss and write_grad,
     }
 
 
@@ -162,26 +155,31 @@ def allocate_outputs(N: int, device, opts: Optional[GRPOOptions], compute_entrop
     return ForwardResult(**{name: rows.get(name) for name in wanted}, flags=flags)
 
 
-def loss_pointer_args(out: ForwardResult, mask, advantages, old_logps, ref_logps, importance_weights):
-    """(per-token inputs, outputs, placeholder) as the forward kernels' keyword arguments; an absent one is
-    the placeholder, which the constexprs (HAS_MASK, HAS_OLD, ...) keep unread."""
-    dummy = out.logp
-    either = lambda t: dummy if t is None else t  # noqa: E731
-    inputs = dict(mask_ptr=either(mask), adv_ptr=either(advantages), old_ptr=either(old_logps),
-                  ref_ptr=either(ref_logps), iw_ptr=either(importance_weights))
-    outputs = dict(logp_out=out.logp, entropy_out=either(out.entropy), lse_out=out.lse, loss_out=either(out.loss),
-                   dloss_out=either(out.dloss_dlogp), kl_out=either(out.kl), flags_out=either(out.flags))
-    return inputs, outputs, dummy
+def loss_pointer_args(out: ForwardResult, tokens: TokenInputs) -> Dict[str, Optional[torch.Tensor]]:
+    """The per-token inputs and outputs as the forward kernels' keyword arguments, None where absent: the
+    kernels derive from that what they read and write. Without a loss (``out.loss`` None) only the mask is
+    read; the reference log-probs only where the loss has a KL term (``out.kl``)."""
+    with_loss = out.loss is not None
+    if with_loss and tokens.advantages is None:
+        raise ValueError("advantages=None: a loss launch needs each token's advantage (fp32 [N])")
+    if out.kl is not None and tokens.ref_logps is None:
+        raise ValueError("ref_logps=None: the options have a KL term (beta != 0), which needs the reference "
+                         "log-probs (fp32 [N])")
+    loss_input = lambda t: t if with_loss else None  # noqa: E731
+    return dict(mask_ptr=tokens.mask, adv_ptr=loss_input(tokens.advantages), old_ptr=loss_input(tokens.old_logps),
+                ref_ptr=tokens.ref_logps if out.kl is not None else None,
+                iw_ptr=loss_input(tokens.importance_weights), logp_out=out.logp, entropy_out=out.entropy,
+                lse_out=out.lse, loss_out=out.loss, dloss_out=out.dloss_dlogp, kl_out=out.kl, flags_out=out.flags)
 
 
-def loss_scalar_args(opts: Optional[GRPOOptions], temperature: Optional[float] = None) -> Dict[str, float]:
-    """The loss's run-time scalars as the kernels' keyword arguments (and inv_temperature, with a temperature)."""
+def loss_scalar_args(opts: Optional[GRPOOptions]) -> Dict[str, tuple]:
+    """The loss's run-time scalars as the kernels' ``loss_scalars`` tuple (contracts.LOSS_SCALARS order)."""
     o = opts or GRPOOptions()
-    scalars = dict(eps_low=float(o.epsilon), eps_high=float(o.eps_high), delta=_zero_if_none(o.delta),
-                   dual_clip=_zero_if_none(o.dual_clip), beta=float(o.beta),
-                   log_ratio_clamp=_zero_if_none(o.log_ratio_clamp), kl_clamp=_zero_if_none(o.kl_clamp),
-                   sapo_tau_pos=float(o.sapo_temperature_pos), sapo_tau_neg=float(o.sapo_temperature_neg))
-    return scalars if temperature is None else dict(inv_temperature=1.0 / temperature, **scalars)
+    values = dict(eps_low=float(o.epsilon), eps_high=float(o.eps_high), delta=_zero_if_none(o.delta),
+                  dual_clip=_zero_if_none(o.dual_clip), beta=float(o.beta),
+                  log_ratio_clamp=_zero_if_none(o.log_ratio_clamp), kl_clamp=_zero_if_none(o.kl_clamp),
+                  sapo_tau_pos=float(o.sapo_temperature_pos), sapo_tau_neg=float(o.sapo_temperature_neg))
+    return {"loss_scalars": tuple(values[name] for name in LOSS_SCALARS)}
 
 
 def forward(
@@ -190,68 +188,50 @@ def forward(
     *,
     opts: Optional[GRPOOptions] = None,
     temperature: Optional[float] = None,
-    mask: Optional[torch.Tensor] = None,
-    advantages: Optional[torch.Tensor] = None,
-    old_logps: Optional[torch.Tensor] = None,
-    ref_logps: Optional[torch.Tensor] = None,
-    importance_weights: Optional[torch.Tensor] = None,
+    tokens: TokenInputs = TokenInputs(),
     compute_entropy: bool = False,
-    grad_weight: Optional[torch.Tensor] = None,
+    gradient: Optional[OnePassGradient] = None,
     config: Optional[Dict[str, int]] = None,
-    grad_in_place: bool = False,
-    grad_out: Optional[torch.Tensor] = None,
-    entropy_grad_weight: Optional[torch.Tensor] = None,
 ) -> ForwardResult:
     """Run the forward kernel.
 
-    logits [B, T, V] with a unit last stride; ids [B, T]; every other per-token input is
-    a contiguous fp32 [N] (N = B * T). With ``opts`` None only log-probs (and entropy)
-    are computed. With ``grad_weight`` (fp32 [N], each token's weight in the reduced loss)
-    the kernel also writes dlogits of that loss in the same pass (one-pass mode).
-    ``config`` overrides the launch configuration (see ``logits_launch_config``).
-    ``grad_in_place`` (one-pass) writes dlogits over the logits themselves: each row is read
-    in full for its log-sum-exp before any of it is written. ``grad_out`` (one-pass) is a
-    [B, T, V] tensor with a unit last stride to write dlogits into, e.g. the aligned view of a
-    [B, T + 1, V] gradient, so that no copy into a bigger buffer follows. ``entropy_grad_weight``
-    (one-pass, with ``compute_entropy``; fp32 [N]) is each token's dLoss/dH, the entropy bonus's
-    weight: its gradient is written in the same pass.
+    logits [B, T, V] with a unit last stride; ids [B, T]; the per-token inputs (``tokens``) are
+    contiguous fp32 [N] (N = B * T), None where absent. With ``opts`` None only log-probs (and
+    entropy) are computed. With ``gradient`` (a loss only) the kernel also writes dlogits of the
+    reduced loss in the same pass (one-pass mode; see ``OnePassGradient``): in place, each row is read
+    in full for its log-sum-exp before any of it is written. ``config`` overrides the launch
+    configuration (see ``logits_launch_config``).
     """
     temperature = resolved_temperature(opts, temperature)
     B, T, V = logits.shape
     N = B * T
     out = allocate_outputs(N, logits.device, opts, compute_entropy)
-    inputs, outputs, dummy = loss_pointer_args(out, mask, advantages, old_logps, ref_logps, importance_weights)
-    write_grad = grad_weight is not None and out.loss is not None
-    entropy_grad = write_grad and entropy_grad_weight is not None
-    if entropy_grad and not compute_entropy:
-        raise ValueError("entropy_grad_weight needs compute_entropy=True (the gradient uses each token's entropy)")
+    write_grad = gradient is not None and out.loss is not None
+    if write_grad and gradient.entropy_weight is not None and not compute_entropy:
+        raise ValueError("gradient.entropy_weight needs compute_entropy=True (the gradient uses each token's entropy)")
     grad = None
     if write_grad:
-        grad = logits if grad_in_place else grad_out if grad_out is not None else torch.empty(
+        grad = logits if gradient.in_place else gradient.out if gradient.out is not None else torch.empty(
             (B, T, V), device=logits.device, dtype=logits.dtype)
-    constexprs = forward_constexprs(
-        opts, has_old=old_logps is not None, has_iw=importance_weights is not None,
-        has_mask=mask is not None, compute_entropy=compute_entropy, write_grad=write_grad,
+    kwargs = dict(
+        logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V, N=N,
+        **loss_pointer_args(out, tokens), grad_weight_ptr=gradient.weight if write_grad else None,
+        grad_logits_ptr=grad, grad_stride_b=grad.stride(0) if write_grad else 0,
+        grad_stride_t=grad.stride(1) if write_grad else 0,
+        entropy_grad_ptr=gradient.entropy_weight if write_grad else None, inv_temperature=1.0 / temperature,
+        **loss_scalar_args(opts), **loss_constexprs(opts),
+        ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])),
     )
+    out.grad_logits = grad
     launch_config = logits_launch_config(logits, config)
     chunks = launch_config.pop("split_row", None) or SPLIT_ROW_CHUNKS
-    if write_grad and not grad_in_place and chunks and chunks > 1 and _split_row_forward(
-            logits, ids, out, inputs, opts, constexprs, launch_config, grad, grad_weight,
-            entropy_grad_weight if entropy_grad else None, int(chunks)):
-        out.grad_logits = grad
-        return out
+    if write_grad and not gradient.in_place and chunks and chunks > 1:
+        ran, out.split_row_error = _split_row_forward(logits, kwargs, launch_config, int(chunks))
+        if ran:
+            return out
     grid, persistent = _forward_grid(N, logits.device, launch_config.pop("programs_per_sm", None))
-    grad_target = grad if write_grad else logits  # unread without WRITE_GRAD
     if N > 0:
-        grpo.grpo_forward_kernel[grid](
-            logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V, N=N,
-            **inputs, **outputs, grad_weight_ptr=grad_weight if write_grad else dummy, grad_logits_ptr=grad_target,
-            grad_stride_b=grad_target.stride(0), grad_stride_t=grad_target.stride(1),
-            entropy_grad_ptr=entropy_grad_weight if entropy_grad else dummy, **loss_scalar_args(opts, temperature),
-            **constexprs, ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])), PERSISTENT=persistent,
-            HAS_ENTROPY_GRAD=entropy_grad, **launch_config,
-        )
-    out.grad_logits = grad
+        grpo.grpo_forward_kernel[grid](**kwargs, PERSISTENT=persistent, **launch_config)
     return out
 
 
@@ -285,9 +265,9 @@ def backward(
         grpo.logprob_backward_kernel[(B * T,)](
             logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V,
             grad_logp_ptr=grad_logp, lse_ptr=lse, grad_logits_ptr=grad, grad_stride_b=grad.stride(0),
-            grad_stride_t=grad.stride(1), grad_entropy_ptr=grad_entropy if with_entropy else grad_logp,
-            entropy_ptr=entropy if with_entropy else grad_logp, inv_temperature=1.0 / temperature,
-            ROW_ALIGN=row_alignment(logits, grad), HAS_ENTROPY_GRAD=with_entropy, **launch_config,
+            grad_stride_t=grad.stride(1), grad_entropy_ptr=grad_entropy if with_entropy else None,
+            entropy_ptr=entropy if with_entropy else None, inv_temperature=1.0 / temperature,
+            ROW_ALIGN=row_alignment(logits, grad), **launch_config,
         )
     return grad
 
@@ -354,37 +334,26 @@ def split_row_grid(resident: int, N: int, K: int) -> int:
     return programs
 
 
-def _split_row_forward(logits, ids, out: ForwardResult, inputs: dict, opts, constexprs: dict, launch_config: dict,
-                       grad, grad_weight, entropy_grad_weight, chunks: int) -> bool:
-    """The one-pass forward on the split-row kernel: one cooperative, persistent launch on a GPU; in
-    Triton's interpreter (which runs programs one at a time) two launches, publish then merge. False if
-    the GPU refused the cooperative launch (nothing ran; the caller runs the one-pass kernel)."""
+def _split_row_forward(logits: torch.Tensor, kwargs: dict, launch_config: dict, chunks: int) -> tuple:
+    """The one-pass forward (``kwargs``: the one-pass kernel's arguments) on the split-row kernel: one
+    cooperative, persistent launch on a GPU; in Triton's interpreter (which runs programs one at a time) two
+    launches, publish then merge. Returns (ran, the GPU's wait-timeout flag or None): ran is False if the GPU
+    refused the cooperative launch (nothing ran; the caller runs the one-pass kernel)."""
     from . import split_row
 
-    B, T, V = logits.shape
-    N = B * T
+    N, V = kwargs["N"], kwargs["V"]
     if N == 0:
-        return True
+        return True, None
     # a chunk smaller than the row's block (a small vocabulary) gets its own, smaller block and warps
     per_chunk = block_config(triton.cdiv(V, chunks), logits.element_size())
     if per_chunk["BLOCK_V"] < launch_config["BLOCK_V"]:
         launch_config = {**launch_config, **per_chunk}
     K, chunk_len = split_row_chunks(V, launch_config["BLOCK_V"], chunks)
-    state = torch.empty(N, K, split_row.STATE_WIDTH, device=logits.device, dtype=torch.float32)
-    counters = torch.zeros(N, device=logits.device, dtype=torch.int32)
     error = torch.zeros(1, device=logits.device, dtype=torch.int32)
-    dummy = out.logp
     kwargs = dict(
-        logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V, N=N,
-        **inputs, logp_out=out.logp, entropy_out=dummy if out.entropy is None else out.entropy, lse_out=out.lse,
-        loss_out=out.loss, dloss_out=out.dloss_dlogp, kl_out=dummy if out.kl is None else out.kl,
-        flags_out=out.flags, grad_weight_ptr=grad_weight, grad_logits_ptr=grad, grad_stride_b=grad.stride(0),
-        grad_stride_t=grad.stride(1), entropy_grad_ptr=dummy if entropy_grad_weight is None else entropy_grad_weight,
-        state_ptr=state, counter_ptr=counters, error_ptr=error, chunk_blocks=chunk_len // launch_config["BLOCK_V"],
-        **loss_scalar_args(opts),
-        inv_temperature=1.0 / opts.temperature,
-        **{k: v for k, v in constexprs.items() if k != "WRITE_GRAD"}, ROW_ALIGN=row_alignment(logits, grad),
-        HAS_ENTROPY_GRAD=entropy_grad_weight is not None, K=K, MAX_SPIN=SPLIT_ROW_MAX_SPIN,
+        kwargs, state_ptr=torch.empty(N, K, split_row.STATE_WIDTH, device=logits.device, dtype=torch.float32),
+        counter_ptr=torch.zeros(N, device=logits.device, dtype=torch.int32), error_ptr=error,
+        chunk_blocks=chunk_len // launch_config["BLOCK_V"], K=K, MAX_SPIN=SPLIT_ROW_MAX_SPIN,
         BLOCK_V=launch_config["BLOCK_V"], num_warps=launch_config["num_warps"],
         **({"num_stages": launch_config["num_stages"]} if "num_stages" in launch_config else {}),
     )
@@ -392,9 +361,10 @@ def _split_row_forward(logits, ids, out: ForwardResult, inputs: dict, opts, cons
     if not logits.is_cuda:  # the interpreter: every item publishes, then every item merges and writes
         kernel[(N * K,)](**kwargs, PHASE=1)
         kernel[(N * K,)](**kwargs, PHASE=2)
-        return True
+        return True, None
     key = (logits.device.index, logits.dtype, launch_config["num_warps"], launch_config.get("num_stages"),
-           tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int)) and k.isupper())))
+           tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int)) and k.isupper())),
+           tuple(sorted(k for k, v in kwargs.items() if v is None)))  # None tensors specialize the kernel too
     try:
         if key not in _RESIDENT_PROGRAMS:
             compiled = kernel.warmup(**kwargs, PHASE=0, grid=(K,), launch_cooperative_grid=True)
@@ -405,9 +375,8 @@ def _split_row_forward(logits, ids, out: ForwardResult, inputs: dict, opts, cons
         warnings.warn(f"the split-row kernel's cooperative launch was refused ({refused}); the one-pass kernel "
                       "runs instead", RuntimeWarning)
         _RESIDENT_PROGRAMS[key] = 0
-        return False
-    out.split_row_error = error
-    return True
+        return False, None
+    return True, error
 
 
 SCALE_BLOCK = 4096

@@ -179,18 +179,18 @@ def split_row_forward_kernel(
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
     state_ptr, counter_ptr, error_ptr, chunk_blocks,
-    inv_temperature, eps_low, eps_high, delta, dual_clip, beta,
-    log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-    LOSS_KIND: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr, KL_KIND: tl.constexpr,
-    HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr,
-    HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr, HAS_IW: tl.constexpr,
-    HAS_MASK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, K: tl.constexpr, PHASE: tl.constexpr,
-    MAX_SPIN: tl.constexpr,
+    inv_temperature, loss_scalars,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr, PHASE: tl.constexpr, MAX_SPIN: tl.constexpr,
 ):
-    """The one-pass loss (every output of ``grpo.grpo_forward_kernel`` with WRITE_GRAD) with each row
-    split over K sibling programs: see the module's docstring. PHASE 0: the cooperative launch (publish,
-    wait, merge and write); 1 and 2: the interpreter's two launches (publish; merge and write)."""
+    """The one-pass loss (every output of ``grpo.grpo_forward_kernel`` with its one-pass gradient) with each
+    row split over K sibling programs: see the module's docstring. PHASE 0: the cooperative launch (publish,
+    wait, merge and write); 1 and 2: the interpreter's two launches (publish; merge and write). Optional
+    tensors are None where absent, as in ``grpo_forward_kernel``."""
+    HAS_MASK: tl.constexpr = mask_ptr is not None
+    COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
+    HAS_ENTROPY_GRAD: tl.constexpr = entropy_grad_ptr is not None
     c = inv_temperature * LOG2E
     for item in range(tl.program_id(0), N * K, tl.num_programs(0)):
         row = tl.cast(item // K, tl.int64)
@@ -223,27 +223,24 @@ def split_row_forward_kernel(
                 lse = 0.0
                 entropy = 0.0
                 logp = 0.0
-            old = 0.0
-            ref = 0.0
-            iw = 1.0
-            if HAS_OLD:
+            old = None
+            ref = None
+            iw = None
+            if old_ptr is not None:
                 old = tl.load(old_ptr + row)
-            if HAS_KL:
+            if ref_ptr is not None:
                 ref = tl.load(ref_ptr + row)
-            if HAS_IW:
+            if iw_ptr is not None:
                 iw = tl.load(iw_ptr + row)
             loss, dloss, kl, flags = token_loss_and_grad(
-                logp, tl.load(adv_ptr + row), old, ref, iw, eps_low, eps_high, delta, dual_clip, beta,
-                log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg,
-                LOSS_KIND, HAS_OLD, HAS_KL, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
-                BIAS_CORRECTION_KL, HAS_IW,
-            )
+                logp, tl.load(adv_ptr + row), old, ref, iw, loss_scalars,
+                LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
             if chunk == 0:
                 tl.store(logp_out + row, logp)
                 tl.store(lse_out + row, lse)
                 if COMPUTE_ENTROPY:
                     tl.store(entropy_out + row, entropy)
-                if HAS_KL:
+                if kl_out is not None:
                     tl.store(kl_out + row, tl.where(active, kl, 0.0))
                 tl.store(loss_out + row, tl.where(active, loss, 0.0))
                 tl.store(dloss_out + row, tl.where(active, dloss, 0.0))
