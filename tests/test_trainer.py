@@ -1,5 +1,6 @@
 """The thin trainer and its command line on the built-in task (CPU, tiny shapes)."""
 
+import copy
 import json
 import os
 
@@ -187,6 +188,29 @@ def test_fused_lm_head_option_gives_the_same_gradients(tiny):
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+
+
+def test_fused_lm_head_folds_in_a_lora_adapter_on_the_head(tiny):
+    """A PEFT model with LoRA on lm_head (B given a value: at its zero start any head would match): the fused
+    update equals the logits path's, the head's adapter weights included (the base weight alone would drop it)."""
+    peft = pytest.importorskip("peft", reason="the peft extra is not installed (pip install 'grpo-kernels[peft]')")
+    base, tokenizer = tiny
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"],
+                                                                     lora_dropout=0.0))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    rollout = _trainer((model, tokenizer)).rollout()
+    grads = []
+    for fused in (False, True):
+        _trainer((model, tokenizer), fused_lm_head=fused).accumulate_gradients(rollout)
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert any("lm_head.lora_B" in name for name in grads[1])
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4, msg=name)
 
 
 def test_train_any_local_hugging_face_model(tmp_path, tiny):

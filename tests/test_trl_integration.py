@@ -290,3 +290,90 @@ def test_fused_lm_head_option_matches_trl(model_dir, dataset, tmp_path, loss_typ
                               processing_class=compare.build_tokenizer(), fused_lm_head=True)
     batch = _batch(stock, off_policy=True, beta=0.04)
     assert_same_as_trl(stock, ours, batch)
+
+
+def _varied_reward(prompts, completions, **_):
+    """A reward that differs within a group (a completion's length mod 3), so that the first step's
+    advantages, and with them every gradient compared below, are not zero."""
+    return [float(len(c) % 3) for c in completions]
+
+
+def _ddp_train_rank(rank, world, model_dir):
+    """One optimizer step of GRPOKernelsTrainer.train() as accelerate runs it on 2 processes (the model wrapped
+    in DistributedDataParallel), with the fused lm_head and without: the gradients at the optimizer step."""
+    import tempfile
+
+    from transformers import TrainerCallback
+
+    rows = compare.make_rows(16, held_out=False, seed=0)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+
+    class GradientsAtStep(TrainerCallback):
+        def __init__(self):
+            self.grads = None
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads = [p.grad.detach().clone() for p in unwrapped(model).parameters()]
+
+    def unwrapped(model):
+        return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+    results = {}
+    for fused in (False, True):
+        args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=B, num_generations=G,
+                          max_completion_length=T, report_to="none", use_cpu=True, logging_steps=1, max_steps=1,
+                          bf16=False, beta=0.04, seed=7, save_strategy="no")
+        callback = GradientsAtStep()
+        trainer = GRPOKernelsTrainer(model=model_dir, reward_funcs=_varied_reward, args=args, train_dataset=dataset,
+                                     processing_class=compare.build_tokenizer(), fused_lm_head=fused,
+                                     callbacks=[callback])
+        trainer.train()
+        assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+        loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+        results[fused] = (loss, callback.grads)
+    return results
+
+
+def test_fused_lm_head_trains_under_ddp_as_accelerate_launches_it(model_dir):
+    """2 gloo ranks, the model wrapped in DDP by accelerate: the fused lm_head runs inside the wrapper's forward
+    (no get_decoder on the wrapper), and the first step's loss and all-reduced gradients are the logits path's."""
+    for results in run_ranks(_ddp_train_rank, 2, model_dir, timeout=600):
+        (loss, grads), (fused_loss, fused_grads) = results[False], results[True]
+        assert sum(float(g.abs().sum()) for g in grads) > 0, "a zero gradient would make the comparison vacuous"
+        assert fused_loss == pytest.approx(loss, rel=1e-4, abs=1e-6)
+        for e, a in zip(grads, fused_grads):
+            torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+
+
+def _fsdp2_adapter_rank(rank, world, model_dir):
+    """The adapter's fused lm_head loss (its hidden-state pass and loss, as compute_loss runs them) on a model
+    sharded with FSDP2's fully_shard (every decoder layer and the root), against the same trainer unsharded."""
+    import tempfile
+
+    from torch.distributed.fsdp import fully_shard
+
+    rows = compare.make_rows(16, held_out=False, seed=0)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    reference = _trainer(GRPOKernelsTrainer, model_dir, dataset, pathlib.Path(tempfile.mkdtemp()),
+                         fused_lm_head=False, beta=0.04)
+    sharded = _trainer(GRPOKernelsTrainer, model_dir, dataset, pathlib.Path(tempfile.mkdtemp()),
+                       fused_lm_head=True, beta=0.04)
+    batch = _batch(reference, off_policy=True, beta=0.04)  # the same batch on both ranks
+    expected_loss, expected_grads, _ = _loss_and_grads(reference, batch, 1)
+    for layer in sharded.model.model.layers:
+        fully_shard(layer)
+    fully_shard(sharded.model)
+    sharded.model.train()
+    sharded.current_gradient_accumulation_steps = 1
+    loss = sharded.compute_loss(sharded.model, dict(batch))
+    loss.backward()
+    grads = [p.grad.full_tensor() for p in sharded.model.parameters()]
+    return loss.detach(), expected_loss, grads, expected_grads
+
+
+def test_fused_lm_head_under_fsdp2_through_the_adapter(model_dir):
+    for loss, expected_loss, grads, expected_grads in run_ranks(_fsdp2_adapter_rank, 2, model_dir, timeout=600):
+        torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
+        assert len(grads) == len(expected_grads)
+        for e, a in zip(expected_grads, grads):
+            torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)

@@ -15,6 +15,8 @@ TRL's metric keys. TRL options this loss does not implement raise at constructio
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 try:
@@ -25,6 +27,7 @@ except ImportError as err:  # the trl extra is optional
 from ..entropy_control import AdaptiveEntropy
 from ..loss import FusedLinearGRPOLoss, GRPOLoss
 from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
+from ..wrapped import inside_forward, output_layer
 
 
 
@@ -94,13 +97,32 @@ class GRPOKernelsTrainer(GRPOTrainer):
         logits = logits if logits.shape[1] == T + 1 else logits[:, -(T + 1):]  # a model that ignored logits_to_keep
         return logits, outputs.aux_loss if self.aux_loss_enabled else None
 
-    def _completion_hidden_states(self, model, inputs):
-        """Last hidden states [B, T, H] whose lm_head logits predict the completion tokens, and the head."""
+    def _completion_hidden_states(self, model, inputs, sequence):
+        """Last hidden states [B, T, H] whose lm_head logits predict the completion tokens, and the head, of the
+        unwrapped ``model`` (run inside its wrapper's forward: see ``_fused_head_loss``)."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         with self.accelerator.autocast():
-            hidden = base.get_decoder()(**self._sequence(inputs)).last_hidden_state
+            hidden = base.get_decoder()(**sequence).last_hidden_state
         T = inputs["completion_ids"].size(1)
         return hidden[:, -(T + 1):-1], base.get_output_embeddings()
+
+    def _fused_head_loss(self, model, inputs, mask, loss_inputs):
+        """The fused lm_head loss, computed as the model's own forward, called through whatever wraps it (DDP,
+        FSDP2, DeepSpeed: ``grpo_kernels.wrapped.inside_forward``), so that their hooks apply as in an ordinary
+        forward; the head's effective weight, a LoRA adapter on it folded in (``wrapped.output_layer``)."""
+        inner = self.accelerator.unwrap_model(model)
+
+        def loss_in_forward(sequence):
+            hidden, head = self._completion_hidden_states(inner, inputs, sequence)
+            weight, bias = output_layer(head)
+            # cast_lm_head_to_fp32: TRL runs the lm_head in fp32; so do the fused kernels, on fp32 operands
+            dtype = torch.float32 if getattr(self.args, "cast_lm_head_to_fp32", False) else hidden.dtype
+            out = self.grpo_loss(hidden.to(dtype), weight.to(dtype), inputs["completion_ids"], mask,
+                                 inputs["advantages"], bias=None if bias is None else bias.to(dtype), **loss_inputs)
+            return out.loss, out  # the loss at the top level: the wrappers' backward hooks attach to it
+
+        loss, out = inside_forward(model, loss_in_forward, self._sequence(inputs), inner=inner)
+        return dataclasses.replace(out, loss=loss)
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
@@ -134,12 +156,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
         loss_inputs["sampling_logps"] = inputs.get("sampling_per_token_logps")  # the off-policy mask's sampler
         aux_loss = None
         if self.fused_lm_head:
-            hidden, head = self._completion_hidden_states(model, inputs)
-            # cast_lm_head_to_fp32: TRL runs the lm_head in fp32; so do the fused kernels, on fp32 operands
-            dtype = torch.float32 if getattr(self.args, "cast_lm_head_to_fp32", False) else hidden.dtype
-            bias = None if getattr(head, "bias", None) is None else head.bias.to(dtype)
-            out = self.grpo_loss(hidden.to(dtype), head.weight.to(dtype), completion_ids, mask, inputs["advantages"],
-                                 bias=bias, **loss_inputs)
+            out = self._fused_head_loss(model, inputs, mask, loss_inputs)
         else:
             logits, aux_loss = self._completion_logits(model, inputs)
             out = self.grpo_loss(logits, completion_ids, mask, inputs["advantages"], **loss_inputs)

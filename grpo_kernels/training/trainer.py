@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..advantages import group_advantages, process_advantages
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
+from ..wrapped import inside_forward, output_layer
 from ..entropy_control import AdaptiveEntropy
 from ..options import TOKEN_COUNT_LOSS_TYPES
 from .process_labels import labels_to_step_rewards
@@ -419,12 +420,14 @@ class GRPOTrainer:
         if self.entropy_control is not None:  # this step applies the coefficient the last step left
             self.loss_fn.update(entropy_coef=self.entropy_control.applied_coef())
         if self.config.fused_lm_head:
-            head = self.model.get_output_embeddings()
-            hidden = self._hidden_states(self.model, *inputs)
-            weight = head.weight.to(hidden.dtype)
-            bias = None if getattr(head, "bias", None) is None else head.bias.to(hidden.dtype)
-            out = self.loss_fn(hidden, weight, r.completion_ids, r.completion_mask, r.advantages, bias=bias,
-                               **per_token)
+            def loss_in_forward(*batch):  # the model's forward, through its own call (grpo_kernels.wrapped)
+                hidden = self._hidden_states(self.model, *batch)
+                weight, bias = output_layer(self.model.get_output_embeddings())  # a LoRA adapter folded in
+                out = self.loss_fn(hidden, weight.to(hidden.dtype), r.completion_ids, r.completion_mask,
+                                   r.advantages, bias=None if bias is None else bias.to(hidden.dtype), **per_token)
+                return out.loss, out
+
+            loss, out = inside_forward(self.model, loss_in_forward, *inputs)
         else:
             out = self.loss_fn(self._logits(self.model, *inputs), r.completion_ids, r.completion_mask,
                                r.advantages, **per_token)

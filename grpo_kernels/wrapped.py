@@ -1,0 +1,113 @@
+"""Models as training stacks hand them over: wrapped for data parallelism, and with adapters on the head.
+
+Two things a fused lm_head loss needs from a model that a plain ``model(...)`` call never asks for:
+
+- **Its forward, run by its wrapper** (``inside_forward``). DDP, FSDP2 and DeepSpeed act in the wrapped
+  model's ``__call__``: DDP prepares its gradient reduction, FSDP2 all-gathers the root module's sharded
+  parameters (the embedding and the lm_head), ZeRO-3 gathers its partitioned ones. A hidden-state pass
+  and a loss on the head's weight called beside that (``model.get_decoder()(...)``,
+  ``model.lm_head.weight``) see none of it: a DDP wrapper has no ``get_decoder``, FSDP2's parameters are
+  still DTensor shards. So the whole computation runs as the inner model's forward, through the
+  wrapper's own call (the forward-redirection pattern Lightning and TRL use for such calls).
+- **The head's effective weight** (``output_layer``). A PEFT adapter on the output layer lives beside its
+  base weight: ``head.weight`` is the base alone, and a loss on it silently drops the adapter. A LoRA
+  adapter is folded in exactly (W + scaling * B @ A, differentiable in A and B); any other adapter state
+  (DoRA, dropout on the adapter's input while training, several active adapters of other kinds) is
+  refused with what to do instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+_MISSING = object()
+
+
+def unwrapped_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP / DeepSpeed / FSDP1 wrapper (``.module``); the model itself otherwise (FSDP2's
+    ``fully_shard`` and a bare model are their own wrappers)."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def inside_forward(wrapper: torch.nn.Module, fn: Callable[..., Any], *args: Any,
+                   inner: Optional[torch.nn.Module] = None, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` run as the forward of ``inner`` (default: ``unwrapped_model(wrapper)``), called
+    through ``wrapper(*args, **kwargs)``, so that every hook a wrapper puts around the forward applies: DDP's
+    gradient reduction, FSDP2's all-gather of the root's parameters (and the backward's hooks on what ``fn``
+    returns: return the tensors to differentiate at the top level, e.g. ``(loss, details)``), DeepSpeed's
+    gathered parameters. A bare model runs ``fn`` through its own ``__call__`` (its hooks included).
+
+    ``inner.forward`` is replaced for the one call and restored before ``fn`` runs (so that ``fn`` may call
+    the real forward) and, whatever happens, after it.
+    """
+    inner = unwrapped_model(wrapper) if inner is None else inner
+    saved = inner.__dict__.get("forward", _MISSING)  # an instance forward (accelerate's autocast wrapper) or none
+
+    def restore() -> None:
+        if saved is _MISSING:
+            inner.__dict__.pop("forward", None)
+        else:
+            inner.forward = saved
+
+    def redirected(*call_args: Any, **call_kwargs: Any) -> Any:
+        restore()
+        return fn(*call_args, **call_kwargs)
+
+    inner.forward = redirected
+    try:
+        return wrapper(*args, **kwargs)
+    finally:
+        restore()
+
+
+def _lora_delta(head: torch.nn.Module, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The summed delta of the active LoRA adapters of a PEFT ``lora.Linear`` (None when none is active)."""
+    if getattr(head, "merged", False):  # merged into the base weight: the weight is already the effective one
+        return None
+    if getattr(head, "disable_adapters", False):
+        return None
+    active = getattr(head, "active_adapters", None) or []
+    delta = None
+    for name in active:
+        if name not in getattr(head, "lora_A", {}):
+            continue
+        if getattr(head, "use_dora", {}).get(name, False):
+            raise ValueError(f"the lm_head has a DoRA adapter ({name!r}), which the fused lm_head cannot fold in: "
+                             "merge it (merge_adapter()) or use the logits path (fused_lm_head=False)")
+        dropout = head.lora_dropout[name] if name in getattr(head, "lora_dropout", {}) else None
+        if head.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
+            raise ValueError(f"the lm_head's LoRA adapter {name!r} has lora_dropout={dropout.p} on its input, which "
+                             "a weight cannot express while training: set lora_dropout=0 for the head, or use the "
+                             "logits path (fused_lm_head=False)")
+        a, b = head.lora_A[name].weight, head.lora_B[name].weight
+        term = (b.to(torch.float32) @ a.to(torch.float32)) * float(head.scaling[name])
+        delta = term if delta is None else delta + term
+    if delta is None:
+        return None
+    if getattr(head, "fan_in_fan_out", False):
+        delta = delta.T
+    return delta.to(weight.dtype)
+
+
+def output_layer(head: torch.nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(weight [V, H], bias [V] or None) of an output layer as its forward applies them: a plain Linear's own,
+    or a PEFT LoRA layer's base weight plus its active adapters' delta (differentiable in the adapters'
+    weights). Adapters a weight cannot express are refused (see the module docstring)."""
+    base = getattr(head, "base_layer", None)
+    if base is None:
+        if hasattr(head, "lora_A") or hasattr(head, "adapter_layer_names"):
+            raise ValueError(f"the lm_head is an adapter layer ({type(head).__name__}) without a base_layer: the "
+                             "fused lm_head cannot read its effective weight; use the logits path")
+        return head.weight, getattr(head, "bias", None)
+    if not hasattr(head, "lora_A"):
+        raise ValueError(f"the lm_head carries an adapter of type {type(head).__name__}, which the fused lm_head "
+                         "cannot fold into a weight: merge it first, or use the logits path (fused_lm_head=False)")
+    while getattr(base, "base_layer", None) is not None:  # stacked tuner layers
+        base = base.base_layer
+    weight = base.weight
+    delta = _lora_delta(head, weight)
+    return (weight if delta is None else weight + delta), getattr(base, "bias", None)
