@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import torch_path
+from . import ops, torch_path
 from .kernels.contracts import TokenInputs, launch_module, lm_head_launch_module
 
 
@@ -37,7 +37,11 @@ class TorchBackend:
         active = None if mask is None else (mask != 0).view(B, T)
         if active is not None:  # masked ids may be anything (-100): gather and scatter get 0 there
             ids = torch.where(active, ids, 0)
-        logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy)
+        if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py): no unrolled chunk loop
+            logp, entropy, lse = ops.torch_logprobs(logits, ids, temperature, compute_entropy)
+            entropy = ops.present(entropy, compute_entropy)
+        else:
+            logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy)
         if active is not None:
             logp = torch.where(active, logp, 0.0)
             entropy = None if entropy is None else torch.where(active, entropy, 0.0)
@@ -49,17 +53,27 @@ class TorchBackend:
         """dlogits of g = dLoss/dlogp (and h = dLoss/dH) written into ``out`` [B, T, V]."""
         B, T, _ = logits.shape
         as_bt = lambda t: None if t is None else t.to(lse.dtype).reshape(B, T)  # noqa: E731  (fp32, or fp64)
+        if torch.compiler.is_compiling():
+            return out.copy_(ops.torch_logprobs_backward(logits, ids, lse.reshape(B, T), as_bt(g), temperature,
+                                                         as_bt(grad_entropy), as_bt(entropy)))
         return torch_path.backward(logits, ids, lse.reshape(B, T), as_bt(g), temperature, out=out,
                                    grad_entropy=as_bt(grad_entropy), entropy=as_bt(entropy))
 
     def linear_logprobs(self, hidden, weight, bias, ids, temperature: float, compute_entropy: bool) -> LogprobResult:
         """The same from hidden [N, H] and the lm_head weight [V, H] (bias [V] or None), a chunk at a time."""
+        if torch.compiler.is_compiling():
+            lse, logp, entropy = ops.torch_linear_logprobs(hidden, weight, bias, ids, temperature, compute_entropy)
+            return LogprobResult(logp, ops.present(entropy, compute_entropy), lse, ids)
         lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy)
         return LogprobResult(logp, entropy, lse, ids)
 
     def linear_backward(self, hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool,
                         grad_entropy=None, entropy=None):
         """(d hidden, d weight or None, d bias or None), fp32."""
+        if torch.compiler.is_compiling():
+            dh, dw, db = ops.torch_linear_backward(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad,
+                                                   grad_entropy, entropy)
+            return dh, ops.present(dw, compute_weight_grad), ops.present(db, compute_weight_grad and bias is not None)
         return torch_path.linear_backward(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad,
                                           grad_entropy=grad_entropy, entropy=entropy)
 

@@ -12,7 +12,6 @@ re-check.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional, Tuple, Union
 
 import torch
@@ -98,19 +97,17 @@ class LossInputs:
     layout: SequenceLayout
     caller_shape: Optional[torch.Size]  # a packed call's ids' shape, which its per-token log-probs take
     vocab_shard: Optional[VocabShard]
+    # derived once, here (not functools.cached_property: its lock stops torch.compile's tracing on Python 3.11)
+    mask_seq: torch.Tensor = dataclasses.field(init=False)  # the mask in the reductions' sequence layout
+    flat_mask: Optional[torch.Tensor] = dataclasses.field(init=False)  # the kernels' contiguous [N] mask
+
+    def __post_init__(self):
+        object.__setattr__(self, "mask_seq", self.layout.seq(self.mask))  # [B, T], or [S, T_max] packed
+        object.__setattr__(self, "flat_mask", None if self.mask is None else self.mask.reshape(-1).contiguous())
 
     @property
     def shape(self) -> Tuple[int, int]:
         return tuple(self.ids.shape)
-
-    @functools.cached_property
-    def mask_seq(self) -> torch.Tensor:
-        """The mask in the sequence layout the reductions see: [B, T], or [S, T_max] packed."""
-        return self.layout.seq(self.mask)
-
-    @functools.cached_property
-    def flat_mask(self) -> Optional[torch.Tensor]:
-        return None if self.mask is None else self.mask.reshape(-1).contiguous()
 
     def kernel_tensors(self, importance_weights: Optional[torch.Tensor]) -> TokenInputs:
         """mask, advantages, old, ref (only with a KL term) and the given importance weights as the loss

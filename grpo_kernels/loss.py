@@ -105,7 +105,11 @@ def fused_linear_grpo_loss(
 
     ``hidden_states[:, t]`` is the state whose logits predict ``completion_ids[:, t]``. Every
     option, output and metric is that of ``grpo_loss`` on ``hidden_states @ weight.T + bias``.
-    A weight that does not require grad (a frozen lm_head, LoRA) gets no gradient pass.
+    A weight that does not require grad (a frozen lm_head, LoRA) gets no gradient pass. ``weight`` must
+    be the head's effective weight: with an adapter on the head (PEFT LoRA on ``lm_head``),
+    ``head.weight`` is the base alone; pass ``grpo_kernels.wrapped.output_layer(head)`` (the adapter
+    folded in, differentiable in its weights). Under DDP / FSDP2 / DeepSpeed, compute the hidden states
+    and this loss inside the wrapped model's forward (``grpo_kernels.wrapped.inside_forward``).
 
     ``lm_head_mode`` (Triton, token level): "recompute" (4 products: the backward recomputes
     each chunk's logits inside the kernels) or "three_products" (each chunk's logits computed
@@ -181,7 +185,8 @@ def linear_token_logprobs(
     log-probs of a fused lm_head user (the lm_head forward kernel, a tile of logits at a time; the torch
     path a chunk of tokens at a time). hidden_states [B, T, H] (any leading dims [..., H]; a packed
     batch's [total, H] with ``cu_seqlens``), weight [V, H] (with ``vocab_parallel_group``: this rank's
-    shard [V / P, H], the ids global), bias [V] or None. No gradient."""
+    shard [V / P, H], the ids global), bias [V] or None. No gradient. ``weight`` must be the head's effective
+    weight (an adapter on the head: ``grpo_kernels.wrapped.output_layer``)."""
     settings = LogprobSettings(backend, check_ids, False, cu_seqlens, vocab_parallel_group, vocab_start_index)
     return _pair(compute_logprobs(HiddenStatesSource(hidden_states, weight, bias), ids, temperature, return_entropy,
                                   settings), return_entropy)
@@ -330,8 +335,8 @@ class FusedLinearGRPOLoss(_LossModule):
     Same options and outputs as ``GRPOLoss``; call with
     ``(hidden_states [B, T, H], weight [V, H], completion_ids, completion_mask, advantages,
     old_logps=None, ref_logps=None, importance_weights=None, normalizer=None, bias=None,
-    loss_scale=1.0, sampling_logps=None, cu_seqlens=None)``. ``lm_head_mode``: see
-    ``fused_linear_grpo_loss``.
+    loss_scale=1.0, sampling_logps=None, cu_seqlens=None)``. ``lm_head_mode``, the effective weight with an
+    adapter on the head, wrapped models: see ``fused_linear_grpo_loss``.
     """
 
     KEYWORDS = HIDDEN_STATES_KEYWORDS

@@ -61,6 +61,9 @@ def check_token_ids(ids, logits: torch.Tensor, check_range: bool, *, mask=None, 
     if not check_range:
         return
     checked = ids if mask is None else torch.where(mask != 0, ids, 0)
+    if torch.compiler.is_compiling():  # a graph has no host sync: the same checks, asserted on the device
+        _assert_in_graph(checked, V, mask, normalizer)
+        return
     stats = [v.reshape(1).double().to(ids.device) for v in torch.aminmax(checked)] if ids.numel() else []
     if isinstance(normalizer, torch.Tensor):  # its value, and the active tokens a normalizer of 0 needs none of
         stats.append(_active_tokens(mask, ids).reshape(1).double().to(ids.device))
@@ -76,6 +79,20 @@ def check_token_ids(ids, logits: torch.Tensor, check_range: bool, *, mask=None, 
             )
     if isinstance(normalizer, torch.Tensor):
         _check_normalizer_value(values[-1], lambda: int(values[-2]))
+
+
+def _assert_in_graph(checked: torch.Tensor, V: int, mask, normalizer) -> None:
+    """``check_token_ids``'s checks inside a torch.compile graph: device-side assertions (``torch._assert_async``,
+    no host sync, no graph break) that fail the step when an active id is outside [0, V) or a tensor
+    normalizer is neither a positive finite count nor 0 over a batch with no active token."""
+    if checked.numel():
+        torch._assert_async(((checked >= 0) & (checked < V)).all(),
+                            f"completion_ids must lie in [0, V) = [0, {V}) at active positions")
+    if isinstance(normalizer, torch.Tensor):
+        value = normalizer.detach().reshape(())
+        valid = (torch.isfinite(value) & (value > 0)) | ((value == 0) & (_active_tokens(mask, checked) == 0))
+        torch._assert_async(valid, "normalizer must be a positive, finite token count (or 0 for a batch with no "
+                            "active token)")
 
 
 def _active_tokens(mask, like: torch.Tensor) -> torch.Tensor:
@@ -228,7 +245,8 @@ def checked_loss_scale(loss_scale):
             raise ValueError(f"loss_scale must be a number or a one-element float tensor, got shape "
                              f"{tuple(loss_scale.shape)} and dtype {loss_scale.dtype}")
         return loss_scale.detach().reshape(())
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not math.isfinite(loss_scale):
+    # a comparison, not math.isfinite: torch.compile(dynamic=True) traces floats as symbols, which it refuses
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not -math.inf < loss_scale < math.inf:
         raise ValueError(f"loss_scale must be a finite number (e.g. 1 / gradient-accumulation steps), got "
                          f"{loss_scale!r}")
     return float(loss_scale)

@@ -83,6 +83,9 @@ def _lora_delta(head: torch.nn.Module, weight: torch.Tensor) -> Optional[torch.T
             raise ValueError(f"the lm_head's LoRA adapter {name!r} has lora_dropout={dropout.p} on its input, which "
                              "a weight cannot express while training: set lora_dropout=0 for the head, or use the "
                              "logits path (fused_lm_head=False)")
+        if getattr(head.lora_B[name], "bias", None) is not None:
+            raise ValueError(f"the lm_head's LoRA adapter {name!r} has a bias (lora_bias=True), which the fused "
+                             "lm_head does not fold in: use the logits path (fused_lm_head=False)")
         a, b = head.lora_A[name].weight, head.lora_B[name].weight
         term = (b.to(torch.float32) @ a.to(torch.float32)) * float(head.scaling[name])
         delta = term if delta is None else delta + term

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import assert_close, make_batch
 
-from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference, token_logprobs
+from grpo_kernels import FusedLinearGRPOLoss, GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference, token_logprobs
 from grpo_kernels import reference
 from grpo_kernels.kernels import grpo as K
 
@@ -185,12 +185,9 @@ def test_per_step_values_are_runtime_arguments():
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo"])
 def test_grpo_loss_under_torch_compile(loss_type):
-    """A training step calling GRPOLoss compiles on CPU and matches eager.
-
-    The token-id range check and the chunk loop are data-dependent host work; dynamo
-    breaks the graph around them (deliberate: the loss is one fused op, there is nothing
-    around it to fuse), and the result must be the same.
-    """
+    """A training step calling GRPOLoss compiles as one graph (fullgraph=True, default options, inductor) on
+    the CPU and matches the specification: the ids' range check runs as a device-side assertion inside the
+    graph and the torch path's chunk loops are custom ops (grpo_kernels/ops.py), so nothing breaks the graph."""
     torch._dynamo.reset()
     batch = make_batch(seed=14)
     options = dict(loss_type=loss_type, beta=0.04, max_completion_length=8 if loss_type == "dr_grpo" else None)
@@ -201,7 +198,7 @@ def test_grpo_loss_under_torch_compile(loss_type):
                       batch["old_logps"], batch["ref_logps"])
         return out.loss * 2.0
 
-    compiled = torch.compile(step)
+    compiled = torch.compile(step, fullgraph=True)
     logits = batch["logits"].clone().requires_grad_()
     loss = compiled(logits)
     loss.backward()
@@ -211,6 +208,69 @@ def test_grpo_loss_under_torch_compile(loss_type):
     expected.backward()
     assert_close("loss", expected, loss, atol=1e-6, rtol=1e-5)
     assert_close("dlogits", expected_logits.grad, logits.grad, atol=1e-5, rtol=1e-5)
+
+
+def _graph_counting_backend(counts):
+    def backend(gm, example_inputs):
+        counts.append(gm)
+        return gm.forward
+    return backend
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dynamic, most_graphs", [(None, 2), (True, 1)])
+def test_a_compiled_step_does_not_recompile_per_completion_length(fused, dynamic, most_graphs):
+    """Four completion lengths, fullgraph=True with the default options (the ids checked): at most two graphs
+    (dynamo's automatic dynamic shapes: the first length, then one dynamic graph), one with dynamic=True; the
+    loss and the gradients as eager's. The logits path (drop_last_position) and the fused lm_head, dapo with a
+    tensor normalizer (its check is in the graph too)."""
+    torch._dynamo.reset()
+    H, V, B = 16, 50, 3
+    loss_fn = (FusedLinearGRPOLoss(beta=0.04, loss_type="dapo") if fused
+               else GRPOLoss(beta=0.04, loss_type="dapo", drop_last_position=True))
+
+    def step(x, w, ids, mask, adv, ref):
+        extra = (x, w) if fused else (x,)
+        return loss_fn(*extra, ids, mask, adv, ref_logps=ref, normalizer=mask.sum()).loss
+
+    graphs = []
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic, backend=_graph_counting_backend(graphs))
+    for T in (5, 7, 9, 12):
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(B, T, H, generator=g) if fused else torch.randn(B, T + 1, V, generator=g)
+        w = torch.randn(V, H, generator=g)
+        ids, mask = torch.randint(0, V, (B, T), generator=g), (torch.rand(B, T, generator=g) > 0.3).float()
+        adv, ref = torch.randn(B, generator=g), -torch.rand(B, T, generator=g)
+        results = []
+        for fn in (step, compiled):
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            loss = fn(xx, ww, ids, mask, adv, ref)
+            loss.backward()
+            results.append((loss.detach(), xx.grad, ww.grad))
+        (loss, gx, gw), (c_loss, c_gx, c_gw) = results
+        assert_close(f"loss T={T}", loss, c_loss, atol=1e-6, rtol=1e-5)
+        assert_close(f"d input T={T}", gx, c_gx, atol=1e-6, rtol=1e-5)
+        if fused:
+            assert_close(f"d weight T={T}", gw, c_gw, atol=1e-6, rtol=1e-5)
+    assert 1 <= len(graphs) <= most_graphs
+
+
+def test_a_compiled_step_asserts_the_ids_range_on_the_device():
+    """Inside a graph there is no host sync: an id outside [0, V) at an active position fails the step through a
+    device-side assertion (an inactive one is allowed, as in eager)."""
+    torch._dynamo.reset()
+    batch = make_batch(seed=2)
+    loss_fn = GRPOLoss()
+    compiled = torch.compile(lambda logits, ids, mask: loss_fn(logits, ids, mask, batch["advantages"]).loss,
+                             fullgraph=True, backend="aot_eager")
+    ids, mask = batch["completion_ids"].clone(), batch["completion_mask"].clone()
+    V = batch["logits"].shape[-1]
+    mask[0, -1] = 0
+    ids[0, -1] = V + 5  # masked: allowed
+    compiled(batch["logits"], ids, mask)
+    ids[1, 0] = V  # active: refused
+    with pytest.raises(RuntimeError, match=r"completion_ids must lie in \[0, V\)"):
+        compiled(batch["logits"], ids, mask)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

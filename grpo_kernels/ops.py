@@ -1,0 +1,95 @@
+"""The torch path's chunked operations as ``torch.library`` custom ops, for ``torch.compile``.
+
+Eager calls run ``torch_path`` directly (no dispatcher hop: host time). Inside a ``torch.compile`` graph
+(``torch.compiler.is_compiling()``) the backend calls these ops instead: each is one opaque node with a
+fake (meta) implementation, so dynamo neither unrolls the chunk loops (whose ``range`` would fix the
+completion length and recompile for each new one) nor breaks the graph, and a step compiles once for
+every length (``dynamic=True``, or dynamo's automatic dynamic shapes after the first new length).
+
+Autograd stays with the package's ``autograd.Function``s (``functions.py``), which dynamo traces: the ops
+are their forward and backward primitives. They return new tensors (no argument mutated); the Functions'
+in-place and preallocated-gradient options copy the result where eager writes directly (compiled only).
+An absent optional output is an empty tensor here (a custom op's schema has no optional outputs).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import torch_path
+
+_NONE = (0,)  # the shape of an absent output
+
+
+def _dtype(t: Tensor) -> torch.dtype:
+    return torch_path.compute_dtype(t)
+
+
+@torch.library.custom_op("grpo_kernels::torch_logprobs", mutates_args=())
+def torch_logprobs(logits: Tensor, ids: Tensor, temperature: float, compute_entropy: bool
+                   ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy or empty, lse), [B, T] fp32 (fp64 for fp64 logits): ``torch_path.forward``."""
+    logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy)
+    return logp, (logp.new_empty(_NONE) if entropy is None else entropy), lse
+
+
+@torch_logprobs.register_fake
+def _(logits, ids, temperature, compute_entropy):
+    B, T, _ = logits.shape
+    new = lambda *shape: logits.new_empty(shape, dtype=_dtype(logits))  # noqa: E731
+    return new(B, T), (new(B, T) if compute_entropy else new(*_NONE)), new(B, T)
+
+
+@torch.library.custom_op("grpo_kernels::torch_logprobs_backward", mutates_args=())
+def torch_logprobs_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Tensor, temperature: float,
+                            grad_entropy: Optional[Tensor], entropy: Optional[Tensor]) -> Tensor:
+    """dlogits [B, T, V] in the logits' dtype: ``torch_path.backward`` into a new tensor."""
+    return torch_path.backward(logits, ids, lse, grad_logp, temperature, grad_entropy=grad_entropy, entropy=entropy)
+
+
+@torch_logprobs_backward.register_fake
+def _(logits, ids, lse, grad_logp, temperature, grad_entropy, entropy):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("grpo_kernels::torch_linear_logprobs", mutates_args=())
+def torch_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
+                          compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(lse, logp, entropy or empty), [N]: ``torch_path.linear_forward``."""
+    lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy)
+    return lse, logp, (logp.new_empty(_NONE) if entropy is None else entropy)
+
+
+@torch_linear_logprobs.register_fake
+def _(hidden, weight, bias, ids, temperature, compute_entropy):
+    new = lambda *shape: hidden.new_empty(shape, dtype=_dtype(hidden))  # noqa: E731
+    N = hidden.shape[0]
+    return new(N), new(N), (new(N) if compute_entropy else new(*_NONE))
+
+
+@torch.library.custom_op("grpo_kernels::torch_linear_backward", mutates_args=())
+def torch_linear_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, lse: Tensor,
+                          g: Tensor, temperature: float, compute_weight_grad: bool, grad_entropy: Optional[Tensor],
+                          entropy: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(d hidden, d weight or empty, d bias or empty): ``torch_path.linear_backward``."""
+    dh, dw, db = torch_path.linear_backward(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad,
+                                            grad_entropy=grad_entropy, entropy=entropy)
+    empty = lambda t: dh.new_empty(_NONE) if t is None else t  # noqa: E731
+    return dh, empty(dw), empty(db)
+
+
+@torch_linear_backward.register_fake
+def _(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad, grad_entropy, entropy):
+    dtype = _dtype(hidden)
+    dh = hidden.new_empty(hidden.shape, dtype=dtype)
+    dw = weight.new_empty(weight.shape if compute_weight_grad else _NONE, dtype=dtype)
+    db = weight.new_empty((weight.shape[0],) if compute_weight_grad and bias is not None else _NONE, dtype=dtype)
+    return dh, dw, db
+
+
+def present(t: Tensor, wanted: bool) -> Optional[Tensor]:
+    """An op's optional output: the tensor where it was asked for, None where it is the empty placeholder."""
+    return t if wanted else None
