@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device command: everything one GPU run should produce, offline, in about 6 minutes on an H200.
+# The device command: everything one GPU run should produce, offline, in about 7 minutes on an H200.
 #
 #   bash benchmarks/gpu_suite.sh          # on the GPU machine (no network; peers from .whl/ if carried)
 #   bash benchmarks/gpu_suite.sh          # without CUDA: the same stages in smoke mode (CI runs this)
@@ -14,8 +14,10 @@
 #      time the defaults a commit of that sweep would ship
 #   c. logits-path benchmarks vs peers    -> bench.json (+ bench.png)
 #   d. fused lm_head benchmarks vs peers  -> bench_fused_linear.json
-#   e. a 2-way vocabulary-parallel step   -> vocab_parallel.json (two ranks on the one GPU, gloo)
-#   f. Nsight Compute counters            -> ncu.csv
+#   e. a whole GRPO step of real model shapes, per loss path (benchmarks/train_step.py) -> steps.json
+#   f. compute-sanitizer (memcheck, racecheck, synccheck) on every kernel -> appended to tests.txt
+#   g. Nsight Compute counters            -> ncu.csv
+#   h. a 2-way vocabulary-parallel step   -> steps.json (two ranks on the one GPU, gloo)
 #   and report.md (every table), run.log (versions, GPU, each stage's status and output).
 # The logits benchmarks' plot is drawn here, not there, from bench.json (report.py --plot): 8 files is the limit.
 # At most 8 files in $OUT, the device tool's limit. Without CUDA: tiny shapes, Triton's
@@ -35,10 +37,11 @@ OUT=$(cd "$OUT" && pwd)
 LOG="$OUT/run.log"
 : > "$LOG"
 export TRITON_DEFAULT_FP_FUSION=1 PYTHONUNBUFFERED=1 PIP_NO_INDEX=1
-# Stage limits in seconds (GPU); the whole run is planned for 425 s plus start-up (the first runs, without the
-# vocab_parallel stage, took 318 and 290 s).
-T_TESTS=${T_TESTS:-130} T_BENCH=${T_BENCH:-80} T_FUSED=${T_FUSED:-55} T_SWEEP=${T_SWEEP:-75} T_NCU=${T_NCU:-40}
-T_VP=${T_VP:-45}
+# Stage limits in seconds (GPU). The first runs used tests 80, sweep 57, bench 69, fused 50, ncu 9 s of their
+# limits (318 and 290 s in all): the limits below plan about 400 s in use plus start-up, under 420, so that a
+# second run fits the device's 15 minutes.
+T_TESTS=${T_TESTS:-105} T_BENCH=${T_BENCH:-72} T_FUSED=${T_FUSED:-52} T_SWEEP=${T_SWEEP:-62} T_NCU=${T_NCU:-25}
+T_TRAIN=${T_TRAIN:-55} T_SAN=${T_SAN:-32} T_VP=${T_VP:-28}
 GRACE=10
 say() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 
@@ -101,28 +104,35 @@ stage bench "$T_BENCH" python3 -m pytest benchmarks/test_bench_loss.py -q -p no:
     --benchmark-json="$OUT/bench.json"
 stage bench_fused_linear "$T_FUSED" python3 -m pytest benchmarks/test_bench_fused_linear.py -q -p no:cacheprovider \
     -o addopts="" --benchmark-json="$OUT/bench_fused_linear.json"
-stage vocab_parallel "$T_VP" python3 benchmarks/vocab_parallel.py --out "$OUT/vocab_parallel.json" \
-    --timeout $((T_VP - 5))
+stage train_step "$T_TRAIN" python3 benchmarks/train_step.py --out "$OUT/train_step.json" --budget $((T_TRAIN - 8)) \
+    $( [ "$MODE" = smoke ] && echo --smoke )
+stage sanitize "$T_SAN" python3 benchmarks/sanitize.py --budget $((T_SAN - 4)) $( [ "$MODE" = smoke ] && echo --dry-run )
+{ echo; echo "== compute-sanitizer (benchmarks/sanitize.py)"; cat "$OUT/.stage.txt"; } >> "$OUT/tests.txt"
 if [ "$MODE" = gpu ] && command -v ncu > /dev/null; then
     NCU=$(python3 -c "import ncu_target as n, shlex; print(shlex.join(n.ncu_command('python3', '$OUT/sweep.json')))")
     stage ncu "$T_NCU" bash -c "$NCU > '$OUT/ncu.csv'"
 else
     stage ncu 60 python3 benchmarks/ncu_target.py --dry-run --sweep "$OUT/sweep.json"
 fi
+stage vocab_parallel "$T_VP" python3 benchmarks/vocab_parallel.py --out "$OUT/vocab_parallel.json" \
+    --timeout $((T_VP - 5))
 
 REPORT=(python3 benchmarks/report.py)
 for f in bench.json bench_fused_linear.json; do [ -s "$OUT/$f" ] && REPORT+=("$OUT/$f"); done
 [ "$MODE" = smoke ] && [ -s "$OUT/bench.json" ] && REPORT+=(--plot "$OUT/bench.png")
 [ -s "$OUT/vocab_parallel.json" ] && REPORT+=(--vocab-parallel "$OUT/vocab_parallel.json")
+[ -s "$OUT/train_step.json" ] && REPORT+=(--train-step "$OUT/train_step.json")
 [ -s "$OUT/sweep.json" ] && REPORT+=(--sweep "$OUT/sweep.json")
 [ -s "$OUT/ncu.csv" ] && REPORT+=(--ncu "$OUT/ncu.csv")
 "${REPORT[@]}" > "$OUT/report.md" 2>> "$LOG" || say "report failed (see above)"
+# the two whole-step stages in one file (8 files is the device's limit)
+python3 benchmarks/report.py --merge-steps "$OUT" >> "$LOG" 2>&1 || say "merging steps.json failed"
 rm -f "$OUT/.stage.txt" "$OUT/sweep.tmp"
 say "done in $SECONDS s; files: $(ls "$OUT" | tr '\n' ' ')"
 # In smoke mode a stage that failed is a failed suite: CI must not land a suite that breaks.
 if [ "$MODE" = smoke ]; then
     grep -q "passed" "$OUT/tests.txt" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/tests.txt" || { say "smoke: tests failed"; exit 1; }
-    for f in bench.json bench_fused_linear.json sweep.json vocab_parallel.json report.md; do
+    for f in bench.json bench_fused_linear.json sweep.json steps.json report.md; do
         [ -s "$OUT/$f" ] || { say "smoke: $f is missing"; exit 1; }
     done
     grep -q "rc=[^0]" "$LOG" && { say "smoke: a stage failed"; exit 1; }

@@ -1,7 +1,8 @@
 """Turn saved benchmark results into markdown tables (and a plot) for the README.
 
     python benchmarks/report.py RUN.json [MORE.json] [--plot RUN.png] [--sweep sweep.json] [--ncu ncu.csv]
-                                [--vocab-parallel vocab_parallel.json]
+                                [--vocab-parallel vocab_parallel.json] [--train-step train_step.json]
+    python benchmarks/report.py --merge-steps OUT_DIR   # train_step.json + vocab_parallel.json -> steps.json
 """
 
 from __future__ import annotations
@@ -138,6 +139,44 @@ def vocab_parallel_table(path: str) -> str:
     return "\n".join(lines)
 
 
+def train_step_table(path: str) -> str:
+    """benchmarks/train_step.py's whole GRPO steps, one row a (model, batch, loss path)."""
+    with open(path) as f:
+        results = json.load(f)
+    if "error" in results:
+        return f"Whole GRPO step: not run ({results['error']})"
+    head = (f"Whole GRPO step (policy forward over {results['prompt_tokens']} prompt + the completion tokens, "
+            f"gradient checkpointing, the loss, backward, AdamW) on {results['device']}, {results['dtype']}, "
+            f"torch {results['torch']}, transformers {results['transformers']}; beta {results['beta']}:")
+    lines = [head, "", "| model | completions x length | loss path | step ms | tokens/s | peak GiB | loss share | "
+             "longest completion that fits |", "|---|---|---|---|---|---|---|---|"]
+    for r in results.get("cases", []):
+        shape = f"{r['completions']} x {r['completion_length']}"
+        if r.get("oom"):
+            lines.append(f"| {r['model']} | {shape} | {r['path']} | out of memory | | | | |")
+            continue
+        peak = "-" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**30:.1f}"
+        fit = r.get("fit")
+        longest = "-" if not fit else f"{fit['longest']}" + (" (capped)" if fit["capped"] else "")
+        lines.append(f"| {r['model']} | {shape} | {r['path']} | {1e3 * r['step_s']:.1f} | {r['tokens_per_s']:.0f} | "
+                     f"{peak} | {100 * r['loss_share']:.0f} % | {longest} |")
+    return "\n".join(lines)
+
+
+def merge_steps(out_dir: str) -> None:
+    """train_step.json and vocab_parallel.json of a device run into one steps.json (the device returns 8 files)."""
+    import pathlib
+
+    out = pathlib.Path(out_dir)
+    steps = {}
+    for name in ("train_step", "vocab_parallel"):
+        f = out / f"{name}.json"
+        if f.exists() and f.stat().st_size:
+            steps[name] = json.loads(f.read_text())
+            f.unlink()
+    (out / "steps.json").write_text(json.dumps(steps, indent=1))
+
+
 def ncu_summary(path: str, logits_bytes: int) -> str:
     """Nsight Compute's raw CSV (one row a kernel launch) against the byte model: DRAM bytes over S."""
     import csv
@@ -176,7 +215,12 @@ def main() -> None:
     parser.add_argument("--sweep", default=None, help="a benchmarks/sweep.py results JSON")
     parser.add_argument("--ncu", default=None, help="Nsight Compute raw CSV of benchmarks/ncu_target.py")
     parser.add_argument("--vocab-parallel", default=None, help="a benchmarks/vocab_parallel.py results JSON")
+    parser.add_argument("--train-step", default=None, help="a benchmarks/train_step.py results JSON")
+    parser.add_argument("--merge-steps", default=None, metavar="OUT_DIR", help="merge a device run's step files")
     args = parser.parse_args()
+    if args.merge_steps:
+        merge_steps(args.merge_steps)
+        return
     rows, fused_rows = [], []
     for path in args.json:
         rows += load(path)
@@ -187,6 +231,8 @@ def main() -> None:
         print(fused_linear_table(fused_rows) + "\n")
     if args.sweep:
         print(sweep_table(args.sweep) + "\n")
+    if args.train_step:
+        print(train_step_table(args.train_step) + "\n")
     if args.vocab_parallel:
         print(vocab_parallel_table(args.vocab_parallel) + "\n")
     if args.ncu:

@@ -219,7 +219,7 @@ def _graph_counting_backend(counts):
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dynamic, most_graphs", [(None, 2), (True, 1)])
-def test_a_compiled_step_does_not_recompile_per_completion_length(fused, dynamic, most_graphs):
+def test_a_torch_compiled_step_does_not_recompile_per_completion_length(fused, dynamic, most_graphs):
     """Four completion lengths, fullgraph=True with the default options (the ids checked): at most two graphs
     (dynamo's automatic dynamic shapes: the first length, then one dynamic graph), one with dynamic=True; the
     loss and the gradients as eager's. The logits path (drop_last_position) and the fused lm_head, dapo with a
@@ -255,7 +255,7 @@ def test_a_compiled_step_does_not_recompile_per_completion_length(fused, dynamic
     assert 1 <= len(graphs) <= most_graphs
 
 
-def test_a_compiled_step_asserts_the_ids_range_on_the_device():
+def test_a_torch_compiled_step_asserts_the_ids_range_on_the_device():
     """Inside a graph there is no host sync: an id outside [0, V) at an active position fails the step through a
     device-side assertion (an inactive one is allowed, as in eager)."""
     torch._dynamo.reset()

@@ -173,3 +173,75 @@ def test_the_packed_benchmark_path_times_the_padded_loss_on_its_own_logits():
     (padded_grad,) = torch.autograd.grad(padded, padded_leaf)
     torch.testing.assert_close(loss, padded, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grad, padded_grad[:, :-1][x["completion_mask"] != 0], atol=1e-7, rtol=1e-5)
+
+
+def test_the_whole_step_benchmark_runs_every_path_and_reports_it(tmp_path):
+    """benchmarks/train_step.py as the suite runs it without CUDA: a tiny Llama, a real optimizer step per loss
+    path (the eager loss, ours on logits, ours from hidden states), and its report table."""
+    import subprocess
+
+    out = tmp_path / "train_step.json"
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "train_step.py"), "--out", str(out), "--smoke"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert {c["path"] for c in results["cases"]} == {"eager", "ours logits", "ours hidden"}
+    for case in results["cases"]:
+        assert case["step_s"] > 0 and 0 < case["loss_share"] and case["tokens_per_s"] > 0, case
+    table = report.train_step_table(str(out))
+    assert "| tiny | 2 x 16 | ours hidden |" in table
+    (tmp_path / "vocab_parallel.json").write_text(json.dumps({"cases": []}))
+    report.merge_steps(str(tmp_path))  # the device run's 8-file limit: one steps.json for both step stages
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.json"]
+    assert set(json.loads((tmp_path / "steps.json").read_text())) == {"train_step", "vocab_parallel"}
+
+
+def test_the_longest_fit_search_doubles_then_bisects():
+    """The length search on a fake step that runs out of memory past 3000 tokens: 1024, 2048 fit, 4096 does not,
+    then bisection to within 256 tokens."""
+    import train_step
+
+    seen = []
+
+    def fake_fits(path, model, optimizer, B, T, V, loss_fns, device):
+        seen.append(T)
+        return T <= 3000
+
+    original = train_step.fits
+    train_step.fits = fake_fits
+    try:
+        fit = train_step.longest_fit("ours hidden", None, None, 8, 1024, 1000, {}, torch.device("cpu"), float("inf"))
+    finally:
+        train_step.fits = original
+    assert seen[:3] == [1024, 2048, 4096] and fit["first_oom"] - fit["longest"] <= 256
+    assert 2048 <= fit["longest"] <= 3000 < fit["first_oom"] and not fit["capped"]
+
+
+def test_the_sanitizer_report_counts_errors_per_kernel():
+    import sanitize
+
+    text = """========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 4 bytes
+=========     at 0x1a0 in split_row_forward_kernel
+=========     by thread (3,0,0) in block (7,0,0)
+========= Invalid __global__ read of size 4 bytes
+=========     at 0x1a0 in split_row_forward_kernel
+========= Race reported between Write access at 0x2b0 in grpo_forward_kernel
+========= ERROR SUMMARY: 3 errors
+"""
+    assert sanitize.errors_per_kernel(text) == {"split_row_forward_kernel": 2, "grpo_forward_kernel": 1}
+    assert sanitize.errors_per_kernel("========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n") == {}
+    other_format = "========= Invalid __global__ write of size 2 bytes\n=========     at linear_dlogits_kernel+0x3f0\n"
+    assert sanitize.errors_per_kernel(other_format) == {"linear_dlogits_kernel": 1}
+    for tool in sanitize.TOOLS:
+        assert sanitize.command(tool, ["tests/x.py"])[:3] == ["compute-sanitizer", "--tool", tool]
+
+
+def test_the_device_run_returns_at_most_eight_files():
+    """The GPU mode's outputs, as gpu_suite.sh names them, fit the device tool's limit of 8 files."""
+    suite = (BENCHMARKS / "gpu_suite.sh").read_text()
+    outputs = {"tests.txt", "sweep.json", "bench.json", "bench_fused_linear.json", "steps.json", "ncu.csv",
+               "report.md", "run.log"}
+    for name in outputs:
+        assert name in suite, name
+    assert "--merge-steps" in suite and len(outputs) == 8
