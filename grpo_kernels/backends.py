@@ -94,6 +94,9 @@ class TritonBackend:
 
     def logprobs(self, logits, ids, temperature: float, mask: Optional[torch.Tensor],
                  compute_entropy: bool) -> LogprobResult:
+        if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py)
+            logp, entropy, lse = ops.triton_logprobs(logits, ids, temperature, mask, compute_entropy)
+            return LogprobResult(logp, ops.present(entropy, compute_entropy), lse, ids)
         r = self.launch.forward(logits, ids, temperature=temperature, tokens=TokenInputs(mask=mask),
                                 compute_entropy=compute_entropy)
         return LogprobResult(r.logp, r.entropy, r.lse, ids)  # the kernels never read a masked row's id
@@ -101,17 +104,28 @@ class TritonBackend:
     def logprobs_backward(self, logits, ids, lse, g, temperature: float, *, out: torch.Tensor,
                           grad_entropy: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None):
         flat = lambda t: None if t is None else t.reshape(-1).float().contiguous()  # noqa: E731
+        if torch.compiler.is_compiling():
+            ops.triton_logprobs_backward(logits, ids, lse.reshape(-1), flat(g), temperature, out, flat(grad_entropy),
+                                         flat(entropy) if grad_entropy is not None else None)
+            return out
         return self.launch.backward(logits, ids, lse.reshape(-1), flat(g), temperature, out=out,
                                     grad_entropy=flat(grad_entropy),
                                     entropy=flat(entropy) if grad_entropy is not None else None)
 
     def linear_logprobs(self, hidden, weight, bias, ids, temperature: float, compute_entropy: bool) -> LogprobResult:
+        if torch.compiler.is_compiling():
+            lse, logp, entropy = ops.triton_linear_logprobs(hidden, weight, bias, ids, temperature, compute_entropy)
+            return LogprobResult(logp, ops.present(entropy, compute_entropy), lse, ids)
         r = self.lm_head_launch.linear_forward(hidden, weight, bias, ids, temperature=temperature,
                                                compute_entropy=compute_entropy)
         return LogprobResult(r.logp, r.entropy, r.lse, ids)
 
     def linear_backward(self, hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool,
                         grad_entropy=None, entropy=None):
+        if torch.compiler.is_compiling():
+            dh, dw, db = ops.triton_linear_backward(hidden, weight, bias, ids, lse, g, temperature,
+                                                    compute_weight_grad, grad_entropy, entropy)
+            return dh, ops.present(dw, compute_weight_grad), ops.present(db, compute_weight_grad and bias is not None)
         return self.lm_head_launch.linear_backward(hidden, weight, bias, ids, lse, g, temperature,
                                                    compute_weight_grad, grad_entropy=grad_entropy, entropy=entropy)
 

@@ -24,7 +24,10 @@ def compute_loss(source, inputs: LossInputs) -> GRPOLossOutput:
         with torch.no_grad():
             first_pass = source.logprobs(inputs, opts.top_entropy_quantile < 1.0)
         policy = with_policy_masks(inputs, first_pass)
-    if get_backend(inputs.backend).fuses_loss and opts.loss_in_kernel and inputs.vocab_shard is None:
+    # inside a torch.compile graph the Triton path runs its log-prob kernels as custom ops (ops.py) and the
+    # O(B * T) loss math as graph code: the fused loss kernels are not custom ops yet
+    fused = get_backend(inputs.backend).fuses_loss and not torch.compiler.is_compiling()
+    if fused and opts.loss_in_kernel and inputs.vocab_shard is None:
         return inputs.as_called(source.fused_loss(inputs, policy))
     logp, entropy = source.logprobs(inputs, opts.compute_entropy, final=True)
     return loss_in_torch(inputs, logp, entropy, policy)

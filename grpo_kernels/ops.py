@@ -1,6 +1,6 @@
-"""The torch path's chunked operations as ``torch.library`` custom ops, for ``torch.compile``.
+"""The backends' operations as ``torch.library`` custom ops, for ``torch.compile``.
 
-Eager calls run ``torch_path`` directly (no dispatcher hop: host time). Inside a ``torch.compile`` graph
+Eager calls run ``torch_path`` and the launchers directly (no dispatcher hop: host time). Inside a ``torch.compile`` graph
 (``torch.compiler.is_compiling()``) the backend calls these ops instead: each is one opaque node with a
 fake (meta) implementation, so dynamo neither unrolls the chunk loops (whose ``range`` would fix the
 completion length and recompile for each new one) nor breaks the graph, and a step compiles once for
@@ -10,6 +10,12 @@ Autograd stays with the package's ``autograd.Function``s (``functions.py``), whi
 are their forward and backward primitives. They return new tensors (no argument mutated); the Functions'
 in-place and preallocated-gradient options copy the result where eager writes directly (compiled only).
 An absent optional output is an empty tensor here (a custom op's schema has no optional outputs).
+
+The Triton path's ops are its log-prob kernels (forward without a loss, backward; the lm_head's): inside a
+graph the loss math runs as graph code on their log-probs (``dispatch.compute_loss``), since the fused loss
+kernels (the per-token loss inside the logits pass, the one-pass schedule) take the options object, which a
+custom op's schema cannot carry. So a compiled step reads the logits twice (3 S, the two-pass schedule),
+where eager's default one-pass reads them once and writes the gradient in the same pass (2 S).
 """
 
 from __future__ import annotations
@@ -87,6 +93,93 @@ def _(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad, grad_
     dh = hidden.new_empty(hidden.shape, dtype=dtype)
     dw = weight.new_empty(weight.shape if compute_weight_grad else _NONE, dtype=dtype)
     db = weight.new_empty((weight.shape[0],) if compute_weight_grad and bias is not None else _NONE, dtype=dtype)
+    return dh, dw, db
+
+
+# ----- the Triton path's log-prob kernels (launch.forward without a loss, launch.backward; the lm_head's) -----
+
+def _launch():
+    from .kernels.contracts import launch_module
+
+    return launch_module()
+
+
+def _lm_head_launch():
+    from .kernels.contracts import lm_head_launch_module
+
+    return lm_head_launch_module()
+
+
+def _unaliased(*outputs: Optional[Tensor]) -> Tuple[Tensor, ...]:
+    """The launchers' [N] outputs are rows of one buffer (one allocation a call); an op's outputs may not alias
+    each other, so each is its own tensor here (O(N), only inside a graph). None becomes the empty placeholder."""
+    first = next(t for t in outputs if t is not None)
+    return tuple(first.new_empty(_NONE) if t is None else t.clone() for t in outputs)
+
+
+@torch.library.custom_op("grpo_kernels::triton_logprobs", mutates_args=())
+def triton_logprobs(logits: Tensor, ids: Tensor, temperature: float, mask: Optional[Tensor], compute_entropy: bool
+                    ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy or empty, lse), fp32 [N]: the forward kernel without a loss (``launch.forward``)."""
+    from .kernels.contracts import TokenInputs
+
+    r = _launch().forward(logits, ids, temperature=temperature, tokens=TokenInputs(mask=mask),
+                          compute_entropy=compute_entropy)
+    return _unaliased(r.logp, r.entropy, r.lse)
+
+
+@triton_logprobs.register_fake
+def _(logits, ids, temperature, mask, compute_entropy):
+    N = logits.shape[0] * logits.shape[1]
+    new = lambda *shape: logits.new_empty(shape, dtype=torch.float32)  # noqa: E731
+    return new(N), (new(N) if compute_entropy else new(*_NONE)), new(N)
+
+
+@torch.library.custom_op("grpo_kernels::triton_logprobs_backward", mutates_args=("out",))
+def triton_logprobs_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Tensor, temperature: float,
+                             out: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor]) -> None:
+    """dlogits written into ``out`` ([B, T, V], a unit last stride): the backward kernel (``launch.backward``)."""
+    _launch().backward(logits, ids, lse, grad_logp, temperature, out=out, grad_entropy=grad_entropy, entropy=entropy)
+
+
+@triton_logprobs_backward.register_fake
+def _(logits, ids, lse, grad_logp, temperature, out, grad_entropy, entropy):
+    return None
+
+
+@torch.library.custom_op("grpo_kernels::triton_linear_logprobs", mutates_args=())
+def triton_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
+                           compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(lse, logp, entropy or empty), fp32 [N]: the lm_head forward kernel without a loss."""
+    r = _lm_head_launch().linear_forward(hidden, weight, bias, ids, temperature=temperature,
+                                         compute_entropy=compute_entropy)
+    return _unaliased(r.lse, r.logp, r.entropy)
+
+
+@triton_linear_logprobs.register_fake
+def _(hidden, weight, bias, ids, temperature, compute_entropy):
+    N = hidden.shape[0]
+    new = lambda *shape: hidden.new_empty(shape, dtype=torch.float32)  # noqa: E731
+    return new(N), new(N), (new(N) if compute_entropy else new(*_NONE))
+
+
+@torch.library.custom_op("grpo_kernels::triton_linear_backward", mutates_args=())
+def triton_linear_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, lse: Tensor,
+                           g: Tensor, temperature: float, compute_weight_grad: bool, grad_entropy: Optional[Tensor],
+                           entropy: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(d hidden, d weight or empty, d bias or empty), fp32: the lm_head's chunked backward."""
+    dh, dw, db = _lm_head_launch().linear_backward(hidden, weight, bias, ids, lse, g, temperature,
+                                                   compute_weight_grad, grad_entropy=grad_entropy, entropy=entropy)
+    empty = lambda t: dh.new_empty(_NONE) if t is None else t  # noqa: E731
+    return dh, empty(dw), empty(db)
+
+
+@triton_linear_backward.register_fake
+def _(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad, grad_entropy, entropy):
+    f32 = dict(dtype=torch.float32)
+    dh = hidden.new_empty(hidden.shape, **f32)
+    dw = weight.new_empty(weight.shape if compute_weight_grad else _NONE, **f32)
+    db = weight.new_empty((weight.shape[0],) if compute_weight_grad and bias is not None else _NONE, **f32)
     return dh, dw, db
 
 

@@ -165,7 +165,8 @@ class HiddenStatesSource:
     def for_call(self, backend: str, sharded: bool) -> "HiddenStatesSource":
         mode = self.lm_head_mode
         if mode is None:  # the device sweep's measured choice, else recompute
-            mode = ("recompute" if backend != "triton"
+            # (inside a torch.compile graph only the log-prob kernels run: see dispatch.compute_loss)
+            mode = ("recompute" if backend != "triton" or torch.compiler.is_compiling()
                     else get_backend(backend).lm_head_launch.default_lm_head_mode(self.tensor, self.weight.shape[0]))
         if mode not in LM_HEAD_MODES:
             raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {mode!r}")

@@ -175,7 +175,7 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     if backend == "triton" and logits.dtype == torch.float64:
         raise TypeError("backend='triton' takes float32, bfloat16 or float16; float64 runs on backend='torch' "
                         "(for gradcheck), or cast to float32")
-    if backend == "triton":
+    if backend == "triton" and not torch.compiler.is_compiling():  # (a graph's ops import it when they run)
         launch_module()  # a clear ImportError where triton is absent
     if backend == "triton" and not logits.is_cuda:
         if not interpreter_enabled():
