@@ -173,24 +173,37 @@ class TokenLogprobs(torch.autograd.Function):
     """log softmax(logits / tau)[ids] (and entropy), by the Triton kernel or the torch path.
 
     ``mask`` (fp32 [N] or None): log-prob and entropy are 0 where it is 0, as in the fused
-    kernel, which never reads those rows.
+    kernel, which never reads those rows. Returns (logp [B, T], entropy [B, T] or None, and the
+    log-sum-exp fp32 [N] the backward reads, not differentiable). Written with ``setup_context``, so
+    torch.func transforms (``torch.func.grad``) apply.
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, mask: Optional[torch.Tensor], temperature: float,
+    def forward(logits, ids, mask: Optional[torch.Tensor], temperature: float,
                 compute_entropy: bool, backend: str, in_place: bool, drop_last_position: bool = False):
-        ctx.set_materialize_grads(False)
         predicting = aligned(logits, drop_last_position)
         B, T, _ = predicting.shape
         r = get_backend(backend).logprobs(predicting, ids, temperature, mask, compute_entropy)
-        ctx.save_for_backward(logits, r.ids, r.lse, r.entropy)
-        ctx.backend, ctx.temperature, ctx.in_place = backend, temperature, in_place
-        ctx.drop_last_position = drop_last_position
         entropy = None if r.entropy is None else r.entropy.view(B, T)
-        return r.logp.view(B, T), entropy  # both differentiable: a loss may use the entropy (the entropy bonus)
+        # both differentiable: a loss may use the entropy (the entropy bonus)
+        return r.logp.view(B, T), entropy, r.lse
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def setup_context(ctx, inputs, output):
+        logits, ids, mask, temperature, _, backend, in_place = inputs[:7]
+        _, entropy, lse = output
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        # the backward's ids: masked positions may hold any id (-100); the torch path's scatter needs one in range
+        # there (the kernels never read a masked row's id)
+        if backend == "torch" and mask is not None:
+            ids = torch.where(mask.view(ids.shape) != 0, ids, 0)
+        ctx.save_for_backward(logits, ids, lse, entropy)
+        ctx.backend, ctx.temperature, ctx.in_place = backend, temperature, in_place
+        ctx.drop_last_position = inputs[7] if len(inputs) > 7 else False
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
         logits, ids, lse, entropy = ctx.saved_tensors
         grad = None
         if ctx.needs_input_grad[0] and (grad_logp is not None or grad_entropy is not None):
@@ -221,19 +234,26 @@ class LinearTokenLogprobs(torch.autograd.Function):
 
     hidden [N, H], weight [V, H], bias [V] or None, ids [N]. The backward recomputes the
     logits a chunk at a time (Triton or torch); a frozen weight gets no gradient. Used
-    where the loss math needs autograd: sequence-level importance sampling, the torch path.
+    where the loss math needs autograd: sequence-level importance sampling, the torch path. Returns
+    (logp, entropy or None, lse), as ``TokenLogprobs``; ``setup_context`` style (torch.func applies).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, backend: str):
-        ctx.set_materialize_grads(False)
+    def forward(hidden, weight, bias, ids, temperature: float, compute_entropy: bool, backend: str):
         r = get_backend(backend).linear_logprobs(hidden, weight, bias, ids, temperature, compute_entropy)
-        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.entropy)
-        ctx.backend, ctx.temperature = backend, temperature
-        return r.logp, r.entropy  # both differentiable: a loss may use the entropy (the entropy bonus)
+        return r.logp, r.entropy, r.lse  # both differentiable: a loss may use the entropy (the entropy bonus)
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def setup_context(ctx, inputs, output):
+        hidden, weight, bias, ids, temperature, _, backend = inputs
+        _, entropy, lse = output
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
+        ctx.backend, ctx.temperature = backend, temperature
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
         if grad_logp is None and grad_entropy is None:
             return _input_grads(ctx)
         lse, entropy = ctx.saved_tensors[4], ctx.saved_tensors[5]

@@ -119,7 +119,7 @@ class LogitsSource:
                                            temperature, compute_entropy, inputs.backend, inputs.vocab_shard)
         return TokenLogprobs.apply(self.tensor, inputs.ids.contiguous(), inputs.flat_mask, temperature,
                                    compute_entropy, inputs.backend, final and self.in_place_backward,
-                                   self.drop_last_position)
+                                   self.drop_last_position)[:2]
 
     def fused_loss(self, inputs: LossInputs, policy: PolicyTerms) -> GRPOLossOutput:
         """The loss with its per-token math in the logits kernel: one-pass (dlogits written in the
@@ -200,7 +200,7 @@ class HiddenStatesSource:
             pair = vocab_parallel_linear_logprobs(self.flat(inputs), temperature, compute_entropy, inputs.backend,
                                                   inputs.vocab_shard)
         else:
-            pair = LinearTokenLogprobs.apply(*self.flat(inputs), temperature, compute_entropy, inputs.backend)
+            pair = LinearTokenLogprobs.apply(*self.flat(inputs), temperature, compute_entropy, inputs.backend)[:2]
         if inputs.mask is None:
             return tuple(None if t is None else t.view(B, T) for t in pair)
         active = (inputs.mask != 0).view(B, T)

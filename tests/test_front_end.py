@@ -233,3 +233,28 @@ def make_batch_fp64(g):
     return dict(logits=torch.randn(2, 3, 7, generator=g, dtype=torch.float64), completion_ids=ids,
                 completion_mask=mask, advantages=torch.randn(2, generator=g, dtype=torch.float64), old_logps=lp,
                 ref_logps=lp + 0.1)
+
+
+@pytest.mark.parametrize("options", [dict(beta=0.04, entropy_coef=0.1), dict(importance_sampling_level="sequence")])
+def test_torch_func_grad_on_the_torch_path(options):
+    """The log-prob Functions use setup_context, so torch.func.grad of a loss on the torch path (where the loss
+    math runs in torch on them) gives autograd's gradients, logits and fused lm_head; masked ids may be -100."""
+    g = torch.Generator().manual_seed(1)
+    batch = make_batch_fp64(g)
+    logits = batch.pop("logits").float()
+    batch = {k: (v.float() if v.dtype == torch.float64 else v) for k, v in batch.items()}
+    ids = batch["completion_ids"].clone()
+    ids[batch["completion_mask"] == 0] = -100
+    batch["completion_ids"] = ids
+    loss = lambda x: grpo_loss(x, **batch, **options).loss  # noqa: E731
+    grad = torch.func.grad(loss)(logits)
+    leaf = logits.clone().requires_grad_()
+    loss(leaf).backward()
+    torch.testing.assert_close(grad, leaf.grad, atol=1e-7, rtol=1e-6)
+    hidden, weight = torch.randn(2, 3, 5, generator=g), torch.randn(7, 5, generator=g)
+    head = lambda h, w: fused_linear_grpo_loss(h, w, **batch, **options).loss  # noqa: E731
+    grads = torch.func.grad(head, argnums=(0, 1))(hidden, weight)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    head(h, w).backward()
+    for expected, actual in zip((h.grad, w.grad), grads):
+        torch.testing.assert_close(actual, expected, atol=1e-7, rtol=1e-6)
