@@ -276,6 +276,37 @@ def token_loss_and_grad(
 
 
 @triton.jit
+def token_loss_at(
+    row, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+):
+    """``token_loss_and_grad`` of one token of the logits kernels (``row`` a scalar index), its per-token inputs
+    read where their pointers are not None."""
+    old = None
+    ref = None
+    iw = None
+    if old_ptr is not None:
+        old = tl.load(old_ptr + row)
+    if ref_ptr is not None:
+        ref = tl.load(ref_ptr + row)
+    if iw_ptr is not None:
+        iw = tl.load(iw_ptr + row)
+    return token_loss_and_grad(logp, tl.load(adv_ptr + row), old, ref, iw, loss_scalars,
+                               LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
+
+
+@triton.jit
+def store_loss_terms(row, active, loss, dloss, kl, flags, loss_out, dloss_out, kl_out, flags_out):
+    """One token's loss terms as the logits kernels write them: 0 at a masked token; the KL where there is one."""
+    if kl_out is not None:
+        tl.store(kl_out + row, tl.where(active, kl, 0.0))
+    tl.store(loss_out + row, tl.where(active, loss, 0.0))
+    tl.store(dloss_out + row, tl.where(active, dloss, 0.0))
+    tl.store(flags_out + row, tl.where(active, flags, 0).to(tl.int8))
+
+
+@triton.jit
 def _forward_token(
     pid,
     logits_ptr, stride_b, stride_t, ids_ptr, T, V,
@@ -310,23 +341,9 @@ def _forward_token(
         tl.store(entropy_out + pid, entropy)
 
     if LOSS_KIND != C_LOSS_NONE:
-        old = None
-        ref = None
-        iw = None
-        if old_ptr is not None:
-            old = tl.load(old_ptr + pid)
-        if ref_ptr is not None:
-            ref = tl.load(ref_ptr + pid)
-        if iw_ptr is not None:
-            iw = tl.load(iw_ptr + pid)
-        loss, dloss, kl, flags = token_loss_and_grad(
-            logp, tl.load(adv_ptr + pid), old, ref, iw, loss_scalars,
-            LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
-        if kl_out is not None:
-            tl.store(kl_out + pid, tl.where(active, kl, 0.0))
-        tl.store(loss_out + pid, tl.where(active, loss, 0.0))
-        tl.store(dloss_out + pid, tl.where(active, dloss, 0.0))
-        tl.store(flags_out + pid, tl.where(active, flags, 0).to(tl.int8))
+        loss, dloss, kl, flags = token_loss_at(pid, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars,
+                                               LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
+        store_loss_terms(pid, active, loss, dloss, kl, flags, loss_out, dloss_out, kl_out, flags_out)
         if WRITE_GRAD:
             # One pass: the reduction's weight of this token is known up front, so dLoss/dlogp
             # is too; re-stream the row (an L2 hit, the row was just read) and write dlogits.

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grpo import FLOOR, LN2, LOG2E, NAN, RUNTIME_INTS, _lse_fold, _row_pointer, token_loss_and_grad
+from .grpo import FLOOR, LN2, LOG2E, NAN, RUNTIME_INTS, _lse_fold, _row_pointer, store_loss_terms, token_loss_at
 from .logsumexp import rescale_lse
 
 # the scratch's floats per (row, chunk): max, sum, entropy sum (base 2), one pad for 16-byte rows
@@ -223,28 +223,14 @@ def split_row_forward_kernel(
                 lse = 0.0
                 entropy = 0.0
                 logp = 0.0
-            old = None
-            ref = None
-            iw = None
-            if old_ptr is not None:
-                old = tl.load(old_ptr + row)
-            if ref_ptr is not None:
-                ref = tl.load(ref_ptr + row)
-            if iw_ptr is not None:
-                iw = tl.load(iw_ptr + row)
-            loss, dloss, kl, flags = token_loss_and_grad(
-                logp, tl.load(adv_ptr + row), old, ref, iw, loss_scalars,
-                LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
+            loss, dloss, kl, flags = token_loss_at(row, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars,
+                                                   LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
             if chunk == 0:
                 tl.store(logp_out + row, logp)
                 tl.store(lse_out + row, lse)
                 if COMPUTE_ENTROPY:
                     tl.store(entropy_out + row, entropy)
-                if kl_out is not None:
-                    tl.store(kl_out + row, tl.where(active, kl, 0.0))
-                tl.store(loss_out + row, tl.where(active, loss, 0.0))
-                tl.store(dloss_out + row, tl.where(active, dloss, 0.0))
-                tl.store(flags_out + row, tl.where(active, flags, 0).to(tl.int8))
+                store_loss_terms(row, active, loss, dloss, kl, flags, loss_out, dloss_out, kl_out, flags_out)
             g = tl.where(active, dloss * tl.load(grad_weight_ptr + row), 0.0)
             h = 0.0
             if HAS_ENTROPY_GRAD:
