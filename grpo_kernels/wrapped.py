@@ -11,7 +11,8 @@ Two things a fused lm_head loss needs from a model that a plain ``model(...)`` c
   wrapper's own call (the forward-redirection pattern Lightning and TRL use for such calls).
 - **The head's effective weight** (``output_layer``). A PEFT adapter on the output layer lives beside its
   base weight: ``head.weight`` is the base alone, and a loss on it silently drops the adapter. A LoRA
-  adapter is folded in exactly (W + scaling * B @ A, differentiable in A and B); any other adapter state
+  adapter is folded in exactly (W + scaling * B @ A, differentiable in A and B); ``modules_to_save`` reads
+  the active trained copy of the head, as its forward does; any other adapter state
   (DoRA, dropout on the adapter's input while training, several active adapters of other kinds) is
   refused with what to do instead.
 """
@@ -100,6 +101,10 @@ def output_layer(head: torch.nn.Module) -> Tuple[torch.Tensor, Optional[torch.Te
     """(weight [V, H], bias [V] or None) of an output layer as its forward applies them: a plain Linear's own,
     or a PEFT LoRA layer's base weight plus its active adapters' delta (differentiable in the adapters'
     weights). Adapters a weight cannot express are refused (see the module docstring)."""
+    copies = getattr(head, "modules_to_save", None)
+    if copies is not None and hasattr(head, "original_module"):  # PEFT modules_to_save: a trained copy of the head
+        active = [] if getattr(head, "disable_adapters", False) else list(getattr(head, "active_adapters", []))
+        return output_layer(copies[active[0]] if active and active[0] in copies else head.original_module)
     base = getattr(head, "base_layer", None)
     if base is None:
         if hasattr(head, "lora_A") or hasattr(head, "adapter_layer_names"):

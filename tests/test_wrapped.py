@@ -206,6 +206,30 @@ def test_a_lora_adapter_on_the_head_is_folded_in(targets):
     assert not torch.allclose(output_layer(head)[0], head.weight)
 
 
+def test_modules_to_save_on_the_head_reads_the_trained_copy():
+    """PEFT's modules_to_save=["lm_head"] (a trained copy of the head, LoRA elsewhere): the fused loss reads the
+    active copy, as the forward does; disabled adapters read the original head."""
+    peft = pytest.importorskip("peft", reason="the peft extra is not installed (pip install 'grpo-kernels[peft]')")
+    model = peft.get_peft_model(_model(tie=False), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                  modules_to_save=["lm_head"]))
+    head = model.get_base_model().lm_head
+    copy = head.modules_to_save["default"]
+    with torch.no_grad():
+        copy.weight.add_(0.5)  # the trained copy differs from the original
+    batch = _batch(model.config.vocab_size)
+    expected = _logits_loss(model, batch)
+    expected.backward()
+    expected_grad = copy.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    loss = _fused_loss_in_forward(model, batch)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(copy.weight.grad, expected_grad, atol=1e-6, rtol=1e-4)
+    assert output_layer(head)[0] is copy.weight
+    with model.disable_adapter():
+        assert output_layer(head)[0] is head.original_module.weight
+
+
 def test_a_merged_or_disabled_head_adapter_reads_the_base_weight():
     model = _lora_model(["lm_head"])
     head = model.get_base_model().lm_head
