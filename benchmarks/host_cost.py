@@ -27,7 +27,7 @@ from typing import Callable, Dict
 os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors on backend="triton": before triton is imported
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 B, T, V = 2, 8, 1003
 TEMPERATURE, BETA = 0.7, 0.04
@@ -55,9 +55,6 @@ def no_op_launches():
 
     def counted(self, *args, **kwargs):
         counter["launches"] += 1
-        if isinstance(kwargs.get("flags_out"), torch.Tensor):  # the clip flags a kernel writes are 0 to 3
-            with _disable_current_modes():  # (not counted: the kernel's own work)
-                kwargs["flags_out"].zero_()
 
     InterpretedFunction.run = counted
     try:

@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from .backends import get_backend
-from .kernels.contracts import OnePassGradient, TokenInputs, launch_module, lm_head_launch_module
+from .kernels.contracts import (LossTokens, OnePassGradient, TokenInputs, launch_module, lm_head_launch_module,
+                                reduce_launch_module)
 from .options import GRPOOptions
 
 
@@ -90,72 +91,84 @@ def _write_gradient(ctx, logits, ids, lse, g, h=None, entropy=None):
     return grad
 
 
-def _loss_outputs(ctx, result, shape, opts: GRPOOptions) -> tuple:
-    """(per-token loss, log-probs, entropy, KL, clip flags) of a forward kernel's result, shaped ``shape``.
-    The per-token loss is differentiable, and so is the entropy when a loss term uses it (the entropy
-    bonus); the rest are not."""
-    view = lambda t: None if t is None else t.view(shape)  # noqa: E731
-    outputs = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl), view(result.flags))
-    frozen = [outputs[1], outputs[3], outputs[4]] + ([outputs[2]] if opts.entropy_coef == 0.0 else [])
-    ctx.mark_non_differentiable(*[t for t in frozen if t is not None])
-    return outputs
+def _token_weights(loss_tokens: LossTokens, dropped_gradient=None):
+    """(the per-token inputs as the loss kernels read them, the ``TokenWeights``): the token-weights kernel
+    (``kernels/reduce.py``), which also zeroes a dropped position's gradient rows."""
+    t = loss_tokens.tokens
+    weights = reduce_launch_module().token_weights(
+        t.mask, loss_tokens.sequences, loss_tokens.reduction, advantages=t.advantages,
+        importance_weights=t.importance_weights, dropped_gradient=dropped_gradient)
+    return TokenInputs(t.mask, weights.advantages, t.old_logps, t.ref_logps, weights.importance_weights), weights
+
+
+def _reduced(mask, opts: GRPOOptions, result, weights) -> tuple:
+    """(the reduced loss, the metrics vector) of a forward launch's per-token results: the loss-metrics kernel."""
+    return reduce_launch_module().loss_metrics(mask, opts, loss=result.loss, entropy=result.entropy, kl=result.kl,
+                                               flags=result.flags, weights=weights)
+
+
+def _loss_outputs(ctx, loss, metrics, logp, shape) -> tuple:
+    """A fused loss Function's outputs: the loss (differentiable), the metrics vector and the log-probs shaped
+    ``shape`` (neither differentiable)."""
+    logp = logp.view(shape)
+    ctx.mark_non_differentiable(metrics, logp)
+    return loss, metrics, logp
+
+
+def _weighted_dloss(grad_loss, weights, dloss_dlogp, entropy_weight):
+    """(g = dLoss/dlogp, h = dLoss/dH or None) of a two-pass Function's backward: the per-token derivative and
+    the entropy bonus's weight, each times the token's weight and the incoming gradient."""
+    g = grad_loss * weights * dloss_dlogp
+    return g, None if entropy_weight is None else grad_loss * entropy_weight
 
 
 class FusedTokenLoss(torch.autograd.Function):
-    """Triton: log-probs and the per-token GRPO loss in one pass over the logits."""
+    """Triton, two passes: the forward kernel computes each token's loss and dLoss/dlogp, the loss-metrics
+    kernel reduces them; the backward kernel writes dlogits = g (onehot - p) / tau, g = dLoss/dlogp times the
+    token's weight and the incoming gradient. Returns (loss, metrics vector, log-probs [B, T])."""
 
     @staticmethod
-    def forward(ctx, logits, ids, token_inputs: TokenInputs, opts: GRPOOptions, in_place: bool,
+    def forward(ctx, logits, ids, loss_tokens: LossTokens, opts: GRPOOptions, in_place: bool,
                 drop_last_position: bool = False):
         ctx.set_materialize_grads(False)
         predicting = aligned(logits, drop_last_position)
-        B, T, _ = predicting.shape
-        result = launch_module().forward(predicting, ids, opts=opts, tokens=token_inputs,
-                                         compute_entropy=opts.compute_entropy)
-        ctx.save_for_backward(logits, ids, result.lse, result.dloss_dlogp, result.entropy)
+        r = launch_module().loss_forward(predicting, ids, opts=opts, loss_tokens=loss_tokens)
+        ctx.save_for_backward(logits, ids, r.result.lse, r.result.dloss_dlogp, r.result.entropy, r.weights.weight,
+                              r.weights.entropy_weight)
         ctx.backend, ctx.temperature, ctx.in_place = "triton", opts.temperature, in_place
         ctx.drop_last_position = drop_last_position
-        return _loss_outputs(ctx, result, (B, T), opts)
+        return _loss_outputs(ctx, r.loss, r.metrics, r.result.logp, predicting.shape[:2])
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_logp, grad_entropy, *unused):
-        logits, ids, lse, dloss_dlogp, entropy = ctx.saved_tensors
-        grad = None
-        if ctx.needs_input_grad[0] and (grad_loss is not None or grad_entropy is not None):
-            g = torch.zeros_like(dloss_dlogp) if grad_loss is None else grad_loss.reshape(-1) * dloss_dlogp
-            grad = _write_gradient(ctx, logits, ids, lse, g, grad_entropy, entropy)
-        return _input_grads(ctx, grad)
+    def backward(ctx, grad_loss, *unused):
+        logits, ids, lse, dloss_dlogp, entropy, weight, entropy_weight = ctx.saved_tensors
+        if grad_loss is None or not ctx.needs_input_grad[0]:
+            return _input_grads(ctx)
+        g, h = _weighted_dloss(grad_loss, weight, dloss_dlogp, entropy_weight)
+        return _input_grads(ctx, _write_gradient(ctx, logits, ids, lse, g, h, entropy))
 
 
 class FusedTokenLossOnePass(torch.autograd.Function):
     """Triton, token-level: the forward kernel also writes dlogits of the reduced loss.
 
-    Each token's weight in the reduction (``grad_weight``) is known before the kernel runs,
-    so dLoss/dlogp is known as each row is streamed and the gradient is written in the
-    same program (2 x S bytes of HBM traffic instead of 3 x S). The Function returns the
-    scalar loss; its backward reads no logits: it returns the saved gradient, scaled in place
-    by the incoming gradient (a device-side no-op when that is 1). A caller that knows its
-    scale (gradient accumulation) folds it into ``grad_weight`` instead (``loss_scale``).
+    Each token's weight in the reduction (the token-weights kernel's) is known before the logits
+    kernel runs, so dLoss/dlogp is known as each row is streamed and the gradient is written in the
+    same program (2 x S bytes of HBM traffic instead of 3 x S). The Function returns the scalar loss
+    (with the metrics vector and the log-probs); its backward reads no logits: it returns the saved
+    gradient, scaled in place by the incoming gradient (a device-side no-op when that is 1). A caller
+    that knows its scale (gradient accumulation) folds it into the weights instead (``loss_scale``).
     """
 
     @staticmethod
-    def forward(ctx, logits, ids, token_inputs: TokenInputs, grad_weight, opts: GRPOOptions,
-                drop_last_position: bool = False, entropy_grad_weight=None):
+    def forward(ctx, logits, ids, loss_tokens: LossTokens, opts: GRPOOptions, drop_last_position: bool = False):
         ctx.set_materialize_grads(False)
         predicting = aligned(logits, drop_last_position)
-        B, T, _ = predicting.shape
-        grad, written = gradient_buffer(logits, drop_last_position, in_place=False)
-        result = launch_module().forward(
-            predicting, ids, opts=opts, tokens=token_inputs, compute_entropy=opts.compute_entropy,
-            gradient=OnePassGradient(grad_weight, entropy_grad_weight, out=written))
-        loss = torch.dot(result.loss, grad_weight)
-        if entropy_grad_weight is not None:  # the entropy bonus: its weights are dLoss/dH, sign included
-            loss = loss + torch.dot(result.entropy, entropy_grad_weight)
+        grad = torch.empty(logits.shape, device=logits.device, dtype=logits.dtype)
+        # the [B, T + 1, V] gradient itself as the kernels' [B, T, V] output: its first T positions, same strides
+        r = launch_module().loss_forward(predicting, ids, opts=opts, loss_tokens=loss_tokens, gradient_out=grad,
+                                         dropped_gradient=grad if drop_last_position else None)
         ctx.save_for_backward(grad)
-        view = lambda t: None if t is None else t.view(B, T)  # noqa: E731
-        extras = (view(result.loss), view(result.logp), view(result.entropy), view(result.kl), view(result.flags))
-        ctx.mark_non_differentiable(*[t for t in extras if t is not None])
-        return (loss,) + extras
+        return _loss_outputs(ctx, r.loss, r.metrics, r.result.logp, predicting.shape[:2])
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
@@ -165,7 +178,7 @@ class FusedTokenLossOnePass(torch.autograd.Function):
             return _input_grads(ctx)
         # In place, with the scale read on the device: no host sync, no second [B, T, V] tensor,
         # and no pass over the gradient at all when grad_loss is 1 (a plain loss.backward()).
-        launch_module().scale_in_place(grad, grad_loss.detach())
+        launch_module().scale_in_place(grad, grad_loss)
         return _input_grads(ctx, grad)
 
 
@@ -264,54 +277,52 @@ class LinearTokenLogprobs(torch.autograd.Function):
 class FusedLinearTokenLoss(torch.autograd.Function):
     """Triton, token level: log-probs and the per-token GRPO loss from hidden states, in one kernel.
 
-    The forward kernel computes each token's loss and dloss/dlogp on the fly (no logits
-    stored); the backward multiplies by the incoming gradient of the per-token loss and
-    recomputes the lm_head a chunk of tokens at a time.
+    The forward kernel computes each token's loss and dloss/dlogp on the fly (no logits stored), the
+    loss-metrics kernel reduces them; the backward recomputes the lm_head a chunk of tokens at a time
+    with g = dLoss/dlogp times the token's weight and the incoming gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, token_inputs: TokenInputs, opts: GRPOOptions, out_shape):
+    def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
         ctx.set_materialize_grads(False)
-        r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, opts=opts, tokens=token_inputs,
+        tokens, weights = _token_weights(loss_tokens)
+        r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, opts=opts, tokens=tokens,
                                                    compute_entropy=opts.compute_entropy)
-        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy)
+        loss, metrics = _reduced(tokens.mask, opts, r, weights)
+        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy, weights.weight,
+                              weights.entropy_weight)
         ctx.backend, ctx.temperature = "triton", opts.temperature
-        return _loss_outputs(ctx, r, out_shape, opts)
+        return _loss_outputs(ctx, loss, metrics, r.logp, out_shape)
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_logp, grad_entropy, *unused):
-        if grad_loss is None and grad_entropy is None:
+    def backward(ctx, grad_loss, *unused):
+        if grad_loss is None:
             return _input_grads(ctx)
-        dloss_dlogp, entropy = ctx.saved_tensors[5], ctx.saved_tensors[6]
-        g = torch.zeros_like(dloss_dlogp) if grad_loss is None else grad_loss.reshape(-1) * dloss_dlogp
-        return _input_grads(ctx, *_linear_gradients(ctx, g, grad_entropy, entropy))
+        dloss_dlogp, entropy, weight, entropy_weight = ctx.saved_tensors[5:9]
+        g, h = _weighted_dloss(grad_loss, weight, dloss_dlogp, entropy_weight)
+        return _input_grads(ctx, *_linear_gradients(ctx, g, h, entropy))
 
 
 class FusedLinearThreeProducts(torch.autograd.Function):
     """The fused lm_head with 3 products (Triton token level): the whole gradient is computed in the forward.
 
     ``fused_linear_launch.linear_three_products`` computes each chunk's logits once, turns them into the loss
-    terms and, in place, into dlogits of the reduced loss (``grad_weight``: each token's weight),
+    terms and, in place, into dlogits of the reduced loss (each token's weight from the token-weights kernel),
     and runs the two gradient products in the same chunk loop. The backward only scales d hidden,
     d weight and d bias by the incoming gradient, in place and on the device.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, token_inputs: TokenInputs, grad_weight, opts: GRPOOptions, out_shape,
-                entropy_grad_weight=None):
+    def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        tokens, weights = _token_weights(loss_tokens)
         r, dh, dw, db = lm_head_launch_module().linear_three_products(
-            hidden, weight, bias, ids, opts=opts, tokens=token_inputs, compute_entropy=opts.compute_entropy,
-            gradient=OnePassGradient(grad_weight, entropy_grad_weight), compute_weight_grad=wants_weight)
+            hidden, weight, bias, ids, opts=opts, tokens=tokens, compute_entropy=opts.compute_entropy,
+            gradient=OnePassGradient(weights.weight, weights.entropy_weight), compute_weight_grad=wants_weight)
+        loss, metrics = _reduced(tokens.mask, opts, r, weights)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        view = lambda t: None if t is None else t.view(out_shape)  # noqa: E731
-        extras = (view(r.loss), view(r.logp), view(r.entropy), view(r.kl), view(r.flags))
-        ctx.mark_non_differentiable(*[t for t in extras if t is not None])
-        loss = torch.dot(r.loss, grad_weight)
-        if entropy_grad_weight is not None:  # the entropy bonus: its weights are dLoss/dH, sign included
-            loss = loss + torch.dot(r.entropy, entropy_grad_weight)
-        return (loss,) + extras
+        return _loss_outputs(ctx, loss, metrics, r.logp, out_shape)
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
@@ -324,3 +335,15 @@ class FusedLinearThreeProducts(torch.autograd.Function):
             launch_module().scale_in_place(t, grad_loss.detach())  # fp32, small next to the logits; no host sync
             grads.append(t.to(dtype))
         return _input_grads(ctx, *grads)
+
+
+def three_products_loss_without_gradient(hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions,
+                                         out_shape) -> tuple:
+    """(loss, metrics vector, log-probs) of the 3-product lm_head where no gradient is wanted: each chunk's
+    logits by cuBLAS, the logits kernel on them, no gradient written."""
+    tokens, weights = _token_weights(loss_tokens)
+    r = lm_head_launch_module().linear_three_products(
+        hidden, weight, bias, ids, opts=opts, tokens=tokens, compute_entropy=opts.compute_entropy, gradient=None,
+        compute_weight_grad=False)[0]
+    loss, metrics = _reduced(tokens.mask, opts, r, weights)
+    return loss, metrics, r.logp.view(out_shape)

@@ -16,8 +16,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .kernels.contracts import TokenInputs
-from .objective import GRPOLossOutput
+from .kernels.contracts import LossTokens, TokenInputs
+from .objective import GRPOLossOutput, kernel_reduction
 from .options import GRPOOptions
 from .packing import SequenceLayout
 from .validation import (
@@ -99,22 +99,27 @@ class LossInputs:
     vocab_shard: Optional[VocabShard]
     # derived once, here (not functools.cached_property: its lock stops torch.compile's tracing on Python 3.11)
     mask_seq: torch.Tensor = dataclasses.field(init=False)  # the mask in the reductions' sequence layout
-    flat_mask: Optional[torch.Tensor] = dataclasses.field(init=False)  # the kernels' contiguous [N] mask
+    kernel_mask: Optional[torch.Tensor] = dataclasses.field(init=False)  # the kernels' mask: fp32, contiguous
 
     def __post_init__(self):
         object.__setattr__(self, "mask_seq", self.layout.seq(self.mask))  # [B, T], or [S, T_max] packed
-        object.__setattr__(self, "flat_mask", None if self.mask is None else self.mask.reshape(-1).contiguous())
+        object.__setattr__(self, "kernel_mask", _fp32_tokens(self.mask))
 
     @property
     def shape(self) -> Tuple[int, int]:
         return tuple(self.ids.shape)
 
-    def kernel_tensors(self, importance_weights: Optional[torch.Tensor]) -> TokenInputs:
-        """mask, advantages, old, ref (only with a KL term) and the given importance weights as the loss
-        kernels read them: contiguous fp32 [N] (O(N), negligible)."""
-        tokens = self.layout.tokens
-        return TokenInputs(self.flat_mask, tokens(self.advantages), tokens(self.old_logps),
-                           tokens(self.ref_logps) if self.options.uses_kl else None, tokens(importance_weights))
+    def loss_tokens(self, policy) -> LossTokens:
+        """The per-token side of a fused loss launch (``kernels.contracts.LossTokens``) with a
+        ``sources.PolicyTerms``' importance weights and entropy-bonus tokens: the tensors as the caller gave
+        them where the kernels can read them so (no copy), the reduction as the token-weights kernel computes
+        it."""
+        L, o = self.layout, self.options
+        bonus = None if policy.bonus_mask is self.mask_seq else L.token_layout(policy.bonus_mask).float().contiguous()
+        tokens = TokenInputs(self.kernel_mask, self.advantages, _fp32_tokens(self.old_logps),
+                             _fp32_tokens(self.ref_logps) if o.uses_kl else None,
+                             L.token_layout(policy.importance_weights))
+        return LossTokens(tokens, L.sequences, kernel_reduction(o, L.S, self.normalizer, self.loss_scale, bonus))
 
     def as_called(self, out: GRPOLossOutput, seq_layout: bool = False) -> GRPOLossOutput:
         """A packed call's output with its per-token log-probs in the token layout, shaped as its ids (from
@@ -125,11 +130,38 @@ class LossInputs:
         return GRPOLossOutput(out.loss, out.metrics, logps.reshape(self.caller_shape))
 
 
+def _fp32_tokens(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A per-token tensor as the kernels index it, token n at element n: fp32 and contiguous (the tensor
+    itself when it is: the kernels need its pointer, not its shape)."""
+    if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
+        return t
+    return t.reshape(-1).float().contiguous()
+
+
+_OPTIONS_OF_KEYWORDS: dict = {}  # the functional API's options by their keywords: built (and checked) once
+
+
 def options_from(options: Optional[GRPOOptions], option_kwargs: dict) -> GRPOOptions:
-    """The call's options: ``options=`` or the keywords (TRL's names), not both."""
-    if options is not None and option_kwargs:
-        raise ValueError(f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})")
-    return options if options is not None else GRPOOptions(**option_kwargs)
+    """The call's options: ``options=`` or the keywords (TRL's names), not both. The options a set of keywords
+    makes are kept (a few dozen sets at most), so that a loop calling ``grpo_loss(..., beta=0.04)`` builds them
+    once, and with them what the launchers derive from them (``GRPOOptions.derived``)."""
+    if options is not None:
+        if option_kwargs:
+            raise ValueError(f"pass options either as options= or as keywords, got both (keywords "
+                             f"{sorted(option_kwargs)})")
+        return options
+    try:
+        key = tuple((name, type(value), value) for name, value in sorted(option_kwargs.items()))  # True is not 1
+        hash(key)
+    except TypeError:  # an unhashable value: GRPOOptions says what is wrong with it
+        return GRPOOptions(**option_kwargs)
+    kept = _OPTIONS_OF_KEYWORDS.get(key)
+    if kept is None:
+        kept = GRPOOptions(**option_kwargs)
+        if len(_OPTIONS_OF_KEYWORDS) >= 64:  # a schedule (a new beta each step) must not grow it without bound
+            _OPTIONS_OF_KEYWORDS.clear()
+        _OPTIONS_OF_KEYWORDS[key] = kept
+    return kept
 
 
 def _vocab_shard(settings, logits_like, ids, check_ids: bool, *, mask=None, normalizer=None) -> Optional[VocabShard]:

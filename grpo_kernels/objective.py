@@ -23,7 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .kernels.contracts import FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED
+from .kernels.contracts import DIVISOR_GIVEN, DIVISOR_ROW, DIVISOR_TOTAL, Reduction
 from .options import GRPOOptions
 
 
@@ -202,6 +202,29 @@ def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) ->
     return mask / B  # "rows"
 
 
+def kernel_reduction(opts: GRPOOptions, S: int, normalizer, loss_scale,
+                     bonus_mask: Optional[torch.Tensor] = None) -> Reduction:
+    """``reduction_weights`` (times ``loss_scale``) as the token-weights kernel computes them
+    (``kernels/reduce.py``), over S sequences.
+
+    ``normalizer``: None, a number or a 0-d tensor (token_count); ``loss_scale``: a float or a 0-d tensor."""
+    kind = opts.loss.reduction
+    divisor_kind, divisor = DIVISOR_GIVEN, 1.0
+    if kind == "row_token_mean":
+        divisor_kind = DIVISOR_ROW
+    elif kind == "batch_token_mean" or (kind == "token_count" and normalizer is None):
+        divisor_kind = DIVISOR_TOTAL
+    elif kind == "constant":
+        divisor = float(S * opts.max_completion_length)
+    elif kind == "rows":
+        divisor = float(S)
+    elif isinstance(normalizer, torch.Tensor):  # token_count: read on the device (no host sync)
+        divisor = normalizer
+    else:
+        divisor = float(normalizer) if normalizer != 0 else 1.0  # 0: no active token, every weight is 0
+    return Reduction(divisor_kind, divisor, loss_scale, float(opts.entropy_coef), bonus_mask)
+
+
 def _nonzero(normalizer):
     """A normalizer of 0 comes only with no active token (validation checks it): every weight is 0 then,
     and it divides as 1 so that they stay 0 rather than 0 / 0."""
@@ -237,6 +260,11 @@ def clip_metric_values(opts: GRPOOptions, low: Optional[torch.Tensor], high: tor
     if opts.loss.policy_term == "cispo":
         return dict(zip(names, (high,)))
     return {}
+
+
+def metric_names(opts: GRPOOptions, has_kl: bool, has_entropy: bool) -> tuple:
+    """The names of the loss-metrics kernel's metrics, in its order (TRL's names)."""
+    return ("kl",) * has_kl + ("entropy",) * has_entropy + tuple(opts.loss.clip_metrics)
 
 
 def loss_metrics(
@@ -369,10 +397,9 @@ def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor
     return -opts.entropy_coef * mask / mask.sum().clamp(min=1.0)
 
 
-# ---- The loss assembled from per-token results, for every path (sources.py, dispatch.py) ----------------------
+# ---- The loss assembled from per-token results, where the loss math runs in torch (dispatch.loss_in_torch) ----
 #
-# ``layout`` is the call's ``packing.SequenceLayout``: the per-token results come in the token layout
-# the kernels write ([B * T], or a packed batch's [total]), the reductions run in the sequence layout.
+# (The fused kernel paths reduce on the device: kernels/reduce.py, with kernel_reduction's weights.)
 
 
 def scaled(x, loss_scale):
@@ -388,63 +415,6 @@ def reduced_loss(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale
     if opts.entropy_coef != 0.0:
         loss = loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts)
     return scaled(loss, loss_scale)
-
-
-def kernel_weights(weights: torch.Tensor, loss_scale, layout) -> torch.Tensor:
-    """Per-token weights of the sequence layout, scaled, as the one-pass kernels read them: fp32 [N]."""
-    return layout.from_seq(scaled(weights, loss_scale)).float().reshape(-1).contiguous()
-
-
-def loss_grad_weight(mask, opts: GRPOOptions, normalizer, loss_scale, layout) -> torch.Tensor:
-    """Each token's weight in the reduced, scaled loss (``mask`` in the sequence layout)."""
-    return kernel_weights(reduction_weights(mask, opts, normalizer), loss_scale, layout)
-
-
-def entropy_grad_weight(mask, opts: GRPOOptions, loss_scale, layout) -> Optional[torch.Tensor]:
-    """Each token's dLoss/dH (the entropy bonus, scaled), or None without one."""
-    if opts.entropy_coef == 0.0:
-        return None
-    return kernel_weights(entropy_bonus_weights(mask, opts), loss_scale, layout)
-
-
-_FLAG_TABLES: Dict[tuple, torch.Tensor] = {}
-
-
-def _flag_metric_table(opts: GRPOOptions, device) -> torch.Tensor:
-    """[k, 4]: each clip metric's 0 / 1 value for each value of a kernel's 2-bit clip flags (``FLAG_*``),
-    so that a token's metric values are one gather from its flag."""
-    key = (opts.loss.policy_term, str(device))
-    if key not in _FLAG_TABLES:
-        flags = torch.arange(4)
-        low, high = ((flags & bit) != 0 for bit in (FLAG_LOW_CLIPPED, FLAG_HIGH_CLIPPED))
-        values = clip_metric_values(opts, low.float(), high.float())
-        _FLAG_TABLES[key] = torch.stack(list(values.values())).to(device) if values else torch.zeros(0, 4)
-    return _FLAG_TABLES[key]
-
-
-def kernel_metrics(entropy, kl, flags, mask, opts: GRPOOptions) -> Dict[str, torch.Tensor]:
-    """``loss_metrics`` of a kernel path (token level: every metric a mean over active tokens), from the
-    kernel's per-token entropy, KL and clip flags (``FLAG_*`` bits).
-
-    The same values in a handful of ops instead of five per metric: a token's clip metrics are one
-    gather from a small table by its flag, the metrics' rows are concatenated, and every masked sum is
-    one matrix-vector product with the mask. A loss call is otherwise a few launches around one
-    kernel, so these small ops are much of its host time.
-    """
-    names, rows = [], []
-    for name, t in (("kl", kl), ("entropy", entropy)):
-        if t is not None:
-            names.append(name)
-            rows.append(t.reshape(1, -1))
-    if flags is not None:
-        table = _flag_metric_table(opts, flags.device)
-        names.extend(opts.loss.clip_metrics)  # clip_metric_values' names, in the table's order
-        rows.append(table.index_select(1, flags.reshape(-1).long()))
-    if not rows:
-        return {}
-    weights = mask.reshape(-1)
-    means = (torch.cat(rows).detach() @ weights) / weights.sum().clamp(min=1.0)
-    return dict(zip(names, means.unbind()))
 
 
 def neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: float) -> Optional[torch.Tensor]:

@@ -208,6 +208,19 @@ class GRPOOptions:
     def replace(self, **changes) -> "GRPOOptions":
         return dataclasses.replace(self, **changes)
 
+    def derived(self, name: str, build):
+        """``build(self)``, built on first use and kept on this object: what the launchers derive from the
+        options alone (the kernels' loss arguments, the metric names) costs one dict lookup a call after
+        the first. The options are frozen, so it never goes stale: a changed option is a new object
+        (``replace``, ``GRPOLoss.update``) with nothing kept. Not a field: equality, hashing, ``repr`` and
+        ``dataclasses.replace`` never see it."""
+        kept = self.__dict__.get("_derived")
+        if kept is None:
+            kept = self.__dict__["_derived"] = {}  # (frozen: __setattr__ refuses, the instance dict does not)
+        if name not in kept:
+            kept[name] = build(self)
+        return kept[name]
+
     @classmethod
     def from_preset(cls, preset: str, **overrides) -> "GRPOOptions":
         """A trainer's conventions ("trl", "verl", "openrlhf"), with ``overrides`` on top."""

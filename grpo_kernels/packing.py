@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .kernels.contracts import Sequences
 from .objective import as_row_column
 from .validation import check_logits
 
@@ -23,8 +24,10 @@ class SequenceLayout:
 
     def __init__(self, B: int, T: int, cu_seqlens: Optional[torch.Tensor] = None):
         self.packed = cu_seqlens is not None
+        self.cu_seqlens = cu_seqlens
         if not self.packed:
             self.S, self.T_max, self.N = B, T, B * T
+            self.sequences = Sequences(B, T)
             return
         starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         self.S, self.N = lengths.numel(), int(cu_seqlens[-1])
@@ -34,6 +37,15 @@ class SequenceLayout:
         self.index = torch.where(self.valid, starts.unsqueeze(1) + steps, 0)  # token of each (sequence, step)
         self.sequence_of_token = torch.repeat_interleave(torch.arange(self.S, device=cu_seqlens.device), lengths,
                                                          output_size=self.N)
+        self.sequences = Sequences(self.S, self.T_max, cu_seqlens)  # as the token-weights kernel reads them
+
+    def token_layout(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A per-token or per-sequence tensor as the token-weights kernel reads it: a packed batch's sequence
+        layout [S, T_max] taken back to its tokens, anything else as it is (N elements a token, or S a
+        sequence: the padded sequence layout is the token layout)."""
+        if t is not None and self.packed and self._is_seq_layout(t):
+            return self.from_seq(t)
+        return t
 
     def tokens(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """A per-token or per-sequence input as the kernels read it: contiguous fp32 [N]."""

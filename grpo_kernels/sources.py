@@ -27,9 +27,10 @@ from .functions import (
     LinearTokenLogprobs,
     TokenLogprobs,
     aligned,
+    three_products_loss_without_gradient,
 )
 from .inputs import LossInputs
-from .objective import GRPOLossOutput, entropy_grad_weight, kernel_metrics, loss_grad_weight, reduced_loss
+from .objective import GRPOLossOutput, metric_names
 from .packing import packed_layout
 from .validation import check_in_place, check_linear_inputs, checked_drop_last_position
 
@@ -47,24 +48,13 @@ class PolicyTerms:
     bonus_mask: torch.Tensor
 
 
-def _kernel_output(inputs: LossInputs, loss, logp, entropy, kl, flags) -> GRPOLossOutput:
-    """The output of a loss whose per-token terms came from a kernel (clip flags as FLAG_* bits)."""
-    return GRPOLossOutput(loss, kernel_metrics(entropy, kl, flags, inputs.mask, inputs.options), logp.detach())
-
-
-def _two_pass_loss(inputs: LossInputs, loss_t, entropy, policy: PolicyTerms):
-    """The reduced loss of a kernel's differentiable per-token loss (the backward applies dLoss/dlogp)."""
-    L = inputs.layout
-    return reduced_loss(L.seq(loss_t), inputs.mask_seq, inputs.options, inputs.normalizer, inputs.loss_scale,
-                        L.seq(entropy), policy.bonus_mask)
-
-
-def _gradient_weights(inputs: LossInputs, policy: PolicyTerms):
-    """(each token's weight in the reduced loss, its dLoss/dH or None): what a kernel that writes the
-    gradient in its forward folds in."""
-    o, L = inputs.options, inputs.layout
-    return (loss_grad_weight(inputs.mask_seq, o, inputs.normalizer, inputs.loss_scale, L),
-            entropy_grad_weight(policy.bonus_mask, o, inputs.loss_scale, L))
+def _kernel_output(inputs: LossInputs, loss, metrics, logp) -> GRPOLossOutput:
+    """The output of a fused loss Function: its loss, its metrics vector under TRL's names (the loss-metrics
+    kernel's order), its log-probs (not differentiable)."""
+    o = inputs.options
+    names = o.derived(("metric_names", o.uses_kl, o.compute_entropy),
+                      lambda o: metric_names(o, o.uses_kl, o.compute_entropy))
+    return GRPOLossOutput(loss, dict(zip(names, metrics.unbind())), logp)
 
 
 class LogitsSource:
@@ -92,9 +82,17 @@ class LogitsSource:
                             one_pass=self.one_pass)
 
     def checked_logits_shape(self, ids) -> torch.Tensor:
-        checked_drop_last_position(self.drop_last_position, self.tensor, ids)
-        with torch.no_grad():  # a view for shapes and strides: no autograd node (host time)
-            self.logits = aligned(self.tensor, self.drop_last_position)
+        if not checked_drop_last_position(self.drop_last_position, self.tensor, ids):
+            self.logits = self.tensor
+            return self.logits
+        # a view for shapes and strides, without an autograd node (host time; set_grad_enabled called as a
+        # function costs a tenth of a no_grad block)
+        enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        try:
+            self.logits = aligned(self.tensor, True)
+        finally:
+            torch.set_grad_enabled(enabled)
         return self.logits
 
     def for_call(self, backend: str, sharded: bool) -> "LogitsSource":
@@ -115,30 +113,27 @@ class LogitsSource:
         if inputs.vocab_shard is not None:
             from .vocab_parallel import vocab_parallel_logprobs
 
-            return vocab_parallel_logprobs(aligned(self.tensor, self.drop_last_position), inputs.ids, inputs.flat_mask,
+            return vocab_parallel_logprobs(aligned(self.tensor, self.drop_last_position), inputs.ids, inputs.kernel_mask,
                                            temperature, compute_entropy, inputs.backend, inputs.vocab_shard)
-        return TokenLogprobs.apply(self.tensor, inputs.ids.contiguous(), inputs.flat_mask, temperature,
+        return TokenLogprobs.apply(self.tensor, inputs.ids.contiguous(), inputs.kernel_mask, temperature,
                                    compute_entropy, inputs.backend, final and self.in_place_backward,
                                    self.drop_last_position)[:2]
 
     def fused_loss(self, inputs: LossInputs, policy: PolicyTerms) -> GRPOLossOutput:
         """The loss with its per-token math in the logits kernel: one-pass (dlogits written in the
         forward, 2 x S bytes) where a gradient is wanted and the schedule allows, else two-pass."""
-        o = inputs.options
-        kernel_inputs = (self.tensor, inputs.ids.contiguous(), inputs.kernel_tensors(policy.importance_weights))
+        loss_tokens = inputs.loss_tokens(policy)
         wants_grad = torch.is_grad_enabled() and self.tensor.requires_grad
         one_pass = self.one_pass
         if one_pass is None:  # the device sweep's measured choice for this GPU and vocabulary, else one-pass
-            one_pass = get_backend(inputs.backend).launch.default_one_pass(self.logits)
+            one_pass = get_backend(inputs.backend).launch.default_one_pass(self.tensor)
         if one_pass and wants_grad and not self.in_place_backward:
-            grad_weight, entropy_weight = _gradient_weights(inputs, policy)
-            loss, _, logp, entropy, kl, flags = FusedTokenLossOnePass.apply(
-                *kernel_inputs, grad_weight, o, self.drop_last_position, entropy_weight)
+            outputs = FusedTokenLossOnePass.apply(self.tensor, inputs.ids.contiguous(), loss_tokens, inputs.options,
+                                                  self.drop_last_position)
         else:  # two-pass: dLoss/dlogp (and dLoss/dH) applied by the backward kernel
-            loss_t, logp, entropy, kl, flags = FusedTokenLoss.apply(*kernel_inputs, o, self.in_place_backward,
-                                                                    self.drop_last_position)
-            loss = _two_pass_loss(inputs, loss_t, entropy, policy)
-        return _kernel_output(inputs, loss, logp, entropy, kl, flags)
+            outputs = FusedTokenLoss.apply(self.tensor, inputs.ids.contiguous(), loss_tokens, inputs.options,
+                                           self.in_place_backward, self.drop_last_position)
+        return _kernel_output(inputs, *outputs)
 
 
 class HiddenStatesSource:
@@ -210,20 +205,12 @@ class HiddenStatesSource:
         """The loss with its per-token math in the lm_head kernels: "recompute" (the backward recomputes
         each chunk's logits) or "three_products" (each chunk's logits once, by cuBLAS; the gradient in the
         forward)."""
-        o, shape = inputs.options, inputs.shape
-        flat, per_token = self.flat(inputs), inputs.kernel_tensors(policy.importance_weights)
+        args = (*self.flat(inputs), inputs.loss_tokens(policy), inputs.options, inputs.shape)
         wants_grad = torch.is_grad_enabled() and (self.tensor.requires_grad or self.weight.requires_grad)
         if self.lm_head_mode == "three_products" and wants_grad:
-            grad_weight, entropy_weight = _gradient_weights(inputs, policy)
-            loss, _, logp, entropy, kl, flags = FusedLinearThreeProducts.apply(
-                *flat, per_token, grad_weight, o, shape, entropy_weight)
-            return _kernel_output(inputs, loss, logp, entropy, kl, flags)
-        if self.lm_head_mode == "three_products":  # no gradient wanted: cuBLAS logits and the logits kernel
-            r = get_backend(inputs.backend).lm_head_launch.linear_three_products(
-                *flat, opts=o, tokens=per_token, compute_entropy=o.compute_entropy, gradient=None,
-                compute_weight_grad=False)[0]
-            view = lambda t: None if t is None else t.view(shape)  # noqa: E731
-            loss_t, logp, entropy, kl, flags = view(r.loss), view(r.logp), view(r.entropy), view(r.kl), view(r.flags)
+            outputs = FusedLinearThreeProducts.apply(*args)
+        elif self.lm_head_mode == "three_products":  # no gradient wanted: cuBLAS logits and the logits kernel
+            outputs = three_products_loss_without_gradient(*args)
         else:
-            loss_t, logp, entropy, kl, flags = FusedLinearTokenLoss.apply(*flat, per_token, o, shape)
-        return _kernel_output(inputs, _two_pass_loss(inputs, loss_t, entropy, policy), logp, entropy, kl, flags)
+            outputs = FusedLinearTokenLoss.apply(*args)
+        return _kernel_output(inputs, *outputs)

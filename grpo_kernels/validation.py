@@ -116,6 +116,9 @@ def check_per_token(name: str, t, logits: torch.Tensor, *, allow_row: bool, allo
     """A [B, T] (or [B] / [B, 1] where allow_row) tensor on the logits' device."""
     if t is None:
         return
+    if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.shape == logits.shape[:2] and \
+            t.device == logits.device:
+        return  # the common case, accepted by every rule below (host time)
     B, T, _ = logits.shape
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

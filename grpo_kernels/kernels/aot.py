@@ -31,8 +31,8 @@ from ..options import GRPOOptions
 from . import fused_linear as FL
 from . import grpo
 from . import fused_linear_launch as lm_head_launch
-from . import launch, split_row
-from .contracts import OnePassGradient, TokenInputs
+from . import launch, reduce, split_row
+from .contracts import LossTokens, OnePassGradient, Sequences, TokenInputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VOCAB_SIZES = (1003, 32000, 151936)  # one block (small V) and the looping configs
@@ -62,7 +62,7 @@ class Launch:
 
 
 _KERNELS = {grpo: ("grpo_forward_kernel", "logprob_backward_kernel", "scale_in_place_kernel"),
-            split_row: ("split_row_forward_kernel",),
+            split_row: ("split_row_forward_kernel",), reduce: ("token_weights_kernel", "loss_metrics_kernel"),
             FL: ("linear_grpo_forward_kernel", "linear_grpo_combine_kernel", "linear_dlogits_kernel", "matmul_kernel")}
 
 
@@ -220,6 +220,41 @@ def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
     yield from calls("fp32", torch.float32)
 
 
+def reduce_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
+    """A loss's launches around its logits kernel (``launch.loss_forward``: the token-weights and loss-metrics
+    kernels) for each reduction, per-sequence and per-token inputs, a packed batch, tensor scales and normalizers,
+    the entropy bonus, each policy term's metrics and the dropped position's gradient rows of each dtype."""
+    from ..objective import kernel_reduction
+
+    rows, V = 1024, 151936
+    S, T = 8, rows // 8
+    x = {name: torch.zeros(rows) for name in ("mask", "old", "ref", "adv", "iw")}
+    per_row = torch.zeros(S)
+    cu_seqlens = torch.arange(0, rows + 1, T, dtype=torch.int32)
+    cases = {  # name: (options, sequences, normalizer, loss scale, advantages, importance weights, bonus mask)
+        "grpo adv-per-row": (GRPOOptions(), Sequences(S, T), None, 1.0, per_row, None, None),
+        "dapo normalizer-tensor scale-tensor iw-per-row entropy-bonus": (
+            GRPOOptions(loss_type="dapo", beta=0.04, entropy_coef=0.01), Sequences(S, T), torch.ones(()),
+            torch.ones(()), x["adv"], per_row, None),
+        "bnpo packed bonus-mask": (GRPOOptions(loss_type="bnpo", entropy_coef=0.01), Sequences(S, T, cu_seqlens),
+                                   None, 0.5, per_row, x["iw"], x["mask"]),
+        "dr_grpo no-entropy": (GRPOOptions(loss_type="dr_grpo", max_completion_length=T, compute_entropy=False),
+                               Sequences(S, T), None, 1.0, per_row, None, None),
+        "cispo+k3": (GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0), Sequences(S, T), 100.0, 1.0,
+                     per_row, None, None),
+        "sapo": (GRPOOptions(loss_type="sapo"), Sequences(S, T), None, 1.0, per_row, None, None),
+    }
+    for dtype_name, dtype in DTYPES.items():
+        logits = torch.empty(S, T + 1, V, dtype=dtype)
+        ids = torch.zeros(S, T, dtype=torch.int64)
+        for name, (opts, sequences, normalizer, scale, adv, iw, bonus) in cases.items():
+            loss_tokens = LossTokens(TokenInputs(x["mask"], adv, x["old"], x["ref"] if opts.uses_kl else None, iw),
+                                     sequences, kernel_reduction(opts, S, normalizer, scale, bonus))
+            grad = torch.empty_like(logits)
+            yield f"loss {name} one-pass {dtype_name}", lambda o=opts, t=loss_tokens, g=grad: launch.loss_forward(
+                logits[:, :-1], ids, opts=o, loss_tokens=t, gradient_out=g, dropped_gradient=g)
+
+
 def _split_row(chunks: int, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with the one-pass loss on the split-row kernel, K = ``chunks``."""
     with launch.split_row_schedule(chunks):
@@ -232,7 +267,7 @@ def record_all() -> List[Launch]:
     The split-row kernel's launcher, given CPU tensors, makes the interpreter's two launches (publish;
     merge and write): what a GPU runs is the same arguments in one cooperative launch (PHASE 0)."""
     found: Dict[tuple, Launch] = {}
-    for label, call in list(logits_launches()) + list(fused_linear_launches()):
+    for label, call in list(logits_launches()) + list(fused_linear_launches()) + list(reduce_launches()):
         with recorded_launches() as launches:
             call()
         for item in launches:
@@ -320,7 +355,8 @@ def hot_loops(cubin: bytes) -> List[Dict[str, int]]:
 
 KERNEL_KINDS = {"grpo_forward_kernel": "forward", "logprob_backward_kernel": "backward",
                 "split_row_forward_kernel": "split-row",
-                "scale_in_place_kernel": "scale",
+                "scale_in_place_kernel": "scale", "token_weights_kernel": "token-weights",
+                "loss_metrics_kernel": "loss-metrics",
                 "linear_grpo_forward_kernel": "forward", "linear_grpo_combine_kernel": "combine",
                 "linear_dlogits_kernel": "dlogits", "matmul_kernel": "matmul"}
 

@@ -75,3 +75,61 @@ def launch_module():
 def lm_head_launch_module():
     """``grpo_kernels.kernels.fused_linear_launch`` (the fused lm_head's launchers), imported on first use."""
     return _triton_module("fused_linear_launch")
+
+
+def reduce_launch_module():
+    """``grpo_kernels.kernels.reduce_launch`` (the token-weights and loss-metrics launchers), imported on first use."""
+    return _triton_module("reduce_launch")
+
+
+# DIVISOR values of the token-weights kernel (kernels/reduce.py): what each token's mask is divided by
+# in a loss type's reduction (objective.reduction_weights)
+DIVISOR_ROW = 0  # rows x the token's row's active count, at least 1 (row_token_mean: grpo, sapo)
+DIVISOR_TOTAL = 1  # the batch's active count, at least 1 (batch_token_mean; token_count without a normalizer)
+DIVISOR_GIVEN = 2  # a number the host knows (constant, rows, a number normalizer) or a 0-d tensor normalizer
+
+# CLIP_METRICS values of the loss-metrics kernel: which clip metrics a policy term logs (options.LossType)
+CLIP_METRICS_NONE = 0  # sapo
+CLIP_METRICS_PPO = 1  # low, high and region (either), in that order
+CLIP_METRICS_CISPO = 2  # the capped share (the high flag)
+
+
+class Sequences(NamedTuple):
+    """Which tokens form which sequence: S rows of T tokens (token s T + t), or a packed batch's S sequences
+    (``cu_seqlens`` [S + 1], flash-attention's convention; T unused)."""
+
+    S: int
+    T: int
+    cu_seqlens: Optional[Any] = None
+
+
+class Reduction(NamedTuple):
+    """How a loss reduces its per-token terms, as the token-weights kernel reads it (``objective.reduction_weights``
+    times the loss scale; built by ``objective.kernel_reduction``): ``divisor_kind`` a ``contracts.DIVISOR_*``; ``divisor`` the number (or 0-d tensor) of
+    DIVISOR_GIVEN; ``loss_scale`` a float or a 0-d tensor; ``entropy_coef`` the entropy bonus's (0: none), over
+    ``bonus_mask``'s tokens (fp32 [N]; None: the mask's)."""
+
+    divisor_kind: int
+    divisor: object
+    loss_scale: object
+    entropy_coef: float = 0.0
+    bonus_mask: Optional[Any] = None
+
+
+class TokenWeights(NamedTuple):
+    """What the token-weights kernel writes, fp32 [N], None where not asked for."""
+
+    advantages: Optional[Any]
+    importance_weights: Optional[Any]
+    weight: Optional[Any]  # each token's weight in the reduced, scaled loss
+    entropy_weight: Optional[Any]  # each token's dLoss/dH (the entropy bonus), or None without one
+
+
+class LossTokens(NamedTuple):
+    """A fused loss launch's per-token side: its ``TokenInputs`` as given (mask fp32 and old / reference
+    log-probs fp32, each N contiguous elements; advantages and importance weights per token or per sequence,
+    which the token-weights kernel writes per token), which tokens form which sequence, and the reduction."""
+
+    tokens: TokenInputs
+    sequences: Sequences
+    reduction: Reduction

@@ -19,7 +19,7 @@ from . import fused_linear as FL
 from . import tuned
 from . import launch as logits_launch  # the 3-product mode runs the logits kernels on each chunk
 from .contracts import OnePassGradient, TokenInputs
-from .launch import (ForwardResult, allocate_outputs, loss_constexprs, loss_pointer_args, loss_scalar_args,
+from .launch import (ForwardResult, allocate_outputs, loss_args, loss_pointer_args,
                      resolved_temperature)
 
 
@@ -106,7 +106,7 @@ def linear_forward(
     N, H = hidden.shape
     V = weight.shape[0]
     out = allocate_outputs(N, hidden.device, opts, compute_entropy)
-    per_token = dict(**loss_pointer_args(out, tokens), **loss_scalar_args(opts), **loss_constexprs(opts))
+    per_token = dict(**loss_pointer_args(out, tokens), **loss_args(opts))
     cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
     if N == 0:
         return out
@@ -246,7 +246,7 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, tokens: TokenInput
     dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad) if with_grad else (None,) * 3
     chunk = linear_chunk_tokens(N, V, hidden.element_size(), 1)
     workspace = torch.empty(min(chunk, max(N, 1)), V, device=hidden.device, dtype=hidden.dtype)
-    pick = lambda t, n: None if t is None else t[n]  # noqa: E731
+    pick = lambda t, n: None if t is None else t.reshape(-1)[n]  # noqa: E731  (per-token inputs: N elements)
     for n0 in range(0, N, chunk):
         n = slice(n0, min(n0 + chunk, N))
         x = workspace[: n.stop - n0]

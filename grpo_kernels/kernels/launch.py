@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 import triton
@@ -17,10 +18,17 @@ import triton
 from ..options import GRPOOptions
 from . import grpo
 from . import tuned
-from .contracts import LOSS_SCALARS, OnePassGradient, TokenInputs
+from .contracts import LOSS_SCALARS, LossTokens, OnePassGradient, TokenInputs, TokenWeights
+from .reduce_launch import fp32_rows, loss_metrics, rows_needed, token_weights
 
 
 def block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
+    """``_block_config`` (a new dict each call: callers update it)."""
+    return dict(_block_config(vocab_size, element_size))
+
+
+@functools.lru_cache(maxsize=256)  # a pure function of two ints, called on every launch
+def _block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
     """Block size over the vocabulary and warp count, from V and the logit width.
 
     Why: one program streams one row, so each loop iteration must keep enough bytes in
@@ -139,20 +147,36 @@ def _zero_if_none(value: Optional[float]) -> float:
     return 0.0 if value is None else float(value)
 
 
-def allocate_outputs(N: int, device, opts: Optional[GRPOOptions], compute_entropy: bool) -> ForwardResult:
-    """The fp32 [N] outputs of a forward kernel (int8 flags); None where the options ask for none. The fp32
-    ones are rows of one buffer (two allocations a call, not seven: host time at small N)."""
+_LOG_PROBS_ONLY = GRPOOptions()  # the loss arguments of a launch without a loss (never read: LOSS_KIND is 0)
+
+
+def _output_names(opts: Optional[GRPOOptions], compute_entropy: bool) -> tuple:
+    """The fp32 outputs a forward launch writes, in ``ForwardResult`` order."""
     with_loss = loss_kind(opts) != grpo.LOSS_NONE
     wanted = dict(logp=True, entropy=compute_entropy, lse=True, loss=with_loss, dloss_dlogp=with_loss,
                   kl=with_loss and opts.uses_kl)
-    names = [name for name, on in wanted.items() if on]
-    # each row starts 128-byte aligned whatever N is, as a tensor of its own would: the JIT specializes
-    # pointers on their alignment, so an N-dependent one would compile other kernels as T changes
-    padded = triton.cdiv(N, 32) * 32
-    buffer = torch.empty(len(names), padded, device=device, dtype=torch.float32)
-    rows = dict(zip(names, buffer[:, :N].unbind()))
-    flags = torch.empty(N, device=device, dtype=torch.int8) if with_loss else None
-    return ForwardResult(**{name: rows.get(name) for name in wanted}, flags=flags)
+    return tuple(name for name, on in wanted.items() if on)
+
+
+_OUTPUT_NAMES = {(False, entropy): _output_names(None, entropy) for entropy in (False, True)}
+
+
+def allocate_outputs(N: int, device, opts: Optional[GRPOOptions], compute_entropy: bool,
+                     rows: Optional[tuple] = None) -> ForwardResult:
+    """The fp32 [N] outputs of a forward kernel (int8 flags); None where the options ask for none. The fp32
+    ones are rows of one buffer (``reduce_launch.fp32_rows``), or the given ``rows`` (``output_count`` of them)."""
+    names = output_names(opts, compute_entropy)
+    rows = dict(zip(names, rows if rows is not None else fp32_rows(len(names), N, device)))
+    with_loss = "loss" in rows
+    return ForwardResult(rows["logp"], rows.get("entropy"), rows["lse"], rows.get("loss"), rows.get("dloss_dlogp"),
+                         rows.get("kl"), torch.empty(N, device=device, dtype=torch.int8) if with_loss else None)
+
+
+def output_names(opts: Optional[GRPOOptions], compute_entropy: bool) -> tuple:
+    """The fp32 [N] outputs a forward launch writes (``ForwardResult``'s names, in its order)."""
+    if opts is None:
+        return _OUTPUT_NAMES[False, compute_entropy]
+    return opts.derived(("outputs", compute_entropy), lambda o: _output_names(o, compute_entropy))
 
 
 def loss_pointer_args(out: ForwardResult, tokens: TokenInputs) -> Dict[str, Optional[torch.Tensor]]:
@@ -174,12 +198,20 @@ def loss_pointer_args(out: ForwardResult, tokens: TokenInputs) -> Dict[str, Opti
 
 def loss_scalar_args(opts: Optional[GRPOOptions]) -> Dict[str, tuple]:
     """The loss's run-time scalars as the kernels' ``loss_scalars`` tuple (contracts.LOSS_SCALARS order)."""
-    o = opts or GRPOOptions()
+    o = opts or _LOG_PROBS_ONLY
     values = dict(eps_low=float(o.epsilon), eps_high=float(o.eps_high), delta=_zero_if_none(o.delta),
                   dual_clip=_zero_if_none(o.dual_clip), beta=float(o.beta),
                   log_ratio_clamp=_zero_if_none(o.log_ratio_clamp), kl_clamp=_zero_if_none(o.kl_clamp),
                   sapo_tau_pos=float(o.sapo_temperature_pos), sapo_tau_neg=float(o.sapo_temperature_neg))
     return {"loss_scalars": tuple(values[name] for name in LOSS_SCALARS)}
+
+
+def loss_args(opts: Optional[GRPOOptions]) -> Dict[str, object]:
+    """The loss kernels' arguments that come from the options alone (``loss_scalar_args`` and
+    ``loss_constexprs``), built once per options object."""
+    if opts is None:
+        return _LOSS_ARGS_WITHOUT_LOSS
+    return opts.derived("loss_args", lambda o: {**loss_scalar_args(o), **loss_constexprs(o)})
 
 
 def forward(
@@ -203,9 +235,58 @@ def forward(
     configuration (see ``logits_launch_config``).
     """
     temperature = resolved_temperature(opts, temperature)
+    out = allocate_outputs(logits.shape[0] * logits.shape[1], logits.device, opts, compute_entropy)
+    return _run_forward(logits, ids, out, opts, temperature, tokens, compute_entropy, gradient, config)
+
+
+class LossForward(NamedTuple):
+    """What ``loss_forward`` returns: the forward kernel's per-token results, the token weights, the reduced
+    loss (0-d) and the metrics (fp32 [k], ``objective.metric_names`` order)."""
+
+    result: ForwardResult
+    weights: TokenWeights
+    loss: torch.Tensor
+    metrics: torch.Tensor
+
+
+def loss_forward(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    opts: GRPOOptions,
+    loss_tokens: LossTokens,
+    gradient_out: Optional[torch.Tensor] = None,
+    dropped_gradient: Optional[torch.Tensor] = None,
+    config: Optional[Dict[str, int]] = None,
+) -> LossForward:
+    """A loss's launches over logits [B, T, V]: the token-weights kernel (each token's inputs and weight),
+    the forward kernel (with ``gradient_out``, a [B, T, V] tensor with a unit last stride, or any tensor whose
+    first T positions are that, it also writes dlogits of the reduced loss there: one pass) and the loss-metrics
+    kernel. Every O(N) fp32 output is a row of one
+    buffer. ``dropped_gradient``: the [B, T + 1, V] gradient ``gradient_out`` is the first T positions of,
+    whose position T the token-weights kernel zeroes."""
+    B, T, V = logits.shape
+    N, device, t = B * T, logits.device, loss_tokens.tokens
+    names = output_names(opts, opts.compute_entropy)
+    rows = fp32_rows(len(names) + rows_needed(t.advantages, t.importance_weights, loss_tokens.reduction), N, device)
+    weights = token_weights(t.mask, loss_tokens.sequences, loss_tokens.reduction, advantages=t.advantages,
+                            importance_weights=t.importance_weights, dropped_gradient=dropped_gradient,
+                            out=rows[len(names):])
+    tokens = TokenInputs(t.mask, weights.advantages, t.old_logps, t.ref_logps, weights.importance_weights)
+    gradient = None if gradient_out is None else OnePassGradient(weights.weight, weights.entropy_weight,
+                                                                 out=gradient_out)
+    result = _run_forward(logits, ids, allocate_outputs(N, device, opts, opts.compute_entropy, rows[:len(names)]),
+                          opts, opts.temperature, tokens, opts.compute_entropy, gradient, config)
+    loss, metrics = loss_metrics(t.mask, opts, loss=result.loss, entropy=result.entropy, kl=result.kl,
+                                 flags=result.flags, weights=weights)
+    return LossForward(result, weights, loss, metrics)
+
+
+def _run_forward(logits, ids, out: ForwardResult, opts, temperature: float, tokens: TokenInputs,
+                 compute_entropy: bool, gradient: Optional[OnePassGradient], config) -> ForwardResult:
+    """The forward kernel's launch (or the split-row kernel's) into ``out``."""
     B, T, V = logits.shape
     N = B * T
-    out = allocate_outputs(N, logits.device, opts, compute_entropy)
     write_grad = gradient is not None and out.loss is not None
     if write_grad and gradient.entropy_weight is not None and not compute_entropy:
         raise ValueError("gradient.entropy_weight needs compute_entropy=True (the gradient uses each token's entropy)")
@@ -219,7 +300,7 @@ def forward(
         grad_logits_ptr=grad, grad_stride_b=grad.stride(0) if write_grad else 0,
         grad_stride_t=grad.stride(1) if write_grad else 0,
         entropy_grad_ptr=gradient.entropy_weight if write_grad else None, inv_temperature=1.0 / temperature,
-        **loss_scalar_args(opts), **loss_constexprs(opts),
+        **loss_args(opts),
         ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])),
     )
     out.grad_logits = grad
@@ -379,6 +460,8 @@ def _split_row_forward(logits: torch.Tensor, kwargs: dict, launch_config: dict, 
     return True, error
 
 
+_LOSS_ARGS_WITHOUT_LOSS = {**loss_scalar_args(None), **loss_constexprs(None)}
+
 SCALE_BLOCK = 4096
 
 
@@ -391,11 +474,12 @@ def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     numel = x.numel()
     if numel == 0:
         return x
-    blocks = triton.cdiv(numel, SCALE_BLOCK)
+    blocks = -(-numel // SCALE_BLOCK)
     if x.is_cuda:
         blocks = min(blocks, 8 * torch.cuda.get_device_properties(x.device).multi_processor_count)
     else:
         blocks = min(blocks, 16)
-    grpo.scale_in_place_kernel[(blocks,)](x_ptr=x, scale_ptr=scale.reshape(1).float(), numel=numel, BLOCK=SCALE_BLOCK,
+    scale = scale if scale.dtype == torch.float32 else scale.float()  # one element, 0-d or not: read at its pointer
+    grpo.scale_in_place_kernel[(blocks,)](x_ptr=x, scale_ptr=scale, numel=numel, BLOCK=SCALE_BLOCK,
                                        num_warps=8)
     return x

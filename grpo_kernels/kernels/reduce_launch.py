@@ -1,0 +1,127 @@
+"""Host launchers of the O(N) kernels around a loss's logits pass (``reduce.py``): the per-token inputs and
+weights before it, the reduced loss and the metrics after it.
+
+No autograd here: the autograd Functions in ``grpo_kernels.functions`` call these with plain tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ..objective import metric_names
+from ..options import GRPOOptions
+from . import reduce
+from .contracts import (CLIP_METRICS_CISPO, CLIP_METRICS_NONE, CLIP_METRICS_PPO, DIVISOR_GIVEN, Reduction, Sequences,
+                        TokenWeights)
+
+TOKEN_BLOCK = 1024  # the token-weights kernel's tokens per iteration (4 warps: 8 a thread)
+ZERO_BLOCK = 1024  # its vocabulary entries per iteration when it zeroes a dropped position's gradient row
+METRICS_BLOCK = 2048  # the loss-metrics kernel's tokens per iteration (8 warps: 8 a thread per array)
+
+
+def _per_row(name: str, t: Optional[torch.Tensor], S: int, N: int) -> Tuple[Optional[torch.Tensor], bool]:
+    """(the tensor as the kernel reads it, whether it holds one value a sequence): per token ([N] elements,
+    as a contiguous [N]) or per sequence ([S] elements)."""
+    if t is None:
+        return None, False
+    if t.numel() == N:
+        return (t if t.is_contiguous() else t.reshape(-1).contiguous()), False
+    if t.numel() == S:
+        return (t if t.is_contiguous() else t.reshape(-1).contiguous()), True
+    raise ValueError(f"{name} must hold one value a token ({N}) or a sequence ({S}), got shape {tuple(t.shape)}")
+
+
+def fp32_rows(count: int, N: int, device) -> tuple:
+    """``count`` fp32 [N] tensors as rows of one buffer (one allocation, not ``count``: host time at small N),
+    each 128-byte aligned whatever N is, as a tensor of its own would be: the JIT specializes pointers on
+    their alignment, so an N-dependent one would compile other kernels as T changes."""
+    padded = -(-N // 32) * 32  # (Python ints: triton.cdiv is a constexpr function, slow to call on the host)
+    return torch.empty(count, padded, device=device, dtype=torch.float32)[:, :N].unbind()
+
+
+def _wanted(advantages, importance_weights, reduction: Optional[Reduction]) -> tuple:
+    """Which of ``TokenWeights``' rows the token-weights kernel writes."""
+    return (advantages is not None, importance_weights is not None, reduction is not None,
+            reduction is not None and reduction.entropy_coef != 0.0)
+
+
+def rows_needed(advantages, importance_weights, reduction: Optional[Reduction]) -> int:
+    """How many fp32 [N] rows ``token_weights`` writes (for a caller that allocates them: ``out=``)."""
+    return sum(_wanted(advantages, importance_weights, reduction))
+
+
+def token_weights(
+    mask: torch.Tensor,
+    sequences: Sequences,
+    reduction: Optional[Reduction],
+    *,
+    advantages: Optional[torch.Tensor] = None,
+    importance_weights: Optional[torch.Tensor] = None,
+    dropped_gradient: Optional[torch.Tensor] = None,
+    out: Optional[tuple] = None,
+) -> TokenWeights:
+    """The per-token inputs and weights of a loss launch, from the mask (fp32, N elements, contiguous).
+
+    ``advantages`` / ``importance_weights``: per token (N elements) or per sequence (S), any float dtype.
+    ``reduction`` None: no weights. ``dropped_gradient``: a [B, T + 1, V] gradient whose position T is zeroed
+    here (the logits pass writes the rest). ``out``: the fp32 [N] rows to write (``rows_needed`` of them),
+    else new ones."""
+    N, (S, T, cu_seqlens) = mask.numel(), sequences
+    adv, adv_per_row = _per_row("advantages", advantages, S, N)
+    iw, iw_per_row = _per_row("importance_weights", importance_weights, S, N)
+    r = reduction
+    wanted = _wanted(adv, iw, r)
+    rows = iter(out if out is not None else fp32_rows(sum(wanted), N, mask.device))
+    adv_out, iw_out, weight_out, entropy_weight_out = (next(rows) if on else None for on in wanted)
+    if N == 0:  # no token: empty outputs, and a dropped position zeroed on the host
+        if dropped_gradient is not None:
+            dropped_gradient[:, -1].zero_()
+        return TokenWeights(adv_out, iw_out, weight_out, entropy_weight_out)
+    divisor, scale = (1.0, 1.0) if r is None else (r.divisor, r.loss_scale)
+    divisor_is_tensor, scale_is_tensor = isinstance(divisor, torch.Tensor), isinstance(scale, torch.Tensor)
+    dropped = dropped_gradient is not None
+    reduce.token_weights_kernel[(S,)](
+        mask_ptr=mask, cu_seqlens_ptr=cu_seqlens, T=T, S=S, N=N,
+        adv_ptr=adv, adv_out=adv_out, iw_ptr=iw, iw_out=iw_out,
+        weight_out=weight_out, divisor=1.0 if divisor_is_tensor else divisor,
+        divisor_ptr=divisor if divisor_is_tensor else None,
+        loss_scale=1.0 if scale_is_tensor else scale, loss_scale_ptr=scale if scale_is_tensor else None,
+        entropy_weight_out=entropy_weight_out, bonus_mask_ptr=None if r is None else r.bonus_mask,
+        entropy_coef=0.0 if r is None else r.entropy_coef, dropped_ptr=dropped_gradient,
+        dropped_stride_b=dropped_gradient.stride(0) if dropped else 0,
+        dropped_stride_t=dropped_gradient.stride(1) if dropped else 0,
+        V=dropped_gradient.shape[-1] if dropped else 0,
+        DIVISOR=DIVISOR_GIVEN if r is None else r.divisor_kind, ADV_PER_ROW=adv_per_row, IW_PER_ROW=iw_per_row,
+        BLOCK=TOKEN_BLOCK, BLOCK_V=ZERO_BLOCK, num_warps=4,
+    )
+    return TokenWeights(adv_out, iw_out, weight_out, entropy_weight_out)
+
+
+def clip_metrics_kind(opts: GRPOOptions) -> int:
+    return {"ppo_clip": CLIP_METRICS_PPO, "cispo": CLIP_METRICS_CISPO}.get(opts.loss.policy_term, CLIP_METRICS_NONE)
+
+
+def loss_metrics(mask: torch.Tensor, opts: GRPOOptions, *, loss, entropy, kl, flags,
+                 weights: Optional[TokenWeights]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(the reduced loss, 0-d fp32, or None without ``weights``; the metrics, fp32 [k] in ``metric_names``
+    order) of a loss launch's per-token results (fp32 [N]; ``flags`` int8 [N]) and its token weights."""
+    N = mask.numel()
+    clip = opts.derived("clip_metrics_kind", clip_metrics_kind)
+    has_kl, has_entropy = kl is not None, entropy is not None
+    count = len(opts.derived(("metric_names", has_kl, has_entropy), lambda o: metric_names(o, has_kl, has_entropy)))
+    new = torch.empty if N > 0 else torch.zeros  # no token: a loss and metrics of 0, nothing to launch
+    metrics = new(count, device=mask.device, dtype=torch.float32)
+    loss_out = None if weights is None else new((), device=mask.device, dtype=torch.float32)
+    if N == 0:
+        return loss_out, metrics
+    with_bonus = weights is not None and weights.entropy_weight is not None
+    reduce.loss_metrics_kernel[(1,)](
+        mask_ptr=mask, N=N, loss_ptr=loss if weights is not None else None,
+        weight_ptr=None if weights is None else weights.weight, entropy_ptr=entropy,
+        entropy_weight_ptr=weights.entropy_weight if with_bonus else None, kl_ptr=kl,
+        flags_ptr=flags if clip != CLIP_METRICS_NONE else None, loss_out=loss_out, metrics_out=metrics if count else None,
+        CLIP_METRICS=clip, BLOCK=METRICS_BLOCK, num_warps=8,
+    )
+    return loss_out, metrics
