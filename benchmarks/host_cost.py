@@ -5,7 +5,8 @@ the Python, the dispatcher and the small torch ops around the kernels: the cost 
 end-to-end time at small shapes on a GPU. Per path: the aten ops dispatched in the forward and in the
 backward (every op that reaches the dispatcher, views and allocations included), the Triton launches,
 and the host time per forward + backward (median of repeats). Liger-Kernel's ``triton_grpo_loss`` is
-measured the same way in the same run where it is installed.
+measured the same way in the same run where it is installed, and so is the floor of any loss written as a
+``torch.autograd.Function`` (one that allocates its outputs and gradient and computes nothing).
 
     python benchmarks/host_cost.py [--iters 300] [--repeats 5] [--json out.json]
 
@@ -90,6 +91,7 @@ def paths() -> Dict[str, Callable]:
         "GRPOLoss module, check_ids=False": lambda x, logits: module(
             logits, x["completion_ids"], x["completion_mask"], x["advantages"], x["old_logps"], x["ref_logps"]).loss,
     }
+    found["autograd.Function floor (no loss)"] = _floor
     try:
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss
     except ImportError:
@@ -101,6 +103,28 @@ def paths() -> Dict[str, Callable]:
                                 inplace=False, loss_type="grpo", reduce=True)[0]
     found["Liger triton_grpo_loss"] = liger
     return found
+
+
+class _Floor(torch.autograd.Function):
+    """What any loss written as a torch.autograd.Function costs at least: it allocates its gradient and outputs
+    (the loss, a metrics vector, the log-probs) and returns the gradient; nothing is computed or launched."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, mask, advantages, old_logps, ref_logps):
+        grad = torch.empty(logits.shape, dtype=logits.dtype)
+        loss, metrics, logp = torch.empty(()), torch.empty(5), torch.empty(ids.shape)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(metrics, logp)
+        return loss, metrics, logp
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        return ctx.saved_tensors[0], None, None, None, None, None
+
+
+def _floor(x, logits):
+    return _Floor.apply(logits, x["completion_ids"], x["completion_mask"], x["advantages"], x["old_logps"],
+                        x["ref_logps"])[0]
 
 
 def measure(call: Callable, iters: int, repeats: int) -> Dict[str, float]:

@@ -63,6 +63,12 @@ def logits_launch_config(logits: torch.Tensor, override: Optional[Dict[str, int]
     return config
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: Optional[int]) -> int:
+    """The streaming multiprocessors of a CUDA device (its index; None: the current one), asked once."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _forward_grid(N: int, device, programs_per_sm: Optional[int]):
     """(grid, persistent) of the forward kernel: one program per token, or, with ``programs_per_sm``,
     a persistent grid of that many programs per SM (each takes every grid-th token).
@@ -73,7 +79,7 @@ def _forward_grid(N: int, device, programs_per_sm: Optional[int]):
     """
     if not programs_per_sm:
         return (N,), False
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    sms = _sm_count(device.index) if device.type == "cuda" else 2
     return (max(1, min(N, sms * int(programs_per_sm))),), True
 
 
@@ -128,8 +134,13 @@ def row_alignment(*tensors: torch.Tensor) -> int:
     T is, so it does not change (and recompile) from step to step.
     """
     size = tensors[0].element_size()
-    aligned = all(t.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
-    return 16 // size if aligned else 1
+    for t in tensors:  # (a loop, not all() over generators: this runs on every launch)
+        if t.data_ptr() % 16:
+            return 1
+        for stride in t.stride()[:-1]:
+            if (stride * size) % 16:
+                return 1
+    return 16 // size
 
 
 def resolved_temperature(opts: Optional[GRPOOptions], temperature: Optional[float]) -> float:
@@ -475,10 +486,7 @@ def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if numel == 0:
         return x
     blocks = -(-numel // SCALE_BLOCK)
-    if x.is_cuda:
-        blocks = min(blocks, 8 * torch.cuda.get_device_properties(x.device).multi_processor_count)
-    else:
-        blocks = min(blocks, 16)
+    blocks = min(blocks, 8 * _sm_count(x.device.index) if x.is_cuda else 16)
     scale = scale if scale.dtype == torch.float32 else scale.float()  # one element, 0-d or not: read at its pointer
     grpo.scale_in_place_kernel[(blocks,)](x_ptr=x, scale_ptr=scale, numel=numel, BLOCK=SCALE_BLOCK,
                                        num_warps=8)

@@ -44,14 +44,25 @@ def arch_of(device_index: int) -> str:
     return f"sm_{major}{minor}"
 
 
+_FOUND: Dict[tuple, tuple] = {}  # (table id, kind, device index, dtype, V) -> (that table, its entry or None)
+
+
 def _nearest(kind: str, device: torch.device, dtype: torch.dtype, V: int) -> Optional[dict]:
+    """The entry of this kind, device architecture and dtype whose V is nearest in ratio, or None. Asked on every
+    launch, so each answer is kept, by the table it came from (a table read again after ``table.cache_clear()``
+    is another object: its answers are found anew; the old table is kept with its answers, so its id is never
+    a new table's)."""
     if device.type != "cuda":
         return None
-    arch, name = arch_of(device.index or 0), str(dtype).replace("torch.", "")
-    entries = [e for e in table().get(kind, []) if e["arch"] == arch and e["dtype"] == name]
-    if not entries:
-        return None
-    return min(entries, key=lambda e: abs(math.log(max(V, 1) / e["V"])))
+    current = table()
+    key = (id(current), kind, device.index or 0, dtype, V)
+    found = _FOUND.get(key)
+    if found is None:
+        arch, name = arch_of(device.index or 0), str(dtype).replace("torch.", "")
+        entries = [e for e in current.get(kind, []) if e["arch"] == arch and e["dtype"] == name]
+        entry = min(entries, key=lambda e: abs(math.log(max(V, 1) / e["V"]))) if entries else None
+        found = _FOUND[key] = (current, entry)
+    return found[1]
 
 
 def logits_entry(device: torch.device, dtype: torch.dtype, V: int) -> Optional[dict]:
