@@ -428,6 +428,7 @@ class GRPOTrainer:
                 return out.loss, out
 
             loss, out = inside_forward(self.model, loss_in_forward, *inputs)
+            out = dataclasses.replace(out, loss=loss)  # the wrapper's returned loss: its backward hooks attach to it
         else:
             out = self.loss_fn(self._logits(self.model, *inputs), r.completion_ids, r.completion_mask,
                                r.advantages, **per_token)
