@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-from typing import Callable, Dict, Optional
+import statistics
+import time
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import triton
@@ -60,6 +62,29 @@ def warm_up_and_time(benchmark, step: Callable[[], None], rounds: int) -> Option
         peak_extra = torch.cuda.max_memory_allocated() - base
     benchmark.pedantic(step, rounds=rounds, iterations=1, warmup_rounds=1)
     return peak_extra
+
+
+def host_and_timeline_ms(call: Callable[[], None], repeats: int = 10) -> Tuple[float, Optional[float]]:
+    """Host and GPU apart, each a median over ``repeats`` calls of ``call`` (which must not synchronize):
+    the host's wall-clock from the call's start until it returns (the Python, the dispatcher, the launches;
+    the GPU runs behind it), and the time between CUDA events recorded just before and just after it on the
+    GPU's timeline (None on a CPU). A call whose timeline is no longer than its host time is host-bound: the
+    GPU waits for the launches."""
+    host, timeline = [], []
+    for _ in range(repeats):
+        sync()
+        if ON_GPU:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - began)
+        if ON_GPU:
+            end.record()
+        sync()
+        if ON_GPU:
+            timeline.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(host) * 1e3, statistics.median(timeline) * 1e3 if timeline else None
 
 
 def shapes():

@@ -44,15 +44,17 @@ def table(rows) -> str:
         return "(no cases)"
     head = environment_line(rows)
     lines = ["| N x V | dtype | level | pass | path | median ms | GB/s (byte model) | x copy bw | peak extra / S "
-             "| speed-up vs eager |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| host ms / GPU-timeline ms | speed-up vs eager |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     eager = {(r["N"], r["V"], r["level"], r["pass"]): r["median_ms"] for r in rows if r["path"] == "eager"}
     for r in sorted(rows, key=lambda r: (r["level"] != "token", r["N"] * r["V"], r["pass"], -r["median_ms"])):
         base = eager.get((r["N"], r["V"], r["level"], r["pass"]))
         peak = "-" if r.get("peak_extra_over_S") is None else f"{r['peak_extra_over_S']:.3f}"
+        split = "-" if r.get("host_ms") is None else f"{r['host_ms']:.3f} / " + (
+            "-" if r.get("timeline_ms") is None else f"{r['timeline_ms']:.3f}")
         lines.append(f"| {r['N']} x {r['V']} | {r['dtype']} | {r['level']} | {r['pass']} | {r['path']} | "
-                     f"{r['median_ms']:.3f} | {r['model_GBps']:.0f} | {r['fraction_of_copy']:.2f} | {peak} | "
-                     f"{base / r['median_ms']:.1f}x |" if base else "- |")
+                     f"{r['median_ms']:.3f} | {r['model_GBps']:.0f} | {r['fraction_of_copy']:.2f} | {peak} | {split} | "
+                     + (f"{base / r['median_ms']:.1f}x |" if base else "- |"))
     return head + "\n".join(lines)
 
 

@@ -27,6 +27,9 @@ SELECTION = [
     "tests/test_lean_backward.py::test_loss_scale_is_folded_in_and_exact",  # in-place backward, scale_in_place
     "tests/test_fused_linear.py::test_three_products_mode_scales_and_refuses_a_second_backward",  # lm_head, cuBLAS
     "tests/test_fused_linear.py::test_forward_split_over_the_vocabulary",  # lm_head forward with splits, combine
+    # the token-weights kernel (packed, per-sequence inputs, a dropped position above) and the loss-metrics kernel
+    "tests/test_reduce.py::test_a_packed_batch_takes_its_sequences_from_cu_seqlens[bnpo]",
+    "tests/test_reduce.py::test_loss_metrics_are_the_reduced_loss_and_trls_means[True-True-True-grpo]",
 ]
 TOOLS = ("memcheck", "racecheck", "synccheck")
 # where an error happened: "at 0x1a0 in kernel_name" or "at kernel_name+0x1a0" (memcheck, racecheck, synccheck)

@@ -12,8 +12,8 @@ import statistics
 import pytest
 import torch
 
-from cases import (DEVICE, ENTROPY_FAMILY, ON_GPU, available_paths, environment, logits_bytes, make_inputs, path_input,
-                   model_bytes, shapes, sync, warm_up_and_time)
+from cases import (DEVICE, ENTROPY_FAMILY, ON_GPU, available_paths, environment, host_and_timeline_ms, logits_bytes,
+                   make_inputs, model_bytes, path_input, shapes, sync, warm_up_and_time)
 
 _INPUTS = {}
 _COPY_SECONDS = {}
@@ -83,18 +83,22 @@ def test_grpo_loss(benchmark, name, shape, backward, level):
     fn = available_paths(level)[name]
     full = inputs["full_logits"]
 
-    def step():
+    def call():
         leaf, given = path_input(name, full, inputs, requires_grad=backward)
         if backward:
             torch.autograd.grad(fn(inputs, given), leaf)
         else:
             with torch.no_grad():
                 fn(inputs, given)
+
+    def step():
+        call()
         sync()
 
     peak_extra = warm_up_and_time(benchmark, step, rounds=5 if DEVICE == "cpu" else 20)
     if benchmark.stats is None:  # --benchmark-disable: the path ran once, nothing was timed
         return
+    host_ms, timeline_ms = host_and_timeline_ms(call, repeats=3 if DEVICE == "cpu" else 10)
     seconds = benchmark.stats.stats.median
     S = logits_bytes(inputs)
     if name.endswith("packed"):  # only the active tokens' logits exist
@@ -108,5 +112,6 @@ def test_grpo_loss(benchmark, name, shape, backward, level):
         "median_ms": seconds * 1e3, "model_bytes": moved, "model_GBps": moved / seconds / 1e9,
         "copy_GBps": copy_bandwidth / 1e9, "fraction_of_copy": moved / seconds / copy_bandwidth,
         "peak_extra_bytes": peak_extra, "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
+        "host_ms": host_ms, "timeline_ms": timeline_ms,
         **environment(),
     })

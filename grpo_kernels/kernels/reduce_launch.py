@@ -52,6 +52,20 @@ def rows_needed(advantages, importance_weights, reduction: Optional[Reduction]) 
     return sum(_wanted(advantages, importance_weights, reduction))
 
 
+def _scalar(value, device) -> Tuple[float, Optional[torch.Tensor]]:
+    """(a run-time float, a one-element tensor to read instead or None) of a number or 0-d tensor (a loss scale,
+    a normalizer) for a kernel on ``device``: a tensor there is read by the kernel (no host sync); a CPU tensor
+    with CUDA tensors (torch accepts a CPU 0-d tensor in their arithmetic) is read here, which needs no GPU
+    sync; one on another GPU is copied over."""
+    if not isinstance(value, torch.Tensor):
+        return float(value), None
+    if value.device == device:
+        return 1.0, value
+    if value.device.type == "cpu":
+        return float(value), None
+    return 1.0, value.to(device)
+
+
 def token_weights(
     mask: torch.Tensor,
     sequences: Sequences,
@@ -79,15 +93,14 @@ def token_weights(
         if dropped_gradient is not None:
             dropped_gradient[:, -1].zero_()
         return TokenWeights(adv_out, iw_out, weight_out, entropy_weight_out)
-    divisor, scale = (1.0, 1.0) if r is None else (r.divisor, r.loss_scale)
-    divisor_is_tensor, scale_is_tensor = isinstance(divisor, torch.Tensor), isinstance(scale, torch.Tensor)
+    divisor, divisor_ptr = _scalar(1.0 if r is None else r.divisor, mask.device)
+    divisor = divisor or 1.0  # a normalizer of 0 (read here from a CPU tensor): no token is active, weights are 0
+    scale, scale_ptr = _scalar(1.0 if r is None else r.loss_scale, mask.device)
     dropped = dropped_gradient is not None
     reduce.token_weights_kernel[(S,)](
         mask_ptr=mask, cu_seqlens_ptr=cu_seqlens, T=T, S=S, N=N,
         adv_ptr=adv, adv_out=adv_out, iw_ptr=iw, iw_out=iw_out,
-        weight_out=weight_out, divisor=1.0 if divisor_is_tensor else divisor,
-        divisor_ptr=divisor if divisor_is_tensor else None,
-        loss_scale=1.0 if scale_is_tensor else scale, loss_scale_ptr=scale if scale_is_tensor else None,
+        weight_out=weight_out, divisor=divisor, divisor_ptr=divisor_ptr, loss_scale=scale, loss_scale_ptr=scale_ptr,
         entropy_weight_out=entropy_weight_out, bonus_mask_ptr=None if r is None else r.bonus_mask,
         entropy_coef=0.0 if r is None else r.entropy_coef, dropped_ptr=dropped_gradient,
         dropped_stride_b=dropped_gradient.stride(0) if dropped else 0,
