@@ -12,7 +12,7 @@ re-check.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -30,8 +30,7 @@ from .validation import (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class LossTensors:
+class LossTensors(NamedTuple):  # (a NamedTuple, not a frozen dataclass: built on every call)
     """A loss call's tensors as the caller gave them (see ``grpo_loss``)."""
 
     completion_ids: torch.Tensor
@@ -44,8 +43,7 @@ class LossTensors:
     normalizer: object = None
 
 
-@dataclasses.dataclass(frozen=True)
-class CallSettings:
+class CallSettings(NamedTuple):  # (a NamedTuple, not a frozen dataclass: built on every call)
     """A loss call's non-tensor settings, besides the source's own (see ``sources.py``)."""
 
     options: GRPOOptions
@@ -57,8 +55,7 @@ class CallSettings:
     vocab_start_index: Optional[int] = None
 
 
-@dataclasses.dataclass(frozen=True)
-class LogprobSettings:
+class LogprobSettings(NamedTuple):  # (a NamedTuple, not a frozen dataclass: built on every call)
     """The settings of a log-prob call (``token_logprobs`` and its family); in_place_backward is the source's."""
 
     backend: str = "auto"

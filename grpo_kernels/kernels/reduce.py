@@ -24,15 +24,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .contracts import (CLIP_METRICS_CISPO, CLIP_METRICS_NONE, CLIP_METRICS_PPO, DIVISOR_ROW,  # noqa: F401
-                        DIVISOR_TOTAL, FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED)
+from .contracts import CLIP_METRICS_NONE, CLIP_METRICS_PPO, DIVISOR_ROW, DIVISOR_TOTAL
+from .grpo import C_FLAG_HIGH, C_FLAG_LOW  # the clip flags' bits as the loss kernels write them
 
+# the contracts as the kernels read them (Triton takes module globals only as constexprs)
 C_DIVISOR_ROW = tl.constexpr(DIVISOR_ROW)
 C_DIVISOR_TOTAL = tl.constexpr(DIVISOR_TOTAL)
 C_CLIP_METRICS_NONE = tl.constexpr(CLIP_METRICS_NONE)
 C_CLIP_METRICS_PPO = tl.constexpr(CLIP_METRICS_PPO)
-C_FLAG_LOW = tl.constexpr(FLAG_LOW_CLIPPED)
-C_FLAG_HIGH = tl.constexpr(FLAG_HIGH_CLIPPED)
 
 
 @triton.jit
@@ -143,8 +142,8 @@ def loss_metrics_kernel(
 ):
     """The reduced loss and the metrics of a loss launch's per-token results (fp32 [N], flags int8 [N]).
 
-    ``loss_out`` (0-d; None: metrics only) gets sum(loss x weight) (+ sum(entropy x entropy weight) with
-    ``entropy_weight_ptr``, the entropy bonus). ``metrics_out`` gets, in this order and each where present,
+    ``loss_out`` (0-d) gets sum(loss x weight) (+ sum(entropy x entropy weight) with ``entropy_weight_ptr``,
+    the entropy bonus). ``metrics_out`` gets, in this order and each where present,
     the means over active tokens (sum(x mask) / max(sum(mask), 1), TRL's) of the KL (``kl_ptr``), the entropy
     (``entropy_ptr``) and the clip metrics (``CLIP_METRICS``: low, high and region for PPO-clip; the
     capped share for cispo).
@@ -164,12 +163,11 @@ def loss_metrics_kernel(
         inside = index < N
         m = tl.load(mask_ptr + index, mask=inside, other=0.0)
         count += m
-        if loss_out is not None:
-            loss += tl.load(loss_ptr + index, mask=inside, other=0.0) * tl.load(weight_ptr + index, mask=inside,
-                                                                               other=0.0)
-            if entropy_weight_ptr is not None:
-                loss += tl.load(entropy_ptr + index, mask=inside, other=0.0) * tl.load(
-                    entropy_weight_ptr + index, mask=inside, other=0.0)
+        loss += tl.load(loss_ptr + index, mask=inside, other=0.0) * tl.load(weight_ptr + index, mask=inside,
+                                                                           other=0.0)
+        if entropy_weight_ptr is not None:
+            loss += tl.load(entropy_ptr + index, mask=inside, other=0.0) * tl.load(
+                entropy_weight_ptr + index, mask=inside, other=0.0)
         if HAS_KL:
             kl += tl.load(kl_ptr + index, mask=inside, other=0.0) * m
         if HAS_ENTROPY:
@@ -182,8 +180,7 @@ def loss_metrics_kernel(
                 is_low = tl.where((flags & C_FLAG_LOW) != 0, 1.0, 0.0)
                 low += is_low * m
                 either += tl.maximum(is_low, is_high) * m
-    if loss_out is not None:
-        tl.store(loss_out, tl.sum(loss, axis=0))
+    tl.store(loss_out, tl.sum(loss, axis=0))
     active = tl.maximum(tl.sum(count, axis=0), 1.0)
     slot = 0
     if HAS_KL:

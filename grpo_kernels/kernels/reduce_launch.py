@@ -117,24 +117,21 @@ def clip_metrics_kind(opts: GRPOOptions) -> int:
 
 
 def loss_metrics(mask: torch.Tensor, opts: GRPOOptions, *, loss, entropy, kl, flags,
-                 weights: Optional[TokenWeights]) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-    """(the reduced loss, 0-d fp32, or None without ``weights``; the metrics, fp32 [k] in ``metric_names``
-    order) of a loss launch's per-token results (fp32 [N]; ``flags`` int8 [N]) and its token weights."""
+                 weights: TokenWeights) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the reduced loss, 0-d fp32; the metrics, fp32 [k] in ``objective.metric_names`` order) of a loss launch's
+    per-token results (fp32 [N], None where absent; ``flags`` int8 [N]) and its token weights."""
     N = mask.numel()
     clip = opts.derived("clip_metrics_kind", clip_metrics_kind)
     has_kl, has_entropy = kl is not None, entropy is not None
     count = len(opts.derived(("metric_names", has_kl, has_entropy), lambda o: metric_names(o, has_kl, has_entropy)))
     new = torch.empty if N > 0 else torch.zeros  # no token: a loss and metrics of 0, nothing to launch
     metrics = new(count, device=mask.device, dtype=torch.float32)
-    loss_out = None if weights is None else new((), device=mask.device, dtype=torch.float32)
+    loss_out = new((), device=mask.device, dtype=torch.float32)
     if N == 0:
         return loss_out, metrics
-    with_bonus = weights is not None and weights.entropy_weight is not None
     reduce.loss_metrics_kernel[(1,)](
-        mask_ptr=mask, N=N, loss_ptr=loss if weights is not None else None,
-        weight_ptr=None if weights is None else weights.weight, entropy_ptr=entropy,
-        entropy_weight_ptr=weights.entropy_weight if with_bonus else None, kl_ptr=kl,
-        flags_ptr=flags if clip != CLIP_METRICS_NONE else None, loss_out=loss_out, metrics_out=metrics if count else None,
-        CLIP_METRICS=clip, BLOCK=METRICS_BLOCK, num_warps=8,
+        mask_ptr=mask, N=N, loss_ptr=loss, weight_ptr=weights.weight, entropy_ptr=entropy,
+        entropy_weight_ptr=weights.entropy_weight, kl_ptr=kl, flags_ptr=flags if clip != CLIP_METRICS_NONE else None,
+        loss_out=loss_out, metrics_out=metrics if count else None, CLIP_METRICS=clip, BLOCK=METRICS_BLOCK, num_warps=8,
     )
     return loss_out, metrics
