@@ -87,9 +87,12 @@ stage() {
 if [ -n "${GRPO_SUITE_TESTS:-}" ]; then
     eval "TESTS=($GRPO_SUITE_TESTS)"  # pytest arguments as a shell would split them (quotes for -k)
 elif [ "$MODE" = gpu ]; then
-    TESTS=(tests/test_split_row.py tests/test_loss.py tests/test_fused_linear.py tests/test_reliability.py tests/test_lean_backward.py
-           tests/test_api.py tests/test_family.py tests/test_liger_parity.py tests/test_drop_last_position.py
-           tests/test_entropy_bonus.py tests/test_policy_masks.py tests/test_packed.py -k "not torch")  # the kernels' tests: the torch-path cases and torch.compile did not fit in the time
+    # the kernels' tests (the torch-path cases and torch.compile did not fit in the time); the reduction kernels'
+    # own tests last (the loss tests above run them too): a time limit cuts them first
+    TESTS=(tests/test_split_row.py tests/test_loss.py tests/test_fused_linear.py tests/test_reliability.py
+           tests/test_lean_backward.py tests/test_api.py tests/test_family.py tests/test_liger_parity.py
+           tests/test_drop_last_position.py tests/test_entropy_bonus.py tests/test_policy_masks.py tests/test_packed.py
+           tests/test_reduce.py -k "not torch")
 else
     TESTS=(tests/test_reliability.py -k "randomized_against_an_fp64_oracle and not lm_head")
 fi

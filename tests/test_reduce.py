@@ -139,15 +139,17 @@ def test_loss_metrics_of_no_token_are_zero(device):
     assert loss.item() == 0 and metrics.eq(0).all() and metrics.numel() == 5
 
 
-def test_scalars_are_read_where_the_kernel_can_read_them():
+def test_scalars_are_read_where_the_kernel_can_read_them(device):
     """A loss scale or normalizer tensor on the kernel's device is read there (no host sync); a CPU one beside
     CUDA tensors (torch's arithmetic accepts a CPU 0-d tensor) is read on the host, a normalizer of 0 as 1."""
-    on_device = torch.tensor(3.0)
+    on_device = torch.tensor(3.0, device=device)
     assert reduce_launch._scalar(on_device, on_device.device) == (1.0, on_device)
     assert reduce_launch._scalar(torch.tensor(2, dtype=torch.int64), torch.device("meta")) == (2.0, None)
     assert reduce_launch._scalar(0.5, torch.device("cpu")) == (0.5, None)
     B, T = 2, 3
-    mask = torch.ones(B, T)
+    mask = torch.ones(B, T, device=device)
     opts = GRPOOptions(loss_type="dapo")
-    w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, torch.tensor(0.0), 1.0))
-    assert torch.equal(w.weight, mask.reshape(-1))  # divided as 1, as the torch reduction does
+    for normalizer, scale in ((torch.tensor(0.0), torch.tensor(0.5)),  # CPU tensors (on a GPU: read on the host)
+                              (torch.tensor(0.0, device=device), torch.tensor(0.5, device=device))):
+        w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, scale))
+        assert torch.equal(w.weight, 0.5 * mask.reshape(-1))  # divided as 1, as the torch reduction does
