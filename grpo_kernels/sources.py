@@ -113,8 +113,9 @@ class LogitsSource:
         if inputs.vocab_shard is not None:
             from .vocab_parallel import vocab_parallel_logprobs
 
-            return vocab_parallel_logprobs(aligned(self.tensor, self.drop_last_position), inputs.ids, inputs.kernel_mask,
-                                           temperature, compute_entropy, inputs.backend, inputs.vocab_shard)
+            return vocab_parallel_logprobs(aligned(self.tensor, self.drop_last_position), inputs.ids,
+                                           inputs.kernel_mask, temperature, compute_entropy, inputs.backend,
+                                           inputs.vocab_shard)
         return TokenLogprobs.apply(self.tensor, inputs.ids.contiguous(), inputs.kernel_mask, temperature,
                                    compute_entropy, inputs.backend, final and self.in_place_backward,
                                    self.drop_last_position)[:2]

@@ -1,9 +1,10 @@
 """The O(N) kernels around a loss's logits pass (kernels/reduce.py) against the torch reductions they replace.
 
 The token-weights kernel must give ``objective.reduction_weights`` (times the loss scale) and the entropy
-bonus's ``entropy_bonus_weights`` for every loss type's reduction, bit for bit where the arithmetic is the same
-(0 / 1 masks); the loss-metrics kernel the reduced loss and TRL's masked means. The end-to-end loss tests
-(test_loss.py and the rest) hold the whole call to the specification.
+bonus's ``entropy_bonus_weights`` for every loss type's reduction: the same operations in the same order, so
+within 1e-6 relative (bit for bit in Triton's interpreter; a GPU's fp32 division may round differently);
+the copies of the per-token inputs exactly; the loss-metrics kernel the reduced loss and TRL's masked means.
+The end-to-end loss tests (test_loss.py and the rest) hold the whole call to the specification.
 """
 
 import pytest
@@ -18,6 +19,10 @@ from grpo_kernels.packing import SequenceLayout
 
 LOSS_TYPES = {"grpo": {}, "bnpo": {}, "dr_grpo": dict(max_completion_length=7), "dapo": {}, "luspo": {},
               "cispo": dict(epsilon_high=1.1), "sapo": {}}
+
+
+def _same(actual, expected):
+    torch.testing.assert_close(actual, expected.float(), atol=0, rtol=1e-6)
 
 
 def _mask(B, T, seed, fractional=False):
@@ -43,8 +48,8 @@ def test_token_weights_are_the_reductions_weights(device, loss_type, normalizer,
     w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, scale),
                                     advantages=advantages)
     expected = reduction_weights(mask, opts, normalizer) * scale
-    assert torch.equal(w.weight.view(B, T), expected.float())
-    assert torch.equal(w.entropy_weight.view(B, T), (entropy_bonus_weights(mask, opts) * scale).float())
+    _same(w.weight.view(B, T), expected)
+    _same(w.entropy_weight.view(B, T), entropy_bonus_weights(mask, opts) * scale)
     assert torch.equal(w.advantages.view(B, T), advantages.float()[:, None].expand(B, T))
     assert w.importance_weights is None
 
@@ -57,8 +62,9 @@ def test_fractional_masks_per_token_inputs_and_a_separate_bonus_mask(device):
     adv, iw = torch.randn(B, T, device=device), torch.rand(B, 1, device=device, dtype=torch.bfloat16)
     w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, None, 1.0, bonus),
                                     advantages=adv, importance_weights=iw)
-    torch.testing.assert_close(w.weight.view(B, T), reduction_weights(mask, opts), atol=0, rtol=1e-6)
-    torch.testing.assert_close(w.entropy_weight.view(B, T), entropy_bonus_weights(bonus, opts), atol=0, rtol=1e-6)
+    close = dict(atol=0, rtol=1e-5)  # sums of fractional masks, in another order
+    torch.testing.assert_close(w.weight.view(B, T), reduction_weights(mask, opts), **close)
+    torch.testing.assert_close(w.entropy_weight.view(B, T), entropy_bonus_weights(bonus, opts), **close)
     assert torch.equal(w.advantages.view(B, T), adv)
     assert torch.equal(w.importance_weights.view(B, T), iw.float().expand(B, T))
 
@@ -75,7 +81,7 @@ def test_a_packed_batch_takes_its_sequences_from_cu_seqlens(device, loss_type):
     w = reduce_launch.token_weights(mask, layout.sequences, kernel_reduction(opts, S, None, 1.0),
                                     advantages=per_sequence)
     expected = layout.from_seq(reduction_weights(layout.seq(mask), opts))
-    assert torch.equal(w.weight, expected)
+    _same(w.weight, expected)
     assert torch.equal(w.advantages, per_sequence[layout.sequence_of_token])
 
 
@@ -122,8 +128,9 @@ def test_loss_metrics_are_the_reduced_loss_and_trls_means(device, loss_type, wit
     expected_loss = (loss_t * weights.weight).sum() + ((entropy * weights.entropy_weight).sum() if with_bonus else 0)
     torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
     low, high = ((flags.int() & bit) != 0 for bit in (FLAG_LOW_CLIPPED, FLAG_HIGH_CLIPPED))
+    clip = clip_metric_values(opts, low.float(), high.float())
     expected = {"kl": masked_mean(kl, mask), "entropy": masked_mean(entropy, mask),
-                **{name: masked_mean(v, mask) for name, v in clip_metric_values(opts, low.float(), high.float()).items()}}
+                **{name: masked_mean(v, mask) for name, v in clip.items()}}
     names = metric_names(opts, with_kl, with_entropy)
     assert metrics.shape == (len(names),)
     for name, value in zip(names, metrics):
@@ -152,4 +159,4 @@ def test_scalars_are_read_where_the_kernel_can_read_them(device):
     for normalizer, scale in ((torch.tensor(0.0), torch.tensor(0.5)),  # CPU tensors (on a GPU: read on the host)
                               (torch.tensor(0.0, device=device), torch.tensor(0.5, device=device))):
         w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, scale))
-        assert torch.equal(w.weight, 0.5 * mask.reshape(-1))  # divided as 1, as the torch reduction does
+        _same(w.weight, 0.5 * mask.reshape(-1))  # divided as 1, as the torch reduction does

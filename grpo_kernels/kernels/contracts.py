@@ -105,9 +105,9 @@ class Sequences(NamedTuple):
 
 class Reduction(NamedTuple):
     """How a loss reduces its per-token terms, as the token-weights kernel reads it (``objective.reduction_weights``
-    times the loss scale; built by ``objective.kernel_reduction``): ``divisor_kind`` a ``contracts.DIVISOR_*``; ``divisor`` the number (or 0-d tensor) of
-    DIVISOR_GIVEN; ``loss_scale`` a float or a 0-d tensor; ``entropy_coef`` the entropy bonus's (0: none), over
-    ``bonus_mask``'s tokens (fp32 [N]; None: the mask's)."""
+    times the loss scale; built by ``objective.kernel_reduction``): ``divisor_kind`` a ``DIVISOR_*``; ``divisor``
+    the number (or 0-d tensor) of DIVISOR_GIVEN; ``loss_scale`` a float or a 0-d tensor; ``entropy_coef`` the
+    entropy bonus's (0: none), over ``bonus_mask``'s tokens (fp32 [N]; None: the mask's)."""
 
     divisor_kind: int
     divisor: object

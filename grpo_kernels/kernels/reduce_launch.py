@@ -6,7 +6,7 @@ No autograd here: the autograd Functions in ``grpo_kernels.functions`` call thes
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
