@@ -60,15 +60,17 @@ def check_token_ids(ids, logits: torch.Tensor, check_range: bool, *, mask=None, 
         raise ValueError(f"completion_ids is on {ids.device} but logits is on {logits.device}")
     if not check_range:
         return
-    checked = ids if mask is None else torch.where(mask != 0, ids, 0)
+    checked = ids if mask is None else ids.masked_fill(mask == 0, 0)
     if torch.compiler.is_compiling():  # a graph has no host sync: the same checks, asserted on the device
         _assert_in_graph(checked, V, mask, normalizer)
         return
-    stats = [v.reshape(1).double().to(ids.device) for v in torch.aminmax(checked)] if ids.numel() else []
-    if isinstance(normalizer, torch.Tensor):  # its value, and the active tokens a normalizer of 0 needs none of
+    if not isinstance(normalizer, torch.Tensor):  # the ids' range alone: two ops and the one host sync
+        values = torch.stack(torch.aminmax(checked)).tolist() if ids.numel() else []
+    else:  # with its value, and the active tokens a normalizer of 0 needs none of, in the same sync
+        stats = [v.reshape(1).double().to(ids.device) for v in torch.aminmax(checked)] if ids.numel() else []
         stats.append(_active_tokens(mask, ids).reshape(1).double().to(ids.device))
         stats.append(normalizer.detach().reshape(1).double().to(ids.device))
-    values = torch.cat(stats).tolist() if stats else []  # the one host sync
+        values = torch.cat(stats).tolist()  # the one host sync
     if ids.numel():
         low, high = int(values[0]), int(values[1])
         if low < 0 or high >= V:
