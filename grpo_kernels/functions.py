@@ -28,8 +28,7 @@ from typing import Optional
 import torch
 
 from .backends import get_backend
-from .kernels.contracts import (LossTokens, OnePassGradient, TokenInputs, launch_module, lm_head_launch_module,
-                                reduce_launch_module)
+from .kernels.contracts import LossTokens, OnePassGradient, launch_module, lm_head_launch_module, reduce_launch_module
 from .options import GRPOOptions
 
 
@@ -89,22 +88,6 @@ def _write_gradient(ctx, logits, ids, lse, g, h=None, entropy=None):
     if ctx.in_place:
         torch.autograd.graph.increment_version(logits)
     return grad
-
-
-def _token_weights(loss_tokens: LossTokens, dropped_gradient=None):
-    """(the per-token inputs as the loss kernels read them, the ``TokenWeights``): the token-weights kernel
-    (``kernels/reduce.py``), which also zeroes a dropped position's gradient rows."""
-    t = loss_tokens.tokens
-    weights = reduce_launch_module().token_weights(
-        t.mask, loss_tokens.sequences, loss_tokens.reduction, advantages=t.advantages,
-        importance_weights=t.importance_weights, dropped_gradient=dropped_gradient)
-    return TokenInputs(t.mask, weights.advantages, t.old_logps, t.ref_logps, weights.importance_weights), weights
-
-
-def _reduced(mask, opts: GRPOOptions, result, weights) -> tuple:
-    """(the reduced loss, the metrics vector) of a forward launch's per-token results: the loss-metrics kernel."""
-    return reduce_launch_module().loss_metrics(mask, opts, loss=result.loss, entropy=result.entropy, kl=result.kl,
-                                               flags=result.flags, weights=weights)
 
 
 def _loss_outputs(ctx, loss, metrics, logp, shape) -> tuple:
@@ -285,10 +268,10 @@ class FusedLinearTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
         ctx.set_materialize_grads(False)
-        tokens, weights = _token_weights(loss_tokens)
+        tokens, weights = reduce_launch_module().weighted_tokens(loss_tokens)
         r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, opts=opts, tokens=tokens,
                                                    compute_entropy=opts.compute_entropy)
-        loss, metrics = _reduced(tokens.mask, opts, r, weights)
+        loss, metrics = reduce_launch_module().reduced(tokens.mask, opts, r, weights)
         ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy, weights.weight,
                               weights.entropy_weight)
         ctx.backend, ctx.temperature = "triton", opts.temperature
@@ -315,11 +298,11 @@ class FusedLinearThreeProducts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        tokens, weights = _token_weights(loss_tokens)
+        tokens, weights = reduce_launch_module().weighted_tokens(loss_tokens)
         r, dh, dw, db = lm_head_launch_module().linear_three_products(
             hidden, weight, bias, ids, opts=opts, tokens=tokens, compute_entropy=opts.compute_entropy,
             gradient=OnePassGradient(weights.weight, weights.entropy_weight), compute_weight_grad=wants_weight)
-        loss, metrics = _reduced(tokens.mask, opts, r, weights)
+        loss, metrics = reduce_launch_module().reduced(tokens.mask, opts, r, weights)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return _loss_outputs(ctx, loss, metrics, r.logp, out_shape)
@@ -341,9 +324,9 @@ def three_products_loss_without_gradient(hidden, weight, bias, ids, loss_tokens:
                                          out_shape) -> tuple:
     """(loss, metrics vector, log-probs) of the 3-product lm_head where no gradient is wanted: each chunk's
     logits by cuBLAS, the logits kernel on them, no gradient written."""
-    tokens, weights = _token_weights(loss_tokens)
+    tokens, weights = reduce_launch_module().weighted_tokens(loss_tokens)
     r = lm_head_launch_module().linear_three_products(
         hidden, weight, bias, ids, opts=opts, tokens=tokens, compute_entropy=opts.compute_entropy, gradient=None,
         compute_weight_grad=False)[0]
-    loss, metrics = _reduced(tokens.mask, opts, r, weights)
+    loss, metrics = reduce_launch_module().reduced(tokens.mask, opts, r, weights)
     return loss, metrics, r.logp.view(out_shape)

@@ -220,8 +220,8 @@ def kernel_reduction(opts: GRPOOptions, S: int, normalizer, loss_scale,
         divisor = float(S)
     elif isinstance(normalizer, torch.Tensor):  # token_count: read on the device (no host sync)
         divisor = normalizer
-    else:
-        divisor = float(normalizer) if normalizer != 0 else 1.0  # 0: no active token, every weight is 0
+    else:  # a number (0 divides as 1 where the kernel is launched: no token is active then)
+        divisor = float(normalizer)
     return Reduction(divisor_kind, divisor, loss_scale, float(opts.entropy_coef), bonus_mask)
 
 

@@ -24,7 +24,6 @@ class SequenceLayout:
 
     def __init__(self, B: int, T: int, cu_seqlens: Optional[torch.Tensor] = None):
         self.packed = cu_seqlens is not None
-        self.cu_seqlens = cu_seqlens
         if not self.packed:
             self.S, self.T_max, self.N = B, T, B * T
             self.sequences = Sequences(B, T)

@@ -19,7 +19,7 @@ from ..options import GRPOOptions
 from . import grpo
 from . import tuned
 from .contracts import LOSS_SCALARS, LossTokens, OnePassGradient, TokenInputs, TokenWeights
-from .reduce_launch import fp32_rows, loss_metrics, rows_needed, token_weights
+from .reduce_launch import fp32_rows, reduced, rows_needed, weighted_tokens
 
 
 def block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
@@ -175,7 +175,7 @@ _OUTPUT_NAMES = {(False, entropy): _output_names(None, entropy) for entropy in (
 def allocate_outputs(N: int, device, opts: Optional[GRPOOptions], compute_entropy: bool,
                      rows: Optional[tuple] = None) -> ForwardResult:
     """The fp32 [N] outputs of a forward kernel (int8 flags); None where the options ask for none. The fp32
-    ones are rows of one buffer (``reduce_launch.fp32_rows``), or the given ``rows`` (``output_count`` of them)."""
+    ones are rows of one buffer (``reduce_launch.fp32_rows``), or the given ``rows`` (one per ``output_names``)."""
     names = output_names(opts, compute_entropy)
     rows = dict(zip(names, rows if rows is not None else fp32_rows(len(names), N, device)))
     with_loss = "loss" in rows
@@ -280,17 +280,12 @@ def loss_forward(
     N, device, t = B * T, logits.device, loss_tokens.tokens
     names = output_names(opts, opts.compute_entropy)
     rows = fp32_rows(len(names) + rows_needed(t.advantages, t.importance_weights, loss_tokens.reduction), N, device)
-    weights = token_weights(t.mask, loss_tokens.sequences, loss_tokens.reduction, advantages=t.advantages,
-                            importance_weights=t.importance_weights, dropped_gradient=dropped_gradient,
-                            out=rows[len(names):])
-    tokens = TokenInputs(t.mask, weights.advantages, t.old_logps, t.ref_logps, weights.importance_weights)
+    tokens, weights = weighted_tokens(loss_tokens, dropped_gradient=dropped_gradient, out=rows[len(names):])
     gradient = None if gradient_out is None else OnePassGradient(weights.weight, weights.entropy_weight,
                                                                  out=gradient_out)
     result = _run_forward(logits, ids, allocate_outputs(N, device, opts, opts.compute_entropy, rows[:len(names)]),
                           opts, opts.temperature, tokens, opts.compute_entropy, gradient, config)
-    loss, metrics = loss_metrics(t.mask, opts, loss=result.loss, entropy=result.entropy, kl=result.kl,
-                                 flags=result.flags, weights=weights)
-    return LossForward(result, weights, loss, metrics)
+    return LossForward(result, weights, *reduced(t.mask, opts, result, weights))
 
 
 def _run_forward(logits, ids, out: ForwardResult, opts, temperature: float, tokens: TokenInputs,

@@ -13,8 +13,8 @@ import torch
 from ..objective import metric_names
 from ..options import GRPOOptions
 from . import reduce
-from .contracts import (CLIP_METRICS_CISPO, CLIP_METRICS_NONE, CLIP_METRICS_PPO, DIVISOR_GIVEN, Reduction, Sequences,
-                        TokenWeights)
+from .contracts import (CLIP_METRICS_CISPO, CLIP_METRICS_NONE, CLIP_METRICS_PPO, DIVISOR_GIVEN, LossTokens, Reduction,
+                        Sequences, TokenInputs, TokenWeights)
 
 TOKEN_BLOCK = 1024  # the token-weights kernel's tokens per iteration (4 warps: 8 a thread)
 ZERO_BLOCK = 1024  # its vocabulary entries per iteration when it zeroes a dropped position's gradient row
@@ -26,11 +26,9 @@ def _per_row(name: str, t: Optional[torch.Tensor], S: int, N: int) -> Tuple[Opti
     as a contiguous [N]) or per sequence ([S] elements)."""
     if t is None:
         return None, False
-    if t.numel() == N:
-        return (t if t.is_contiguous() else t.reshape(-1).contiguous()), False
-    if t.numel() == S:
-        return (t if t.is_contiguous() else t.reshape(-1).contiguous()), True
-    raise ValueError(f"{name} must hold one value a token ({N}) or a sequence ({S}), got shape {tuple(t.shape)}")
+    if t.numel() not in (N, S):
+        raise ValueError(f"{name} must hold one value a token ({N}) or a sequence ({S}), got shape {tuple(t.shape)}")
+    return (t if t.is_contiguous() else t.reshape(-1).contiguous()), t.numel() != N
 
 
 def fp32_rows(count: int, N: int, device) -> tuple:
@@ -94,7 +92,8 @@ def token_weights(
             dropped_gradient[:, -1].zero_()
         return TokenWeights(adv_out, iw_out, weight_out, entropy_weight_out)
     divisor, divisor_ptr = _scalar(1.0 if r is None else r.divisor, mask.device)
-    divisor = divisor or 1.0  # a normalizer of 0 (read here from a CPU tensor): no token is active, weights are 0
+    divisor = divisor or 1.0  # a normalizer of 0 read on the host (the kernel does the same for a device tensor):
+    # no token is active then (validation checks it), every weight is 0, and it divides as 1 so that they stay 0
     scale, scale_ptr = _scalar(1.0 if r is None else r.loss_scale, mask.device)
     dropped = dropped_gradient is not None
     reduce.token_weights_kernel[(S,)](
@@ -110,6 +109,22 @@ def token_weights(
         BLOCK=TOKEN_BLOCK, BLOCK_V=ZERO_BLOCK, num_warps=4,
     )
     return TokenWeights(adv_out, iw_out, weight_out, entropy_weight_out)
+
+
+def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch.Tensor] = None,
+                    out: Optional[tuple] = None) -> Tuple[TokenInputs, TokenWeights]:
+    """``token_weights`` of a loss launch's ``LossTokens``: (its per-token inputs as the loss kernels read them,
+    advantages and importance weights written per token; the ``TokenWeights``)."""
+    t = loss_tokens.tokens
+    weights = token_weights(t.mask, loss_tokens.sequences, loss_tokens.reduction, advantages=t.advantages,
+                            importance_weights=t.importance_weights, dropped_gradient=dropped_gradient, out=out)
+    return TokenInputs(t.mask, weights.advantages, t.old_logps, t.ref_logps, weights.importance_weights), weights
+
+
+def reduced(mask: torch.Tensor, opts: GRPOOptions, result, weights: TokenWeights) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``loss_metrics`` of a forward launch's result (``launch.ForwardResult``): (the loss, the metrics)."""
+    return loss_metrics(mask, opts, loss=result.loss, entropy=result.entropy, kl=result.kl, flags=result.flags,
+                        weights=weights)
 
 
 def clip_metrics_kind(opts: GRPOOptions) -> int:
