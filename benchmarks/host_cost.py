@@ -4,14 +4,16 @@ On tiny CPU shapes, with the kernels' launches replaced by a counter, what is le
 the Python, the dispatcher and the small torch ops around the kernels: the cost that decides the
 end-to-end time at small shapes on a GPU. Per path: the aten ops dispatched in the forward and in the
 backward (every op that reaches the dispatcher, views and allocations included), the Triton launches,
-and the host time per forward + backward (median of repeats). Liger-Kernel's ``triton_grpo_loss`` is
+the host time per forward + backward (median of repeats), and what Triton's JIT adds to it on a GPU
+before each driver call: its binder specializing every argument of those same launches for sm_90
+(pointer alignment, integer values, dtypes) and the kernel cache key, timed on the recorded arguments. Liger-Kernel's ``triton_grpo_loss`` is
 measured the same way in the same run where it is installed, and so is the floor of any loss written as a
 ``torch.autograd.Function`` (one that allocates its outputs and gradient and computes nothing).
 
     python benchmarks/host_cost.py [--iters 300] [--repeats 5] [--json out.json]
 
-What this does not see: the Triton launcher's own cost on a GPU (binding and packing the arguments,
-which grows with their number); the device suite times host and GPU apart there.
+What this does not see: the driver's launch call and the C launcher's argument packing (a few
+microseconds a launch on a GPU); the device suite times host and GPU apart there.
 """
 
 from __future__ import annotations
@@ -48,14 +50,17 @@ class OpCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def no_op_launches():
-    """Every interpreted Triton kernel (ours and Liger's) launches nothing; yields the launch counter."""
+    """Every interpreted Triton kernel (ours and Liger's) launches nothing; yields the launch record: their
+    count, and while ``record["launched"]`` is a list, each launch (the kernel, its arguments) appended."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    counter = {"launches": 0}
+    counter = {"launches": 0, "launched": None}
     run = InterpretedFunction.run
 
-    def counted(self, *args, **kwargs):
+    def counted(self, *args, grid, warmup, **kwargs):
         counter["launches"] += 1
+        if counter["launched"] is not None:
+            counter["launched"].append((self, args, kwargs))
 
     InterpretedFunction.run = counted
     try:
@@ -127,6 +132,44 @@ def _floor(x, logits):
                         x["ref_logps"])[0]
 
 
+def jit_binding_us(launched, iters: int, repeats: int) -> float:
+    """Host time (us) Triton's JIT spends on these launches on an sm_90 GPU before the driver call: for each,
+    its binder (every argument specialized: a pointer's 16-byte alignment, an integer's value, the dtypes;
+    the options) and the kernel cache key, as ``JITFunction.run`` does on every call. Timed here on the
+    recorded CPU arguments (the same specialization work as CUDA tensors'); median of repeats, summed."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    # the options JITFunction.run adds to every call's keywords (the set differs between Triton versions)
+    run_options = {"debug": False}
+    for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+        if hasattr(knobs.compilation, name):
+            run_options[name] = getattr(knobs.compilation, name)
+    total = 0.0
+    for interpreted, args, kwargs in launched:
+        jit = JITFunction(interpreted.fn, **interpreted.kwargs)  # what triton.jit makes without the interpreter
+        binder = create_function_from_signature(jit.signature, jit.params, backend)
+        key_cache: dict = {}
+        keywords = {**kwargs, **run_options}
+
+        def bind():
+            _, specialization, options = binder(*args, **keywords)
+            compute_cache_key(key_cache, specialization, options)
+
+        bind()  # the key cache warm, as on every call after a kernel's first
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(iters):
+                bind()
+            times.append((time.perf_counter() - start) / iters)
+        total += statistics.median(times)
+    return total * 1e6
+
+
 def measure(call: Callable, iters: int, repeats: int) -> Dict[str, float]:
     x = inputs()
     with no_op_launches() as launches:
@@ -140,6 +183,11 @@ def measure(call: Callable, iters: int, repeats: int) -> Dict[str, float]:
         with backward:
             loss.backward()
         counted_launches = launches["launches"] - before
+        # the launches' arguments, recorded in a call of their own: a kept reference to the gradient would make
+        # autograd copy it into .grad (two more ops) in the counted call
+        logits.grad, launches["launched"] = None, []
+        call(x, logits).backward()
+        launched, launches["launched"] = launches["launched"], None
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -148,7 +196,8 @@ def measure(call: Callable, iters: int, repeats: int) -> Dict[str, float]:
                 call(x, logits).backward()
             times.append((time.perf_counter() - start) / iters)
     return {"aten_ops_forward": forward.count, "aten_ops_backward": backward.count, "triton_launches": counted_launches,
-            "host_us": round(statistics.median(times) * 1e6, 1)}
+            "host_us": round(statistics.median(times) * 1e6, 1),
+            "jit_binding_us": round(jit_binding_us(launched, iters, repeats), 1)}
 
 
 def main(argv=None) -> Dict[str, Dict[str, float]]:
@@ -165,10 +214,10 @@ def main(argv=None) -> Dict[str, Dict[str, float]]:
         torch.set_num_threads(threads)
     print(f"host work of one forward + backward, every Triton launch a no-op (B, T, V = {B}, {T}, {V}; "
           f"torch {torch.__version__}, 1 thread)")
-    print(f"{'path':40s} {'aten fwd':>9s} {'aten bwd':>9s} {'launches':>9s} {'host us':>9s}")
+    print(f"{'path':40s} {'aten fwd':>9s} {'aten bwd':>9s} {'launches':>9s} {'host us':>9s} {'+ JIT binding us':>17s}")
     for name, r in results.items():
         print(f"{name:40s} {r['aten_ops_forward']:9d} {r['aten_ops_backward']:9d} {r['triton_launches']:9d} "
-              f"{r['host_us']:9.1f}")
+              f"{r['host_us']:9.1f} {r['jit_binding_us']:17.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": [B, T, V], "torch": torch.__version__, "results": results}, f, indent=1)

@@ -25,3 +25,21 @@ def test_host_work_is_counted_and_bounded(capsys):
     assert results["grpo_loss two-pass"]["triton_launches"] == 4  # the same with the backward kernel for the scale
     for name, r in results.items():
         assert r["host_us"] > 0, name
+        # Triton's JIT binder timed on the path's own launches (none in the autograd.Function floor)
+        assert (r["jit_binding_us"] > 0) == (r["triton_launches"] > 0), (name, r)
+
+
+def test_jit_binding_is_timed_on_the_recorded_launches():
+    """The binder column times Triton's sm_90 binder on each recorded launch's own arguments (the four kernels of
+    a one-pass call, in order); no launch, no time."""
+    x = host_cost.inputs()
+    call = host_cost.paths()["grpo_loss one-pass, check_ids=False"]
+    with host_cost.no_op_launches() as launches:
+        launches["launched"] = []
+        logits = x["logits"].clone().requires_grad_()
+        call(x, logits).backward()
+        launched = launches["launched"]
+    names = [interpreted.fn.__name__ for interpreted, _, _ in launched]
+    assert names == ["token_weights_kernel", "grpo_forward_kernel", "loss_metrics_kernel", "scale_in_place_kernel"]
+    assert host_cost.jit_binding_us([], 2, 1) == 0
+    assert host_cost.jit_binding_us(launched[1:2], 2, 1) > 0
