@@ -62,12 +62,16 @@ def logits_candidates():
     # Pruned by the first H200 runs (benchmarks/results/gpu/): BLOCK_V 8192 never came within 5 %
     # of the best, and the persistent schedule lost at every programs_per_sm (one kept as the
     # record); 42 candidates a shape did not fit the stage's time in the second run, these 25 should
-    # (31 with the split-row candidates).
+    # (34 with the split-row candidates).
     blocks, warps, stages = (4096, 2048), (16, 8, 4), (1, 3)
-    # the split-row schedule first (never measured yet): each row over K programs, read once (2 S)
-    for split_row, num_warps in itertools.product((8, 4, 16), (8, 4)):
-        yield {"mode": "one_pass", "BLOCK_V": 4096, "num_warps": num_warps, "num_stages": 1, "programs_per_sm": None,
-               "split_row": split_row}
+    # the split-row schedule first (never measured yet): each row over K programs, read once (2 S). K = 64 is
+    # more chunks than a row has blocks: a block a chunk, held in registers (no second read, from L2 or
+    # anywhere); its per-chunk work (the merge, the loss terms) is spread over a thread's logits, so more of
+    # them (fewer warps, a wider block) is the trade the sweep weighs against occupancy.
+    for split_row, block_v, num_warps in ((8, 4096, 8), (64, 4096, 4), (64, 8192, 8), (64, 4096, 8), (8, 4096, 4),
+                                          (4, 4096, 8), (4, 4096, 4), (16, 4096, 8), (16, 4096, 4)):
+        yield {"mode": "one_pass", "BLOCK_V": block_v, "num_warps": num_warps, "num_stages": 1,
+               "programs_per_sm": None, "split_row": split_row}
     for mode in ("one_pass", "two_pass"):
         for block_v, num_warps, num_stages in itertools.product(blocks, warps, stages):
             yield {"mode": mode, "BLOCK_V": block_v, "num_warps": num_warps, "num_stages": num_stages,
@@ -187,7 +191,16 @@ def sweep_logits(shapes, results, budget_end, write, smoke):
         baseline = run_logits(x, {"mode": "two_pass", **launch.block_config(V, x["logits"].element_size()),
                                   "num_stages": None})
         candidates = list(logits_candidates())
+        schedules = {}  # a split-row candidate's schedule on this V -> the first candidate that runs it
         for i, candidate in enumerate(candidates):
+            if candidate["split_row"]:
+                schedule = (launch.split_row_chunks(V, candidate["BLOCK_V"], candidate["split_row"]),
+                            candidate["num_warps"], candidate["num_stages"])
+                if schedule in schedules:  # at V = 32000, K = 64 is K = 8: 8 blocks held
+                    results["logits"].append({"N": B * T, "V": V, **candidate,
+                                              "status": f"same schedule as split_row={schedules[schedule]}"})
+                    continue
+                schedules[schedule] = candidate["split_row"]
             if smoke and i >= 2:
                 results["logits"].append({"N": B * T, "V": V, **candidate, "status": "listed (smoke)"})
                 continue

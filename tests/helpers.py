@@ -89,9 +89,11 @@ def check_lm_head_against_reference(hidden, weight, inputs, *, backend, lm_head_
         assert_close(name, value, out.metrics[name], **tol)
 
 
-def split_row(chunks: int = 4):
-    """Within the block the one-pass loss runs on the split-row kernel, each row over ``chunks`` programs
-    (in the interpreter: its two launches, publish then merge)."""
+def split_row(chunks: int = 4, block_v=256):
+    """Within the block the one-pass loss runs on the split-row kernel, each row over at most ``chunks`` programs
+    (in the interpreter: its two launches, publish then merge), with blocks of ``block_v`` logits (None: the
+    launcher's). The tests' small vocabularies need small blocks to have several: at V = 1003, 4 chunks of a
+    256-logit block each, held in registers; at V = 4999, 4 chunks of 5 blocks, read again from L2."""
     from grpo_kernels.kernels import launch
 
-    return launch.split_row_schedule(chunks)
+    return launch.split_row_schedule(chunks, block_v)

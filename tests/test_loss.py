@@ -23,7 +23,8 @@ from grpo_kernels.objective import grpo_loss_eager
 
 # "triton" is the default one-pass kernel at token level (two-pass at sequence level);
 # "triton-two-pass" forces the forward-then-backward kernels everywhere; "triton-split-row" runs the
-# one-pass loss on the split-row kernel (each row over 4 programs; kernels/split_row.py).
+# one-pass loss on the split-row kernel (each row over at most 4 programs, 256-logit blocks: at V = 1003 a block
+# a chunk held in registers, at V = 4999 chunks of 5 blocks read again from L2; kernels/split_row.py).
 BACKENDS = ["torch", "triton", "triton-two-pass", "triton-split-row"]
 LOSS_TYPE_DEFAULTS = {"dr_grpo": dict(max_completion_length=8), "cispo": dict(epsilon_high=1.1)}
 FP32_TOL = dict(atol=1e-6, rtol=1e-5)

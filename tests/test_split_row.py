@@ -17,14 +17,41 @@ from grpo_kernels.kernels import launch
 TOL = dict(atol=1e-6, rtol=1e-5)
 
 
-def _both(batch, chunks, **options):
+# the two variants: a chunk of one 256-logit block, held in registers (K = 4 at V = 1003, 20 at 4999); 4 chunks of
+# 128-logit blocks (2 a chunk at V = 1003, 10 at 4999), read again from L2 for the gradient
+VARIANTS = {"held": dict(chunks=64, block_v=256), "streamed": dict(chunks=4, block_v=128)}
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The split-row kernel's launches in the test (K, K_LANES, HOLD_CHUNK, BLOCK_V of each)."""
+    from grpo_kernels.kernels import split_row as split_row_kernels
+
+    calls = []
+    kernel = split_row_kernels.split_row_forward_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                calls.append({k: kwargs[k] for k in ("K", "K_LANES", "HOLD_CHUNK", "BLOCK_V")})
+                return kernel[grid](**kwargs)
+            return run
+
+        def __getattr__(self, name):  # warmup (a GPU's resident-program count) and the rest: the kernel's own
+            return getattr(kernel, name)
+
+    monkeypatch.setattr(split_row_kernels, "split_row_forward_kernel", Spy())
+    return calls
+
+
+def _both(batch, chunks, block_v=256, **options):
     """((loss, dlogits, output) of the reference, (the same) of the split-row kernel)."""
     results = []
     for ours in (False, True):
         logits = batch["logits"].detach().clone().requires_grad_()
         inputs = {**batch, "logits": logits}
         if ours:
-            with split_row(chunks):
+            with split_row(chunks, block_v):
                 out = grpo_loss(**inputs, backend="triton", one_pass=True, **options)
         else:
             out = grpo_loss_reference(**{**inputs, "logits": logits.float()} if logits.dtype != torch.float32
@@ -42,55 +69,89 @@ def _check(expected, actual, tol=TOL, batch=None):
         assert_close(f"metric {name}", value, actual[2].metrics[name], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunks", [2, 3, 4, 8])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("V", [1003, 64, 4999])
 def test_any_number_of_chunks_and_any_vocabulary(device, chunks, V):
-    """K is rounded up to a power of 2 and capped by the row's blocks; chunks are whole blocks, the last
-    one short (V not a multiple of anything)."""
+    """At most K chunks of whole 256-logit blocks, none empty, the last one short (V not a multiple of
+    anything); K = 1 (V = 64: one block) is a row in one program, waiting on no sibling."""
     batch = make_batch(device=device, V=V, seed=V + chunks)
     _check(*_both(batch, chunks, beta=0.04, temperature=0.9))
 
 
 def test_the_chunks_cover_the_row_in_whole_blocks():
-    for V, block, chunks in [(151936, 4096, 8), (32000, 4096, 4), (1003, 256, 4), (5, 2, 8), (1, 2, 4)]:
+    """At most the K asked for, chunks of whole blocks, as few blocks a chunk as that allows, none empty."""
+    for V, block, chunks in [(151936, 4096, 8), (151936, 4096, 16), (151936, 4096, 64), (151936, 8192, 19),
+                             (32000, 4096, 4), (32000, 4096, 8), (1003, 256, 4), (5, 2, 8), (1, 2, 4), (7, 2, 3)]:
         k, chunk_len = launch.split_row_chunks(V, block, chunks)
-        assert k & (k - 1) == 0 and k * chunk_len >= V and chunk_len % block == 0
-        assert k <= -(-V // block) and (k >= chunks or 2 * k > -(-V // block))
-    assert launch.split_row_chunks(151936, 4096, 8) == (8, 5 * 4096)
+        blocks = -(-V // block)
+        assert chunk_len % block == 0 and k * chunk_len >= V > (k - 1) * chunk_len  # covered, the last not empty
+        assert k <= chunks and (chunk_len == block or -(-blocks // (chunk_len // block - 1)) > chunks)
+    assert launch.split_row_chunks(151936, 4096, 8) == (8, 5 * 4096)  # 5 blocks of L2-read chunks
+    assert launch.split_row_chunks(151936, 4096, 16) == (13, 3 * 4096)  # not 16 chunks with 3 empty
+    assert launch.split_row_chunks(151936, 4096, 64) == (38, 4096)  # a block a chunk: held in registers
+    assert launch.split_row_chunks(32000, 4096, 8) == (8, 4096)
+
+
+@pytest.mark.parametrize("V, chunks, block_v, dtype, held", [
+    (4999, 2, 2048, torch.float32, False),  # 3 blocks: chunks of 2 blocks, the second read from L2
+    (4999, 3, 2048, torch.float32, True),  # a block a chunk, K = 3 (not a power of 2: the merge masks lanes)
+    (4999, 8, 1024, torch.float32, True),  # more chunks than blocks: K = 5, a block each
+    (1003, 4, 1024, torch.float32, True),  # K = 1: the row in one program, a block held (no sibling to wait on)
+    (32000, 8, None, torch.bfloat16, True),  # the launcher's 4096-logit blocks: 8 chunks held
+])
+def test_which_variant_runs_and_both_match_the_reference(device, launched, V, chunks, block_v, dtype, held):
+    """A chunk of one block is held in registers from its load to its gradient (HOLD_CHUNK), a longer one is
+    read again; K is any number of chunks. Both against the reference, with the entropy bonus's gradient too."""
+    batch = make_batch(device=device, V=V, seed=V + chunks, dtype=dtype)
+    expected, actual = _both(batch, chunks, block_v, beta=0.04, entropy_coef=0.03, temperature=0.9)
+    assert launched and all(c["HOLD_CHUNK"] == held for c in launched), launched
+    k = launched[0]["K"]
+    assert k <= chunks and launched[0]["K_LANES"] == 1 << (k - 1).bit_length()
+    if dtype == torch.float32:
+        _check(expected, actual)
+    else:
+        assert_close("loss", expected[0], actual[0], atol=1e-5, rtol=1e-4)
+        assert_close("dlogits", expected[1], actual[1], atol=1e-5, rtol=2 * torch.finfo(dtype).eps)
 
 
 @pytest.mark.parametrize("case", ["delta_and_dual_clip_per_token_adv", "kl_k3_clamped_verl", "bias_corrected_kl",
                                   "cispo_per_token_adv", "sapo_temperatures", "no_entropy", "strided_logits_view",
                                   "one_token", "vocab_over_several_blocks"])
-def test_options(device, case):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_options(device, launched, case, variant):
     from helpers import BATCH_KEYS
 
     options = dict(OPTION_CASES[case])
     batch = make_batch(device=device, seed=5, **{k: options.pop(k) for k in list(options) if k in BATCH_KEYS})
-    _check(*_both(batch, 4, **options))
+    _check(*_both(batch, **VARIANTS[variant], **options))
+    assert all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), launched
 
 
-def test_minus_inf_logits_and_masked_rows(device):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_minus_inf_logits_and_masked_rows(device, launched, variant):
     """-inf logits (a vocabulary masked out) in several chunks, including a whole chunk of them; the
     partly and fully masked rows of make_batch are never read and get zero gradient rows."""
     batch = make_batch(device=device, V=1003, seed=2)
     logits = batch["logits"].clone()
     logits[..., 5:40] = float("-inf")
-    logits[..., 600:900] = float("-inf")  # a whole chunk of 256 at K = 4
+    logits[..., 512:768] = float("-inf")  # a whole chunk of 256 (either variant at K = 4)
+    logits[..., 900:950] = float("-inf")
     batch["logits"] = logits
-    batch["completion_ids"] = batch["completion_ids"].clamp(min=40, max=599)
-    expected, actual = _both(batch, 4, beta=0.04)
+    batch["completion_ids"] = batch["completion_ids"].clamp(min=40, max=511)
+    expected, actual = _both(batch, **VARIANTS[variant], beta=0.04)
     _check(expected, actual)
+    assert all(c["HOLD_CHUNK"] == (variant == "held") and c["K"] == 4 for c in launched), launched
     masked = batch["completion_mask"] == 0
     assert masked.any() and torch.count_nonzero(actual[1][masked]) == 0
     assert torch.isfinite(actual[2].metrics["entropy"])
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
-def test_the_entropy_bonus(device, loss_type):
-    batch = make_batch(device=device, V=2053, seed=7)
+def test_the_entropy_bonus(device, loss_type, variant):
+    batch = make_batch(device=device, V=1003, seed=7)
     extra = {"cispo": dict(epsilon_high=1.1)}.get(loss_type, {})
-    _check(*_both(batch, 4, loss_type=loss_type, entropy_coef=0.05, temperature=0.8, **extra))
+    _check(*_both(batch, **VARIANTS[variant], loss_type=loss_type, entropy_coef=0.05, temperature=0.8, **extra))
 
 
 def test_bf16_logits(device):
@@ -117,9 +178,10 @@ def test_the_default_schedule_is_unchanged_until_measured(device, monkeypatch):
     assert calls == [1]
 
 
-def test_no_wait_times_out(device):
+@pytest.mark.parametrize("chunks, held", [(32, True), (8, False)])  # 20 chunks of a block; 7 of 3 blocks
+def test_no_wait_times_out(device, launched, chunks, held):
     """On a GPU the kernel is one cooperative launch whose every wait must return (no timeout recorded);
-    in the interpreter there is no wait (two launches) and no flag."""
+    in the interpreter there is no wait (two launches) and no flag. Both variants (the sanitizer's case)."""
     from grpo_kernels import GRPOOptions
     from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs
 
@@ -127,7 +189,7 @@ def test_no_wait_times_out(device):
     logits, ids = batch["logits"], batch["completion_ids"]
     N = ids.numel()
     f32 = dict(device=device, dtype=torch.float32)
-    with split_row(8):
+    with split_row(chunks):
         tokens = TokenInputs(mask=batch["completion_mask"].reshape(-1),
                              advantages=batch["advantages"].repeat_interleave(ids.shape[1]).contiguous(),
                              old_logps=batch["old_logps"].reshape(-1).contiguous(),
@@ -135,6 +197,7 @@ def test_no_wait_times_out(device):
         r = launch.forward(logits, ids, opts=GRPOOptions(beta=0.04), tokens=tokens, compute_entropy=True,
                            gradient=OnePassGradient(torch.full((N,), 1.0 / N, **f32)))
     assert r.grad_logits is not None and torch.isfinite(r.grad_logits).all()
+    assert launched and all(c["HOLD_CHUNK"] == held for c in launched), launched
     if logits.is_cuda:
         assert int(r.split_row_error) == 0
     else:

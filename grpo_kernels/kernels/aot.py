@@ -48,6 +48,10 @@ BUDGETS = {"one-pass": 20.0, "forward": 13.0, "backward": 7.0}  # measured: 17.3
 # the entropy bonus's gradient: one more FMA and a floor (max) a logit in the gradient loop;
 # measured 19.3 (11.1 + 8.2) and 8.4 (bf16, sm_90, 70 and 48 registers)
 BUDGETS_ENTROPY_BONUS = {"one-pass": 23.0, "backward": 10.0}
+# a split-row chunk held in registers (one block of 4096 over 8 warps: 16 logits a thread): the work item's
+# instructions over its logits, both chunk paths and the per-item work counted (an upper bound; measured
+# 52.7 and 55.1 with the entropy bonus, bf16, sm_90, triton 3.9; 55.1 and 57.6 with triton 3.6)
+BUDGETS_HELD_CHUNK = {"one-pass": 60.0, "one-pass entropy-bonus": 62.0}
 
 
 @dataclasses.dataclass
@@ -161,8 +165,9 @@ def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                 yield f"ppo+entropy-bonus one-pass {tag}", lambda: launch.forward(
                     x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], tokens=TokenInputs(x["mask"], x["adv"], x["old"]),
                     compute_entropy=True, gradient=OnePassGradient(x["weight"], x["weight"]))
-                if V >= 32000:  # the split-row schedule (one cooperative launch: see record_all)
-                    for chunks, bonus in ((8, False), (4, True)):
+                if V >= 32000:  # the split-row schedule (one cooperative launch: see record_all); at V = 151936,
+                    # K = 64 is a block a chunk held in registers (38 chunks; bf16 and fp16), and K = 8 at V = 32000
+                    for chunks, bonus in ((8, False), (4, True)) + (((64, False), (64, True)) if V > 32000 else ()):
                         name = "ppo+entropy-bonus" if bonus else "ppo+old+iw"
                         yield f"{name} one-pass split-row K={chunks} {tag}", lambda k=chunks, e=bonus: _split_row(
                             k, launch.forward, x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"],
@@ -331,26 +336,46 @@ def hot_loops(cubin: bytes) -> List[Dict[str, int]]:
     code = [(address, opcode, operands) for address, opcode, operands, _ in sass_instructions(cubin)]
     predicated_loads = {address for address, opcode, _, predicated in sass_instructions(cubin)
                         if predicated and opcode.startswith("LDG")}
+    loops = _loops(code)
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    result = []
+    for begin, end in innermost:
+        body = [op for address, op, _ in code if begin <= address <= end and op != "NOP"]
+        if not any(op.startswith("LDG") for op in body) or any(begin <= address <= end for address in predicated_loads):
+            continue
+        result.append(_instruction_mix(body))
+    return result
+
+
+def held_chunk_loop(cubin: bytes) -> Dict[str, int]:
+    """The split-row kernel's work-item loop when its chunk is held in registers (``HOLD_CHUNK``): there is no
+    loop over the logits, so the item's loop is the hot one: the outermost loop that loads a 128-bit vector.
+    Its body counts both chunk paths (a full block, and the row's short last chunk) and the per-item work
+    (the state's reductions, the wait, the merge, the loss terms): per logit, an upper bound."""
+    code = [(address, opcode, operands) for address, opcode, operands, _ in sass_instructions(cubin)]
+    loading = [(a, b) for a, b in _loops(code)
+               if any(a <= address <= b and op.startswith("LDG.E.128") for address, op, _ in code)]
+    begin, end = max(loading, key=lambda loop: loop[1] - loop[0])
+    return _instruction_mix([op for address, op, _ in code if begin <= address <= end and op != "NOP"])
+
+
+def _loops(code) -> List[Tuple[int, int]]:
+    """(first address, branch address) of each loop: a backward branch (BRA to a lower address)."""
     loops = []
     for address, opcode, operands in code:
         target = re.match(r"\s*(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", operands)
         if opcode.startswith("BRA") and target and target.group(1) and int(target.group(1), 16) < address:
             loops.append((int(target.group(1), 16), address))
-    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    result = []
-    for begin, end in innermost:
-        body = [(op, operands) for address, op, operands in code if begin <= address <= end and op != "NOP"]
-        loads = [op for op, _ in body if op.startswith("LDG")]
-        if not loads or any(begin <= address <= end for address in predicated_loads):
-            continue
-        widths = [re.search(r"\.(128|64|32|16)\b", op) for op in loads]
-        result.append({"instructions": len(body), "mufu": sum(op.startswith("MUFU") for op, _ in body),
-                       "global_loads": len(loads),
-                       "bytes_loaded": sum(int(m.group(1)) // 8 if m else 4 for m in widths),
-                       "global_stores": sum(op.startswith("STG") for op, _ in body),
-                       "shuffles": sum(op.startswith("SHFL") for op, _ in body),
-                       "barriers": sum(op.startswith("BAR") for op, _ in body)})
-    return result
+    return loops
+
+
+def _instruction_mix(body: List[str]) -> Dict[str, int]:
+    loads = [op for op in body if op.startswith("LDG")]
+    widths = [re.search(r"\.(128|64|32|16)\b", op) for op in loads]
+    return {"instructions": len(body), "mufu": sum(op.startswith("MUFU") for op in body), "global_loads": len(loads),
+            "bytes_loaded": sum(int(m.group(1)) // 8 if m else 4 for m in widths),
+            "global_stores": sum(op.startswith("STG") for op in body),
+            "shuffles": sum(op.startswith("SHFL") for op in body), "barriers": sum(op.startswith("BAR") for op in body)}
 
 
 KERNEL_KINDS = {"grpo_forward_kernel": "forward", "logprob_backward_kernel": "backward",
@@ -384,16 +409,19 @@ def _record(item: Launch, arch: int) -> Dict[str, object]:
         "async_copies": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
         "shared_bytes": compiled.metadata.shared,
     }
+    held = name == "split_row_forward_kernel" and named["HOLD_CHUNK"]
     if name == "split_row_forward_kernel":  # a cooperative launch: every program resident at once
         record["chunks"] = named["K"]
+        record["held_chunk"] = held
         record["resident_programs_per_sm"] = launch.resident_programs_per_sm(
             usage.get("REG"), options.num_warps, compiled.metadata.shared)
     if not fused and name in ("grpo_forward_kernel", "logprob_backward_kernel", "split_row_forward_kernel"):
         logit_bytes = DTYPES[record["dtype"]].itemsize
-        loops = hot_loops(compiled.asm["cubin"])
+        loops = [held_chunk_loop(compiled.asm["cubin"])] if held else hot_loops(compiled.asm["cubin"])
         for loop in loops:
-            # the logits one pass of the body handles: its loads (the compiler may unroll the loop)
-            logits = loop["bytes_loaded"] / logit_bytes
+            # the logits one pass of the body handles: its loads (the compiler may unroll the loop); a held
+            # chunk's item: its block over the threads
+            logits = record["BLOCK_V"] / (32 * options.num_warps) if held else loop["bytes_loaded"] / logit_bytes
             loop["logits_per_thread"] = logits
             loop["per_logit"] = round(loop["instructions"] / logits, 2)
             loop["mufu_per_logit"] = round(loop["mufu"] / logits, 3)
@@ -423,7 +451,10 @@ def budget_of(record: Dict[str, object]) -> Optional[float]:
     vocab = re.search(r"V=(\d+)", record["specialization"])
     if "instructions_per_logit" not in record or not vocab or int(vocab.group(1)) < 2 * record["BLOCK_V"]:
         return None  # a vocabulary of one or two blocks (V = 1003) never runs the loop
-    budgets = {**BUDGETS, **BUDGETS_ENTROPY_BONUS} if "entropy-bonus" in record["specialization"] else BUDGETS
+    bonus = "entropy-bonus" in record["specialization"]
+    if record.get("held_chunk"):
+        return BUDGETS_HELD_CHUNK["one-pass entropy-bonus" if bonus else "one-pass"]
+    budgets = {**BUDGETS, **BUDGETS_ENTROPY_BONUS} if bonus else BUDGETS
     if "one-pass" in record["specialization"]:
         return budgets["one-pass"]
     return budgets["backward"] if record["kernel"] == "backward" else budgets["forward"]
@@ -449,7 +480,8 @@ def summary(records: List[Dict[str, object]]) -> str:
         lines.append(f"{r['arch']} {r['dtype']:5} {r['BLOCK_V']:7} {r['num_warps']:5} {r['registers']:4} "
                      f"{r['instructions_per_logit']:5.1f} ({loops:>11}) {r['mufu_per_logit']:10.2f} "
                      f"{100 * r['roofline']['issue_fraction']:6.0f} {100 * r['roofline']['mufu_fraction']:5.0f} "
-                     f"{r['budget'] if r['budget'] else '-':>6}  {r['specialization']}")
+                     f"{r['budget'] if r['budget'] else '-':>6}  {r['specialization']}"
+                     + (" (chunk held)" if r.get("held_chunk") else ""))
     return "\n".join(lines)
 
 

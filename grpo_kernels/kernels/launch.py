@@ -362,30 +362,31 @@ def backward(
 # The split-row schedule (kernels/split_row.py): None keeps the one-program-per-row kernel unless the device
 # sweep measured a K for this GPU and vocabulary (tuned.json's "split_row"); tests set a K to run it.
 SPLIT_ROW_CHUNKS: Optional[int] = None
+SPLIT_ROW_BLOCK: Optional[int] = None  # a BLOCK_V for the split-row kernel alone (tests: a chunk of several blocks)
 SPLIT_ROW_MAX_SPIN = 1 << 22  # a wait's bound in reads of the counter (a cooperative launch never reaches it)
 _RESIDENT_PROGRAMS: Dict[tuple, int] = {}
 
 
 @contextlib.contextmanager
-def split_row_schedule(chunks: Optional[int]):
+def split_row_schedule(chunks: Optional[int], block_v: Optional[int] = None):
     """Within the block the one-pass loss runs on the split-row kernel with each row over ``chunks``
-    programs (None: the measured default); for tests, benchmarks and the AOT report."""
-    global SPLIT_ROW_CHUNKS
-    saved, SPLIT_ROW_CHUNKS = SPLIT_ROW_CHUNKS, chunks
+    programs (None: the measured default), with blocks of ``block_v`` logits where given; for tests,
+    benchmarks and the AOT report."""
+    global SPLIT_ROW_CHUNKS, SPLIT_ROW_BLOCK
+    saved, SPLIT_ROW_CHUNKS, SPLIT_ROW_BLOCK = (SPLIT_ROW_CHUNKS, SPLIT_ROW_BLOCK), chunks, block_v
     try:
         yield
     finally:
-        SPLIT_ROW_CHUNKS = saved
+        SPLIT_ROW_CHUNKS, SPLIT_ROW_BLOCK = saved
 
 
 def split_row_chunks(V: int, block_v: int, chunks: int) -> tuple:
-    """(K, chunk length): K a power of 2 (the merge reads the K states as one vector), at least ``chunks``
-    where the row has that many blocks, at most its blocks; each chunk a whole number of blocks (so that
-    its full blocks load unmasked), the K chunks covering the row (the last ones may be short or empty)."""
+    """(K, chunk length): the row cut into at most ``chunks`` chunks of the same whole number of blocks (so that
+    full blocks load unmasked), as few blocks a chunk as that allows; K the chunks that then cover the row,
+    none empty (only the last one short). A chunk of one block is held in registers (``HOLD_CHUNK``)."""
     blocks = triton.cdiv(V, block_v)
-    most = 1 << (blocks.bit_length() - 1)  # the largest power of 2 <= blocks
-    k = min(triton.next_power_of_2(max(int(chunks), 1)), most)
-    return k, triton.cdiv(blocks, k) * block_v
+    chunk_blocks = triton.cdiv(blocks, max(int(chunks), 1))
+    return triton.cdiv(blocks, chunk_blocks), chunk_blocks * block_v
 
 
 def resident_programs_per_sm(registers: int, num_warps: int, shared_bytes: int, *, regs_per_sm: int = 65536,
@@ -431,16 +432,15 @@ def _split_row_forward(logits: torch.Tensor, kwargs: dict, launch_config: dict, 
     N, V = kwargs["N"], kwargs["V"]
     if N == 0:
         return True, None
-    # a chunk smaller than the row's block (a small vocabulary) gets its own, smaller block and warps
-    per_chunk = block_config(triton.cdiv(V, chunks), logits.element_size())
-    if per_chunk["BLOCK_V"] < launch_config["BLOCK_V"]:
-        launch_config = {**launch_config, **per_chunk}
+    if SPLIT_ROW_BLOCK:
+        launch_config = {**launch_config, **block_config(SPLIT_ROW_BLOCK, logits.element_size())}
     K, chunk_len = split_row_chunks(V, launch_config["BLOCK_V"], chunks)
     error = torch.zeros(1, device=logits.device, dtype=torch.int32)
     kwargs = dict(
         kwargs, state_ptr=torch.empty(N, K, split_row.STATE_WIDTH, device=logits.device, dtype=torch.float32),
         counter_ptr=torch.zeros(N, device=logits.device, dtype=torch.int32), error_ptr=error,
-        chunk_blocks=chunk_len // launch_config["BLOCK_V"], K=K, MAX_SPIN=SPLIT_ROW_MAX_SPIN,
+        chunk_blocks=chunk_len // launch_config["BLOCK_V"], K=K, K_LANES=triton.next_power_of_2(K),
+        HOLD_CHUNK=chunk_len == launch_config["BLOCK_V"], MAX_SPIN=SPLIT_ROW_MAX_SPIN,
         BLOCK_V=launch_config["BLOCK_V"], num_warps=launch_config["num_warps"],
         **({"num_stages": launch_config["num_stages"]} if "num_stages" in launch_config else {}),
     )

@@ -21,6 +21,12 @@ The K siblings of a row must be resident at once, or the wait never returns: the
 iteration of the same group of K programs), no larger than the GPU holds at once, and launched with
 ``launch_cooperative_grid=True`` so that the driver guarantees co-residency (or refuses the launch).
 
+Two variants, chosen by the chunk's length: a chunk of several blocks is streamed twice, to publish and to
+write, the second read from L2 (the working set is the resident programs' chunks); a chunk of one block
+(``HOLD_CHUNK``) is loaded once and held in registers across the wait, so its gradient is computed from
+them (no second read at all). K need not be a power of 2 (the merge masks its lanes): K chunks of whole
+blocks cover the row, none empty.
+
 Triton's interpreter runs programs one after another, so a wait there would never return: with
 ``PHASE`` = 1 and then 2 the kernel is launched twice, publish for every item, then merge and write,
 the same device functions without the wait (``PHASE`` = 0: the single cooperative launch). Rows whose
@@ -85,21 +91,86 @@ def _chunk_sum_x2(row_ptr, c0, c1, c, chunk_max, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _merged_state(state_row, K: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
-    """(lse, entropy) in nats of a row from its K chunks' published states."""
-    k = tl.arange(0, K)
+def _merged_state(state_row, K: tl.constexpr, K_LANES: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+    """(lse, entropy) in nats of a row from its K chunks' published states (read as K_LANES >= K lanes, a
+    power of 2; the lanes past K add nothing)."""
+    k = tl.arange(0, K_LANES)
+    published = k < K
     # from L2 (".cg"), never a line an earlier load left in this SM's L1: L2 is where siblings' stores meet
-    maxes = tl.load(state_row + k * C_STATE_WIDTH, cache_modifier=".cg")
-    sums = tl.load(state_row + k * C_STATE_WIDTH + 1, cache_modifier=".cg")
-    row_max = tl.max(maxes, axis=0)
+    maxes = tl.load(state_row + k * C_STATE_WIDTH, mask=published, other=float("-inf"), cache_modifier=".cg")
+    sums = tl.load(state_row + k * C_STATE_WIDTH + 1, mask=published, other=0.0, cache_modifier=".cg")
+    row_max = tl.max(maxes, axis=0)  # finite: a published max is at least FLOOR
     scale = tl.exp2(maxes - row_max)
     sum_exp = tl.sum(sums * scale, axis=0)
     lse2 = row_max + tl.log2(sum_exp)
     entropy = 0.0
     if COMPUTE_ENTROPY:
-        sum_x = tl.sum(tl.load(state_row + k * C_STATE_WIDTH + 2, cache_modifier=".cg") * scale, axis=0)
+        sum_x = tl.sum(tl.load(state_row + k * C_STATE_WIDTH + 2, mask=published, other=0.0,
+                               cache_modifier=".cg") * scale, axis=0)
         entropy = LN2 * (lse2 - sum_x / sum_exp)
     return lse2 * LN2, entropy
+
+
+@triton.jit
+def _held_chunk(row_ptr, c0, n, active, BLOCK_V: tl.constexpr):
+    """The chunk [c0, c0 + n), n <= BLOCK_V, as one [BLOCK_V] block in the logits' dtype, -inf past its end;
+    a full chunk loads without a column mask (128-bit loads on aligned rows); a masked row reads nothing."""
+    cols = tl.arange(0, BLOCK_V)
+    x = tl.full([BLOCK_V], float("-inf"), row_ptr.dtype.element_ty)
+    if active:
+        if n == BLOCK_V:
+            x = tl.load(row_ptr + c0 + cols)
+        else:
+            x = tl.load(row_ptr + c0 + cols, mask=cols < n, other=float("-inf"))
+    return x
+
+
+@triton.jit
+def _held_state(x, c, COMPUTE_ENTROPY: tl.constexpr):
+    """(max, sum 2^(x2 - max), sum 2^(x2 - max) x2) of x2 = x * c over a held chunk (-inf adds 0)."""
+    x2 = x.to(tl.float32) * c
+    chunk_max = tl.maximum(tl.max(x2, axis=0), FLOOR)  # at least FLOOR: a chunk of -inf has a finite max
+    e = tl.exp2(x2 - chunk_max)
+    sum_x = 0.0
+    if COMPUTE_ENTROPY:
+        sum_x = tl.sum(tl.where(e > 0.0, x2, 0.0) * e, axis=0)  # -inf: e = 0 adds 0, never 0 * -inf
+    return chunk_max, tl.sum(e, axis=0), sum_x
+
+
+@triton.jit
+def _write_held_gradient(x, out_ptr, c0, n, lse, target, target_logit, g, inv_temperature, h, entropy,
+                         BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+    """``_write_chunk_gradient`` from a held chunk (``_held_chunk``'s x): the same values, the logits read
+    from registers; the target's own value (its logit passed in) stored after the block, where the target
+    lies in the chunk, so that no logit pays a comparison with it."""
+    cols = tl.arange(0, BLOCK_V)
+    out_dtype = out_ptr.dtype.element_ty
+    is_zero = g == 0.0
+    if HAS_ENTROPY_GRAD:
+        is_zero = is_zero & (h == 0.0)
+    c = inv_temperature * LOG2E
+    lse2 = lse * LOG2E
+    if is_zero:
+        grad = tl.zeros([BLOCK_V], dtype=out_dtype)
+        at_target = 0.0
+    elif HAS_ENTROPY_GRAD:
+        a = -h * LN2 * inv_temperature
+        b = (-g - h * entropy) * inv_temperature
+        d = tl.maximum(x.to(tl.float32) * c - lse2, FLOOR, propagate_nan=NAN)
+        grad = (tl.exp2(d) * (a * d + b)).to(out_dtype)
+        d_target = tl.maximum(target_logit * c - lse2, FLOOR, propagate_nan=NAN)
+        at_target = g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)
+    else:
+        minus_g = -g * inv_temperature
+        grad = (minus_g * tl.exp2(x.to(tl.float32) * c - lse2)).to(out_dtype)
+        at_target = g * inv_temperature * (1.0 - tl.exp2(target_logit * c - lse2))
+    if n == BLOCK_V:
+        tl.store(out_ptr + c0 + cols, grad)
+    else:
+        tl.store(out_ptr + c0 + cols, grad, mask=cols < n)
+    tl.debug_barrier()  # the block's store, every thread's, before the target's
+    if (target >= c0) & (target < c0 + n):
+        tl.store(out_ptr + target, at_target.to(out_dtype))
 
 
 @triton.jit
@@ -182,12 +253,14 @@ def split_row_forward_kernel(
     inv_temperature, loss_scalars,
     LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
     HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr, PHASE: tl.constexpr, MAX_SPIN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr, K_LANES: tl.constexpr,
+    HOLD_CHUNK: tl.constexpr, PHASE: tl.constexpr, MAX_SPIN: tl.constexpr,
 ):
     """The one-pass loss (every output of ``grpo.grpo_forward_kernel`` with its one-pass gradient) with each
     row split over K sibling programs: see the module's docstring. PHASE 0: the cooperative launch (publish,
     wait, merge and write); 1 and 2: the interpreter's two launches (publish; merge and write). Optional
-    tensors are None where absent, as in ``grpo_forward_kernel``."""
+    tensors are None where absent, as in ``grpo_forward_kernel``. HOLD_CHUNK: every chunk is one block
+    (chunk_blocks is 1), held in registers from its load to its gradient."""
     HAS_MASK: tl.constexpr = mask_ptr is not None
     COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
     HAS_ENTROPY_GRAD: tl.constexpr = entropy_grad_ptr is not None
@@ -203,8 +276,13 @@ def split_row_forward_kernel(
             active = tl.load(mask_ptr + row) != 0.0
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t, ROW_ALIGN)
         state_row = state_ptr + row * (K * C_STATE_WIDTH)
+        if HOLD_CHUNK:  # loaded once, before the wait; the interpreter's second launch (PHASE 2) loads it again
+            held = _held_chunk(row_ptr, c0, c1 - c0, active, BLOCK_V)
         if active & (PHASE != 2):
-            chunk_max, sum_exp, sum_x = _chunk_state(row_ptr, c0, c1, c, BLOCK_V, COMPUTE_ENTROPY)
+            if HOLD_CHUNK:
+                chunk_max, sum_exp, sum_x = _held_state(held, c, COMPUTE_ENTROPY)
+            else:
+                chunk_max, sum_exp, sum_x = _chunk_state(row_ptr, c0, c1, c, BLOCK_V, COMPUTE_ENTROPY)
             tl.store(state_row + chunk * C_STATE_WIDTH, chunk_max)
             tl.store(state_row + chunk * C_STATE_WIDTH + 1, sum_exp)
             tl.store(state_row + chunk * C_STATE_WIDTH + 2, sum_x)
@@ -217,11 +295,13 @@ def split_row_forward_kernel(
             if active:
                 if PHASE == 0:
                     _wait_for_siblings(counter_ptr + row, K, error_ptr, MAX_SPIN)
-                lse, entropy = _merged_state(state_row, K, COMPUTE_ENTROPY)
-                logp = tl.load(row_ptr + target).to(tl.float32) * inv_temperature - lse
+                lse, entropy = _merged_state(state_row, K, K_LANES, COMPUTE_ENTROPY)
+                target_logit = tl.load(row_ptr + target).to(tl.float32)
+                logp = target_logit * inv_temperature - lse
             else:
                 lse = 0.0
                 entropy = 0.0
+                target_logit = 0.0
                 logp = 0.0
             loss, dloss, kl, flags = token_loss_at(row, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars,
                                                    LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
@@ -235,5 +315,9 @@ def split_row_forward_kernel(
             h = 0.0
             if HAS_ENTROPY_GRAD:
                 h = tl.where(active, tl.load(entropy_grad_ptr + row), 0.0)
-            _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, h, entropy, BLOCK_V,
-                                  HAS_ENTROPY_GRAD)
+            if HOLD_CHUNK:
+                _write_held_gradient(held, out_ptr, c0, c1 - c0, lse, target, target_logit, g, inv_temperature, h,
+                                     entropy, BLOCK_V, HAS_ENTROPY_GRAD)
+            else:
+                _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, h, entropy,
+                                      BLOCK_V, HAS_ENTROPY_GRAD)
