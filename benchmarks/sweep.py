@@ -62,14 +62,16 @@ def logits_candidates():
     # Pruned by the first H200 runs (benchmarks/results/gpu/): BLOCK_V 8192 never came within 5 %
     # of the best, and the persistent schedule lost at every programs_per_sm (one kept as the
     # record); 42 candidates a shape did not fit the stage's time in the second run, these 25 should
-    # (34 with the split-row candidates).
+    # (35 with the split-row candidates).
     blocks, warps, stages = (4096, 2048), (16, 8, 4), (1, 3)
     # the split-row schedule first (never measured yet): each row over K programs, read once (2 S). K = 64 is
     # more chunks than a row has blocks: a block a chunk, held in registers (no second read, from L2 or
     # anywhere); its per-chunk work (the merge, the loss terms) is spread over a thread's logits, so more of
-    # them (fewer warps, a wider block) is the trade the sweep weighs against occupancy.
-    for split_row, block_v, num_warps in ((8, 4096, 8), (64, 4096, 4), (64, 8192, 8), (64, 4096, 8), (8, 4096, 4),
-                                          (4, 4096, 8), (4, 4096, 4), (16, 4096, 8), (16, 4096, 4)):
+    # them (fewer warps, a wider block) is the trade the sweep weighs against occupancy. K = 1 with a block of
+    # 32768: at V = 32000 a row held whole by one program of 16 warps, which waits on nothing (skipped where the
+    # row is wider than the block: one chunk read twice is the one-pass kernel's schedule).
+    for split_row, block_v, num_warps in ((8, 4096, 8), (64, 4096, 4), (64, 8192, 8), (1, 32768, 16), (64, 4096, 8),
+                                          (8, 4096, 4), (4, 4096, 8), (4, 4096, 4), (16, 4096, 8), (16, 4096, 4)):
         yield {"mode": "one_pass", "BLOCK_V": block_v, "num_warps": num_warps, "num_stages": 1,
                "programs_per_sm": None, "split_row": split_row}
     for mode in ("one_pass", "two_pass"):
@@ -194,8 +196,12 @@ def sweep_logits(shapes, results, budget_end, write, smoke):
         schedules = {}  # a split-row candidate's schedule on this V -> the first candidate that runs it
         for i, candidate in enumerate(candidates):
             if candidate["split_row"]:
-                schedule = (launch.split_row_chunks(V, candidate["BLOCK_V"], candidate["split_row"]),
-                            candidate["num_warps"], candidate["num_stages"])
+                chunks = launch.split_row_chunks(V, candidate["BLOCK_V"], candidate["split_row"])
+                if chunks[0] == 1 and chunks[1] > candidate["BLOCK_V"]:
+                    results["logits"].append({"N": B * T, "V": V, **candidate,
+                                              "status": "skipped (one chunk of several blocks: not a split)"})
+                    continue
+                schedule = (chunks, candidate["num_warps"], candidate["num_stages"])
                 if schedule in schedules:  # at V = 32000, K = 64 is K = 8: 8 blocks held
                     results["logits"].append({"N": B * T, "V": V, **candidate,
                                               "status": f"same schedule as split_row={schedules[schedule]}"})

@@ -173,6 +173,12 @@ def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                             k, launch.forward, x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"],
                             tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=None if e else x["iw"]),
                             compute_entropy=True, gradient=OnePassGradient(x["weight"], x["weight"] if e else None))
+                if V == 32000 and dtype == torch.bfloat16:  # K = 1: the row held whole by a program of 16 warps
+                    yield f"ppo+old+iw one-pass split-row K=1 whole row {tag}", lambda: _split_row(
+                        1, launch.forward, x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"],
+                        tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
+                        compute_entropy=True, gradient=OnePassGradient(x["weight"]),
+                        config={"BLOCK_V": 32768, "num_warps": 16})
                 yield f"dlogits {tag}", lambda: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0)
                 yield f"dlogits+entropy-bonus {tag}", lambda: launch.backward(
                     x["logits"], x["ids"], x["adv"], x["adv"], 1.0, grad_entropy=x["weight"], entropy=x["adv"])
@@ -449,11 +455,11 @@ def roofline(record: Dict[str, object], gpu: Dict[str, float] = H200) -> Dict[st
 def budget_of(record: Dict[str, object]) -> Optional[float]:
     """The CI budget (instructions per logit) of a streaming kernel record, or None for the others."""
     vocab = re.search(r"V=(\d+)", record["specialization"])
+    bonus = "entropy-bonus" in record["specialization"]
+    if record.get("held_chunk"):  # no loop over the logits: the item's loop, whatever the vocabulary
+        return BUDGETS_HELD_CHUNK["one-pass entropy-bonus" if bonus else "one-pass"]
     if "instructions_per_logit" not in record or not vocab or int(vocab.group(1)) < 2 * record["BLOCK_V"]:
         return None  # a vocabulary of one or two blocks (V = 1003) never runs the loop
-    bonus = "entropy-bonus" in record["specialization"]
-    if record.get("held_chunk"):
-        return BUDGETS_HELD_CHUNK["one-pass entropy-bonus" if bonus else "one-pass"]
     budgets = {**BUDGETS, **BUDGETS_ENTROPY_BONUS} if bonus else BUDGETS
     if "one-pass" in record["specialization"]:
         return budgets["one-pass"]

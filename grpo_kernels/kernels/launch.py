@@ -312,7 +312,7 @@ def _run_forward(logits, ids, out: ForwardResult, opts, temperature: float, toke
     out.grad_logits = grad
     launch_config = logits_launch_config(logits, config)
     chunks = launch_config.pop("split_row", None) or SPLIT_ROW_CHUNKS
-    if write_grad and not gradient.in_place and chunks and chunks > 1:
+    if write_grad and not gradient.in_place and chunks:
         ran, out.split_row_error = _split_row_forward(logits, kwargs, launch_config, int(chunks))
         if ran:
             return out

@@ -138,6 +138,17 @@ def _held_state(x, c, COMPUTE_ENTROPY: tl.constexpr):
 
 
 @triton.jit
+def _held_row(x, c, COMPUTE_ENTROPY: tl.constexpr):
+    """(lse, entropy) in nats of a row held whole (``_held_chunk`` of the row)."""
+    row_max, sum_exp, sum_x = _held_state(x, c, COMPUTE_ENTROPY)
+    lse2 = row_max + tl.log2(sum_exp)
+    entropy = 0.0
+    if COMPUTE_ENTROPY:
+        entropy = LN2 * (lse2 - sum_x / sum_exp)
+    return lse2 * LN2, entropy
+
+
+@triton.jit
 def _write_held_gradient(x, out_ptr, c0, n, lse, target, target_logit, g, inv_temperature, h, entropy,
                          BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
     """``_write_chunk_gradient`` from a held chunk (``_held_chunk``'s x): the same values, the logits read
@@ -260,10 +271,13 @@ def split_row_forward_kernel(
     row split over K sibling programs: see the module's docstring. PHASE 0: the cooperative launch (publish,
     wait, merge and write); 1 and 2: the interpreter's two launches (publish; merge and write). Optional
     tensors are None where absent, as in ``grpo_forward_kernel``. HOLD_CHUNK: every chunk is one block
-    (chunk_blocks is 1), held in registers from its load to its gradient."""
+    (chunk_blocks is 1), held in registers from its load to its gradient; with K = 1 that block is the row
+    (a program a row, which waits on nothing)."""
     HAS_MASK: tl.constexpr = mask_ptr is not None
     COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
     HAS_ENTROPY_GRAD: tl.constexpr = entropy_grad_ptr is not None
+    # K = 1 with the row held: one program a row, no sibling, so no scratch, arrival or wait at all
+    WHOLE_ROW: tl.constexpr = HOLD_CHUNK and K == 1
     c = inv_temperature * LOG2E
     for item in range(tl.program_id(0), N * K, tl.num_programs(0)):
         row = tl.cast(item // K, tl.int64)
@@ -278,24 +292,28 @@ def split_row_forward_kernel(
         state_row = state_ptr + row * (K * C_STATE_WIDTH)
         if HOLD_CHUNK:  # loaded once, before the wait; the interpreter's second launch (PHASE 2) loads it again
             held = _held_chunk(row_ptr, c0, c1 - c0, active, BLOCK_V)
-        if active & (PHASE != 2):
-            if HOLD_CHUNK:
-                chunk_max, sum_exp, sum_x = _held_state(held, c, COMPUTE_ENTROPY)
-            else:
-                chunk_max, sum_exp, sum_x = _chunk_state(row_ptr, c0, c1, c, BLOCK_V, COMPUTE_ENTROPY)
-            tl.store(state_row + chunk * C_STATE_WIDTH, chunk_max)
-            tl.store(state_row + chunk * C_STATE_WIDTH + 1, sum_exp)
-            tl.store(state_row + chunk * C_STATE_WIDTH + 2, sum_x)
-            if PHASE == 0:
-                tl.debug_barrier()  # every thread's stores before the release
-                tl.atomic_add(counter_ptr + row, 1, sem="release")
+        if not WHOLE_ROW:
+            if active & (PHASE != 2):
+                if HOLD_CHUNK:
+                    chunk_max, sum_exp, sum_x = _held_state(held, c, COMPUTE_ENTROPY)
+                else:
+                    chunk_max, sum_exp, sum_x = _chunk_state(row_ptr, c0, c1, c, BLOCK_V, COMPUTE_ENTROPY)
+                tl.store(state_row + chunk * C_STATE_WIDTH, chunk_max)
+                tl.store(state_row + chunk * C_STATE_WIDTH + 1, sum_exp)
+                tl.store(state_row + chunk * C_STATE_WIDTH + 2, sum_x)
+                if PHASE == 0:
+                    tl.debug_barrier()  # every thread's stores before the release
+                    tl.atomic_add(counter_ptr + row, 1, sem="release")
         if PHASE != 1:
             out_ptr = _row_pointer(grad_logits_ptr, row, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
             target = tl.load(ids_ptr + row).to(tl.int64)
             if active:
-                if PHASE == 0:
-                    _wait_for_siblings(counter_ptr + row, K, error_ptr, MAX_SPIN)
-                lse, entropy = _merged_state(state_row, K, K_LANES, COMPUTE_ENTROPY)
+                if WHOLE_ROW:  # the row is this program's chunk: its state is the row's, nothing to publish
+                    lse, entropy = _held_row(held, c, COMPUTE_ENTROPY)
+                else:
+                    if PHASE == 0:
+                        _wait_for_siblings(counter_ptr + row, K, error_ptr, MAX_SPIN)
+                    lse, entropy = _merged_state(state_row, K, K_LANES, COMPUTE_ENTROPY)
                 target_logit = tl.load(row_ptr + target).to(tl.float32)
                 logp = target_logit * inv_temperature - lse
             else:

@@ -12,7 +12,9 @@ Entries (lists under "logits" and "fused_linear"):
 - logits: ``{"arch": "sm_90", "dtype": "bfloat16", "V": 151936, "one_pass": true,
   "BLOCK_V": 4096, "num_warps": 8, "num_stages": 1, "programs_per_sm": null, "measured": "..."}``
   (``programs_per_sm``: null is one program per token, a number the persistent schedule; ``split_row``:
-  null, or the one-pass loss on the split-row kernel with each row over that many programs)
+  null, or the one-pass loss on the split-row kernel with each row over at most that many programs, in
+  chunks of whole BLOCK_V blocks: at least the row's blocks is a block a chunk held in registers, and 1
+  with a block as wide as the row is the row held whole by one program)
 - fused_linear: ``{"arch": ..., "dtype": ..., "V": ..., "H": ..., "BLOCK_N": 64,
   "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3, "measured": "..."}``
 """
