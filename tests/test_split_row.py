@@ -4,7 +4,8 @@ In Triton's interpreter the kernel runs as its two launches (publish every chunk
 write), the same device functions as the single cooperative launch a GPU runs (compiled ahead of time
 for sm_90 and sm_80 in tests/test_aot_compile.py). Every loss type and option also runs on it through
 tests/test_loss.py's "triton-split-row" path; here: the number of chunks, a vocabulary that is not a
-multiple of the chunks or blocks, -inf logits, masked rows, the entropy bonus and bf16.
+multiple of the chunks or blocks, -inf logits, masked rows, the entropy bonus and bf16, in both variants (a
+chunk of one block held in registers, a longer chunk read again from L2) and with K = 1 (a row held whole).
 """
 
 import pytest
@@ -114,10 +115,15 @@ def test_which_variant_runs_and_both_match_the_reference(device, launched, V, ch
         assert_close("dlogits", expected[1], actual[1], atol=1e-5, rtol=2 * torch.finfo(dtype).eps)
 
 
-@pytest.mark.parametrize("case", ["delta_and_dual_clip_per_token_adv", "kl_k3_clamped_verl", "bias_corrected_kl",
-                                  "cispo_per_token_adv", "sapo_temperatures", "no_entropy", "strided_logits_view",
-                                  "one_token", "vocab_over_several_blocks"])
-@pytest.mark.parametrize("variant", VARIANTS)
+# the loss options in the held variant; in the streamed one those that reach its own code (the entropy off, rows
+# not 16-byte aligned, one token, several blocks a chunk): the loss terms are one function for every kernel
+LAYOUT_CASES = ["no_entropy", "strided_logits_view", "one_token", "vocab_over_several_blocks"]
+LOSS_CASES = ["delta_and_dual_clip_per_token_adv", "kl_k3_clamped_verl", "bias_corrected_kl", "cispo_per_token_adv",
+              "sapo_temperatures"]
+
+
+@pytest.mark.parametrize("case, variant", [(case, "held") for case in LOSS_CASES + LAYOUT_CASES]
+                         + [(case, "streamed") for case in LAYOUT_CASES])
 def test_options(device, launched, case, variant):
     from helpers import BATCH_KEYS
 
