@@ -208,3 +208,46 @@ def test_no_wait_times_out(device, launched, chunks, held):
         assert int(r.split_row_error) == 0
     else:
         assert r.split_row_error is None
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_full_logits_with_a_dropped_position(device, launched, variant):
+    """[B, T + 1, V] logits (drop_last_position): the kernel writes the first T positions of the full-size
+    gradient, whose last position stays zero, as the one-pass kernel does (what a measured default would meet)."""
+    batch = make_batch(device=device, V=1003, seed=6)
+    B, T, V = batch["logits"].shape
+    inputs = {k: v for k, v in batch.items() if k != "logits"}
+    options = dict(beta=0.04, temperature=0.8, entropy_coef=0.02)
+    view = batch["logits"].detach().clone().requires_grad_()
+    expected = grpo_loss_reference(view, **inputs, **options)
+    expected.loss.backward()
+    last = 3.0 * torch.randn(B, 1, V, generator=torch.Generator().manual_seed(5)).to(device)
+    full = torch.cat([batch["logits"].detach(), last], dim=1).requires_grad_()
+    with split_row(**VARIANTS[variant]):
+        out = grpo_loss(full, **inputs, **options, backend="triton", one_pass=True, drop_last_position=True)
+    out.loss.backward()
+    assert launched and all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), launched
+    assert_close("loss", expected.loss, out.loss, **TOL)
+    assert_close("dlogits", view.grad, full.grad[:, :-1], **TOL)
+    assert torch.count_nonzero(full.grad[:, -1]) == 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_packed_batch(device, launched, variant):
+    """A packed [total, V] batch (cu_seqlens, an empty sequence, per-token advantages, the entropy bonus) equals
+    the padded one under the reference, token for token."""
+    from test_packed import _pack
+
+    padded, packed, cu, valid = _pack([5, 1, 0, 9, 3], V=1003, seed=8, per_token_adv=True, device=device)
+    options = dict(beta=0.04, temperature=0.9, entropy_coef=0.05)
+    leaf = padded["logits"].detach().clone().requires_grad_()
+    expected = grpo_loss_reference(leaf, **{k: v for k, v in padded.items() if k != "logits"}, **options)
+    expected.loss.backward()
+    logits = packed["logits"].detach().clone().requires_grad_()
+    with split_row(**VARIANTS[variant]):
+        out = grpo_loss(logits, **{k: v for k, v in packed.items() if k != "logits"}, **options, backend="triton",
+                        one_pass=True, cu_seqlens=cu)
+    out.loss.backward()
+    assert launched and all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), launched
+    assert_close("loss", expected.loss, out.loss, **TOL)
+    assert_close("dlogits of the real tokens", leaf.grad[valid], logits.grad, **TOL)
