@@ -1,14 +1,17 @@
-"""What the device suite profiles with Nsight Compute: the one-pass kernel and the two-pass pair, big shape.
+"""What the device suite profiles with Nsight Compute: the split-row schedule's two variants and the one-pass
+kernel, big shape.
 
     ncu --clock-control none --page raw --csv --metrics ... \
-        -k regex:"grpo_forward|logprob_backward" --launch-skip 4 --launch-count 3 \
+        -k regex:"grpo_forward|split_row_forward" --launch-skip 4 --launch-count 3 \
         python benchmarks/ncu_target.py [--sweep OUT/sweep.json]
 
-After the inputs' log-prob pass (1 launch), runs each mode twice at (N, V) = (16384, 151936)
-bf16: a warm-up round (compiles; 3 launches: one-pass forward, two-pass forward, backward)
-that ncu skips, then the 3 launches it profiles, in that order. With ``--sweep`` the sweep's
-fastest exact configuration of each mode is profiled; else the launchers' defaults.
-``--dry-run`` prints what it would run.
+After the inputs' log-prob pass (1 launch), runs each schedule twice at (N, V) = (16384, 151936) bf16: a
+warm-up round (compiles; 3 launches: the split-row kernel with chunks read again from L2, the split-row
+kernel with a chunk held in registers, the one-pass kernel) that ncu skips, then the 3 launches it profiles,
+in that order. Each writes dlogits in its one launch: 2 S under the byte model if every logit is read from
+HBM once. With ``--sweep`` the sweep's fastest exact configuration of each is profiled; else defaults (the
+two-pass pair, measured by the first runs, is left out: the stage's time). ``--dry-run`` prints what it
+would run.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 import torch
 
 SHAPE = (16, 1024, 151936)
-KERNELS = "grpo_forward_kernel|logprob_backward_kernel"
+KERNELS = "grpo_forward_kernel|split_row_forward_kernel"
 METRICS = [
     "gpu__time_duration.sum",
     "dram__bytes_read.sum",
@@ -30,8 +33,17 @@ METRICS = [
     "sm__inst_issued.avg.pct_of_peak_sustained_active",  # issue-slot utilization
     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",  # MUFU (exp2, lg2) utilization
 ]
-LAUNCHES_PER_ROUND = 3
+# (schedule, its label in the report, the kernel it launches, its configuration without a sweep), in launch order
+SCHEDULES = [
+    ("split_row_streamed", "split-row, chunks read again from L2", "split_row_forward_kernel",
+     {"split_row": 8, "BLOCK_V": 4096, "num_warps": 8}),
+    ("split_row_held", "split-row, a chunk held in registers", "split_row_forward_kernel",
+     {"split_row": 64, "BLOCK_V": 4096, "num_warps": 4}),
+    ("one_pass", "one-pass forward (writes dlogits)", "grpo_forward_kernel", {}),
+]
+LAUNCHES_PER_ROUND = len(SCHEDULES)
 LAUNCHES_BEFORE = 1 + LAUNCHES_PER_ROUND  # the inputs' log-prob pass, then the warm-up round
+CONFIG_KEYS = ("BLOCK_V", "num_warps", "num_stages", "programs_per_sm", "split_row")
 
 
 def ncu_command(python: str = "python", sweep: str | None = None) -> list:
@@ -41,9 +53,31 @@ def ncu_command(python: str = "python", sweep: str | None = None) -> list:
             + (["--sweep", sweep] if sweep else []))
 
 
+def launch_labels(kernel_names) -> list:
+    """The report's label of each profiled launch, from its kernel's name and how many of that kernel came
+    before it (the rounds' order is SCHEDULES')."""
+    seen: dict = {}
+    labels = []
+    for name in kernel_names:
+        of_kernel = [label for _, label, kernel, _ in SCHEDULES if kernel in name]
+        labels.append(of_kernel[seen.get(name, 0)] if seen.get(name, 0) < len(of_kernel) else name)
+        seen[name] = seen.get(name, 0) + 1
+    return labels
+
+
+def schedule_of(row: dict) -> str:
+    """Which of SCHEDULES a sweep row (mode one_pass) runs."""
+    if not row.get("split_row"):
+        return "one_pass"
+    from grpo_kernels.kernels import launch
+
+    _, chunk_len = launch.split_row_chunks(row["V"], row["BLOCK_V"], row["split_row"])
+    return "split_row_held" if chunk_len == row["BLOCK_V"] else "split_row_streamed"
+
+
 def best_configs(sweep_path: str | None) -> dict:
-    """mode -> launch config: the sweep's fastest exact candidate at SHAPE's V, else None (defaults)."""
-    best = {"one_pass": None, "two_pass": None}
+    """schedule -> launch config: the sweep's fastest exact candidate of it at SHAPE's V, else SCHEDULES'."""
+    best = {name: dict(default) for name, _, _, default in SCHEDULES}
     if not sweep_path:
         return best
     try:
@@ -51,12 +85,13 @@ def best_configs(sweep_path: str | None) -> dict:
             rows = json.load(f)["logits"]
     except (OSError, ValueError, KeyError):
         return best
-    for mode in best:
-        ok = [r for r in rows if r.get("status") == "ok" and r.get("exact") and r["mode"] == mode
-              and r["V"] == SHAPE[2]]
-        if ok:
-            r = min(ok, key=lambda r: r["median_ms"])
-            best[mode] = {"BLOCK_V": r["BLOCK_V"], "num_warps": r["num_warps"], "num_stages": r["num_stages"]}
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("exact") and r["mode"] == "one_pass"
+          and r["V"] == SHAPE[2]]
+    for name in best:
+        mine = [r for r in ok if schedule_of(r) == name]
+        if mine:
+            r = min(mine, key=lambda r: r["median_ms"])
+            best[name] = {k: r.get(k) for k in CONFIG_KEYS}
     return best
 
 
@@ -68,17 +103,17 @@ def main(argv=None) -> int:
     configs = best_configs(args.sweep)
     if args.dry_run or not torch.cuda.is_available():
         print("ncu would run:", " ".join(ncu_command(sweep=args.sweep)))
-        print(f"profiling at (B, T, V) = {SHAPE} bf16: one-pass {configs['one_pass'] or 'default config'}, "
-              f"two-pass {configs['two_pass'] or 'default config'}; metrics: {', '.join(METRICS)}")
+        print(f"profiling at (B, T, V) = {SHAPE} bf16: "
+              + "; ".join(f"{label} {configs[name] or 'default config'}" for name, label, _, _ in SCHEDULES)
+              + f"; metrics: {', '.join(METRICS)}")
         return 0
     sys.path.insert(0, "benchmarks")
     from sweep import logits_inputs, run_logits
 
     x = logits_inputs(*SHAPE, "cuda")
     for _ in range(2):  # round 1 warms up (ncu skips it), round 2 is profiled
-        for mode in ("one_pass", "two_pass"):
-            config = configs[mode] or {"BLOCK_V": None, "num_warps": None, "num_stages": None}
-            run_logits(x, {"mode": mode, **config})
+        for name, _, _, _ in SCHEDULES:  # (run_logits: a schedule the config leaves unset is off)
+            run_logits(x, {"mode": "one_pass", **{k: configs[name].get(k) for k in CONFIG_KEYS}})
         torch.cuda.synchronize()
     return 0
 

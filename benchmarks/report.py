@@ -190,9 +190,11 @@ def ncu_summary(path: str, logits_bytes: int) -> str:
         return "ncu: no profile in " + path + "\n\n" + text[-2000:]
     rows = list(csv.DictReader(text[start:].splitlines()))
     rows = [r for r in rows if r.get("ID", "").strip().isdigit()]  # drop the units row
-    labels = ["one-pass forward (writes dlogits)", "two-pass forward", "two-pass backward"]
-    lines = [f"Counters at S = {logits_bytes / 1e9:.2f} GB of logits (byte model: one-pass 2 S in all, "
-             "two-pass forward S + backward 2 S):", "",
+    from ncu_target import launch_labels
+
+    labels = launch_labels([r.get("Kernel Name", "?") for r in rows])
+    lines = [f"Counters at S = {logits_bytes / 1e9:.2f} GB of logits (byte model: each launch reads the logits and "
+             "writes dlogits, 2 S, if every logit comes from HBM once):", "",
              "| launch | kernel | time ms | DRAM read / S | DRAM write / S | L2 hit % | occupancy % | issue % "
              "| MUFU % |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -200,7 +202,7 @@ def ncu_summary(path: str, logits_bytes: int) -> str:
     for i, r in enumerate(rows):
         ns = num(r, "gpu__time_duration.sum")
         lines.append(
-            f"| {labels[i] if i < len(labels) else i} | {r.get('Kernel Name', '?')[:40]} | {ns / 1e6:.3f} | "
+            f"| {labels[i]} | {r.get('Kernel Name', '?')[:40]} | {ns / 1e6:.3f} | "
             f"{num(r, 'dram__bytes_read.sum') / logits_bytes:.2f} | "
             f"{num(r, 'dram__bytes_write.sum') / logits_bytes:.2f} | "
             f"{num(r, 'lts__t_sector_hit_rate.pct'):.0f} | "

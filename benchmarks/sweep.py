@@ -142,8 +142,12 @@ def _tokens(x) -> TokenInputs:
 
 
 def run_logits(x, candidate):
-    """(logp, loss per token, dlogits) of one candidate: the one-pass kernel, or the forward + backward pair."""
+    """(logp, loss per token, dlogits) of one candidate: the one-pass kernel, or the forward + backward pair.
+
+    A candidate's schedule is its own: no split rows and no persistent grid unless it sets them (0, not None,
+    so that a measured default in tuned.json never turns a plain candidate into another schedule)."""
     config = {k: candidate.get(k) for k in tuned.LOGITS_KEYS}
+    config.update(split_row=candidate.get("split_row") or 0, programs_per_sm=candidate.get("programs_per_sm") or 0)
     common = dict(opts=x["opts"], temperature=TEMPERATURE, tokens=_tokens(x), compute_entropy=True, config=config)
     if candidate["mode"] == "one_pass":
         r = launch.forward(x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **common)

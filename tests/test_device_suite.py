@@ -127,7 +127,11 @@ NCU_RAW = '''==PROF== Connected to process 123
 "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active","sm__inst_issued.avg.pct_of_peak_sustained_active",\
 "sm__warps_active.avg.pct_of_peak_sustained_active"
 "","","","","","","","","","","","byte","byte","nsecond","%","%","%","%"
-"0","1","python3","h","grpo_forward_kernel","1","7","(256, 1, 1)","(16384, 1, 1)","0","9.0",\
+"0","1","python3","h","split_row_forward_kernel","1","7","(256, 1, 1)","(264, 1, 1)","0","9.0",\
+"5,000,000,000","4,980,000,000","2,200,000","50.0","40.0","70.0","45.0"
+"1","1","python3","h","split_row_forward_kernel","1","7","(128, 1, 1)","(660, 1, 1)","0","9.0",\
+"4,990,000,000","4,980,000,000","2,300,000","1.0","45.0","90.0","60.0"
+"2","1","python3","h","grpo_forward_kernel","1","7","(256, 1, 1)","(16384, 1, 1)","0","9.0",\
 "5,100,000,000","4,980,000,000","2,400,000","51.2","30.1","62.0","88.0"
 '''
 
@@ -138,6 +142,31 @@ def test_ncu_summary_reads_the_raw_csv(tmp_path):
     summary = report.ncu_summary(str(path), logits_bytes=4_980_000_000)
     assert "| one-pass forward (writes dlogits) | grpo_forward_kernel | 2.400 | 1.02 | 1.00 | 51 | 88 | 62 | 30 |" \
         in summary
+    # the split-row kernel's two launches are its two variants, in the profile's order
+    assert "| split-row, chunks read again from L2 | split_row_forward_kernel | 2.200 | 1.00 |" in summary
+    assert "| split-row, a chunk held in registers | split_row_forward_kernel | 2.300 |" in summary
+
+
+def test_ncu_profiles_the_sweeps_best_of_each_schedule(tmp_path):
+    """The profile's configurations: each schedule's fastest exact sweep row at the profiled V (a split-row row
+    sorted into its variant by the chunk it resolves to), else the defaults."""
+    import ncu_target
+
+    V = ncu_target.SHAPE[2]
+    row = lambda ms, **c: {"mode": "one_pass", "V": V, "status": "ok", "exact": True, "median_ms": ms,  # noqa: E731
+                           "num_stages": 1, "programs_per_sm": None, "split_row": None, **c}
+    rows = [row(3.0, BLOCK_V=4096, num_warps=8), row(2.6, BLOCK_V=4096, num_warps=8, split_row=8),
+            row(2.4, BLOCK_V=4096, num_warps=4, split_row=16), row(2.5, BLOCK_V=8192, num_warps=8, split_row=64),
+            row(2.1, BLOCK_V=4096, num_warps=4, split_row=64, exact=False), {**row(1.0, BLOCK_V=2048, num_warps=4),
+                                                                             "V": 32000}]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"logits": rows}))
+    best = ncu_target.best_configs(str(path))
+    assert best["split_row_streamed"]["split_row"] == 16 and best["split_row_streamed"]["num_warps"] == 4
+    assert best["split_row_held"] == {"BLOCK_V": 8192, "num_warps": 8, "num_stages": 1, "programs_per_sm": None,
+                                      "split_row": 64}  # the inexact one is never profiled
+    assert best["one_pass"]["BLOCK_V"] == 4096 and best["one_pass"]["split_row"] is None
+    assert ncu_target.best_configs(None)["split_row_held"]["split_row"] == 64
 
 
 def test_the_vocab_parallel_step_runs_on_two_ranks_and_matches_the_unsharded_one(tmp_path):
@@ -245,3 +274,20 @@ def test_the_device_run_returns_at_most_eight_files():
     for name in outputs:
         assert name in suite, name
     assert "--merge-steps" in suite and len(outputs) == 8
+
+
+def test_a_sweep_candidate_runs_its_own_schedule_whatever_tuned_json_says(monkeypatch):
+    """A plain candidate passes split_row and programs_per_sm as 0 (off), so that a measured default (a split-row
+    winner in tuned.json, applied after a first run) never turns it into another schedule; a split-row one
+    passes its K."""
+    x = sweep.logits_inputs(1, 3, 301, "cpu")
+    seen = []
+    real = launch.forward
+    monkeypatch.setattr(launch, "forward",
+                        lambda *a, config=None, **k: seen.append(dict(config)) or real(*a, config=config, **k))
+    sweep.run_logits(x, {"mode": "one_pass", "BLOCK_V": 256, "num_warps": 2, "num_stages": None,
+                         "programs_per_sm": None, "split_row": None})
+    sweep.run_logits(x, {"mode": "one_pass", "BLOCK_V": 256, "num_warps": 2, "num_stages": None,
+                         "programs_per_sm": None, "split_row": 2})
+    assert [(c["split_row"], c["programs_per_sm"]) for c in seen] == [(0, 0), (2, 0)]
+    assert launch.logits_launch_config(x["logits"], seen[0])["split_row"] == 0

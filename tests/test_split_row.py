@@ -251,3 +251,27 @@ def test_a_packed_batch(device, launched, variant):
     assert launched and all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), launched
     assert_close("loss", expected.loss, out.loss, **TOL)
     assert_close("dlogits of the real tokens", leaf.grad[valid], logits.grad, **TOL)
+
+
+def test_the_backward_ignores_the_forwards_schedules(device, monkeypatch):
+    """A measured default that splits rows (or a persistent grid) is the one-pass forward's schedule: the two-pass
+    backward, given the same configuration (tuned.json's entry, or a sweep candidate's), runs its own kernel and
+    passes it neither (Triton would take them for compile options: another cache entry, compiled again)."""
+    from grpo_kernels.kernels import grpo
+
+    kernel, options = grpo.logprob_backward_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda **kwargs: options.append(set(kwargs)) or kernel[grid](**kwargs)
+
+    monkeypatch.setattr(grpo, "logprob_backward_kernel", Spy())
+    batch = make_batch(device=device, V=1003, seed=9)
+    logits, ids = batch["logits"], batch["completion_ids"]
+    N = ids.numel()
+    lse = torch.logsumexp(logits.float(), -1).reshape(-1)
+    g = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(device)
+    plain = launch.backward(logits, ids, lse, g, 1.0)
+    scheduled = launch.backward(logits, ids, lse, g, 1.0, config={"split_row": 8, "programs_per_sm": 2})
+    assert torch.equal(plain, scheduled)
+    assert options[0] == options[1] and not options[1] & {"split_row", "programs_per_sm"}

@@ -346,7 +346,9 @@ def backward(
     grad = logits if in_place else out if out is not None else torch.empty(
         (B, T, V), device=logits.device, dtype=logits.dtype)
     launch_config = logits_launch_config(logits, config)
-    launch_config.pop("programs_per_sm", None)  # the forward's schedule; the backward reads each row once
+    # the forward's schedules (a persistent grid, split rows); the backward reads each row once, a program a row
+    launch_config.pop("programs_per_sm", None)
+    launch_config.pop("split_row", None)
     if B * T > 0:
         with_entropy = grad_entropy is not None
         grpo.logprob_backward_kernel[(B * T,)](
