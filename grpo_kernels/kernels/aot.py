@@ -355,12 +355,15 @@ def hot_loops(cubin: bytes) -> List[Dict[str, int]]:
 
 def held_chunk_loop(cubin: bytes) -> Dict[str, int]:
     """The split-row kernel's work-item loop when its chunk is held in registers (``HOLD_CHUNK``): there is no
-    loop over the logits, so the item's loop is the hot one: the outermost loop that loads a 128-bit vector.
-    Its body counts both chunk paths (a full block, and the row's short last chunk) and the per-item work
-    (the state's reductions, the wait, the merge, the loss terms): per logit, an upper bound."""
+    loop over the logits, so the item's loop is the hot one: the outermost loop that loads a 128-bit vector
+    (any load, on rows not 16-byte aligned). Its body counts both chunk paths (a full block, and the row's short
+    last chunk) and the per-item work (the state's reductions, the wait, the merge, the loss terms): per logit,
+    an upper bound."""
     code = [(address, opcode, operands) for address, opcode, operands, _ in sass_instructions(cubin)]
-    loading = [(a, b) for a, b in _loops(code)
-               if any(a <= address <= b and op.startswith("LDG.E.128") for address, op, _ in code)]
+    loading = []
+    for load in ("LDG.E.128", "LDG"):
+        loading = loading or [(a, b) for a, b in _loops(code)
+                              if any(a <= address <= b and op.startswith(load) for address, op, _ in code)]
     begin, end = max(loading, key=lambda loop: loop[1] - loop[0])
     return _instruction_mix([op for address, op, _ in code if begin <= address <= end and op != "NOP"])
 
