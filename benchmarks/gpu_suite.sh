@@ -89,7 +89,7 @@ if [ -n "${GRPO_SUITE_TESTS:-}" ]; then
 elif [ "$MODE" = gpu ]; then
     # the kernels' tests (the torch-path cases and torch.compile did not fit in the time); the reduction kernels'
     # own tests last (the loss tests above run them too): a time limit cuts them first
-    TESTS=(tests/test_split_row.py tests/test_loss.py tests/test_fused_linear.py tests/test_reliability.py
+    TESTS=(tests/test_split_row.py tests/test_cuda_graph.py tests/test_loss.py tests/test_fused_linear.py tests/test_reliability.py
            tests/test_lean_backward.py tests/test_api.py tests/test_family.py tests/test_liger_parity.py
            tests/test_drop_last_position.py tests/test_entropy_bonus.py tests/test_policy_masks.py tests/test_packed.py
            tests/test_reduce.py -k "not torch")
