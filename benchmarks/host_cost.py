@@ -6,9 +6,10 @@ end-to-end time at small shapes on a GPU. Per path: the aten ops dispatched in t
 backward (every op that reaches the dispatcher, views and allocations included), the Triton launches,
 the host time per forward + backward (median of repeats), and what Triton's JIT adds to it on a GPU
 before each driver call: its binder specializing every argument of those same launches for sm_90
-(pointer alignment, integer values, dtypes) and the kernel cache key, timed on the recorded arguments. Liger-Kernel's ``triton_grpo_loss`` is
-measured the same way in the same run where it is installed, and so is the floor of any loss written as a
-``torch.autograd.Function`` (one that allocates its outputs and gradient and computes nothing).
+(pointer alignment, integer values, dtypes) and the kernel cache key, timed on the recorded arguments.
+Liger-Kernel's ``triton_grpo_loss`` is measured the same way in the same run where it is installed, and so
+is the floor of any loss written as a ``torch.autograd.Function`` (one that allocates its outputs and
+gradient and computes nothing).
 
     python benchmarks/host_cost.py [--iters 300] [--repeats 5] [--json out.json]
 
