@@ -188,6 +188,16 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def incumbent_candidate(logits) -> dict:
+    """What the launchers run today for these logits (tuned.json's entry, else the heuristics), as a candidate.
+    The sweep times it first: a run cut short by its budget must not crown a new candidate that was never
+    compared with the default it would replace."""
+    config = launch.logits_launch_config(logits)
+    return {"mode": "one_pass" if launch.default_one_pass(logits) else "two_pass", "BLOCK_V": config["BLOCK_V"],
+            "num_warps": config["num_warps"], "num_stages": config.get("num_stages"),
+            "programs_per_sm": config.get("programs_per_sm"), "split_row": config.get("split_row")}
+
+
 def sweep_logits(shapes, results, budget_end, write, smoke):
     for B, T, V in shapes:
         device = "cuda" if ON_GPU else "cpu"
@@ -196,7 +206,8 @@ def sweep_logits(shapes, results, budget_end, write, smoke):
         copy_s = copy_seconds(x["logits"])
         baseline = run_logits(x, {"mode": "two_pass", **launch.block_config(V, x["logits"].element_size()),
                                   "num_stages": None})
-        candidates = list(logits_candidates())
+        incumbent = incumbent_candidate(x["logits"])
+        candidates = [incumbent] + [c for c in logits_candidates() if c != incumbent]
         schedules = {}  # a split-row candidate's schedule on this V -> the first candidate that runs it
         for i, candidate in enumerate(candidates):
             if candidate["split_row"]:

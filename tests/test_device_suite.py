@@ -106,6 +106,25 @@ def test_the_sweep_runs_its_candidates_and_they_agree_with_the_default(tmp_path)
     assert "Winners" in report.sweep_table(str(out))
 
 
+def test_the_sweep_times_todays_default_first(tmp_path, monkeypatch):
+    """The launchers' current configuration (here a tuned entry as a GPU would read it) is the first candidate
+    timed, and not timed twice: a sweep cut short by its budget never crowns a candidate it did not compare
+    with the default it would replace."""
+    entry = {"one_pass": True, "BLOCK_V": 256, "num_warps": 2, "num_stages": 1, "programs_per_sm": None,
+             "split_row": 8}
+    monkeypatch.setattr(tuned, "logits_entry", lambda device, dtype, V: entry)
+    logits = sweep.logits_inputs(*sweep.SMOKE_LOGITS_SHAPES[0], "cpu")["logits"]
+    incumbent = sweep.incumbent_candidate(logits)
+    assert incumbent == {"mode": "one_pass", "BLOCK_V": 256, "num_warps": 2, "num_stages": 1, "programs_per_sm": None,
+                         "split_row": 8}
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--out", str(out), "--smoke"]) == 0
+    rows = json.loads(out.read_text())["logits"]
+    keys = ("mode", "BLOCK_V", "num_warps", "num_stages", "programs_per_sm", "split_row")
+    assert {k: rows[0][k] for k in keys} == incumbent and rows[0]["status"] == "ok"
+    assert sum({k: r[k] for k in keys} == incumbent for r in rows) == 1
+
+
 def test_trls_triton_kernel_loads_without_importing_trl_and_agrees_with_ours():
     pytest.importorskip("trl")
     from cases import load_trl_kernel
