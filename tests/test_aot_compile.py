@@ -105,9 +105,9 @@ def test_hot_loops_fit_the_instruction_budgets(records):
 
 def test_a_held_chunk_is_loaded_once_and_its_item_fits_its_budget(records):
     """The split-row kernel with a chunk of one block held in registers: one 128-bit load per 8 logits and no loop
-    over the logits (the item's loop is the hot one), two exp2 a logit (the state's and the gradient's), no
-    spill, and the item's instructions per logit (an upper bound: both chunk paths and the per-item work) within
-    its budget. The roofline's issue fraction is reported, not bounded: at 16 logits a thread the per-item work
+    over the logits (the item's loop is the hot one), one exp2 a logit (the state's: the gradient multiplies it
+    by the row's 2^(max - lse)) and a few an item, no spill, and the item's instructions per logit (an upper
+    bound: both chunk paths and the per-item work) within its budget. The roofline's issue fraction is reported, not bounded: at 16 logits a thread the per-item work
     may make it issue-bound, which the device sweep weighs (4 warps, 8192-logit blocks)."""
     held = [r for r in records if r.get("held_chunk")]
     assert {(r["arch"], r["dtype"]) for r in held} >= {("sm_90", "bf16"), ("sm_80", "bf16")}
@@ -115,7 +115,7 @@ def test_a_held_chunk_is_loaded_once_and_its_item_fits_its_budget(records):
         assert r["spill_bytes"] == 0 and r["local_bytes"] == 0 and r["vector_loads_128"] >= 1, r
         (loop,) = r["hot_loops"]
         assert loop["logits_per_thread"] == r["BLOCK_V"] / (32 * r["num_warps"])
-        assert loop["global_loads"] >= 1 and 2.0 <= loop["mufu_per_logit"] < 2.6, loop
+        assert loop["global_loads"] >= 1 and 1.0 <= loop["mufu_per_logit"] <= 1.0 + 8 / loop["logits_per_thread"], loop
         if r["arch"] == "sm_90":
             assert r["instructions_per_logit"] <= r["budget"], (r["specialization"], r["instructions_per_logit"])
 

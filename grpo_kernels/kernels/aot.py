@@ -50,7 +50,7 @@ BUDGETS = {"one-pass": 20.0, "forward": 13.0, "backward": 7.0}  # measured: 17.3
 BUDGETS_ENTROPY_BONUS = {"one-pass": 23.0, "backward": 10.0}
 # a split-row chunk held in registers (one block of 4096 over 8 warps: 16 logits a thread): the work item's
 # instructions over its logits, both chunk paths and the per-item work counted (an upper bound; measured
-# 52.7 and 55.1 with the entropy bonus, bf16, sm_90, triton 3.9; 55.1 and 57.6 with triton 3.6)
+# 53.2 and 54.9 with the entropy bonus, bf16, sm_90, triton 3.9; 53.3 and 56.8 with triton 3.6)
 BUDGETS_HELD_CHUNK = {"one-pass": 60.0, "one-pass entropy-bonus": 62.0}
 
 

@@ -127,20 +127,20 @@ def _held_chunk(row_ptr, c0, n, active, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _held_state(x, c, COMPUTE_ENTROPY: tl.constexpr):
-    """(max, sum 2^(x2 - max), sum 2^(x2 - max) x2) of x2 = x * c over a held chunk (-inf adds 0)."""
+    """(x2, e, max, sum e, sum e x2) of a held chunk: x2 = x * c, e = 2^(x2 - max) (-inf adds 0). x2 and e stay
+    in registers for the gradient: p = e 2^(max - lse), one multiply a logit, no second exp2."""
     x2 = x.to(tl.float32) * c
     chunk_max = tl.maximum(tl.max(x2, axis=0), FLOOR)  # at least FLOOR: a chunk of -inf has a finite max
     e = tl.exp2(x2 - chunk_max)
     sum_x = 0.0
     if COMPUTE_ENTROPY:
         sum_x = tl.sum(tl.where(e > 0.0, x2, 0.0) * e, axis=0)  # -inf: e = 0 adds 0, never 0 * -inf
-    return chunk_max, tl.sum(e, axis=0), sum_x
+    return x2, e, chunk_max, tl.sum(e, axis=0), sum_x
 
 
 @triton.jit
-def _held_row(x, c, COMPUTE_ENTROPY: tl.constexpr):
-    """(lse, entropy) in nats of a row held whole (``_held_chunk`` of the row)."""
-    row_max, sum_exp, sum_x = _held_state(x, c, COMPUTE_ENTROPY)
+def _held_row(sum_exp, sum_x, row_max, COMPUTE_ENTROPY: tl.constexpr):
+    """(lse, entropy) in nats of a row held whole, from its state (``_held_state``'s sums and max)."""
     lse2 = row_max + tl.log2(sum_exp)
     entropy = 0.0
     if COMPUTE_ENTROPY:
@@ -149,11 +149,11 @@ def _held_row(x, c, COMPUTE_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def _write_held_gradient(x, out_ptr, c0, n, lse, target, target_logit, g, inv_temperature, h, entropy,
-                         BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
-    """``_write_chunk_gradient`` from a held chunk (``_held_chunk``'s x): the same values, the logits read
-    from registers; the target's own value (its logit passed in) stored after the block, where the target
-    lies in the chunk, so that no logit pays a comparison with it."""
+def _write_held_gradient(x2, e, chunk_max, out_ptr, c0, n, lse, target, target_logit, g, inv_temperature, h,
+                         entropy, BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+    """``_write_chunk_gradient`` from a held chunk (``_held_state``'s x2 and e): the same values, each logit's
+    probability p = e 2^(max - lse) (a multiply, not an exp2); the target's own value (its logit passed in)
+    stored after the block, where the target lies in the chunk, so that no logit pays a comparison with it."""
     cols = tl.arange(0, BLOCK_V)
     out_dtype = out_ptr.dtype.element_ty
     is_zero = g == 0.0
@@ -161,19 +161,19 @@ def _write_held_gradient(x, out_ptr, c0, n, lse, target, target_logit, g, inv_te
         is_zero = is_zero & (h == 0.0)
     c = inv_temperature * LOG2E
     lse2 = lse * LOG2E
+    to_p = tl.exp2(chunk_max - lse2)  # <= 1: the row's lse is at least its chunk's max
     if is_zero:
         grad = tl.zeros([BLOCK_V], dtype=out_dtype)
         at_target = 0.0
     elif HAS_ENTROPY_GRAD:
         a = -h * LN2 * inv_temperature
         b = (-g - h * entropy) * inv_temperature
-        d = tl.maximum(x.to(tl.float32) * c - lse2, FLOOR, propagate_nan=NAN)
-        grad = (tl.exp2(d) * (a * d + b)).to(out_dtype)
+        d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
+        grad = ((e * to_p) * (a * d + b)).to(out_dtype)
         d_target = tl.maximum(target_logit * c - lse2, FLOOR, propagate_nan=NAN)
         at_target = g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)
     else:
-        minus_g = -g * inv_temperature
-        grad = (minus_g * tl.exp2(x.to(tl.float32) * c - lse2)).to(out_dtype)
+        grad = (e * (-g * inv_temperature * to_p)).to(out_dtype)
         at_target = g * inv_temperature * (1.0 - tl.exp2(target_logit * c - lse2))
     if n == BLOCK_V:
         tl.store(out_ptr + c0 + cols, grad)
@@ -290,12 +290,13 @@ def split_row_forward_kernel(
             active = tl.load(mask_ptr + row) != 0.0
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t, ROW_ALIGN)
         state_row = state_ptr + row * (K * C_STATE_WIDTH)
-        if HOLD_CHUNK:  # loaded once, before the wait; the interpreter's second launch (PHASE 2) loads it again
-            held = _held_chunk(row_ptr, c0, c1 - c0, active, BLOCK_V)
+        if HOLD_CHUNK:  # loaded once, before the wait (the interpreter's second launch, PHASE 2, loads it again)
+            x2, e, held_max, held_sum, held_sum_x = _held_state(_held_chunk(row_ptr, c0, c1 - c0, active, BLOCK_V), c,
+                                                                COMPUTE_ENTROPY)
         if not WHOLE_ROW:
             if active & (PHASE != 2):
                 if HOLD_CHUNK:
-                    chunk_max, sum_exp, sum_x = _held_state(held, c, COMPUTE_ENTROPY)
+                    chunk_max, sum_exp, sum_x = held_max, held_sum, held_sum_x
                 else:
                     chunk_max, sum_exp, sum_x = _chunk_state(row_ptr, c0, c1, c, BLOCK_V, COMPUTE_ENTROPY)
                 tl.store(state_row + chunk * C_STATE_WIDTH, chunk_max)
@@ -309,7 +310,7 @@ def split_row_forward_kernel(
             target = tl.load(ids_ptr + row).to(tl.int64)
             if active:
                 if WHOLE_ROW:  # the row is this program's chunk: its state is the row's, nothing to publish
-                    lse, entropy = _held_row(held, c, COMPUTE_ENTROPY)
+                    lse, entropy = _held_row(held_sum, held_sum_x, held_max, COMPUTE_ENTROPY)
                 else:
                     if PHASE == 0:
                         _wait_for_siblings(counter_ptr + row, K, error_ptr, MAX_SPIN)
@@ -334,8 +335,8 @@ def split_row_forward_kernel(
             if HAS_ENTROPY_GRAD:
                 h = tl.where(active, tl.load(entropy_grad_ptr + row), 0.0)
             if HOLD_CHUNK:
-                _write_held_gradient(held, out_ptr, c0, c1 - c0, lse, target, target_logit, g, inv_temperature, h,
-                                     entropy, BLOCK_V, HAS_ENTROPY_GRAD)
+                _write_held_gradient(x2, e, held_max, out_ptr, c0, c1 - c0, lse, target, target_logit, g,
+                                     inv_temperature, h, entropy, BLOCK_V, HAS_ENTROPY_GRAD)
             else:
                 _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, h, entropy,
                                       BLOCK_V, HAS_ENTROPY_GRAD)
