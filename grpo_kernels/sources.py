@@ -52,9 +52,7 @@ def _kernel_output(inputs: LossInputs, loss, metrics, logp) -> GRPOLossOutput:
     """The output of a fused loss Function: its loss, its metrics vector under TRL's names (the loss-metrics
     kernel's order), its log-probs (not differentiable)."""
     o = inputs.options
-    names = o.derived(("metric_names", o.uses_kl, o.compute_entropy),
-                      lambda o: metric_names(o, o.uses_kl, o.compute_entropy))
-    return GRPOLossOutput(loss, dict(zip(names, metrics.unbind())), logp)
+    return GRPOLossOutput(loss, dict(zip(metric_names(o, o.uses_kl, o.compute_entropy), metrics.unbind())), logp)
 
 
 class LogitsSource:

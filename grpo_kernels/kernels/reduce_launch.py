@@ -137,8 +137,7 @@ def loss_metrics(mask: torch.Tensor, opts: GRPOOptions, *, loss, entropy, kl, fl
     per-token results (fp32 [N], None where absent; ``flags`` int8 [N]) and its token weights."""
     N = mask.numel()
     clip = opts.derived("clip_metrics_kind", clip_metrics_kind)
-    has_kl, has_entropy = kl is not None, entropy is not None
-    count = len(opts.derived(("metric_names", has_kl, has_entropy), lambda o: metric_names(o, has_kl, has_entropy)))
+    count = len(metric_names(opts, kl is not None, entropy is not None))
     new = torch.empty if N > 0 else torch.zeros  # no token: a loss and metrics of 0, nothing to launch
     metrics = new(count, device=mask.device, dtype=torch.float32)
     loss_out = new((), device=mask.device, dtype=torch.float32)
