@@ -139,11 +139,10 @@ def jit_binding_us(launched, iters: int, repeats: int) -> float:
     the options) and the kernel cache key, as ``JITFunction.run`` does on every call. Timed here on the
     recorded CPU arguments (the same specialization work as CUDA tensors'); median of repeats, summed."""
     from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+    from triton.runtime.jit import JITFunction, compute_cache_key
 
-    backend = make_backend(GPUTarget("cuda", 90, 32))
+    from grpo_kernels.kernels.aot import jit_binder
+
     # the options JITFunction.run adds to every call's keywords (the set differs between Triton versions)
     run_options = {"debug": False}
     for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
@@ -151,8 +150,8 @@ def jit_binding_us(launched, iters: int, repeats: int) -> float:
             run_options[name] = getattr(knobs.compilation, name)
     total = 0.0
     for interpreted, args, kwargs in launched:
-        jit = JITFunction(interpreted.fn, **interpreted.kwargs)  # what triton.jit makes without the interpreter
-        binder = create_function_from_signature(jit.signature, jit.params, backend)
+        # what triton.jit makes without the interpreter
+        binder, _ = jit_binder(JITFunction(interpreted.fn, **interpreted.kwargs), 90)
         key_cache: dict = {}
         keywords = {**kwargs, **run_options}
 

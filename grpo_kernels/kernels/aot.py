@@ -95,15 +95,21 @@ def recorded_launches():
             setattr(module, name, fn)
 
 
-def jit_specialization(launch_: Launch, arch: int):
-    """What Triton's JIT would compile for this launch on sm_<arch>: (signature, constexprs, attrs, options)."""
+def jit_binder(fn, arch: int):
+    """(the binder Triton's JIT makes for a kernel (a ``JITFunction``) on sm_<arch>, that target's backend): what
+    ``JITFunction.run`` calls on every launch to specialize the arguments, before the cache key and the driver."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    fn = launch_.kernel
     backend = make_backend(GPUTarget("cuda", arch, 32))
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    return create_function_from_signature(fn.signature, fn.params, backend), backend
+
+
+def jit_specialization(launch_: Launch, arch: int):
+    """What Triton's JIT would compile for this launch on sm_<arch>: (signature, constexprs, attrs, options)."""
+    fn = launch_.kernel
+    binder, backend = jit_binder(fn, arch)
     bound_args, specialization, options = binder(*launch_.args, **launch_.kwargs)
     return fn._pack_args(backend, launch_.kwargs, bound_args, specialization, options)
 
