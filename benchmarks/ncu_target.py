@@ -71,8 +71,8 @@ def schedule_of(row: dict) -> str:
         return "one_pass"
     from grpo_kernels.kernels import launch
 
-    _, chunk_len = launch.split_row_chunks(row["V"], row["BLOCK_V"], row["split_row"])
-    return "split_row_held" if chunk_len == row["BLOCK_V"] else "split_row_streamed"
+    held = launch.split_row_chunks(row["V"], row["BLOCK_V"], row["split_row"]).held
+    return "split_row_held" if held else "split_row_streamed"
 
 
 def best_configs(sweep_path: str | None) -> dict:

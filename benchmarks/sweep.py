@@ -212,7 +212,7 @@ def sweep_logits(shapes, results, budget_end, write, smoke):
         for i, candidate in enumerate(candidates):
             if candidate["split_row"]:
                 chunks = launch.split_row_chunks(V, candidate["BLOCK_V"], candidate["split_row"])
-                if chunks[0] == 1 and chunks[1] > candidate["BLOCK_V"]:
+                if chunks.K == 1 and not chunks.held:
                     results["logits"].append({"N": B * T, "V": V, **candidate,
                                               "status": "skipped (one chunk of several blocks: not a split)"})
                     continue

@@ -83,14 +83,15 @@ def test_the_chunks_cover_the_row_in_whole_blocks():
     """At most the K asked for, chunks of whole blocks, as few blocks a chunk as that allows, none empty."""
     for V, block, chunks in [(151936, 4096, 8), (151936, 4096, 16), (151936, 4096, 64), (151936, 8192, 19),
                              (32000, 4096, 4), (32000, 4096, 8), (1003, 256, 4), (5, 2, 8), (1, 2, 4), (7, 2, 3)]:
-        k, chunk_len = launch.split_row_chunks(V, block, chunks)
+        k, chunk_len, held = launch.split_row_chunks(V, block, chunks)
+        assert held == (chunk_len == block)
         blocks = -(-V // block)
         assert chunk_len % block == 0 and k * chunk_len >= V > (k - 1) * chunk_len  # covered, the last not empty
         assert k <= chunks and (chunk_len == block or -(-blocks // (chunk_len // block - 1)) > chunks)
-    assert launch.split_row_chunks(151936, 4096, 8) == (8, 5 * 4096)  # 5 blocks of L2-read chunks
-    assert launch.split_row_chunks(151936, 4096, 16) == (13, 3 * 4096)  # not 16 chunks with 3 empty
-    assert launch.split_row_chunks(151936, 4096, 64) == (38, 4096)  # a block a chunk: held in registers
-    assert launch.split_row_chunks(32000, 4096, 8) == (8, 4096)
+    assert launch.split_row_chunks(151936, 4096, 8) == (8, 5 * 4096, False)  # 5 blocks of L2-read chunks
+    assert launch.split_row_chunks(151936, 4096, 16) == (13, 3 * 4096, False)  # not 16 chunks with 3 empty
+    assert launch.split_row_chunks(151936, 4096, 64) == (38, 4096, True)  # a block a chunk: held in registers
+    assert launch.split_row_chunks(32000, 4096, 8) == (8, 4096, True)
 
 
 @pytest.mark.parametrize("V, chunks, block_v, dtype, held", [

@@ -382,13 +382,22 @@ def split_row_schedule(chunks: Optional[int], block_v: Optional[int] = None):
         SPLIT_ROW_CHUNKS, SPLIT_ROW_BLOCK = saved
 
 
-def split_row_chunks(V: int, block_v: int, chunks: int) -> tuple:
-    """(K, chunk length): the row cut into at most ``chunks`` chunks of the same whole number of blocks (so that
-    full blocks load unmasked), as few blocks a chunk as that allows; K the chunks that then cover the row,
-    none empty (only the last one short). A chunk of one block is held in registers (``HOLD_CHUNK``)."""
+class SplitRowChunks(NamedTuple):
+    """How the split-row kernel cuts a row: K chunks of ``length`` logits; ``held``: a chunk of one block, held in
+    registers (``HOLD_CHUNK``), else streamed twice (the second read from L2)."""
+
+    K: int
+    length: int
+    held: bool
+
+
+def split_row_chunks(V: int, block_v: int, chunks: int) -> SplitRowChunks:
+    """The row cut into at most ``chunks`` chunks of the same whole number of blocks (so that full blocks load
+    unmasked), as few blocks a chunk as that allows; K the chunks that then cover the row, none empty (only the
+    last one short)."""
     blocks = triton.cdiv(V, block_v)
     chunk_blocks = triton.cdiv(blocks, max(int(chunks), 1))
-    return triton.cdiv(blocks, chunk_blocks), chunk_blocks * block_v
+    return SplitRowChunks(triton.cdiv(blocks, chunk_blocks), chunk_blocks * block_v, chunk_blocks == 1)
 
 
 def resident_programs_per_sm(registers: int, num_warps: int, shared_bytes: int, *, regs_per_sm: int = 65536,
@@ -436,13 +445,13 @@ def _split_row_forward(logits: torch.Tensor, kwargs: dict, launch_config: dict, 
         return True, None
     if SPLIT_ROW_BLOCK:
         launch_config = {**launch_config, **block_config(SPLIT_ROW_BLOCK, logits.element_size())}
-    K, chunk_len = split_row_chunks(V, launch_config["BLOCK_V"], chunks)
+    K, chunk_len, held = split_row_chunks(V, launch_config["BLOCK_V"], chunks)
     error = torch.zeros(1, device=logits.device, dtype=torch.int32)
     kwargs = dict(
         kwargs, state_ptr=torch.empty(N, K, split_row.STATE_WIDTH, device=logits.device, dtype=torch.float32),
         counter_ptr=torch.zeros(N, device=logits.device, dtype=torch.int32), error_ptr=error,
         chunk_blocks=chunk_len // launch_config["BLOCK_V"], K=K, K_LANES=triton.next_power_of_2(K),
-        HOLD_CHUNK=chunk_len == launch_config["BLOCK_V"], MAX_SPIN=SPLIT_ROW_MAX_SPIN,
+        HOLD_CHUNK=held, MAX_SPIN=SPLIT_ROW_MAX_SPIN,
         BLOCK_V=launch_config["BLOCK_V"], num_warps=launch_config["num_warps"],
         **({"num_stages": launch_config["num_stages"]} if "num_stages" in launch_config else {}),
     )
