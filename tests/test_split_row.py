@@ -23,26 +23,32 @@ TOL = dict(atol=1e-6, rtol=1e-5)
 VARIANTS = {"held": dict(chunks=64, block_v=256), "streamed": dict(chunks=4, block_v=128)}
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The split-row kernel's launches in the test (K, K_LANES, HOLD_CHUNK, BLOCK_V of each)."""
-    from grpo_kernels.kernels import split_row as split_row_kernels
-
-    calls = []
-    kernel = split_row_kernels.split_row_forward_kernel
+def _spy(monkeypatch, module, name: str) -> list:
+    """Each launch of ``module.name`` (a Triton kernel) records its keyword arguments, then runs; the list of them."""
+    calls, kernel = [], getattr(module, name)
 
     class Spy:
         def __getitem__(self, grid):
-            def run(**kwargs):
-                calls.append({k: kwargs[k] for k in ("K", "K_LANES", "HOLD_CHUNK", "BLOCK_V")})
-                return kernel[grid](**kwargs)
-            return run
+            return lambda **kwargs: calls.append(kwargs) or kernel[grid](**kwargs)
 
-        def __getattr__(self, name):  # warmup (a GPU's resident-program count) and the rest: the kernel's own
-            return getattr(kernel, name)
+        def __getattr__(self, attribute):  # warmup (a GPU's resident-program count) and the rest: the kernel's own
+            return getattr(kernel, attribute)
 
-    monkeypatch.setattr(split_row_kernels, "split_row_forward_kernel", Spy())
+    monkeypatch.setattr(module, name, Spy())
     return calls
+
+
+def _seen(launches) -> list:
+    """(K, HOLD_CHUNK, BLOCK_V) of each split-row launch: what a failed assertion shows."""
+    return [(c["K"], c["HOLD_CHUNK"], c["BLOCK_V"]) for c in launches]
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The split-row kernel's launches in the test, each its keyword arguments (K, K_LANES, HOLD_CHUNK, ...)."""
+    from grpo_kernels.kernels import split_row as split_row_kernels
+
+    return _spy(monkeypatch, split_row_kernels, "split_row_forward_kernel")
 
 
 def _both(batch, chunks, block_v=256, **options):
@@ -106,7 +112,7 @@ def test_which_variant_runs_and_both_match_the_reference(device, launched, V, ch
     read again; K is any number of chunks. Both against the reference, with the entropy bonus's gradient too."""
     batch = make_batch(device=device, V=V, seed=V + chunks, dtype=dtype)
     expected, actual = _both(batch, chunks, block_v, beta=0.04, entropy_coef=0.03, temperature=0.9)
-    assert launched and all(c["HOLD_CHUNK"] == held for c in launched), launched
+    assert launched and all(c["HOLD_CHUNK"] == held for c in launched), _seen(launched)
     k = launched[0]["K"]
     assert k <= chunks and launched[0]["K_LANES"] == 1 << (k - 1).bit_length()
     if dtype == torch.float32:
@@ -131,7 +137,7 @@ def test_options(device, launched, case, variant):
     options = dict(OPTION_CASES[case])
     batch = make_batch(device=device, seed=5, **{k: options.pop(k) for k in list(options) if k in BATCH_KEYS})
     _check(*_both(batch, **VARIANTS[variant], **options))
-    assert all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), launched
+    assert all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), _seen(launched)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -147,7 +153,7 @@ def test_minus_inf_logits_and_masked_rows(device, launched, variant):
     batch["completion_ids"] = batch["completion_ids"].clamp(min=40, max=511)
     expected, actual = _both(batch, **VARIANTS[variant], beta=0.04)
     _check(expected, actual)
-    assert all(c["HOLD_CHUNK"] == (variant == "held") and c["K"] == 4 for c in launched), launched
+    assert all(c["HOLD_CHUNK"] == (variant == "held") and c["K"] == 4 for c in launched), _seen(launched)
     masked = batch["completion_mask"] == 0
     assert masked.any() and torch.count_nonzero(actual[1][masked]) == 0
     assert torch.isfinite(actual[2].metrics["entropy"])
@@ -204,7 +210,7 @@ def test_no_wait_times_out(device, launched, chunks, held):
         r = launch.forward(logits, ids, opts=GRPOOptions(beta=0.04), tokens=tokens, compute_entropy=True,
                            gradient=OnePassGradient(torch.full((N,), 1.0 / N, **f32)))
     assert r.grad_logits is not None and torch.isfinite(r.grad_logits).all()
-    assert launched and all(c["HOLD_CHUNK"] == held for c in launched), launched
+    assert launched and all(c["HOLD_CHUNK"] == held for c in launched), _seen(launched)
     if logits.is_cuda:
         assert int(r.split_row_error) == 0
     else:
@@ -227,7 +233,7 @@ def test_full_logits_with_a_dropped_position(device, launched, variant):
     with split_row(**VARIANTS[variant]):
         out = grpo_loss(full, **inputs, **options, backend="triton", one_pass=True, drop_last_position=True)
     out.loss.backward()
-    assert launched and all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), launched
+    assert launched and all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), _seen(launched)
     assert_close("loss", expected.loss, out.loss, **TOL)
     assert_close("dlogits", view.grad, full.grad[:, :-1], **TOL)
     assert torch.count_nonzero(full.grad[:, -1]) == 0
@@ -249,7 +255,7 @@ def test_a_packed_batch(device, launched, variant):
         out = grpo_loss(logits, **{k: v for k, v in packed.items() if k != "logits"}, **options, backend="triton",
                         one_pass=True, cu_seqlens=cu)
     out.loss.backward()
-    assert launched and all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), launched
+    assert launched and all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), _seen(launched)
     assert_close("loss", expected.loss, out.loss, **TOL)
     assert_close("dlogits of the real tokens", leaf.grad[valid], logits.grad, **TOL)
 
@@ -260,13 +266,7 @@ def test_the_backward_ignores_the_forwards_schedules(device, monkeypatch):
     passes it neither (Triton would take them for compile options: another cache entry, compiled again)."""
     from grpo_kernels.kernels import grpo
 
-    kernel, options = grpo.logprob_backward_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            return lambda **kwargs: options.append(set(kwargs)) or kernel[grid](**kwargs)
-
-    monkeypatch.setattr(grpo, "logprob_backward_kernel", Spy())
+    calls = _spy(monkeypatch, grpo, "logprob_backward_kernel")
     batch = make_batch(device=device, V=1003, seed=9)
     logits, ids = batch["logits"], batch["completion_ids"]
     N = ids.numel()
@@ -275,4 +275,4 @@ def test_the_backward_ignores_the_forwards_schedules(device, monkeypatch):
     plain = launch.backward(logits, ids, lse, g, 1.0)
     scheduled = launch.backward(logits, ids, lse, g, 1.0, config={"split_row": 8, "programs_per_sm": 2})
     assert torch.equal(plain, scheduled)
-    assert options[0] == options[1] and not options[1] & {"split_row", "programs_per_sm"}
+    assert set(calls[0]) == set(calls[1]) and not set(calls[1]) & {"split_row", "programs_per_sm"}
