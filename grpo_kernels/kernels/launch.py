@@ -273,9 +273,8 @@ def loss_forward(
     """A loss's launches over logits [B, T, V]: the token-weights kernel (each token's inputs and weight),
     the forward kernel (with ``gradient_out``, a [B, T, V] tensor with a unit last stride, or any tensor whose
     first T positions are that, it also writes dlogits of the reduced loss there: one pass) and the loss-metrics
-    kernel. Every O(N) fp32 output is a row of one
-    buffer. ``dropped_gradient``: the [B, T + 1, V] gradient ``gradient_out`` is the first T positions of,
-    whose position T the token-weights kernel zeroes."""
+    kernel. Every O(N) fp32 output is a row of one buffer. ``dropped_gradient``: the [B, T + 1, V] gradient
+    ``gradient_out`` is the first T positions of, whose position T the token-weights kernel zeroes."""
     B, T, V = logits.shape
     N, device, t = B * T, logits.device, loss_tokens.tokens
     names = output_names(opts, opts.compute_entropy)
