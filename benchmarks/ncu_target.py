@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from grpo_kernels.kernels.tuned import LOGITS_KEYS
+
 SHAPE = (16, 1024, 151936)
 KERNELS = "grpo_forward_kernel|split_row_forward_kernel"
 METRICS = [
@@ -43,7 +45,6 @@ SCHEDULES = [
 ]
 LAUNCHES_PER_ROUND = len(SCHEDULES)
 LAUNCHES_BEFORE = 1 + LAUNCHES_PER_ROUND  # the inputs' log-prob pass, then the warm-up round
-CONFIG_KEYS = ("BLOCK_V", "num_warps", "num_stages", "programs_per_sm", "split_row")
 
 
 def ncu_command(python: str = "python", sweep: str | None = None) -> list:
@@ -91,7 +92,7 @@ def best_configs(sweep_path: str | None) -> dict:
         mine = [r for r in ok if schedule_of(r) == name]
         if mine:
             r = min(mine, key=lambda r: r["median_ms"])
-            best[name] = {k: r.get(k) for k in CONFIG_KEYS}
+            best[name] = {k: r.get(k) for k in LOGITS_KEYS}
     return best
 
 
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     x = logits_inputs(*SHAPE, "cuda")
     for _ in range(2):  # round 1 warms up (ncu skips it), round 2 is profiled
         for name, _, _, _ in SCHEDULES:  # (run_logits: a schedule the config leaves unset is off)
-            run_logits(x, {"mode": "one_pass", **{k: configs[name].get(k) for k in CONFIG_KEYS}})
+            run_logits(x, {"mode": "one_pass", **{k: configs[name].get(k) for k in LOGITS_KEYS}})
         torch.cuda.synchronize()
     return 0
 
