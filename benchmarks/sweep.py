@@ -216,7 +216,7 @@ def sweep_logits(shapes, results, budget_end, write, smoke):
                     results["logits"].append({"N": B * T, "V": V, **candidate,
                                               "status": "skipped (one chunk of several blocks: not a split)"})
                     continue
-                schedule = (chunks, candidate["num_warps"], candidate["num_stages"])
+                schedule = (chunks, candidate["BLOCK_V"], candidate["num_warps"], candidate["num_stages"])
                 if schedule in schedules:  # at V = 32000, K = 64 is K = 8: 8 blocks held
                     results["logits"].append({"N": B * T, "V": V, **candidate,
                                               "status": f"same schedule as split_row={schedules[schedule]}"})
