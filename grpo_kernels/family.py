@@ -42,7 +42,8 @@ def _logps(logits, ids, mask, temperature, backend):
     GRPOOptions(temperature=temperature)  # validates the temperature
     resolved = resolve_backend(backend, logits)
     flat_mask = mask.float().reshape(-1).contiguous()
-    logp, _, _ = TokenLogprobs.apply(logits, ids.contiguous(), flat_mask, float(temperature), False, resolved, False)
+    logp, _, _ = TokenLogprobs.apply(logits, ids.contiguous(), flat_mask, float(temperature), None, False, resolved,
+                                     False)
     return logp
 
 

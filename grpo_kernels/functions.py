@@ -84,7 +84,7 @@ def _write_gradient(ctx, logits, ids, lse, g, h=None, entropy=None):
     ``logits`` is the Function's input ([B, T, V], or [B, T + 1, V] when ``ctx.drop_last_position``)."""
     grad, written = gradient_buffer(logits, ctx.drop_last_position, ctx.in_place)
     get_backend(ctx.backend).logprobs_backward(aligned(logits, ctx.drop_last_position), ids, lse, g, ctx.temperature,
-                                               out=written, grad_entropy=h, entropy=entropy)
+                                               out=written, grad_entropy=h, entropy=entropy, softcap=ctx.softcap)
     if ctx.in_place:
         torch.autograd.graph.increment_version(logits)
     return grad
@@ -118,7 +118,8 @@ class FusedTokenLoss(torch.autograd.Function):
         r = launch_module().loss_forward(predicting, ids, opts=opts, loss_tokens=loss_tokens)
         ctx.save_for_backward(logits, ids, r.result.lse, r.result.dloss_dlogp, r.result.entropy, r.weights.weight,
                               r.weights.entropy_weight)
-        ctx.backend, ctx.temperature, ctx.in_place = "triton", opts.temperature, in_place
+        ctx.backend, ctx.in_place = "triton", in_place
+        ctx.temperature, ctx.softcap = opts.kernel_temperature, opts.kernel_softcap
         ctx.drop_last_position = drop_last_position
         return _loss_outputs(ctx, r.loss, r.metrics, r.result.logp, predicting.shape[:2])
 
@@ -166,7 +167,8 @@ class FusedTokenLossOnePass(torch.autograd.Function):
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """log softmax(logits / tau)[ids] (and entropy), by the Triton kernel or the torch path.
+    """log softmax(cap(logits) / tau)[ids] (and entropy), by the Triton kernel or the torch path; ``softcap`` None: no
+    cap (``backends``).
 
     ``mask`` (fp32 [N] or None): log-prob and entropy are 0 where it is 0, as in the fused
     kernel, which never reads those rows. Returns (logp [B, T], entropy [B, T] or None, and the
@@ -175,18 +177,18 @@ class TokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(logits, ids, mask: Optional[torch.Tensor], temperature: float,
+    def forward(logits, ids, mask: Optional[torch.Tensor], temperature: float, softcap: Optional[float],
                 compute_entropy: bool, backend: str, in_place: bool, drop_last_position: bool = False):
         predicting = aligned(logits, drop_last_position)
         B, T, _ = predicting.shape
-        r = get_backend(backend).logprobs(predicting, ids, temperature, mask, compute_entropy)
+        r = get_backend(backend).logprobs(predicting, ids, temperature, mask, compute_entropy, softcap)
         entropy = None if r.entropy is None else r.entropy.view(B, T)
         # both differentiable: a loss may use the entropy (the entropy bonus)
         return r.logp.view(B, T), entropy, r.lse
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        logits, ids, mask, temperature, _, backend, in_place = inputs[:7]
+        logits, ids, mask, temperature, softcap, _, backend, in_place = inputs[:8]
         _, entropy, lse = output
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
@@ -195,8 +197,8 @@ class TokenLogprobs(torch.autograd.Function):
         if backend == "torch" and mask is not None:
             ids = torch.where(mask.view(ids.shape) != 0, ids, 0)
         ctx.save_for_backward(logits, ids, lse, entropy)
-        ctx.backend, ctx.temperature, ctx.in_place = backend, temperature, in_place
-        ctx.drop_last_position = inputs[7] if len(inputs) > 7 else False
+        ctx.backend, ctx.temperature, ctx.softcap, ctx.in_place = backend, temperature, softcap, in_place
+        ctx.drop_last_position = inputs[8] if len(inputs) > 8 else False
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
@@ -215,7 +217,7 @@ def _linear_gradients(ctx, g, h=None, entropy=None):
     wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
     dh, dw, db = get_backend(ctx.backend).linear_backward(
         hidden, weight, bias, ids, lse, flat_f32(g), ctx.temperature, wants_weight, grad_entropy=flat_f32(h),
-        entropy=flat_f32(entropy) if h is not None else None)
+        entropy=flat_f32(entropy) if h is not None else None, softcap=ctx.softcap)
     return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias))
 
 
@@ -226,7 +228,7 @@ def as_input_grads(ctx, grads, inputs) -> tuple:
 
 
 class LinearTokenLogprobs(torch.autograd.Function):
-    """log softmax((h @ W^T + b) / tau)[ids] with the lm_head fused in: no [N, V] tensor is kept.
+    """log softmax(cap(h @ W^T + b) / tau)[ids] with the lm_head fused in: no [N, V] tensor is kept.
 
     hidden [N, H], weight [V, H], bias [V] or None, ids [N]. The backward recomputes the
     logits a chunk at a time (Triton or torch); a frozen weight gets no gradient. Used
@@ -235,18 +237,19 @@ class LinearTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(hidden, weight, bias, ids, temperature: float, compute_entropy: bool, backend: str):
-        r = get_backend(backend).linear_logprobs(hidden, weight, bias, ids, temperature, compute_entropy)
+    def forward(hidden, weight, bias, ids, temperature: float, softcap: Optional[float], compute_entropy: bool,
+                backend: str):
+        r = get_backend(backend).linear_logprobs(hidden, weight, bias, ids, temperature, compute_entropy, softcap)
         return r.logp, r.entropy, r.lse  # both differentiable: a loss may use the entropy (the entropy bonus)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        hidden, weight, bias, ids, temperature, _, backend = inputs
+        hidden, weight, bias, ids, temperature, softcap, _, backend = inputs
         _, entropy, lse = output
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
-        ctx.backend, ctx.temperature = backend, temperature
+        ctx.backend, ctx.temperature, ctx.softcap = backend, temperature, softcap
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
@@ -274,7 +277,7 @@ class FusedLinearTokenLoss(torch.autograd.Function):
         loss, metrics = reduce_launch_module().reduced(tokens.mask, opts, r, weights)
         ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy, weights.weight,
                               weights.entropy_weight)
-        ctx.backend, ctx.temperature = "triton", opts.temperature
+        ctx.backend, ctx.temperature, ctx.softcap = "triton", opts.kernel_temperature, opts.kernel_softcap
         return _loss_outputs(ctx, loss, metrics, r.logp, out_shape)
 
     @staticmethod

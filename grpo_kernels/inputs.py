@@ -56,7 +56,8 @@ class CallSettings(NamedTuple):  # (a NamedTuple, not a frozen dataclass: built 
 
 
 class LogprobSettings(NamedTuple):  # (a NamedTuple, not a frozen dataclass: built on every call)
-    """The settings of a log-prob call (``token_logprobs`` and its family); in_place_backward is the source's."""
+    """The settings of a log-prob call (``token_logprobs`` and its family); in_place_backward is the source's.
+    ``logit_scale`` and ``logit_softcap``: the head's output transform, as the loss options of those names."""
 
     backend: str = "auto"
     check_ids: bool = True
@@ -64,6 +65,8 @@ class LogprobSettings(NamedTuple):  # (a NamedTuple, not a frozen dataclass: bui
     cu_seqlens: Optional[torch.Tensor] = None
     vocab_parallel_group: object = None
     vocab_start_index: Optional[int] = None
+    logit_scale: float = 1.0
+    logit_softcap: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +214,8 @@ def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: flo
 
     ``ids`` None: the entropy alone (no target). A source with other leading dims than [B, T] ([N, V],
     [B, T, K, V], ...) is read as one row; the results take the ids' shape (a packed call's: [total])."""
-    opts = GRPOOptions(temperature=temperature)  # validates the temperature
+    opts = options_from(None, dict(temperature=temperature, logit_scale=settings.logit_scale,
+                                   logit_softcap=settings.logit_softcap))  # validated once per set of values
     caller_shape = None
     if settings.cu_seqlens is not None:
         layout, source = source.packed(settings.cu_seqlens)

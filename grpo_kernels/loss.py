@@ -128,7 +128,8 @@ def fused_linear_grpo_loss(
 # ---- The log-prob family -------------------------------------------------------------------------------------
 #
 # One set of keywords: backend, check_ids (the ids' one host sync; False skips it), drop_last_position,
-# cu_seqlens, vocab_parallel_group / vocab_start_index; in_place_backward where there is a backward. The ids
+# cu_seqlens, vocab_parallel_group / vocab_start_index, logit_scale / logit_softcap (the head's output transform);
+# in_place_backward where there is a backward. The ids
 # are ``ids`` everywhere. token_entropy has no ids, so no check_ids (and no packing: its values are per
 # position, whatever sequence a position belongs to).
 
@@ -150,6 +151,8 @@ def token_logprobs(
     cu_seqlens: Optional[torch.Tensor] = None,
     vocab_parallel_group=None,
     vocab_start_index: Optional[int] = None,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
 ):
     """Per-token log softmax(logits / temperature)[ids] in fp32, shaped like ``ids``, without gradient.
 
@@ -158,10 +161,11 @@ def token_logprobs(
     ``drop_last_position``, as in ``grpo_loss``), or a packed batch's [total, V] with ``cu_seqlens``
     (the result is then [total]: log-probs are per token, the sequences only need to be valid). With
     ``return_entropy`` returns ``(logps, entropy)``. With ``vocab_parallel_group``, ``logits`` is this
-    rank's vocabulary slice and the ids are global, as in ``grpo_loss``.
+    rank's vocabulary slice and the ids are global, as in ``grpo_loss``. ``logit_scale`` and ``logit_softcap``:
+    the logits are a head's raw outputs, transformed as the options of those names say (see ``GRPOLoss``).
     """
     settings = LogprobSettings(backend, check_ids, drop_last_position, cu_seqlens, vocab_parallel_group,
-                               vocab_start_index)
+                               vocab_start_index, logit_scale, logit_softcap)
     return _pair(compute_logprobs(LogitsSource(logits, drop_last_position=drop_last_position), ids, temperature,
                                   return_entropy, settings), return_entropy)
 
@@ -180,14 +184,18 @@ def linear_token_logprobs(
     cu_seqlens: Optional[torch.Tensor] = None,
     vocab_parallel_group=None,
     vocab_start_index: Optional[int] = None,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
 ):
     """``token_logprobs`` of ``hidden_states @ weight.T + bias`` without the [N, V] logits: the old and reference
     log-probs of a fused lm_head user (the lm_head forward kernel, a tile of logits at a time; the torch
     path a chunk of tokens at a time). hidden_states [B, T, H] (any leading dims [..., H]; a packed
     batch's [total, H] with ``cu_seqlens``), weight [V, H] (with ``vocab_parallel_group``: this rank's
     shard [V / P, H], the ids global), bias [V] or None. No gradient. ``weight`` must be the head's effective
-    weight (an adapter on the head: ``grpo_kernels.wrapped.output_layer``)."""
-    settings = LogprobSettings(backend, check_ids, False, cu_seqlens, vocab_parallel_group, vocab_start_index)
+    weight (an adapter on the head: ``grpo_kernels.wrapped.output_layer``), and ``logit_scale`` / ``logit_softcap``
+    its output transform (a model's: ``grpo_kernels.heads.head_transform(model).options``)."""
+    settings = LogprobSettings(backend, check_ids, False, cu_seqlens, vocab_parallel_group, vocab_start_index,
+                               logit_scale, logit_softcap)
     return _pair(compute_logprobs(HiddenStatesSource(hidden_states, weight, bias), ids, temperature, return_entropy,
                                   settings), return_entropy)
 
@@ -196,6 +204,7 @@ def selective_log_softmax(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto",
     check_ids: bool = True, in_place_backward: bool = False, drop_last_position: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None, vocab_parallel_group=None, vocab_start_index: Optional[int] = None,
+    logit_scale: float = 1.0, logit_softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Differentiable ``log_softmax(logits / temperature).gather(-1, ids)`` in fp32, on the fused kernel.
 
@@ -206,14 +215,15 @@ def selective_log_softmax(
     ``grpo_loss``): a drop-in for verl's ``vocab_parallel_log_probs_from_logits``.
     """
     settings = LogprobSettings(backend, check_ids, drop_last_position, cu_seqlens, vocab_parallel_group,
-                               vocab_start_index)
+                               vocab_start_index, logit_scale, logit_softcap)
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
     return compute_logprobs(source, ids, temperature, False, settings)[0]
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto",
                   in_place_backward: bool = False, drop_last_position: bool = False, vocab_parallel_group=None,
-                  vocab_start_index: Optional[int] = None) -> torch.Tensor:
+                  vocab_start_index: Optional[int] = None, logit_scale: float = 1.0,
+                  logit_softcap: Optional[float] = None) -> torch.Tensor:
     """Differentiable entropy of softmax(logits / temperature) over the last dim, fp32 [...], on the fused kernel.
 
     One read of the logits in the forward, one more in the backward, which writes
@@ -221,7 +231,8 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, backend: st
     fp32 [N, V] softmax is materialized. A drop-in for verl's ``entropy_from_logits`` (and, with
     ``vocab_parallel_group``, on this rank's vocabulary slice, for ``vocab_parallel_entropy``).
     """
-    settings = LogprobSettings(backend, False, drop_last_position, None, vocab_parallel_group, vocab_start_index)
+    settings = LogprobSettings(backend, False, drop_last_position, None, vocab_parallel_group, vocab_start_index,
+                               logit_scale, logit_softcap)
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
     return compute_logprobs(source, None, temperature, True, settings)[1]
 
@@ -230,11 +241,12 @@ def selective_log_softmax_and_entropy(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto",
     check_ids: bool = True, in_place_backward: bool = False, drop_last_position: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None, vocab_parallel_group=None, vocab_start_index: Optional[int] = None,
+    logit_scale: float = 1.0, logit_softcap: Optional[float] = None,
 ):
     """``(selective_log_softmax(...), token_entropy(...))`` from one pass over the logits, both differentiable
     (the backward is one pass too, whichever of the two the loss uses). fp32, shapes ``ids.shape``."""
     settings = LogprobSettings(backend, check_ids, drop_last_position, cu_seqlens, vocab_parallel_group,
-                               vocab_start_index)
+                               vocab_start_index, logit_scale, logit_softcap)
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
     return compute_logprobs(source, ids, temperature, True, settings)
 

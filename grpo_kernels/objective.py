@@ -24,6 +24,7 @@ from typing import Dict, Optional
 import torch
 
 from .kernels.contracts import DIVISOR_GIVEN, DIVISOR_ROW, DIVISOR_TOTAL, Reduction
+from . import torch_path
 from .options import GRPOOptions
 
 
@@ -52,9 +53,11 @@ class PerTokenTerms:
     vespo_phi: Optional[torch.Tensor] = None  # vespo: the detached sequence weight phi(w), [B, 1]
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0):
-    """log softmax(logits / temperature)[ids] and the entropy of that distribution, in fp32."""
-    logps_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, T, V]
+def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                               softcap: Optional[float] = None):
+    """log softmax(cap(logits) / temperature)[ids] and the entropy of that distribution, in fp32 (cap: the head's
+    soft-cap, ``torch_path.capped``; temperature and softcap as the kernels take them, ``GRPOOptions.kernel_*``)."""
+    logps_all = torch.log_softmax(torch_path.capped(logits.float(), softcap)[0] / temperature, dim=-1)  # [B, T, V]
     lp = logps_all.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
     p = logps_all.exp()
     entropy = -(p * torch.where(p > 0, logps_all, 0.0)).sum(-1)  # a -inf logit adds 0, not 0 * -inf
@@ -312,7 +315,7 @@ def grpo_loss_eager(
     log-probs, else this pass's own, which keeps every row)."""
     opts = options if options is not None else GRPOOptions(**option_kwargs)
     mask = completion_mask.float()
-    lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.temperature)
+    lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.kernel_temperature, opts.kernel_softcap)
     importance_weights = as_row_column(None if importance_weights is None else importance_weights.float())
     bonus_mask = policy_mask = None
     if opts.masks_tokens:

@@ -35,15 +35,15 @@ def _dtype(t: Tensor) -> torch.dtype:
 
 
 @torch.library.custom_op("grpo_kernels::torch_logprobs", mutates_args=())
-def torch_logprobs(logits: Tensor, ids: Tensor, temperature: float, compute_entropy: bool
-                   ) -> Tuple[Tensor, Tensor, Tensor]:
+def torch_logprobs(logits: Tensor, ids: Tensor, temperature: float, softcap: Optional[float],
+                   compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy or empty, lse), [B, T] fp32 (fp64 for fp64 logits): ``torch_path.forward``."""
-    logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy)
+    logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy, softcap)
     return logp, (logp.new_empty(_NONE) if entropy is None else entropy), lse
 
 
 @torch_logprobs.register_fake
-def _(logits, ids, temperature, compute_entropy):
+def _(logits, ids, temperature, softcap, compute_entropy):
     B, T, _ = logits.shape
     new = lambda *shape: logits.new_empty(shape, dtype=_dtype(logits))  # noqa: E731
     return new(B, T), (new(B, T) if compute_entropy else new(*_NONE)), new(B, T)
@@ -51,26 +51,28 @@ def _(logits, ids, temperature, compute_entropy):
 
 @torch.library.custom_op("grpo_kernels::torch_logprobs_backward", mutates_args=())
 def torch_logprobs_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Tensor, temperature: float,
-                            grad_entropy: Optional[Tensor], entropy: Optional[Tensor]) -> Tensor:
+                            softcap: Optional[float], grad_entropy: Optional[Tensor],
+                            entropy: Optional[Tensor]) -> Tensor:
     """dlogits [B, T, V] in the logits' dtype: ``torch_path.backward`` into a new tensor."""
-    return torch_path.backward(logits, ids, lse, grad_logp, temperature, grad_entropy=grad_entropy, entropy=entropy)
+    return torch_path.backward(logits, ids, lse, grad_logp, temperature, grad_entropy=grad_entropy, entropy=entropy,
+                               softcap=softcap)
 
 
 @torch_logprobs_backward.register_fake
-def _(logits, ids, lse, grad_logp, temperature, grad_entropy, entropy):
+def _(logits, ids, lse, grad_logp, temperature, softcap, grad_entropy, entropy):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("grpo_kernels::torch_linear_logprobs", mutates_args=())
 def torch_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
-                          compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                          softcap: Optional[float], compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(lse, logp, entropy or empty), [N]: ``torch_path.linear_forward``."""
-    lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy)
+    lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy, softcap)
     return lse, logp, (logp.new_empty(_NONE) if entropy is None else entropy)
 
 
 @torch_linear_logprobs.register_fake
-def _(hidden, weight, bias, ids, temperature, compute_entropy):
+def _(hidden, weight, bias, ids, temperature, softcap, compute_entropy):
     new = lambda *shape: hidden.new_empty(shape, dtype=_dtype(hidden))  # noqa: E731
     N = hidden.shape[0]
     return new(N), new(N), (new(N) if compute_entropy else new(*_NONE))
@@ -78,17 +80,17 @@ def _(hidden, weight, bias, ids, temperature, compute_entropy):
 
 @torch.library.custom_op("grpo_kernels::torch_linear_backward", mutates_args=())
 def torch_linear_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, lse: Tensor,
-                          g: Tensor, temperature: float, compute_weight_grad: bool, grad_entropy: Optional[Tensor],
-                          entropy: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                          g: Tensor, temperature: float, softcap: Optional[float], compute_weight_grad: bool,
+                          grad_entropy: Optional[Tensor], entropy: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """(d hidden, d weight or empty, d bias or empty): ``torch_path.linear_backward``."""
     dh, dw, db = torch_path.linear_backward(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad,
-                                            grad_entropy=grad_entropy, entropy=entropy)
+                                            grad_entropy=grad_entropy, entropy=entropy, softcap=softcap)
     empty = lambda t: dh.new_empty(_NONE) if t is None else t  # noqa: E731
     return dh, empty(dw), empty(db)
 
 
 @torch_linear_backward.register_fake
-def _(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad, grad_entropy, entropy):
+def _(hidden, weight, bias, ids, lse, g, temperature, softcap, compute_weight_grad, grad_entropy, entropy):
     dtype = _dtype(hidden)
     dh = hidden.new_empty(hidden.shape, dtype=dtype)
     dw = weight.new_empty(weight.shape if compute_weight_grad else _NONE, dtype=dtype)
@@ -118,18 +120,18 @@ def _unaliased(*outputs: Optional[Tensor]) -> Tuple[Tensor, ...]:
 
 
 @torch.library.custom_op("grpo_kernels::triton_logprobs", mutates_args=())
-def triton_logprobs(logits: Tensor, ids: Tensor, temperature: float, mask: Optional[Tensor], compute_entropy: bool
-                    ) -> Tuple[Tensor, Tensor, Tensor]:
+def triton_logprobs(logits: Tensor, ids: Tensor, temperature: float, softcap: Optional[float], mask: Optional[Tensor],
+                    compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy or empty, lse), fp32 [N]: the forward kernel without a loss (``launch.forward``)."""
     from .kernels.contracts import TokenInputs
 
-    r = _launch().forward(logits, ids, temperature=temperature, tokens=TokenInputs(mask=mask),
+    r = _launch().forward(logits, ids, temperature=temperature, softcap=softcap, tokens=TokenInputs(mask=mask),
                           compute_entropy=compute_entropy)
     return _unaliased(r.logp, r.entropy, r.lse)
 
 
 @triton_logprobs.register_fake
-def _(logits, ids, temperature, mask, compute_entropy):
+def _(logits, ids, temperature, softcap, mask, compute_entropy):
     N = logits.shape[0] * logits.shape[1]
     new = lambda *shape: logits.new_empty(shape, dtype=torch.float32)  # noqa: E731
     return new(N), (new(N) if compute_entropy else new(*_NONE)), new(N)
@@ -137,27 +139,29 @@ def _(logits, ids, temperature, mask, compute_entropy):
 
 @torch.library.custom_op("grpo_kernels::triton_logprobs_backward", mutates_args=("out",))
 def triton_logprobs_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Tensor, temperature: float,
-                             out: Tensor, grad_entropy: Optional[Tensor], entropy: Optional[Tensor]) -> None:
+                             softcap: Optional[float], out: Tensor, grad_entropy: Optional[Tensor],
+                             entropy: Optional[Tensor]) -> None:
     """dlogits written into ``out`` ([B, T, V], a unit last stride): the backward kernel (``launch.backward``)."""
-    _launch().backward(logits, ids, lse, grad_logp, temperature, out=out, grad_entropy=grad_entropy, entropy=entropy)
+    _launch().backward(logits, ids, lse, grad_logp, temperature, softcap=softcap, out=out, grad_entropy=grad_entropy,
+                       entropy=entropy)
 
 
 @triton_logprobs_backward.register_fake
-def _(logits, ids, lse, grad_logp, temperature, out, grad_entropy, entropy):
+def _(logits, ids, lse, grad_logp, temperature, softcap, out, grad_entropy, entropy):
     return None
 
 
 @torch.library.custom_op("grpo_kernels::triton_linear_logprobs", mutates_args=())
 def triton_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
-                           compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                           softcap: Optional[float], compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(lse, logp, entropy or empty), fp32 [N]: the lm_head forward kernel without a loss."""
-    r = _lm_head_launch().linear_forward(hidden, weight, bias, ids, temperature=temperature,
+    r = _lm_head_launch().linear_forward(hidden, weight, bias, ids, temperature=temperature, softcap=softcap,
                                          compute_entropy=compute_entropy)
     return _unaliased(r.lse, r.logp, r.entropy)
 
 
 @triton_linear_logprobs.register_fake
-def _(hidden, weight, bias, ids, temperature, compute_entropy):
+def _(hidden, weight, bias, ids, temperature, softcap, compute_entropy):
     N = hidden.shape[0]
     new = lambda *shape: hidden.new_empty(shape, dtype=torch.float32)  # noqa: E731
     return new(N), new(N), (new(N) if compute_entropy else new(*_NONE))
@@ -165,17 +169,18 @@ def _(hidden, weight, bias, ids, temperature, compute_entropy):
 
 @torch.library.custom_op("grpo_kernels::triton_linear_backward", mutates_args=())
 def triton_linear_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, lse: Tensor,
-                           g: Tensor, temperature: float, compute_weight_grad: bool, grad_entropy: Optional[Tensor],
-                           entropy: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                           g: Tensor, temperature: float, softcap: Optional[float], compute_weight_grad: bool,
+                           grad_entropy: Optional[Tensor], entropy: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """(d hidden, d weight or empty, d bias or empty), fp32: the lm_head's chunked backward."""
     dh, dw, db = _lm_head_launch().linear_backward(hidden, weight, bias, ids, lse, g, temperature,
-                                                   compute_weight_grad, grad_entropy=grad_entropy, entropy=entropy)
+                                                   compute_weight_grad, grad_entropy=grad_entropy, entropy=entropy,
+                                                   softcap=softcap)
     empty = lambda t: dh.new_empty(_NONE) if t is None else t  # noqa: E731
     return dh, empty(dw), empty(db)
 
 
 @triton_linear_backward.register_fake
-def _(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad, grad_entropy, entropy):
+def _(hidden, weight, bias, ids, lse, g, temperature, softcap, compute_weight_grad, grad_entropy, entropy):
     f32 = dict(dtype=torch.float32)
     dh = hidden.new_empty(hidden.shape, **f32)
     dw = weight.new_empty(weight.shape if compute_weight_grad else _NONE, **f32)

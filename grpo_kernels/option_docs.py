@@ -35,6 +35,12 @@ LOSS_OPTION_DOCS = (
      '`"sequence"` is GSPO: one ratio per row, from the masked mean log-ratio'),
     (('temperature',), '1.0',
      'log-probs of `logits / temperature` (the sampling temperature)'),
+    (('logit_scale', 'logit_softcap'), '1.0, None',
+     ("the model's head output transform, for logits or hidden states straight from the head: "
+      "cap(logit_scale x) / temperature, cap(y) = logit_softcap tanh(y / logit_softcap) (no cap when None). "
+      "Gemma 2 soft-caps at 30, Cohere scales by 0.0625, Granite by 1 / `logits_scaling`, ...: "
+      "`grpo_kernels.heads.head_transform(model)` reads a model's (the TRL adapter and the thin trainer do). "
+      "Not for logits a model's own forward already transformed (`model(...).logits`)")),
     (('max_completion_length',), 'None',
      "`dr_grpo`'s constant normalizer (required there)"),
     (('use_bias_correction_kl',), 'False',

@@ -117,6 +117,9 @@ class GRPOOptions:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    # the model's head output transform (grpo_kernels.heads): logits = cap(logit_scale * raw) / temperature
+    logit_scale: float = 1.0
+    logit_softcap: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -170,6 +173,8 @@ class GRPOOptions:
         if self.entropy_coef != 0.0 and not self.compute_entropy:
             raise ValueError(f"entropy_coef={self.entropy_coef!r} needs the entropy: "
                              "compute_entropy=False turns it off")
+        _check_number("logit_scale", self.logit_scale, positive=True)
+        _check_number("logit_softcap", self.logit_softcap, positive=True, optional=True)
         if self.use_bias_correction_kl and self.beta == 0:
             raise ValueError("use_bias_correction_kl=True multiplies the KL term, but beta=0 turns the KL term off")
 
@@ -186,6 +191,18 @@ class GRPOOptions:
     @property
     def uses_kl(self) -> bool:
         return self.beta != 0.0
+
+    @property
+    def kernel_temperature(self) -> float:
+        """The temperature the kernels divide the capped raw logits by: the head's scale folded in, temperature /
+        logit_scale (cap(s x) / tau = (C / s) tanh(x / (C / s)) / (tau / s) with C = logit_softcap)."""
+        return self.temperature / self.logit_scale
+
+    @property
+    def kernel_softcap(self) -> Optional[float]:
+        """The soft-cap the kernels apply to the raw logits x, softcap * tanh(x / softcap): logit_softcap /
+        logit_scale (the scale folded in, see ``kernel_temperature``); None without a cap."""
+        return None if self.logit_softcap is None else self.logit_softcap / self.logit_scale
 
     @property
     def loss_in_kernel(self) -> bool:

@@ -23,10 +23,21 @@ from .objective import GRPOLossOutput  # the result's container only, no math
 from .options import GRPOOptions
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0):
-    """log softmax(logits / temperature) at ``ids``, and the entropy -sum p log p of that distribution."""
+def head_output(logits: torch.Tensor, logit_scale: float = 1.0, logit_softcap: Optional[float] = None):
+    """What a model's head makes of its raw outputs, as Gemma, Cohere, Granite... write it: times the scale,
+    then soft-capped, cap * tanh(x / cap) (no cap when None)."""
+    x = logits * logit_scale
+    if logit_softcap is not None:
+        x = logit_softcap * torch.tanh(x / logit_softcap)
+    return x
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                               logit_scale: float = 1.0, logit_softcap: Optional[float] = None):
+    """log softmax(head_output(logits) / temperature) at ``ids``, and the entropy -sum p log p of that
+    distribution."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    log_p = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    log_p = torch.log_softmax(head_output(logits.to(dtype), logit_scale, logit_softcap) / temperature, dim=-1)
     picked = torch.gather(log_p, -1, ids.long().unsqueeze(-1)).squeeze(-1)
     p = log_p.exp()
     # p log p -> 0 as p -> 0; log p is replaced before the product, so that no 0 * -inf reaches the gradient
@@ -264,7 +275,8 @@ def grpo_loss_reference(
     sampling_logps: Optional[torch.Tensor] = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
-    """The GRPO loss of logits [B, T, V] for completion ids [B, T], the specification.
+    """The GRPO loss of logits [B, T, V] for completion ids [B, T], the specification. With ``logit_scale`` or
+    ``logit_softcap`` in the options the logits are a head's raw outputs (``head_output``).
 
     The arguments are ``grpo_loss``'s: ``completion_mask`` [B, T] (a fractional value weights the
     token), ``advantages`` [B] or [B, T], optional old / reference log-probs and rollout importance
@@ -272,7 +284,8 @@ def grpo_loss_reference(
     ``sampling_logps`` for the off-policy mask (default: the old log-probs, else this pass's own).
     """
     opts = options if options is not None else GRPOOptions(**option_kwargs)
-    lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.temperature)
+    lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.temperature, opts.logit_scale,
+                                             opts.logit_softcap)
     dtype = lp.dtype
     rows = _sequences(lp, entropy, completion_mask, advantages, old_logps, ref_logps, importance_weights,
                       sampling_logps, dtype)

@@ -107,14 +107,14 @@ class LogitsSource:
     def logprobs(self, inputs: LossInputs, compute_entropy: bool, final: bool = False):
         """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens. ``final``: the pass the
         gradient flows through (it may write the gradient into the logits, with in_place_backward)."""
-        temperature = inputs.options.temperature
+        temperature, softcap = inputs.options.kernel_temperature, inputs.options.kernel_softcap
         if inputs.vocab_shard is not None:
             from .vocab_parallel import vocab_parallel_logprobs
 
             return vocab_parallel_logprobs(aligned(self.tensor, self.drop_last_position), inputs.ids,
-                                           inputs.kernel_mask, temperature, compute_entropy, inputs.backend,
+                                           inputs.kernel_mask, temperature, softcap, compute_entropy, inputs.backend,
                                            inputs.vocab_shard)
-        return TokenLogprobs.apply(self.tensor, inputs.ids.contiguous(), inputs.kernel_mask, temperature,
+        return TokenLogprobs.apply(self.tensor, inputs.ids.contiguous(), inputs.kernel_mask, temperature, softcap,
                                    compute_entropy, inputs.backend, final and self.in_place_backward,
                                    self.drop_last_position)[:2]
 
@@ -187,14 +187,15 @@ class HiddenStatesSource:
     def logprobs(self, inputs: LossInputs, compute_entropy: bool, final: bool = False):
         """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens, as in the logits source."""
         B, T = inputs.shape
-        temperature = inputs.options.temperature
+        temperature, softcap = inputs.options.kernel_temperature, inputs.options.kernel_softcap
         if inputs.vocab_shard is not None:
             from .vocab_parallel import vocab_parallel_linear_logprobs
 
-            pair = vocab_parallel_linear_logprobs(self.flat(inputs), temperature, compute_entropy, inputs.backend,
-                                                  inputs.vocab_shard)
+            pair = vocab_parallel_linear_logprobs(self.flat(inputs), temperature, softcap, compute_entropy,
+                                                  inputs.backend, inputs.vocab_shard)
         else:
-            pair = LinearTokenLogprobs.apply(*self.flat(inputs), temperature, compute_entropy, inputs.backend)[:2]
+            pair = LinearTokenLogprobs.apply(*self.flat(inputs), temperature, softcap, compute_entropy,
+                                             inputs.backend)[:2]
         if inputs.mask is None:
             return tuple(None if t is None else t.view(B, T) for t in pair)
         active = (inputs.mask != 0).view(B, T)

@@ -4,7 +4,9 @@ The same two operations as the Triton kernels (``kernels.launch.forward`` with n
 and ``kernels.launch.backward``), in PyTorch, so that CPU tensors never materialize an
 [N, V] fp32 tensor: the workspace is one chunk of rows, at most ``CHUNK_ELEMENTS`` fp32
 values per temporary. The logits may be a strided view ([B, T, V] with a unit last
-stride or not); the chunks are views into it.
+stride or not); the chunks are views into it. As the kernels, it reads raw logits x and computes
+log softmax(cap(x) / temperature), cap(x) = softcap * tanh(x / softcap) with a head's soft-cap (softcap None:
+cap(x) = x).
 """
 
 from __future__ import annotations
@@ -55,10 +57,20 @@ def _nan_if_inf(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill_(lse == float("inf"), float("nan"))
 
 
+def capped(x: torch.Tensor, softcap: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(cap(x), d cap / dx) of raw logits already in the compute dtype: (softcap * tanh(x / softcap), 1 - tanh^2),
+    or (x, None) without a cap. A new tensor with a cap (x is never written)."""
+    if softcap is None:
+        return x, None
+    t = torch.tanh(x / softcap)
+    return t * softcap, 1.0 - t * t
+
+
 def forward(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float, compute_entropy: bool
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, compute_entropy: bool,
+    softcap: Optional[float] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """log-probs, entropy (or None) and log-sum-exp of logits / temperature, each fp32 [B, T]."""
+    """log-probs, entropy (or None) and log-sum-exp of cap(logits) / temperature, each fp32 [B, T]."""
     B, T, V = logits.shape
     f32 = dict(device=logits.device, dtype=compute_dtype(logits))
     logp, lse = torch.empty(B * T, **f32), torch.empty(B * T, **f32)
@@ -66,7 +78,7 @@ def forward(
     flat_ids = ids.reshape(-1).long()
     inv_temperature = 1.0 / temperature
     for piece, n in _chunks(logits):
-        x = piece.to(f32["dtype"]) * inv_temperature  # [rows, V]
+        x = capped(piece.to(f32["dtype"]), softcap)[0] * inv_temperature  # [rows, V]
         piece_lse = _nan_if_inf(torch.logsumexp(x, dim=-1))
         lse[n] = piece_lse
         logp[n] = x.gather(-1, flat_ids[n].unsqueeze(-1)).squeeze(-1) - piece_lse
@@ -100,8 +112,10 @@ def backward(
     out: Optional[torch.Tensor] = None,
     grad_entropy: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """dlogits = g * (onehot - softmax(logits / tau)) / tau, in the logits' dtype.
+    """dlogits = g * (onehot - softmax(cap(logits) / tau)) / tau (times d cap / dx with a soft-cap), in the logits'
+    dtype.
 
     ``grad_logp`` (g) and ``lse`` are fp32 [B, T]. ``in_place`` writes into ``logits``;
     ``out`` ([B, T, V]) is written and returned instead of a new tensor. ``grad_entropy`` (h =
@@ -117,11 +131,14 @@ def backward(
     flat_h = None if grad_entropy is None else grad_entropy.reshape(-1) * inv_temperature
     for piece, grad_piece, n in _chunks(logits, grad):
         g = flat_g[n].unsqueeze(-1)  # [rows, 1]
-        log_p = piece.to(flat_lse.dtype) * inv_temperature - flat_lse[n].unsqueeze(-1)
+        x, slope = capped(piece.to(flat_lse.dtype), softcap)
+        log_p = x * inv_temperature - flat_lse[n].unsqueeze(-1)
         h = None if flat_h is None else flat_h[n].unsqueeze(-1)
         piece_grad = _softmax_gradient(log_p, g, h, None if h is None else entropy.reshape(-1)[n].unsqueeze(-1))
         zero_rows = g == 0 if h is None else (g == 0) & (h == 0)
         piece_grad.scatter_add_(-1, flat_ids[n].unsqueeze(-1), g)
+        if slope is not None:
+            piece_grad.mul_(slope)
         # a masked token is a zero row whatever its logits hold: 0 * exp(NaN or inf) is NaN
         piece_grad.masked_fill_(zero_rows, 0.0)
         grad_piece.copy_(piece_grad)  # cast to the logits' dtype
@@ -143,17 +160,21 @@ def linear_chunk_rows(V: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(V, 1))
 
 
-def _chunk_logits(hidden_chunk, weight, bias, inv_temperature):
+def _chunk_logits(hidden_chunk, weight, bias, inv_temperature, softcap):
+    """(cap(hidden @ weight^T + bias) / tau, d cap / dx or None) of one chunk of tokens, [chunk, V]."""
     dtype = compute_dtype(hidden_chunk)
     x = hidden_chunk.to(dtype) @ weight.to(dtype).T
     if bias is not None:
         x += bias.to(dtype)
-    return x * inv_temperature
+    x, slope = capped(x, softcap)
+    return x * inv_temperature, slope
 
 
 @fp32_products
-def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entropy: bool):
-    """lse, logp, entropy (fp32 [N]) of the lm_head logits, a chunk of tokens at a time."""
+def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entropy: bool,
+                   softcap: Optional[float] = None):
+    """lse, logp, entropy (fp32 [N]) of the lm_head logits cap(hidden @ weight^T + bias) / temperature, a chunk of
+    tokens at a time."""
     N = hidden.shape[0]
     f32 = dict(device=hidden.device, dtype=compute_dtype(hidden))
     lse, logp = torch.empty(N, **f32), torch.empty(N, **f32)
@@ -161,7 +182,7 @@ def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entrop
     step, inv_temperature, flat_ids = linear_chunk_rows(weight.shape[0]), 1.0 / temperature, ids.long()
     for n0 in range(0, N, step):
         n = slice(n0, min(n0 + step, N))
-        x = _chunk_logits(hidden[n], weight, bias, inv_temperature)  # [chunk, V], the only V-sized workspace
+        x = _chunk_logits(hidden[n], weight, bias, inv_temperature, softcap)[0]  # [chunk, V], the only V-sized one
         chunk_lse = _nan_if_inf(torch.logsumexp(x, -1))
         lse[n] = chunk_lse
         logp[n] = x.gather(-1, flat_ids[n].unsqueeze(-1)).squeeze(-1) - chunk_lse
@@ -173,7 +194,7 @@ def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entrop
 
 @fp32_products
 def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool,
-                    grad_entropy=None, entropy=None):
+                    grad_entropy=None, entropy=None, softcap: Optional[float] = None):
     """d hidden, d weight (or None), d bias (or None) in fp32 (fp64 for fp64 inputs), recomputing each
     chunk's logits; with ``grad_entropy`` (h = dLoss/dH) and the forward's ``entropy``, the entropy's
     gradient too."""
@@ -187,11 +208,13 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
     w32 = weight.to(dtype)
     for n0 in range(0, N, step):
         n = slice(n0, min(n0 + step, N))
-        x = _chunk_logits(hidden[n], weight, bias, inv_temperature)
+        x, slope = _chunk_logits(hidden[n], weight, bias, inv_temperature, softcap)
         gs = (g[n] * inv_temperature).unsqueeze(-1)
         hs = None if grad_entropy is None else (grad_entropy[n] * inv_temperature).unsqueeze(-1)
         dx = _softmax_gradient(x - lse[n].unsqueeze(-1), gs, hs, None if hs is None else entropy[n].unsqueeze(-1))
         dx.scatter_add_(-1, flat_ids[n].unsqueeze(-1), gs)
+        if slope is not None:
+            dx.mul_(slope)
         dh[n] = dx @ w32
         if dw is not None:
             dw.addmm_(dx.T, hidden[n].to(dtype))

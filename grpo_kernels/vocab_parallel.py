@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .backends import get_backend
 from .functions import as_input_grads, flat_f32
+from .torch_path import capped
 
 
 def vocab_range(logits_local: torch.Tensor, group, vocab_start_index: Optional[int]) -> tuple:
@@ -42,16 +43,17 @@ def vocab_range(logits_local: torch.Tensor, group, vocab_start_index: Optional[i
 
 
 class VocabParallelLogprobs(torch.autograd.Function):
-    """Global log softmax(logits / tau)[ids] and entropy from this rank's vocabulary slice; both differentiable."""
+    """Global log softmax(cap(logits) / tau)[ids] and entropy from this rank's vocabulary slice; both
+    differentiable (cap: the head's soft-cap, none with ``softcap`` None)."""
 
     @staticmethod
-    def forward(ctx, logits, ids, mask: Optional[torch.Tensor], temperature: float, compute_entropy: bool,
-                backend: str, group, start: int):
+    def forward(ctx, logits, ids, mask: Optional[torch.Tensor], temperature: float, softcap: Optional[float],
+                compute_entropy: bool, backend: str, group, start: int):
         ctx.set_materialize_grads(False)
         B, T, V_local = logits.shape
         owned = (ids >= start) & (ids < start + V_local)
         local_ids = torch.where(owned, ids - start, 0).contiguous()
-        r = get_backend(backend).logprobs(logits, local_ids, temperature, mask, compute_entropy)
+        r = get_backend(backend).logprobs(logits, local_ids, temperature, mask, compute_entropy, softcap)
         as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         lse_r, logp_r, entropy_r = as_bt(r.lse), as_bt(r.logp), as_bt(r.entropy)
         lse, logp, entropy = _combine(lse_r, logp_r, entropy_r if compute_entropy else None, owned, group)
@@ -60,7 +62,7 @@ class VocabParallelLogprobs(torch.autograd.Function):
             logp = torch.where(active, logp, 0.0)
             entropy = None if entropy is None else torch.where(active, entropy, 0.0)
         ctx.save_for_backward(logits, local_ids, owned, lse, entropy)
-        ctx.backend, ctx.temperature = backend, temperature
+        ctx.backend, ctx.temperature, ctx.softcap = backend, temperature, softcap
         return logp, entropy
 
     @staticmethod
@@ -72,15 +74,19 @@ class VocabParallelLogprobs(torch.autograd.Function):
         h = None if grad_entropy is None else grad_entropy.float()
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
         grad = get_backend(ctx.backend).logprobs_backward(logits, local_ids, lse, g, ctx.temperature, out=out,
-                                                          grad_entropy=h, entropy=entropy if h is not None else None)
+                                                          grad_entropy=h, entropy=entropy if h is not None else None,
+                                                          softcap=ctx.softcap)
         # Where this rank does not own the target, the kernel's one-hot landed on local column 0:
         # that column is rewritten without it, from its own logit (O(B * T), no host sync).
         inv_t = 1.0 / ctx.temperature
-        log_p0 = logits[..., 0].float() * inv_t - lse
+        x0, slope0 = capped(logits[..., 0].float(), ctx.softcap)
+        log_p0 = x0 * inv_t - lse
         p0 = torch.exp(log_p0)
         column = -g * inv_t * p0
         if h is not None:
             column = column - h * inv_t * p0 * (torch.where(p0 > 0, log_p0, 0.0) + entropy)
+        if slope0 is not None:
+            column = column * slope0
         live = (g != 0) if h is None else (g != 0) | (h != 0)  # a masked row stays all zero
         grad[..., 0] = torch.where(~owned & live, column, grad[..., 0].float()).to(grad.dtype)
         return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
@@ -110,16 +116,17 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature: float, compute_entropy: bool, backend: str, group,
-                start: int):
+    def forward(ctx, hidden, weight, bias, ids, temperature: float, softcap: Optional[float], compute_entropy: bool,
+                backend: str, group, start: int):
         ctx.set_materialize_grads(False)
         V_local = weight.shape[0]
         owned = (ids >= start) & (ids < start + V_local)
         local_ids = torch.where(owned, ids - start, 0).contiguous()
-        r = get_backend(backend).linear_logprobs(hidden, weight, bias, local_ids, temperature, compute_entropy)
+        r = get_backend(backend).linear_logprobs(hidden, weight, bias, local_ids, temperature, compute_entropy,
+                                                 softcap)
         lse, logp, entropy = _combine(r.lse, r.logp, r.entropy, owned, group)
         ctx.save_for_backward(hidden, weight, bias, local_ids, owned, lse, entropy)
-        ctx.backend, ctx.temperature, ctx.group = backend, temperature, group
+        ctx.backend, ctx.temperature, ctx.softcap, ctx.group = backend, temperature, softcap, group
         return logp, entropy
 
     @staticmethod
@@ -132,10 +139,14 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         dh, dw, db = get_backend(ctx.backend).linear_backward(
             hidden, weight, bias, local_ids, lse, g, ctx.temperature, wants_weight, grad_entropy=h,
-            entropy=entropy if h is not None else None)
+            entropy=entropy if h is not None else None, softcap=ctx.softcap)
         # Where this rank does not own the target, the backward added the one-hot term g / tau at
-        # local column 0; take it out of d hidden, d weight[0] and d bias[0] (O(N * H)).
+        # local column 0 (times the cap's chain factor there); take it out of d hidden, d weight[0] and
+        # d bias[0] (O(N * H)).
         spurious = torch.where(owned, 0.0, g / ctx.temperature)  # [N]
+        if ctx.softcap is not None:
+            x0 = hidden.float() @ weight[0].float() + (0.0 if bias is None else bias[0].float())
+            spurious = spurious * capped(x0, ctx.softcap)[1]
         dh -= spurious.unsqueeze(1) * weight[0].float()
         if dw is not None:
             dw[0] -= spurious @ hidden.float()
@@ -156,14 +167,14 @@ def sharded_vocab_start(logits_like, ids, group, vocab_start_index, check_ids, *
     return start
 
 
-def vocab_parallel_logprobs(logits, ids, flat_mask, temperature, compute_entropy, backend, shard):
+def vocab_parallel_logprobs(logits, ids, flat_mask, temperature, softcap, compute_entropy, backend, shard):
     """Global (log-probs, entropy) [B, T] from this rank's vocabulary slice; ``flat_mask`` fp32 [N] or None
     (every token read). ``shard``: an ``inputs.VocabShard``."""
-    return VocabParallelLogprobs.apply(logits, ids.contiguous(), flat_mask, float(temperature), compute_entropy,
-                                       backend, shard.group, shard.start)
+    return VocabParallelLogprobs.apply(logits, ids.contiguous(), flat_mask, float(temperature), softcap,
+                                       compute_entropy, backend, shard.group, shard.start)
 
 
-def vocab_parallel_linear_logprobs(flat, temperature, compute_entropy, backend, shard):
+def vocab_parallel_linear_logprobs(flat, temperature, softcap, compute_entropy, backend, shard):
     """Global (log-probs, entropy) [N] from this rank's lm_head shard; ``flat`` = (hidden, weight, bias, ids)."""
-    return VocabParallelLinearLogprobs.apply(*flat, float(temperature), compute_entropy, backend, shard.group,
+    return VocabParallelLinearLogprobs.apply(*flat, float(temperature), softcap, compute_entropy, backend, shard.group,
                                              shard.start)

@@ -269,7 +269,7 @@ def test_persistent_schedule_matches_one_program_per_token(programs_per_sm, one_
             assert torch.equal(expected, actual), name
 
 
-def _entropy_slow_path_poisoned(row_ptr, V, c, lse2, BLOCK_V: tl.constexpr):
+def _entropy_slow_path_poisoned(row_ptr, V, c, softcap, lse2, BLOCK_V: tl.constexpr):
     return float("nan")
 
 

@@ -21,6 +21,7 @@ CASES = [dict(loss_type=loss_type, importance_sampling_level=level, beta=beta, t
          for level, beta in (("token", 0.04), ("sequence", 0.0))
          if loss_type != "vespo" or level == "token"]
 CASES += [dict(beta=0.04, entropy_coef=0.1, top_entropy_quantile=0.6, off_policy_mask_threshold=0.05)]
+CASES += [dict(beta=0.04, entropy_coef=0.1, logit_scale=0.5, logit_softcap=1.5)]  # a head's raw outputs, capped
 
 
 def _batch(V: int, seed: int = 0):

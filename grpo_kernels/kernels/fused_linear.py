@@ -1,7 +1,8 @@
 """Triton kernels of the GRPO loss from hidden states: the lm_head fused in, no [N, V] logits in memory.
 
-x = (h @ W^T + b) / tau is computed one [BLOCK_N, BLOCK_V] tile at a time with ``tl.dot``
-(16-bit or fp32 inputs, fp32 accumulation).
+x = cap(h @ W^T + b) / tau is computed one [BLOCK_N, BLOCK_V] tile at a time with ``tl.dot``
+(16-bit or fp32 inputs, fp32 accumulation); cap is the head's soft-cap, softcap * tanh(. / softcap), where
+``softcap`` is a number (Gemma's), else nothing (compiled out), as in ``grpo.py``.
 
 Forward (``linear_grpo_forward_kernel``, a grid over blocks of BLOCK_N tokens): stream
 the vocabulary tiles, keeping per-token online log-sum-exp, the target logit and (when
@@ -33,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grpo import C_LOSS_NONE, token_loss_and_grad
+from .grpo import C_LOSS_NONE, cap_slope, capped_logit, token_loss_and_grad
 from .logsumexp import finite_or_zero, merge_lse
 
 # N (tokens) changes every step: no recompile for it. V and H are fixed by the model and
@@ -43,10 +44,10 @@ LINEAR_RUNTIME_INTS = ["N"]
 
 
 @triton.jit
-def _logits_tile(h_block, w_block, b_ptr, n_left, v0, V, H, inv_temperature,
+def _logits_tile(h_block, w_block, b_ptr, n_left, v0, V, H, inv_temperature, softcap,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """x = (h @ W^T + b) / tau as fp32 [BLOCK_N, BLOCK_V] for one tile; out-of-range columns are -inf.
+    """x = cap(h @ W^T + b) / tau as fp32 [BLOCK_N, BLOCK_V] for one tile; out-of-range columns are -inf.
 
     ``h_block`` and ``w_block`` point at the tile's first row of h and of W (int64 scalars);
     offsets inside the tile are int32, which halves the registers of the pointer tensors.
@@ -66,7 +67,7 @@ def _logits_tile(h_block, w_block, b_ptr, n_left, v0, V, H, inv_temperature,
         acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + v0 + c, mask=in_v, other=0.0).to(tl.float32)[None, :]
-    return tl.where(in_v[None, :], acc * inv_temperature, float("-inf"))
+    return tl.where(in_v[None, :], capped_logit(acc, softcap) * inv_temperature, float("-inf"))
 
 
 @triton.jit
@@ -125,7 +126,7 @@ def linear_grpo_forward_kernel(
     h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, v_per_split, partials_ptr,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-    inv_temperature, loss_scalars,
+    inv_temperature, softcap, loss_scalars,
     LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
     HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -155,7 +156,7 @@ def linear_grpo_forward_kernel(
     v_end = tl.minimum(v_start + v_per_split, V)
     if tl.max(active.to(tl.int32), axis=0) > 0:  # a block of padding costs no products
         for v0 in range(v_start, v_end, BLOCK_V):
-            x = _logits_tile(h_block, w_ptr + v0 * stride_w, b_ptr, n_left, v0, V, H, inv_temperature,
+            x = _logits_tile(h_block, w_ptr + v0 * stride_w, b_ptr, n_left, v0, V, H, inv_temperature, softcap,
                              HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST)  # [BLOCK_N, BLOCK_V]
             cols = v0 + tl.arange(0, BLOCK_V)
             target_x += tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), axis=1)
@@ -216,11 +217,12 @@ def linear_grpo_combine_kernel(
 
 @triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)
 def linear_dlogits_kernel(
-    h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, lse_ptr, g_ptr, dx_ptr, inv_temperature, grad_entropy_ptr, entropy_ptr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, lse_ptr, g_ptr, dx_ptr, inv_temperature, softcap, grad_entropy_ptr,
+    entropy_ptr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """dx [N, V] (row stride V) = g * (onehot - softmax(x)) / tau, x recomputed; N is one chunk's tokens.
+    """dx [N, V] (row stride V) = g * (onehot - softmax(x)) / tau, x recomputed, times the soft-cap's chain factor
+    1 - tanh^2 where ``softcap`` is a number; N is one chunk's tokens.
 
     ``grad_entropy_ptr`` and ``entropy_ptr`` (None without the entropy bonus) add h = dLoss/dH (per token)
     times dH/dz = -p (log p + H), with the forward's entropy H: the entropy bonus's gradient. ``b_ptr`` is
@@ -254,7 +256,7 @@ def linear_dlogits_kernel(
     if tl.max(live.to(tl.int32), axis=0) > 0:
         lse = tl.load(lse_ptr + first + r, mask=in_rows, other=0.0)
         target = tl.load(ids_ptr + first + r, mask=in_rows, other=-1).to(tl.int32)
-        x = _logits_tile(h_ptr + first * H, w_ptr + v0 * H, b_ptr, n_left, v0, V, H, inv_temperature,
+        x = _logits_tile(h_ptr + first * H, w_ptr + v0 * H, b_ptr, n_left, v0, V, H, inv_temperature, softcap,
                          HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST)
         p = tl.exp(x - lse[:, None])  # 0 in out-of-range columns (x = -inf)
         onehot = tl.where((v0 + c)[None, :] == target[:, None], 1.0, 0.0)
@@ -262,6 +264,8 @@ def linear_dlogits_kernel(
         if HAS_ENTROPY_GRAD:  # p = 0 (a -inf or out-of-range column) adds 0, not 0 * -inf
             log_p = tl.where(p > 0.0, x - lse[:, None], 0.0)
             dx -= (h * inv_temperature)[:, None] * p * (log_p + entropy[:, None])
+        if softcap is not None:  # out-of-range columns (x = -inf) turn NaN here; they are never stored
+            dx = dx * cap_slope(x, inv_temperature, softcap)
         dx = tl.where(live[:, None], dx, 0.0)
         tl.store(dx_block + r[:, None] * V + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=out_mask)
     else:

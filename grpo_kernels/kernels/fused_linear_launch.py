@@ -19,8 +19,7 @@ from . import fused_linear as FL
 from . import tuned
 from . import launch as logits_launch  # the 3-product mode runs the logits kernels on each chunk
 from .contracts import OnePassGradient, TokenInputs
-from .launch import (ForwardResult, allocate_outputs, loss_args, loss_pointer_args,
-                     resolved_temperature)
+from .launch import ForwardResult, allocate_outputs, loss_args, loss_pointer_args, resolved_head
 
 
 def default_lm_head_mode(hidden: torch.Tensor, vocab_size: int) -> str:
@@ -92,17 +91,19 @@ def linear_forward(
     *,
     opts: Optional[GRPOOptions] = None,
     temperature: Optional[float] = None,
+    softcap: Optional[float] = None,
     tokens: TokenInputs = TokenInputs(),
     compute_entropy: bool = False,
     config: Optional[Dict[str, int]] = None,
 ) -> ForwardResult:
-    """The forward kernel on (hidden [N, H] @ weight[V, H]^T + bias) / temperature, logits never stored.
+    """The forward kernel on cap(hidden [N, H] @ weight[V, H]^T + bias) / temperature (``launch.resolved_head``),
+    logits never stored.
 
     Per-token inputs (``tokens``) and outputs as in ``launch.forward`` (fp32 [N]); with ``opts`` None
     only log-probs (and entropy) are computed. The lm_head gradient needs the full log-sum-exp first:
     see ``linear_backward``.
     """
-    temperature = resolved_temperature(opts, temperature)
+    temperature, softcap = resolved_head(opts, temperature, softcap)
     N, H = hidden.shape
     V = weight.shape[0]
     out = allocate_outputs(N, hidden.device, opts, compute_entropy)
@@ -115,7 +116,7 @@ def linear_forward(
     partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32) if splits > 1 else None
     FL.linear_grpo_forward_kernel[(blocks_n, splits)](
         h_ptr=hidden, w_ptr=weight, b_ptr=bias, ids_ptr=ids, N=N, V=V, H=H, v_per_split=v_per_split,
-        partials_ptr=partials, inv_temperature=1.0 / temperature, **per_token, **cfg,
+        partials_ptr=partials, inv_temperature=1.0 / temperature, softcap=softcap, **per_token, **cfg,
     )
     if splits > 1:
         FL.linear_grpo_combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
@@ -269,9 +270,10 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, tokens: TokenInput
 
 @fp32_products
 def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool, config=None,
-                    grad_entropy=None, entropy=None):
+                    grad_entropy=None, entropy=None, softcap: Optional[float] = None):
     """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N])
-    and, when the loss uses the entropy, h = dLoss/dH (``grad_entropy``) with the forward's ``entropy``.
+    and, when the loss uses the entropy, h = dLoss/dH (``grad_entropy``) with the forward's ``entropy``; the logits
+    are cap(hidden @ weight^T + bias) / temperature (``launch.resolved_head``).
 
     A chunk of tokens at a time: the dlogits kernel writes the chunk's [chunk, V] gradient
     of the logits into one reused workspace, then two products give the chunk's d hidden
@@ -290,6 +292,7 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
         FL.linear_dlogits_kernel[grid](
             h_ptr=hidden[n0:n1], w_ptr=weight, b_ptr=bias, ids_ptr=ids[n0:n1], N=n1 - n0,
             V=V, H=H, lse_ptr=lse[n0:n1], g_ptr=g[n0:n1], dx_ptr=dx, inv_temperature=1.0 / temperature,
+            softcap=None if softcap is None else float(softcap),
             grad_entropy_ptr=None if grad_entropy is None else grad_entropy[n0:n1],
             entropy_ptr=None if grad_entropy is None else entropy[n0:n1], **cfg,
         )

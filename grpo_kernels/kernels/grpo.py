@@ -18,6 +18,11 @@ Conventions:
   Triton's integer specialization (``do_not_specialize``), so a loop that changes T,
   beta, the epsilons or the temperature never recompiles. Constexprs only say which
   optional features are present.
+- The head's soft-cap (``softcap``, None on most models): the kernels read raw logits x and compute
+  log softmax(cap(x) / tau) with cap(x) = softcap * tanh(x / softcap) (Gemma's ``final_logit_softcapping``;
+  the front end folds a head's scale into tau and softcap). None compiles the cap out: the hot loops of
+  an uncapped head are unchanged, instruction for instruction. The gradient carries the cap's chain
+  factor, 1 - tanh^2.
 - Masked tokens (mask == 0) are not read: their log-prob, entropy, loss and derivative
   are written as 0. The reductions multiply them by 0 anyway; skipping them saves the
   bandwidth of padding.
@@ -71,6 +76,53 @@ FLOOR = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def base2_logit(x, c, softcap):
+    """A raw logit x (any dtype) as the row loops read it, fp32 in base 2 (c = log2(e) / tau): x c, or under the
+    head's soft-cap softcap tanh(x / softcap) c, computed as 2 softcap c / (1 + e^(-2 x / softcap)) - softcap c
+    (tanh y = 2 / (1 + e^(-2y)) - 1): one exp2 and one fast reciprocal a logit, the scalars hoisted out of the
+    loops. ``softcap`` None is decided at compile time: one multiply, as without a cap. A capped logit is finite
+    (+-softcap c at x = +-inf; NaN stays NaN); the rounding of e^(-2y) makes its error about 1e-7 of the cap."""
+    x = x.to(tl.float32)
+    if softcap is not None:
+        return (2.0 * softcap * c) / (1.0 + tl.exp2(x * (-2.0 * LOG2E / softcap))) - softcap * c
+    return x * c
+
+
+@triton.jit
+def capped_logit(x, softcap):
+    """A raw logit as the model's head returns it, fp32: softcap * tanh(x / softcap), or x itself where ``softcap``
+    is None (``base2_logit`` in natural units)."""
+    return base2_logit(x, 1.0, softcap)
+
+
+@triton.jit
+def cap_slope(x2, c, softcap):
+    """d capped / dx = 1 - tanh^2(x / softcap), from the capped logit x2 in the units of c (``base2_logit``):
+    tanh = x2 / (softcap c). The gradient's chain factor under a soft-cap."""
+    t = x2 * (1.0 / (softcap * c))
+    return 1.0 - t * t
+
+
+@triton.jit
+def chained(grad, x2, c, softcap):
+    """A gradient with respect to the capped logit taken to the raw one: times ``cap_slope`` under a soft-cap, else
+    itself (no instruction)."""
+    if softcap is not None:
+        grad = grad * cap_slope(x2, c, softcap)
+    return grad
+
+
+@triton.jit
+def padded_base2_logit(x, in_row, c, softcap):
+    """``base2_logit`` of a masked load whose lanes past the row hold -inf: they stay -inf (they add nothing), where
+    a cap would make them finite."""
+    x2 = base2_logit(x, c, softcap)
+    if softcap is not None:
+        x2 = tl.where(in_row, x2, float("-inf"))
+    return x2
+
+
+@triton.jit
 def _lse_fold(x2, m, s, t, COMPUTE_ENTROPY: tl.constexpr):
     """Fold one block of base-2 logits into each lane's running max m, sum s = sum 2^(x - m), and
     t = sum 2^(x - m) * x (the entropy's), with one exp2 a logit and no cross-lane reduction.
@@ -102,8 +154,8 @@ def _lse_finish(m, s, t, COMPUTE_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
-    """One pass over a row: log-sum-exp of x = logits / tau (natural log) and the entropy of softmax(x).
+def _online_logsumexp(row_ptr, V, inv_temperature, softcap, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+    """One pass over a row: log-sum-exp of x = cap(logits) / tau (natural log) and the entropy of softmax(x).
 
     Full blocks load without a mask (so aligned rows get 128-bit vector loads); the
     remainder, if any, is one masked block.
@@ -118,13 +170,13 @@ def _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V: tl.constexpr, COMPUT
     t = tl.zeros([HALF], tl.float32)
     full_end = (V // BLOCK_V) * BLOCK_V
     for start in range(0, full_end, BLOCK_V):
-        low = tl.load(row_ptr + start + cols).to(tl.float32) * c
-        high = tl.load(row_ptr + start + HALF + cols).to(tl.float32) * c
+        low = base2_logit(tl.load(row_ptr + start + cols), c, softcap)
+        high = base2_logit(tl.load(row_ptr + start + HALF + cols), c, softcap)
         m, s, t = _lse_fold(low, m, s, t, COMPUTE_ENTROPY)
         m, s, t = _lse_fold(high, m, s, t, COMPUTE_ENTROPY)
     for start in range(full_end, V, HALF):  # the remainder: at most two masked half blocks
         in_row = start + cols < V
-        x2 = tl.load(row_ptr + start + cols, mask=in_row, other=float("-inf")).to(tl.float32) * c
+        x2 = padded_base2_logit(tl.load(row_ptr + start + cols, mask=in_row, other=float("-inf")), in_row, c, softcap)
         # A padding lane's fold leaves m and s as they were but makes t = t + 0 * -inf = NaN;
         # keep its t, or every row whose V is not a multiple of BLOCK_V would take the slow path.
         m, s, t_folded = _lse_fold(x2, m, s, t, COMPUTE_ENTROPY)
@@ -134,17 +186,18 @@ def _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V: tl.constexpr, COMPUT
         # A -inf logit adds 0 * -inf to t; rather than guard every logit, a row whose entropy came
         # out NaN while its log-sum-exp is finite (only -inf logits do that) is summed again safely.
         if (entropy != entropy) & (lse2 == lse2) & (tl.abs(lse2) < float("inf")):
-            entropy = LN2 * (lse2 - _mean_x2(row_ptr, V, c, lse2, BLOCK_V))
+            entropy = LN2 * (lse2 - _mean_x2(row_ptr, V, c, softcap, lse2, BLOCK_V))
     return lse2 * LN2, entropy
 
 
 @triton.jit
-def _mean_x2(row_ptr, V, c, lse2, BLOCK_V: tl.constexpr):
+def _mean_x2(row_ptr, V, c, softcap, lse2, BLOCK_V: tl.constexpr):
     """sum of p * x2 over a row (x2 = logits in base 2), where -inf logits add 0: the entropy's slow path."""
     cols = tl.arange(0, BLOCK_V)
     acc = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, V, BLOCK_V):
-        x2 = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32) * c
+        in_row = start + cols < V
+        x2 = padded_base2_logit(tl.load(row_ptr + start + cols, mask=in_row, other=float("-inf")), in_row, c, softcap)
         p = tl.exp2(x2 - lse2)
         acc += tl.where(p > 0.0, p * x2, 0.0)
     return tl.sum(acc, axis=0)
@@ -313,7 +366,7 @@ def _forward_token(
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
-    inv_temperature, loss_scalars,
+    inv_temperature, softcap, loss_scalars,
     LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
     HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
     ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -329,8 +382,8 @@ def _forward_token(
     row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
     target = tl.load(ids_ptr + pid).to(tl.int64)
     if active:
-        lse, entropy = _online_logsumexp(row_ptr, V, inv_temperature, BLOCK_V, COMPUTE_ENTROPY)
-        logp = tl.load(row_ptr + target).to(tl.float32) * inv_temperature - lse
+        lse, entropy = _online_logsumexp(row_ptr, V, inv_temperature, softcap, BLOCK_V, COMPUTE_ENTROPY)
+        logp = capped_logit(tl.load(row_ptr + target), softcap) * inv_temperature - lse
     else:
         lse = 0.0
         entropy = 0.0
@@ -352,7 +405,7 @@ def _forward_token(
             if HAS_ENTROPY_GRAD:  # the entropy bonus: dLoss/dH of this token, known up front like g
                 h = tl.where(active, tl.load(entropy_grad_ptr + pid), 0.0)
             out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
-            _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, h, entropy, BLOCK_V,
+            _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, softcap, h, entropy, BLOCK_V,
                                 HAS_ENTROPY_GRAD)
 
 
@@ -363,7 +416,7 @@ def grpo_forward_kernel(
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
-    inv_temperature, loss_scalars,
+    inv_temperature, softcap, loss_scalars,
     LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
     HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
     ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, PERSISTENT: tl.constexpr,
@@ -374,7 +427,8 @@ def grpo_forward_kernel(
 
     An optional tensor is None where absent, and what it switches on is derived from that at compile
     time: the mask, old and reference log-probs, importance weights, the entropy (``entropy_out``), the
-    one-pass gradient (``grad_weight_ptr``) and the entropy bonus's (``entropy_grad_ptr``).
+    one-pass gradient (``grad_weight_ptr``), the entropy bonus's (``entropy_grad_ptr``) and the head's
+    soft-cap (``softcap``, a number: see the module docstring).
 
     The two calls of ``_forward_token`` are kept apart on purpose: one loop with a single trip for the
     plain grid (tried, AOT sm_90) cost the fp32 one-pass hot loops 0.3 instructions a logit and up to
@@ -385,7 +439,7 @@ def grpo_forward_kernel(
                 tl.cast(row, tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr, old_ptr,
                 ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
                 grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-                loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
+                softcap, loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
                 ROW_ALIGN, BLOCK_V,
             )
     else:
@@ -393,13 +447,13 @@ def grpo_forward_kernel(
             tl.program_id(0).to(tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr,
             old_ptr, ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
             grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-            loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
+            softcap, loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
                 ROW_ALIGN, BLOCK_V,
         )
 
 
 @triton.jit
-def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, h, entropy,
+def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, softcap, h, entropy,
                         BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
     """out = g * (onehot(target) - softmax(row / tau)) / tau over one row; a zero row, unread, if g == 0.
 
@@ -410,7 +464,8 @@ def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, h,
     HAS_ENTROPY_GRAD adds h = dLoss/dH times the entropy's gradient, dH/dz_j = -p_j (log p_j + H):
     out_j = (g onehot_j + p_j (-g - h H - h log p_j)) / tau. With d = x2 - lse2 (base 2, so
     log p_j = d ln 2) that is p * (a d + b), a = -h ln2 / tau, b = (-g - h H) / tau: one FMA more a
-    logit. The row is zero, unread, only if g and h are both 0.
+    logit. The row is zero, unread, only if g and h are both 0. With a soft-cap every column's value
+    is times its chain factor 1 - tanh^2 (``cap_slope``).
     """
     cols = tl.arange(0, BLOCK_V)
     out_dtype = out_ptr.dtype.element_ty
@@ -432,32 +487,38 @@ def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, h,
         # d is floored at FLOOR so that a -inf logit gives p = 0 times a finite a d + b, not 0 * inf = NaN;
         # a NaN still propagates (the row's log-sum-exp is NaN then anyway). The target is read before the
         # loop, which may write in place.
-        d_target = tl.maximum(tl.load(row_ptr + target).to(tl.float32) * c - lse2, FLOOR, propagate_nan=NAN)
+        x2_target = base2_logit(tl.load(row_ptr + target), c, softcap)
+        d_target = tl.maximum(x2_target - lse2, FLOOR, propagate_nan=NAN)
         for start in range(0, full_end, BLOCK_V):
-            d = tl.maximum(tl.load(row_ptr + start + cols).to(tl.float32) * c - lse2, FLOOR, propagate_nan=NAN)
-            tl.store(out_ptr + start + cols, (tl.exp2(d) * (a * d + b)).to(out_dtype))
+            x2 = base2_logit(tl.load(row_ptr + start + cols), c, softcap)
+            d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
+            tl.store(out_ptr + start + cols, chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype))
         if full_end < V:
             in_row = full_end + cols < V
-            x = tl.load(row_ptr + full_end + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-            d = tl.maximum(x * c - lse2, FLOOR, propagate_nan=NAN)
-            tl.store(out_ptr + full_end + cols, (tl.exp2(d) * (a * d + b)).to(out_dtype), mask=in_row)
+            x2 = base2_logit(tl.load(row_ptr + full_end + cols, mask=in_row, other=float("-inf")), c, softcap)
+            d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
+            tl.store(out_ptr + full_end + cols, chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype),
+                     mask=in_row)
         tl.debug_barrier()
-        tl.store(out_ptr + target, (g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)).to(out_dtype))
+        at_target = g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)
+        tl.store(out_ptr + target, chained(at_target, x2_target, c, softcap).to(out_dtype))
     else:
         c = inv_temperature * LOG2E
         lse2 = lse * LOG2E
         minus_g = -g * inv_temperature
         # read before the loop: in place (out_ptr == row_ptr) the loop overwrites the logits
-        p_target = tl.exp2(tl.load(row_ptr + target).to(tl.float32) * c - lse2)
+        x2_target = base2_logit(tl.load(row_ptr + target), c, softcap)
+        p_target = tl.exp2(x2_target - lse2)
         for start in range(0, full_end, BLOCK_V):
-            p = tl.exp2(tl.load(row_ptr + start + cols).to(tl.float32) * c - lse2)
-            tl.store(out_ptr + start + cols, (minus_g * p).to(out_dtype))
+            x2 = base2_logit(tl.load(row_ptr + start + cols), c, softcap)
+            tl.store(out_ptr + start + cols, chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype))
         if full_end < V:
             in_row = full_end + cols < V
-            x = tl.load(row_ptr + full_end + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-            tl.store(out_ptr + full_end + cols, (minus_g * tl.exp2(x * c - lse2)).to(out_dtype), mask=in_row)
+            x2 = base2_logit(tl.load(row_ptr + full_end + cols, mask=in_row, other=float("-inf")), c, softcap)
+            tl.store(out_ptr + full_end + cols, chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype),
+                     mask=in_row)
         tl.debug_barrier()
-        tl.store(out_ptr + target, (g * inv_temperature * (1.0 - p_target)).to(out_dtype))
+        tl.store(out_ptr + target, chained(g * inv_temperature * (1.0 - p_target), x2_target, c, softcap).to(out_dtype))
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
@@ -465,10 +526,11 @@ def logprob_backward_kernel(
     logits_ptr, stride_b, stride_t, ids_ptr, T, V,
     grad_logp_ptr, lse_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
     grad_entropy_ptr, entropy_ptr,
-    inv_temperature, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
+    inv_temperature, softcap, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """dlogits = g * (onehot - p) / tau (+ dLoss/dH times dH/dlogits with ``grad_entropy_ptr`` and
-    ``entropy_ptr``, None without the entropy bonus); may write into the logits' own storage (in place)."""
+    ``entropy_ptr``, None without the entropy bonus), times the soft-cap's chain factor where ``softcap`` is a
+    number; may write into the logits' own storage (in place)."""
     HAS_ENTROPY_GRAD: tl.constexpr = grad_entropy_ptr is not None
     pid = tl.program_id(0).to(tl.int64)
     g = tl.load(grad_logp_ptr + pid)
@@ -481,7 +543,8 @@ def logprob_backward_kernel(
     out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
     lse = tl.load(lse_ptr + pid)
     target = tl.load(ids_ptr + pid).to(tl.int64)
-    _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, h, entropy, BLOCK_V, HAS_ENTROPY_GRAD)
+    _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, softcap, h, entropy, BLOCK_V,
+                        HAS_ENTROPY_GRAD)
 
 
 @triton.jit(do_not_specialize=["numel"])

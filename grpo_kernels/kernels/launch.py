@@ -143,15 +143,21 @@ def row_alignment(*tensors: torch.Tensor) -> int:
     return 16 // size
 
 
-def resolved_temperature(opts: Optional[GRPOOptions], temperature: Optional[float]) -> float:
-    """The temperature of a launch, from one source: the options when there are any (a ``temperature``
-    beside them must agree), else the argument (default 1)."""
+def resolved_head(opts: Optional[GRPOOptions], temperature: Optional[float], softcap: Optional[float]) -> tuple:
+    """(temperature, softcap) of a launch: the kernels compute log softmax(cap(x) / temperature) of the raw logits x,
+    cap(x) = softcap * tanh(x / softcap) (softcap None: no cap). From one source: the options when there are any
+    (``GRPOOptions.kernel_temperature`` and ``kernel_softcap``, the head's scale folded in; a ``temperature``
+    beside them must agree with the options' own, and a ``softcap`` may not be given), else the arguments
+    (default 1 and None)."""
     if opts is None:
-        return 1.0 if temperature is None else float(temperature)
+        return (1.0 if temperature is None else float(temperature)), (None if softcap is None else float(softcap))
     if temperature is not None and float(temperature) != opts.temperature:
         raise ValueError(f"temperature={temperature!r} disagrees with the options' temperature={opts.temperature!r}: "
                          "pass it once, in the options")
-    return opts.temperature
+    if softcap is not None:
+        raise ValueError(f"softcap={softcap!r} beside options: the options carry the head's soft-cap "
+                         "(logit_softcap, logit_scale)")
+    return opts.kernel_temperature, opts.kernel_softcap
 
 
 def _zero_if_none(value: Optional[float]) -> float:
@@ -231,12 +237,13 @@ def forward(
     *,
     opts: Optional[GRPOOptions] = None,
     temperature: Optional[float] = None,
+    softcap: Optional[float] = None,
     tokens: TokenInputs = TokenInputs(),
     compute_entropy: bool = False,
     gradient: Optional[OnePassGradient] = None,
     config: Optional[Dict[str, int]] = None,
 ) -> ForwardResult:
-    """Run the forward kernel.
+    """Run the forward kernel on log softmax(cap(logits) / temperature) (``resolved_head``).
 
     logits [B, T, V] with a unit last stride; ids [B, T]; the per-token inputs (``tokens``) are
     contiguous fp32 [N] (N = B * T), None where absent. With ``opts`` None only log-probs (and
@@ -245,9 +252,9 @@ def forward(
     in full for its log-sum-exp before any of it is written. ``config`` overrides the launch
     configuration (see ``logits_launch_config``).
     """
-    temperature = resolved_temperature(opts, temperature)
+    temperature, softcap = resolved_head(opts, temperature, softcap)
     out = allocate_outputs(logits.shape[0] * logits.shape[1], logits.device, opts, compute_entropy)
-    return _run_forward(logits, ids, out, opts, temperature, tokens, compute_entropy, gradient, config)
+    return _run_forward(logits, ids, out, opts, temperature, softcap, tokens, compute_entropy, gradient, config)
 
 
 class LossForward(NamedTuple):
@@ -283,12 +290,14 @@ def loss_forward(
     gradient = None if gradient_out is None else OnePassGradient(weights.weight, weights.entropy_weight,
                                                                  out=gradient_out)
     result = _run_forward(logits, ids, allocate_outputs(N, device, opts, opts.compute_entropy, rows[:len(names)]),
-                          opts, opts.temperature, tokens, opts.compute_entropy, gradient, config)
+                          opts, opts.kernel_temperature, opts.kernel_softcap, tokens, opts.compute_entropy, gradient,
+                          config)
     return LossForward(result, weights, *reduced(t.mask, opts, result, weights))
 
 
-def _run_forward(logits, ids, out: ForwardResult, opts, temperature: float, tokens: TokenInputs,
-                 compute_entropy: bool, gradient: Optional[OnePassGradient], config) -> ForwardResult:
+def _run_forward(logits, ids, out: ForwardResult, opts, temperature: float, softcap: Optional[float],
+                 tokens: TokenInputs, compute_entropy: bool, gradient: Optional[OnePassGradient],
+                 config) -> ForwardResult:
     """The forward kernel's launch (or the split-row kernel's) into ``out``."""
     B, T, V = logits.shape
     N = B * T
@@ -305,7 +314,7 @@ def _run_forward(logits, ids, out: ForwardResult, opts, temperature: float, toke
         grad_logits_ptr=grad, grad_stride_b=grad.stride(0) if write_grad else 0,
         grad_stride_t=grad.stride(1) if write_grad else 0,
         entropy_grad_ptr=gradient.entropy_weight if write_grad else None, inv_temperature=1.0 / temperature,
-        **loss_args(opts),
+        softcap=softcap, **loss_args(opts),
         ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])),
     )
     out.grad_logits = grad
@@ -328,13 +337,15 @@ def backward(
     grad_logp: torch.Tensor,
     temperature: float,
     *,
+    softcap: Optional[float] = None,
     in_place: bool = False,
     config: Optional[Dict[str, int]] = None,
     out: Optional[torch.Tensor] = None,
     grad_entropy: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """dlogits [B, T, V] in the logits' dtype from g = dLoss/dlogp (fp32 [N]).
+    """dlogits [B, T, V] in the logits' dtype from g = dLoss/dlogp (fp32 [N]), of log softmax(cap(logits) /
+    temperature) (``resolved_head``: ``softcap`` None, no cap).
 
     ``in_place`` writes into ``logits`` itself (same strides) and returns it; ``out`` (a
     [B, T, V] tensor with a unit last stride) is written and returned instead of a new tensor.
@@ -354,7 +365,7 @@ def backward(
             logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V,
             grad_logp_ptr=grad_logp, lse_ptr=lse, grad_logits_ptr=grad, grad_stride_b=grad.stride(0),
             grad_stride_t=grad.stride(1), grad_entropy_ptr=grad_entropy if with_entropy else None,
-            entropy_ptr=entropy if with_entropy else None, inv_temperature=1.0 / temperature,
+            entropy_ptr=entropy if with_entropy else None, inv_temperature=1.0 / temperature, softcap=softcap,
             ROW_ALIGN=row_alignment(logits, grad), **launch_config,
         )
     return grad

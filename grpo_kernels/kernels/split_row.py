@@ -38,7 +38,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grpo import FLOOR, LN2, LOG2E, NAN, RUNTIME_INTS, _lse_fold, _row_pointer, store_loss_terms, token_loss_at
+from .grpo import (FLOOR, LN2, LOG2E, NAN, RUNTIME_INTS, _lse_fold, _row_pointer, base2_logit, capped_logit, chained,
+                   padded_base2_logit, store_loss_terms, token_loss_at)
 from .logsumexp import rescale_lse
 
 # the scratch's floats per (row, chunk): max, sum, entropy sum (base 2), one pad for 16-byte rows
@@ -47,8 +48,8 @@ C_STATE_WIDTH = tl.constexpr(STATE_WIDTH)  # the same, as the kernels read it (t
 
 
 @triton.jit
-def _chunk_state(row_ptr, c0, c1, c, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
-    """(max, sum 2^(x2 - max), sum 2^(x2 - max) x2) of x2 = logits * c over columns [c0, c1); c0 is a
+def _chunk_state(row_ptr, c0, c1, c, softcap, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+    """(max, sum 2^(x2 - max), sum 2^(x2 - max) x2) of x2 = cap(logits) * c over columns [c0, c1); c0 is a
     multiple of BLOCK_V, so full blocks load unmasked (128-bit loads on aligned rows)."""
     HALF: tl.constexpr = BLOCK_V // 2
     cols = tl.arange(0, HALF)
@@ -57,13 +58,14 @@ def _chunk_state(row_ptr, c0, c1, c, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.
     t = tl.zeros([HALF], tl.float32)
     full_end = c0 + ((c1 - c0) // BLOCK_V) * BLOCK_V
     for start in range(c0, full_end, BLOCK_V):
-        low = tl.load(row_ptr + start + cols).to(tl.float32) * c
-        high = tl.load(row_ptr + start + HALF + cols).to(tl.float32) * c
+        low = base2_logit(tl.load(row_ptr + start + cols), c, softcap)
+        high = base2_logit(tl.load(row_ptr + start + HALF + cols), c, softcap)
         m, s, t = _lse_fold(low, m, s, t, COMPUTE_ENTROPY)
         m, s, t = _lse_fold(high, m, s, t, COMPUTE_ENTROPY)
     for start in range(full_end, c1, HALF):  # the row's remainder (the last chunk only)
         in_chunk = start + cols < c1
-        x2 = tl.load(row_ptr + start + cols, mask=in_chunk, other=float("-inf")).to(tl.float32) * c
+        x2 = padded_base2_logit(tl.load(row_ptr + start + cols, mask=in_chunk, other=float("-inf")), in_chunk, c,
+                                softcap)
         m, s, t_folded = _lse_fold(x2, m, s, t, COMPUTE_ENTROPY)
         t = tl.where(in_chunk, t_folded, t)
     chunk_max = tl.max(m, axis=0)
@@ -74,17 +76,19 @@ def _chunk_state(row_ptr, c0, c1, c, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.
         sum_x = tl.sum(t, axis=0)
         # a -inf logit adds 0 * -inf = NaN to t (as in grpo.py): sum the chunk again, -inf adding 0
         if (sum_x != sum_x) & (sum_exp == sum_exp) & (tl.abs(chunk_max) < float("inf")):
-            sum_x = _chunk_sum_x2(row_ptr, c0, c1, c, chunk_max, BLOCK_V)
+            sum_x = _chunk_sum_x2(row_ptr, c0, c1, c, softcap, chunk_max, BLOCK_V)
     return chunk_max, sum_exp, sum_x
 
 
 @triton.jit
-def _chunk_sum_x2(row_ptr, c0, c1, c, chunk_max, BLOCK_V: tl.constexpr):
+def _chunk_sum_x2(row_ptr, c0, c1, c, softcap, chunk_max, BLOCK_V: tl.constexpr):
     """sum of 2^(x2 - chunk_max) x2 over [c0, c1), where -inf logits add 0: the entropy's slow path."""
     cols = tl.arange(0, BLOCK_V)
     acc = tl.zeros([BLOCK_V], tl.float32)
     for start in range(c0, c1, BLOCK_V):
-        x2 = tl.load(row_ptr + start + cols, mask=start + cols < c1, other=float("-inf")).to(tl.float32) * c
+        in_chunk = start + cols < c1
+        x2 = padded_base2_logit(tl.load(row_ptr + start + cols, mask=in_chunk, other=float("-inf")), in_chunk, c,
+                                softcap)
         e = tl.exp2(x2 - chunk_max)
         acc += tl.where(e > 0.0, e * x2, 0.0)
     return tl.sum(acc, axis=0)
@@ -126,10 +130,10 @@ def _held_chunk(row_ptr, c0, n, active, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _held_state(x, c, COMPUTE_ENTROPY: tl.constexpr):
-    """(x2, e, max, sum e, sum e x2) of a held chunk: x2 = x * c, e = 2^(x2 - max) (-inf adds 0). x2 and e stay
-    in registers for the gradient: p = e 2^(max - lse), one multiply a logit, no second exp2."""
-    x2 = x.to(tl.float32) * c
+def _held_state(x, n, c, softcap, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+    """(x2, e, max, sum e, sum e x2) of a held chunk of n logits: x2 = cap(x) * c, e = 2^(x2 - max) (-inf adds
+    0). x2 and e stay in registers for the gradient: p = e 2^(max - lse), one multiply a logit, no second exp2."""
+    x2 = padded_base2_logit(x, tl.arange(0, BLOCK_V) < n, c, softcap)
     chunk_max = tl.maximum(tl.max(x2, axis=0), FLOOR)  # at least FLOOR: a chunk of -inf has a finite max
     e = tl.exp2(x2 - chunk_max)
     sum_x = 0.0
@@ -149,11 +153,11 @@ def _held_row(sum_exp, sum_x, row_max, COMPUTE_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def _write_held_gradient(x2, e, chunk_max, out_ptr, c0, n, lse, target, target_logit, g, inv_temperature, h,
-                         entropy, BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+def _write_held_gradient(x2, e, chunk_max, out_ptr, c0, n, lse, target, target_logit, g, inv_temperature, softcap,
+                         h, entropy, BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
     """``_write_chunk_gradient`` from a held chunk (``_held_state``'s x2 and e): the same values, each logit's
-    probability p = e 2^(max - lse) (a multiply, not an exp2); the target's own value (its logit passed in)
-    stored after the block, where the target lies in the chunk, so that no logit pays a comparison with it."""
+    probability p = e 2^(max - lse) (a multiply, not an exp2); the target's own value (its capped logit passed
+    in) stored after the block, where the target lies in the chunk, so that no logit pays a comparison with it."""
     cols = tl.arange(0, BLOCK_V)
     out_dtype = out_ptr.dtype.element_ty
     is_zero = g == 0.0
@@ -169,12 +173,13 @@ def _write_held_gradient(x2, e, chunk_max, out_ptr, c0, n, lse, target, target_l
         a = -h * LN2 * inv_temperature
         b = (-g - h * entropy) * inv_temperature
         d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
-        grad = ((e * to_p) * (a * d + b)).to(out_dtype)
+        grad = chained((e * to_p) * (a * d + b), x2, c, softcap).to(out_dtype)
         d_target = tl.maximum(target_logit * c - lse2, FLOOR, propagate_nan=NAN)
-        at_target = g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)
+        at_target = chained(g * inv_temperature + tl.exp2(d_target) * (a * d_target + b), target_logit * c, c, softcap)
     else:
-        grad = (e * (-g * inv_temperature * to_p)).to(out_dtype)
-        at_target = g * inv_temperature * (1.0 - tl.exp2(target_logit * c - lse2))
+        grad = chained(e * (-g * inv_temperature * to_p), x2, c, softcap).to(out_dtype)
+        at_target = chained(g * inv_temperature * (1.0 - tl.exp2(target_logit * c - lse2)), target_logit * c, c,
+                            softcap)
     if n == BLOCK_V:
         tl.store(out_ptr + c0 + cols, grad)
     else:
@@ -199,10 +204,11 @@ def _wait_for_siblings(counter, K: tl.constexpr, error_ptr, MAX_SPIN: tl.constex
 
 
 @triton.jit
-def _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, h, entropy,
+def _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, softcap, h, entropy,
                           BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
     """``grpo._write_row_gradient`` over columns [c0, c1) of the row: -g / tau p (plus the entropy term),
-    and the target's +g / tau where the target lies in the chunk; zeros, unread, if g (and h) are 0.
+    and the target's +g / tau where the target lies in the chunk, times the soft-cap's chain factor where there
+    is one; zeros, unread, if g (and h) are 0.
 
     A copy of the row version with a start and a target-ownership test, kept apart on purpose: one
     function for both (tried, AOT) cost the row kernels up to 0.25 instructions a logit and up to 17
@@ -225,33 +231,40 @@ def _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperat
         lse2 = lse * LOG2E
         a = -h * LN2 * inv_temperature
         b = (-g - h * entropy) * inv_temperature
-        d_target = tl.maximum(tl.load(row_ptr + target).to(tl.float32) * c - lse2, FLOOR, propagate_nan=NAN)
+        x2_target = base2_logit(tl.load(row_ptr + target), c, softcap)
+        d_target = tl.maximum(x2_target - lse2, FLOOR, propagate_nan=NAN)
         for start in range(c0, full_end, BLOCK_V):
-            d = tl.maximum(tl.load(row_ptr + start + cols).to(tl.float32) * c - lse2, FLOOR, propagate_nan=NAN)
-            tl.store(out_ptr + start + cols, (tl.exp2(d) * (a * d + b)).to(out_dtype))
+            x2 = base2_logit(tl.load(row_ptr + start + cols), c, softcap)
+            d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
+            tl.store(out_ptr + start + cols, chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype))
         if full_end < c1:
             in_chunk = full_end + cols < c1
-            x = tl.load(row_ptr + full_end + cols, mask=in_chunk, other=float("-inf")).to(tl.float32)
-            d = tl.maximum(x * c - lse2, FLOOR, propagate_nan=NAN)
-            tl.store(out_ptr + full_end + cols, (tl.exp2(d) * (a * d + b)).to(out_dtype), mask=in_chunk)
+            x2 = base2_logit(tl.load(row_ptr + full_end + cols, mask=in_chunk, other=float("-inf")), c, softcap)
+            d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
+            tl.store(out_ptr + full_end + cols, chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype),
+                     mask=in_chunk)
         tl.debug_barrier()
         if owns_target:
-            tl.store(out_ptr + target, (g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)).to(out_dtype))
+            at_target = g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)
+            tl.store(out_ptr + target, chained(at_target, x2_target, c, softcap).to(out_dtype))
     else:
         c = inv_temperature * LOG2E
         lse2 = lse * LOG2E
         minus_g = -g * inv_temperature
-        p_target = tl.exp2(tl.load(row_ptr + target).to(tl.float32) * c - lse2)
+        x2_target = base2_logit(tl.load(row_ptr + target), c, softcap)
+        p_target = tl.exp2(x2_target - lse2)
         for start in range(c0, full_end, BLOCK_V):
-            p = tl.exp2(tl.load(row_ptr + start + cols).to(tl.float32) * c - lse2)
-            tl.store(out_ptr + start + cols, (minus_g * p).to(out_dtype))
+            x2 = base2_logit(tl.load(row_ptr + start + cols), c, softcap)
+            tl.store(out_ptr + start + cols, chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype))
         if full_end < c1:
             in_chunk = full_end + cols < c1
-            x = tl.load(row_ptr + full_end + cols, mask=in_chunk, other=float("-inf")).to(tl.float32)
-            tl.store(out_ptr + full_end + cols, (minus_g * tl.exp2(x * c - lse2)).to(out_dtype), mask=in_chunk)
+            x2 = base2_logit(tl.load(row_ptr + full_end + cols, mask=in_chunk, other=float("-inf")), c, softcap)
+            tl.store(out_ptr + full_end + cols, chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype),
+                     mask=in_chunk)
         tl.debug_barrier()
         if owns_target:
-            tl.store(out_ptr + target, (g * inv_temperature * (1.0 - p_target)).to(out_dtype))
+            tl.store(out_ptr + target,
+                     chained(g * inv_temperature * (1.0 - p_target), x2_target, c, softcap).to(out_dtype))
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS + ["chunk_blocks"])
@@ -261,7 +274,7 @@ def split_row_forward_kernel(
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
     state_ptr, counter_ptr, error_ptr, chunk_blocks,
-    inv_temperature, loss_scalars,
+    inv_temperature, softcap, loss_scalars,
     LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
     HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
     ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr, K_LANES: tl.constexpr,
@@ -291,14 +304,14 @@ def split_row_forward_kernel(
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t, ROW_ALIGN)
         state_row = state_ptr + row * (K * C_STATE_WIDTH)
         if HOLD_CHUNK:  # loaded once, before the wait (the interpreter's second launch, PHASE 2, loads it again)
-            x2, e, held_max, held_sum, held_sum_x = _held_state(_held_chunk(row_ptr, c0, c1 - c0, active, BLOCK_V), c,
-                                                                COMPUTE_ENTROPY)
+            x2, e, held_max, held_sum, held_sum_x = _held_state(_held_chunk(row_ptr, c0, c1 - c0, active, BLOCK_V),
+                                                                c1 - c0, c, softcap, BLOCK_V, COMPUTE_ENTROPY)
         if not WHOLE_ROW:
             if active & (PHASE != 2):
                 if HOLD_CHUNK:
                     chunk_max, sum_exp, sum_x = held_max, held_sum, held_sum_x
                 else:
-                    chunk_max, sum_exp, sum_x = _chunk_state(row_ptr, c0, c1, c, BLOCK_V, COMPUTE_ENTROPY)
+                    chunk_max, sum_exp, sum_x = _chunk_state(row_ptr, c0, c1, c, softcap, BLOCK_V, COMPUTE_ENTROPY)
                 tl.store(state_row + chunk * C_STATE_WIDTH, chunk_max)
                 tl.store(state_row + chunk * C_STATE_WIDTH + 1, sum_exp)
                 tl.store(state_row + chunk * C_STATE_WIDTH + 2, sum_x)
@@ -315,7 +328,7 @@ def split_row_forward_kernel(
                     if PHASE == 0:
                         _wait_for_siblings(counter_ptr + row, K, error_ptr, MAX_SPIN)
                     lse, entropy = _merged_state(state_row, K, K_LANES, COMPUTE_ENTROPY)
-                target_logit = tl.load(row_ptr + target).to(tl.float32)
+                target_logit = capped_logit(tl.load(row_ptr + target), softcap)
                 logp = target_logit * inv_temperature - lse
             else:
                 lse = 0.0
@@ -336,7 +349,7 @@ def split_row_forward_kernel(
                 h = tl.where(active, tl.load(entropy_grad_ptr + row), 0.0)
             if HOLD_CHUNK:
                 _write_held_gradient(x2, e, held_max, out_ptr, c0, c1 - c0, lse, target, target_logit, g,
-                                     inv_temperature, h, entropy, BLOCK_V, HAS_ENTROPY_GRAD)
+                                     inv_temperature, softcap, h, entropy, BLOCK_V, HAS_ENTROPY_GRAD)
             else:
-                _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, h, entropy,
+                _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, softcap, h, entropy,
                                       BLOCK_V, HAS_ENTROPY_GRAD)
