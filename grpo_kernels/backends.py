@@ -3,9 +3,9 @@ calls with the same result types, so nothing above this module branches on which
 
 No autograd here: the autograd Functions (``functions.py``, ``vocab_parallel.py``) call these with plain
 tensors. Per-token values are fp32 [N]. Every call computes log softmax(cap(x) / temperature) of raw logits x,
-cap(x) = softcap * tanh(x / softcap) with a head's soft-cap, x itself with ``softcap`` None (the default). The fused loss kernels (the per-token loss math inside the
-logits pass) exist on Triton only: ``fuses_loss`` says whether a backend has them, and the sources
-(``sources.py``) call them through ``launch`` / ``lm_head_launch``.
+cap(x) = softcap * tanh(x / softcap) with a head's soft-cap, x itself with ``softcap`` None (the default). The
+fused loss kernels (the per-token loss math inside the logits pass) exist on Triton only: ``fuses_loss`` says
+whether a backend has them, and the sources (``sources.py``) call them through ``launch`` / ``lm_head_launch``.
 """
 
 from __future__ import annotations

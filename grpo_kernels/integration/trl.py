@@ -16,6 +16,8 @@ TRL's metric keys. TRL options this loss does not implement raise at constructio
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from typing import Optional
 
 import torch
 
@@ -25,10 +27,15 @@ except ImportError as err:  # the trl extra is optional
     raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
 
 from ..entropy_control import AdaptiveEntropy
+from ..heads import FusedHeadError, fused_head, head_weights, last_hidden_states, router_aux_loss
 from ..loss import FusedLinearGRPOLoss, GRPOLoss
 from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
-from ..wrapped import inside_forward, output_layer
+from ..wrapped import inside_forward
 
+# the batch's inputs besides the ids and the mask that TRL 1.16 passes to a model's forward (vision-language
+# models, token types): both paths pass them on, the fused one to the backbone, which merges the images
+MODEL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "image_position_ids",
+                    "spatial_shapes", "token_type_ids", "mm_token_type_ids")
 
 
 def unsupported_options(trainer) -> list:
@@ -40,9 +47,6 @@ def unsupported_options(trainer) -> list:
     if getattr(args, "use_adaptive_entropy", False) and getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
         problems.append("use_adaptive_entropy with top_entropy_quantile < 1 (the controller would need the "
                         "entropy over the high-entropy tokens, which the loss does not report)")
-    if getattr(trainer, "aux_loss_enabled", False) and getattr(trainer, "fused_lm_head", False):
-        problems.append("the MoE router auxiliary loss with fused_lm_head=True (the model's own LM-head forward "
-                        "computes it; the logits path adds it as TRL does)")
     if getattr(args, "context_parallel_size", 1) not in (None, 1):
         problems.append("context parallelism")
     return problems
@@ -51,15 +55,22 @@ def unsupported_options(trainer) -> list:
 class GRPOKernelsTrainer(GRPOTrainer):
     """TRL's GRPOTrainer whose loss is grpo-kernels' fused ``GRPOLoss``."""
 
-    def __init__(self, *args, fused_lm_head: bool = False, **kwargs):
+    def __init__(self, *args, fused_lm_head: Optional[bool] = None, **kwargs):
         """TRL's arguments, plus ``fused_lm_head``: compute the loss from the last hidden states and the
-        lm_head weight (``FusedLinearGRPOLoss``), never materializing the [B, T, V] logits."""
-        self.fused_lm_head = fused_lm_head  # read by unsupported_options, which runs in TRL's __init__
+        lm_head weight (``FusedLinearGRPOLoss``), never materializing the [B, T + 1, V] logits, as stock TRL's
+        own fused head does. None (the default): wherever the model's head allows it (``heads.fused_head``:
+        its output transform read from its config and checked on a probe of its own forward), else the logits
+        path with a warning saying why. True: the fused lm_head or ``FusedHeadError``. False: the logits path
+        (``model(...).logits``)."""
+        self.fused_lm_head = fused_lm_head is not False  # read by unsupported_options, which runs in TRL's __init__
         super().__init__(*args, **kwargs)
         problems = unsupported_options(self)
         if problems:
             raise ValueError("GRPOKernelsTrainer does not support " + "; ".join(problems)
                              + ". Use TRL's GRPOTrainer for these.")
+        self.head_transform = self._fused_head_transform(required=fused_lm_head is True) if self.fused_lm_head \
+            else None
+        self.fused_lm_head = self.head_transform is not None
         # the one TRL -> options mapping (GRPOOptions.from_trl_config), with the values the trainer resolved
         options = GRPOOptions.from_trl_config(self.args, loss_type=self.loss_type, beta=float(self.beta),
                                               epsilon=float(self.epsilon_low), epsilon_high=float(self.epsilon_high),
@@ -67,18 +78,34 @@ class GRPOKernelsTrainer(GRPOTrainer):
                                               importance_sampling_level=self.importance_sampling_level)
         # From logits, the loss gets the model's [B, T + 1, V] output whole (drop_last_position): its
         # gradient is written at that shape, not copied into it by autograd's slice backward.
-        self.grpo_loss = (FusedLinearGRPOLoss(options=options) if fused_lm_head
-                          else GRPOLoss(options=options, drop_last_position=True))
+        self.grpo_loss = (FusedLinearGRPOLoss(options=options.replace(**self.head_transform.options))
+                          if self.fused_lm_head else GRPOLoss(options=options, drop_last_position=True))
         self._entropy_controller = AdaptiveEntropy(
             coef=self.entropy_coef, target=self.args.entropy_target, coef_min=self.args.entropy_coef_min,
             coef_max=self.args.entropy_coef_max, delta=self.args.entropy_coef_delta,
         ) if getattr(self.args, "use_adaptive_entropy", False) else None
 
+    def _fused_head_transform(self, required: bool):
+        """The policy's head transform for the fused lm_head (``heads.fused_head``, which probes the model's own
+        forward once), or None where it cannot be reproduced: ``FusedHeadError`` if ``required``, else a warning
+        and the logits path."""
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        try:
+            return fused_head(model, router_aux_loss_too=bool(self.aux_loss_enabled))
+        except FusedHeadError as err:
+            if required:
+                raise
+            warnings.warn(f"GRPOKernelsTrainer computes the loss from the logits: {err}", stacklevel=3)
+            return None
+
     @staticmethod
     def _sequence(inputs):
-        """Prompt + completion ids and attention mask, as TRL's own forward builds them."""
-        return {"input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-                "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)}
+        """Prompt + completion ids and attention mask, as TRL's own forward builds them, and the batch's other
+        model inputs (``MODEL_INPUT_KEYS``)."""
+        sequence = {"input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+                    "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)}
+        sequence.update({key: inputs[key] for key in MODEL_INPUT_KEYS if inputs.get(key) is not None})
+        return sequence
 
     def _completion_logits(self, model, inputs):
         """(logits [B, T + 1, V], the MoE auxiliary loss or None): the T positions that predict the
@@ -86,9 +113,6 @@ class GRPOKernelsTrainer(GRPOTrainer):
         only these (``logits_to_keep``); an MoE model returns its load-balancing loss when TRL adds it."""
         T = inputs["completion_ids"].size(1)
         model_inputs = {**self._sequence(inputs), "logits_to_keep": T + 1}
-        for key in ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids"):
-            if inputs.get(key) is not None:
-                model_inputs[key] = inputs[key]
         if self.aux_loss_enabled:
             model_inputs["output_router_logits"] = True
         with self.accelerator.autocast():
@@ -97,32 +121,30 @@ class GRPOKernelsTrainer(GRPOTrainer):
         logits = logits if logits.shape[1] == T + 1 else logits[:, -(T + 1):]  # a model that ignored logits_to_keep
         return logits, outputs.aux_loss if self.aux_loss_enabled else None
 
-    def _completion_hidden_states(self, model, inputs, sequence):
-        """Last hidden states [B, T, H] whose lm_head logits predict the completion tokens, and the head, of the
-        unwrapped ``model`` (run inside its wrapper's forward: see ``_fused_head_loss``)."""
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        with self.accelerator.autocast():
-            hidden = base.get_decoder()(**sequence).last_hidden_state
-        T = inputs["completion_ids"].size(1)
-        return hidden[:, -(T + 1):-1], base.get_output_embeddings()
-
     def _fused_head_loss(self, model, inputs, mask, loss_inputs):
-        """The fused lm_head loss, computed as the model's own forward, called through whatever wraps it (DDP,
-        FSDP2, DeepSpeed: ``grpo_kernels.wrapped.inside_forward``), so that their hooks apply as in an ordinary
-        forward; the head's effective weight, a LoRA adapter on it folded in (``wrapped.output_layer``)."""
+        """(The fused lm_head loss's output, the MoE auxiliary loss or None), computed as the model's own forward,
+        called through whatever wraps it (DDP, FSDP2, DeepSpeed: ``grpo_kernels.wrapped.inside_forward``), so
+        that their hooks apply as in an ordinary forward. The hidden states are the backbone's
+        (``heads.last_hidden_states``: a vision-language model's images merged in), the head's weight its
+        effective one (a LoRA adapter on it folded in), its output transform in the loss's options."""
         inner = self.accelerator.unwrap_model(model)
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        T = inputs["completion_ids"].size(1)
 
         def loss_in_forward(sequence):
-            hidden, head = self._completion_hidden_states(inner, inputs, sequence)
-            weight, bias = output_layer(head)
+            with self.accelerator.autocast():
+                outputs = last_hidden_states(base, **sequence, output_router_logits=bool(self.aux_loss_enabled))
+            hidden = outputs.last_hidden_state[:, -(T + 1):-1]  # the positions that predict the completion
+            weight, bias = head_weights(base, self.head_transform)
             # cast_lm_head_to_fp32: TRL runs the lm_head in fp32; so do the fused kernels, on fp32 operands
             dtype = torch.float32 if getattr(self.args, "cast_lm_head_to_fp32", False) else hidden.dtype
             out = self.grpo_loss(hidden.to(dtype), weight.to(dtype), inputs["completion_ids"], mask,
                                  inputs["advantages"], bias=None if bias is None else bias.to(dtype), **loss_inputs)
-            return out.loss, out  # the loss at the top level: the wrappers' backward hooks attach to it
+            aux_loss = router_aux_loss(base, outputs, sequence["attention_mask"]) if self.aux_loss_enabled else None
+            return out.loss, out, aux_loss  # the losses at the top level: the wrappers' backward hooks attach there
 
-        loss, out = inside_forward(model, loss_in_forward, self._sequence(inputs), inner=inner)
-        return dataclasses.replace(out, loss=loss)
+        loss, out, aux_loss = inside_forward(model, loss_in_forward, self._sequence(inputs), inner=inner)
+        return dataclasses.replace(out, loss=loss), aux_loss
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
@@ -156,7 +178,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
         loss_inputs["sampling_logps"] = inputs.get("sampling_per_token_logps")  # the off-policy mask's sampler
         aux_loss = None
         if self.fused_lm_head:
-            out = self._fused_head_loss(model, inputs, mask, loss_inputs)
+            out, aux_loss = self._fused_head_loss(model, inputs, mask, loss_inputs)
         else:
             logits, aux_loss = self._completion_logits(model, inputs)
             out = self.grpo_loss(logits, completion_ids, mask, inputs["advantages"], **loss_inputs)

@@ -439,16 +439,16 @@ def grpo_forward_kernel(
                 tl.cast(row, tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr, old_ptr,
                 ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
                 grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-                softcap, loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
-                ROW_ALIGN, BLOCK_V,
+                softcap, loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP,
+                HAS_KL_CLAMP, BIAS_CORRECTION_KL, ROW_ALIGN, BLOCK_V,
             )
     else:
         _forward_token(
             tl.program_id(0).to(tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr,
             old_ptr, ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
             grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-            softcap, loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
-                ROW_ALIGN, BLOCK_V,
+            softcap, loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
+            BIAS_CORRECTION_KL, ROW_ALIGN, BLOCK_V,
         )
 
 
