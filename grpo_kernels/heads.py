@@ -113,7 +113,9 @@ def head_transform(model: torch.nn.Module) -> HeadTransform:
 def backbone(model: torch.nn.Module) -> torch.nn.Module:
     """The module whose ``last_hidden_state`` the model's head reads: transformers' base model (a
     vision-language model's multimodal model, which merges the image features into the sequence), else the
-    decoder. ``model``: the transformers model (PEFT's ``get_base_model()``, unwrapped)."""
+    decoder. ``model``: the transformers model, or a PEFT model around it (its ``get_base_model()``)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     base = getattr(model, "base_model", None)
     if isinstance(base, torch.nn.Module) and base is not model:
         return base

@@ -380,3 +380,19 @@ def test_samples_of_a_prompt_share_its_prefill(tiny):
         assert torch.equal(a, b)
     ids, mask = trainer.generate(prompts, samples_per_prompt=4)[2:]
     assert ids.shape[0] == 12 and mask.shape == ids.shape
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "cohere", "granite"])
+def test_fused_lm_head_applies_the_models_head_transform(model_type):
+    """A soft-capped or scaled head (tiny configs of tests/test_model_families.py): the fused lm_head's update
+    equals the logits path's, which reads the model's own (transformed) logits."""
+    from test_model_families import TOKENIZER, tiny_model
+
+    family = (tiny_model(model_type), TOKENIZER)
+    rollout = _trainer(family).rollout()
+    grads = []
+    for fused in (False, True):
+        _trainer(family, fused_lm_head=fused).accumulate_gradients(rollout)
+        grads.append([p.grad.clone() for p in family[0].parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)

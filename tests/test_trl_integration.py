@@ -87,13 +87,19 @@ CASES = [(lt, level, beta, acc) for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "l
          if lt != "vespo" or level == "token"]  # vespo makes its own sequence weight from token ratios
 
 
-@pytest.mark.parametrize("loss_type, level, beta, accumulation", CASES)
-def test_same_loss_gradients_and_metrics_as_trl(model_dir, dataset, tmp_path, loss_type, level, beta, accumulation):
+# the default (the fused lm_head) on every case, the logits path on the token level's
+PATH_CASES = [(*case, None) for case in CASES] + [(*case, False) for case in CASES if case[1] == "token"]
+
+
+@pytest.mark.parametrize("loss_type, level, beta, accumulation, fused_lm_head", PATH_CASES)
+def test_same_loss_gradients_and_metrics_as_trl(model_dir, dataset, tmp_path, loss_type, level, beta, accumulation,
+                                                fused_lm_head):
     config = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, temperature=0.9,
                   gradient_accumulation_steps=accumulation, epsilon_high=5.0 if loss_type == "cispo" else 0.28,
                   use_bias_correction_kl=beta > 0 and level == "token")
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
-    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=fused_lm_head, **config)
+    assert ours.fused_lm_head is (fused_lm_head is None)
     expected_metrics, metrics = assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=beta),
                                                    accumulation)
     for key in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
@@ -182,12 +188,15 @@ def moe_dir(tmp_path_factory):
     return str(path)
 
 
-def test_moe_router_auxiliary_loss_matches_trl(moe_dir, dataset, tmp_path):
-    """TRL adds router_aux_loss_coef x the model's load-balancing loss, divided by the accumulation steps."""
+@pytest.mark.parametrize("fused_lm_head", [None, False])
+def test_moe_router_auxiliary_loss_matches_trl(moe_dir, dataset, tmp_path, fused_lm_head):
+    """TRL adds router_aux_loss_coef x the model's load-balancing loss, divided by the accumulation steps: the
+    fused lm_head (the default) from the backbone's router logits, the logits path from the model's forward."""
     config = dict(loss_type="dapo", beta=0.04, gradient_accumulation_steps=2)
     stock = _trainer(GRPOTrainer, moe_dir, dataset, tmp_path, **config)
-    ours = _trainer(GRPOKernelsTrainer, moe_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, moe_dir, dataset, tmp_path, fused_lm_head=fused_lm_head, **config)
     assert stock.aux_loss_enabled and ours.aux_loss_enabled
+    assert ours.fused_lm_head is (fused_lm_head is None)
     expected_metrics, metrics = assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=0.04), 2)
     assert metrics["aux_loss"] == pytest.approx(expected_metrics["aux_loss"], rel=1e-5)
 
@@ -208,9 +217,7 @@ def test_cast_lm_head_to_fp32_runs_the_fused_lm_head_in_fp32(model_dir, dataset,
     assert seen == [(torch.float32, torch.float32)]
 
 
-def test_unsupported_trl_options_raise(model_dir, dataset, tmp_path, moe_dir):
-    with pytest.raises(ValueError, match=r"does not support the MoE router auxiliary loss with fused_lm_head=True"):
-        _trainer(GRPOKernelsTrainer, moe_dir, dataset, tmp_path, fused_lm_head=True)
+def test_unsupported_trl_options_raise(model_dir, dataset, tmp_path):
     with pytest.raises(ValueError, match=r"does not support use_adaptive_entropy with top_entropy_quantile < 1"):
         _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, use_adaptive_entropy=True, top_entropy_quantile=0.5)
 
@@ -280,7 +287,7 @@ def test_two_processes_match_one_process_on_the_trl_path(model_dir, dataset, tmp
             torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "cispo"])  # fused_lm_head=True as the default (auto) resolves it
 def test_fused_lm_head_option_matches_trl(model_dir, dataset, tmp_path, loss_type):
     config = dict(loss_type=loss_type, beta=0.04, **({"epsilon_high": 5.0} if loss_type == "cispo" else {}))
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)

@@ -16,6 +16,7 @@ TRL's metric keys. TRL options this loss does not implement raise at constructio
 from __future__ import annotations
 
 import dataclasses
+import types
 import warnings
 from typing import Optional
 
@@ -27,8 +28,8 @@ except ImportError as err:  # the trl extra is optional
     raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
 
 from ..entropy_control import AdaptiveEntropy
-from ..heads import FusedHeadError, fused_head, head_weights, last_hidden_states, router_aux_loss
-from ..loss import FusedLinearGRPOLoss, GRPOLoss
+from ..heads import FusedHeadError, fused_head, head_weights, last_hidden_states, probe_ids, router_aux_loss
+from ..loss import FusedLinearGRPOLoss, GRPOLoss, selective_log_softmax_and_entropy
 from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 from ..wrapped import inside_forward
 
@@ -52,6 +53,66 @@ def unsupported_options(trainer) -> list:
     return problems
 
 
+def trl_head_difference(model: torch.nn.Module, temperature: float) -> Optional[str]:
+    """Why the fused head TRL patched onto ``model`` (``model(..., labels=, fused_lm_head=True)``) gives other
+    log-probs than the model's own forward (None where they agree within rounding): TRL 1.16 reads a soft-cap
+    from ``final_logit_softcapping`` only (RecurrentGemma names it ``logits_soft_cap``, xLSTM
+    ``output_logit_soft_cap``) and applies no transform it does not list. One small forward each, no gradient."""
+    ids = probe_ids(model, 8).to(next(model.parameters()).device)
+    mask = torch.ones_like(ids)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+            scaled = logits.float() / temperature
+            own = torch.log_softmax(scaled, -1).gather(-1, ids[:, 1:, None])[..., 0]
+            theirs = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True).log_probs.float()
+    finally:
+        for m, training in modes:
+            m.training = training
+    tolerance = 16 * torch.finfo(logits.dtype).eps * max(1.0, float(scaled.abs().max()))  # the logits' rounding
+    difference = float((own - theirs[:, -own.shape[1]:]).abs().max())
+    if difference <= tolerance:
+        return None
+    return f"TRL's fused head differs from {type(model).__name__}'s own log-probs by {difference:.3g}"
+
+
+def exact_trl_head(model: torch.nn.Module, temperature: float) -> bool:
+    """Where TRL's fused head on ``model`` misreads it (``trl_head_difference``), make ``fused_lm_head=True``
+    answer from the model's own logits (exact; the [B, L, V] logits are then held), with a warning. True if it
+    did. TRL's head patch must be on the model (stock TRL 1.16's ``GRPOTrainer.__init__`` puts it there)."""
+    if "forward" not in model.__dict__:  # no TRL head patched on: nothing to check
+        return False
+    reason = trl_head_difference(model, temperature)
+    if reason is None:
+        return False
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    trl_forward = model.forward
+
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                **kwargs):
+        if not fused_lm_head:
+            return trl_forward(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                               **kwargs)
+        kwargs["use_cache"] = False
+        out = trl_forward(*args, **kwargs)  # the model's own forward: its logits, transformed as it does
+        logits, labels = (out.logits[:, :-1], labels[:, 1:]) if shift_labels is None else (out.logits, shift_labels)
+        mask = labels != -100
+        log_probs, entropy = selective_log_softmax_and_entropy(logits, labels.clamp(min=0), temperature,
+                                                               check_ids=False)
+        log_probs, entropy = log_probs.masked_fill(~mask, 0), entropy.masked_fill(~mask, 0)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
+                                   label_mask=mask, aux_loss=getattr(out, "aux_loss", None))
+
+    model.forward = types.MethodType(forward, model)
+    warnings.warn(f"{reason}: GRPOKernelsTrainer computes the old and reference log-probs from the model's logits",
+                  stacklevel=3)
+    return True
+
+
 class GRPOKernelsTrainer(GRPOTrainer):
     """TRL's GRPOTrainer whose loss is grpo-kernels' fused ``GRPOLoss``."""
 
@@ -70,6 +131,12 @@ class GRPOKernelsTrainer(GRPOTrainer):
                              + ". Use TRL's GRPOTrainer for these.")
         self.head_transform = self._fused_head_transform(required=fused_lm_head is True) if self.fused_lm_head \
             else None
+        # TRL's own fused head computes the old and reference log-probs: where it misreads a model's head, the
+        # model's own logits answer instead
+        policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        for model in (policy, self.ref_model):
+            if model is not None:
+                exact_trl_head(model, float(self.temperature))
         self.fused_lm_head = self.head_transform is not None
         # the one TRL -> options mapping (GRPOOptions.from_trl_config), with the values the trainer resolved
         options = GRPOOptions.from_trl_config(self.args, loss_type=self.loss_type, beta=float(self.beta),

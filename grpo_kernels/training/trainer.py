@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from ..advantages import group_advantages, process_advantages
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
-from ..wrapped import inside_forward, output_layer
+from ..heads import fused_head, head_weights
+from ..wrapped import inside_forward
 from ..entropy_control import AdaptiveEntropy
 from ..options import TOKEN_COUNT_LOSS_TYPES
 from .process_labels import labels_to_step_rewards
@@ -216,7 +217,10 @@ class GRPOTrainer:
             coef=config.entropy_coef, target=config.entropy_target, coef_min=config.entropy_coef_min,
             coef_max=config.entropy_coef_max, delta=config.entropy_coef_delta) if config.adaptive_entropy else None
         # from logits, the loss takes the model's [B, T + 1, V] output whole (see _logits)
-        self.loss_fn = (FusedLinearGRPOLoss(**loss_options) if config.fused_lm_head
+        # the fused lm_head applies the model's head transform, checked once on a probe of its forward
+        # (grpo_kernels.heads.fused_head: a FusedHeadError names a model it cannot reproduce)
+        self.head_transform = fused_head(model) if config.fused_lm_head else None
+        self.loss_fn = (FusedLinearGRPOLoss(**loss_options, **self.head_transform.options) if config.fused_lm_head
                         else GRPOLoss(drop_last_position=True, **loss_options))
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
         self.step = 0
@@ -422,7 +426,7 @@ class GRPOTrainer:
         if self.config.fused_lm_head:
             def loss_in_forward(*batch):  # the model's forward, through its own call (grpo_kernels.wrapped)
                 hidden = self._hidden_states(self.model, *batch)
-                weight, bias = output_layer(self.model.get_output_embeddings())  # a LoRA adapter folded in
+                weight, bias = head_weights(self.model, self.head_transform)  # a LoRA adapter folded in
                 out = self.loss_fn(hidden, weight.to(hidden.dtype), r.completion_ids, r.completion_mask,
                                    r.advantages, bias=None if bias is None else bias.to(hidden.dtype), **per_token)
                 return out.loss, out
