@@ -181,7 +181,7 @@ def probe_ids(model, tokens: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _evaluating(model: torch.nn.Module):
+def evaluating(model: torch.nn.Module):
     """The model in eval mode (no dropout) for the block, every module's own mode restored after it."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
@@ -201,7 +201,7 @@ def probe_difference(model: torch.nn.Module, transform: HeadTransform, *, tokens
     param = next(model.parameters())
     ids = probe_ids(model, tokens).to(param.device)
     mask = torch.ones_like(ids)
-    with torch.no_grad(), _evaluating(model):
+    with torch.no_grad(), evaluating(model):
         extra = {"output_router_logits": True} if router_aux_loss_too else {}
         own = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
         outputs = last_hidden_states(model, ids, mask, output_router_logits=router_aux_loss_too)

@@ -28,7 +28,8 @@ except ImportError as err:  # the trl extra is optional
     raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
 
 from ..entropy_control import AdaptiveEntropy
-from ..heads import FusedHeadError, fused_head, head_weights, last_hidden_states, probe_ids, router_aux_loss
+from ..heads import (FusedHeadError, evaluating, fused_head, head_weights, last_hidden_states, probe_ids,
+                     router_aux_loss)
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, selective_log_softmax_and_entropy
 from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 from ..wrapped import inside_forward
@@ -60,17 +61,11 @@ def trl_head_difference(model: torch.nn.Module, temperature: float) -> Optional[
     ``output_logit_soft_cap``) and applies no transform it does not list. One small forward each, no gradient."""
     ids = probe_ids(model, 8).to(next(model.parameters()).device)
     mask = torch.ones_like(ids)
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-            scaled = logits.float() / temperature
-            own = torch.log_softmax(scaled, -1).gather(-1, ids[:, 1:, None])[..., 0]
-            theirs = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True).log_probs.float()
-    finally:
-        for m, training in modes:
-            m.training = training
+    with torch.no_grad(), evaluating(model):
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+        scaled = logits.float() / temperature
+        own = torch.log_softmax(scaled, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        theirs = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True).log_probs.float()
     tolerance = 16 * torch.finfo(logits.dtype).eps * max(1.0, float(scaled.abs().max()))  # the logits' rounding
     difference = float((own - theirs[:, -own.shape[1]:]).abs().max())
     if difference <= tolerance:
