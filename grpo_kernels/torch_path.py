@@ -66,6 +66,24 @@ def capped(x: torch.Tensor, softcap: Optional[float]) -> Tuple[torch.Tensor, Opt
     return t * softcap, 1.0 - t * t
 
 
+def _row_statistics(x: torch.Tensor, ids: torch.Tensor, compute_entropy: bool):
+    """(log-sum-exp, log-prob of ``ids``, entropy or None) of the rows of ``x`` ([rows, V], overwritten).
+
+    Computed on the rows shifted by their maximum: the entropy lse - sum(p x) as two terms of the size of the
+    largest logit would lose its low digits on a peaked row (fp32 at x = 58: 1e-4); shifted, both terms are at
+    most log V and the top token's term is exactly 0."""
+    shift = x.amax(-1, keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, 0.0)  # a row all -inf (or with +inf) keeps its values
+    x -= shift
+    shifted_lse = torch.logsumexp(x, dim=-1)
+    lse = _nan_if_inf(shifted_lse + shift.squeeze(-1))
+    logp = x.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - shifted_lse
+    if not compute_entropy:
+        return lse, logp, None
+    p = torch.exp(x - shifted_lse.unsqueeze(-1))
+    return lse, logp, shifted_lse - (p * torch.where(p > 0, x, 0.0)).sum(-1)
+
+
 def forward(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, compute_entropy: bool,
     softcap: Optional[float] = None,
@@ -79,12 +97,9 @@ def forward(
     inv_temperature = 1.0 / temperature
     for piece, n in _chunks(logits):
         x = capped(piece.to(f32["dtype"]), softcap)[0] * inv_temperature  # [rows, V]
-        piece_lse = _nan_if_inf(torch.logsumexp(x, dim=-1))
-        lse[n] = piece_lse
-        logp[n] = x.gather(-1, flat_ids[n].unsqueeze(-1)).squeeze(-1) - piece_lse
+        lse[n], logp[n], piece_entropy = _row_statistics(x, flat_ids[n], compute_entropy)
         if compute_entropy:
-            p = torch.exp(x - piece_lse.unsqueeze(-1))
-            entropy[n] = piece_lse - (p * torch.where(p > 0, x, 0.0)).sum(-1)
+            entropy[n] = piece_entropy
     as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
     return as_bt(logp), as_bt(entropy), as_bt(lse)
 
@@ -183,12 +198,9 @@ def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entrop
     for n0 in range(0, N, step):
         n = slice(n0, min(n0 + step, N))
         x = _chunk_logits(hidden[n], weight, bias, inv_temperature, softcap)[0]  # [chunk, V], the only V-sized one
-        chunk_lse = _nan_if_inf(torch.logsumexp(x, -1))
-        lse[n] = chunk_lse
-        logp[n] = x.gather(-1, flat_ids[n].unsqueeze(-1)).squeeze(-1) - chunk_lse
+        lse[n], logp[n], chunk_entropy = _row_statistics(x, flat_ids[n], compute_entropy)
         if compute_entropy:
-            p = torch.exp(x - chunk_lse.unsqueeze(-1))
-            entropy[n] = chunk_lse - (p * torch.where(p > 0, x, 0.0)).sum(-1)
+            entropy[n] = chunk_entropy
     return lse, logp, entropy
 
 
