@@ -192,6 +192,12 @@ def evaluating(model: torch.nn.Module):
             m.training = training
 
 
+def logit_rounding(logits: torch.Tensor, dtype: torch.dtype) -> float:
+    """How far two log-probs of the same ``logits`` (held in ``dtype``) may differ by rounding alone: 16 ulps of
+    the largest logit (at least of 1), what two heads that compute the same thing in another order differ by."""
+    return 16 * torch.finfo(dtype).eps * max(1.0, float(logits.abs().max()))
+
+
 def probe_difference(model: torch.nn.Module, transform: HeadTransform, *, tokens: int = 8,
                      router_aux_loss_too: bool = False) -> Optional[str]:
     """Why the fused lm_head's logits of ``model`` would differ from its own forward's (None if they agree
@@ -212,8 +218,7 @@ def probe_difference(model: torch.nn.Module, transform: HeadTransform, *, tokens
         if logits.shape != fused.shape:
             return (f"its forward returns logits of shape {tuple(logits.shape)}, its head on its backbone's hidden "
                     f"states gives {tuple(fused.shape)}")
-        scale = max(1.0, float(logits.abs().max()))
-        tolerance = 16 * torch.finfo(own.logits.dtype).eps * scale
+        tolerance = logit_rounding(logits, own.logits.dtype)
         difference = float((logits.log_softmax(-1) - fused.log_softmax(-1)).abs().max())
         if not difference <= tolerance:  # NaN differs too
             return (f"its forward's log-probs and the fused lm_head's (head transform: {_described(transform)}) "

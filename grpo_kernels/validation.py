@@ -189,7 +189,23 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
                 "interpreter, which needs TRITON_INTERPRET=1 set before triton is imported; "
                 "use backend='torch' or 'auto' for CPU tensors"
             )
+        check_interpreter_versions()
     return backend
+
+
+@functools.lru_cache(maxsize=None)
+def check_interpreter_versions() -> None:
+    """Refuse, with the versions, a Triton interpreter that cannot run the kernels: before triton 3.7 it turns
+    a kernel's scalar into a NumPy array that NumPy 2.4 refuses to convert (``only 0-dimensional arrays can be
+    converted to Python scalars``, deep in a kernel)."""
+    import numpy
+    import triton
+    from packaging.version import Version
+
+    if Version(triton.__version__).release < (3, 7) and Version(numpy.__version__).release >= (2, 4):
+        raise RuntimeError(f"Triton's interpreter (TRITON_INTERPRET=1) before triton 3.7 fails with numpy >= 2.4; "
+                           f"got triton {triton.__version__} and numpy {numpy.__version__}: install "
+                           "'numpy<2.4' or triton >= 3.7, or use backend='torch' on CPU tensors")
 
 
 def triton_available() -> bool:

@@ -16,6 +16,7 @@ TRL's metric keys. TRL options this loss does not implement raise at constructio
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import warnings
 from typing import Optional
@@ -23,16 +24,33 @@ from typing import Optional
 import torch
 
 try:
+    import trl
     from trl import GRPOTrainer
 except ImportError as err:  # the trl extra is optional
     raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
 
 from ..entropy_control import AdaptiveEntropy
-from ..heads import (FusedHeadError, evaluating, fused_head, head_weights, last_hidden_states, probe_ids,
-                     router_aux_loss)
+from ..heads import (FusedHeadError, evaluating, fused_head, head_weights, last_hidden_states, logit_rounding,
+                     probe_ids, router_aux_loss)
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, selective_log_softmax_and_entropy
 from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 from ..wrapped import inside_forward
+
+# The oldest TRL the adapter matches number for number: TRL 1.8 and 1.9 reduce luspo (and cispo with the entropy
+# bonus and the policy masks) otherwise than 1.10 on; 1.0 - 1.7 lack trainer attributes the adapter reads
+# (_entropy_bonus_enabled came in 1.8).
+OLDEST_TRL = (1, 10)
+
+
+def check_trl_version(version: str) -> None:
+    """ImportError naming ``version`` when TRL is older than ``OLDEST_TRL``."""
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if release < OLDEST_TRL:
+        raise ImportError(f"grpo_kernels.integration.trl matches TRL >= {'.'.join(map(str, OLDEST_TRL))}, got "
+                          f"trl {version}: pip install 'trl>={'.'.join(map(str, OLDEST_TRL))}'")
+
+
+check_trl_version(trl.__version__)
 
 # the batch's inputs besides the ids and the mask that TRL 1.16 passes to a model's forward (vision-language
 # models, token types): both paths pass them on, the fused one to the backbone, which merges the images
@@ -66,9 +84,8 @@ def trl_head_difference(model: torch.nn.Module, temperature: float) -> Optional[
         scaled = logits.float() / temperature
         own = torch.log_softmax(scaled, -1).gather(-1, ids[:, 1:, None])[..., 0]
         theirs = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True).log_probs.float()
-    tolerance = 16 * torch.finfo(logits.dtype).eps * max(1.0, float(scaled.abs().max()))  # the logits' rounding
     difference = float((own - theirs[:, -own.shape[1]:]).abs().max())
-    if difference <= tolerance:
+    if difference <= logit_rounding(scaled, logits.dtype):
         return None
     return f"TRL's fused head differs from {type(model).__name__}'s own log-probs by {difference:.3g}"
 
@@ -132,7 +149,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
         for model in (policy, self.ref_model):
             if model is not None:
                 exact_trl_head(model, float(self.temperature))
-        self.fused_lm_head = self.head_transform is not None
+        self.fused_lm_head = self.head_transform is not None  # resolved: what the probe allowed
         # the one TRL -> options mapping (GRPOOptions.from_trl_config), with the values the trainer resolved
         options = GRPOOptions.from_trl_config(self.args, loss_type=self.loss_type, beta=float(self.beta),
                                               epsilon=float(self.epsilon_low), epsilon_high=float(self.epsilon_high),

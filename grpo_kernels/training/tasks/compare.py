@@ -96,7 +96,8 @@ def warmup(model, tokenizer, *, steps: int, batch_size: int = 32, lr: float = 2e
     decoding after 600 steps mixed the digits of the two numbers in about a third of the answers
     (sampling in half of them), which GRPO then had to unlearn before it could learn the choice.
     """
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+    # from transformers.optimization: 4.46 - 4.56 export it only there
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
     rng = random.Random(seed + 1)
     rows = make_rows(steps * batch_size, held_out=False, seed=seed + 2)
