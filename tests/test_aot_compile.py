@@ -4,13 +4,17 @@ What the interpreter forgives, the compiler does not: this catches compile error
 register spills, lost vectorization and hot loops that would be issue-bound before a GPU
 ever runs the code. The specializations are the launchers' own launches, typed by Triton's
 JIT binder (grpo_kernels/kernels/aot.py). The compile runs in a subprocess because the test
-session has TRITON_INTERPRET=1 set.
+session has TRITON_INTERPRET=1 set, over both cores (the tool forks a compile process a core), watched for
+progress rather than timed: a slow machine makes it slower, never red.
 """
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 
 import pytest
 
@@ -20,13 +24,54 @@ from grpo_kernels.kernels import aot, launch
 from grpo_kernels.kernels.aot import DTYPES
 
 
+# No wall-clock limit on the whole compile (hundreds of specializations; a loaded 2-core machine can take many
+# times the usual): the guard is on progress. The tool prints a line a finished specialization, each a few seconds
+# of work; only a compile that finishes nothing for this long has hung.
+STALL_S = 1800
+
+
+def _pass_lines(stream, lines: queue.Queue):
+    for line in stream:
+        lines.put(line)
+    lines.put(None)  # the stream closed: the process is ending
+
+
+def _run_watched(command, env, stall_s=STALL_S) -> str:
+    """``command``'s stdout; fails if it exits non-zero or prints no stderr line for ``stall_s`` seconds."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+        progress = queue.Queue()
+        threading.Thread(target=_pass_lines, args=(proc.stderr, progress), daemon=True).start()
+        stderr = []
+        while True:
+            try:
+                line = progress.get(timeout=stall_s)
+            except queue.Empty:
+                proc.kill()
+                proc.wait()
+                pytest.fail(f"{command[1:3]} printed nothing for {stall_s} s; last lines: {stderr[-5:]}")
+            if line is None:
+                break
+            stderr.append(line)
+        assert proc.wait() == 0, "".join(stderr)[-4000:]
+        out.seek(0)
+        return out.read()
+
+
 def _aot(*args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "grpo_kernels.kernels.aot", *args],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return json.loads(_run_watched([sys.executable, "-m", "grpo_kernels.kernels.aot", *args], env))
+
+
+def test_the_watch_fails_a_stalled_process_and_waits_for_a_slow_one():
+    """A process that runs 10 s but prints a line every 2 s passes an 8 s watch (6 s of slack a line for a busy
+    machine); one silent for 30 s fails a 1 s one."""
+    slow = ("import sys, time\nfor i in range(5):\n    time.sleep(2); print(i, file=sys.stderr, flush=True)\n"
+            "print('done')")
+    assert _run_watched([sys.executable, "-c", slow], dict(os.environ), stall_s=8) == "done\n"
+    with pytest.raises(pytest.fail.Exception, match="printed nothing for 1 s"):
+        _run_watched([sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), stall_s=1)
 
 
 @pytest.fixture(scope="module")

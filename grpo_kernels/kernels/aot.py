@@ -16,14 +16,17 @@ tests/test_aot_compile.py runs it in a subprocess and checks the budgets.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import re
 import subprocess
+import sys
 import tempfile
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -475,9 +478,36 @@ def budget_of(record: Dict[str, object]) -> Optional[float]:
     return budgets["backward"] if record["kernel"] == "backward" else budgets["forward"]
 
 
-def compile_all(arch: int = 90) -> List[Dict[str, object]]:
-    """Compile every distinct recorded launch; return one record per compiled kernel."""
-    records = [_record(item, arch) for item in record_all()]
+_WORK: List[Tuple[Launch, int]] = []  # what the forked compile workers read (set before the pool forks)
+
+
+def _compile_one(index: int) -> Dict[str, object]:
+    item, arch = _WORK[index]
+    return _record(item, arch)
+
+
+def compile_all(archs: Sequence[int] = (90,), jobs: Optional[int] = None) -> List[Dict[str, object]]:
+    """Compile every distinct recorded launch for each target; return one record per compiled kernel, in the
+    order of ``archs`` then of the launches.
+
+    The compiles are independent, so they run in ``jobs`` forked processes (default: one per core); each
+    finished one prints a progress line on stderr (the test's stall guard reads it)."""
+    global _WORK
+    items = record_all()
+    _WORK = [(item, arch) for arch in archs for item in items]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(_WORK)))
+
+    def reported(results: Iterator[Dict[str, object]]) -> Iterator[Dict[str, object]]:
+        for done, record in enumerate(results, 1):
+            print(f"aot: {done}/{len(_WORK)} {record['arch']} {record['kernel']} {record['specialization']}",
+                  file=sys.stderr, flush=True)
+            yield record
+
+    if jobs == 1:
+        records = list(reported(map(_compile_one, range(len(_WORK)))))
+    else:  # fork: the workers inherit the recorded launches (kernels and CPU tensors) instead of pickling them
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            records = list(reported(pool.map(_compile_one, range(len(_WORK)))))
     for r in records:
         if "instructions_per_logit" in r:
             r["roofline"] = {k: round(v, 3) for k, v in roofline(r).items() if k != "logits_per_s_at_hbm"}
@@ -526,11 +556,12 @@ def main() -> None:
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
     parser.add_argument("--summary", action="store_true", help="print the hot-loop table instead of JSON")
     parser.add_argument("--signature-facts", action="store_true", help="print how the JIT types two launches")
+    parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per core)")
     args = parser.parse_args()
     if args.signature_facts:
         print(json.dumps(signature_facts()))
         return
-    records = [r for arch in args.arch for r in compile_all(arch)]
+    records = compile_all(args.arch, jobs=args.jobs)
     print(summary(records) if args.summary else json.dumps(records))
 
 
