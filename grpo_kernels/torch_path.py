@@ -75,8 +75,8 @@ def _row_statistics(x: torch.Tensor, ids: torch.Tensor, compute_entropy: bool):
     shift = x.amax(-1, keepdim=True)
     shift = torch.where(torch.isfinite(shift), shift, 0.0)  # a row all -inf (or with +inf) keeps its values
     x -= shift
-    shifted_lse = torch.logsumexp(x, dim=-1)
-    lse = _nan_if_inf(shifted_lse + shift.squeeze(-1))
+    shifted_lse = _nan_if_inf(torch.logsumexp(x, dim=-1))  # a +inf logit: NaN in every statistic of its row
+    lse = shifted_lse + shift.squeeze(-1)
     logp = x.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - shifted_lse
     if not compute_entropy:
         return lse, logp, None
