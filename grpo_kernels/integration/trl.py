@@ -16,12 +16,12 @@ TRL's metric keys. TRL options this loss does not implement raise at constructio
 from __future__ import annotations
 
 import dataclasses
-import re
 import types
 import warnings
 from typing import Optional
 
 import torch
+from packaging.version import Version
 
 try:
     import trl
@@ -44,8 +44,7 @@ OLDEST_TRL = (1, 10)
 
 def check_trl_version(version: str) -> None:
     """ImportError naming ``version`` when TRL is older than ``OLDEST_TRL``."""
-    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    if release < OLDEST_TRL:
+    if Version(version).release < OLDEST_TRL:
         raise ImportError(f"grpo_kernels.integration.trl matches TRL >= {'.'.join(map(str, OLDEST_TRL))}, got "
                           f"trl {version}: pip install 'trl>={'.'.join(map(str, OLDEST_TRL))}'")
 

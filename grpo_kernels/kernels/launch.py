@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import re
 import warnings
 from typing import Dict, NamedTuple, Optional
 
 import torch
 import triton
+from packaging.version import Version
 
 from ..options import GRPOOptions
 from . import grpo
@@ -444,11 +444,6 @@ def split_row_grid(resident: int, N: int, K: int) -> int:
     return programs
 
 
-def triton_release() -> tuple:
-    """triton's version as a tuple of ints, (3, 6, 0)."""
-    return tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:3])
-
-
 def _split_row_forward(logits: torch.Tensor, kwargs: dict, launch_config: dict, chunks: int) -> tuple:
     """The one-pass forward (``kwargs``: the one-pass kernel's arguments) on the split-row kernel: one
     cooperative, persistent launch on a GPU; in Triton's interpreter (which runs programs one at a time) two
@@ -459,7 +454,8 @@ def _split_row_forward(logits: torch.Tensor, kwargs: dict, launch_config: dict, 
     N, V = kwargs["N"], kwargs["V"]
     if N == 0:
         return True, None
-    if not logits.is_cuda and triton_release() < (3, 4):  # 3.3's interpreter lacks what the atomics build on
+    # 3.3's interpreter lacks what the atomics build on
+    if not logits.is_cuda and Version(triton.__version__).release < (3, 4):
         raise RuntimeError(f"the split-row schedule in Triton's interpreter needs triton >= 3.4, got "
                            f"{triton.__version__} ('InterpreterBuilder' object has no attribute 'get_int1_ty'): "
                            "upgrade triton, or leave split_row unset on CPU tensors")
