@@ -8,7 +8,8 @@ every parameter's gradient, gradient checkpointing on and off), ``linear_token_l
 own log-probs, the thin trainer's fused lm_head against its logits path. The transforms are set far from the
 released values (a cap of 1.5, scales of 0.4 to 3) and the weights drawn large (std 0.2), so that a transform
 left out moves the loss far beyond the tolerance: the probe is checked to refuse each family with its
-transform removed.
+transform removed. A vision-language model (a tiny Qwen2.5-VL, one 2 x 2-patch image a prompt) checks that the
+fused lm_head reads the hidden states with the images merged, as the model's own forward does.
 """
 
 import warnings
@@ -157,3 +158,92 @@ def test_trl_adapter_default_matches_stock_trl(tmp_path_factory, tmp_path, datas
         assert trl_head_difference(stock.model, 0.9) is not None
     else:
         assert_same_as_trl(stock, ours, batch)
+
+
+# ---- a vision-language model: the images merged into the hidden states the fused lm_head reads ------------------
+
+IMAGE_TOKEN = len(TOKENIZER)  # ids past the tokenizer's: the prompts never hold them by chance
+GRID = [1, 2, 2]  # one image: 2 x 2 patches, merged 2 x 2 into one image token
+
+
+def tiny_vlm(seed: int = 0):
+    """A Qwen2.5-VL with a 1-layer vision tower: one image token per 2 x 2 patch image."""
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+
+    text = {k: v for k, v in COMMON.items() if k not in ("head_dim", "pad_token_id", "bos_token_id", "eos_token_id")}
+    text.update(vocab_size=IMAGE_TOKEN + 4, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"],
+                  patch_size=2, spatial_merge_size=2, temporal_patch_size=1, in_channels=3, fullatt_block_indexes=[0],
+                  window_size=4)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                              video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
+                              vision_end_token_id=IMAGE_TOKEN + 3, pad_token_id=TOKENIZER.pad_token_id,
+                              bos_token_id=TOKENIZER.bos_token_id, eos_token_id=TOKENIZER.eos_token_id)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForImageTextToText.from_config(config)
+
+
+def with_images(input_ids: torch.Tensor, seed: int):
+    """(ids with an image token at position 1 of each row, the model's image inputs: one image a row)."""
+    ids = input_ids.clone()
+    ids[:, 1] = IMAGE_TOKEN
+    rows = ids.shape[0]
+    patches = torch.randn(rows * 4, 3 * 2 * 2, generator=torch.Generator().manual_seed(seed))
+    return ids, {"pixel_values": patches, "image_grid_thw": torch.tensor([GRID] * rows)}
+
+
+def test_a_vlms_fused_log_probs_are_its_own_with_the_image_merged():
+    model = tiny_vlm().eval()
+    transform = heads.fused_head(model)
+    ids, images = with_images(torch.randint(3, len(TOKENIZER), (2, 7), generator=torch.Generator().manual_seed(1)), 2)
+    _, other_images = with_images(ids, 3)
+
+    def fused(images):
+        hidden = heads.last_hidden_states(model, ids, **images).last_hidden_state[:, :-1]
+        weight, bias = heads.head_weights(model, transform)
+        return linear_token_logprobs(hidden, weight, ids[:, 1:], bias, 0.9, backend="torch", **transform.options)
+
+    with torch.no_grad():
+        expected = torch.log_softmax(model(input_ids=ids, **images).logits[:, :-1].float() / 0.9, -1)
+        expected = expected.gather(-1, ids[:, 1:, None])[..., 0]
+        got, other = fused(images), fused(other_images)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (other - got)[:, 1:].abs().max() > 1e-3  # the image is read: another image, other log-probs
+
+
+def test_an_input_the_backbone_does_not_take_is_refused_by_name():
+    """A text model given image inputs: dropped, they would leave the hidden states another model's."""
+    model = tiny_model("llama")
+    ids, images = with_images(torch.randint(3, len(TOKENIZER), (2, 7)), 0)
+    with pytest.raises(heads.FusedHeadError, match=r"LlamaForCausalLM.*takes no \['image_grid_thw', 'pixel_values'\]"):
+        heads.last_hidden_states(model, ids.clamp(max=len(TOKENIZER) - 1), **images)
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_trl_adapter_default_matches_stock_trl_on_a_vlm_batch(tmp_path, dataset, gradient_checkpointing):
+    """Prompts with an image each, as TRL 1.16 batches them (``pixel_values`` over the batch's patches,
+    ``image_grid_thw``, ``num_images``): the adapter's fused lm_head against stock TRL, whose loss runs the model's
+    own forward."""
+    pytest.importorskip("trl", reason="the trl extra is not installed (pip install 'grpo-kernels[trl]')")
+    from test_trl_integration import _batch, _loss_and_grads, _trainer, assert_same_as_trl
+    from trl import GRPOTrainer
+
+    from grpo_kernels.integration.trl import GRPOKernelsTrainer
+
+    model_dir = tmp_path / "qwen2_5_vl"
+    tiny_vlm().save_pretrained(model_dir)
+    TOKENIZER.save_pretrained(model_dir)
+    config = dict(beta=0.04, temperature=0.9, gradient_checkpointing=gradient_checkpointing)
+    stock = _trainer(GRPOTrainer, str(model_dir), dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, str(model_dir), dataset, tmp_path, **config)
+    assert ours.fused_lm_head
+    batch = _batch(stock, off_policy=True, beta=0.04)
+    batch["prompt_ids"], images = with_images(batch["prompt_ids"], 4)
+    batch.update(images, num_images=[1] * len(batch["prompt_ids"]))
+    assert_same_as_trl(stock, ours, batch)
+    _, other_images = with_images(batch["prompt_ids"], 5)
+    loss, _, _ = _loss_and_grads(ours, batch, 1)
+    other_loss, _, _ = _loss_and_grads(ours, {**batch, **other_images}, 1)
+    assert abs(float(other_loss - loss)) > 1e-4  # the images are read: other images, another loss
