@@ -42,6 +42,19 @@ TRANSFORMING = {
                    (2.5, None)),
     "falcon_h1": (dict(lm_head_multiplier=3.0), (3.0, None)),
     "hyperclovax": (dict(logits_scaling=3.0), (3.0, None)),  # HyperCLOVA X multiplies where Granite divides
+    "beam": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
+    "gemma4_unified_text": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
+    # a padded vocabulary: the logits keep the first unpadded_vocab_size rows of the head
+    "inkling2_text": (dict(final_logit_softcapping=1.5, vocab_size=len(TOKENIZER) + 3,
+                           unpadded_vocab_size=len(TOKENIZER)), (1.0, 1.5)),
+    "xlstm": (dict(output_logit_soft_cap=1.5), (1.0, 1.5)),
+    "cohere2_moe": (dict(logit_scale=3.0), (3.0, None)),
+    "granite_swa": (dict(logits_scaling=0.4), (2.5, None)),
+    "granitemoe_swa": (dict(logits_scaling=0.4, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.0),
+                       (2.5, None)),
+    "granitemoeshared": (dict(logits_scaling=0.4, num_local_experts=2, num_experts_per_tok=1,
+                              router_aux_loss_coef=0.0), (2.5, None)),
+    "inkling_text": (dict(logits_mup_width_multiplier=2.5), (0.4, None)),  # divides the hidden states
 }
 PLAIN = {
     "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {}, "phi3": {}, "olmo2": {}, "smollm3": {}, "gemma": {},
@@ -53,7 +66,7 @@ FAMILIES = {**{name: fields for name, (fields, _) in TRANSFORMING.items()}, **PL
 def tiny_model(model_type: str, seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **COMMON, **FAMILIES[model_type])
+    config = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type]})
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reference-kernel fallbacks, sliding-window notices
@@ -92,6 +105,20 @@ def test_a_model_whose_forward_transforms_its_logits_unlisted_is_refused_by_name
         heads.fused_head(model)
 
 
+def test_a_family_whose_head_no_scale_or_cap_expresses_is_refused_by_name():
+    """ModernBERT's decoder runs a prediction head (dense, activation, norm) between the hidden states and its
+    output layer: no weight, scale or cap of the fused lm_head reproduces it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("modernbert-decoder", **COMMON)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(heads.FusedHeadError, match=r"ModernBertDecoderForCausalLM.*fused_lm_head=False"):
+        heads.fused_head(model)
+
+
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_linear_token_logprobs_are_the_models_own(model_type):
     """Old and reference log-probs from hidden states (a fused lm_head user's) equal the model's forward's."""
@@ -124,10 +151,12 @@ def _model_dir(tmp_path_factory, model_type):
     return str(path)
 
 
-# families whose head stock TRL 1.16's fused head reads wrong: RecurrentGemma's cap is logits_soft_cap, TRL reads
-# final_logit_softcapping only. Their oracle is the adapter's logits path (the model's own logits, which equals
-# stock TRL on every other family); stock TRL is checked to differ, so that this list cannot go stale unseen.
-STOCK_TRL_MISREADS = {"recurrent_gemma"}
+# families whose head stock TRL 1.16's fused head reads wrong: RecurrentGemma's cap is logits_soft_cap and xLSTM's
+# output_logit_soft_cap (TRL reads final_logit_softcapping only), Inkling divides its hidden states by
+# logits_mup_width_multiplier (TRL applies no scale it does not list). Their oracle is the adapter's logits path
+# (the model's own logits, which equals stock TRL on every other family); stock TRL is checked to differ, so that
+# this list cannot go stale unseen.
+STOCK_TRL_MISREADS = {"recurrent_gemma", "xlstm", "inkling_text"}
 
 
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
@@ -145,7 +174,8 @@ def test_trl_adapter_default_matches_stock_trl(tmp_path_factory, tmp_path, datas
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
     ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
     assert ours.fused_lm_head, model_type  # not the logits path, which the adapter falls back to on a refusal
-    assert (ours.head_transform.scale, ours.head_transform.softcap) == TRANSFORMING.get(model_type, (0, (1.0, None)))[1]
+    expected = TRANSFORMING.get(model_type, (None, (1.0, None)))[1]
+    assert (ours.head_transform.scale, ours.head_transform.softcap) == expected
     batch = _batch(stock, off_policy=True, beta=0.04)
     if model_type in STOCK_TRL_MISREADS:
         logits_path = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=False, **config)

@@ -382,10 +382,17 @@ def test_samples_of_a_prompt_share_its_prefill(tiny):
     assert ids.shape[0] == 12 and mask.shape == ids.shape
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "cohere", "granite"])
+def _families():
+    from test_model_families import FAMILIES
+
+    # transformers 5.24 cannot sample from these two on the CPU (its generate fails in their cache code)
+    return [name for name in FAMILIES if name not in ("recurrent_gemma", "xlstm")]
+
+
+@pytest.mark.parametrize("model_type", _families())
 def test_fused_lm_head_applies_the_models_head_transform(model_type):
-    """A soft-capped or scaled head (tiny configs of tests/test_model_families.py): the fused lm_head's update
-    equals the logits path's, which reads the model's own (transformed) logits."""
+    """Every family of tests/test_model_families.py (soft-capped, scaled, sliced, plain, MoE heads; tiny configs):
+    the fused lm_head's update equals the logits path's, which reads the model's own (transformed) logits."""
     from test_model_families import TOKENIZER, tiny_model
 
     family = (tiny_model(model_type), TOKENIZER)

@@ -186,6 +186,19 @@ class StepBatch:
     sampled: Rollout
 
 
+def _keys_and_values_only(cache) -> bool:
+    """Whether a transformers cache holds attention keys and values only, which repeating along the batch
+    repeats as a prefix. transformers 5's caches of hybrid models (Falcon-H1's, Inkling's linear-attention and
+    state-space layers) do not: a generate continued from them repeated fails. Caches without layers (transformers
+    4) are taken as they are."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return True
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
+
+
 class GRPOTrainer:
     """GRPO on a Hugging Face causal LM with rule or model rewards.
 
@@ -277,7 +290,7 @@ class GRPOTrainer:
         prefix = self.model(input_ids=prompt_ids[:, :-1], attention_mask=prefix_mask,
                             position_ids=left_padded_positions(prefix_mask), use_cache=True, logits_to_keep=1)
         cache = prefix[name] if name in prefix else None
-        if not hasattr(cache, "batch_repeat_interleave"):
+        if not hasattr(cache, "batch_repeat_interleave") or not _keys_and_values_only(cache):
             return {}
         cache.batch_repeat_interleave(samples)
         return {name: cache}
