@@ -6,6 +6,9 @@ benchmarks/gpu_suite.sh``). Paths, all with beta 0.04, temperature 0.7, loss_typ
 - ``ours fused``: ``fused_linear_grpo_loss`` (no [N, V] logits; Triton on CUDA, the chunked torch path on CPU)
 - ``unfused (lm_head + ours)``: ``hidden @ weight.T`` (cuBLAS on CUDA), then ``grpo_loss`` on the logits
 - ``liger fused-linear``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (torch.compile'd chunks), when installed
+- ``stock TRL fused head``: TRL 1.16's own fused LM head (``ChunkedLogProbFunction``, what its ``GRPOTrainer``
+  uses by default) with TRL's GRPO loss in torch (``trl_head.py``), when TRL is installed. On the CPU it runs torch
+  tiles of 4096 tokens x 32768 entries, so its CPU memory says nothing of the GPU's
 
 GPU shape: the issue's N = 16384 (16 x 1024), H = 4096, V = 151936 in bf16. Each case records
 the median time, TFLOP/s of the useful products (forward 2NVH, forward + backward 6NVH: the
@@ -18,6 +21,7 @@ import torch
 
 from cases import BETA, ON_GPU, SMOKE, TEMPERATURE, environment, sync, warm_up_and_time
 
+import trl_head
 from grpo_kernels import fused_linear_grpo_loss, grpo_loss
 
 # (B, T, H, V)
@@ -75,12 +79,19 @@ def _liger():
     return run
 
 
+def _stock_trl(x, hidden, weight):
+    return trl_head.trl_fused_grpo_loss(hidden, weight, x["ids"], x["mask"], x["adv"], x["old"], x["ref"],
+                                        beta=BETA, temperature=TEMPERATURE)
+
+
 def paths():
     found = {"unfused (lm_head + ours)": _unfused, "ours fused": _ours_fused}  # the baseline runs first
     try:
         found["liger fused-linear"] = _liger()
     except ImportError:
         pass
+    if trl_head.available():
+        found["stock TRL fused head"] = _stock_trl
     return found
 
 

@@ -11,7 +11,9 @@ configs with random weights (nothing is downloaded): the shapes of Qwen2.5-0.5B 
   eager trainer does (``objective.grpo_loss_eager``: the fp32 log-softmax over [B, T, V], then the math);
 - ``liger``: Liger-Kernel's ``triton_grpo_loss`` on the same logits (where liger-kernel is installed);
 - ``ours logits``: ``GRPOLoss(drop_last_position=True)`` on the same logits;
-- ``ours hidden``: ``FusedLinearGRPOLoss`` from the last hidden states and the head's weight (no logits).
+- ``ours hidden``: ``FusedLinearGRPOLoss`` from the last hidden states and the head's weight (no logits);
+- ``stock TRL``: TRL 1.16's own fused LM head (``ChunkedLogProbFunction``, its ``GRPOTrainer``'s default) with
+  TRL's GRPO loss in torch, from the same hidden states (``trl_head.py``; where TRL is installed).
 
 Per path: the median step time after warm-up, tokens (prompt + completion) per second, the peak memory of
 a step, the loss's share of the step (the loss's forward + backward timed alone, on the step's logits or
@@ -39,6 +41,9 @@ sys.path.insert(0, str(HERE.parent))
 from grpo_kernels import FusedLinearGRPOLoss, GRPOLoss  # noqa: E402
 from grpo_kernels.objective import grpo_loss_eager  # noqa: E402
 
+sys.path.insert(0, str(HERE))
+import trl_head  # noqa: E402
+
 BETA, PROMPT = 0.04, 128
 MODELS = {
     "Qwen2.5-0.5B": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -54,7 +59,7 @@ GPU_CASES = [("Qwen2.5-0.5B", 16, 1024), ("Qwen2.5-0.5B", 8, 4096), ("Qwen2.5-1.
 SMOKE_MODEL = ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=1000))
 SMOKE_CASES = [("tiny", 2, 16), ("tiny", 2, 32)]
-PATHS = ("eager", "liger", "ours logits", "ours hidden")
+PATHS = ("eager", "liger", "ours logits", "ours hidden", "stock TRL")
 LENGTH_CAP = 65536
 
 
@@ -92,6 +97,8 @@ def available_paths(device) -> list:
             paths.insert(1, "liger")
         except ImportError:
             pass
+    if trl_head.available():
+        paths.append("stock TRL")
     return paths
 
 
@@ -107,6 +114,10 @@ def _hidden(model, batch, T):
 def loss_of(path: str, model, batch, T, loss_fns, x=None):
     """The scalar loss of one path, from the model (x None) or from given logits / hidden states x."""
     b = batch
+    if path == "stock TRL":
+        hidden = _hidden(model, b, T) if x is None else x
+        return trl_head.trl_fused_grpo_loss(hidden, model.lm_head.weight, b["completion_ids"], b["completion_mask"],
+                                            b["advantages"], None, b["ref_logps"], beta=BETA, temperature=1.0)
     if path == "ours hidden":
         hidden = _hidden(model, b, T) if x is None else x
         return loss_fns["ours hidden"](hidden, model.lm_head.weight, b["completion_ids"], b["completion_mask"],
@@ -157,7 +168,7 @@ def time_steps(path, model, optimizer, batch, T, loss_fns, warmup: int, repeats:
 def time_loss_alone(path, model, batch, T, loss_fns, repeats: int, device) -> float:
     """The loss's forward + backward on the step's logits (or hidden states), the model's part excluded."""
     with torch.no_grad():
-        x = (_hidden if path == "ours hidden" else _logits)(model, batch, T)
+        x = (_hidden if path in ("ours hidden", "stock TRL") else _logits)(model, batch, T)
     times = []
     for _ in range(repeats + 1):
         leaf = x.detach().clone().requires_grad_()
