@@ -133,7 +133,8 @@ def test_fused_lm_head_products_run_on_tensor_cores_fed_by_async_copies(records)
 def test_hot_loops_fit_the_instruction_budgets(records):
     """Instructions per logit in the streaming kernels' hot loops (from the sm_90 SASS) within the budgets
     that keep them memory-bound on an H200: one-pass <= 20 (forward + gradient, entropy on)."""
-    streaming = [r for r in records if r["arch"] == "sm_90" and r.get("budget") and not r.get("held_chunk")]
+    streaming = [r for r in records if r["arch"] == "sm_90" and r.get("budget") and not r.get("held_chunk")
+                 and "softcap" not in r["specialization"]]
     print("\n" + aot.summary([r for r in records if r["arch"] == "sm_90"]))
     assert any("one-pass" in r["specialization"] for r in streaming)
     over = [(r["specialization"], r["instructions_per_logit"], r["budget"]) for r in streaming
@@ -146,6 +147,29 @@ def test_hot_loops_fit_the_instruction_budgets(records):
         assert len(r["hot_loops"]) == (2 if "one-pass" in r["specialization"] else 1), r["specialization"]
         # the static roofline: at HBM speed neither the SFU nor the issue slots are the bound
         assert r["roofline"]["mufu_fraction"] < 0.7 and r["roofline"]["issue_fraction"] < 1.0
+
+
+def test_a_soft_capped_head_is_a_specialization_of_its_own_within_its_budget(records):
+    """Gemma's soft-cap in the logits kernels (forward, one-pass, backward) and the lm_head's: compiled for sm_90 and
+    sm_80, no spills, its hot loops within ``aot.BUDGETS_SOFTCAP`` and at most 3 MUFU operations a logit a pass (the
+    softmax's exp2, the cap's exp2 and its division's reciprocal). The uncapped specializations are held to the
+    budgets of the test above, which the cap does not touch (None compiles it out)."""
+    capped = [r for r in records if "softcap" in r["specialization"]]
+    kinds = {(r["arch"], r["kernel"], "fused-linear" in r["specialization"]) for r in capped}
+    for arch in ("sm_90", "sm_80"):
+        assert {(arch, kernel, False) for kernel in ("forward", "backward")} <= kinds, kinds
+        assert {(arch, "forward", True), (arch, "dlogits", True)} <= kinds, kinds
+    assert all(r["spill_bytes"] == 0 and r["local_bytes"] == 0 for r in capped), [
+        (r["arch"], r["specialization"], r["spill_bytes"]) for r in capped if r["spill_bytes"]]
+    streaming = [r for r in capped if r.get("budget")]
+    assert {r["arch"] for r in streaming} == {"sm_90", "sm_80"} and any("one-pass" in r["specialization"]
+                                                                        for r in streaming)
+    for r in streaming:
+        # the passes over the logits: sm_80's forward has a further loop of 1 or 2 logits a thread, not one of them
+        passes = r["hot_loops"][:2 if "one-pass" in r["specialization"] else 1]
+        per_logit = sum(loop["instructions"] / loop["logits_per_thread"] for loop in passes)
+        assert per_logit <= r["budget"], (r["arch"], r["specialization"], per_logit)
+        assert all(loop["mufu_per_logit"] <= 3.0 + 1e-6 for loop in passes), r["hot_loops"]
 
 
 def test_a_held_chunk_is_loaded_once_and_its_item_fits_its_budget(records):

@@ -30,8 +30,11 @@ Conventions:
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # The host's values and the flag bits, named in one place (triton-free, for the front end).
 from .contracts import (FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, KL_K1, KL_K2, KL_K3, LOSS_CISPO,  # noqa: E402,F401
@@ -71,6 +74,10 @@ def _row_pointer(base_ptr, pid, T, stride_b, stride_t, ROW_ALIGN: tl.constexpr):
 # before exp2. A finite floor stands in for -inf as the running max, so that a -inf logit (a
 # masked-out vocabulary entry) never meets -inf - (-inf).
 LOG2E = tl.constexpr(1.4426950408889634)
+# The soft-cap's division compiled as div.approx.f32 (libdevice's fast_dividef: a MUFU.RCP and a multiply, 2 ulp;
+# IEEE-correct '/' costs about 3 more instructions a logit for its range check on sm_90); Triton's interpreter has no
+# libdevice, and divides exactly
+APPROX_DIVISION = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 LN2 = tl.constexpr(0.6931471805599453)
 FLOOR = tl.constexpr(-1.0e30)
 
@@ -79,12 +86,16 @@ FLOOR = tl.constexpr(-1.0e30)
 def base2_logit(x, c, softcap):
     """A raw logit x (any dtype) as the row loops read it, fp32 in base 2 (c = log2(e) / tau): x c, or under the
     head's soft-cap softcap tanh(x / softcap) c, computed as 2 softcap c / (1 + e^(-2 x / softcap)) - softcap c
-    (tanh y = 2 / (1 + e^(-2y)) - 1): one exp2 and one fast reciprocal a logit, the scalars hoisted out of the
-    loops. ``softcap`` None is decided at compile time: one multiply, as without a cap. A capped logit is finite
-    (+-softcap c at x = +-inf; NaN stays NaN); the rounding of e^(-2y) makes its error about 1e-7 of the cap."""
+    (tanh y = 2 / (1 + e^(-2y)) - 1): one exp2 and one fast division (``APPROX_DIVISION``) a logit, the scalars
+    hoisted out of the loops. ``softcap`` None is decided at compile time: one multiply, as without a cap. A capped
+    logit is finite (+-softcap c at x = +-inf; NaN stays NaN); on a GPU, ex2.approx and the division (2 ulp each)
+    make its error a few ulps of the cap."""
     x = x.to(tl.float32)
     if softcap is not None:
-        return (2.0 * softcap * c) / (1.0 + tl.exp2(x * (-2.0 * LOG2E / softcap))) - softcap * c
+        denominator = 1.0 + tl.exp2(x * (-2.0 * LOG2E / softcap))
+        if APPROX_DIVISION:
+            return libdevice.fast_dividef(2.0 * softcap * c, denominator) - softcap * c
+        return (2.0 * softcap * c) / denominator - softcap * c
     return x * c
 
 
