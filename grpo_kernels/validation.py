@@ -189,7 +189,8 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
                 "interpreter, which needs TRITON_INTERPRET=1 set before triton is imported; "
                 "use backend='torch' or 'auto' for CPU tensors"
             )
-        check_interpreter_versions()
+        if not torch.compiler.is_compiling():  # dynamo (torch 2.7) cannot trace the version parsing; eager checks
+            check_interpreter_versions()
     return backend
 
 
