@@ -54,7 +54,8 @@ def test_the_split_row_interpreter_run_names_the_triton_it_needs(monkeypatch, fr
 
 
 def test_the_trl_adapter_refuses_trl_older_than_it_matches():
-    trl_adapter = pytest.importorskip("grpo_kernels.integration.trl")
+    pytest.importorskip("trl", reason="the trl extra is not installed (pip install 'grpo-kernels[trl]')")
+    from grpo_kernels.integration import trl as trl_adapter
     for version in ("1.0.0", "1.8.2", "1.9.0"):
         with pytest.raises(ImportError, match=rf"TRL >= 1\.10, got trl {version}"):
             trl_adapter.check_trl_version(version)
