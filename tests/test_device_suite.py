@@ -225,7 +225,8 @@ def test_the_packed_benchmark_path_times_the_padded_loss_on_its_own_logits():
 
 def test_the_whole_step_benchmark_runs_every_path_and_reports_it(tmp_path):
     """benchmarks/train_step.py as the suite runs it without CUDA: a tiny Llama, a real optimizer step per loss
-    path (the eager loss, ours on logits, ours from hidden states), and its report table."""
+    path (the eager loss, ours on logits, ours from hidden states, stock TRL's fused head where TRL is installed),
+    and its report table."""
     import subprocess
 
     out = tmp_path / "train_step.json"
@@ -233,7 +234,10 @@ def test_the_whole_step_benchmark_runs_every_path_and_reports_it(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     results = json.loads(out.read_text())
-    assert {c["path"] for c in results["cases"]} == {"eager", "ours logits", "ours hidden"}
+    import trl_head
+
+    stock_trl = {"stock TRL"} if trl_head.available() else set()
+    assert {c["path"] for c in results["cases"]} == {"eager", "ours logits", "ours hidden"} | stock_trl
     for case in results["cases"]:
         assert case["step_s"] > 0 and 0 < case["loss_share"] and case["tokens_per_s"] > 0, case
     table = report.train_step_table(str(out))
