@@ -1,4 +1,4 @@
-"""Turn saved benchmark results into markdown tables (and a plot) for the README.
+"""Turn saved benchmark results into markdown tables (and a plot) for benchmarks/README.md.
 
     python benchmarks/report.py RUN.json [MORE.json] [--plot RUN.png] [--sweep sweep.json] [--ncu ncu.csv]
                                 [--vocab-parallel vocab_parallel.json] [--train-step train_step.json]

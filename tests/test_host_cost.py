@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import host_cost  # noqa: E402
 
-# measured with torch 2.13 (README, "Host work"): 11 / 2 on the one-pass path without the ids check
+# measured with torch 2.13 (benchmarks/README.md, "Host work"): 11 / 2 on the one-pass path without the ids check
 MAX_FORWARD_OPS, MAX_BACKWARD_OPS = 14, 4
 
 

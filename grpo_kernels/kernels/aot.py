@@ -539,7 +539,7 @@ def compile_all(archs: Sequence[int] = (90,), jobs: Optional[int] = None,
 
 
 def summary(records: List[Dict[str, object]]) -> str:
-    """The hot loops of the streaming kernels, one line each, for the README and CI logs."""
+    """The hot loops of the streaming kernels, one line each, for the docs and CI logs."""
     lines = ["arch  dtype BLOCK_V warps regs instr/logit (per loop)  MUFU/logit issue% MUFU% budget  specialization"]
     for r in records:
         if "instructions_per_logit" not in r:
