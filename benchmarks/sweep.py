@@ -148,7 +148,8 @@ def run_logits(x, candidate):
     so that a measured default in tuned.json never turns a plain candidate into another schedule)."""
     config = {k: candidate.get(k) for k in tuned.LOGITS_KEYS}
     config.update(split_row=candidate.get("split_row") or 0, programs_per_sm=candidate.get("programs_per_sm") or 0)
-    common = dict(opts=x["opts"], temperature=TEMPERATURE, tokens=_tokens(x), compute_entropy=True, config=config)
+    common = dict(kernel_loss=x["opts"].kernel_loss, temperature=TEMPERATURE, tokens=_tokens(x), compute_entropy=True,
+                  config=config)
     if candidate["mode"] == "one_pass":
         r = launch.forward(x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **common)
         return r.logp, r.loss, r.grad_logits
@@ -262,11 +263,12 @@ def fused_inputs(N, H, V, device, seed=0):
 def run_fused(x, candidate):
     if candidate["mode"] == "three_products":
         r, dh, dw, _ = lm_head_launch.linear_three_products(
-            x["hidden"], x["weight"], None, x["ids"], opts=x["opts"], tokens=_tokens(x), compute_entropy=True,
+            x["hidden"], x["weight"], None, x["ids"], kernel_loss=x["opts"].kernel_loss, tokens=_tokens(x),
+            compute_entropy=True,
             gradient=OnePassGradient(x["weight_per_token"]), compute_weight_grad=True)
         return r.logp, r.loss, dh, dw
     config = {k: candidate[k] for k in tuned.FUSED_LINEAR_KEYS}
-    r = lm_head_launch.linear_forward(x["hidden"], x["weight"], None, x["ids"], opts=x["opts"],
+    r = lm_head_launch.linear_forward(x["hidden"], x["weight"], None, x["ids"], kernel_loss=x["opts"].kernel_loss,
                                       temperature=TEMPERATURE, tokens=_tokens(x), compute_entropy=True, config=config)
     dh, dw, _ = lm_head_launch.linear_backward(x["hidden"], x["weight"], None, x["ids"], r.lse,
                                                r.dloss_dlogp * x["weight_per_token"], TEMPERATURE, True, config=config)
@@ -278,7 +280,8 @@ def run_unfused(x):
     (one [N, V] product), the one-pass kernel's dlogits, and the two gradient products in fp32.
     The three-product mode computes exactly this, a chunk at a time, so this is its reference."""
     logits = x["hidden"] @ x["weight"].T
-    r = launch.forward(logits.unsqueeze(0), x["ids"].unsqueeze(0), opts=x["opts"], temperature=TEMPERATURE,
+    r = launch.forward(logits.unsqueeze(0), x["ids"].unsqueeze(0), kernel_loss=x["opts"].kernel_loss,
+                       temperature=TEMPERATURE,
                        tokens=_tokens(x), compute_entropy=True, gradient=OnePassGradient(x["weight_per_token"]))
     del logits
     dlogits = r.grad_logits.reshape(x["ids"].shape[0], -1).float()

@@ -10,6 +10,7 @@ whether a backend has them, and the sources (``sources.py``) call them through `
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -88,11 +89,13 @@ class TritonBackend:
     name = "triton"
     fuses_loss = True
 
-    @property
+    # the launcher modules, imported on first use (they need triton; the CPU path does not), then plain
+    # attributes of the one instance: a call reads them without entering this module
+    @functools.cached_property
     def launch(self):
         return launch_module()
 
-    @property
+    @functools.cached_property
     def lm_head_launch(self):
         return lm_head_launch_module()
 
@@ -141,6 +144,6 @@ class TritonBackend:
 _BACKENDS = {"torch": TorchBackend(), "triton": TritonBackend()}
 
 
-def get_backend(name: str):
-    """The backend object of a resolved backend name ('triton' or 'torch'; see ``validation.resolve_backend``)."""
-    return _BACKENDS[name]
+# The backend object of a resolved backend name ('triton' or 'torch'; see ``validation.resolve_backend``): the
+# dict's own lookup, asked on every call, so that it runs no Python.
+get_backend = _BACKENDS.__getitem__

@@ -115,7 +115,7 @@ class FusedTokenLoss(torch.autograd.Function):
                 drop_last_position: bool = False):
         ctx.set_materialize_grads(False)
         predicting = aligned(logits, drop_last_position)
-        r = launch_module().loss_forward(predicting, ids, opts=opts, loss_tokens=loss_tokens)
+        r = launch_module().loss_forward(predicting, ids, kernel_loss=opts.kernel_loss, loss_tokens=loss_tokens)
         ctx.save_for_backward(logits, ids, r.result.lse, r.result.dloss_dlogp, r.result.entropy, r.weights.weight,
                               r.weights.entropy_weight)
         ctx.backend, ctx.in_place = "triton", in_place
@@ -149,8 +149,8 @@ class FusedTokenLossOnePass(torch.autograd.Function):
         predicting = aligned(logits, drop_last_position)
         grad = torch.empty(logits.shape, device=logits.device, dtype=logits.dtype)
         # the [B, T + 1, V] gradient itself as the kernels' [B, T, V] output: its first T positions, same strides
-        r = launch_module().loss_forward(predicting, ids, opts=opts, loss_tokens=loss_tokens, gradient_out=grad,
-                                         dropped_gradient=grad if drop_last_position else None)
+        r = launch_module().loss_forward(predicting, ids, kernel_loss=opts.kernel_loss, loss_tokens=loss_tokens,
+                                         gradient_out=grad, dropped_gradient=grad if drop_last_position else None)
         ctx.save_for_backward(grad)
         return _loss_outputs(ctx, r.loss, r.metrics, r.result.logp, predicting.shape[:2])
 
@@ -272,9 +272,9 @@ class FusedLinearTokenLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
         ctx.set_materialize_grads(False)
         tokens, weights = reduce_launch_module().weighted_tokens(loss_tokens)
-        r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, opts=opts, tokens=tokens,
-                                                   compute_entropy=opts.compute_entropy)
-        loss, metrics = reduce_launch_module().reduced(tokens.mask, opts, r, weights)
+        r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, kernel_loss=opts.kernel_loss,
+                                                   tokens=tokens, compute_entropy=opts.compute_entropy)
+        loss, metrics = reduce_launch_module().reduced(tokens.mask, opts.kernel_loss, r, weights)
         ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy, weights.weight,
                               weights.entropy_weight)
         ctx.backend, ctx.temperature, ctx.softcap = "triton", opts.kernel_temperature, opts.kernel_softcap
@@ -303,9 +303,10 @@ class FusedLinearThreeProducts(torch.autograd.Function):
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         tokens, weights = reduce_launch_module().weighted_tokens(loss_tokens)
         r, dh, dw, db = lm_head_launch_module().linear_three_products(
-            hidden, weight, bias, ids, opts=opts, tokens=tokens, compute_entropy=opts.compute_entropy,
-            gradient=OnePassGradient(weights.weight, weights.entropy_weight), compute_weight_grad=wants_weight)
-        loss, metrics = reduce_launch_module().reduced(tokens.mask, opts, r, weights)
+            hidden, weight, bias, ids, kernel_loss=opts.kernel_loss, tokens=tokens,
+            compute_entropy=opts.compute_entropy, gradient=OnePassGradient(weights.weight, weights.entropy_weight),
+            compute_weight_grad=wants_weight)
+        loss, metrics = reduce_launch_module().reduced(tokens.mask, opts.kernel_loss, r, weights)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return _loss_outputs(ctx, loss, metrics, r.logp, out_shape)
@@ -329,7 +330,7 @@ def three_products_loss_without_gradient(hidden, weight, bias, ids, loss_tokens:
     logits by cuBLAS, the logits kernel on them, no gradient written."""
     tokens, weights = reduce_launch_module().weighted_tokens(loss_tokens)
     r = lm_head_launch_module().linear_three_products(
-        hidden, weight, bias, ids, opts=opts, tokens=tokens, compute_entropy=opts.compute_entropy, gradient=None,
-        compute_weight_grad=False)[0]
-    loss, metrics = reduce_launch_module().reduced(tokens.mask, opts, r, weights)
+        hidden, weight, bias, ids, kernel_loss=opts.kernel_loss, tokens=tokens, compute_entropy=opts.compute_entropy,
+        gradient=None, compute_weight_grad=False)[0]
+    loss, metrics = reduce_launch_module().reduced(tokens.mask, opts.kernel_loss, r, weights)
     return loss, metrics, r.logp.view(out_shape)

@@ -1,6 +1,6 @@
 """The public API: the loss functions and Modules (from logits, from hidden states with the lm_head) and the
 log-prob family. Each is a few lines over the layers below: ``inputs.py`` prepares and checks a call once,
-``sources.py`` holds the two input forms, ``dispatch.py`` runs the loss or the log-probs on either.
+``sources.py`` holds the two input forms and runs the loss or the log-probs on either.
 """
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .dispatch import compute_logprobs, compute_loss
 from .inputs import CallSettings, LogprobSettings, LossTensors, options_from, prepare_inputs
 from .objective import GRPOLossOutput
 from .option_docs import HIDDEN_STATES_KEYWORDS, LOGITS_KEYWORDS, docstring_options
 from .options import BACKENDS, GRPOOptions
-from .sources import LM_HEAD_MODES, HiddenStatesSource, LogitsSource
+from .sources import LM_HEAD_MODES, HiddenStatesSource, LogitsSource, compute_logprobs, compute_loss
 
 
 def grpo_loss(

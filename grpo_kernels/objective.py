@@ -127,17 +127,18 @@ def per_token_terms(
 
     A = advantages
     is_low = is_high = phi = None
-    if opts.loss_type == "vespo":  # phi(w) detached: the gradient is phi * A * grad log pi
+    term = opts.loss.policy_term  # the registry's: a loss type reusing a term gets the same term on every path
+    if term == "sequence_weight":  # vespo: phi(w) detached: the gradient is phi * A * grad log pi
         phi = vespo_weights(A, log_ratio, mask, importance_weights, opts)
         policy = -phi * A * lp
-    elif opts.loss_type == "cispo":
+    elif term == "capped_ratio":  # cispo
         capped = torch.clamp(coef_1, max=opts.eps_high).detach()
         policy = torch.where(capped == 0, 0.0, -capped * A * lp)  # at lp = -inf: the limit 0, not 0 * -inf
         is_high = (coef_1 > opts.eps_high) & (A > 0)
-    elif opts.loss_type == "sapo":
+    elif term == "soft_gate":  # sapo
         tau = torch.where(A > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
         policy = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
-    else:  # PPO-clip family
+    else:  # "ppo_clip"
         coef_2 = torch.clamp(coef_1, 1 - opts.epsilon, 1 + opts.eps_high)
         if opts.delta is not None:
             coef_1 = torch.clamp(coef_1, max=opts.delta)
@@ -149,7 +150,7 @@ def per_token_terms(
 
     if policy_mask is not None:
         policy = policy * policy_mask
-    if importance_weights is not None and opts.loss_type != "vespo":  # rollout correction: policy term only
+    if importance_weights is not None and term != "sequence_weight":  # rollout correction: policy term only (vespo: in w)
         policy = policy * importance_weights
     per_token_loss = policy if per_token_kl is None else policy + opts.beta * per_token_kl
     per_token_loss = per_token_loss.expand_as(lp)  # sequence-level without KL is [B, 1]
@@ -260,7 +261,7 @@ def clip_metric_values(opts: GRPOOptions, low: Optional[torch.Tensor], high: tor
     names = opts.loss.clip_metrics
     if opts.loss.policy_term == "ppo_clip":
         return dict(zip(names, (low, high, torch.maximum(low, high))))
-    if opts.loss.policy_term == "cispo":
+    if opts.loss.policy_term == "capped_ratio":
         return dict(zip(names, (high,)))
     return {}
 
@@ -289,7 +290,7 @@ def loss_metrics(
         low = None if terms.is_low_clipped is None else terms.is_low_clipped.float()
         for name, x in clip_metric_values(opts, low, flags.float()).items():
             metrics[name] = masked_mean(x, mask, per_row)
-    if opts.loss_type == "vespo":  # TRL's mean of phi over rows (over active tokens for per-token advantages)
+    if opts.loss.policy_term == "sequence_weight":  # vespo: TRL's mean of phi over rows (over active tokens for per-token advantages)
         phi = terms.vespo_phi.detach()
         metrics["vespo/phi_seq_mean"] = masked_mean(phi, mask, per_row=phi.shape[-1] == 1)
     return metrics
@@ -402,7 +403,7 @@ def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor
     return -opts.entropy_coef * mask / mask.sum().clamp(min=1.0)
 
 
-# ---- The loss assembled from per-token results, where the loss math runs in torch (dispatch.loss_in_torch) ----
+# ---- The loss assembled from per-token results, where the loss math runs in torch (sources.loss_in_torch) ----
 #
 # (The fused kernel paths reduce on the device: kernels/reduce.py, with kernel_reduction's weights.)
 

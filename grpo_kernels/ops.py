@@ -12,7 +12,7 @@ in-place and preallocated-gradient options copy the result where eager writes di
 An absent optional output is an empty tensor here (a custom op's schema has no optional outputs).
 
 The Triton path's ops are its log-prob kernels (forward without a loss, backward; the lm_head's): inside a
-graph the loss math runs as graph code on their log-probs (``dispatch.compute_loss``), since the fused loss
+graph the loss math runs as graph code on their log-probs (``sources.compute_loss``), since the fused loss
 kernels (the per-token loss inside the logits pass, the one-pass schedule) take the options object, which a
 custom op's schema cannot carry. So a compiled step reads the logits twice (3 S, the two-pass schedule),
 where eager's default one-pass reads them once and writes the gradient in the same pass (2 S).

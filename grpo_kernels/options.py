@@ -13,19 +13,27 @@ import dataclasses
 import math
 from typing import Optional
 
+from .kernels import contracts
+
 
 
 @dataclasses.dataclass(frozen=True)
 class LossType:
-    """What every layer needs to know of one loss type: the one registry (``LOSS_TYPE_REGISTRY``).
+    """Every fact the code needs of one loss type: the one registry (``LOSS_TYPE_REGISTRY``). Nothing outside
+    this module and the specification compares a loss type's name; a layer asks its entry instead.
 
-    ``policy_term``: the per-token policy term, which is also the kernels' LOSS_KIND ("ppo_clip", "cispo",
-    "sapo"; "vespo" runs its loss math in torch on the kernels' log-probs). ``reduction``: TRL's
-    (``objective.reduction_weights``): "row_token_mean" (each row's token mean, then the mean over rows),
-    "batch_token_mean" (over the local batch's tokens), "constant" (B x max_completion_length),
+    ``policy_term``: the per-token policy term (``objective.per_token_terms``): "ppo_clip" (PPO's clipped ratio),
+    "capped_ratio" (CISPO: the detached ratio, capped, times log pi), "soft_gate" (SAPO: a sigmoid gate of the
+    ratio), "sequence_weight" (VESPO: a detached weight of the row's ratio, times log pi). Its own names, never
+    a loss type's, so that a branch on the term reads as one.
+    ``reduction``: TRL's (``objective.reduction_weights``): "row_token_mean" (each row's token mean, then the mean
+    over rows), "batch_token_mean" (over the local batch's tokens), "constant" (B x max_completion_length),
     "token_count" (the ``normalizer``: global active tokens / processes), "rows" (over B).
     ``clip_metrics``: the names of the clip metrics it logs. ``divided_by_accumulation``: TRL divides its
     loss by the gradient-accumulation steps in training (the TRL adapter's ``loss_scale``).
+    ``kernel_term``: the loss kernels' LOSS_KIND for the policy term (``kernels.contracts.LOSS_*``), None where its
+    loss math runs in torch on the kernels' log-probs (vespo's sequence weight). ``clip_metrics_kind``: which clip
+    metrics the loss-metrics kernel computes (``kernels.contracts.CLIP_METRICS_*``, in ``clip_metrics``' order).
     docs/extending.md lists what else a new loss type needs.
     """
 
@@ -34,23 +42,39 @@ class LossType:
     reduction: str
     clip_metrics: tuple
     divided_by_accumulation: bool
+    kernel_term: Optional[int]
+    clip_metrics_kind: int
+
+    @property
+    def takes_normalizer(self) -> bool:
+        """Its reduction divides by the ``normalizer`` (a trainer's global active tokens / processes)."""
+        return self.reduction == "token_count"
+
+    @property
+    def local_token_mean(self) -> bool:
+        """Its reduction divides by the local batch's active tokens (a data-parallel trainer that wants the
+        global batch's mean rescales it: ``training.trainer``)."""
+        return self.reduction == "batch_token_mean"
 
 
 _PPO_CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+_PPO_CLIP = dict(policy_term="ppo_clip", clip_metrics=_PPO_CLIP_METRICS, kernel_term=contracts.LOSS_PPO_CLIP,
+                 clip_metrics_kind=contracts.CLIP_METRICS_PPO)
 LOSS_TYPE_REGISTRY = {t.name: t for t in (
-    LossType("grpo", "ppo_clip", "row_token_mean", _PPO_CLIP_METRICS, True),
-    LossType("bnpo", "ppo_clip", "batch_token_mean", _PPO_CLIP_METRICS, True),
-    LossType("dr_grpo", "ppo_clip", "constant", _PPO_CLIP_METRICS, True),
-    LossType("dapo", "ppo_clip", "token_count", _PPO_CLIP_METRICS, False),
-    LossType("luspo", "ppo_clip", "rows", _PPO_CLIP_METRICS, True),
-    LossType("cispo", "cispo", "token_count", ("cispo_clip_ratio",), False),
-    LossType("sapo", "sapo", "row_token_mean", (), True),
-    LossType("vespo", "vespo", "token_count", (), False),
+    LossType("grpo", reduction="row_token_mean", divided_by_accumulation=True, **_PPO_CLIP),
+    LossType("bnpo", reduction="batch_token_mean", divided_by_accumulation=True, **_PPO_CLIP),
+    LossType("dr_grpo", reduction="constant", divided_by_accumulation=True, **_PPO_CLIP),
+    LossType("dapo", reduction="token_count", divided_by_accumulation=False, **_PPO_CLIP),
+    LossType("luspo", reduction="rows", divided_by_accumulation=True, **_PPO_CLIP),
+    LossType("cispo", "capped_ratio", "token_count", ("cispo_clip_ratio",), False, contracts.LOSS_CISPO,
+             contracts.CLIP_METRICS_CISPO),
+    LossType("sapo", "soft_gate", "row_token_mean", (), True, contracts.LOSS_SAPO, contracts.CLIP_METRICS_NONE),
+    LossType("vespo", "sequence_weight", "token_count", (), False, None, contracts.CLIP_METRICS_NONE),
 )}
 LOSS_TYPES = tuple(LOSS_TYPE_REGISTRY)
 PPO_CLIP_LOSS_TYPES = tuple(n for n, t in LOSS_TYPE_REGISTRY.items() if t.policy_term == "ppo_clip")
 # The loss types whose reduction divides by a token count (the ``normalizer``: global active tokens)
-TOKEN_COUNT_LOSS_TYPES = tuple(n for n, t in LOSS_TYPE_REGISTRY.items() if t.reduction == "token_count")
+TOKEN_COUNT_LOSS_TYPES = tuple(n for n, t in LOSS_TYPE_REGISTRY.items() if t.takes_normalizer)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k3", "k1", "k2")
 BACKENDS = ("auto", "triton", "torch")
@@ -209,7 +233,7 @@ class GRPOOptions:
         """The kernels compute this loss's per-token terms (token-level ratios, a per-token formula);
         otherwise the kernels give log-probs and the loss math runs on them in torch (GSPO's
         sequence ratios, VESPO's sequence weights)."""
-        return not self.sequence_level and self.loss_type != "vespo"
+        return not self.sequence_level and self.loss.kernel_term is not None
 
     @property
     def masks_tokens(self) -> bool:
@@ -221,6 +245,12 @@ class GRPOOptions:
     def sequence_level(self) -> bool:
         """The ratio needs the whole row's log-probs (GSPO and GSPO-token): the two-pass path."""
         return self.importance_sampling_level in ("sequence", "sequence_token")
+
+    @property
+    def kernel_loss(self) -> contracts.KernelLoss:
+        """These options as the loss kernels' launchers take them (``kernels.contracts.KernelLoss``): built on
+        first use and kept on this object, so the launchers never read an option (nor import this module)."""
+        return self.derived("kernel_loss", _kernel_loss)
 
     def replace(self, **changes) -> "GRPOOptions":
         return dataclasses.replace(self, **changes)
@@ -268,3 +298,28 @@ class GRPOOptions:
             **PRESETS["trl"],
         )
         return cls(**{**options, **overrides})
+
+
+_KL_KINDS = {"k3": contracts.KL_K3, "k1": contracts.KL_K1, "k2": contracts.KL_K2}
+
+
+def _kernel_loss(o: GRPOOptions) -> contracts.KernelLoss:
+    """``GRPOOptions.kernel_loss``: the policy term's kernel, the run-time scalars (``contracts.LOSS_SCALARS``
+    order: a value that changes between steps is never a constexpr) and the compile-time ``LOSS_FLAGS`` (a
+    feature's presence only, one ``contracts.LOSS_FLAG_*`` bit each)."""
+    if o.loss.kernel_term is None:
+        raise ValueError(f"loss_type={o.loss_type!r} has no loss kernel (its loss math runs in torch)")
+    zero_if_none = lambda v: 0.0 if v is None else float(v)  # noqa: E731
+    scalars = dict(eps_low=float(o.epsilon), eps_high=float(o.eps_high), delta=zero_if_none(o.delta),
+                   dual_clip=zero_if_none(o.dual_clip), beta=float(o.beta),
+                   log_ratio_clamp=zero_if_none(o.log_ratio_clamp), kl_clamp=zero_if_none(o.kl_clamp),
+                   sapo_tau_pos=float(o.sapo_temperature_pos), sapo_tau_neg=float(o.sapo_temperature_neg))
+    args = {"loss_scalars": tuple(scalars[name] for name in contracts.LOSS_SCALARS),
+            "LOSS_KIND": o.loss.kernel_term, "KL_KIND": _KL_KINDS[o.kl_estimator],
+            "LOSS_FLAGS": (contracts.LOSS_FLAG_DELTA * (o.delta is not None)
+                           | contracts.LOSS_FLAG_DUAL_CLIP * (o.dual_clip is not None)
+                           | contracts.LOSS_FLAG_LOG_RATIO_CLAMP * (o.log_ratio_clamp is not None)
+                           | contracts.LOSS_FLAG_KL_CLAMP * (o.kl_clamp is not None)
+                           | contracts.LOSS_FLAG_BIAS_CORRECTION_KL * bool(o.use_bias_correction_kl))}
+    return contracts.KernelLoss(args, o.temperature, o.kernel_temperature, o.kernel_softcap, o.compute_entropy,
+                                o.uses_kl, o.loss.clip_metrics_kind, len(o.loss.clip_metrics))

@@ -11,11 +11,11 @@ cap(x) = x).
 
 from __future__ import annotations
 
-import functools
-
 from typing import Iterator, Optional, Tuple
 
 import torch
+
+from .kernels.contracts import fp32_products
 
 CHUNK_ELEMENTS = 1 << 21  # 8 MiB of fp32 per temporary
 
@@ -158,16 +158,6 @@ def backward(
         piece_grad.masked_fill_(zero_rows, 0.0)
         grad_piece.copy_(piece_grad)  # cast to the logits' dtype
     return grad
-
-
-def fp32_products(fn):
-    """``fn`` with autocast off: its products are meant in fp32 (the lm_head's logits and gradients,
-    accumulated in fp32), which an ambient bf16 / fp16 autocast would silently cast down."""
-    @functools.wraps(fn)
-    def without_autocast(*args, **kwargs):
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-            return fn(*args, **kwargs)
-    return without_autocast
 
 
 def linear_chunk_rows(V: int) -> int:

@@ -8,7 +8,7 @@ import math
 import torch
 
 from .kernels.contracts import launch_module
-from .options import BACKENDS, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
+from .options import BACKENDS, GRPOOptions
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the torch path only
 
@@ -153,7 +153,7 @@ def check_inputs(
     if opts.uses_kl and ref_logps is None:
         raise ValueError(f"beta={opts.beta} > 0 needs ref_logps [B, T] (the reference model's log-probs), got None")
     if normalizer is not None:
-        if opts.loss_type not in TOKEN_COUNT_LOSS_TYPES:
+        if not opts.loss.takes_normalizer:
             raise ValueError(
                 f"normalizer is the dapo / cispo / vespo token count; loss_type={opts.loss_type!r} does not use it"
             )

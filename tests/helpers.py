@@ -3,6 +3,12 @@
 import pytest
 import torch
 
+from grpo_kernels.options import LOSS_TYPE_REGISTRY, LOSS_TYPES, PPO_CLIP_LOSS_TYPES  # noqa: F401 (re-exported)
+
+# The tests parametrize over the registry: a new loss type is tested everywhere by its entry alone.
+# Those whose per-token terms run in the loss kernels (vespo's sequence weight runs in torch on their log-probs):
+KERNEL_LOSS_TYPES = tuple(name for name, t in LOSS_TYPE_REGISTRY.items() if t.kernel_term is not None)
+
 try:
     import triton
     from packaging.version import Version

@@ -175,8 +175,7 @@ def test_per_step_values_are_runtime_arguments():
         for name in ("T", "V", "N", "stride_b", "stride_t", "inv_temperature", "grad_stride_b", "grad_stride_t"):
             assert name not in constexprs
         # feature flags, block sizes and the launch schedule (fixed by the configuration, not the step)
-        assert constexprs <= {"LOSS_KIND", "HAS_OLD", "HAS_KL", "KL_KIND", "HAS_DELTA", "HAS_DUAL_CLIP",
-                              "HAS_LOG_RATIO_CLAMP", "HAS_KL_CLAMP", "BIAS_CORRECTION_KL", "HAS_IW", "HAS_MASK",
+        assert constexprs <= {"LOSS_KIND", "HAS_OLD", "HAS_KL", "KL_KIND", "LOSS_FLAGS", "HAS_IW", "HAS_MASK",
                               "COMPUTE_ENTROPY", "WRITE_GRAD", "ROW_ALIGN", "BLOCK_V", "PERSISTENT",
                               "HAS_ENTROPY_GRAD"}
     assert set(K.RUNTIME_INTS) == {"T", "V", "N", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"}
@@ -363,13 +362,13 @@ def test_the_launchers_take_the_temperature_from_one_source():
 
     logits, ids = torch.randn(1, 2, 50), torch.randint(0, 50, (1, 2))
     opts = GRPOOptions(temperature=0.7)
-    assert launch.resolved_head(opts, None, None) == (0.7, None) and launch.resolved_head(None, None, None) == (1.0, None)
+    assert launch.resolved_head(opts.kernel_loss, None, None) == (0.7, None) and launch.resolved_head(None, None, None) == (1.0, None)
     capped = GRPOOptions(temperature=0.7, logit_scale=2.0, logit_softcap=30.0)
-    assert launch.resolved_head(capped, None, None) == (0.35, 15.0)
+    assert launch.resolved_head(capped.kernel_loss, None, None) == (0.35, 15.0)
     with pytest.raises(ValueError, match="softcap=5.0 beside options"):
-        launch.resolved_head(capped, None, 5.0)
+        launch.resolved_head(capped.kernel_loss, None, 5.0)
     with pytest.raises(ValueError, match="temperature=0.9 disagrees with the options' temperature=0.7"):
-        launch.forward(logits, ids, opts=opts, temperature=0.9, tokens=TokenInputs(advantages=torch.zeros(2)))
+        launch.forward(logits, ids, kernel_loss=opts.kernel_loss, temperature=0.9, tokens=TokenInputs(advantages=torch.zeros(2)))
 
 
 def test_the_specification_is_imported_by_no_loss_path():

@@ -189,6 +189,10 @@ def test_the_loss_type_registry_covers_every_loss_type():
                                                           "token_count", "rows")
         # TRL divides exactly the losses not normalized by a global token count by the accumulation steps
         assert entry.divided_by_accumulation == (entry.reduction != "token_count")
+        assert entry.policy_term in ("ppo_clip", "capped_ratio", "soft_gate", "sequence_weight")
+        # the kernels compute every term but the sequence weight (vespo's loss math runs in torch on their log-probs)
+        assert (entry.kernel_term is None) == (entry.policy_term == "sequence_weight")
+        assert GRPOOptions(loss_type=name, max_completion_length=8).loss_in_kernel == (entry.kernel_term is not None)
         assert GRPOOptions(loss_type=name, max_completion_length=8).loss is entry
 
 

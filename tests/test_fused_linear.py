@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import BATCH_KEYS, OPTION_CASES, assert_close, make_batch
+from helpers import BATCH_KEYS, KERNEL_LOSS_TYPES, OPTION_CASES, assert_close, make_batch
 
 from grpo_kernels import FusedLinearGRPOLoss, fused_linear_grpo_loss, grpo_loss_reference
 from grpo_kernels.kernels import fused_linear as FL
@@ -84,7 +84,7 @@ def check(backend, batch, hidden, weight, bias, tol=dict(atol=1e-5, rtol=1e-5), 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", KERNEL_LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("off_policy", [True, False])
@@ -227,7 +227,7 @@ def test_torch_path_works_in_bounded_chunks(monkeypatch):
 # The 3-product mode (Triton, token level): each chunk's logits computed once, the gradient complete
 # at the end of the forward.
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", KERNEL_LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("off_policy", [True, False])
 def test_three_products_mode_matches_materialized_logits(device, loss_type, beta, off_policy):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import BATCH_KEYS, OPTION_CASES, assert_close, make_batch, split_row
+from helpers import BATCH_KEYS, KERNEL_LOSS_TYPES, LOSS_TYPES, OPTION_CASES, assert_close, make_batch, split_row
 
 from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference
 from grpo_kernels import torch_path
@@ -64,7 +64,7 @@ def check_against_reference(backend, batch, *, grad_tol=FP32_TOL, loss_tol=FP32_
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", KERNEL_LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("off_policy", [True, False])
@@ -75,7 +75,7 @@ def test_every_loss_type_matches_reference(device, backend, loss_type, level, be
 
 
 @pytest.mark.parametrize("loss_type,level", [  # vespo is defined at token level only
-    (loss_type, level) for loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
+    (loss_type, level) for loss_type in LOSS_TYPES
     for level in ["token", "sequence"] if (loss_type, level) != ("vespo", "sequence")])
 def test_eager_loss_matches_reference(device, loss_type, level):
     """The benchmarks' eager baseline (the materialized log-softmax, then the production math of
@@ -139,7 +139,7 @@ def test_half_precision_logits(device, backend, dtype, level):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", KERNEL_LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_fully_masked_batch_is_finite_with_zero_gradient(device, backend, loss_type, level):
     batch = make_batch(device=device, seed=6)
@@ -258,7 +258,7 @@ def test_persistent_schedule_matches_one_program_per_token(programs_per_sm, one_
     tokens = TokenInputs(mask=flat(batch["completion_mask"]), advantages=flat(batch["advantages"][:, None].expand(B, T)),
                          old_logps=flat(batch["old_logps"]), ref_logps=flat(batch["ref_logps"]))
     gradient = OnePassGradient(torch.full((B * T,), 0.1, device=batch["logits"].device)) if one_pass else None
-    common = dict(opts=opts, temperature=1.0, tokens=tokens, compute_entropy=True, gradient=gradient)
+    common = dict(kernel_loss=opts.kernel_loss, temperature=1.0, tokens=tokens, compute_entropy=True, gradient=gradient)
     default = launch.forward(batch["logits"], batch["completion_ids"], **common)
     persistent = launch.forward(batch["logits"], batch["completion_ids"], config={"programs_per_sm": programs_per_sm},
                                 **common)

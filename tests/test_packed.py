@@ -8,7 +8,7 @@ level and path. Packs hold sequences of very different lengths, an empty one, an
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import LOSS_TYPES, assert_close
 
 from grpo_kernels import GRPOLoss, grpo_loss, token_logprobs
 
@@ -60,7 +60,7 @@ def _assert_same(padded_run, packed_run, valid, mask):
 
 
 # vespo makes its own sequence weight from token-level ratios: its options refuse the other levels
-CASES = [(loss_type, level) for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+CASES = [(loss_type, level) for loss_type in LOSS_TYPES
          for level in ("token", "sequence", "sequence_token") if loss_type != "vespo" or level == "token"]
 
 

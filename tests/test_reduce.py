@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from grpo_kernels import GRPOOptions
+from grpo_kernels.inputs import SequenceLayout
 from grpo_kernels.kernels import reduce_launch
 from grpo_kernels.kernels.contracts import FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, Sequences
 from grpo_kernels.objective import (clip_metric_values, entropy_bonus_weights, kernel_reduction, masked_mean,
                                     metric_names, reduction_weights)
-from grpo_kernels.packing import SequenceLayout
 
 LOSS_TYPES = {"grpo": {}, "bnpo": {}, "dr_grpo": dict(max_completion_length=7), "dapo": {}, "luspo": {},
               "cispo": dict(epsilon_high=1.1), "sapo": {}}
@@ -123,8 +123,8 @@ def test_loss_metrics_are_the_reduced_loss_and_trls_means(device, loss_type, wit
     opts = GRPOOptions(loss_type=loss_type, beta=0.04 if with_kl else 0.0, compute_entropy=with_entropy,
                        entropy_coef=0.02 if with_bonus else 0.0, **LOSS_TYPES[loss_type])
     weights = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, None, 0.5))
-    loss, metrics = reduce_launch.loss_metrics(mask, opts, loss=loss_t, entropy=entropy if with_entropy else None,
-                                               kl=kl if with_kl else None, flags=flags, weights=weights)
+    loss, metrics = reduce_launch.loss_metrics(mask, opts.kernel_loss, loss=loss_t,
+                                               entropy=entropy if with_entropy else None, kl=kl if with_kl else None, flags=flags, weights=weights)
     expected_loss = (loss_t * weights.weight).sum() + ((entropy * weights.entropy_weight).sum() if with_bonus else 0)
     torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
     low, high = ((flags.int() & bit) != 0 for bit in (FLAG_LOW_CLIPPED, FLAG_HIGH_CLIPPED))
@@ -141,7 +141,7 @@ def test_loss_metrics_of_no_token_are_zero(device):
     opts = GRPOOptions(beta=0.04)
     empty = torch.empty(0, device=device)
     weights = reduce_launch.token_weights(empty, Sequences(0, 0), kernel_reduction(opts, 0, None, 1.0))
-    loss, metrics = reduce_launch.loss_metrics(empty, opts, loss=empty, entropy=empty, kl=empty,
+    loss, metrics = reduce_launch.loss_metrics(empty, opts.kernel_loss, loss=empty, entropy=empty, kl=empty,
                                                flags=empty.to(torch.int8), weights=weights)
     assert loss.item() == 0 and metrics.eq(0).all() and metrics.numel() == 5
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import KERNEL_LOSS_TYPES, assert_close
 
 from grpo_kernels import (GRPOLoss, fused_linear_grpo_loss, grpo_loss, grpo_loss_reference,
                           selective_log_softmax_and_entropy, token_entropy, token_logprobs)
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow) encount
 # Triton runs on the GPU where there is one (else in its interpreter, on CPU tensors); the torch path on CPU.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo"]
 PATHS = ["torch", "triton_one_pass", "triton_two_pass"]
 EPS, EPS_HIGH, SAPO_POS, SAPO_NEG, MAX_LEN = 0.2, 0.28, 1.0, 1.05, 8
 # fp32 against fp64: the lm_head gradients are sums of O(V + H) fp32 products of O(1) values,
@@ -78,7 +77,7 @@ def _random_case(seed):
     g = torch.Generator().manual_seed(seed)
     pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
     B, T, V = pick([1, 2, 3, 4]), pick([1, 3, 6]), pick([7, 33, 130])
-    case = dict(loss_type=pick(LOSS_TYPES), level=pick(["token", "token", "sequence"]), beta=pick([0.0, 0.04]),
+    case = dict(loss_type=pick(KERNEL_LOSS_TYPES), level=pick(["token", "token", "sequence"]), beta=pick([0.0, 0.04]),
                 temperature=pick([1.0, 0.7]), B=B, T=T, V=V)
     logits = torch.randn(B, T, V, generator=g) * 2
     ids = torch.randint(0, V, (B, T), generator=g)
@@ -248,7 +247,7 @@ def test_in_place_backward_on_a_view_of_a_model_output_is_allowed():
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", KERNEL_LOSS_TYPES)
 def test_a_minus_inf_target_logit_gives_a_finite_loss_and_gradient(path, loss_type):
     """A vocabulary entry masked to -inf at a sampled token: logp is -inf, the ratio 0, the term its limit."""
     d = _small_batch(seed=5)

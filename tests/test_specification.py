@@ -13,19 +13,18 @@ import random
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import LOSS_TYPES, PPO_CLIP_LOSS_TYPES, assert_close
 
 from grpo_kernels import grpo_loss, grpo_loss_reference
 from grpo_kernels.objective import grpo_loss_eager
 
-PPO_CLIP = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 def _draw(seed: int):
     """(options, inputs, logits) of one random case."""
     rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
     B, T, V = rnd.randint(1, 5), rnd.randint(1, 7), rnd.choice([7, 50, 300])
-    loss_type = rnd.choice(PPO_CLIP + ("cispo", "sapo", "vespo"))
+    loss_type = rnd.choice(LOSS_TYPES)
     level = "token" if loss_type == "vespo" else rnd.choice(["token", "sequence", "sequence_token"])
     opts = dict(loss_type=loss_type, importance_sampling_level=level, temperature=rnd.choice([1.0, 0.7, 1.3]))
     if loss_type == "dr_grpo":
@@ -42,9 +41,9 @@ def _draw(seed: int):
             opts["use_bias_correction_kl"] = True
     if rnd.random() < 0.3:
         opts["log_ratio_clamp"] = 0.3
-    if loss_type in PPO_CLIP and rnd.random() < 0.3:
+    if loss_type in PPO_CLIP_LOSS_TYPES and rnd.random() < 0.3:
         opts["delta"] = 1.3
-    if loss_type in PPO_CLIP and rnd.random() < 0.3:
+    if loss_type in PPO_CLIP_LOSS_TYPES and rnd.random() < 0.3:
         opts["dual_clip"] = 2.0
     if rnd.random() < 0.3:
         opts["entropy_coef"] = 0.05

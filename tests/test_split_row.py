@@ -207,8 +207,8 @@ def test_no_wait_times_out(device, launched, chunks, held):
                              advantages=batch["advantages"].repeat_interleave(ids.shape[1]).contiguous(),
                              old_logps=batch["old_logps"].reshape(-1).contiguous(),
                              ref_logps=batch["ref_logps"].reshape(-1).contiguous())
-        r = launch.forward(logits, ids, opts=GRPOOptions(beta=0.04), tokens=tokens, compute_entropy=True,
-                           gradient=OnePassGradient(torch.full((N,), 1.0 / N, **f32)))
+        r = launch.forward(logits, ids, kernel_loss=GRPOOptions(beta=0.04).kernel_loss, tokens=tokens,
+                           compute_entropy=True, gradient=OnePassGradient(torch.full((N,), 1.0 / N, **f32)))
     assert r.grad_logits is not None and torch.isfinite(r.grad_logits).all()
     assert launched and all(c["HOLD_CHUNK"] == held for c in launched), _seen(launched)
     if logits.is_cuda:

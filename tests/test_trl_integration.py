@@ -13,6 +13,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from grpo_kernels.integration.trl import GRPOKernelsTrainer  # noqa: E402
 from grpo_kernels.training.tasks import compare  # noqa: E402
+from helpers import LOSS_TYPES  # noqa: E402
 
 B, G, T = 4, 2, 6
 
@@ -82,7 +83,7 @@ def assert_same_as_trl(stock, ours, batch, accumulation=1):
     return expected_metrics, metrics
 
 
-CASES = [(lt, level, beta, acc) for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+CASES = [(lt, level, beta, acc) for lt in LOSS_TYPES
          for level in ("token", "sequence") for beta, acc in ((0.0, 1), (0.04, 2))
          if lt != "vespo" or level == "token"]  # vespo makes its own sequence weight from token ratios
 

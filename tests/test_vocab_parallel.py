@@ -11,13 +11,14 @@ import torch
 from gloo_ranks import run_ranks
 
 from grpo_kernels import grpo_loss
+from helpers import LOSS_TYPES
 
 B, T = 3, 5
 TOL = dict(atol=2e-6, rtol=1e-5)
 CASES = [dict(loss_type=loss_type, importance_sampling_level=level, beta=beta, temperature=0.9,
               **({"max_completion_length": 8} if loss_type == "dr_grpo" else {}),
               **({"epsilon_high": 1.2} if loss_type == "cispo" else {}))
-         for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+         for loss_type in LOSS_TYPES
          for level, beta in (("token", 0.04), ("sequence", 0.0))
          if loss_type != "vespo" or level == "token"]
 CASES += [dict(beta=0.04, entropy_coef=0.1, top_entropy_quantile=0.6, off_policy_mask_threshold=0.05)]

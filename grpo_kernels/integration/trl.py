@@ -33,7 +33,7 @@ from ..entropy_control import AdaptiveEntropy
 from ..heads import (FusedHeadError, evaluating, fused_head, head_weights, last_hidden_states, logit_rounding,
                      probe_ids, router_aux_loss)
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, selective_log_softmax_and_entropy
-from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
+from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, GRPOOptions
 from ..wrapped import inside_forward
 
 # The oldest TRL the adapter matches number for number: TRL 1.8 and 1.9 reduce luspo (and cispo with the entropy
@@ -232,7 +232,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
         if self.use_vllm and self.vllm_importance_sampling_correction:
             importance_weights = inputs["importance_sampling_ratio"]
         normalizer = None
-        if self.loss_type in TOKEN_COUNT_LOSS_TYPES:
+        if LOSS_TYPE_REGISTRY[self.loss_type].takes_normalizer:
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation

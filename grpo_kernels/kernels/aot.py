@@ -163,33 +163,35 @@ def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                 yield f"logprobs+entropy+mask {tag}", lambda: launch.forward(
                     x["logits"], x["ids"], tokens=TokenInputs(mask=x["mask"]), compute_entropy=True)
                 for name, opts in LOSS_OPTIONS.items():
-                    common = dict(opts=opts, tokens=TokenInputs(x["mask"], x["adv"], x["old"],
+                    common = dict(kernel_loss=opts.kernel_loss, tokens=TokenInputs(x["mask"], x["adv"], x["old"],
                                                                 x["ref"] if opts.uses_kl else None, x["iw"]),
                                   compute_entropy=True)
                     yield f"{name}+old+iw one-pass {tag}", lambda c=common: launch.forward(
                         x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **c)
                     yield f"{name}+old+iw {tag}", lambda c=common: launch.forward(x["logits"], x["ids"], **c)
                 yield f"ppo+old+iw one-pass persistent {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"],
+                    x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
                     tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]), compute_entropy=True,
                     gradient=OnePassGradient(x["weight"]), config={"programs_per_sm": 2})
                 yield f"ppo on-policy one-pass {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], tokens=TokenInputs(x["mask"], x["adv"]),
+                    x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
+                    tokens=TokenInputs(x["mask"], x["adv"]),
                     gradient=OnePassGradient(x["weight"]))
                 yield f"ppo+entropy-bonus one-pass {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"], tokens=TokenInputs(x["mask"], x["adv"], x["old"]),
+                    x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
+                    tokens=TokenInputs(x["mask"], x["adv"], x["old"]),
                     compute_entropy=True, gradient=OnePassGradient(x["weight"], x["weight"]))
                 if V >= 32000:  # the split-row schedule (one cooperative launch: see record_all); at V = 151936,
                     # K = 64 is a block a chunk held in registers (38 chunks; bf16 and fp16), and K = 8 at V = 32000
                     for chunks, bonus in ((8, False), (4, True)) + (((64, False), (64, True)) if V > 32000 else ()):
                         name = "ppo+entropy-bonus" if bonus else "ppo+old+iw"
                         yield f"{name} one-pass split-row K={chunks} {tag}", lambda k=chunks, e=bonus: _split_row(
-                            k, launch.forward, x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"],
+                            k, launch.forward, x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
                             tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=None if e else x["iw"]),
                             compute_entropy=True, gradient=OnePassGradient(x["weight"], x["weight"] if e else None))
                 if V == 32000 and dtype == torch.bfloat16:  # K = 1: the row held whole by a program of 16 warps
                     yield f"ppo+old+iw one-pass split-row K=1 whole row {tag}", lambda: _split_row(
-                        1, launch.forward, x["logits"], x["ids"], opts=LOSS_OPTIONS["ppo"],
+                        1, launch.forward, x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
                         tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
                         compute_entropy=True, gradient=OnePassGradient(x["weight"]),
                         config={"BLOCK_V": 32768, "num_warps": 16})
@@ -200,7 +202,7 @@ def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                         x["logits"], x["ids"], tokens=TokenInputs(mask=x["mask"]), compute_entropy=True,
                         softcap=SOFTCAP)
                     yield f"ppo+old+iw one-pass softcap {tag}", lambda: launch.forward(
-                        x["logits"], x["ids"], opts=capped,
+                        x["logits"], x["ids"], kernel_loss=capped.kernel_loss,
                         tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
                         compute_entropy=True, gradient=OnePassGradient(x["weight"]))
                     yield f"dlogits softcap {tag}", lambda: launch.backward(
@@ -232,7 +234,7 @@ def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
         bias, ids, ones = torch.empty(V, dtype=dtype), torch.zeros(N, dtype=torch.int64), torch.ones(N)
         for name, o in opts.items():
             per_token = dict(tokens=TokenInputs(mask=ones)) if o is None else dict(
-                opts=o, tokens=TokenInputs(ones, ones, ones, ones, ones))
+                kernel_loss=o.kernel_loss, tokens=TokenInputs(ones, ones, ones, ones, ones))
             for with_bias in (False, True):
                 yield (f"forward {name} bias={with_bias} {dtype_name}",
                        lambda b=with_bias, p=per_token: lm_head_launch.linear_forward(
@@ -292,7 +294,7 @@ def reduce_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                                      sequences, kernel_reduction(opts, S, normalizer, scale, bonus))
             grad = torch.empty_like(logits)
             yield f"loss {name} one-pass {dtype_name}", lambda o=opts, t=loss_tokens, g=grad: launch.loss_forward(
-                logits[:, :-1], ids, opts=o, loss_tokens=t, gradient_out=g, dropped_gradient=g)
+                logits[:, :-1], ids, kernel_loss=o.kernel_loss, loss_tokens=t, gradient_out=g, dropped_gradient=g)
 
 
 def _split_row(chunks: int, fn, *args, **kwargs):

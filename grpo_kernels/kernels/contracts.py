@@ -1,11 +1,16 @@
 """Host-kernel contracts that need no Triton: the values the host passes and the flag bits it reads back.
 
+The kernel tier (``kernels/``) imports nothing of the front end; the front end builds what it hands the
+launchers from these types (``GRPOOptions.kernel_loss``, ``TokenInputs``, ``LossTokens``).
+
 The kernels (``kernels/grpo.py``) and the front end (``loss.py``) share these names; this module
 imports nothing heavy, so ``import grpo_kernels`` and the CPU path work where Triton is absent.
 """
 
 import functools
 from typing import Any, NamedTuple, Optional
+
+import torch
 
 
 class TokenInputs(NamedTuple):
@@ -47,9 +52,49 @@ KL_K3 = 0
 KL_K1 = 1
 KL_K2 = 2
 
+# Bits of LOSS_FLAGS, the loss kernels' one constexpr of optional features (a feature's presence, never its
+# value: the values are run-time ``loss_scalars``). One integer folds at compile time like separate flags (checked
+# with the AOT report) and a new feature is one bit, not a parameter of every loss kernel.
+LOSS_FLAG_DELTA = 1  # TRL's cap on the unclipped ratio
+LOSS_FLAG_DUAL_CLIP = 2  # verl / OpenRLHF's bound on negative advantages' loss
+LOSS_FLAG_LOG_RATIO_CLAMP = 4  # clamp the log-ratio (and k3's exponent)
+LOSS_FLAG_KL_CLAMP = 8  # clamp the per-token KL
+LOSS_FLAG_BIAS_CORRECTION_KL = 16  # the KL term times the importance ratio
+
 # Bits of the int8 flags output, read by the clip-ratio metrics.
 FLAG_LOW_CLIPPED = 1
 FLAG_HIGH_CLIPPED = 2  # for cispo: ratio above the cap with a positive advantage
+
+
+class KernelLoss(NamedTuple):
+    """A loss as the launchers take it, built once per options object by the front end
+    (``GRPOOptions.kernel_loss``); a launch without a loss (log-probs only) takes None. The kernel tier reads
+    nothing else of the options.
+
+    ``args``: the loss kernels' keyword arguments that come from the options alone: ``loss_scalars`` (the
+    run-time scalars in ``LOSS_SCALARS`` order) and the constexprs (``LOSS_KIND``, ``KL_KIND`` and ``LOSS_FLAGS``,
+    a bit set of ``LOSS_FLAG_*``). ``temperature``: the
+    options' own (a launcher's ``temperature`` argument must agree with it); ``kernel_temperature`` and
+    ``kernel_softcap``: what the kernels divide by and cap with (the head's scale folded in). ``with_kl``: the
+    loss has a KL term. ``clip_metrics``: a ``CLIP_METRICS_*`` and ``clip_metric_count`` how many it logs."""
+
+    args: dict
+    temperature: float
+    kernel_temperature: float
+    kernel_softcap: Optional[float]
+    compute_entropy: bool
+    with_kl: bool
+    clip_metrics: int
+    clip_metric_count: int
+
+    @property
+    def kind(self) -> int:
+        return self.args["LOSS_KIND"]
+
+
+# The loss arguments of a launch without a loss: never read (LOSS_KIND is LOSS_NONE), but the kernels' signature
+# takes them.
+NO_LOSS_ARGS = {"loss_scalars": (0.0,) * len(LOSS_SCALARS), "LOSS_KIND": LOSS_NONE, "KL_KIND": KL_K3, "LOSS_FLAGS": 0}
 
 
 @functools.lru_cache(maxsize=None)  # a successful import only (an ImportError is raised again each call)
@@ -66,17 +111,20 @@ def _triton_module(name: str):
         ) from e
 
 
+@functools.lru_cache(maxsize=None)  # a module, asked on every call: a cache hit enters no Python
 def launch_module():
     """``grpo_kernels.kernels.launch`` (the logits kernels' launchers), imported on first use: it needs
     triton, the CPU path does not."""
     return _triton_module("launch")
 
 
+@functools.lru_cache(maxsize=None)  # a module, asked on every call: a cache hit enters no Python
 def lm_head_launch_module():
     """``grpo_kernels.kernels.fused_linear_launch`` (the fused lm_head's launchers), imported on first use."""
     return _triton_module("fused_linear_launch")
 
 
+@functools.lru_cache(maxsize=None)  # a module, asked on every call: a cache hit enters no Python
 def reduce_launch_module():
     """``grpo_kernels.kernels.reduce_launch`` (the token-weights and loss-metrics launchers), imported on first use."""
     return _triton_module("reduce_launch")
@@ -133,3 +181,14 @@ class LossTokens(NamedTuple):
     tokens: TokenInputs
     sequences: Sequences
     reduction: Reduction
+
+
+def fp32_products(fn):
+    """``fn`` with autocast off: its products are meant in fp32 (the lm_head's logits and gradients,
+    accumulated in fp32), which an ambient bf16 / fp16 autocast would silently cast down. Both the torch path
+    and the lm_head's launchers use it."""
+    @functools.wraps(fn)
+    def without_autocast(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+    return without_autocast

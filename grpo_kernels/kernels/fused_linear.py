@@ -75,8 +75,7 @@ def _finish_tokens(
     rows, active, running_max, sum_exp, sum_exp_x, target_x, N,
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
-    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
 ):
     """From a token block's log-sum-exp state: store lse, logp, entropy, then the per-token loss terms."""
     COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
@@ -103,7 +102,7 @@ def _finish_tokens(
             iw = tl.load(iw_ptr + rows, mask=active, other=0.0)
         loss, dloss, kl, flags = token_loss_and_grad(
             logp, tl.load(adv_ptr + rows, mask=active, other=0.0), old, ref, iw, loss_scalars,
-            LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
+            LOSS_KIND, KL_KIND, LOSS_FLAGS)
         if kl_out is not None:
             tl.store(kl_out + rows, tl.where(active, kl, 0.0), mask=in_rows)
         tl.store(loss_out + rows, tl.where(active, loss, 0.0), mask=in_rows)
@@ -127,8 +126,7 @@ def linear_grpo_forward_kernel(
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     inv_temperature, softcap, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
-    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -177,7 +175,7 @@ def linear_grpo_forward_kernel(
         _finish_tokens(
             rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
             logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out, loss_scalars,
-            LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
+            LOSS_KIND, KL_KIND, LOSS_FLAGS,
         )
 
 
@@ -187,8 +185,7 @@ def linear_grpo_combine_kernel(
     mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
-    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Merge the vocabulary splits' log-sum-exp states of a token block, then finish its tokens."""
@@ -211,7 +208,7 @@ def linear_grpo_combine_kernel(
     _finish_tokens(
         rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
         logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out, loss_scalars,
-        LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL,
+        LOSS_KIND, KL_KIND, LOSS_FLAGS,
     )
 
 

@@ -13,12 +13,10 @@ from typing import Dict, Optional
 import torch
 import triton
 
-from ..options import GRPOOptions
-from ..torch_path import fp32_products
 from . import fused_linear as FL
 from . import tuned
 from . import launch as logits_launch  # the 3-product mode runs the logits kernels on each chunk
-from .contracts import OnePassGradient, TokenInputs
+from .contracts import KernelLoss, OnePassGradient, TokenInputs, fp32_products
 from .launch import ForwardResult, allocate_outputs, loss_args, loss_pointer_args, resolved_head
 
 
@@ -89,7 +87,7 @@ def linear_forward(
     bias: Optional[torch.Tensor],
     ids: torch.Tensor,
     *,
-    opts: Optional[GRPOOptions] = None,
+    kernel_loss: Optional[KernelLoss] = None,
     temperature: Optional[float] = None,
     softcap: Optional[float] = None,
     tokens: TokenInputs = TokenInputs(),
@@ -99,15 +97,15 @@ def linear_forward(
     """The forward kernel on cap(hidden [N, H] @ weight[V, H]^T + bias) / temperature (``launch.resolved_head``),
     logits never stored.
 
-    Per-token inputs (``tokens``) and outputs as in ``launch.forward`` (fp32 [N]); with ``opts`` None
-    only log-probs (and entropy) are computed. The lm_head gradient needs the full log-sum-exp first:
+    Per-token inputs (``tokens``) and outputs as in ``launch.forward`` (fp32 [N]); with ``kernel_loss``
+    None only log-probs (and entropy) are computed. The lm_head gradient needs the full log-sum-exp first:
     see ``linear_backward``.
     """
-    temperature, softcap = resolved_head(opts, temperature, softcap)
+    temperature, softcap = resolved_head(kernel_loss, temperature, softcap)
     N, H = hidden.shape
     V = weight.shape[0]
-    out = allocate_outputs(N, hidden.device, opts, compute_entropy)
-    per_token = dict(**loss_pointer_args(out, tokens), **loss_args(opts))
+    out = allocate_outputs(N, hidden.device, kernel_loss, compute_entropy)
+    per_token = dict(**loss_pointer_args(out, tokens), **loss_args(kernel_loss))
     cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
     if N == 0:
         return out
@@ -226,8 +224,8 @@ def _add_chunk_gradients(dx, weight, hidden_chunk, dh_chunk, dw, db, first: bool
 
 
 @fp32_products
-def linear_three_products(hidden, weight, bias, ids, *, opts, tokens: TokenInputs, compute_entropy: bool,
-                          gradient: Optional[OnePassGradient], compute_weight_grad: bool):
+def linear_three_products(hidden, weight, bias, ids, *, kernel_loss: KernelLoss, tokens: TokenInputs,
+                          compute_entropy: bool, gradient: Optional[OnePassGradient], compute_weight_grad: bool):
     """The fused lm_head with 3 products instead of 4: loss terms and every gradient in one chunk loop.
 
     Each chunk's logits are computed once (``hidden @ weight.T + bias``, in the input dtype, into
@@ -242,7 +240,7 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, tokens: TokenInput
     """
     N, H = hidden.shape
     V = weight.shape[0]
-    out = allocate_outputs(N, hidden.device, opts, compute_entropy)
+    out = allocate_outputs(N, hidden.device, kernel_loss, compute_entropy)
     with_grad = gradient is not None
     dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad) if with_grad else (None,) * 3
     chunk = linear_chunk_tokens(N, V, hidden.element_size(), 1)
@@ -257,7 +255,7 @@ def linear_three_products(hidden, weight, bias, ids, *, opts, tokens: TokenInput
             torch.addmm(bias, hidden[n], weight.T, out=x)
         chunk_gradient = OnePassGradient(gradient.weight[n], pick(gradient.entropy_weight, n),
                                          in_place=True) if with_grad else None
-        r = logits_launch.forward(x.unsqueeze(0), ids[n].unsqueeze(0), opts=opts,
+        r = logits_launch.forward(x.unsqueeze(0), ids[n].unsqueeze(0), kernel_loss=kernel_loss,
                                   tokens=TokenInputs(*(pick(t, n) for t in tokens)), compute_entropy=compute_entropy,
                                   gradient=chunk_gradient)
         for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):

@@ -38,7 +38,8 @@ from triton.language.extra import libdevice
 
 # The host's values and the flag bits, named in one place (triton-free, for the front end).
 from .contracts import (FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, KL_K1, KL_K2, KL_K3, LOSS_CISPO,  # noqa: E402,F401
-                        LOSS_NONE, LOSS_PPO_CLIP, LOSS_SAPO)
+                        LOSS_FLAG_BIAS_CORRECTION_KL, LOSS_FLAG_DELTA, LOSS_FLAG_DUAL_CLIP, LOSS_FLAG_KL_CLAMP,
+                        LOSS_FLAG_LOG_RATIO_CLAMP, LOSS_NONE, LOSS_PPO_CLIP, LOSS_SAPO)
 from .logsumexp import rescale_lse  # noqa: E402
 
 # The same contracts as the kernels read them: Triton takes module globals only as constexprs.
@@ -49,6 +50,11 @@ C_KL_K3 = tl.constexpr(KL_K3)
 C_KL_K1 = tl.constexpr(KL_K1)
 C_FLAG_LOW = tl.constexpr(FLAG_LOW_CLIPPED)
 C_FLAG_HIGH = tl.constexpr(FLAG_HIGH_CLIPPED)
+C_LOSS_FLAG_DELTA = tl.constexpr(LOSS_FLAG_DELTA)
+C_LOSS_FLAG_DUAL_CLIP = tl.constexpr(LOSS_FLAG_DUAL_CLIP)
+C_LOSS_FLAG_LOG_RATIO_CLAMP = tl.constexpr(LOSS_FLAG_LOG_RATIO_CLAMP)
+C_LOSS_FLAG_KL_CLAMP = tl.constexpr(LOSS_FLAG_KL_CLAMP)
+C_LOSS_FLAG_BIAS_CORRECTION_KL = tl.constexpr(LOSS_FLAG_BIAS_CORRECTION_KL)
 
 RUNTIME_INTS = ["T", "V", "N", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"]
 
@@ -260,8 +266,7 @@ def _kl_with_grad(
 @triton.jit
 def token_loss_and_grad(
     logp, adv, old, ref, iw, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
-    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
 ):
     """The per-token loss of one loss_type, its derivative with respect to logp, the KL and the clip flags.
 
@@ -269,13 +274,20 @@ def token_loss_and_grad(
     token per program) or [BLOCK_N] vectors (the fused lm_head kernel). ``old``, ``ref``
     and ``iw`` are None where absent (on-policy, no KL term, no importance weights): what
     they switch on is decided at compile time. ``loss_scalars`` is the kernels' run-time
-    tuple in ``contracts.LOSS_SCALARS`` order (the host's ``launch.loss_scalar_args``); the
-    flags stay separate constexpr parameters, since a tuple passed to a jit function carries
-    run-time values only (tried on triton 3.6 and 3.9: its flags compiled as run-time ifs).
+    tuple in ``contracts.LOSS_SCALARS`` order (the host's ``options._kernel_loss``). The optional
+    features are one integer constexpr, ``LOSS_FLAGS`` (``contracts.LOSS_FLAG_*`` bits), decoded here into
+    compile-time flags: an integer folds at compile time, where a tuple of flags passed to a jit function
+    carries run-time values only (tried on triton 3.6 and 3.9: its flags compiled as run-time ifs). The bit is
+    on the left of ``&``: the interpreter passes a constexpr parameter as a plain int.
     Returns (loss, dloss_dlogp, kl, flags); kl is 0 without KL, flags holds the
     FLAG_LOW_CLIPPED / FLAG_HIGH_CLIPPED bits.
     """
     eps_low, eps_high, delta, dual_clip, beta, log_ratio_clamp, kl_clamp, sapo_tau_pos, sapo_tau_neg = loss_scalars
+    HAS_DELTA: tl.constexpr = (C_LOSS_FLAG_DELTA & LOSS_FLAGS) != 0
+    HAS_DUAL_CLIP: tl.constexpr = (C_LOSS_FLAG_DUAL_CLIP & LOSS_FLAGS) != 0
+    HAS_LOG_RATIO_CLAMP: tl.constexpr = (C_LOSS_FLAG_LOG_RATIO_CLAMP & LOSS_FLAGS) != 0
+    HAS_KL_CLAMP: tl.constexpr = (C_LOSS_FLAG_KL_CLAMP & LOSS_FLAGS) != 0
+    BIAS_CORRECTION_KL: tl.constexpr = (C_LOSS_FLAG_BIAS_CORRECTION_KL & LOSS_FLAGS) != 0
     HAS_OLD: tl.constexpr = old is not None
     HAS_KL: tl.constexpr = ref is not None
     HAS_IW: tl.constexpr = iw is not None
@@ -342,8 +354,7 @@ def token_loss_and_grad(
 @triton.jit
 def token_loss_at(
     row, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
-    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
 ):
     """``token_loss_and_grad`` of one token of the logits kernels (``row`` a scalar index), its per-token inputs
     read where their pointers are not None."""
@@ -357,7 +368,7 @@ def token_loss_at(
     if iw_ptr is not None:
         iw = tl.load(iw_ptr + row)
     return token_loss_and_grad(logp, tl.load(adv_ptr + row), old, ref, iw, loss_scalars,
-                               LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
+                               LOSS_KIND, KL_KIND, LOSS_FLAGS)
 
 
 @triton.jit
@@ -378,8 +389,7 @@ def _forward_token(
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
     inv_temperature, softcap, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
-    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
     ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Everything the forward does for one token (row ``pid``): see ``grpo_forward_kernel``."""
@@ -406,7 +416,7 @@ def _forward_token(
 
     if LOSS_KIND != C_LOSS_NONE:
         loss, dloss, kl, flags = token_loss_at(pid, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars,
-                                               LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
+                                               LOSS_KIND, KL_KIND, LOSS_FLAGS)
         store_loss_terms(pid, active, loss, dloss, kl, flags, loss_out, dloss_out, kl_out, flags_out)
         if WRITE_GRAD:
             # One pass: the reduction's weight of this token is known up front, so dLoss/dlogp
@@ -428,8 +438,7 @@ def grpo_forward_kernel(
     logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
     grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
     inv_temperature, softcap, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
-    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
     ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     """One token per program on a grid of N programs; or, PERSISTENT, a grid of a few programs per SM,
@@ -450,16 +459,14 @@ def grpo_forward_kernel(
                 tl.cast(row, tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr, old_ptr,
                 ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
                 grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-                softcap, loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP,
-                HAS_KL_CLAMP, BIAS_CORRECTION_KL, ROW_ALIGN, BLOCK_V,
+                softcap, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS, ROW_ALIGN, BLOCK_V,
             )
     else:
         _forward_token(
             tl.program_id(0).to(tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr,
             old_ptr, ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
             grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-            softcap, loss_scalars, LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP,
-            BIAS_CORRECTION_KL, ROW_ALIGN, BLOCK_V,
+            softcap, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS, ROW_ALIGN, BLOCK_V,
         )
 
 

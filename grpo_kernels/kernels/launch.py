@@ -16,10 +16,9 @@ import torch
 import triton
 from packaging.version import Version
 
-from ..options import GRPOOptions
 from . import grpo
 from . import tuned
-from .contracts import LOSS_SCALARS, LossTokens, OnePassGradient, TokenInputs, TokenWeights
+from .contracts import NO_LOSS_ARGS, KernelLoss, LossTokens, OnePassGradient, TokenInputs, TokenWeights
 from .reduce_launch import fp32_rows, reduced, rows_needed, weighted_tokens
 
 
@@ -103,29 +102,9 @@ class ForwardResult:
     split_row_error: Optional[torch.Tensor] = None  # int32 [1], 1 if a split-row wait timed out (a GPU launch)
 
 
-def loss_kind(opts: Optional[GRPOOptions]) -> int:
-    if opts is None:
-        return grpo.LOSS_NONE
-    kinds = {"ppo_clip": grpo.LOSS_PPO_CLIP, "cispo": grpo.LOSS_CISPO, "sapo": grpo.LOSS_SAPO}
-    if opts.loss.policy_term not in kinds:
-        raise ValueError(f"loss_type={opts.loss_type!r} has no loss kernel (its loss math runs in torch)")
-    return kinds[opts.loss.policy_term]
-
-
-def loss_constexprs(opts: Optional[GRPOOptions]) -> Dict[str, object]:
-    """The loss options' compile-time flags. The rest (mask, old and reference log-probs, importance weights,
-    entropy, the one-pass gradient) the kernels derive from which of their tensors are None."""
-    kind = loss_kind(opts)
-    with_loss = kind != grpo.LOSS_NONE
-    return {
-        "LOSS_KIND": kind,
-        "KL_KIND": {"k3": grpo.KL_K3, "k1": grpo.KL_K1, "k2": grpo.KL_K2}[opts.kl_estimator] if with_loss else 0,
-        "HAS_DELTA": with_loss and opts.delta is not None,
-        "HAS_DUAL_CLIP": with_loss and opts.dual_clip is not None,
-        "HAS_LOG_RATIO_CLAMP": with_loss and opts.log_ratio_clamp is not None,
-        "HAS_KL_CLAMP": with_loss and opts.kl_clamp is not None,
-        "BIAS_CORRECTION_KL": with_loss and opts.use_bias_correction_kl,
-    }
+def loss_kind(kernel_loss: Optional[KernelLoss]) -> int:
+    """The forward kernels' LOSS_KIND of a launch: LOSS_NONE without a loss (log-probs only)."""
+    return grpo.LOSS_NONE if kernel_loss is None else kernel_loss.kind
 
 
 def row_alignment(*tensors: torch.Tensor) -> int:
@@ -144,57 +123,44 @@ def row_alignment(*tensors: torch.Tensor) -> int:
     return 16 // size
 
 
-def resolved_head(opts: Optional[GRPOOptions], temperature: Optional[float], softcap: Optional[float]) -> tuple:
+def resolved_head(kernel_loss: Optional[KernelLoss], temperature: Optional[float], softcap: Optional[float]) -> tuple:
     """(temperature, softcap) of a launch: the kernels compute log softmax(cap(x) / temperature) of the raw logits x,
-    cap(x) = softcap * tanh(x / softcap) (softcap None: no cap). From one source: the options when there are any
-    (``GRPOOptions.kernel_temperature`` and ``kernel_softcap``, the head's scale folded in; a ``temperature``
-    beside them must agree with the options' own, and a ``softcap`` may not be given), else the arguments
+    cap(x) = softcap * tanh(x / softcap) (softcap None: no cap). From one source: the loss when there is one
+    (``KernelLoss.kernel_temperature`` and ``kernel_softcap``, the head's scale folded in; a ``temperature``
+    beside it must agree with the options' own, and a ``softcap`` may not be given), else the arguments
     (default 1 and None)."""
-    if opts is None:
+    if kernel_loss is None:
         return (1.0 if temperature is None else float(temperature)), (None if softcap is None else float(softcap))
-    if temperature is not None and float(temperature) != opts.temperature:
-        raise ValueError(f"temperature={temperature!r} disagrees with the options' temperature={opts.temperature!r}: "
-                         "pass it once, in the options")
+    if temperature is not None and float(temperature) != kernel_loss.temperature:
+        raise ValueError(f"temperature={temperature!r} disagrees with the options' "
+                         f"temperature={kernel_loss.temperature!r}: pass it once, in the options")
     if softcap is not None:
         raise ValueError(f"softcap={softcap!r} beside options: the options carry the head's soft-cap "
                          "(logit_softcap, logit_scale)")
-    return opts.kernel_temperature, opts.kernel_softcap
+    return kernel_loss.kernel_temperature, kernel_loss.kernel_softcap
 
 
-def _zero_if_none(value: Optional[float]) -> float:
-    return 0.0 if value is None else float(value)
-
-
-_LOG_PROBS_ONLY = GRPOOptions()  # the loss arguments of a launch without a loss (never read: LOSS_KIND is 0)
-
-
-def _output_names(opts: Optional[GRPOOptions], compute_entropy: bool) -> tuple:
-    """The fp32 outputs a forward launch writes, in ``ForwardResult`` order."""
-    with_loss = loss_kind(opts) != grpo.LOSS_NONE
+@functools.lru_cache(maxsize=None)
+def _output_names(with_loss: bool, with_kl: bool, compute_entropy: bool) -> tuple:
     wanted = dict(logp=True, entropy=compute_entropy, lse=True, loss=with_loss, dloss_dlogp=with_loss,
-                  kl=with_loss and opts.uses_kl)
+                  kl=with_loss and with_kl)
     return tuple(name for name, on in wanted.items() if on)
 
 
-_OUTPUT_NAMES = {(False, entropy): _output_names(None, entropy) for entropy in (False, True)}
+def output_names(kernel_loss: Optional[KernelLoss], compute_entropy: bool) -> tuple:
+    """The fp32 [N] outputs a forward launch writes (``ForwardResult``'s names, in its order)."""
+    return _output_names(kernel_loss is not None, kernel_loss is not None and kernel_loss.with_kl, compute_entropy)
 
 
-def allocate_outputs(N: int, device, opts: Optional[GRPOOptions], compute_entropy: bool,
+def allocate_outputs(N: int, device, kernel_loss: Optional[KernelLoss], compute_entropy: bool,
                      rows: Optional[tuple] = None) -> ForwardResult:
-    """The fp32 [N] outputs of a forward kernel (int8 flags); None where the options ask for none. The fp32
+    """The fp32 [N] outputs of a forward kernel (int8 flags); None where the loss asks for none. The fp32
     ones are rows of one buffer (``reduce_launch.fp32_rows``), or the given ``rows`` (one per ``output_names``)."""
-    names = output_names(opts, compute_entropy)
+    names = output_names(kernel_loss, compute_entropy)
     rows = dict(zip(names, rows if rows is not None else fp32_rows(len(names), N, device)))
     with_loss = "loss" in rows
     return ForwardResult(rows["logp"], rows.get("entropy"), rows["lse"], rows.get("loss"), rows.get("dloss_dlogp"),
                          rows.get("kl"), torch.empty(N, device=device, dtype=torch.int8) if with_loss else None)
-
-
-def output_names(opts: Optional[GRPOOptions], compute_entropy: bool) -> tuple:
-    """The fp32 [N] outputs a forward launch writes (``ForwardResult``'s names, in its order)."""
-    if opts is None:
-        return _OUTPUT_NAMES[False, compute_entropy]
-    return opts.derived(("outputs", compute_entropy), lambda o: _output_names(o, compute_entropy))
 
 
 def loss_pointer_args(out: ForwardResult, tokens: TokenInputs) -> Dict[str, Optional[torch.Tensor]]:
@@ -214,29 +180,17 @@ def loss_pointer_args(out: ForwardResult, tokens: TokenInputs) -> Dict[str, Opti
                 lse_out=out.lse, loss_out=out.loss, dloss_out=out.dloss_dlogp, kl_out=out.kl, flags_out=out.flags)
 
 
-def loss_scalar_args(opts: Optional[GRPOOptions]) -> Dict[str, tuple]:
-    """The loss's run-time scalars as the kernels' ``loss_scalars`` tuple (contracts.LOSS_SCALARS order)."""
-    o = opts or _LOG_PROBS_ONLY
-    values = dict(eps_low=float(o.epsilon), eps_high=float(o.eps_high), delta=_zero_if_none(o.delta),
-                  dual_clip=_zero_if_none(o.dual_clip), beta=float(o.beta),
-                  log_ratio_clamp=_zero_if_none(o.log_ratio_clamp), kl_clamp=_zero_if_none(o.kl_clamp),
-                  sapo_tau_pos=float(o.sapo_temperature_pos), sapo_tau_neg=float(o.sapo_temperature_neg))
-    return {"loss_scalars": tuple(values[name] for name in LOSS_SCALARS)}
-
-
-def loss_args(opts: Optional[GRPOOptions]) -> Dict[str, object]:
-    """The loss kernels' arguments that come from the options alone (``loss_scalar_args`` and
-    ``loss_constexprs``), built once per options object."""
-    if opts is None:
-        return _LOSS_ARGS_WITHOUT_LOSS
-    return opts.derived("loss_args", lambda o: {**loss_scalar_args(o), **loss_constexprs(o)})
+def loss_args(kernel_loss: Optional[KernelLoss]) -> Dict[str, object]:
+    """The loss kernels' arguments that come from the options alone (``KernelLoss.args``: the run-time scalars and
+    the constexprs), or the placeholders of a launch without a loss."""
+    return NO_LOSS_ARGS if kernel_loss is None else kernel_loss.args
 
 
 def forward(
     logits: torch.Tensor,
     ids: torch.Tensor,
     *,
-    opts: Optional[GRPOOptions] = None,
+    kernel_loss: Optional[KernelLoss] = None,
     temperature: Optional[float] = None,
     softcap: Optional[float] = None,
     tokens: TokenInputs = TokenInputs(),
@@ -247,15 +201,15 @@ def forward(
     """Run the forward kernel on log softmax(cap(logits) / temperature) (``resolved_head``).
 
     logits [B, T, V] with a unit last stride; ids [B, T]; the per-token inputs (``tokens``) are
-    contiguous fp32 [N] (N = B * T), None where absent. With ``opts`` None only log-probs (and
+    contiguous fp32 [N] (N = B * T), None where absent. With ``kernel_loss`` None only log-probs (and
     entropy) are computed. With ``gradient`` (a loss only) the kernel also writes dlogits of the
     reduced loss in the same pass (one-pass mode; see ``OnePassGradient``): in place, each row is read
     in full for its log-sum-exp before any of it is written. ``config`` overrides the launch
     configuration (see ``logits_launch_config``).
     """
-    temperature, softcap = resolved_head(opts, temperature, softcap)
-    out = allocate_outputs(logits.shape[0] * logits.shape[1], logits.device, opts, compute_entropy)
-    return _run_forward(logits, ids, out, opts, temperature, softcap, tokens, compute_entropy, gradient, config)
+    temperature, softcap = resolved_head(kernel_loss, temperature, softcap)
+    out = allocate_outputs(logits.shape[0] * logits.shape[1], logits.device, kernel_loss, compute_entropy)
+    return _run_forward(logits, ids, out, kernel_loss, temperature, softcap, tokens, compute_entropy, gradient, config)
 
 
 class LossForward(NamedTuple):
@@ -272,7 +226,7 @@ def loss_forward(
     logits: torch.Tensor,
     ids: torch.Tensor,
     *,
-    opts: GRPOOptions,
+    kernel_loss: KernelLoss,
     loss_tokens: LossTokens,
     gradient_out: Optional[torch.Tensor] = None,
     dropped_gradient: Optional[torch.Tensor] = None,
@@ -285,18 +239,21 @@ def loss_forward(
     ``gradient_out`` is the first T positions of, whose position T the token-weights kernel zeroes."""
     B, T, V = logits.shape
     N, device, t = B * T, logits.device, loss_tokens.tokens
-    names = output_names(opts, opts.compute_entropy)
+    names = output_names(kernel_loss, kernel_loss.compute_entropy)
     rows = fp32_rows(len(names) + rows_needed(t.advantages, t.importance_weights, loss_tokens.reduction), N, device)
     tokens, weights = weighted_tokens(loss_tokens, dropped_gradient=dropped_gradient, out=rows[len(names):])
     gradient = None if gradient_out is None else OnePassGradient(weights.weight, weights.entropy_weight,
                                                                  out=gradient_out)
-    result = _run_forward(logits, ids, allocate_outputs(N, device, opts, opts.compute_entropy, rows[:len(names)]),
-                          opts, opts.kernel_temperature, opts.kernel_softcap, tokens, opts.compute_entropy, gradient,
+    outputs = allocate_outputs(N, device, kernel_loss, kernel_loss.compute_entropy, rows[:len(names)])
+    result = _run_forward(logits, ids, outputs,
+                          kernel_loss, kernel_loss.kernel_temperature, kernel_loss.kernel_softcap, tokens,
+                          kernel_loss.compute_entropy, gradient,
                           config)
-    return LossForward(result, weights, *reduced(t.mask, opts, result, weights))
+    return LossForward(result, weights, *reduced(t.mask, kernel_loss, result, weights))
 
 
-def _run_forward(logits, ids, out: ForwardResult, opts, temperature: float, softcap: Optional[float],
+def _run_forward(logits, ids, out: ForwardResult, kernel_loss: Optional[KernelLoss], temperature: float,
+                 softcap: Optional[float],
                  tokens: TokenInputs, compute_entropy: bool, gradient: Optional[OnePassGradient],
                  config) -> ForwardResult:
     """The forward kernel's launch (or the split-row kernel's) into ``out``."""
@@ -315,7 +272,7 @@ def _run_forward(logits, ids, out: ForwardResult, opts, temperature: float, soft
         grad_logits_ptr=grad, grad_stride_b=grad.stride(0) if write_grad else 0,
         grad_stride_t=grad.stride(1) if write_grad else 0,
         entropy_grad_ptr=gradient.entropy_weight if write_grad else None, inv_temperature=1.0 / temperature,
-        softcap=softcap, **loss_args(opts),
+        softcap=softcap, **loss_args(kernel_loss),
         ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])),
     )
     out.grad_logits = grad
@@ -493,7 +450,6 @@ def _split_row_forward(logits: torch.Tensor, kwargs: dict, launch_config: dict, 
     return True, error
 
 
-_LOSS_ARGS_WITHOUT_LOSS = {**loss_scalar_args(None), **loss_constexprs(None)}
 
 SCALE_BLOCK = 4096
 

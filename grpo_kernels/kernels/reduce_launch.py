@@ -10,10 +10,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..objective import metric_names
-from ..options import GRPOOptions
 from . import reduce
-from .contracts import (CLIP_METRICS_CISPO, CLIP_METRICS_NONE, CLIP_METRICS_PPO, DIVISOR_GIVEN, LossTokens, Reduction,
+from .contracts import (CLIP_METRICS_NONE, DIVISOR_GIVEN, KernelLoss, LossTokens, Reduction,
                         Sequences, TokenInputs, TokenWeights)
 
 TOKEN_BLOCK = 1024  # the token-weights kernel's tokens per iteration (4 warps: 8 a thread)
@@ -121,23 +119,21 @@ def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch
     return TokenInputs(t.mask, weights.advantages, t.old_logps, t.ref_logps, weights.importance_weights), weights
 
 
-def reduced(mask: torch.Tensor, opts: GRPOOptions, result, weights: TokenWeights) -> Tuple[torch.Tensor, torch.Tensor]:
+def reduced(mask: torch.Tensor, kernel_loss: KernelLoss, result,
+            weights: TokenWeights) -> Tuple[torch.Tensor, torch.Tensor]:
     """``loss_metrics`` of a forward launch's result (``launch.ForwardResult``): (the loss, the metrics)."""
-    return loss_metrics(mask, opts, loss=result.loss, entropy=result.entropy, kl=result.kl, flags=result.flags,
+    return loss_metrics(mask, kernel_loss, loss=result.loss, entropy=result.entropy, kl=result.kl, flags=result.flags,
                         weights=weights)
 
 
-def clip_metrics_kind(opts: GRPOOptions) -> int:
-    return {"ppo_clip": CLIP_METRICS_PPO, "cispo": CLIP_METRICS_CISPO}.get(opts.loss.policy_term, CLIP_METRICS_NONE)
-
-
-def loss_metrics(mask: torch.Tensor, opts: GRPOOptions, *, loss, entropy, kl, flags,
+def loss_metrics(mask: torch.Tensor, kernel_loss: KernelLoss, *, loss, entropy, kl, flags,
                  weights: TokenWeights) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(the reduced loss, 0-d fp32; the metrics, fp32 [k] in ``objective.metric_names`` order) of a loss launch's
+    """(the reduced loss, 0-d fp32; the metrics, fp32 [k]: the KL where ``kl`` is given, the entropy where
+    ``entropy`` is, then the loss type's clip metrics; ``objective.metric_names`` names them) of a loss launch's
     per-token results (fp32 [N], None where absent; ``flags`` int8 [N]) and its token weights."""
     N = mask.numel()
-    clip = opts.derived("clip_metrics_kind", clip_metrics_kind)
-    count = len(metric_names(opts, kl is not None, entropy is not None))
+    clip = kernel_loss.clip_metrics
+    count = (kl is not None) + (entropy is not None) + kernel_loss.clip_metric_count
     new = torch.empty if N > 0 else torch.zeros  # no token: a loss and metrics of 0, nothing to launch
     metrics = new(count, device=mask.device, dtype=torch.float32)
     loss_out = new((), device=mask.device, dtype=torch.float32)

@@ -275,8 +275,7 @@ def split_row_forward_kernel(
     grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
     state_ptr, counter_ptr, error_ptr, chunk_blocks,
     inv_temperature, softcap, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
-    HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, BIAS_CORRECTION_KL: tl.constexpr,
+    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
     ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr, K_LANES: tl.constexpr,
     HOLD_CHUNK: tl.constexpr, PHASE: tl.constexpr, MAX_SPIN: tl.constexpr,
 ):
@@ -336,7 +335,7 @@ def split_row_forward_kernel(
                 target_logit = 0.0
                 logp = 0.0
             loss, dloss, kl, flags = token_loss_at(row, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars,
-                                                   LOSS_KIND, KL_KIND, HAS_DELTA, HAS_DUAL_CLIP, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP, BIAS_CORRECTION_KL)
+                                                   LOSS_KIND, KL_KIND, LOSS_FLAGS)
             if chunk == 0:
                 tl.store(logp_out + row, logp)
                 tl.store(lse_out + row, lse)

@@ -30,7 +30,7 @@ from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
 from ..heads import fused_head, head_weights
 from ..wrapped import inside_forward
 from ..entropy_control import AdaptiveEntropy
-from ..options import TOKEN_COUNT_LOSS_TYPES
+from ..options import LOSS_TYPE_REGISTRY
 from .process_labels import labels_to_step_rewards
 
 RewardFunction = Callable[..., List[Optional[float]]]
@@ -88,7 +88,7 @@ class TrainerConfig:
 
 
 # The recipe of `grpo-kernels train` and the examples on the built-in task, chosen by its spread over seeds
-# (README, "The trainer and the built-in task"): the KL term keeps the warmed-up model's copying of the
+# (docs/trainer.md): the KL term keeps the warmed-up model's copying of the
 # chosen number while the choice moves, and dynamic sampling fills each update with groups that carry
 # signal. TrainerConfig's own defaults stay plain GRPO.
 RECIPE = dict(group_size=8, prompts_per_step=32, steps=200, learning_rate=5e-4, beta=0.04, epsilon_high=0.28,
@@ -428,11 +428,12 @@ class GRPOTrainer:
         size = world()[1]
         local_tokens = r.completion_mask.sum().float()
         global_tokens = all_reduce_sum(local_tokens).clamp(min=1.0)
-        normalizer = global_tokens / size if self.config.loss_type in TOKEN_COUNT_LOSS_TYPES else None
+        loss_type = LOSS_TYPE_REGISTRY[self.config.loss_type]
+        normalizer = global_tokens / size if loss_type.takes_normalizer else None
         inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
-        # bnpo: a token mean over all ranks, not this rank's; declared up front as the loss's scale,
-        # so that the one-pass kernel writes the gradient already scaled
-        scale = local_tokens.clamp(min=1.0) * size / global_tokens if self.config.loss_type == "bnpo" else 1.0
+        # bnpo (a local token mean): a token mean over all ranks, not this rank's; declared up front as the
+        # loss's scale, so that the one-pass kernel writes the gradient already scaled
+        scale = local_tokens.clamp(min=1.0) * size / global_tokens if loss_type.local_token_mean else 1.0
         per_token = dict(old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer, loss_scale=scale)
         if self.entropy_control is not None:  # this step applies the coefficient the last step left
             self.loss_fn.update(entropy_coef=self.entropy_control.applied_coef())

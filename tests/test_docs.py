@@ -1,0 +1,147 @@
+"""The developer docs cite only what exists: every file, module, function and name in backticks in
+docs/extending.md is checked against the source (as ``option_docs`` holds the README's options table), and the
+README stays a user's page."""
+
+import ast
+import fnmatch
+import functools
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "grpo_kernels"
+EXTERNAL = ("torch", "triton", "tl", "pytest", "transformers", "trl")  # cited, not ours to check
+
+
+@functools.lru_cache(maxsize=None)
+def _sources() -> dict:
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    return {path: ast.parse(path.read_text()) for path in files}
+
+
+@functools.lru_cache(maxsize=None)
+def _definitions(path: pathlib.Path) -> dict:
+    """Every name ``path`` defines: functions, classes, assignment targets (attributes too), parameters."""
+    names = {}
+    for node in ast.walk(_sources()[path]):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.setdefault(node.name, node)
+            if not isinstance(node, ast.ClassDef):
+                for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                    names.setdefault(arg.arg, None)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for n in ast.walk(target):
+                    if isinstance(n, ast.Name):
+                        names.setdefault(n.id, None)
+                    elif isinstance(n, ast.Attribute):
+                        names.setdefault(n.attr, None)
+    return names
+
+
+def _class_members(cls: ast.ClassDef) -> set:
+    members = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            members.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            members.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            members |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return members
+
+
+def _defines(path: pathlib.Path, name: str) -> bool:
+    """``name`` (a glob allowed: ``DIVISOR_*``), or ``Class.member``, is defined in ``path``."""
+    first, _, member = name.partition(".")
+    defined = _definitions(path)
+    if not member:
+        return any(fnmatch.fnmatchcase(n, first) for n in defined)
+    cls = defined.get(first)
+    return isinstance(cls, ast.ClassDef) and member in _class_members(cls)
+
+
+def _file(relative: str):
+    for base in (PACKAGE, ROOT):
+        if (base / relative).exists():
+            return base / relative
+    return None
+
+
+def citation_error(cited: str):
+    """Why ``cited`` names nothing that exists, or None. Forms: a path (``kernels/launch.py``, from the package
+    or the repository root), ``path::name`` or ``path::Class.member``, ``module.name`` (``contracts.DIVISOR_*``,
+    ``kernels.contracts.TokenInputs``), a dotted attribute chain (``opts.loss.policy_term``) and a bare name."""
+    if "::" in cited:
+        relative, name = cited.split("::", 1)
+        path = _file(relative)
+        if path is None:
+            return f"no file {relative}"
+        return None if _defines(path, name) else f"{relative} defines no {name}"
+    if "/" in cited or re.search(r"\.(py|md|json|sh|toml)$", cited):
+        return None if _file(cited.rstrip("/")) else f"no file {cited}"
+    parts = cited.split(".")
+    if parts[0] in EXTERNAL:
+        return None
+    for k in range(len(parts) - 1, 0, -1):  # the longest prefix that names one of our modules
+        modules = [p for p in _sources() if p.as_posix().endswith("/" + "/".join(parts[:k]) + ".py")]
+        if modules:
+            rest = ".".join(parts[k:])
+            return None if any(_defines(p, rest) for p in modules) else f"{'.'.join(parts[:k])} defines no {rest}"
+    if len(parts) == 2 and any(_defines(p, cited) for p in _sources()):  # Class.member
+        return None
+    missing = [part for part in parts if not any(_defines(p, part) for p in _sources())]
+    return f"nothing defines {', '.join(missing)}" if missing else None
+
+
+def citations(markdown: str) -> list:
+    """The code names in backticks, outside fenced blocks: ``tokens=TokenInputs(...)`` cites TokenInputs;
+    a phrase with spaces (a code snippet) cites nothing; loss-type names and option values are not names."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    cited = []
+    for span in re.findall(r"`([^`\n]+)`", text):
+        if re.search(r"\s", span):
+            continue
+        name = span.split("(")[0].split("=")[-1]
+        if re.fullmatch(r"[A-Za-z_][\w./*:-]*", name) and not re.fullmatch(r"[a-z0-9_]+", name):
+            cited.append(name)
+        elif re.fullmatch(r"[a-z_][a-z0-9_]*", name) and "_" in name:  # a bare snake_case name: a function, a field
+            cited.append(name)
+    return cited
+
+
+EXTENDING = (ROOT / "docs" / "extending.md").read_text()
+# loss-type names, values and keywords written in snake case on the page that are not code names
+NOT_NAMES = {"dr_grpo", "ppo_clip", "capped_ratio", "soft_gate", "sequence_weight", "max_completion_length"}
+
+
+def test_extending_cites_only_what_exists():
+    errors = {c: citation_error(c) for c in citations(EXTENDING) if c not in NOT_NAMES}
+    errors = {c: e for c, e in errors.items() if e}
+    assert errors == {}, "docs/extending.md cites what the code does not have"
+    assert len(citations(EXTENDING)) > 80  # the page is read, not skipped
+
+
+@pytest.mark.parametrize("cited,wrong", [
+    ("kernels/launch.py::loss_scalar_args", "defines no loss_scalar_args"),
+    ("loss_flags", "nothing defines loss_flags"),
+    ("contracts.NO_SUCH_*", "defines no NO_SUCH_*"),
+    ("kernels/nothing.py", "no file"),
+    ("GRPOOptions.no_such_member", "nothing defines no_such_member"),
+])
+def test_the_citation_check_finds_what_does_not_exist(cited, wrong):
+    assert wrong in (citation_error(cited) or "")
+
+
+def test_the_citation_check_reads_every_form():
+    found = citations("`kernels/grpo.py::token_loss_and_grad` `contracts.DIVISOR_*` `tokens=TokenInputs(...)` "
+                      "`HAS_IW: tl.constexpr = iw is not None` `grpo` `per_token_terms`\n```\nnot_read\n```")
+    assert found == ["kernels/grpo.py::token_loss_and_grad", "contracts.DIVISOR_*", "TokenInputs", "per_token_terms"]
+    assert all(citation_error(c) is None for c in found)
+
+
+def test_the_readme_is_a_users_page():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 460, f"README.md has {lines} lines: the design goes to docs/, the benchmarks to benchmarks/"

@@ -1,0 +1,138 @@
+"""The package's layout holds what docs/architecture.md and docs/extending.md say of it: the kernel tier imports
+nothing of the front end, and no module outside the registry (``options.py``) and the specification
+(``reference.py``) branches on a loss type's name."""
+
+import ast
+import os
+import pathlib
+
+import pytest
+
+from grpo_kernels.options import LOSS_TYPES
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "grpo_kernels"
+# The AOT report tool builds the launchers' calls from options, as a user of both tiers (not a kernel module).
+KERNEL_TIER = sorted(p for p in (PACKAGE / "kernels").glob("*.py") if p.name != "aot.py")
+# The registry, and the specification, which is written independently of it (by name, on purpose).
+NAMES_LOSS_TYPES = {PACKAGE / "options.py", PACKAGE / "reference.py"}
+
+
+def _imports(tree: ast.AST):
+    for node in ast.walk(tree):  # nested imports too (a launcher's lazy import)
+        if isinstance(node, ast.ImportFrom):
+            yield node.level, node.module or "", node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield 0, alias.name, node.lineno
+
+
+def front_end_imports(path: pathlib.Path) -> list:
+    """The imports of ``path`` (a module under kernels/) that reach outside kernels/ into the package."""
+    found = []
+    for level, module, line in _imports(ast.parse(path.read_text())):
+        outside = level >= 2 or (level == 0 and module.startswith("grpo_kernels") and
+                                 not module.startswith("grpo_kernels.kernels"))
+        if outside:
+            found.append(f"{path.name}:{line}: {'.' * level}{module}")
+    return found
+
+
+def loss_type_name_branches(source: str, name: str = "<source>") -> list:
+    """Comparisons with a loss type's name as a string literal (``x == "cispo"``, ``x in ("grpo", "bnpo")``)."""
+    def names_a_loss_type(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in LOSS_TYPES
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_a_loss_type(e) for e in node.elts)
+        return False
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(names_a_loss_type(n) for n in [node.left, *node.comparators]):
+            found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("path", KERNEL_TIER, ids=lambda p: p.name)
+def test_the_kernel_tier_imports_nothing_of_the_front_end(path):
+    assert front_end_imports(path) == [], "the launchers take plain tensors and contracts.KernelLoss, not options"
+
+
+def test_the_import_check_finds_a_front_end_import(tmp_path):
+    module = tmp_path / "launch.py"
+    module.write_text("from ..options import GRPOOptions\nimport grpo_kernels.objective\nfrom . import grpo\n"
+                      "def f():\n    from ..torch_path import fp32_products\n")
+    assert [f.split(": ")[1] for f in front_end_imports(module)] == ["..options", "grpo_kernels.objective",
+                                                                      "..torch_path"]
+
+
+def test_no_module_outside_the_registry_and_the_specification_branches_on_a_loss_types_name():
+    found = [branch for path in sorted(PACKAGE.rglob("*.py")) if path not in NAMES_LOSS_TYPES
+             for branch in loss_type_name_branches(path.read_text(), str(path.relative_to(PACKAGE)))]
+    assert found == [], "ask the loss type's registry entry (options.LossType) instead of its name"
+
+
+def test_the_branch_check_finds_a_name_branch():
+    source = ('if opts.loss_type == "vespo":\n    pass\nscale = 2 if loss_type in ("bnpo", "grpo") else 1\n'
+              'ok = opts.loss.policy_term == "ppo_clip"\n')
+    assert len(loss_type_name_branches(source)) == 2
+
+
+def _call_path(run) -> tuple:
+    """(the package's files a call enters as Python, the most package frames on the stack above a kernel
+    launch) of ``run()``, by a profiler hook. The kernels' own code, which Triton's CPU interpreter runs as
+    Python, is not counted (on a GPU it never runs on the host): nothing is counted below an interpreted launch."""
+    import sys
+
+    triton_runtime = os.sep + os.path.join("triton", "runtime") + os.sep
+    files, depths = set(), [0]
+
+    def below_a_launch(frame) -> bool:
+        while frame is not None:
+            if triton_runtime in frame.f_code.co_filename:
+                return True
+            frame = frame.f_back
+        return False
+
+    def hook(frame, event, arg):
+        if event != "call":
+            return
+        name = frame.f_code.co_filename
+        if triton_runtime in name and not below_a_launch(frame.f_back):  # a launch: count the frames above it
+            depth, caller = 0, frame.f_back
+            while caller is not None:
+                depth += caller.f_code.co_filename.startswith(str(PACKAGE))
+                caller = caller.f_back
+            depths.append(depth)
+        elif name.startswith(str(PACKAGE)) and not below_a_launch(frame.f_back):
+            files.add(os.path.relpath(name, PACKAGE))
+
+    sys.setprofile(hook)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return sorted(files), max(depths)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_a_loss_call_runs_in_a_straight_line(beta, device):
+    """One ``grpo_loss`` forward + backward on the Triton path enters at most 10 of the package's files, with
+    at most 7 package frames above a kernel launch (the public function, the dispatch, the Function, the
+    launchers)."""
+    import torch
+
+    from grpo_kernels import grpo_loss
+
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 40, generator=g).to(device).requires_grad_()
+    ids, mask, adv = (t.to(device) for t in (torch.randint(0, 40, (2, 4), generator=g), torch.ones(2, 4),
+                                             torch.randn(2, generator=g)))
+    ref = (torch.randn(2, 4, generator=g) - 3.0).to(device)
+    call = lambda: grpo_loss(logits, ids, mask, adv, ref_logps=ref, beta=beta, backend="triton",  # noqa: E731
+                             drop_last_position=True).loss.backward()
+    call()  # first calls import and compile
+    files, frames = _call_path(call)
+    assert len(files) <= 10, f"a call enters {len(files)} files: {files}"
+    assert frames <= 7, f"{frames} package frames above a launch"
