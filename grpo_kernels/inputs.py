@@ -8,10 +8,9 @@ shard is located, the backend resolved and the loss scale and normalizer normali
 ``LossInputs``, is frozen: the layer below (``sources.py``) read it and never
 re-check.
 
-Packed batches (``SequenceLayout``). Which tokens form which sequence: padded [B, T] rows, or a packed batch described by ``cu_seqlens``.
-
-The kernels work per token and never need to know: a packed batch is one row of ``total`` tokens
-to them ([1, total, V] logits, a view). Everything that is a sum or mean over a sequence (the
+Packed batches (``SequenceLayout``): which tokens form which sequence, padded [B, T] rows or a packed batch
+described by ``cu_seqlens``. The kernels work per token and never need to know: a packed batch is one row
+of ``total`` tokens to them ([1, total, V] logits, a view). Everything that is a sum or mean over a sequence (the
 reductions, GSPO's sequence ratio, VESPO's weight, the off-policy mask, per-row metrics) runs on
 the sequence layout [S, T_max], built from the per-token values by a gather (O(total), no logits),
 so a packed batch gives exactly what the padded layout gives for the same sequences.

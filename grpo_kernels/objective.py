@@ -23,7 +23,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .kernels.contracts import DIVISOR_GIVEN, DIVISOR_ROW, DIVISOR_TOTAL, Reduction
+from .kernels.contracts import (CLIP_METRICS_CISPO, CLIP_METRICS_PPO, DIVISOR_GIVEN, DIVISOR_ROW, DIVISOR_TOTAL,
+                                Reduction)
 from . import torch_path
 from .options import GRPOOptions
 
@@ -150,7 +151,8 @@ def per_token_terms(
 
     if policy_mask is not None:
         policy = policy * policy_mask
-    if importance_weights is not None and term != "sequence_weight":  # rollout correction: policy term only (vespo: in w)
+    # rollout correction: the policy term only (vespo's weights are in its w)
+    if importance_weights is not None and term != "sequence_weight":
         policy = policy * importance_weights
     per_token_loss = policy if per_token_kl is None else policy + opts.beta * per_token_kl
     per_token_loss = per_token_loss.expand_as(lp)  # sequence-level without KL is [B, 1]
@@ -258,10 +260,10 @@ def clip_metric_values(opts: GRPOOptions, low: Optional[torch.Tensor], high: tor
     """TRL's clip metrics of a loss type, by name, as the 0 / 1 values their means are taken of, from the
     per-token (or per-row) low- and high-clipped indicators: the PPO-clip types log low, high and either
     (the region); cispo its capped share. The one place the kernel paths' metrics take their names too."""
-    names = opts.loss.clip_metrics
-    if opts.loss.policy_term == "ppo_clip":
+    names, kind = opts.loss.clip_metrics, opts.loss.clip_metrics_kind  # the kind the loss-metrics kernel reads too
+    if kind == CLIP_METRICS_PPO:
         return dict(zip(names, (low, high, torch.maximum(low, high))))
-    if opts.loss.policy_term == "capped_ratio":
+    if kind == CLIP_METRICS_CISPO:
         return dict(zip(names, (high,)))
     return {}
 
@@ -290,7 +292,8 @@ def loss_metrics(
         low = None if terms.is_low_clipped is None else terms.is_low_clipped.float()
         for name, x in clip_metric_values(opts, low, flags.float()).items():
             metrics[name] = masked_mean(x, mask, per_row)
-    if opts.loss.policy_term == "sequence_weight":  # vespo: TRL's mean of phi over rows (over active tokens for per-token advantages)
+    # vespo: TRL's mean of phi over rows (over active tokens for per-token advantages)
+    if opts.loss.policy_term == "sequence_weight":
         phi = terms.vespo_phi.detach()
         metrics["vespo/phi_seq_mean"] = masked_mean(phi, mask, per_row=phi.shape[-1] == 1)
     return metrics

@@ -73,8 +73,8 @@ class KernelLoss(NamedTuple):
 
     ``args``: the loss kernels' keyword arguments that come from the options alone: ``loss_scalars`` (the
     run-time scalars in ``LOSS_SCALARS`` order) and the constexprs (``LOSS_KIND``, ``KL_KIND`` and ``LOSS_FLAGS``,
-    a bit set of ``LOSS_FLAG_*``). ``temperature``: the
-    options' own (a launcher's ``temperature`` argument must agree with it); ``kernel_temperature`` and
+    a bit set of ``LOSS_FLAG_*``). ``temperature``: the options' own (a launcher's ``temperature`` argument must
+    agree with it); ``kernel_temperature`` and
     ``kernel_softcap``: what the kernels divide by and cap with (the head's scale folded in). ``with_kl``: the
     loss has a KL term. ``clip_metrics``: a ``CLIP_METRICS_*`` and ``clip_metric_count`` how many it logs."""
 

@@ -245,17 +245,14 @@ def loss_forward(
     gradient = None if gradient_out is None else OnePassGradient(weights.weight, weights.entropy_weight,
                                                                  out=gradient_out)
     outputs = allocate_outputs(N, device, kernel_loss, kernel_loss.compute_entropy, rows[:len(names)])
-    result = _run_forward(logits, ids, outputs,
-                          kernel_loss, kernel_loss.kernel_temperature, kernel_loss.kernel_softcap, tokens,
-                          kernel_loss.compute_entropy, gradient,
-                          config)
+    result = _run_forward(logits, ids, outputs, kernel_loss, kernel_loss.kernel_temperature, kernel_loss.kernel_softcap,
+                          tokens, kernel_loss.compute_entropy, gradient, config)
     return LossForward(result, weights, *reduced(t.mask, kernel_loss, result, weights))
 
 
 def _run_forward(logits, ids, out: ForwardResult, kernel_loss: Optional[KernelLoss], temperature: float,
-                 softcap: Optional[float],
-                 tokens: TokenInputs, compute_entropy: bool, gradient: Optional[OnePassGradient],
-                 config) -> ForwardResult:
+                 softcap: Optional[float], tokens: TokenInputs, compute_entropy: bool,
+                 gradient: Optional[OnePassGradient], config) -> ForwardResult:
     """The forward kernel's launch (or the split-row kernel's) into ``out``."""
     B, T, V = logits.shape
     N = B * T
