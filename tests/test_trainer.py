@@ -169,6 +169,28 @@ def test_process_supervision_labels_steps_by_completion(tiny):
     assert torch.isfinite(loss)
 
 
+def test_process_labels_are_the_prefixs_shared_by_completions_that_share_it(tiny, monkeypatch):
+    """A label is a function of the prefix (and its row): completions of one row that share a prefix get the same
+    label, from one set of N continuations (each distinct unfinished prefix is completed once); another row with
+    the same completion gets labels of its own."""
+    trainer = _trainer(tiny, process_rollouts=3, max_new_tokens=6)
+    row, other = trainer.train_rows[0], dict(trainer.train_rows[0])  # equal fields, another row
+    _, _, ids, mask = trainer.generate([row["prompt"]])
+    completed, generate = [], trainer.generate
+
+    def counting(prompts, **kwargs):
+        completed.extend(prompts)
+        return generate(prompts, **kwargs)
+
+    monkeypatch.setattr(trainer, "generate", counting)
+    step_rewards, _ = trainer.step_labels([row, row, other], ids.repeat(3, 1), mask.repeat(3, 1))
+    torch.testing.assert_close(step_rewards[0], step_rewards[1], equal_nan=True)
+    n = int(mask.sum())
+    unfinished = n - int(ids[0, n - 1] == trainer.tokenizer.eos_token_id)
+    assert len(completed) == 2 * unfinished  # once for row's two completions, once for the other row's
+    assert len(set(completed)) == unfinished
+
+
 def test_process_supervision_from_the_command_line(tmp_path, capsys):
     out = str(tmp_path / "process")
     assert cli.main(["train", "--warmup-steps", "5", "--steps", "2", "--eval-size", "8", "--group-size", "2",
