@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .functions import TokenLogprobs
+from .from_logits import TokenLogprobs
 from .options import GRPOOptions
 from .objective import GRPOLossOutput, token_logprobs_and_entropy
 from .validation import check_logits, check_per_token, check_token_ids, resolve_backend
@@ -37,8 +37,9 @@ from .validation import check_logits, check_per_token, check_token_ids, resolve_
 def _logps(logits, ids, mask, temperature, backend):
     """Per-token log-probs with gradient on the fused kernel (0 at masked positions)."""
     check_logits(logits)
-    check_token_ids(ids, logits, True)
-    check_per_token("completion_mask", mask, logits, allow_row=False, allow_bool=True, allow_int=True)
+    check_token_ids(ids, logits.shape, logits.device, True)
+    check_per_token("completion_mask", mask, logits.shape, logits.device, allow_row=False, allow_bool=True,
+                    allow_int=True)
     GRPOOptions(temperature=temperature)  # validates the temperature
     resolved = resolve_backend(backend, logits)
     flat_mask = mask.float().reshape(-1).contiguous()
@@ -69,7 +70,7 @@ def rft_loss(logits, completion_ids, completion_mask, rewards, *, temperature: f
     ``rewards`` [B] of 0 / 1 (a rule verifier's verdict per completion). Offline RFT uses
     samples of the SFT model, online RFT samples of the current policy: the loss is the same.
     """
-    check_per_token("rewards", rewards, logits, allow_row=True)
+    check_per_token("rewards", rewards, logits.shape, logits.device, allow_row=True)
     if rewards.dim() != 1 or not bool(((rewards == 0) | (rewards == 1)).all()):
         raise ValueError(f"rewards must be [B] of 0 / 1 (correct or not), got shape {tuple(rewards.shape)} with "
                          f"values {sorted(set(rewards.flatten().tolist()))[:5]}")
@@ -96,7 +97,7 @@ def dpo_loss(logits, completion_ids, completion_mask, ref_logps, *, beta: float 
                          f"shape {tuple(logits.shape)}")
     if not isinstance(beta, (int, float)) or beta <= 0:
         raise ValueError(f"beta must be a positive number, got {beta!r}")
-    check_per_token("ref_logps", ref_logps, logits, allow_row=False)
+    check_per_token("ref_logps", ref_logps, logits.shape, logits.device, allow_row=False)
     logp = _logps(logits, completion_ids, completion_mask, temperature, backend)
     loss, metrics = dpo_from_logps(logp, ref_logps.float(), completion_mask.float(), beta)
     return GRPOLossOutput(loss, metrics, logp.detach())

@@ -1,12 +1,13 @@
-"""A loss call's inputs, prepared once.
+"""A call's inputs, prepared once.
 
-``prepare_inputs`` takes what a caller passed (the source, logits or hidden states with an lm_head;
-the per-call tensors; the per-call settings) and does, in one place, everything both loss functions
-need before any logit is read: a packed batch is turned into one row of tokens, every tensor is
-checked (shapes, dtypes, devices, the ids' range and the normalizer in one host sync), the vocabulary
-shard is located, the backend resolved and the loss scale and normalizer normalized. What it returns,
-``LossInputs``, is frozen: the layer below (``sources.py``) read it and never
-re-check.
+``prepare_inputs`` takes what a loss call passed (the source: logits, or hidden states with an lm_head; the
+per-call tensors and settings, by keyword) and does, in one place, everything both input forms need before any
+logit is read: a packed batch is turned into one row of tokens, every tensor is checked (shapes, dtypes,
+devices, the ids' range and the normalizer in one host sync), the vocabulary shard is located, the backend
+resolved and the loss scale and normalizer normalized. What it returns, ``LossInputs``, is frozen and carries
+the whole call: the dispatch (``loss.compute_loss``) and the input forms (``from_logits.py``,
+``from_hidden_states.py``) read it and never re-check. ``prepare_logprob_inputs`` does the same for the
+log-prob family.
 
 Packed batches (``SequenceLayout``): which tokens form which sequence, padded [B, T] rows or a packed batch
 described by ``cu_seqlens``. The kernels work per token and never need to know: a packed batch is one row
@@ -18,7 +19,9 @@ so a packed batch gives exactly what the padded layout gives for the same sequen
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import math
+import operator
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -56,6 +59,12 @@ class SequenceLayout:
                                                          output_size=self.N)
         self.sequences = Sequences(self.S, self.T_max, cu_seqlens)  # as the token-weights kernel reads them
 
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def padded(B: int, T: int) -> "SequenceLayout":
+        """The layout of padded [B, T] rows: holds two numbers, so one object serves every call of that shape."""
+        return SequenceLayout(B, T)
+
     def token_layout(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """A per-token or per-sequence tensor as the token-weights kernel reads it: a packed batch's sequence
         layout [S, T_max] taken back to its tokens, anything else as it is (N elements a token, or S a
@@ -86,7 +95,7 @@ class SequenceLayout:
         """A per-token ([N], [1, N], padded [B, T]) or per-sequence tensor in the sequence layout:
         [S, T_max] (0 where there is no token) or [S, 1]; differentiable."""
         if t is None or not self.packed:
-            return None if t is None else as_row_column(t)
+            return t if t is None or t.dim() == 2 else as_row_column(t)
         if self._is_seq_layout(t) or (t.dim() == 2 and t.shape[1] == 1 and t.shape[0] == self.S):
             return t  # already in the sequence layout
         if t.numel() == self.N and (t.dim() == 1 or t.shape[-1] == self.N):
@@ -146,61 +155,23 @@ def packed_layout(cu_seqlens, source: torch.Tensor, what: str) -> Tuple[Sequence
     return SequenceLayout(1, total, cu_seqlens), one_row
 
 
-class LossTensors(NamedTuple):  # (a NamedTuple, not a frozen dataclass: built on every call)
-    """A loss call's tensors as the caller gave them (see ``grpo_loss``)."""
-
-    completion_ids: torch.Tensor
-    completion_mask: torch.Tensor
-    advantages: torch.Tensor
-    old_logps: Optional[torch.Tensor] = None
-    ref_logps: Optional[torch.Tensor] = None
-    importance_weights: Optional[torch.Tensor] = None
-    sampling_logps: Optional[torch.Tensor] = None
-    normalizer: object = None
-
-
-class CallSettings(NamedTuple):  # (a NamedTuple, not a frozen dataclass: built on every call)
-    """A loss call's non-tensor settings, besides the source's own (see ``sources.py``)."""
-
-    options: GRPOOptions
-    backend: str = "auto"
-    check_ids: bool = True
-    loss_scale: Union[float, torch.Tensor] = 1.0
-    cu_seqlens: Optional[torch.Tensor] = None
-    vocab_parallel_group: object = None
-    vocab_start_index: Optional[int] = None
-
-
-class LogprobSettings(NamedTuple):  # (a NamedTuple, not a frozen dataclass: built on every call)
-    """The settings of a log-prob call (``token_logprobs`` and its family); in_place_backward is the source's.
-    ``logit_scale`` and ``logit_softcap``: the head's output transform, as the loss options of those names."""
-
-    backend: str = "auto"
-    check_ids: bool = True
-    drop_last_position: bool = False
-    cu_seqlens: Optional[torch.Tensor] = None
-    vocab_parallel_group: object = None
-    vocab_start_index: Optional[int] = None
-    logit_scale: float = 1.0
-    logit_softcap: Optional[float] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class VocabShard:
+class VocabShard(NamedTuple):
     """This rank's slice of a vocabulary-parallel call: its process group and its first global id."""
 
     group: object
     start: int
 
 
-@dataclasses.dataclass(frozen=True)
-class LossInputs:
-    """One call's checked inputs. ids, mask, old / reference / sampling log-probs are [B, T] (a packed batch:
-    one row, [1, total]); advantages and importance weights stay as given (per row or per token; a packed
-    batch's per sequence [S] or per token), read through ``layout``."""
+class LossInputs(NamedTuple):
+    """One call's checked inputs, frozen (a NamedTuple: built on every call, in one step). ids, the mask, old /
+    reference / sampling log-probs are [B, T] (a packed batch: one row, [1, total]); advantages and importance
+    weights stay as given (per row or per token; a packed batch's per sequence [S] or per token), read through
+    ``layout``."""
 
+    source: object  # from_logits.LogitsSource or from_hidden_states.HiddenStatesSource (a packed call's: one row)
     ids: torch.Tensor
-    mask: Optional[torch.Tensor]  # fp32: the token layout's weights (1 where a token counts); None: every token
+    mask: Optional[torch.Tensor]  # fp32, contiguous, shaped as the ids: 1 where a token counts; None: every token
+    mask_seq: Optional[torch.Tensor]  # the mask in the reductions' sequence layout (the mask itself when padded)
     advantages: Optional[torch.Tensor]  # None in a log-prob call
     old_logps: Optional[torch.Tensor]
     ref_logps: Optional[torch.Tensor]
@@ -213,29 +184,6 @@ class LossInputs:
     layout: SequenceLayout
     caller_shape: Optional[torch.Size]  # a packed call's ids' shape, which its per-token log-probs take
     vocab_shard: Optional[VocabShard]
-    # derived once, here (not functools.cached_property: its lock stops torch.compile's tracing on Python 3.11)
-    mask_seq: torch.Tensor = dataclasses.field(init=False)  # the mask in the reductions' sequence layout
-    kernel_mask: Optional[torch.Tensor] = dataclasses.field(init=False)  # the kernels' mask: fp32, contiguous
-
-    def __post_init__(self):
-        object.__setattr__(self, "mask_seq", self.layout.seq(self.mask))  # [B, T], or [S, T_max] packed
-        object.__setattr__(self, "kernel_mask", _fp32_tokens(self.mask))
-
-    @property
-    def shape(self) -> Tuple[int, int]:
-        return tuple(self.ids.shape)
-
-    def loss_tokens(self, policy) -> LossTokens:
-        """The per-token side of a fused loss launch (``kernels.contracts.LossTokens``) with a
-        ``sources.PolicyTerms``' importance weights and entropy-bonus tokens: the tensors as the caller gave
-        them where the kernels can read them so (no copy), the reduction as the token-weights kernel computes
-        it."""
-        L, o = self.layout, self.options
-        bonus = None if policy.bonus_mask is self.mask_seq else L.token_layout(policy.bonus_mask).float().contiguous()
-        tokens = TokenInputs(self.kernel_mask, self.advantages, _fp32_tokens(self.old_logps),
-                             _fp32_tokens(self.ref_logps) if o.uses_kl else None,
-                             L.token_layout(policy.importance_weights))
-        return LossTokens(tokens, L.sequences, kernel_reduction(o, L.S, self.normalizer, self.loss_scale, bonus))
 
     def as_called(self, out: GRPOLossOutput, seq_layout: bool = False) -> GRPOLossOutput:
         """A packed call's output with its per-token log-probs in the token layout, shaped as its ids (from
@@ -246,15 +194,26 @@ class LossInputs:
         return GRPOLossOutput(out.loss, out.metrics, logps.reshape(self.caller_shape))
 
 
-def _fp32_tokens(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A per-token tensor as the kernels index it, token n at element n: fp32 and contiguous (the tensor
-    itself when it is: the kernels need its pointer, not its shape)."""
-    if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
-        return t
-    return t.reshape(-1).float().contiguous()
+def loss_tokens(inputs: LossInputs, importance_weights, bonus_mask) -> LossTokens:
+    """The per-token side of a fused loss launch (``kernels.contracts.LossTokens``), with the importance weights
+    and the entropy bonus's tokens the policy masks left (the call's own, and its mask, without masks): the
+    tensors as the caller gave them where the kernels can read them so (no copy), the reduction as the
+    token-weights kernel computes it."""
+    L, o = inputs.layout, inputs.options
+    bonus = None if bonus_mask is inputs.mask_seq else L.token_layout(bonus_mask).float().contiguous()
+    old, ref = inputs.old_logps, inputs.ref_logps if o.uses_kl else None
+    # the kernels read a per-token tensor at its pointer, token n at element n: fp32 and contiguous, else a copy
+    if old is not None and not (old.dtype is torch.float32 and old.is_contiguous()):
+        old = old.float().contiguous()
+    if ref is not None and not (ref.dtype is torch.float32 and ref.is_contiguous()):
+        ref = ref.float().contiguous()
+    tokens = TokenInputs(mask=inputs.mask, advantages=inputs.advantages, old_logps=old, ref_logps=ref,
+                         importance_weights=L.token_layout(importance_weights) if L.packed else importance_weights)
+    return LossTokens(tokens, L.sequences, kernel_reduction(o, L.S, inputs.normalizer, inputs.loss_scale, bonus))
 
 
-_OPTIONS_OF_KEYWORDS: dict = {}  # the functional API's options by their keywords: built (and checked) once
+_OPTIONS_OF_KEYWORDS: dict = {}
+_VALUE = operator.itemgetter(1)  # the functional API's options by their keywords: built (and checked) once
 
 
 def options_from(options: Optional[GRPOOptions], option_kwargs: dict) -> GRPOOptions:
@@ -267,7 +226,8 @@ def options_from(options: Optional[GRPOOptions], option_kwargs: dict) -> GRPOOpt
                              f"{sorted(option_kwargs)})")
         return options
     try:
-        key = tuple((name, type(value), value) for name, value in sorted(option_kwargs.items()))  # True is not 1
+        items = tuple(sorted(option_kwargs.items()))
+        key = (items, tuple(map(type, map(_VALUE, items))))  # the types too: beta=True is not beta=1
         hash(key)
     except TypeError:  # an unhashable value: GRPOOptions says what is wrong with it
         return GRPOOptions(**option_kwargs)
@@ -280,61 +240,71 @@ def options_from(options: Optional[GRPOOptions], option_kwargs: dict) -> GRPOOpt
     return kept
 
 
-def _vocab_shard(settings, logits_like, ids, check_ids: bool, *, mask=None, normalizer=None) -> Optional[VocabShard]:
+def _vocab_shard(group, vocab_start_index, shape, device, ids, check_ids: bool, *, mask=None,
+                 normalizer=None) -> Optional[VocabShard]:
     """This rank's vocabulary shard of a vocabulary-parallel call (None without a group), after checking the
     ids, which are global, against the whole vocabulary (with ``check_ids``)."""
-    if settings.vocab_parallel_group is None:
+    if group is None:
         return None
     from .vocab_parallel import sharded_vocab_start
 
-    return VocabShard(settings.vocab_parallel_group, sharded_vocab_start(
-        logits_like, ids, settings.vocab_parallel_group, settings.vocab_start_index, check_ids, mask=mask,
-        normalizer=normalizer))
+    return VocabShard(group, sharded_vocab_start(shape, device, ids, group, vocab_start_index, check_ids, mask=mask,
+                                                 normalizer=normalizer))
 
 
-def prepare_inputs(source, tensors: LossTensors, settings: CallSettings):
-    """(the source, as the kernels read it; the call's ``LossInputs``), every input checked.
-
-    ``source`` is a ``sources.LogitsSource`` or ``sources.HiddenStatesSource``."""
-    t, opts = tensors, settings.options
-    ids, mask, old, ref, sampling = t.completion_ids, t.completion_mask, t.old_logps, t.ref_logps, t.sampling_logps
+def prepare_inputs(source, completion_ids, completion_mask, advantages, old_logps=None, ref_logps=None,
+                   importance_weights=None, sampling_logps=None, normalizer=None, *, options: GRPOOptions,
+                   backend: str = "auto", check_ids: bool = True, loss_scale=1.0, cu_seqlens=None,
+                   vocab_parallel_group=None, vocab_start_index: Optional[int] = None) -> LossInputs:
+    """A loss call's ``LossInputs``, every input checked (see ``grpo_loss`` for the arguments). ``source`` is a
+    ``from_logits.LogitsSource`` or a ``from_hidden_states.HiddenStatesSource``."""
+    ids, mask, old, ref, sampling = completion_ids, completion_mask, old_logps, ref_logps, sampling_logps
     layout, caller_shape = None, None
-    if settings.cu_seqlens is not None:  # a packed batch: one row of tokens to the kernels, sequences to reductions
+    if cu_seqlens is not None:  # a packed batch: one row of tokens to the kernels, sequences to the reductions
         caller_shape = ids.shape if isinstance(ids, torch.Tensor) else None
-        layout, source = source.packed(settings.cu_seqlens)
+        layout, source = source.packed(cu_seqlens)
         ids, mask, old, ref, sampling = (layout.one_row(name, x) for name, x in (
             ("completion_ids", ids), ("completion_mask", mask), ("old_logps", old), ("ref_logps", ref),
             ("sampling_logps", sampling)))
-        layout.check_per_sequence_or_token("advantages", t.advantages)
-        layout.check_per_sequence_or_token("importance_weights", t.importance_weights)
-    logits_like = source.checked_logits_shape(ids)  # [B, T, V]: the logits, or an expanded 0-d stand-in
-    sharded = settings.vocab_parallel_group is not None
-    check_inputs(logits_like, ids, mask, layout.tokens(t.advantages).view(1, -1) if layout else t.advantages,
-                 old, ref, None if layout else t.importance_weights, t.normalizer, opts,
-                 settings.check_ids and not sharded)
-    shard = _vocab_shard(settings, logits_like, ids, settings.check_ids, mask=mask, normalizer=t.normalizer)
-    check_per_token("sampling_logps", sampling, logits_like, allow_row=False)
-    backend = resolve_backend(settings.backend, source.tensor)
-    source = source.for_call(backend, sharded)
-    normalizer = t.normalizer.detach() if isinstance(t.normalizer, torch.Tensor) else t.normalizer  # per step
-    B, T = logits_like.shape[:2]
-    inputs = LossInputs(ids=ids, mask=mask.float(), advantages=t.advantages, old_logps=old, ref_logps=ref,
-                        importance_weights=t.importance_weights, sampling_logps=sampling, normalizer=normalizer,
-                        loss_scale=checked_loss_scale(settings.loss_scale), options=opts, backend=backend,
-                        layout=layout or SequenceLayout(B, T), caller_shape=caller_shape, vocab_shard=shard)
-    return source, inputs
+        layout.check_per_sequence_or_token("advantages", advantages)
+        layout.check_per_sequence_or_token("importance_weights", importance_weights)
+    shape = source.logits_shape(ids)  # (B, T, V): checks the logits, or the hidden states and the head
+    device = source.tensor.device
+    sharded = vocab_parallel_group is not None
+    check_inputs(shape, device, ids, mask, layout.tokens(advantages).view(1, -1) if layout else advantages,
+                 old, ref, None if layout else importance_weights, normalizer, options, check_ids and not sharded)
+    shard = None if not sharded else _vocab_shard(vocab_parallel_group, vocab_start_index, shape, device, ids,
+                                                    check_ids, mask=mask, normalizer=normalizer)
+    if sampling is not None:
+        check_per_token("sampling_logps", sampling, shape, device, allow_row=False)
+    backend = resolve_backend(backend, source.tensor)
+    source.check_call(backend, sharded)
+    if isinstance(normalizer, torch.Tensor):
+        normalizer = normalizer.detach()  # a count, per step: no gradient
+    if not (mask.dtype is torch.float32 and mask.is_contiguous()):  # (checked: shaped as the ids)
+        mask = mask.float().contiguous()  # the kernels' one mask
+    if layout is None:
+        layout, mask_seq = SequenceLayout.padded(shape[0], shape[1]), mask
+    else:
+        mask_seq = layout.seq(mask)
+    if loss_scale.__class__ is not float or not -math.inf < loss_scale < math.inf:  # (a finite float is checked)
+        loss_scale = checked_loss_scale(loss_scale)
+    return LossInputs(source, ids, mask, mask_seq, advantages, old, ref, importance_weights, sampling, normalizer,
+                      loss_scale, options, backend, layout, caller_shape, shard)
 
 
-def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: float, settings: LogprobSettings):
-    """(the source as the kernels read it; the ``LossInputs`` of a log-prob call: no mask, every token read).
-
-    ``ids`` None: the entropy alone (no target). A source with other leading dims than [B, T] ([N, V],
-    [B, T, K, V], ...) is read as one row; the results take the ids' shape (a packed call's: [total])."""
-    opts = options_from(None, dict(temperature=temperature, logit_scale=settings.logit_scale,
-                                   logit_softcap=settings.logit_softcap))  # validated once per set of values
+def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: float, *, backend: str = "auto",
+                           check_ids: bool = True, drop_last_position: bool = False, cu_seqlens=None,
+                           vocab_parallel_group=None, vocab_start_index: Optional[int] = None,
+                           logit_scale: float = 1.0, logit_softcap: Optional[float] = None) -> LossInputs:
+    """The ``LossInputs`` of a log-prob call (no mask: every token read; see ``token_logprobs`` for the
+    arguments). ``ids`` None: the entropy alone (no target). A source with other leading dims than [B, T]
+    ([N, V], [B, T, K, V], ...) is read as one row; the results take the ids' shape (a packed call's: [total])."""
+    opts = options_from(None, dict(temperature=temperature, logit_scale=logit_scale,
+                                   logit_softcap=logit_softcap))  # validated once per set of values
     caller_shape = None
-    if settings.cu_seqlens is not None:
-        layout, source = source.packed(settings.cu_seqlens)
+    if cu_seqlens is not None:
+        layout, source = source.packed(cu_seqlens)
         caller_shape = (layout.N,)
         ids = None if ids is None else layout.one_row("ids", ids)
     elif isinstance(source.tensor, torch.Tensor) and source.tensor.dim() not in (0, 3):
@@ -346,21 +316,16 @@ def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: flo
         ids = None if ids is None else ids.reshape(1, -1)
     if ids is None:  # no target: every id 0, never checked
         check_logits(source.tensor)
-        B, T = source.tensor.shape[0], source.tensor.shape[1] - int(settings.drop_last_position)
+        B, T = source.tensor.shape[0], source.tensor.shape[1] - int(drop_last_position)
         ids = torch.zeros((B, max(T, 0)), dtype=torch.long, device=source.tensor.device)
-        check = False
-    else:
-        check = settings.check_ids
-    logits_like = source.checked_logits_shape(ids)
-    check_logits(logits_like)
-    sharded = settings.vocab_parallel_group is not None
-    shard = _vocab_shard(settings, logits_like, ids, check)
+        check_ids = False
+    shape = source.logits_shape(ids)
+    device = source.tensor.device
+    sharded = vocab_parallel_group is not None
+    shard = _vocab_shard(vocab_parallel_group, vocab_start_index, shape, device, ids, check_ids)
     if not sharded:
-        check_token_ids(ids, logits_like, check)
-    backend = resolve_backend(settings.backend, source.tensor)
-    source = source.for_call(backend, sharded)
-    B, T = logits_like.shape[:2]
-    inputs = LossInputs(ids=ids, mask=None, advantages=None, old_logps=None, ref_logps=None, importance_weights=None,
-                        sampling_logps=None, normalizer=None, loss_scale=1.0, options=opts, backend=backend,
-                        layout=SequenceLayout(B, T), caller_shape=caller_shape, vocab_shard=shard)
-    return source, inputs
+        check_token_ids(ids, shape, device, check_ids)
+    backend = resolve_backend(backend, source.tensor)
+    source.check_call(backend, sharded)
+    return LossInputs(source, ids, None, None, None, None, None, None, None, None, 1.0, opts, backend,
+                      SequenceLayout.padded(shape[0], shape[1]), caller_shape, shard)

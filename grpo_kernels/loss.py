@@ -1,20 +1,30 @@
 """The public API: the loss functions and Modules (from logits, from hidden states with the lm_head) and the
-log-prob family. Each is a few lines over the layers below: ``inputs.py`` prepares and checks a call once,
-``sources.py`` holds the two input forms and runs the loss or the log-probs on either.
+log-prob family, and the one dispatch behind them.
+
+A call runs in a straight line: the public function makes its input form's source (``from_logits.LogitsSource``
+or ``from_hidden_states.HiddenStatesSource``), ``inputs.prepare_inputs`` checks everything once into one frozen
+``LossInputs``, and ``compute_loss`` (below) sends it down one of two ways:
+
+1. TRL's policy-term masks first, where the options ask for them: a gradient-free log-prob pass.
+2. The fused loss kernels where they apply (the Triton backend, a token-level loss, one device's vocabulary):
+   the source's ``fused_loss``, which chooses the schedule and applies its autograd Function; else the
+   differentiable log-probs with the loss math in torch (``objective.loss_from_logps``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
-from .inputs import CallSettings, LogprobSettings, LossTensors, options_from, prepare_inputs
-from .objective import GRPOLossOutput
+from .from_hidden_states import LM_HEAD_MODES, HiddenStatesSource
+from .from_logits import LogitsSource
+from .inputs import LossInputs, loss_tokens, options_from, prepare_inputs, prepare_logprob_inputs
+from .kernels.contracts import TokenInputs
+from .objective import GRPOLossOutput, loss_from_logps, policy_masks
 from .option_docs import HIDDEN_STATES_KEYWORDS, LOGITS_KEYWORDS, docstring_options
 from .options import BACKENDS, GRPOOptions
-from .sources import LM_HEAD_MODES, HiddenStatesSource, LogitsSource, compute_logprobs, compute_loss
 
 
 def grpo_loss(
@@ -70,11 +80,11 @@ def grpo_loss(
     """
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward,
                           one_pass=one_pass)
-    tensors = LossTensors(completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-                          sampling_logps, normalizer)
-    settings = CallSettings(options_from(options, option_kwargs), backend, check_ids, loss_scale, cu_seqlens,
-                            vocab_parallel_group, vocab_start_index)
-    return compute_loss(*prepare_inputs(source, tensors, settings))
+    return compute_loss(prepare_inputs(
+        source, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
+        sampling_logps, normalizer, options=options_from(options, option_kwargs), backend=backend,
+        check_ids=check_ids, loss_scale=loss_scale, cu_seqlens=cu_seqlens, vocab_parallel_group=vocab_parallel_group,
+        vocab_start_index=vocab_start_index))
 
 
 def fused_linear_grpo_loss(
@@ -117,11 +127,11 @@ def fused_linear_grpo_loss(
     default, takes the device sweep's measured choice (``kernels/tuned.json``), else "recompute".
     """
     source = HiddenStatesSource(hidden_states, weight, bias, lm_head_mode)
-    tensors = LossTensors(completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-                          sampling_logps, normalizer)
-    settings = CallSettings(options_from(options, option_kwargs), backend, check_ids, loss_scale, cu_seqlens,
-                            vocab_parallel_group, vocab_start_index)
-    return compute_loss(*prepare_inputs(source, tensors, settings))
+    return compute_loss(prepare_inputs(
+        source, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
+        sampling_logps, normalizer, options=options_from(options, option_kwargs), backend=backend,
+        check_ids=check_ids, loss_scale=loss_scale, cu_seqlens=cu_seqlens, vocab_parallel_group=vocab_parallel_group,
+        vocab_start_index=vocab_start_index))
 
 
 # ---- The log-prob family -------------------------------------------------------------------------------------
@@ -163,10 +173,11 @@ def token_logprobs(
     rank's vocabulary slice and the ids are global, as in ``grpo_loss``. ``logit_scale`` and ``logit_softcap``:
     the logits are a head's raw outputs, transformed as the options of those names say (see ``GRPOLoss``).
     """
-    settings = LogprobSettings(backend, check_ids, drop_last_position, cu_seqlens, vocab_parallel_group,
-                               vocab_start_index, logit_scale, logit_softcap)
-    return _pair(compute_logprobs(LogitsSource(logits, drop_last_position=drop_last_position), ids, temperature,
-                                  return_entropy, settings), return_entropy)
+    source = LogitsSource(logits, drop_last_position=drop_last_position)
+    return _pair(compute_logprobs(source, ids, temperature, return_entropy, backend=backend, check_ids=check_ids,
+                                  drop_last_position=drop_last_position, cu_seqlens=cu_seqlens,
+                                  vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index,
+                                  logit_scale=logit_scale, logit_softcap=logit_softcap), return_entropy)
 
 
 @torch.no_grad()
@@ -193,10 +204,11 @@ def linear_token_logprobs(
     shard [V / P, H], the ids global), bias [V] or None. No gradient. ``weight`` must be the head's effective
     weight (an adapter on the head: ``grpo_kernels.wrapped.output_layer``), and ``logit_scale`` / ``logit_softcap``
     its output transform (a model's: ``grpo_kernels.heads.head_transform(model).options``)."""
-    settings = LogprobSettings(backend, check_ids, False, cu_seqlens, vocab_parallel_group, vocab_start_index,
-                               logit_scale, logit_softcap)
-    return _pair(compute_logprobs(HiddenStatesSource(hidden_states, weight, bias), ids, temperature, return_entropy,
-                                  settings), return_entropy)
+    source = HiddenStatesSource(hidden_states, weight, bias)
+    return _pair(compute_logprobs(source, ids, temperature, return_entropy, backend=backend, check_ids=check_ids,
+                                  cu_seqlens=cu_seqlens, vocab_parallel_group=vocab_parallel_group,
+                                  vocab_start_index=vocab_start_index, logit_scale=logit_scale,
+                                  logit_softcap=logit_softcap), return_entropy)
 
 
 def selective_log_softmax(
@@ -213,10 +225,11 @@ def selective_log_softmax(
     the logits are this rank's vocabulary slice and the ids global (Megatron's layout, as in
     ``grpo_loss``): a drop-in for verl's ``vocab_parallel_log_probs_from_logits``.
     """
-    settings = LogprobSettings(backend, check_ids, drop_last_position, cu_seqlens, vocab_parallel_group,
-                               vocab_start_index, logit_scale, logit_softcap)
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
-    return compute_logprobs(source, ids, temperature, False, settings)[0]
+    return compute_logprobs(source, ids, temperature, False, backend=backend, check_ids=check_ids,
+                            drop_last_position=drop_last_position, cu_seqlens=cu_seqlens,
+                            vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index,
+                            logit_scale=logit_scale, logit_softcap=logit_softcap)[0]
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto",
@@ -230,10 +243,11 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, backend: st
     fp32 [N, V] softmax is materialized. A drop-in for verl's ``entropy_from_logits`` (and, with
     ``vocab_parallel_group``, on this rank's vocabulary slice, for ``vocab_parallel_entropy``).
     """
-    settings = LogprobSettings(backend, False, drop_last_position, None, vocab_parallel_group, vocab_start_index,
-                               logit_scale, logit_softcap)
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
-    return compute_logprobs(source, None, temperature, True, settings)[1]
+    return compute_logprobs(source, None, temperature, True, backend=backend, check_ids=False,
+                            drop_last_position=drop_last_position, vocab_parallel_group=vocab_parallel_group,
+                            vocab_start_index=vocab_start_index, logit_scale=logit_scale,
+                            logit_softcap=logit_softcap)[1]
 
 
 def selective_log_softmax_and_entropy(
@@ -244,10 +258,92 @@ def selective_log_softmax_and_entropy(
 ):
     """``(selective_log_softmax(...), token_entropy(...))`` from one pass over the logits, both differentiable
     (the backward is one pass too, whichever of the two the loss uses). fp32, shapes ``ids.shape``."""
-    settings = LogprobSettings(backend, check_ids, drop_last_position, cu_seqlens, vocab_parallel_group,
-                               vocab_start_index, logit_scale, logit_softcap)
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
-    return compute_logprobs(source, ids, temperature, True, settings)
+    return compute_logprobs(source, ids, temperature, True, backend=backend, check_ids=check_ids,
+                            drop_last_position=drop_last_position, cu_seqlens=cu_seqlens,
+                            vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index,
+                            logit_scale=logit_scale, logit_softcap=logit_softcap)
+
+
+# ---- The dispatch ---------------------------------------------------------------------------------------------
+
+
+class PolicyTerms(NamedTuple):
+    """What TRL's policy-term masks make of a call (``with_policy_masks``): the importance weights, a separate
+    policy mask where the loss math runs in torch (else folded into the weights), and the tokens the entropy
+    bonus acts on."""
+
+    importance_weights: Optional[torch.Tensor]
+    policy_mask: Optional[torch.Tensor]
+    bonus_mask: torch.Tensor
+
+
+def compute_loss(inputs: LossInputs) -> GRPOLossOutput:
+    """The loss of a prepared call, on its source: the fused loss kernels where they apply, else the loss math
+    in torch on the source's differentiable log-probs."""
+    opts, source = inputs.options, inputs.source
+    policy = None
+    if opts.masks_tokens:  # the masks need this call's log-probs / entropies first: one more read of the logits
+        with torch.no_grad():
+            first_pass = source.logprobs(inputs, opts.top_entropy_quantile < 1.0)
+        policy = with_policy_masks(inputs, first_pass)
+    # inside a torch.compile graph the Triton path runs its log-prob kernels as custom ops (ops.py) and the
+    # O(B * T) loss math as graph code: the fused loss kernels are not custom ops yet
+    if inputs.backend == "triton" and opts.loss_in_kernel and inputs.vocab_shard is None and \
+            not torch.compiler.is_compiling():
+        tokens = (loss_tokens(inputs, inputs.importance_weights, inputs.mask_seq) if policy is None
+                  else loss_tokens(inputs, policy.importance_weights, policy.bonus_mask))
+        out = source.fused_loss(inputs, tokens)
+        return out if inputs.caller_shape is None else inputs.as_called(out)
+    logp, entropy = source.logprobs(inputs, opts.compute_entropy, final=True)
+    return loss_in_torch(inputs, logp, entropy, policy or PolicyTerms(inputs.importance_weights, None,
+                                                                      inputs.mask_seq))
+
+
+def compute_logprobs(source, ids, temperature: float, compute_entropy: bool, **settings):
+    """(log-probs, entropy or None) in fp32, shaped like the ids, differentiable where autograd records;
+    ``ids`` None: the entropy alone. The one body of ``token_logprobs`` and its family (``settings``: their
+    keywords, ``inputs.prepare_logprob_inputs``'s)."""
+    inputs = prepare_logprob_inputs(source, ids, temperature, **settings)
+    logp, entropy = inputs.source.logprobs(inputs, compute_entropy, final=True)
+    if inputs.caller_shape is None:
+        return logp, entropy
+    return logp.reshape(inputs.caller_shape), None if entropy is None else entropy.reshape(inputs.caller_shape)
+
+
+def loss_in_torch(inputs: LossInputs, logp, entropy, policy: PolicyTerms) -> GRPOLossOutput:
+    """The loss math in torch on differentiable log-probs (and entropy) of the token layout: every
+    per-token input taken to the sequence layout, the output given back as the caller shaped it."""
+    seq = inputs.layout.seq
+    per_token = TokenInputs(mask=inputs.mask_seq, advantages=seq(inputs.advantages), old_logps=seq(inputs.old_logps),
+                            ref_logps=seq(inputs.ref_logps), importance_weights=seq(policy.importance_weights))
+    out = loss_from_logps(seq(logp), seq(entropy), per_token, inputs.normalizer, inputs.options, inputs.loss_scale,
+                          policy.bonus_mask, policy.policy_mask)
+    return inputs.as_called(out, seq_layout=True)
+
+
+def with_policy_masks(inputs: LossInputs, first_pass) -> PolicyTerms:
+    """TRL's policy-term masks from a first, gradient-free pass's (log-probs, entropy) in the token layout
+    (0 at masked tokens): the masks need every token's entropy (the top-entropy quantile, gathered across
+    processes) or each row's mean log-prob gap (the off-policy mask) before any gradient is final. They
+    are computed in the sequence layout.
+
+    Where the kernels compute the loss, the masks are folded into the importance weights (sequence
+    layout), which multiply the policy term only, as TRL's masks do: so the one-pass kernel still writes
+    the gradient in its single pass. Where the loss math runs in torch, the mask stays separate (vespo
+    takes the importance weights into its sequence weight instead of the loss)."""
+    opts, L, mask_seq = inputs.options, inputs.layout, inputs.mask_seq
+    logp, entropy = (L.seq(t) for t in first_pass)
+    sampling = inputs.old_logps if inputs.sampling_logps is None else inputs.sampling_logps
+    policy_mask, entropy_mask = policy_masks(logp, entropy, mask_seq, L.seq(inputs.advantages).detach().float(),
+                                             L.seq(sampling), opts)
+    bonus_mask = mask_seq if entropy_mask is None else mask_seq * entropy_mask
+    importance_weights = L.seq(inputs.importance_weights)
+    if not opts.loss_in_kernel:
+        return PolicyTerms(importance_weights, policy_mask, bonus_mask)
+    if importance_weights is not None:
+        policy_mask = importance_weights.detach().float() * policy_mask
+    return PolicyTerms(policy_mask.expand_as(mask_seq), None, bonus_mask)
 
 
 # ---- The Modules -----------------------------------------------------------------------------------------------
@@ -288,9 +384,13 @@ class _LossModule(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.options}, backend={self.backend!r}"
 
-    def _settings(self, loss_scale, cu_seqlens) -> CallSettings:
-        return CallSettings(self.options, self.backend, self.check_ids, loss_scale, cu_seqlens,
-                            self.vocab_parallel_group, self.vocab_start_index)
+    def _loss(self, source, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
+              normalizer, loss_scale, sampling_logps, cu_seqlens) -> GRPOLossOutput:
+        return compute_loss(prepare_inputs(
+            source, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
+            sampling_logps, normalizer, options=self.options, backend=self.backend, check_ids=self.check_ids,
+            loss_scale=loss_scale, cu_seqlens=cu_seqlens, vocab_parallel_group=self.vocab_parallel_group,
+            vocab_start_index=self.vocab_start_index))
 
 
 class GRPOLoss(_LossModule):
@@ -333,9 +433,8 @@ class GRPOLoss(_LossModule):
                 cu_seqlens=None) -> GRPOLossOutput:
         source = LogitsSource(logits, drop_last_position=self.drop_last_position,
                               in_place_backward=self.in_place_backward, one_pass=self.one_pass)
-        tensors = LossTensors(completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-                              sampling_logps, normalizer)
-        return compute_loss(*prepare_inputs(source, tensors, self._settings(loss_scale, cu_seqlens)))
+        return self._loss(source, completion_ids, completion_mask, advantages, old_logps, ref_logps,
+                          importance_weights, normalizer, loss_scale, sampling_logps, cu_seqlens)
 
 
 class FusedLinearGRPOLoss(_LossModule):
@@ -371,9 +470,8 @@ class FusedLinearGRPOLoss(_LossModule):
                 ref_logps=None, importance_weights=None, normalizer=None, bias=None, loss_scale=1.0,
                 sampling_logps=None, cu_seqlens=None) -> GRPOLossOutput:
         source = HiddenStatesSource(hidden_states, weight, bias, self.lm_head_mode)
-        tensors = LossTensors(completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-                              sampling_logps, normalizer)
-        return compute_loss(*prepare_inputs(source, tensors, self._settings(loss_scale, cu_seqlens)))
+        return self._loss(source, completion_ids, completion_mask, advantages, old_logps, ref_logps,
+                          importance_weights, normalizer, loss_scale, sampling_logps, cu_seqlens)
 
 
 GRPOLoss.__doc__ = GRPOLoss.__doc__.replace("{options}", docstring_options(LOGITS_KEYWORDS))

@@ -269,10 +269,9 @@ def clip_metric_values(opts: GRPOOptions, low: Optional[torch.Tensor], high: tor
 
 
 def metric_names(opts: GRPOOptions, has_kl: bool, has_entropy: bool) -> tuple:
-    """The names of the loss-metrics kernel's metrics, in its order (TRL's names); asked on every fused call, so
-    kept on the options object (``GRPOOptions.derived``)."""
-    return opts.derived(("metric_names", has_kl, has_entropy),
-                        lambda o: ("kl",) * has_kl + ("entropy",) * has_entropy + tuple(o.loss.clip_metrics))
+    """The names of the loss-metrics kernel's metrics, in its order (TRL's names; a fused call's are
+    ``GRPOOptions.fused_metric_names``)."""
+    return ("kl",) * has_kl + ("entropy",) * has_entropy + tuple(opts.loss.clip_metrics)
 
 
 def loss_metrics(

@@ -1,18 +1,18 @@
-"""The backends' operations as ``torch.library`` custom ops, for ``torch.compile``.
+"""The input forms' log-prob operations as ``torch.library`` custom ops, for ``torch.compile``.
 
-Eager calls run ``torch_path`` and the launchers directly (no dispatcher hop: host time). Inside a ``torch.compile`` graph
-(``torch.compiler.is_compiling()``) the backend calls these ops instead: each is one opaque node with a
-fake (meta) implementation, so dynamo neither unrolls the chunk loops (whose ``range`` would fix the
+Eager calls run ``torch_path`` and the launchers directly (no dispatcher hop: host time). Inside a
+``torch.compile`` graph (``torch.compiler.is_compiling()``) the host functions (``from_logits.py``,
+``from_hidden_states.py``) call these ops instead: each is one opaque node with a fake (meta) implementation, so dynamo neither unrolls the chunk loops (whose ``range`` would fix the
 completion length and recompile for each new one) nor breaks the graph, and a step compiles once for
 every length (``dynamic=True``, or dynamo's automatic dynamic shapes after the first new length).
 
-Autograd stays with the package's ``autograd.Function``s (``functions.py``), which dynamo traces: the ops
-are their forward and backward primitives. They return new tensors (no argument mutated); the Functions'
+Autograd stays with the package's ``autograd.Function``s (``from_logits.py``, ``from_hidden_states.py``), which
+dynamo traces: the ops are their forward and backward primitives. They return new tensors (no argument mutated); the Functions'
 in-place and preallocated-gradient options copy the result where eager writes directly (compiled only).
 An absent optional output is an empty tensor here (a custom op's schema has no optional outputs).
 
 The Triton path's ops are its log-prob kernels (forward without a loss, backward; the lm_head's): inside a
-graph the loss math runs as graph code on their log-probs (``sources.compute_loss``), since the fused loss
+graph the loss math runs as graph code on their log-probs (``loss.compute_loss``), since the fused loss
 kernels (the per-token loss inside the logits pass, the one-pass schedule) take the options object, which a
 custom op's schema cannot carry. So a compiled step reads the logits twice (3 S, the two-pass schedule),
 where eager's default one-pass reads them once and writes the gradient in the same pass (2 S).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import ClassVar, Optional
 
 from .kernels import contracts
 
@@ -145,6 +145,18 @@ class GRPOOptions:
     logit_scale: float = 1.0
     logit_softcap: Optional[float] = None
 
+    # Facts derived from the fields (``_derive_facts``), kept as plain attributes: asked on every call
+    loss: ClassVar[LossType]
+    eps_high: ClassVar[float]
+    uses_kl: ClassVar[bool]
+    kernel_temperature: ClassVar[float]
+    kernel_softcap: ClassVar[Optional[float]]
+    sequence_level: ClassVar[bool]
+    loss_in_kernel: ClassVar[bool]
+    masks_tokens: ClassVar[bool]
+    fused_metric_names: ClassVar[tuple]
+    kernel_loss: ClassVar[Optional[contracts.KernelLoss]]
+
     def __post_init__(self) -> None:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
         _check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
@@ -201,56 +213,43 @@ class GRPOOptions:
         _check_number("logit_softcap", self.logit_softcap, positive=True, optional=True)
         if self.use_bias_correction_kl and self.beta == 0:
             raise ValueError("use_bias_correction_kl=True multiplies the KL term, but beta=0 turns the KL term off")
+        self._derive_facts()
 
-    @property
-    def loss(self) -> LossType:
-        """This loss type's registry entry."""
-        return LOSS_TYPE_REGISTRY[self.loss_type]
+    def _derive_facts(self) -> None:
+        """The facts every call asks of the options, kept as plain attributes (frozen options never change;
+        ``replace`` makes new ones, which derive their own). Not fields: equality, hashing and ``repr`` never
+        see them.
 
-    @property
-    def eps_high(self) -> float:
-        """Upper clip (for cispo: the absolute cap on the ratio, as in TRL)."""
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    @property
-    def uses_kl(self) -> bool:
-        return self.beta != 0.0
-
-    @property
-    def kernel_temperature(self) -> float:
-        """The temperature the kernels divide the capped raw logits by: the head's scale folded in, temperature /
-        logit_scale (cap(s x) / tau = (C / s) tanh(x / (C / s)) / (tau / s) with C = logit_softcap)."""
-        return self.temperature / self.logit_scale
-
-    @property
-    def kernel_softcap(self) -> Optional[float]:
-        """The soft-cap the kernels apply to the raw logits x, softcap * tanh(x / softcap): logit_softcap /
-        logit_scale (the scale folded in, see ``kernel_temperature``); None without a cap."""
-        return None if self.logit_softcap is None else self.logit_softcap / self.logit_scale
-
-    @property
-    def loss_in_kernel(self) -> bool:
-        """The kernels compute this loss's per-token terms (token-level ratios, a per-token formula);
-        otherwise the kernels give log-probs and the loss math runs on them in torch (GSPO's
-        sequence ratios, VESPO's sequence weights)."""
-        return not self.sequence_level and self.loss.kernel_term is not None
-
-    @property
-    def masks_tokens(self) -> bool:
-        """A policy-term mask that needs this pass's log-probs or entropies before the loss (TRL's
-        high-entropy mask, DeepSeek-V3.2's off-policy sequence mask): one more read of the logits."""
-        return self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None
-
-    @property
-    def sequence_level(self) -> bool:
-        """The ratio needs the whole row's log-probs (GSPO and GSPO-token): the two-pass path."""
-        return self.importance_sampling_level in ("sequence", "sequence_token")
-
-    @property
-    def kernel_loss(self) -> contracts.KernelLoss:
-        """These options as the loss kernels' launchers take them (``kernels.contracts.KernelLoss``): built on
-        first use and kept on this object, so the launchers never read an option (nor import this module)."""
-        return self.derived("kernel_loss", _kernel_loss)
+        - ``loss``: this loss type's registry entry.
+        - ``eps_high``: the upper clip (for cispo: the absolute cap on the ratio, as in TRL).
+        - ``uses_kl``: the loss has a KL term (beta != 0).
+        - ``kernel_temperature``: what the kernels divide the capped raw logits by: the head's scale folded in,
+          temperature / logit_scale (cap(s x) / tau = (C / s) tanh(x / (C / s)) / (tau / s), C = logit_softcap).
+        - ``kernel_softcap``: the soft-cap the kernels apply to the raw logits x, softcap * tanh(x / softcap):
+          logit_softcap / logit_scale (the scale folded in); None without a cap.
+        - ``sequence_level``: the ratio needs the whole row's log-probs (GSPO and GSPO-token): the two-pass path.
+        - ``loss_in_kernel``: the kernels compute this loss's per-token terms (token-level ratios, a per-token
+          formula); otherwise the kernels give log-probs and the loss math runs on them in torch (GSPO's sequence
+          ratios, VESPO's sequence weights).
+        - ``masks_tokens``: a policy-term mask that needs this pass's log-probs or entropies before the loss
+          (TRL's high-entropy mask, DeepSeek-V3.2's off-policy sequence mask): one more read of the logits.
+        - ``kernel_loss``: these options as the loss kernels' launchers take them (``kernels.contracts.KernelLoss``),
+          so the launchers never read an option (nor import this module); None for a loss type whose loss math
+          runs in torch (no ``kernel_term``).
+        - ``fused_metric_names``: the names of a fused loss call's metrics, in the loss-metrics kernel's order (its
+          KL where there is one, its entropy where computed, the clip metrics; TRL's names)."""
+        loss = LOSS_TYPE_REGISTRY[self.loss_type]
+        sequence_level = self.importance_sampling_level in ("sequence", "sequence_token")
+        facts = dict(
+            loss=loss, eps_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+            uses_kl=self.beta != 0.0, kernel_temperature=self.temperature / self.logit_scale,
+            kernel_softcap=None if self.logit_softcap is None else self.logit_softcap / self.logit_scale,
+            sequence_level=sequence_level, loss_in_kernel=not sequence_level and loss.kernel_term is not None,
+            masks_tokens=self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None,
+            fused_metric_names=("kl",) * (self.beta != 0.0) + ("entropy",) * self.compute_entropy + loss.clip_metrics)
+        for name, value in facts.items():
+            object.__setattr__(self, name, value)  # (frozen: __setattr__ refuses)
+        object.__setattr__(self, "kernel_loss", None if loss.kernel_term is None else _kernel_loss(self))
 
     def replace(self, **changes) -> "GRPOOptions":
         return dataclasses.replace(self, **changes)
@@ -261,12 +260,12 @@ class GRPOOptions:
         the first. The options are frozen, so it never goes stale: a changed option is a new object
         (``replace``, ``GRPOLoss.update``) with nothing kept. Not a field: equality, hashing, ``repr`` and
         ``dataclasses.replace`` never see it."""
-        kept = self.__dict__.get("_derived")
-        if kept is None:
-            kept = self.__dict__["_derived"] = {}  # (frozen: __setattr__ refuses, the instance dict does not)
-        if name not in kept:
-            kept[name] = build(self)
-        return kept[name]
+        try:
+            return self.__dict__["_derived"][name]
+        except KeyError:  # the first ask: built and kept (frozen: __setattr__ refuses, the instance dict does not)
+            kept = self.__dict__.setdefault("_derived", {})
+            kept[name] = value = build(self)
+            return value
 
     @classmethod
     def from_preset(cls, preset: str, **overrides) -> "GRPOOptions":
@@ -307,8 +306,6 @@ def _kernel_loss(o: GRPOOptions) -> contracts.KernelLoss:
     """``GRPOOptions.kernel_loss``: the policy term's kernel, the run-time scalars (``contracts.LOSS_SCALARS``
     order: a value that changes between steps is never a constexpr) and the compile-time ``LOSS_FLAGS`` (a
     feature's presence only, one ``contracts.LOSS_FLAG_*`` bit each)."""
-    if o.loss.kernel_term is None:
-        raise ValueError(f"loss_type={o.loss_type!r} has no loss kernel (its loss math runs in torch)")
     zero_if_none = lambda v: 0.0 if v is None else float(v)  # noqa: E731
     scalars = dict(eps_low=float(o.epsilon), eps_high=float(o.eps_high), delta=zero_if_none(o.delta),
                    dual_clip=zero_if_none(o.dual_clip), beta=float(o.beta),

@@ -33,8 +33,9 @@ def check_not_sharded(name: str, t, local_hint: str) -> None:
 
 
 def check_logits(logits) -> None:
-    check_not_sharded("logits", logits, "logits sharded over the vocabulary are logits.to_local() with "
-                      "vocab_parallel_group=<their process group>")
+    if logits.__class__ is not torch.Tensor:  # (a plain tensor is not a DTensor: host time)
+        check_not_sharded("logits", logits, "logits sharded over the vocabulary are logits.to_local() with "
+                          "vocab_parallel_group=<their process group>")
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor [B, T, V], got {type(logits).__name__}")
     if logits.dim() != 3:
@@ -45,19 +46,25 @@ def check_logits(logits) -> None:
         raise ValueError(f"logits must have a vocabulary dimension V >= 1, got shape {tuple(logits.shape)}")
 
 
-def check_token_ids(ids, logits: torch.Tensor, check_range: bool, *, mask=None, normalizer=None) -> None:
-    """Shape, dtype and device of the ids; with ``check_range``, one host sync that checks the ids
-    at active positions (``mask != 0``; all of them without a mask) lie in [0, V), and a tensor
-    ``normalizer`` is positive and finite. Masked positions may hold anything (-100 included)."""
-    B, T, V = logits.shape
+_INTEGER_DTYPES = frozenset(getattr(torch, name) for name in ("int64", "int32", "int16", "int8", "uint8")
+                            if hasattr(torch, name))  # (the common ids' dtypes, answered by one lookup: host time)
+
+
+def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normalizer=None) -> None:
+    """Shape, dtype and device of the ids against the logits' ``shape`` (B, T, V) and ``device``; with
+    ``check_range``, one host sync that checks the ids at active positions (``mask != 0``; all of them without a
+    mask) lie in [0, V), and a tensor ``normalizer`` is positive and finite. Masked positions may hold anything
+    (-100 included)."""
+    B, T, V = shape
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"completion_ids must be a torch.Tensor [B, T], got {type(ids).__name__}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if ids.dtype not in _INTEGER_DTYPES and (ids.dtype.is_floating_point or ids.dtype.is_complex or
+                                             ids.dtype == torch.bool):
         raise TypeError(f"completion_ids must be an integer tensor, got {ids.dtype}")
-    if tuple(ids.shape) != (B, T):
+    if ids.shape != (B, T):
         raise ValueError(f"completion_ids must be [B, T] = {(B, T)} to match logits [B, T, V], got {tuple(ids.shape)}")
-    if ids.device != logits.device:
-        raise ValueError(f"completion_ids is on {ids.device} but logits is on {logits.device}")
+    if ids.device != device:
+        raise ValueError(f"completion_ids is on {ids.device} but logits is on {device}")
     if not check_range:
         return
     checked = ids if mask is None else ids.masked_fill(mask == 0, 0)
@@ -114,14 +121,14 @@ def _check_normalizer_value(value, active_tokens) -> None:
                          f"num_items_in_batch to at least 1 before dividing by the process count; do the same){zero}")
 
 
-def check_per_token(name: str, t, logits: torch.Tensor, *, allow_row: bool, allow_bool=False, allow_int=False):
-    """A [B, T] (or [B] / [B, 1] where allow_row) tensor on the logits' device."""
+def check_per_token(name: str, t, shape, device, *, allow_row: bool, allow_bool=False, allow_int=False):
+    """A [B, T] (or [B] / [B, 1] where allow_row) tensor on ``device``; ``shape`` starts with (B, T)."""
     if t is None:
         return
-    if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.shape == logits.shape[:2] and \
-            t.device == logits.device:
-        return  # the common case, accepted by every rule below (host time)
-    B, T, _ = logits.shape
+    B, T = shape[0], shape[1]
+    if t.__class__ is torch.Tensor and t.dtype.is_floating_point and t.device == device and (
+            t.shape == (B, T) or (allow_row and (t.shape == (B,) or t.shape == (B, 1)))):
+        return  # the common cases, accepted by every rule below (host time)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     ok_dtype = t.dtype.is_floating_point or (allow_bool and t.dtype == torch.bool) or (
@@ -132,24 +139,38 @@ def check_per_token(name: str, t, logits: torch.Tensor, *, allow_row: bool, allo
     shapes = [(B, T)] + ([(B,), (B, 1)] if allow_row else [])
     if tuple(t.shape) not in shapes:
         raise ValueError(f"{name} must have shape {' or '.join(str(s) for s in shapes)}, got {tuple(t.shape)}")
-    if t.device != logits.device:
-        raise ValueError(f"{name} is on {t.device} but logits is on {logits.device}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but logits is on {device}")
 
 
 def check_inputs(
-    logits, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
+    shape, device, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
     normalizer, opts: GRPOOptions, check_ids: bool = True,
 ) -> None:
-    check_logits(logits)
+    """Every per-call tensor of a loss call against the logits' ``shape`` (B, T, V) and ``device`` (the logits
+    themselves, or the hidden states and head, are their input form's to check)."""
     if completion_mask is None:
         raise ValueError("completion_mask is required ([B, T], 1 where a completion token counts), got None")
-    check_per_token("completion_mask", completion_mask, logits, allow_row=False, allow_bool=True, allow_int=True)
     if advantages is None:
         raise ValueError("advantages is required ([B] or [B, T]), got None")
-    check_per_token("advantages", advantages, logits, allow_row=True)
-    check_per_token("old_logps", old_logps, logits, allow_row=False)
-    check_per_token("ref_logps", ref_logps, logits, allow_row=False)
-    check_per_token("importance_weights", importance_weights, logits, allow_row=True)
+    rows = shape[:2]
+    # the common case (plain float tensors on the logits' device, [B, T]; advantages [B] too) in one expression:
+    # host time; anything else through check_per_token, which says what is wrong
+    if not (completion_mask.__class__ is torch.Tensor and completion_mask.dtype.is_floating_point and
+            completion_mask.shape == rows and completion_mask.device == device):
+        check_per_token("completion_mask", completion_mask, shape, device, allow_row=False, allow_bool=True,
+                        allow_int=True)
+    if not (advantages.__class__ is torch.Tensor and advantages.dtype.is_floating_point and
+            advantages.device == device and (advantages.shape == rows or advantages.shape == rows[:1])):
+        check_per_token("advantages", advantages, shape, device, allow_row=True)
+    if old_logps is not None and not (old_logps.__class__ is torch.Tensor and old_logps.dtype.is_floating_point
+                                      and old_logps.shape == rows and old_logps.device == device):
+        check_per_token("old_logps", old_logps, shape, device, allow_row=False)
+    if ref_logps is not None and not (ref_logps.__class__ is torch.Tensor and ref_logps.dtype.is_floating_point
+                                      and ref_logps.shape == rows and ref_logps.device == device):
+        check_per_token("ref_logps", ref_logps, shape, device, allow_row=False)
+    if importance_weights is not None:
+        check_per_token("importance_weights", importance_weights, shape, device, allow_row=True)
     if opts.uses_kl and ref_logps is None:
         raise ValueError(f"beta={opts.beta} > 0 needs ref_logps [B, T] (the reference model's log-probs), got None")
     if normalizer is not None:
@@ -166,30 +187,32 @@ def check_inputs(
             raise ValueError(f"normalizer must be a positive number (a token count), got {normalizer!r}")
         else:  # a Python number: checked at once (a host sync only to count the tokens behind a 0)
             _check_normalizer_value(normalizer, lambda: int(_active_tokens(completion_mask, completion_ids)))
-    check_token_ids(completion_ids, logits, check_ids, mask=completion_mask, normalizer=normalizer)
+    check_token_ids(completion_ids, shape, device, check_ids, mask=completion_mask, normalizer=normalizer)
 
 
 def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     """'triton' or 'torch' for this call."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    if backend == "auto" and logits.dtype == torch.float64:
-        return "torch"  # the kernels are fp32 inside; fp64 (gradcheck) is the torch path's
+    if backend == "torch":
+        return backend
     if backend == "auto":  # the chunked torch path also runs on CUDA where triton is absent
-        return "triton" if logits.is_cuda and triton_available() else "torch"
-    if backend == "triton" and logits.dtype == torch.float64:
+        # (fp64, gradcheck's, is the torch path's: the kernels are fp32 inside)
+        return "triton" if logits.is_cuda and logits.dtype != torch.float64 and triton_available() else "torch"
+    if backend != "triton":
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if logits.dtype == torch.float64:
         raise TypeError("backend='triton' takes float32, bfloat16 or float16; float64 runs on backend='torch' "
                         "(for gradcheck), or cast to float32")
-    if backend == "triton" and not torch.compiler.is_compiling():  # (a graph's ops import it when they run)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # (a graph's ops import it when they run)
         launch_module()  # a clear ImportError where triton is absent
-    if backend == "triton" and not logits.is_cuda:
+    if not logits.is_cuda:
         if not interpreter_enabled():
             raise ValueError(
                 f"backend='triton' got logits on {logits.device}: Triton runs CPU tensors only in its "
                 "interpreter, which needs TRITON_INTERPRET=1 set before triton is imported; "
                 "use backend='torch' or 'auto' for CPU tensors"
             )
-        if not torch.compiler.is_compiling():  # dynamo (torch 2.7) cannot trace the version parsing; eager checks
+        if not compiling:  # dynamo (torch 2.7) cannot trace the version parsing; eager checks
             check_interpreter_versions()
     return backend
 
@@ -250,8 +273,7 @@ def checked_drop_last_position(drop_last_position, logits, completion_ids) -> bo
     """``drop_last_position`` after checking that the logits carry exactly one position more than the ids."""
     if not isinstance(drop_last_position, bool):
         raise TypeError(f"drop_last_position must be a bool, got {drop_last_position!r}")
-    if drop_last_position:
-        check_logits(logits)
+    if drop_last_position:  # (the logits themselves checked by the caller: check_logits)
         T = completion_ids.shape[-1] if isinstance(completion_ids, torch.Tensor) and completion_ids.dim() == 2 else None
         if T is None or logits.shape[1] != T + 1:
             got = tuple(completion_ids.shape) if isinstance(completion_ids, torch.Tensor) else None

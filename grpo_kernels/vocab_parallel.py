@@ -23,16 +23,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .backends import get_backend
-from .functions import as_input_grads, flat_f32
+from .from_hidden_states import as_input_grads, flat_f32, linear_logprobs_bwd, linear_logprobs_fwd
+from .from_logits import logprobs_bwd, logprobs_fwd
 from .torch_path import capped
 
 
-def vocab_range(logits_local: torch.Tensor, group, vocab_start_index: Optional[int]) -> tuple:
-    """(this rank's first id, the global vocabulary size): Megatron's equal partitions unless
-    ``vocab_start_index`` says where this rank's slice starts. One all-reduce of one integer."""
-    local = logits_local.shape[-1]
-    size = torch.tensor([local], device=logits_local.device, dtype=torch.int64)
+def vocab_range(local: int, device, group, vocab_start_index: Optional[int]) -> tuple:
+    """(this rank's first id, the global vocabulary size) of a slice of ``local`` ids on ``device``: Megatron's
+    equal partitions unless ``vocab_start_index`` says where this rank's slice starts. One all-reduce of one
+    integer."""
+    size = torch.tensor([local], device=device, dtype=torch.int64)
     dist.all_reduce(size, group=group)
     start = dist.get_rank(group) * local if vocab_start_index is None else int(vocab_start_index)
     total = int(size.item())
@@ -53,7 +53,7 @@ class VocabParallelLogprobs(torch.autograd.Function):
         B, T, V_local = logits.shape
         owned = (ids >= start) & (ids < start + V_local)
         local_ids = torch.where(owned, ids - start, 0).contiguous()
-        r = get_backend(backend).logprobs(logits, local_ids, temperature, mask, compute_entropy, softcap)
+        r = logprobs_fwd(logits, local_ids, temperature, mask, compute_entropy, softcap, backend)
         as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         lse_r, logp_r, entropy_r = as_bt(r.lse), as_bt(r.logp), as_bt(r.entropy)
         lse, logp, entropy = _combine(lse_r, logp_r, entropy_r if compute_entropy else None, owned, group)
@@ -73,9 +73,8 @@ class VocabParallelLogprobs(torch.autograd.Function):
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
         h = None if grad_entropy is None else grad_entropy.float()
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        grad = get_backend(ctx.backend).logprobs_backward(logits, local_ids, lse, g, ctx.temperature, out=out,
-                                                          grad_entropy=h, entropy=entropy if h is not None else None,
-                                                          softcap=ctx.softcap)
+        grad = logprobs_bwd(logits, local_ids, lse, g, ctx.temperature, ctx.softcap, False, ctx.backend, out=out,
+                            grad_entropy=h, entropy=entropy if h is not None else None)
         # Where this rank does not own the target, the kernel's one-hot landed on local column 0:
         # that column is rewritten without it, from its own logit (O(B * T), no host sync).
         inv_t = 1.0 / ctx.temperature
@@ -122,8 +121,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         V_local = weight.shape[0]
         owned = (ids >= start) & (ids < start + V_local)
         local_ids = torch.where(owned, ids - start, 0).contiguous()
-        r = get_backend(backend).linear_logprobs(hidden, weight, bias, local_ids, temperature, compute_entropy,
-                                                 softcap)
+        r = linear_logprobs_fwd(hidden, weight, bias, local_ids, temperature, compute_entropy, softcap, backend)
         lse, logp, entropy = _combine(r.lse, r.logp, r.entropy, owned, group)
         ctx.save_for_backward(hidden, weight, bias, local_ids, owned, lse, entropy)
         ctx.backend, ctx.temperature, ctx.softcap, ctx.group = backend, temperature, softcap, group
@@ -137,9 +135,9 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         g = torch.zeros_like(lse) if grad_logp is None else flat_f32(grad_logp)
         h = flat_f32(grad_entropy)
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        dh, dw, db = get_backend(ctx.backend).linear_backward(
-            hidden, weight, bias, local_ids, lse, g, ctx.temperature, wants_weight, grad_entropy=h,
-            entropy=entropy if h is not None else None, softcap=ctx.softcap)
+        dh, dw, db = linear_logprobs_bwd(hidden, weight, bias, local_ids, lse, g, ctx.temperature, ctx.softcap,
+                                         ctx.backend, wants_weight, grad_entropy=h,
+                                         entropy=entropy if h is not None else None)
         # Where this rank does not own the target, the backward added the one-hot term g / tau at
         # local column 0 (times the cap's chain factor there); take it out of d hidden, d weight[0] and
         # d bias[0] (O(N * H)).
@@ -156,14 +154,15 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
-def sharded_vocab_start(logits_like, ids, group, vocab_start_index, check_ids, *, mask=None, normalizer=None) -> int:
-    """This rank's first vocabulary id (``vocab_range``), after checking the ids, which are global, against
-    the whole vocabulary (with ``check_ids``: one host sync, as unsharded)."""
+def sharded_vocab_start(shape, device, ids, group, vocab_start_index, check_ids, *, mask=None,
+                        normalizer=None) -> int:
+    """This rank's first vocabulary id (``vocab_range``) of its logits' ``shape`` (B, T, V / P) on ``device``, after
+    checking the ids, which are global, against the whole vocabulary (with ``check_ids``: one host sync, as
+    unsharded)."""
     from .validation import check_token_ids
 
-    start, vocab_size = vocab_range(logits_like, group, vocab_start_index)
-    whole = logits_like.new_empty(()).expand(*logits_like.shape[:2], vocab_size)  # shape checks only, no memory
-    check_token_ids(ids, whole, check_ids, mask=mask, normalizer=normalizer)
+    start, vocab_size = vocab_range(shape[-1], device, group, vocab_start_index)
+    check_token_ids(ids, (shape[0], shape[1], vocab_size), device, check_ids, mask=mask, normalizer=normalizer)
     return start
 
 

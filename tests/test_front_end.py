@@ -1,7 +1,6 @@
 """The front end as one family: the log-prob functions' shared keywords, the hidden-state log-probs, the
 prepared inputs, the options' one documentation source and the Modules' composition."""
 
-import dataclasses
 import inspect
 import re
 from pathlib import Path
@@ -13,10 +12,10 @@ from helpers import assert_close
 from grpo_kernels import (FusedLinearGRPOLoss, GRPOLoss, GRPOOptions, fused_linear_grpo_loss, grpo_loss,
                           linear_token_logprobs, selective_log_softmax, selective_log_softmax_and_entropy,
                           token_entropy, token_logprobs)
-from grpo_kernels.inputs import CallSettings, LossTensors, prepare_inputs
+from grpo_kernels.from_logits import LogitsSource
+from grpo_kernels.inputs import prepare_inputs
 from grpo_kernels.option_docs import option_names, options_table, undocumented_fields
 from grpo_kernels.options import LOSS_TYPE_REGISTRY, LOSS_TYPES
-from grpo_kernels.sources import LogitsSource
 
 BACKENDS = ["torch", "triton"]
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -126,13 +125,14 @@ def test_prepared_inputs_are_frozen_and_packed_once(device):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 13, generator=g).to(device)
     ids = torch.randint(0, 13, (7,), generator=g).to(device)
-    tensors = LossTensors(ids, torch.ones(7, device=device), torch.randn(2, generator=g).to(device))
     cu = torch.tensor([0, 3, 7], device=device)
-    source, inputs = prepare_inputs(LogitsSource(logits), tensors, CallSettings(GRPOOptions(), backend="torch",
-                                                                                  cu_seqlens=cu))
-    assert source.logits.shape == (1, 7, 13) and inputs.ids.shape == (1, 7) and inputs.caller_shape == (7,)
+    inputs = prepare_inputs(LogitsSource(logits), ids, torch.ones(7, device=device),
+                            torch.randn(2, generator=g).to(device), options=GRPOOptions(), backend="torch",
+                            cu_seqlens=cu)
+    assert inputs.source.tensor.shape == (1, 7, 13) and inputs.ids.shape == (1, 7) and inputs.caller_shape == (7,)
     assert inputs.layout.packed and inputs.mask_seq.shape == (2, 4)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    assert inputs.mask.dtype == torch.float32 and inputs.mask.is_contiguous()  # the kernels' one mask
+    with pytest.raises(AttributeError):
         inputs.ids = ids
 
 

@@ -163,12 +163,12 @@ def test_triton_backward_works_in_bounded_chunks(device, monkeypatch):
 
 def test_triton_token_level_runs_the_loss_inside_the_kernel(device, monkeypatch):
     """Token level: the forward kernel returns the per-token loss; no log-prob-only Function runs."""
-    from grpo_kernels import functions
+    from grpo_kernels import from_hidden_states
 
     def refuse(*args, **kwargs):
         raise AssertionError("the log-prob-only Function ran at token level")
 
-    monkeypatch.setattr(functions.LinearTokenLogprobs, "apply", refuse)
+    monkeypatch.setattr(from_hidden_states.LinearTokenLogprobs, "apply", refuse)
     batch, hidden, weight, bias = _inputs(device, seed=5)
     out = fused_linear_grpo_loss(hidden, weight, **batch, bias=bias, backend="triton", beta=0.04)
     assert torch.isfinite(out.loss)

@@ -117,9 +117,9 @@ def _call_path(run) -> tuple:
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_a_loss_call_runs_in_a_straight_line(beta, device):
-    """One ``grpo_loss`` forward + backward on the Triton path enters at most 10 of the package's files, with
-    at most 7 package frames above a kernel launch (the public function, the dispatch, the Function, the
-    launchers)."""
+    """One ``grpo_loss`` forward + backward on the Triton path enters at most 8 of the package's files (the issue's
+    target was 10), with at most 7 package frames above a kernel launch (the public function, the dispatch, the
+    input form's schedule, its Function and host function, the launchers)."""
     import torch
 
     from grpo_kernels import grpo_loss
@@ -135,5 +135,5 @@ def test_a_loss_call_runs_in_a_straight_line(beta, device):
                              drop_last_position=True).loss.backward()
     call()  # first calls import and compile
     files, frames = _call_path(call)
-    assert len(files) <= 10, f"a call enters {len(files)} files: {files}"
+    assert len(files) <= 8, f"a call enters {len(files)} files: {files}"
     assert frames <= 7, f"{frames} package frames above a launch"

@@ -3,7 +3,7 @@ chunked backward, and the 3-product mode's cuBLAS chunks.
 
 They share the per-token inputs, outputs and loss scalars with the logits kernels' launchers
 (``launch.py``), since both kernel families end in the same per-token loss code. No autograd here:
-the autograd Functions in ``grpo_kernels.functions`` call these.
+the host functions of ``grpo_kernels.from_hidden_states`` call these.
 """
 
 from __future__ import annotations

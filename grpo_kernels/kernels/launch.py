@@ -1,7 +1,8 @@
 """Host launchers for the Triton kernels: tensor layout, block size, grid, constexprs.
 
-No autograd here: ``forward`` and ``backward`` take and return plain tensors; the
-autograd Functions in ``grpo_kernels.functions`` call them.
+No autograd here: ``forward``, ``loss_forward`` and ``backward`` take and return plain tensors; the front end's
+host functions (``grpo_kernels.from_logits``, ``from_hidden_states``) call them. Every launcher reads the logits
+in place: [B, T, V], or a model's [B, T + 1, V] whose first T positions predict the ids [B, T] (T is the ids').
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from packaging.version import Version
 from . import grpo
 from . import tuned
 from .contracts import NO_LOSS_ARGS, KernelLoss, LossTokens, OnePassGradient, TokenInputs, TokenWeights
-from .reduce_launch import fp32_rows, reduced, rows_needed, weighted_tokens
+from .reduce_launch import fp32_rows, loss_metrics, weighted_tokens
 
 
 def block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
@@ -48,19 +49,41 @@ def _block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
 
 
 def logits_launch_config(logits: torch.Tensor, override: Optional[Dict[str, int]] = None) -> Dict[str, int]:
-    """BLOCK_V, num_warps (and num_stages where set) of a logits-kernel launch.
+    """BLOCK_V, num_warps (and num_stages, programs_per_sm, split_row where set) of a logits-kernel launch; a new
+    dict (the caller pops from it).
 
     In order: ``override`` (the device sweep's candidates), the measured winner for this GPU,
     dtype and vocabulary (``tuned.json``), the heuristic of ``block_config``.
     """
-    V = logits.shape[-1]
-    config = block_config(V, logits.element_size())
-    entry = tuned.logits_entry(logits.device, logits.dtype, V)
-    if entry is not None:
-        config.update({k: entry[k] for k in tuned.LOGITS_KEYS if entry.get(k) is not None})
+    config = dict(_measured_config(logits))
     if override:
         config.update({k: v for k, v in override.items() if k in tuned.LOGITS_KEYS and v is not None})
     return config
+
+
+_MEASURED_CONFIGS: Dict[tuple, tuple] = {}  # (V, element size, device, dtype) -> (what it was read with, config)
+
+
+def _measured_config(logits: torch.Tensor) -> dict:
+    """The heuristic with the measured entry's keys on top (``logits_launch_config`` without an override). Asked
+    on every launch, so each answer is kept with what it was read with (the table and its lookup: the device
+    sweep's tests read other tables in and swap the lookup), and used only while those are still the ones."""
+    key = (logits.shape[-1], logits.element_size(), logits.device, logits.dtype)
+    source = (tuned.table(), tuned.logits_entry, tuned._nearest)
+    found = _MEASURED_CONFIGS.get(key)
+    if found is None or found[0] != source:  # (a tuple compares its items by identity first: the same ones)
+        config = block_config(key[0], key[1])
+        entry = tuned.logits_entry(logits.device, logits.dtype, key[0])
+        if entry is not None:
+            config.update({k: entry[k] for k in tuned.LOGITS_KEYS if entry.get(k) is not None})
+        found = _MEASURED_CONFIGS[key] = (source, config)
+    return found[1]
+
+
+def default_one_pass(logits: torch.Tensor) -> bool:
+    """One-pass (dlogits written by the forward) unless the device sweep measured two-pass faster here."""
+    entry = tuned.logits_entry(logits.device, logits.dtype, logits.shape[-1])
+    return True if entry is None else bool(entry.get("one_pass", True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,12 +104,6 @@ def _forward_grid(N: int, device, programs_per_sm: Optional[int]):
         return (N,), False
     sms = _sm_count(device.index) if device.type == "cuda" else 2
     return (max(1, min(N, sms * int(programs_per_sm))),), True
-
-
-def default_one_pass(logits: torch.Tensor) -> bool:
-    """One-pass (dlogits written by the forward) unless the device sweep measured two-pass faster here."""
-    entry = tuned.logits_entry(logits.device, logits.dtype, logits.shape[-1])
-    return True if entry is None else bool(entry.get("one_pass", True))
 
 
 @dataclasses.dataclass
@@ -157,27 +174,28 @@ def allocate_outputs(N: int, device, kernel_loss: Optional[KernelLoss], compute_
     """The fp32 [N] outputs of a forward kernel (int8 flags); None where the loss asks for none. The fp32
     ones are rows of one buffer (``reduce_launch.fp32_rows``), or the given ``rows`` (one per ``output_names``)."""
     names = output_names(kernel_loss, compute_entropy)
-    rows = dict(zip(names, rows if rows is not None else fp32_rows(len(names), N, device)))
-    with_loss = "loss" in rows
-    return ForwardResult(rows["logp"], rows.get("entropy"), rows["lse"], rows.get("loss"), rows.get("dloss_dlogp"),
-                         rows.get("kl"), torch.empty(N, device=device, dtype=torch.int8) if with_loss else None)
+    return _outputs(names, rows if rows is not None else fp32_rows(len(names), N, device), N, device)
+
+
+def _outputs(names: tuple, rows: tuple, N: int, device) -> ForwardResult:
+    """``ForwardResult`` of the fp32 rows named ``names`` (``output_names``), with int8 flags where there is a
+    loss."""
+    named = dict(zip(names, rows))
+    with_loss = "loss" in named
+    return ForwardResult(named["logp"], named.get("entropy"), named["lse"], named.get("loss"),
+                         named.get("dloss_dlogp"), named.get("kl"),
+                         torch.empty(N, device=device, dtype=torch.int8) if with_loss else None)
 
 
 def loss_pointer_args(out: ForwardResult, tokens: TokenInputs) -> Dict[str, Optional[torch.Tensor]]:
     """The per-token inputs and outputs as the forward kernels' keyword arguments, None where absent: the
     kernels derive from that what they read and write. Without a loss (``out.loss`` None) only the mask is
     read; the reference log-probs only where the loss has a KL term (``out.kl``)."""
-    with_loss = out.loss is not None
-    if with_loss and tokens.advantages is None:
-        raise ValueError("advantages=None: a loss launch needs each token's advantage (fp32 [N])")
-    if out.kl is not None and tokens.ref_logps is None:
-        raise ValueError("ref_logps=None: the options have a KL term (beta != 0), which needs the reference "
-                         "log-probs (fp32 [N])")
-    loss_input = lambda t: t if with_loss else None  # noqa: E731
-    return dict(mask_ptr=tokens.mask, adv_ptr=loss_input(tokens.advantages), old_ptr=loss_input(tokens.old_logps),
-                ref_ptr=tokens.ref_logps if out.kl is not None else None,
-                iw_ptr=loss_input(tokens.importance_weights), logp_out=out.logp, entropy_out=out.entropy,
-                lse_out=out.lse, loss_out=out.loss, dloss_out=out.dloss_dlogp, kl_out=out.kl, flags_out=out.flags)
+    return dict(zip(_POINTER_NAMES, loss_pointers(out, tokens)))
+
+
+_POINTER_NAMES = ("mask_ptr", "adv_ptr", "old_ptr", "ref_ptr", "iw_ptr", "logp_out", "entropy_out", "lse_out",
+                  "loss_out", "dloss_out", "kl_out", "flags_out")
 
 
 def loss_args(kernel_loss: Optional[KernelLoss]) -> Dict[str, object]:
@@ -208,7 +226,7 @@ def forward(
     configuration (see ``logits_launch_config``).
     """
     temperature, softcap = resolved_head(kernel_loss, temperature, softcap)
-    out = allocate_outputs(logits.shape[0] * logits.shape[1], logits.device, kernel_loss, compute_entropy)
+    out = allocate_outputs(ids.numel(), logits.device, kernel_loss, compute_entropy)
     return _run_forward(logits, ids, out, kernel_loss, temperature, softcap, tokens, compute_entropy, gradient, config)
 
 
@@ -237,52 +255,75 @@ def loss_forward(
     first T positions are that, it also writes dlogits of the reduced loss there: one pass) and the loss-metrics
     kernel. Every O(N) fp32 output is a row of one buffer. ``dropped_gradient``: the [B, T + 1, V] gradient
     ``gradient_out`` is the first T positions of, whose position T the token-weights kernel zeroes."""
-    B, T, V = logits.shape
-    N, device, t = B * T, logits.device, loss_tokens.tokens
-    names = output_names(kernel_loss, kernel_loss.compute_entropy)
-    rows = fp32_rows(len(names) + rows_needed(t.advantages, t.importance_weights, loss_tokens.reduction), N, device)
-    tokens, weights = weighted_tokens(loss_tokens, dropped_gradient=dropped_gradient, out=rows[len(names):])
+    N, device, t, reduction = ids.numel(), logits.device, loss_tokens.tokens, loss_tokens.reduction
+    names = _output_names(True, kernel_loss.with_kl, kernel_loss.compute_entropy)  # (output_names of a loss)
+    outputs = len(names)
+    weight_rows = ((t.advantages is not None) + (t.importance_weights is not None) + (reduction is not None)
+                   + (reduction is not None and reduction.entropy_coef != 0.0))  # (token_weights' rows_needed)
+    rows = fp32_rows(outputs + weight_rows, N, device, ids.shape)  # (as the ids where that is free)
+    tokens, weights = weighted_tokens(loss_tokens, dropped_gradient=dropped_gradient, out=rows[outputs:])
     gradient = None if gradient_out is None else OnePassGradient(weights.weight, weights.entropy_weight,
                                                                  out=gradient_out)
-    outputs = allocate_outputs(N, device, kernel_loss, kernel_loss.compute_entropy, rows[:len(names)])
-    result = _run_forward(logits, ids, outputs, kernel_loss, kernel_loss.kernel_temperature, kernel_loss.kernel_softcap,
-                          tokens, kernel_loss.compute_entropy, gradient, config)
-    return LossForward(result, weights, *reduced(t.mask, kernel_loss, result, weights))
+    result = _run_forward(logits, ids, _outputs(names, rows, N, device), kernel_loss, kernel_loss.kernel_temperature,
+                          kernel_loss.kernel_softcap, tokens, kernel_loss.compute_entropy, gradient, config)
+    return LossForward(result, weights, *loss_metrics(t.mask, kernel_loss, loss=result.loss, entropy=result.entropy,
+                                                      kl=result.kl, flags=result.flags, weights=weights))
 
 
 def _run_forward(logits, ids, out: ForwardResult, kernel_loss: Optional[KernelLoss], temperature: float,
                  softcap: Optional[float], tokens: TokenInputs, compute_entropy: bool,
                  gradient: Optional[OnePassGradient], config) -> ForwardResult:
     """The forward kernel's launch (or the split-row kernel's) into ``out``."""
-    B, T, V = logits.shape
+    (B, T), V = ids.shape, logits.shape[-1]
     N = B * T
     write_grad = gradient is not None and out.loss is not None
     if write_grad and gradient.entropy_weight is not None and not compute_entropy:
         raise ValueError("gradient.entropy_weight needs compute_entropy=True (the gradient uses each token's entropy)")
-    grad = None
+    grad = grad_weight = entropy_grad = None
+    grad_stride_b = grad_stride_t = 0
     if write_grad:
         grad = logits if gradient.in_place else gradient.out if gradient.out is not None else torch.empty(
             (B, T, V), device=logits.device, dtype=logits.dtype)
-    kwargs = dict(
-        logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V, N=N,
-        **loss_pointer_args(out, tokens), grad_weight_ptr=gradient.weight if write_grad else None,
-        grad_logits_ptr=grad, grad_stride_b=grad.stride(0) if write_grad else 0,
-        grad_stride_t=grad.stride(1) if write_grad else 0,
-        entropy_grad_ptr=gradient.entropy_weight if write_grad else None, inv_temperature=1.0 / temperature,
-        softcap=softcap, **loss_args(kernel_loss),
-        ROW_ALIGN=row_alignment(logits, *([grad] if write_grad else [])),
-    )
+        grad_weight, entropy_grad, grad_stride_b, grad_stride_t = (gradient.weight, gradient.entropy_weight,
+                                                                   grad.stride(0), grad.stride(1))
     out.grad_logits = grad
+    pointers = loss_pointers(out, tokens)
+    loss = NO_LOSS_ARGS if kernel_loss is None else kernel_loss.args
     launch_config = logits_launch_config(logits, config)
+    # positional, in the kernel's signature order (grpo.grpo_forward_kernel): Triton's launcher takes a keyword
+    # argument at about ten times a positional one's host time, and this launch has 33
+    args = (logits, logits.stride(0), logits.stride(1), ids, T, V, N,
+            *pointers,
+            grad_weight, grad, grad_stride_b, grad_stride_t, entropy_grad,
+            1.0 / temperature, softcap, loss["loss_scalars"],
+            loss["LOSS_KIND"], loss["KL_KIND"], loss["LOSS_FLAGS"],
+            row_alignment(logits, grad) if write_grad else row_alignment(logits))
     chunks = launch_config.pop("split_row", None) or SPLIT_ROW_CHUNKS
     if write_grad and not gradient.in_place and chunks:
+        kwargs = dict(zip(grpo.grpo_forward_kernel.arg_names, args))
         ran, out.split_row_error = _split_row_forward(logits, kwargs, launch_config, int(chunks))
         if ran:
             return out
-    grid, persistent = _forward_grid(N, logits.device, launch_config.pop("programs_per_sm", None))
+    programs_per_sm = launch_config.pop("programs_per_sm", None)
+    grid, persistent = ((N,), False) if not programs_per_sm else _forward_grid(N, logits.device, programs_per_sm)
     if N > 0:
-        grpo.grpo_forward_kernel[grid](**kwargs, PERSISTENT=persistent, **launch_config)
+        grpo.grpo_forward_kernel[grid](*args, launch_config.pop("BLOCK_V"), persistent, **launch_config)
     return out
+
+
+def loss_pointers(out: ForwardResult, tokens: TokenInputs) -> tuple:
+    """The per-token inputs and outputs of a forward launch in the kernels' order (``loss_pointer_args``' values,
+    positional: see ``_run_forward``)."""
+    with_loss = out.loss is not None
+    if not with_loss:
+        return (tokens.mask, None, None, None, None, out.logp, out.entropy, out.lse, None, None, None, None)
+    if tokens.advantages is None:
+        raise ValueError("advantages=None: a loss launch needs each token's advantage (fp32 [N])")
+    if out.kl is not None and tokens.ref_logps is None:
+        raise ValueError("ref_logps=None: the options have a KL term (beta != 0), which needs the reference "
+                         "log-probs (fp32 [N])")
+    return (tokens.mask, tokens.advantages, tokens.old_logps, tokens.ref_logps if out.kl is not None else None,
+            tokens.importance_weights, out.logp, out.entropy, out.lse, out.loss, out.dloss_dlogp, out.kl, out.flags)
 
 
 def backward(
@@ -307,7 +348,7 @@ def backward(
     ``grad_entropy`` (dLoss/dH, fp32 [N]) with the forward's ``entropy`` (fp32 [N]) adds the
     entropy's gradient in the same pass.
     """
-    B, T, V = logits.shape
+    (B, T), V = ids.shape, logits.shape[-1]
     grad = logits if in_place else out if out is not None else torch.empty(
         (B, T, V), device=logits.device, dtype=logits.dtype)
     launch_config = logits_launch_config(logits, config)
@@ -463,6 +504,5 @@ def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     blocks = -(-numel // SCALE_BLOCK)
     blocks = min(blocks, 8 * _sm_count(x.device.index) if x.is_cuda else 16)
     scale = scale if scale.dtype == torch.float32 else scale.float()  # one element, 0-d or not: read at its pointer
-    grpo.scale_in_place_kernel[(blocks,)](x_ptr=x, scale_ptr=scale, numel=numel, BLOCK=SCALE_BLOCK,
-                                       num_warps=8)
+    grpo.scale_in_place_kernel[(blocks,)](x, scale, numel, SCALE_BLOCK, num_warps=8)  # (x_ptr, scale_ptr, numel, BLOCK)
     return x

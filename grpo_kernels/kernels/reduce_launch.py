@@ -1,7 +1,8 @@
 """Host launchers of the O(N) kernels around a loss's logits pass (``reduce.py``): the per-token inputs and
 weights before it, the reduced loss and the metrics after it.
 
-No autograd here: the autograd Functions in ``grpo_kernels.functions`` call these with plain tensors.
+No autograd here: the front end's host functions (``grpo_kernels.from_logits``, ``from_hidden_states``) call these
+with plain tensors.
 """
 
 from __future__ import annotations
@@ -24,16 +25,23 @@ def _per_row(name: str, t: Optional[torch.Tensor], S: int, N: int) -> Tuple[Opti
     as a contiguous [N]) or per sequence ([S] elements)."""
     if t is None:
         return None, False
-    if t.numel() not in (N, S):
+    numel = t.numel()
+    if numel == N and t.is_contiguous():
+        return t, False
+    if numel not in (N, S):
         raise ValueError(f"{name} must hold one value a token ({N}) or a sequence ({S}), got shape {tuple(t.shape)}")
-    return (t if t.is_contiguous() else t.reshape(-1).contiguous()), t.numel() != N
+    return (t if t.is_contiguous() else t.reshape(-1).contiguous()), numel != N
 
 
-def fp32_rows(count: int, N: int, device) -> tuple:
-    """``count`` fp32 [N] tensors as rows of one buffer (one allocation, not ``count``: host time at small N),
-    each 128-byte aligned whatever N is, as a tensor of its own would be: the JIT specializes pointers on
-    their alignment, so an N-dependent one would compile other kernels as T changes."""
-    padded = -(-N // 32) * 32  # (Python ints: triton.cdiv is a constexpr function, slow to call on the host)
+def fp32_rows(count: int, N: int, device, shape: Optional[tuple] = None) -> tuple:
+    """``count`` fp32 [N] tensors as rows of one buffer (one allocation, not ``count``: host time at small N), each
+    16-byte aligned whatever N is, as a tensor of its own would be: the JIT specializes pointers on their 16-byte
+    alignment, so an N-dependent one would compile other kernels as T changes. With ``shape`` (N elements: the
+    ids'), the rows take it where that needs no slice of the buffer (N a multiple of 4), so that a row handed back
+    to the caller needs no view either."""
+    padded = -(-N // 4) * 4  # (Python ints: triton.cdiv is a constexpr function, slow to call on the host)
+    if padded == N:
+        return torch.empty(count, *(shape or (N,)), device=device, dtype=torch.float32).unbind()
     return torch.empty(count, padded, device=device, dtype=torch.float32)[:, :N].unbind()
 
 
@@ -78,45 +86,61 @@ def token_weights(
     ``reduction`` None: no weights. ``dropped_gradient``: a [B, T + 1, V] gradient whose position T is zeroed
     here (the logits pass writes the rest). ``out``: the fp32 [N] rows to write (``rows_needed`` of them),
     else new ones."""
-    N, (S, T, cu_seqlens) = mask.numel(), sequences
-    adv, adv_per_row = _per_row("advantages", advantages, S, N)
-    iw, iw_per_row = _per_row("importance_weights", importance_weights, S, N)
-    r = reduction
-    wanted = _wanted(adv, iw, r)
-    rows = iter(out if out is not None else fp32_rows(sum(wanted), N, mask.device))
-    adv_out, iw_out, weight_out, entropy_weight_out = (next(rows) if on else None for on in wanted)
-    if N == 0:  # no token: empty outputs, and a dropped position zeroed on the host
-        if dropped_gradient is not None:
-            dropped_gradient[:, -1].zero_()
-        return TokenWeights(adv_out, iw_out, weight_out, entropy_weight_out)
-    divisor, divisor_ptr = _scalar(1.0 if r is None else r.divisor, mask.device)
-    divisor = divisor or 1.0  # a normalizer of 0 read on the host (the kernel does the same for a device tensor):
-    # no token is active then (validation checks it), every weight is 0, and it divides as 1 so that they stay 0
-    scale, scale_ptr = _scalar(1.0 if r is None else r.loss_scale, mask.device)
-    dropped = dropped_gradient is not None
-    reduce.token_weights_kernel[(S,)](
-        mask_ptr=mask, cu_seqlens_ptr=cu_seqlens, T=T, S=S, N=N,
-        adv_ptr=adv, adv_out=adv_out, iw_ptr=iw, iw_out=iw_out,
-        weight_out=weight_out, divisor=divisor, divisor_ptr=divisor_ptr, loss_scale=scale, loss_scale_ptr=scale_ptr,
-        entropy_weight_out=entropy_weight_out, bonus_mask_ptr=None if r is None else r.bonus_mask,
-        entropy_coef=0.0 if r is None else r.entropy_coef, dropped_ptr=dropped_gradient,
-        dropped_stride_b=dropped_gradient.stride(0) if dropped else 0,
-        dropped_stride_t=dropped_gradient.stride(1) if dropped else 0,
-        V=dropped_gradient.shape[-1] if dropped else 0,
-        DIVISOR=DIVISOR_GIVEN if r is None else r.divisor_kind, ADV_PER_ROW=adv_per_row, IW_PER_ROW=iw_per_row,
-        BLOCK=TOKEN_BLOCK, BLOCK_V=ZERO_BLOCK, num_warps=4,
-    )
-    return TokenWeights(adv_out, iw_out, weight_out, entropy_weight_out)
+    tokens = TokenInputs(mask=mask, advantages=advantages, importance_weights=importance_weights)
+    return weighted_tokens(LossTokens(tokens, sequences, reduction), dropped_gradient=dropped_gradient, out=out)[1]
 
 
 def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch.Tensor] = None,
                     out: Optional[tuple] = None) -> Tuple[TokenInputs, TokenWeights]:
-    """``token_weights`` of a loss launch's ``LossTokens``: (its per-token inputs as the loss kernels read them,
-    advantages and importance weights written per token; the ``TokenWeights``)."""
-    t = loss_tokens.tokens
-    weights = token_weights(t.mask, loss_tokens.sequences, loss_tokens.reduction, advantages=t.advantages,
-                            importance_weights=t.importance_weights, dropped_gradient=dropped_gradient, out=out)
-    return TokenInputs(t.mask, weights.advantages, t.old_logps, t.ref_logps, weights.importance_weights), weights
+    """The token-weights kernel on a loss launch's ``LossTokens`` (see ``token_weights``): (its per-token inputs
+    as the loss kernels read them, advantages and importance weights written per token; the ``TokenWeights``).
+    Written for host time: it runs on every loss call."""
+    t, (S, T, cu_seqlens), r = loss_tokens
+    mask = t.mask
+    N = mask.numel()
+    adv, adv_per_row = t.advantages, False
+    if adv is not None:  # (per token or per sequence as it is, the common cases: host time)
+        numel = adv.numel()
+        if not adv.is_contiguous() or (numel != N and numel != S) or N == S:
+            adv, adv_per_row = _per_row("advantages", adv, S, N)
+        else:
+            adv_per_row = numel != N
+    iw, iw_per_row = ((None, False) if t.importance_weights is None else
+                      _per_row("importance_weights", t.importance_weights, S, N))
+    with_bonus = r is not None and r.entropy_coef != 0.0
+    rows = iter(out if out is not None else
+                fp32_rows((adv is not None) + (iw is not None) + (r is not None) + with_bonus, N, mask.device))
+    adv_out = None if adv is None else next(rows)
+    iw_out = None if iw is None else next(rows)
+    weight_out = None if r is None else next(rows)
+    entropy_weight_out = next(rows) if with_bonus else None
+    weights = TokenWeights(adv_out, iw_out, weight_out, entropy_weight_out)
+    tokens = TokenInputs(mask=mask, advantages=adv_out, old_logps=t.old_logps, ref_logps=t.ref_logps,
+                         importance_weights=iw_out)  # advantages and importance weights written per token
+    if N == 0:  # no token: empty outputs, and a dropped position zeroed on the host
+        if dropped_gradient is not None:
+            dropped_gradient[:, -1].zero_()
+        return tokens, weights
+    divisor, divisor_ptr, scale, scale_ptr = 1.0, None, 1.0, None
+    if r is not None:  # (a Python float, the common case, as it is: host time)
+        divisor, divisor_ptr = (r.divisor, None) if r.divisor.__class__ is float else _scalar(r.divisor, mask.device)
+        scale, scale_ptr = ((r.loss_scale, None) if r.loss_scale.__class__ is float else
+                            _scalar(r.loss_scale, mask.device))
+    divisor = divisor or 1.0  # a normalizer of 0 read on the host (the kernel does the same for a device tensor):
+    # no token is active then (validation checks it), every weight is 0, and it divides as 1 so that they stay 0
+    dropped = dropped_gradient is not None
+    # positional, in the kernel's signature order (reduce.token_weights_kernel): host time (see launch._run_forward)
+    reduce.token_weights_kernel[(S,)](
+        mask, cu_seqlens, T, S, N,
+        adv, adv_out, iw, iw_out,
+        weight_out, divisor, divisor_ptr, scale, scale_ptr,
+        entropy_weight_out, None if r is None else r.bonus_mask, 0.0 if r is None else r.entropy_coef,
+        dropped_gradient, dropped_gradient.stride(0) if dropped else 0, dropped_gradient.stride(1) if dropped else 0,
+        dropped_gradient.shape[-1] if dropped else 0,
+        DIVISOR_GIVEN if r is None else r.divisor_kind, adv_per_row, iw_per_row, TOKEN_BLOCK, ZERO_BLOCK,
+        num_warps=4,
+    )
+    return tokens, weights
 
 
 def reduced(mask: torch.Tensor, kernel_loss: KernelLoss, result,
@@ -139,9 +163,10 @@ def loss_metrics(mask: torch.Tensor, kernel_loss: KernelLoss, *, loss, entropy, 
     loss_out = new((), device=mask.device, dtype=torch.float32)
     if N == 0:
         return loss_out, metrics
+    # positional, in the kernel's signature order (reduce.loss_metrics_kernel): host time (see launch._run_forward)
     reduce.loss_metrics_kernel[(1,)](
-        mask_ptr=mask, N=N, loss_ptr=loss, weight_ptr=weights.weight, entropy_ptr=entropy,
-        entropy_weight_ptr=weights.entropy_weight, kl_ptr=kl, flags_ptr=flags if clip != CLIP_METRICS_NONE else None,
-        loss_out=loss_out, metrics_out=metrics if count else None, CLIP_METRICS=clip, BLOCK=METRICS_BLOCK, num_warps=8,
+        mask, N, loss, weights.weight, entropy, weights.entropy_weight, kl,
+        flags if clip != CLIP_METRICS_NONE else None, loss_out, metrics if count else None, clip, METRICS_BLOCK,
+        num_warps=8,
     )
     return loss_out, metrics

@@ -1,0 +1,312 @@
+"""The loss and the log-probs from hidden states [B, T, H] and the lm_head weight [V, H] (and bias): the input form,
+its autograd Functions and their host functions, in the order a call runs them. The [N, V] logits are never held.
+
+A loss call (``loss.fused_linear_grpo_loss``) prepares its inputs once (``inputs.prepare_inputs``), then
+``loss.compute_loss`` calls ``fused_loss`` here, which chooses the schedule (the one place) and applies its
+Function; each Function's forward and backward are one host function each:
+
+- "recompute" (4 products), ``LinearLoss`` (``linear_loss_fwd`` / ``linear_loss_bwd``): the forward kernel
+  computes each token's loss terms from tiles of logits it never stores; the backward recomputes each chunk's
+  logits inside the dlogits kernel, then two products give d hidden and d weight.
+- "three_products", ``LinearLossThreeProducts`` (``three_products_fwd`` / ``three_products_bwd``): each chunk's
+  logits once, by cuBLAS, turned into dlogits in place by the one-pass logits kernel, both gradient products in
+  the same loop; the backward only scales.
+- log-probs, ``LinearTokenLogprobs`` (``linear_logprobs_fwd`` / ``linear_logprobs_bwd``): where the loss math
+  runs in torch (sequence-level ratios, vespo, the torch backend, vocabulary parallelism) and for
+  ``linear_token_logprobs``.
+
+On the Triton backend the host functions reach the launchers through ``kernels.contracts.lm_head_launch_module``
+(the one route; ``ops.py``'s custom ops take it too); on the torch backend the chunked torch path runs, inside a
+``torch.compile`` graph the custom ops.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import ops, torch_path
+from .from_logits import (LogprobResult, first_backward, input_grads, kernel_output, loss_outputs,
+                          weighted_dloss)
+from .kernels.contracts import (LossTokens, OnePassGradient, launch_module, lm_head_launch_module,
+                                reduce_launch_module)
+from .objective import GRPOLossOutput
+from .options import GRPOOptions
+from .validation import check_linear_inputs
+
+LM_HEAD_MODES = ("recompute", "three_products")
+
+
+# ---- The input form ----------------------------------------------------------------------------------------------
+
+
+class HiddenStatesSource:
+    """Hidden states [B, T, H] with the lm_head weight [V, H] and bias [V] (or None), as the caller passed them.
+    ``flat`` keeps the kernels' [N, H] copy for the call's second pass (the policy masks' first pass is the
+    first)."""
+
+    what = "hidden_states"
+
+    def __init__(self, hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 lm_head_mode: Optional[str] = None):
+        self.tensor, self.weight, self.bias, self.lm_head_mode = hidden_states, weight, bias, lm_head_mode
+        self._flat, self._flat_with_grad = None, False
+
+    def packed(self, cu_seqlens):
+        from .inputs import packed_layout
+
+        layout, one_row = packed_layout(cu_seqlens, self.tensor, self.what)
+        return layout, HiddenStatesSource(one_row, self.weight, self.bias, self.lm_head_mode)
+
+    def as_one_row(self) -> "HiddenStatesSource":
+        return HiddenStatesSource(self.tensor.reshape(1, -1, self.tensor.shape[-1]), self.weight, self.bias,
+                                  self.lm_head_mode)
+
+    def logits_shape(self, ids) -> tuple:
+        """(B, T, V) of the logits the head would make, after checking the hidden states, weight and bias."""
+        check_linear_inputs(self.tensor, self.weight, self.bias)
+        B, T, _ = self.tensor.shape
+        return B, T, self.weight.shape[0]
+
+    def check_call(self, backend: str, sharded: bool) -> None:
+        """The mode, where the caller chose one (``fused_loss`` chooses it otherwise)."""
+        if self.lm_head_mode is not None and self.lm_head_mode not in LM_HEAD_MODES:
+            raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {self.lm_head_mode!r}")
+
+    def flat(self, inputs) -> tuple:
+        """(hidden [N, H], weight, bias, ids [N]) as the kernels read them. Masked tokens are never read:
+        their hidden states become 0 and their ids 0 (one O(N * H) copy, which also makes a sliced view
+        contiguous). Padding garbage (NaN, inf) would otherwise reach d weight, a sum over every token's
+        hidden state."""
+        if self._flat is not None and (self._flat_with_grad or not torch.is_grad_enabled()):
+            return self._flat  # (a copy made under no_grad, for the masks' first pass, carries no gradient)
+        B, T, H = self.tensor.shape
+        if inputs.mask is None:  # a log-prob call: every token read
+            hidden, ids = self.tensor.reshape(B * T, H).contiguous(), inputs.ids.reshape(-1).contiguous()
+        else:
+            active = (inputs.mask != 0).reshape(B * T, 1)
+            hidden = torch.where(active, self.tensor.reshape(B * T, H), 0.0)
+            ids = torch.where(active.squeeze(1), inputs.ids.reshape(-1), 0).contiguous()
+        self._flat = (hidden, self.weight.contiguous(), None if self.bias is None else self.bias.contiguous(), ids)
+        self._flat_with_grad = torch.is_grad_enabled()
+        return self._flat
+
+    def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
+        """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens, as in the logits form."""
+        B, T = inputs.ids.shape
+        temperature, softcap = inputs.options.kernel_temperature, inputs.options.kernel_softcap
+        if inputs.vocab_shard is not None:
+            from .vocab_parallel import vocab_parallel_linear_logprobs
+
+            pair = vocab_parallel_linear_logprobs(self.flat(inputs), temperature, softcap, compute_entropy,
+                                                  inputs.backend, inputs.vocab_shard)
+        else:
+            pair = LinearTokenLogprobs.apply(*self.flat(inputs), temperature, softcap, compute_entropy,
+                                             inputs.backend)[:2]
+        if inputs.mask is None:
+            return tuple(None if t is None else t.view(B, T) for t in pair)
+        active = (inputs.mask != 0).view(B, T)
+        return tuple(None if t is None else torch.where(active, t.view(B, T), 0.0) for t in pair)
+
+    def fused_loss(self, inputs, loss_tokens: LossTokens) -> GRPOLossOutput:
+        """The loss with its per-token math in the lm_head kernels (Triton): the schedule chosen here, the caller's
+        ``lm_head_mode``, else the device sweep's measured choice for this GPU and vocabulary
+        (``kernels/tuned.json``), else "recompute"."""
+        mode = self.lm_head_mode
+        if mode is None:
+            mode = lm_head_launch_module().default_lm_head_mode(self.tensor, self.weight.shape[0])
+        opts = inputs.options
+        args = (*self.flat(inputs), loss_tokens, opts, inputs.ids.shape)
+        wants_grad = torch.is_grad_enabled() and (self.tensor.requires_grad or self.weight.requires_grad)
+        if mode == "three_products" and wants_grad:
+            outputs = LinearLossThreeProducts.apply(*args)
+        elif mode == "three_products":  # no gradient wanted: cuBLAS logits and the logits kernel
+            outputs = three_products_fwd(*args[:-3], loss_tokens, opts, None)[:3]
+            outputs = (*outputs[:2], outputs[2].view(inputs.ids.shape))
+        else:
+            outputs = LinearLoss.apply(*args)
+        return kernel_output(opts, *outputs)
+
+
+def flat_f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A per-token tensor as the kernels read it: contiguous fp32 [N] (fp64 stays fp64: the torch path's
+    gradcheck precision; None stays None)."""
+    if t is None:
+        return None
+    return t.reshape(-1).to(torch.float64 if t.dtype == torch.float64 else torch.float32).contiguous()
+
+
+def as_input_grads(ctx, grads, inputs) -> tuple:
+    """fp32 gradients in their inputs' dtypes, None where the input wants none (or has none)."""
+    return tuple(g.to(x.dtype) if needed and g is not None else None
+                 for g, x, needed in zip(grads, inputs, ctx.needs_input_grad))
+
+
+# ---- Recompute: the loss terms in the forward kernel, the logits recomputed by the backward ----------------------
+
+
+def linear_loss_fwd(hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions):
+    """(loss, metrics vector, ``ForwardResult`` over the N tokens, ``TokenWeights``): the token-weights kernel,
+    the lm_head forward kernel with the per-token loss, the loss-metrics kernel."""
+    reduce_launch = reduce_launch_module()
+    tokens, weights = reduce_launch.weighted_tokens(loss_tokens)
+    r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, kernel_loss=opts.kernel_loss,
+                                               tokens=tokens, compute_entropy=opts.compute_entropy)
+    loss, metrics = reduce_launch.reduced(tokens.mask, opts.kernel_loss, r, weights)
+    return loss, metrics, r, weights
+
+
+def linear_loss_bwd(hidden, weight, bias, ids, lse, g, temperature: float, softcap: Optional[float], backend: str,
+                    wants_weight: bool, h=None, entropy=None) -> tuple:
+    """(d hidden, d weight or None, d bias or None), fp32, from g = dLoss/dlogp (and h = dLoss/dH with the
+    forward's entropy): a chunk of tokens at a time, the logits recomputed (Triton or the torch path)."""
+    return linear_logprobs_bwd(hidden, weight, bias, ids, lse, flat_f32(g), temperature, softcap, backend,
+                               wants_weight, grad_entropy=flat_f32(h),
+                               entropy=flat_f32(entropy) if h is not None else None)
+
+
+class LinearLoss(torch.autograd.Function):
+    """Log-probs and the per-token GRPO loss from hidden states in one kernel (Triton, token level): no logits
+    stored; the backward recomputes the lm_head a chunk of tokens at a time with g = dLoss/dlogp times the
+    token's weight and the incoming gradient. Returns (loss, metrics vector, log-probs [B, T])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
+        ctx.set_materialize_grads(False)
+        loss, metrics, r, weights = linear_loss_fwd(hidden, weight, bias, ids, loss_tokens, opts)
+        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy, weights.weight,
+                              weights.entropy_weight)
+        ctx.temperature, ctx.softcap = opts.kernel_temperature, opts.kernel_softcap
+        return loss_outputs(ctx, loss, metrics, r.logp, out_shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        if grad_loss is None:
+            return input_grads(ctx)
+        hidden, weight, bias, ids, lse, dloss_dlogp, entropy, weight_of_token, entropy_weight = ctx.saved_tensors
+        g, h = weighted_dloss(grad_loss, weight_of_token, dloss_dlogp, entropy_weight)
+        grads = linear_loss_bwd(hidden, weight, bias, ids, lse, g, ctx.temperature, ctx.softcap, "triton",
+                                _wants_weight(ctx, bias), h, entropy)
+        return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
+
+
+def _wants_weight(ctx, bias) -> bool:
+    return ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+
+
+# ---- Three products: every gradient in the forward's chunk loop -------------------------------------------------
+
+
+def three_products_fwd(hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions,
+                       wants_weight: Optional[bool]) -> tuple:
+    """(loss, metrics vector, log-probs [N], d hidden, d weight, d bias) of the 3-product launches: each chunk's
+    logits by cuBLAS, the one-pass logits kernel turning them into the loss terms and, in place, dlogits of the
+    reduced loss (each token's weight from the token-weights kernel), both gradient products in the same loop.
+    ``wants_weight`` None: no gradient at all (the three are None)."""
+    reduce_launch = reduce_launch_module()
+    tokens, weights = reduce_launch.weighted_tokens(loss_tokens)
+    gradient = None if wants_weight is None else OnePassGradient(weights.weight, weights.entropy_weight)
+    r, dh, dw, db = lm_head_launch_module().linear_three_products(
+        hidden, weight, bias, ids, kernel_loss=opts.kernel_loss, tokens=tokens, compute_entropy=opts.compute_entropy,
+        gradient=gradient, compute_weight_grad=bool(wants_weight))
+    loss, metrics = reduce_launch.reduced(tokens.mask, opts.kernel_loss, r, weights)
+    return loss, metrics, r.logp, dh, dw, db
+
+
+def three_products_bwd(gradients: tuple, grad_loss: torch.Tensor) -> list:
+    """The forward's gradients times the incoming one, in place, the scale read on the device (fp32, small next
+    to the logits; no host sync); None stays None."""
+    launch = launch_module()
+    return [None if t is None else launch.scale_in_place(t, grad_loss.detach()) for t in gradients]
+
+
+class LinearLossThreeProducts(torch.autograd.Function):
+    """The fused lm_head with 3 products (Triton, token level): the whole gradient computed in the forward, the
+    backward only scales d hidden, d weight and d bias by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
+        loss, metrics, logp, dh, dw, db = three_products_fwd(hidden, weight, bias, ids, loss_tokens, opts,
+                                                             _wants_weight(ctx, bias))
+        ctx.save_for_backward(dh, dw, db)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss_outputs(ctx, loss, metrics, logp, out_shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        first_backward(ctx, "the 3-product lm_head loss")
+        wanted = [t if needed else None for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3])]
+        scaled = three_products_bwd(wanted, grad_loss)
+        return input_grads(ctx, *(None if t is None else t.to(dtype) for t, dtype in zip(scaled, ctx.dtypes)))
+
+
+# ---- Log-probs: the lm_head kernels' (or the torch path's) log-probs, the loss math in torch ---------------------
+
+
+def linear_logprobs_fwd(hidden, weight, bias, ids, temperature: float, compute_entropy: bool,
+                        softcap: Optional[float], backend: str) -> LogprobResult:
+    """log softmax(cap(hidden [N, H] @ weight [V, H]^T + bias) / temperature)[ids] (and the entropy), a tile or a
+    chunk of tokens at a time: fp32 [N] (fp64 for fp64 inputs on the torch path)."""
+    compiling = torch.compiler.is_compiling()  # one opaque op in the graph (ops.py)
+    if backend == "triton" and not compiling:
+        r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, temperature=temperature,
+                                                   softcap=softcap, compute_entropy=compute_entropy)
+        return LogprobResult(r.logp, r.entropy, r.lse)
+    if compiling:
+        op = ops.triton_linear_logprobs if backend == "triton" else ops.torch_linear_logprobs
+        lse, logp, entropy = op(hidden, weight, bias, ids, temperature, softcap, compute_entropy)
+        return LogprobResult(logp, ops.present(entropy, compute_entropy), lse)
+    lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy, softcap)
+    return LogprobResult(logp, entropy, lse)
+
+
+def linear_logprobs_bwd(hidden, weight, bias, ids, lse, g, temperature: float, softcap: Optional[float],
+                        backend: str, compute_weight_grad: bool, grad_entropy=None, entropy=None) -> tuple:
+    """(d hidden, d weight or None, d bias or None), fp32, from g = dLoss/dlogp (and h = dLoss/dH with the
+    forward's entropy), the logits recomputed a chunk at a time."""
+    compiling = torch.compiler.is_compiling()
+    if backend == "triton" and not compiling:
+        return lm_head_launch_module().linear_backward(hidden, weight, bias, ids, lse, g, temperature,
+                                                       compute_weight_grad, grad_entropy=grad_entropy,
+                                                       entropy=entropy, softcap=softcap)
+    if compiling:
+        op = ops.triton_linear_backward if backend == "triton" else ops.torch_linear_backward
+        dh, dw, db = op(hidden, weight, bias, ids, lse, g, temperature, softcap, compute_weight_grad, grad_entropy,
+                        entropy)
+        return dh, ops.present(dw, compute_weight_grad), ops.present(db, compute_weight_grad and bias is not None)
+    return torch_path.linear_backward(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad,
+                                      grad_entropy=grad_entropy, entropy=entropy, softcap=softcap)
+
+
+class LinearTokenLogprobs(torch.autograd.Function):
+    """log softmax(cap(h @ W^T + b) / tau)[ids] with the lm_head fused in: no [N, V] tensor is kept.
+
+    hidden [N, H], weight [V, H], bias [V] or None, ids [N]. The backward recomputes the logits a chunk at a time
+    (Triton or torch); a frozen weight gets no gradient. Returns (logp, entropy or None, lse), as
+    ``from_logits.TokenLogprobs``; ``setup_context`` style (torch.func applies)."""
+
+    @staticmethod
+    def forward(hidden, weight, bias, ids, temperature: float, softcap: Optional[float], compute_entropy: bool,
+                backend: str):
+        r = linear_logprobs_fwd(hidden, weight, bias, ids, temperature, compute_entropy, softcap, backend)
+        return r.logp, r.entropy, r.lse  # both differentiable: a loss may use the entropy (the entropy bonus)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        hidden, weight, bias, ids, temperature, softcap, _, backend = inputs
+        _, entropy, lse = output
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
+        ctx.backend, ctx.temperature, ctx.softcap = backend, temperature, softcap
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
+        if grad_logp is None and grad_entropy is None:
+            return input_grads(ctx)
+        hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+        g = torch.zeros_like(lse) if grad_logp is None else grad_logp
+        grads = linear_loss_bwd(hidden, weight, bias, ids, lse, g, ctx.temperature, ctx.softcap, ctx.backend,
+                                _wants_weight(ctx, bias), grad_entropy, entropy)
+        return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))

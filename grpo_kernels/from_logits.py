@@ -1,0 +1,386 @@
+"""The loss and the log-probs from logits [B, T, V]: the input form, its autograd Functions and their host
+functions, in the order a call runs them.
+
+A loss call (``loss.grpo_loss``) prepares its inputs once (``inputs.prepare_inputs``: one frozen ``LossInputs``),
+then ``loss.compute_loss`` calls ``fused_loss`` here, which chooses the schedule (the one place) and applies its
+Function; each Function's forward and backward are one host function each, which launch the kernels:
+
+- one-pass, ``OnePassLoss`` (``one_pass_fwd`` / ``one_pass_bwd``): the logits kernel writes dlogits of the reduced
+  loss while it streams each row (2 S bytes, S the logits' size); the backward scales that gradient in place.
+- two-pass, ``TwoPassLoss`` (``two_pass_fwd`` / ``two_pass_bwd``): the forward kernel computes each token's loss
+  and dLoss/dlogp, the backward kernel writes dlogits (3 S).
+- log-probs, ``TokenLogprobs`` (``logprobs_fwd`` / ``logprobs_bwd``): where the loss math runs in torch on them
+  (sequence-level ratios, vespo, the torch backend, vocabulary parallelism) and for the log-prob family.
+
+The host functions take plain tensors. On the Triton backend they reach the launchers through
+``kernels.contracts.launch_module`` (the one route to them; ``ops.py``'s custom ops take it too); on the torch
+backend they run the chunked torch path (``torch_path``); inside a ``torch.compile`` graph, the custom ops.
+Every one computes log softmax(cap(x) / temperature) of the raw logits x, cap(x) = softcap * tanh(x / softcap)
+with a head's soft-cap, x itself with ``softcap`` None.
+
+With ``drop_last_position`` the logits are [B, T + 1, V], as a causal LM returns them with
+``logits_to_keep = T + 1``: the Triton launchers read the first T positions in place (the ids give T) and the
+gradient is allocated at the full shape, its last position zeroed, so autograd never copies a sliced view's
+gradient into a zero-filled tensor (3 S more bytes).
+
+In-place backward (opt-in): the gradient is written into the logits' own storage and the storage's version
+counter is bumped, so any other autograd node that saved these logits and runs its backward later fails with
+PyTorch's "modified by an inplace operation" error instead of silently reading the gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import ops, torch_path
+from .kernels.contracts import LossTokens, TokenInputs, launch_module
+from .objective import GRPOLossOutput
+from .options import GRPOOptions
+from .validation import check_in_place, check_logits, checked_drop_last_position
+
+
+class LogprobResult(NamedTuple):
+    logp: torch.Tensor  # fp32 [N], 0 at masked tokens
+    entropy: Optional[torch.Tensor]  # fp32 [N] (0 at masked tokens) or None
+    lse: torch.Tensor  # fp32 [N], what the backward reads
+
+
+# ---- The input form ----------------------------------------------------------------------------------------------
+
+
+class LogitsSource:
+    """Logits as the caller passed them: [B, T, V], or [B, T + 1, V] with ``drop_last_position``. Its methods
+    check and read it; none keeps state for another."""
+
+    what = "logits"
+    __slots__ = ("tensor", "drop_last_position", "in_place_backward", "one_pass")
+
+    def __init__(self, logits: torch.Tensor, *, drop_last_position: bool = False, in_place_backward: bool = False,
+                 one_pass: Optional[bool] = None):
+        self.tensor, self.drop_last_position = logits, drop_last_position
+        self.in_place_backward, self.one_pass = in_place_backward, one_pass
+
+    def packed(self, cu_seqlens):
+        """(layout, this source as one row [1, total, V]) of a packed batch."""
+        from .inputs import packed_layout
+
+        if self.drop_last_position:
+            raise ValueError("drop_last_position=True applies to padded [B, T + 1, V] logits, not to a packed batch "
+                             "(cu_seqlens): give the packed logits of the completion tokens only")
+        layout, one_row = packed_layout(cu_seqlens, self.tensor, self.what)
+        return layout, LogitsSource(one_row, in_place_backward=self.in_place_backward, one_pass=self.one_pass)
+
+    def as_one_row(self) -> "LogitsSource":
+        """Logits [..., V] of other leading dims as one row [1, N, V] (a view where possible)."""
+        return LogitsSource(self.tensor.reshape(1, -1, self.tensor.shape[-1]), in_place_backward=self.in_place_backward,
+                            one_pass=self.one_pass)
+
+    def logits_shape(self, ids) -> tuple:
+        """(B, T, V) of the logits that predict the completion, after checking ``drop_last_position`` against the
+        ids; no view is made (the Triton launchers read the first T positions in place)."""
+        check_logits(self.tensor)
+        B, T, V = self.tensor.shape
+        if self.drop_last_position is False:
+            return B, T, V
+        if not (self.drop_last_position is True and ids.__class__ is torch.Tensor and ids.dim() == 2 and
+                ids.shape[1] == T - 1):  # (the common case in one expression; else the check says what is wrong)
+            checked_drop_last_position(self.drop_last_position, self.tensor, ids)
+        return B, T - 1, V
+
+    def check_call(self, backend: str, sharded: bool) -> None:
+        """What this call's backend and vocabulary sharding allow of the logits."""
+        if self.in_place_backward:
+            if sharded:
+                raise ValueError("in_place_backward=True is not supported with vocab_parallel_group")
+            check_in_place(True, self.tensor)
+        if backend == "triton" and self.tensor.stride(-1) != 1:
+            raise ValueError(
+                f"backend='triton' needs logits with a unit last stride, got strides {tuple(self.tensor.stride())}; "
+                "views that slice B or T are fine, a transposed vocabulary is not (call .contiguous())"
+            )
+
+    def predicting(self) -> torch.Tensor:
+        """The [B, T, V] logits that predict the completion (a view of a [B, T + 1, V] input)."""
+        return aligned(self.tensor, self.drop_last_position)
+
+    def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
+        """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens. ``final``: the pass the
+        gradient flows through (it may write the gradient into the logits, with in_place_backward)."""
+        options = inputs.options
+        if inputs.vocab_shard is not None:
+            from .vocab_parallel import vocab_parallel_logprobs
+
+            return vocab_parallel_logprobs(self.predicting(), inputs.ids, inputs.mask,
+                                           options.kernel_temperature, options.kernel_softcap, compute_entropy,
+                                           inputs.backend, inputs.vocab_shard)
+        return TokenLogprobs.apply(self.tensor, inputs.ids.contiguous(), inputs.mask, options.kernel_temperature,
+                                   options.kernel_softcap, compute_entropy, inputs.backend,
+                                   final and self.in_place_backward, self.drop_last_position)[:2]
+
+    def fused_loss(self, inputs, loss_tokens: LossTokens) -> GRPOLossOutput:
+        """The loss with its per-token math in the logits kernel (Triton): the schedule chosen here, one-pass
+        (dlogits written in the forward) where a gradient is wanted and allowed, else two-pass; without a hint,
+        the device sweep's measured choice for this GPU and vocabulary (``kernels/tuned.json``), else one-pass."""
+        one_pass = self.one_pass
+        if one_pass is None:
+            one_pass = launch_module().default_one_pass(self.tensor)
+        if one_pass and not self.in_place_backward and self.tensor.requires_grad and torch.is_grad_enabled():
+            loss, metrics, logp = OnePassLoss.apply(self.tensor, inputs, loss_tokens)
+        else:
+            loss, metrics, logp = TwoPassLoss.apply(self.tensor, inputs, loss_tokens)
+        return kernel_output(inputs.options, loss, metrics, logp)
+
+
+def kernel_output(opts: GRPOOptions, loss, metrics, logp) -> GRPOLossOutput:
+    """A fused loss Function's output: its loss, its metrics vector under TRL's names (the loss-metrics kernel's
+    order), its log-probs (not differentiable)."""
+    return GRPOLossOutput(loss, dict(zip(opts.fused_metric_names, metrics.unbind())), logp)
+
+
+def aligned(logits: torch.Tensor, drop_last_position: bool) -> torch.Tensor:
+    """The [B, T, V] logits that predict the completion: ``logits[:, :-1]`` of a [B, T + 1, V] input
+    (the model's last position predicts no completion token), else the input itself."""
+    return logits[:, :-1] if drop_last_position else logits
+
+
+def gradient_buffer(logits: torch.Tensor, drop_last_position: bool, in_place: bool) -> torch.Tensor:
+    """The gradient returned for ``logits``, at its full shape: for a [B, T + 1, V] input its last position zeroed
+    (B x V elements) and the rest written by the kernels. In place, the logits' own storage."""
+    grad = logits if in_place else torch.empty(logits.shape, device=logits.device, dtype=logits.dtype)
+    if drop_last_position:
+        grad[:, -1].zero_()
+    return grad
+
+
+# ---- Shared by the Functions of both input forms (and vocab_parallel.py) ---------------------------------------
+
+
+def first_backward(ctx, what: str) -> None:
+    """The Functions that hand the forward's gradient to the backward can do so once."""
+    if getattr(ctx, "backward_done", False):
+        raise RuntimeError(
+            f"{what} computed its gradient in the forward and handed it to the first backward (scaled in place "
+            "there), so a second backward through a retained graph would read a used gradient; to "
+            "backpropagate more than once, use the two-pass path (GRPOLoss(one_pass=False), "
+            "lm_head_mode='recompute')"
+        )
+    ctx.backward_done = True
+
+
+def input_grads(ctx, *grads) -> tuple:
+    """A backward's return: the given gradients of the first inputs, None for every later forward input."""
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
+
+
+def loss_outputs(ctx, loss, metrics, logp, shape) -> tuple:
+    """A fused loss Function's outputs: the loss (differentiable), the metrics vector and the log-probs shaped
+    ``shape`` (neither differentiable)."""
+    if logp.shape != shape:  # (the launchers' rows are shaped as the ids where that is free)
+        logp = logp.view(shape)
+    ctx.mark_non_differentiable(metrics, logp)
+    return loss, metrics, logp
+
+
+def weighted_dloss(grad_loss, weights, dloss_dlogp, entropy_weight):
+    """(g = dLoss/dlogp, h = dLoss/dH or None) of a two-pass backward: the per-token derivative and the entropy
+    bonus's weight, each times the token's weight and the incoming gradient."""
+    g = grad_loss * weights * dloss_dlogp
+    return g, None if entropy_weight is None else grad_loss * entropy_weight
+
+
+# ---- One-pass: dlogits written by the forward kernel -------------------------------------------------------------
+
+
+def one_pass_fwd(logits, ids, loss_tokens: LossTokens, opts: GRPOOptions, drop_last_position: bool) -> tuple:
+    """(loss, metrics vector, log-probs [N], the gradient at the logits' shape) of the one-pass launches: the
+    token-weights kernel, the logits kernel writing dlogits of the reduced loss into the gradient (its first T
+    positions, in place of a [B, T, V] view; the token-weights kernel zeroes a dropped last position), the
+    loss-metrics kernel."""
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    r = launch_module().loss_forward(logits, ids, kernel_loss=opts.kernel_loss, loss_tokens=loss_tokens,
+                                     gradient_out=grad, dropped_gradient=grad if drop_last_position else None)
+    return r.loss, r.metrics, r.result.logp, grad
+
+
+def one_pass_bwd(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """The saved gradient times the incoming one, in place, the scale read on the device: no host sync, no
+    second [B, T, V] tensor, and no pass over the gradient at all when grad_loss is 1 (a plain backward)."""
+    return launch_module().scale_in_place(grad, grad_loss)
+
+
+class OnePassLoss(torch.autograd.Function):
+    """The loss with dlogits written in the forward (Triton, token level), of the logits and a call's
+    ``inputs.LossInputs`` (with its ``LossTokens``). Each token's weight in the reduction
+    is known before the logits kernel runs (the token-weights kernel's), so dLoss/dlogp is known as each row is
+    streamed and the gradient is written in the same program. A caller that knows its loss scale (gradient
+    accumulation) folds it into the weights (``loss_scale``); the backward then moves nothing.
+    Returns (loss, metrics vector, log-probs [B, T])."""
+
+    @staticmethod
+    def forward(ctx, logits, inputs, loss_tokens: LossTokens):
+        ctx.set_materialize_grads(False)
+        ids = inputs.ids.contiguous()
+        loss, metrics, logp, grad = one_pass_fwd(logits, ids, loss_tokens, inputs.options,
+                                                 inputs.source.drop_last_position)
+        ctx.save_for_backward(grad)
+        return loss_outputs(ctx, loss, metrics, logp, ids.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        first_backward(ctx, "the one-pass GRPO loss")
+        if grad_loss is None:  # the loss is not part of what is differentiated
+            return input_grads(ctx)
+        return input_grads(ctx, one_pass_bwd(ctx.saved_tensors[0], grad_loss))
+
+
+# ---- Two-pass: the forward kernel's dLoss/dlogp, then the backward kernel ----------------------------------------
+
+
+def two_pass_fwd(logits, ids, loss_tokens: LossTokens, opts: GRPOOptions):
+    """The launches of ``one_pass_fwd`` without the gradient (``launch.LossForward``: the per-token results,
+    dLoss/dlogp among them, the token weights, the loss and the metrics)."""
+    return launch_module().loss_forward(logits, ids, kernel_loss=opts.kernel_loss, loss_tokens=loss_tokens)
+
+
+def two_pass_bwd(logits, ids, lse, g, temperature: float, softcap: Optional[float], drop_last_position: bool,
+                 in_place: bool, backend: str, h=None, entropy=None) -> torch.Tensor:
+    """dlogits of g = dLoss/dlogp (and h = dLoss/dH with the forward's entropy), at the logits' shape (a dropped
+    last position zeroed), written by the backend's backward (in place: into the logits, their version bumped)."""
+    grad = gradient_buffer(logits, drop_last_position, in_place)
+    logprobs_bwd(logits, ids, lse, g, temperature, softcap, drop_last_position, backend, out=grad, grad_entropy=h,
+                 entropy=entropy)
+    if in_place:
+        torch.autograd.graph.increment_version(logits)
+    return grad
+
+
+class TwoPassLoss(torch.autograd.Function):
+    """The loss over two reads of the logits (Triton, token level): the forward kernel computes each token's loss
+    and dLoss/dlogp, the loss-metrics kernel reduces them; the backward kernel writes dlogits = g (onehot - p) /
+    tau, g = dLoss/dlogp times the token's weight and the incoming gradient. Returns (loss, metrics vector,
+    log-probs [B, T])."""
+
+    @staticmethod
+    def forward(ctx, logits, inputs, loss_tokens: LossTokens):
+        ctx.set_materialize_grads(False)
+        ids, opts, source = inputs.ids.contiguous(), inputs.options, inputs.source
+        r = two_pass_fwd(logits, ids, loss_tokens, opts)
+        ctx.save_for_backward(logits, ids, r.result.lse, r.result.dloss_dlogp, r.result.entropy, r.weights.weight,
+                              r.weights.entropy_weight)
+        ctx.in_place, ctx.drop_last_position = source.in_place_backward, source.drop_last_position
+        ctx.temperature, ctx.softcap = opts.kernel_temperature, opts.kernel_softcap
+        return loss_outputs(ctx, r.loss, r.metrics, r.result.logp, ids.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        logits, ids, lse, dloss_dlogp, entropy, weight, entropy_weight = ctx.saved_tensors
+        if grad_loss is None or not ctx.needs_input_grad[0]:
+            return input_grads(ctx)
+        g, h = weighted_dloss(grad_loss, weight, dloss_dlogp, entropy_weight)
+        return input_grads(ctx, two_pass_bwd(logits, ids, lse, g, ctx.temperature, ctx.softcap,
+                                             ctx.drop_last_position, ctx.in_place, "triton", h, entropy))
+
+
+# ---- Log-probs: the kernels' (or the torch path's) log-probs, the loss math in torch ------------------------------
+
+
+def logprobs_fwd(logits, ids, temperature: float, mask: Optional[torch.Tensor], compute_entropy: bool,
+                 softcap: Optional[float], backend: str, drop_last_position: bool = False) -> LogprobResult:
+    """log softmax(cap(logits) / temperature)[ids] (and the entropy) of the logits that predict the completion,
+    fp32 [N]; ``mask`` fp32 [N] or None (every token read): 0 where it is 0."""
+    if backend == "triton":
+        if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py)
+            logp, entropy, lse = ops.triton_logprobs(aligned(logits, drop_last_position), ids, temperature, softcap,
+                                                     mask, compute_entropy)
+            return LogprobResult(logp, ops.present(entropy, compute_entropy), lse)
+        r = launch_module().forward(logits, ids, temperature=temperature, softcap=softcap,
+                                    tokens=TokenInputs(mask=mask), compute_entropy=compute_entropy)
+        return LogprobResult(r.logp, r.entropy, r.lse)  # the kernels never read a masked row's id
+    logits = aligned(logits, drop_last_position)
+    B, T, _ = logits.shape
+    active = None if mask is None else (mask != 0).view(B, T)
+    if active is not None:  # masked ids may be anything (-100): gather and scatter get 0 there
+        ids = torch.where(active, ids, 0)
+    if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py): no unrolled chunk loop
+        logp, entropy, lse = ops.torch_logprobs(logits, ids, temperature, softcap, compute_entropy)
+        entropy = ops.present(entropy, compute_entropy)
+    else:
+        logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy, softcap)
+    if active is not None:
+        logp = torch.where(active, logp, 0.0)
+        entropy = None if entropy is None else torch.where(active, entropy, 0.0)
+    return LogprobResult(logp.reshape(-1), None if entropy is None else entropy.reshape(-1), lse.reshape(-1))
+
+
+def logprobs_bwd(logits, ids, lse, g, temperature: float, softcap: Optional[float], drop_last_position: bool,
+                 backend: str, *, out: torch.Tensor, grad_entropy: Optional[torch.Tensor] = None,
+                 entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """dlogits of g = dLoss/dlogp (and h = dLoss/dH, with the forward's entropy) written into ``out`` (the logits'
+    shape: with ``drop_last_position`` its first T positions). Masked positions' ids must be in range here (the
+    torch path scatters into them; the kernels never read them)."""
+    written = aligned(out, drop_last_position)
+    if backend == "triton":
+        flat = lambda t: None if t is None else t.reshape(-1).float().contiguous()  # noqa: E731
+        if torch.compiler.is_compiling():
+            ops.triton_logprobs_backward(aligned(logits, drop_last_position), ids, lse.reshape(-1), flat(g),
+                                         temperature, softcap, written, flat(grad_entropy),
+                                         flat(entropy) if grad_entropy is not None else None)
+            return out
+        launch_module().backward(logits, ids, lse.reshape(-1), flat(g), temperature, softcap=softcap, out=out,
+                                 grad_entropy=flat(grad_entropy),
+                                 entropy=flat(entropy) if grad_entropy is not None else None)
+        return out
+    logits = aligned(logits, drop_last_position)
+    B, T, _ = logits.shape
+    as_bt = lambda t: None if t is None else t.to(lse.dtype).reshape(B, T)  # noqa: E731  (fp32, or fp64)
+    if torch.compiler.is_compiling():
+        written.copy_(ops.torch_logprobs_backward(logits, ids, lse.reshape(B, T), as_bt(g), temperature, softcap,
+                                                  as_bt(grad_entropy), as_bt(entropy)))
+    else:
+        torch_path.backward(logits, ids, lse.reshape(B, T), as_bt(g), temperature, out=written,
+                            grad_entropy=as_bt(grad_entropy), entropy=as_bt(entropy), softcap=softcap)
+    return out
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """log softmax(cap(logits) / tau)[ids] (and entropy), by the Triton kernels or the torch path.
+
+    ``mask`` (fp32 [N] or None): log-prob and entropy are 0 where it is 0, as in the fused kernels, which never
+    read those rows. Returns (logp [B, T], entropy [B, T] or None, and the log-sum-exp fp32 [N] the backward
+    reads, not differentiable). Written with ``setup_context``, so torch.func transforms (``torch.func.grad``)
+    apply."""
+
+    @staticmethod
+    def forward(logits, ids, mask: Optional[torch.Tensor], temperature: float, softcap: Optional[float],
+                compute_entropy: bool, backend: str, in_place: bool, drop_last_position: bool = False):
+        r = logprobs_fwd(logits, ids, temperature, mask, compute_entropy, softcap, backend, drop_last_position)
+        B, T = ids.shape
+        entropy = None if r.entropy is None else r.entropy.view(B, T)
+        # both differentiable: a loss may use the entropy (the entropy bonus)
+        return r.logp.view(B, T), entropy, r.lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits, ids, mask, temperature, softcap, _, backend, in_place = inputs[:8]
+        _, entropy, lse = output
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        # the backward's ids: masked positions may hold any id (-100); the torch path's scatter needs one in range
+        # there (the kernels never read a masked row's id)
+        if backend == "torch" and mask is not None:
+            ids = torch.where(mask.view(ids.shape) != 0, ids, 0)
+        ctx.save_for_backward(logits, ids, lse, entropy)
+        ctx.backend, ctx.temperature, ctx.softcap, ctx.in_place = backend, temperature, softcap, in_place
+        ctx.drop_last_position = inputs[8] if len(inputs) > 8 else False
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
+        logits, ids, lse, entropy = ctx.saved_tensors
+        grad = None
+        if ctx.needs_input_grad[0] and (grad_logp is not None or grad_entropy is not None):
+            g = torch.zeros_like(lse) if grad_logp is None else grad_logp
+            grad = two_pass_bwd(logits, ids, lse, g, ctx.temperature, ctx.softcap, ctx.drop_last_position,
+                                ctx.in_place, ctx.backend, grad_entropy, entropy)
+        return input_grads(ctx, grad)
