@@ -20,7 +20,7 @@ from packaging.version import Version
 from . import grpo
 from . import tuned
 from .contracts import NO_LOSS_ARGS, KernelLoss, LossTokens, OnePassGradient, TokenInputs, TokenWeights
-from .reduce_launch import fp32_rows, loss_metrics, weighted_tokens
+from .reduce_launch import fp32_rows, loss_metrics, rows_needed, weighted_tokens
 
 
 def block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
@@ -258,9 +258,8 @@ def loss_forward(
     N, device, t, reduction = ids.numel(), logits.device, loss_tokens.tokens, loss_tokens.reduction
     names = _output_names(True, kernel_loss.with_kl, kernel_loss.compute_entropy)  # (output_names of a loss)
     outputs = len(names)
-    weight_rows = ((t.advantages is not None) + (t.importance_weights is not None) + (reduction is not None)
-                   + (reduction is not None and reduction.entropy_coef != 0.0))  # (token_weights' rows_needed)
-    rows = fp32_rows(outputs + weight_rows, N, device, ids.shape)  # (as the ids where that is free)
+    rows = fp32_rows(outputs + rows_needed(t.advantages, t.importance_weights, reduction), N, device,
+                     ids.shape)  # (as the ids where that is free)
     tokens, weights = weighted_tokens(loss_tokens, dropped_gradient=dropped_gradient, out=rows[outputs:])
     gradient = None if gradient_out is None else OnePassGradient(weights.weight, weights.entropy_weight,
                                                                  out=gradient_out)

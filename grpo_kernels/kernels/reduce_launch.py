@@ -45,15 +45,12 @@ def fp32_rows(count: int, N: int, device, shape: Optional[tuple] = None) -> tupl
     return torch.empty(count, padded, device=device, dtype=torch.float32)[:, :N].unbind()
 
 
-def _wanted(advantages, importance_weights, reduction: Optional[Reduction]) -> tuple:
-    """Which of ``TokenWeights``' rows the token-weights kernel writes."""
-    return (advantages is not None, importance_weights is not None, reduction is not None,
-            reduction is not None and reduction.entropy_coef != 0.0)
-
-
 def rows_needed(advantages, importance_weights, reduction: Optional[Reduction]) -> int:
-    """How many fp32 [N] rows ``token_weights`` writes (for a caller that allocates them: ``out=``)."""
-    return sum(_wanted(advantages, importance_weights, reduction))
+    """How many fp32 [N] rows ``token_weights`` writes (for a caller that allocates them: ``out=``): advantages
+    and importance weights per token where given, each token's weight with a reduction, its entropy-bonus weight
+    with a coefficient."""
+    return ((advantages is not None) + (importance_weights is not None) + (reduction is not None)
+            + (reduction is not None and reduction.entropy_coef != 0.0))
 
 
 def _scalar(value, device) -> Tuple[float, Optional[torch.Tensor]]:
@@ -108,8 +105,7 @@ def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch
     iw, iw_per_row = ((None, False) if t.importance_weights is None else
                       _per_row("importance_weights", t.importance_weights, S, N))
     with_bonus = r is not None and r.entropy_coef != 0.0
-    rows = iter(out if out is not None else
-                fp32_rows((adv is not None) + (iw is not None) + (r is not None) + with_bonus, N, mask.device))
+    rows = iter(out if out is not None else fp32_rows(rows_needed(adv, iw, r), N, mask.device))
     adv_out = None if adv is None else next(rows)
     iw_out = None if iw is None else next(rows)
     weight_out = None if r is None else next(rows)

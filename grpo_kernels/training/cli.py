@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--loss-type", default=DEFAULTS.loss_type)
     t.add_argument("--num-iterations", type=int, default=DEFAULTS.num_iterations, help="mu: updates per batch")
     t.add_argument("--process-rollouts", type=int, default=0,
-                   help="process supervision: label every token-step with N sampled completions (0: outcome)")
+                   help="process supervision: label every token-step with N completions sampled from its prefix, "
+                        "once a distinct prefix (0: outcome)")
     t.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=DEFAULTS.dynamic_sampling,
                    help="DAPO's dynamic sampling: drop groups whose rewards are all equal, sample more prompts "
                         "(default: on)")

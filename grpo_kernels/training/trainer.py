@@ -49,7 +49,8 @@ class TrainerConfig:
     num_iterations: int = 1  # mu: updates per generation batch (1 uses the on-policy shortcut)
     # 0: outcome supervision (one reward per completion). N > 0: process supervision with
     # MATH-SHEPHERD labels: every completion token ends a step, labelled by N completions
-    # sampled from it (the share that reaches a correct answer), then process_advantages.
+    # sampled from it (the share that reaches a correct answer; completions that share a prefix share its
+    # label), then process_advantages.
     process_rollouts: int = 0
     # compute the loss from the last hidden states and the lm_head weight (FusedLinearGRPOLoss):
     # the [B, T, V] logits of the update are never materialized
