@@ -405,7 +405,7 @@ def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor
     return -opts.entropy_coef * mask / mask.sum().clamp(min=1.0)
 
 
-# ---- The loss assembled from per-token results, where the loss math runs in torch (sources.loss_in_torch) ----
+# ---- The loss assembled from per-token results, where the loss math runs in torch (loss.loss_in_torch) -------
 #
 # (The fused kernel paths reduce on the device: kernels/reduce.py, with kernel_reduction's weights.)
 
