@@ -231,8 +231,8 @@ class OnePassLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused):
         first_backward(ctx, "the one-pass GRPO loss")
         if grad_loss is None:  # the loss is not part of what is differentiated
-            return input_grads(ctx)
-        return input_grads(ctx, one_pass_bwd(ctx.saved_tensors[0], grad_loss))
+            return None, None, None
+        return one_pass_bwd(ctx.saved_tensors[0], grad_loss), None, None  # (logits, inputs, loss_tokens)
 
 
 # ---- Two-pass: the forward kernel's dLoss/dlogp, then the backward kernel ----------------------------------------

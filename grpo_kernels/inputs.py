@@ -225,18 +225,20 @@ def options_from(options: Optional[GRPOOptions], option_kwargs: dict) -> GRPOOpt
             raise ValueError(f"pass options either as options= or as keywords, got both (keywords "
                              f"{sorted(option_kwargs)})")
         return options
-    try:
-        items = tuple(sorted(option_kwargs.items()))
-        key = (items, tuple(map(type, map(_VALUE, items))))  # the types too: beta=True is not beta=1
-        hash(key)
+    try:  # the keywords as this call site orders them, with their types (beta=True is not beta=1)
+        key = (tuple(option_kwargs.items()), tuple(map(type, option_kwargs.values())))
+        kept = _OPTIONS_OF_KEYWORDS.get(key)
     except TypeError:  # an unhashable value: GRPOOptions says what is wrong with it
         return GRPOOptions(**option_kwargs)
-    kept = _OPTIONS_OF_KEYWORDS.get(key)
-    if kept is None:
-        kept = GRPOOptions(**option_kwargs)
+    if kept is None:  # first seen in this order: the same options as in any other order
+        items = tuple(sorted(option_kwargs.items()))
+        in_any_order = (items, tuple(map(type, map(_VALUE, items))))
+        kept = _OPTIONS_OF_KEYWORDS.get(in_any_order)
+        if kept is None:
+            kept = GRPOOptions(**option_kwargs)
         if len(_OPTIONS_OF_KEYWORDS) >= 64:  # a schedule (a new beta each step) must not grow it without bound
             _OPTIONS_OF_KEYWORDS.clear()
-        _OPTIONS_OF_KEYWORDS[key] = kept
+        _OPTIONS_OF_KEYWORDS[in_any_order] = _OPTIONS_OF_KEYWORDS[key] = kept
     return kept
 
 
