@@ -4,7 +4,8 @@ On tiny CPU shapes, with the kernels' launches replaced by a counter, what is le
 the Python, the dispatcher and the small torch ops around the kernels: the cost that decides the
 end-to-end time at small shapes on a GPU. Per path: the aten ops dispatched in the forward and in the
 backward (every op that reaches the dispatcher, views and allocations included), the Triton launches,
-the host time per forward + backward (median of repeats), and what Triton's JIT adds to it on a GPU
+the host time per forward + backward (the median of repeats, the paths' rounds interleaved so that load on the
+machine falls on all of them alike), and what Triton's JIT adds to it on a GPU
 before each driver call: its binder specializing every argument of those same launches for sm_90
 (pointer alignment, integer values, dtypes) and the kernel cache key, timed on the recorded arguments.
 Liger-Kernel's ``triton_grpo_loss`` is measured the same way in the same run where it is installed, and so
@@ -170,7 +171,8 @@ def jit_binding_us(launched, iters: int, repeats: int) -> float:
     return total * 1e6
 
 
-def measure(call: Callable, iters: int, repeats: int) -> Dict[str, float]:
+def _counts(call: Callable) -> tuple:
+    """(the counts of one forward + backward of ``call``, its launches as recorded), every launch a no-op."""
     x = inputs()
     with no_op_launches() as launches:
         logits = x["logits"].clone().requires_grad_()
@@ -188,16 +190,32 @@ def measure(call: Callable, iters: int, repeats: int) -> Dict[str, float]:
         logits.grad, launches["launched"] = None, []
         call(x, logits).backward()
         launched, launches["launched"] = launches["launched"], None
-        times = []
+    return {"aten_ops_forward": forward.count, "aten_ops_backward": backward.count,
+            "triton_launches": counted_launches}, launched
+
+
+def measure_all(calls: Dict[str, Callable], iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
+    """Each path's counts, host time per forward + backward (the median of ``repeats`` rounds of ``iters`` calls)
+    and JIT binding. The rounds are interleaved, every path once a round, so that a stretch of load on the
+    machine lands on every path alike, not on whichever was being timed (the paths are compared in one run)."""
+    results, launched = {}, {}
+    for name, call in calls.items():
+        results[name], launched[name] = _counts(call)
+    x = inputs()
+    times = {name: [] for name in calls}
+    with no_op_launches():
+        logits = x["logits"].clone().requires_grad_()
         for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(iters):
-                logits.grad = None
-                call(x, logits).backward()
-            times.append((time.perf_counter() - start) / iters)
-    return {"aten_ops_forward": forward.count, "aten_ops_backward": backward.count, "triton_launches": counted_launches,
-            "host_us": round(statistics.median(times) * 1e6, 1),
-            "jit_binding_us": round(jit_binding_us(launched, iters, repeats), 1)}
+            for name, call in calls.items():
+                start = time.perf_counter()
+                for _ in range(iters):
+                    logits.grad = None
+                    call(x, logits).backward()
+                times[name].append((time.perf_counter() - start) / iters)
+    for name in calls:
+        results[name].update(host_us=round(statistics.median(times[name]) * 1e6, 1),
+                             jit_binding_us=round(jit_binding_us(launched[name], iters, repeats), 1))
+    return results
 
 
 def main(argv=None) -> Dict[str, Dict[str, float]]:
@@ -209,7 +227,7 @@ def main(argv=None) -> Dict[str, Dict[str, float]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # host time: one thread, no pool wake-ups
     try:
-        results = {name: measure(call, args.iters, args.repeats) for name, call in paths().items()}
+        results = measure_all(paths(), args.iters, args.repeats)
     finally:
         torch.set_num_threads(threads)
     print(f"host work of one forward + backward, every Triton launch a no-op (B, T, V = {B}, {T}, {V}; "
