@@ -29,16 +29,21 @@ def test_host_work_is_counted_and_bounded(capsys):
         assert (r["jit_binding_us"] > 0) == (r["triton_launches"] > 0), (name, r)
 
 
-def test_jit_binding_is_timed_on_the_recorded_launches():
-    """The binder column times Triton's sm_90 binder on each recorded launch's own arguments (the four kernels of
-    a one-pass call, in order); no launch, no time."""
+def _one_pass_launches():
+    """(the inputs, the logits, every launch recorded) of one forward + backward of the one-pass path."""
     x = host_cost.inputs()
     call = host_cost.paths()["grpo_loss one-pass, check_ids=False"]
     with host_cost.no_op_launches() as launches:
         launches["launched"] = []
         logits = x["logits"].clone().requires_grad_()
         call(x, logits).backward()
-        launched = launches["launched"]
+        return x, logits, launches["launched"]
+
+
+def test_jit_binding_is_timed_on_the_recorded_launches():
+    """The binder column times Triton's sm_90 binder on each recorded launch's own arguments (the four kernels of
+    a one-pass call, in order); no launch, no time."""
+    _, _, launched = _one_pass_launches()
     names = [interpreted.fn.__name__ for interpreted, _, _ in launched]
     assert names == ["token_weights_kernel", "grpo_forward_kernel", "loss_metrics_kernel", "scale_in_place_kernel"]
     assert host_cost.jit_binding_us([], 2, 1) == 0
@@ -53,13 +58,7 @@ def test_positional_launches_bind_as_the_launchers_mean_them():
 
     import torch
 
-    x = host_cost.inputs()
-    call = host_cost.paths()["grpo_loss one-pass, check_ids=False"]
-    with host_cost.no_op_launches() as launches:
-        launches["launched"] = []
-        logits = x["logits"].clone().requires_grad_()
-        call(x, logits).backward()
-        launched = launches["launched"]
+    x, logits, launched = _one_pass_launches()
     bound = {interpreted.fn.__name__: inspect.signature(interpreted.fn).bind(*args, **{
         k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}).arguments
         for interpreted, args, kwargs in launched}
