@@ -116,17 +116,16 @@ class HiddenStatesSource:
         mode = self.lm_head_mode
         if mode is None:
             mode = lm_head_launch_module().default_lm_head_mode(self.tensor, self.weight.shape[0])
-        opts = inputs.options
-        args = (*self.flat(inputs), loss_tokens, opts, inputs.ids.shape)
+        opts, flat, shape = inputs.options, self.flat(inputs), inputs.ids.shape
         wants_grad = torch.is_grad_enabled() and (self.tensor.requires_grad or self.weight.requires_grad)
         if mode == "three_products" and wants_grad:
-            outputs = LinearLossThreeProducts.apply(*args)
+            loss, metrics, logp = LinearLossThreeProducts.apply(*flat, loss_tokens, opts, shape)
         elif mode == "three_products":  # no gradient wanted: cuBLAS logits and the logits kernel
-            outputs = three_products_fwd(*args[:-3], loss_tokens, opts, None)[:3]
-            outputs = (*outputs[:2], outputs[2].view(inputs.ids.shape))
+            loss, metrics, logp = three_products_fwd(*flat, loss_tokens, opts, None)[:3]
+            logp = logp.view(shape)
         else:
-            outputs = LinearLoss.apply(*args)
-        return kernel_output(opts, *outputs)
+            loss, metrics, logp = LinearLoss.apply(*flat, loss_tokens, opts, shape)
+        return kernel_output(opts, loss, metrics, logp)
 
 
 def flat_f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

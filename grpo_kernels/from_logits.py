@@ -84,9 +84,7 @@ class LogitsSource:
         B, T, V = self.tensor.shape
         if self.drop_last_position is False:
             return B, T, V
-        if not (self.drop_last_position is True and ids.__class__ is torch.Tensor and ids.dim() == 2 and
-                ids.shape[1] == T - 1):  # (the common case in one expression; else the check says what is wrong)
-            checked_drop_last_position(self.drop_last_position, self.tensor, ids)
+        checked_drop_last_position(self.drop_last_position, self.tensor, ids)
         return B, T - 1, V
 
     def check_call(self, backend: str, sharded: bool) -> None:

@@ -20,7 +20,6 @@ so a packed batch gives exactly what the padded layout gives for the same sequen
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from typing import NamedTuple, Optional, Tuple, Union
 
@@ -201,25 +200,29 @@ def loss_tokens(inputs: LossInputs, importance_weights, bonus_mask) -> LossToken
     token-weights kernel computes it."""
     L, o = inputs.layout, inputs.options
     bonus = None if bonus_mask is inputs.mask_seq else L.token_layout(bonus_mask).float().contiguous()
-    old, ref = inputs.old_logps, inputs.ref_logps if o.uses_kl else None
-    # the kernels read a per-token tensor at its pointer, token n at element n: fp32 and contiguous, else a copy
-    if old is not None and not (old.dtype is torch.float32 and old.is_contiguous()):
-        old = old.float().contiguous()
-    if ref is not None and not (ref.dtype is torch.float32 and ref.is_contiguous()):
-        ref = ref.float().contiguous()
-    tokens = TokenInputs(mask=inputs.mask, advantages=inputs.advantages, old_logps=old, ref_logps=ref,
+    tokens = TokenInputs(mask=inputs.mask, advantages=inputs.advantages, old_logps=_fp32_tokens(inputs.old_logps),
+                         ref_logps=_fp32_tokens(inputs.ref_logps) if o.uses_kl else None,
                          importance_weights=L.token_layout(importance_weights) if L.packed else importance_weights)
     return LossTokens(tokens, L.sequences, kernel_reduction(o, L.S, inputs.normalizer, inputs.loss_scale, bonus))
 
 
-_OPTIONS_OF_KEYWORDS: dict = {}
-_VALUE = operator.itemgetter(1)  # the functional API's options by their keywords: built (and checked) once
+def _fp32_tokens(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A per-token tensor as the kernels read it, at its pointer, token n at element n: fp32 and contiguous (the
+    tensor itself when it is; its shape kept)."""
+    if t is None or (t.dtype is torch.float32 and t.is_contiguous()):
+        return t
+    return t.float().contiguous()
+
+
+_OPTIONS_OF_KEYWORDS: dict = {}  # the functional API's options by their keywords: built (and checked) once
+_VALUE = operator.itemgetter(1)
 
 
 def options_from(options: Optional[GRPOOptions], option_kwargs: dict) -> GRPOOptions:
     """The call's options: ``options=`` or the keywords (TRL's names), not both. The options a set of keywords
     makes are kept (a few dozen sets at most), so that a loop calling ``grpo_loss(..., beta=0.04)`` builds them
-    once, and with them what the launchers derive from them (``GRPOOptions.derived``)."""
+    once, and with them what the launchers read of them (``GRPOOptions.kernel_loss`` and the other facts
+    ``GRPOOptions._derive_facts`` keeps)."""
     if options is not None:
         if option_kwargs:
             raise ValueError(f"pass options either as options= or as keywords, got both (keywords "
@@ -283,16 +286,13 @@ def prepare_inputs(source, completion_ids, completion_mask, advantages, old_logp
     source.check_call(backend, sharded)
     if isinstance(normalizer, torch.Tensor):
         normalizer = normalizer.detach()  # a count, per step: no gradient
-    if not (mask.dtype is torch.float32 and mask.is_contiguous()):  # (checked: shaped as the ids)
-        mask = mask.float().contiguous()  # the kernels' one mask
+    mask = _fp32_tokens(mask)  # the kernels' one mask (checked: shaped as the ids)
     if layout is None:
         layout, mask_seq = SequenceLayout.padded(shape[0], shape[1]), mask
     else:
         mask_seq = layout.seq(mask)
-    if loss_scale.__class__ is not float or not -math.inf < loss_scale < math.inf:  # (a finite float is checked)
-        loss_scale = checked_loss_scale(loss_scale)
     return LossInputs(source, ids, mask, mask_seq, advantages, old, ref, importance_weights, sampling, normalizer,
-                      loss_scale, options, backend, layout, caller_shape, shard)
+                      checked_loss_scale(loss_scale), options, backend, layout, caller_shape, shard)
 
 
 def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: float, *, backend: str = "auto",

@@ -254,19 +254,6 @@ class GRPOOptions:
     def replace(self, **changes) -> "GRPOOptions":
         return dataclasses.replace(self, **changes)
 
-    def derived(self, name: str, build):
-        """``build(self)``, built on first use and kept on this object: what the launchers derive from the
-        options alone (the kernels' loss arguments, the metric names) costs one dict lookup a call after
-        the first. The options are frozen, so it never goes stale: a changed option is a new object
-        (``replace``, ``GRPOLoss.update``) with nothing kept. Not a field: equality, hashing, ``repr`` and
-        ``dataclasses.replace`` never see it."""
-        try:
-            return self.__dict__["_derived"][name]
-        except KeyError:  # the first ask: built and kept (frozen: __setattr__ refuses, the instance dict does not)
-            kept = self.__dict__.setdefault("_derived", {})
-            kept[name] = value = build(self)
-            return value
-
     @classmethod
     def from_preset(cls, preset: str, **overrides) -> "GRPOOptions":
         """A trainer's conventions ("trl", "verl", "openrlhf"), with ``overrides`` on top."""

@@ -153,21 +153,12 @@ def check_inputs(
         raise ValueError("completion_mask is required ([B, T], 1 where a completion token counts), got None")
     if advantages is None:
         raise ValueError("advantages is required ([B] or [B, T]), got None")
-    rows = shape[:2]
-    # the common case (plain float tensors on the logits' device, [B, T]; advantages [B] too) in one expression:
-    # host time; anything else through check_per_token, which says what is wrong
-    if not (completion_mask.__class__ is torch.Tensor and completion_mask.dtype.is_floating_point and
-            completion_mask.shape == rows and completion_mask.device == device):
-        check_per_token("completion_mask", completion_mask, shape, device, allow_row=False, allow_bool=True,
-                        allow_int=True)
-    if not (advantages.__class__ is torch.Tensor and advantages.dtype.is_floating_point and
-            advantages.device == device and (advantages.shape == rows or advantages.shape == rows[:1])):
-        check_per_token("advantages", advantages, shape, device, allow_row=True)
-    if old_logps is not None and not (old_logps.__class__ is torch.Tensor and old_logps.dtype.is_floating_point
-                                      and old_logps.shape == rows and old_logps.device == device):
+    check_per_token("completion_mask", completion_mask, shape, device, allow_row=False, allow_bool=True,
+                    allow_int=True)
+    check_per_token("advantages", advantages, shape, device, allow_row=True)
+    if old_logps is not None:
         check_per_token("old_logps", old_logps, shape, device, allow_row=False)
-    if ref_logps is not None and not (ref_logps.__class__ is torch.Tensor and ref_logps.dtype.is_floating_point
-                                      and ref_logps.shape == rows and ref_logps.device == device):
+    if ref_logps is not None:
         check_per_token("ref_logps", ref_logps, shape, device, allow_row=False)
     if importance_weights is not None:
         check_per_token("importance_weights", importance_weights, shape, device, allow_row=True)
@@ -284,6 +275,8 @@ def checked_drop_last_position(drop_last_position, logits, completion_ids) -> bo
 
 def checked_loss_scale(loss_scale):
     """A loss scale as the loss reads it: a Python float, or a detached 0-d float tensor."""
+    if loss_scale.__class__ is float and -math.inf < loss_scale < math.inf:  # (the common case first: host time)
+        return loss_scale
     if isinstance(loss_scale, torch.Tensor):
         if loss_scale.numel() != 1 or not loss_scale.dtype.is_floating_point:
             raise ValueError(f"loss_scale must be a number or a one-element float tensor, got shape "

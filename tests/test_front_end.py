@@ -137,21 +137,21 @@ def test_prepared_inputs_are_frozen_and_packed_once(device):
 
 
 def test_keyword_options_are_built_once_and_still_checked():
-    """grpo_loss's keyword options are kept per set of keywords (what the launchers derive from them with
-    them), keyed by type too: beta=True is refused even after beta=1 was kept; a changed option is new options
-    with nothing derived kept."""
+    """grpo_loss's keyword options are kept per set of keywords (what the launchers read of them with them),
+    keyed by type too: beta=True is refused even after beta=1 was kept; a changed option is new options with
+    facts of their own, none kept from the old."""
     from grpo_kernels.inputs import options_from
 
     first = options_from(None, dict(beta=1, epsilon=0.2))
     assert options_from(None, dict(epsilon=0.2, beta=1)) is first
-    first.derived("probe", lambda o: ("derived", o.beta))
-    assert first.derived("probe", lambda o: pytest.fail("built twice")) == ("derived", 1)
+    kernel_loss = first.kernel_loss
+    assert options_from(None, dict(beta=1, epsilon=0.2)).kernel_loss is kernel_loss  # built once
     with pytest.raises(TypeError, match="beta must be a finite number, got True"):
         options_from(None, dict(beta=True, epsilon=0.2))
     changed = first.replace(beta=0.5)
-    assert changed.derived("probe", lambda o: ("derived", o.beta)) == ("derived", 0.5)
+    assert changed.kernel_loss.args["loss_scalars"][4] == 0.5 and kernel_loss.args["loss_scalars"][4] == 1.0
     assert changed != first and first == GRPOOptions(beta=1, epsilon=0.2)  # equality and repr see fields only
-    assert "_derived" not in repr(first)
+    assert "kernel_loss" not in repr(first) and "uses_kl" not in repr(first)
 
 
 def test_the_options_table_the_docstrings_and_the_options_agree():

@@ -26,8 +26,8 @@ def _per_row(name: str, t: Optional[torch.Tensor], S: int, N: int) -> Tuple[Opti
     if t is None:
         return None, False
     numel = t.numel()
-    if numel == N and t.is_contiguous():
-        return t, False
+    if t.is_contiguous() and (numel == N or numel == S):  # (the common cases first: host time)
+        return t, numel != N
     if numel not in (N, S):
         raise ValueError(f"{name} must hold one value a token ({N}) or a sequence ({S}), got shape {tuple(t.shape)}")
     return (t if t.is_contiguous() else t.reshape(-1).contiguous()), numel != N
@@ -58,6 +58,8 @@ def _scalar(value, device) -> Tuple[float, Optional[torch.Tensor]]:
     a normalizer) for a kernel on ``device``: a tensor there is read by the kernel (no host sync); a CPU tensor
     with CUDA tensors (torch accepts a CPU 0-d tensor in their arithmetic) is read here, which needs no GPU
     sync; one on another GPU is copied over."""
+    if value.__class__ is float:  # (the common case first: host time)
+        return value, None
     if not isinstance(value, torch.Tensor):
         return float(value), None
     if value.device == device:
@@ -95,13 +97,7 @@ def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch
     t, (S, T, cu_seqlens), r = loss_tokens
     mask = t.mask
     N = mask.numel()
-    adv, adv_per_row = t.advantages, False
-    if adv is not None:  # (per token or per sequence as it is, the common cases: host time)
-        numel = adv.numel()
-        if not adv.is_contiguous() or (numel != N and numel != S) or N == S:
-            adv, adv_per_row = _per_row("advantages", adv, S, N)
-        else:
-            adv_per_row = numel != N
+    adv, adv_per_row = (None, False) if t.advantages is None else _per_row("advantages", t.advantages, S, N)
     iw, iw_per_row = ((None, False) if t.importance_weights is None else
                       _per_row("importance_weights", t.importance_weights, S, N))
     with_bonus = r is not None and r.entropy_coef != 0.0
@@ -118,10 +114,9 @@ def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch
             dropped_gradient[:, -1].zero_()
         return tokens, weights
     divisor, divisor_ptr, scale, scale_ptr = 1.0, None, 1.0, None
-    if r is not None:  # (a Python float, the common case, as it is: host time)
-        divisor, divisor_ptr = (r.divisor, None) if r.divisor.__class__ is float else _scalar(r.divisor, mask.device)
-        scale, scale_ptr = ((r.loss_scale, None) if r.loss_scale.__class__ is float else
-                            _scalar(r.loss_scale, mask.device))
+    if r is not None:
+        divisor, divisor_ptr = _scalar(r.divisor, mask.device)
+        scale, scale_ptr = _scalar(r.loss_scale, mask.device)
     divisor = divisor or 1.0  # a normalizer of 0 read on the host (the kernel does the same for a device tensor):
     # no token is active then (validation checks it), every weight is 0, and it divides as 1 so that they stay 0
     dropped = dropped_gradient is not None
