@@ -53,15 +53,15 @@ class HiddenStatesSource:
         self.tensor, self.weight, self.bias, self.lm_head_mode = hidden_states, weight, bias, lm_head_mode
         self._flat, self._flat_with_grad = None, False
 
-    def packed(self, cu_seqlens):
-        from .inputs import packed_layout
+    def check_packable(self) -> None:
+        """Hidden states pack as they are (one per completion token)."""
 
-        layout, one_row = packed_layout(cu_seqlens, self.tensor, self.what)
-        return layout, HiddenStatesSource(one_row, self.weight, self.bias, self.lm_head_mode)
+    def with_tensor(self, hidden_states: torch.Tensor) -> "HiddenStatesSource":
+        """This source's head and settings on other hidden states (a packed batch's checked one row)."""
+        return type(self)(hidden_states, self.weight, self.bias, self.lm_head_mode)
 
     def as_one_row(self) -> "HiddenStatesSource":
-        return HiddenStatesSource(self.tensor.reshape(1, -1, self.tensor.shape[-1]), self.weight, self.bias,
-                                  self.lm_head_mode)
+        return self.with_tensor(self.tensor.reshape(1, -1, self.tensor.shape[-1]))
 
     def logits_shape(self, ids) -> tuple:
         """(B, T, V) of the logits the head would make, after checking the hidden states, weight and bias."""
@@ -93,17 +93,17 @@ class HiddenStatesSource:
         return self._flat
 
     def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
-        """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens, as in the logits form."""
-        B, T = inputs.ids.shape
-        temperature, softcap = inputs.options.kernel_temperature, inputs.options.kernel_softcap
-        if inputs.vocab_shard is not None:
-            from .vocab_parallel import vocab_parallel_linear_logprobs
+        """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens, as in the logits form. A
+        vocabulary-parallel call's source is ``vocab_parallel.ShardedHiddenStatesSource``, which overrides this."""
+        options = inputs.options
+        pair = LinearTokenLogprobs.apply(*self.flat(inputs), options.kernel_temperature, options.kernel_softcap,
+                                         compute_entropy, inputs.backend)[:2]
+        return self.as_rows(inputs, pair)
 
-            pair = vocab_parallel_linear_logprobs(self.flat(inputs), temperature, softcap, compute_entropy,
-                                                  inputs.backend, inputs.vocab_shard)
-        else:
-            pair = LinearTokenLogprobs.apply(*self.flat(inputs), temperature, softcap, compute_entropy,
-                                             inputs.backend)[:2]
+    @staticmethod
+    def as_rows(inputs, pair) -> tuple:
+        """The kernels' flat (log-probs, entropy or None) [N] as [B, T] rows, 0 at masked tokens."""
+        B, T = inputs.ids.shape
         if inputs.mask is None:
             return tuple(None if t is None else t.view(B, T) for t in pair)
         active = (inputs.mask != 0).view(B, T)

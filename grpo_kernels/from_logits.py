@@ -62,20 +62,19 @@ class LogitsSource:
         self.tensor, self.drop_last_position = logits, drop_last_position
         self.in_place_backward, self.one_pass = in_place_backward, one_pass
 
-    def packed(self, cu_seqlens):
-        """(layout, this source as one row [1, total, V]) of a packed batch."""
-        from .inputs import packed_layout
-
+    def check_packable(self) -> None:
+        """A packed batch (``cu_seqlens``) gives the completion tokens' logits only."""
         if self.drop_last_position:
             raise ValueError("drop_last_position=True applies to padded [B, T + 1, V] logits, not to a packed batch "
                              "(cu_seqlens): give the packed logits of the completion tokens only")
-        layout, one_row = packed_layout(cu_seqlens, self.tensor, self.what)
-        return layout, LogitsSource(one_row, in_place_backward=self.in_place_backward, one_pass=self.one_pass)
+
+    def with_tensor(self, logits: torch.Tensor) -> "LogitsSource":
+        """This source's settings on other logits (a packed batch's checked one row [1, total, V])."""
+        return type(self)(logits, in_place_backward=self.in_place_backward, one_pass=self.one_pass)
 
     def as_one_row(self) -> "LogitsSource":
         """Logits [..., V] of other leading dims as one row [1, N, V] (a view where possible)."""
-        return LogitsSource(self.tensor.reshape(1, -1, self.tensor.shape[-1]), in_place_backward=self.in_place_backward,
-                            one_pass=self.one_pass)
+        return self.with_tensor(self.tensor.reshape(1, -1, self.tensor.shape[-1]))
 
     def logits_shape(self, ids) -> tuple:
         """(B, T, V) of the logits that predict the completion, after checking ``drop_last_position`` against the
@@ -105,14 +104,9 @@ class LogitsSource:
 
     def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
         """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens. ``final``: the pass the
-        gradient flows through (it may write the gradient into the logits, with in_place_backward)."""
+        gradient flows through (it may write the gradient into the logits, with in_place_backward). A
+        vocabulary-parallel call's source is ``vocab_parallel.ShardedLogitsSource``, which overrides this."""
         options = inputs.options
-        if inputs.vocab_shard is not None:
-            from .vocab_parallel import vocab_parallel_logprobs
-
-            return vocab_parallel_logprobs(self.predicting(), inputs.ids, inputs.mask,
-                                           options.kernel_temperature, options.kernel_softcap, compute_entropy,
-                                           inputs.backend, inputs.vocab_shard)
         return TokenLogprobs.apply(self.tensor, inputs.ids.contiguous(), inputs.mask, options.kernel_temperature,
                                    options.kernel_softcap, compute_entropy, inputs.backend,
                                    final and self.in_place_backward, self.drop_last_position)[:2]

@@ -36,6 +36,7 @@ from .validation import (
     checked_loss_scale,
     resolve_backend,
 )
+from .vocab_parallel import sharded_source, sharded_vocab_start
 
 
 class SequenceLayout:
@@ -127,9 +128,11 @@ class SequenceLayout:
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def packed_layout(cu_seqlens, source: torch.Tensor, what: str) -> Tuple[SequenceLayout, torch.Tensor]:
-    """Check a packed call's ``cu_seqlens`` and its logits or hidden states (``what``) [total, last] or
-    [1, total, last]: (its layout, the source as one row [1, total, last], a view)."""
+def packed_layout(cu_seqlens, packed_source) -> Tuple[SequenceLayout, object]:
+    """Check a packed call's ``cu_seqlens`` and its logits or hidden states [total, last] or [1, total, last]
+    (``packed_source``, an input form's source): (its layout, the source as one row [1, total, last], a view)."""
+    packed_source.check_packable()
+    source, what = packed_source.tensor, packed_source.what
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or \
             cu_seqlens.dtype not in (torch.int32, torch.int64):
         got = (f"shape {tuple(cu_seqlens.shape)}, dtype {cu_seqlens.dtype}" if isinstance(cu_seqlens, torch.Tensor)
@@ -151,7 +154,7 @@ def packed_layout(cu_seqlens, source: torch.Tensor, what: str) -> Tuple[Sequence
     if int(bounds[0]) != 0 or int(bounds[-1]) != total or bool((bounds[1:] < bounds[:-1]).any()):
         raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the packed token count {total}, "
                          f"got {bounds.tolist()[:8]}{' ...' if bounds.numel() > 8 else ''}")
-    return SequenceLayout(1, total, cu_seqlens), one_row
+    return SequenceLayout(1, total, cu_seqlens), packed_source.with_tensor(one_row)
 
 
 class VocabShard(NamedTuple):
@@ -251,8 +254,6 @@ def _vocab_shard(group, vocab_start_index, shape, device, ids, check_ids: bool, 
     ids, which are global, against the whole vocabulary (with ``check_ids``)."""
     if group is None:
         return None
-    from .vocab_parallel import sharded_vocab_start
-
     return VocabShard(group, sharded_vocab_start(shape, device, ids, group, vocab_start_index, check_ids, mask=mask,
                                                  normalizer=normalizer))
 
@@ -267,7 +268,7 @@ def prepare_inputs(source, completion_ids, completion_mask, advantages, old_logp
     layout, caller_shape = None, None
     if cu_seqlens is not None:  # a packed batch: one row of tokens to the kernels, sequences to the reductions
         caller_shape = ids.shape if isinstance(ids, torch.Tensor) else None
-        layout, source = source.packed(cu_seqlens)
+        layout, source = packed_layout(cu_seqlens, source)
         ids, mask, old, ref, sampling = (layout.one_row(name, x) for name, x in (
             ("completion_ids", ids), ("completion_mask", mask), ("old_logps", old), ("ref_logps", ref),
             ("sampling_logps", sampling)))
@@ -284,6 +285,8 @@ def prepare_inputs(source, completion_ids, completion_mask, advantages, old_logp
         check_per_token("sampling_logps", sampling, shape, device, allow_row=False)
     backend = resolve_backend(backend, source.tensor)
     source.check_call(backend, sharded)
+    if sharded:
+        source = sharded_source(source)
     if isinstance(normalizer, torch.Tensor):
         normalizer = normalizer.detach()  # a count, per step: no gradient
     mask = _fp32_tokens(mask)  # the kernels' one mask (checked: shaped as the ids)
@@ -306,7 +309,7 @@ def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: flo
                                    logit_softcap=logit_softcap))  # validated once per set of values
     caller_shape = None
     if cu_seqlens is not None:
-        layout, source = source.packed(cu_seqlens)
+        layout, source = packed_layout(cu_seqlens, source)
         caller_shape = (layout.N,)
         ids = None if ids is None else layout.one_row("ids", ids)
     elif isinstance(source.tensor, torch.Tensor) and source.tensor.dim() not in (0, 3):
@@ -329,5 +332,7 @@ def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: flo
         check_token_ids(ids, shape, device, check_ids)
     backend = resolve_backend(backend, source.tensor)
     source.check_call(backend, sharded)
+    if sharded:
+        source = sharded_source(source)
     return LossInputs(source, ids, None, None, None, None, None, None, None, None, 1.0, opts, backend,
                       SequenceLayout.padded(shape[0], shape[1]), caller_shape, shard)

@@ -14,6 +14,10 @@ then three all-reduces of O(B * T) values combine them, never a logit:
 The loss math runs on the global log-probs (and entropy) in torch, identical on every rank.
 The backward writes each rank's slice of dlogits with the global lse and H in the same
 kernel as the single-device path; the target's one-hot term belongs to its owner only.
+
+A vocabulary-parallel call's source is one of this module's (``sharded_source``, chosen by
+``inputs.prepare_inputs``): the input forms know nothing of sharding, and the imports run one way,
+``inputs`` -> ``vocab_parallel`` -> ``from_logits`` / ``from_hidden_states``.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .from_hidden_states import as_input_grads, flat_f32, linear_logprobs_bwd, linear_logprobs_fwd
-from .from_logits import logprobs_bwd, logprobs_fwd
+from .from_hidden_states import (HiddenStatesSource, as_input_grads, flat_f32, linear_logprobs_bwd,
+                                 linear_logprobs_fwd)
+from .from_logits import LogitsSource, logprobs_bwd, logprobs_fwd
 from .torch_path import capped
+from .validation import check_token_ids
 
 
 def vocab_range(local: int, device, group, vocab_start_index: Optional[int]) -> tuple:
@@ -159,21 +165,39 @@ def sharded_vocab_start(shape, device, ids, group, vocab_start_index, check_ids,
     """This rank's first vocabulary id (``vocab_range``) of its logits' ``shape`` (B, T, V / P) on ``device``, after
     checking the ids, which are global, against the whole vocabulary (with ``check_ids``: one host sync, as
     unsharded)."""
-    from .validation import check_token_ids
-
     start, vocab_size = vocab_range(shape[-1], device, group, vocab_start_index)
     check_token_ids(ids, (shape[0], shape[1], vocab_size), device, check_ids, mask=mask, normalizer=normalizer)
     return start
 
 
-def vocab_parallel_logprobs(logits, ids, flat_mask, temperature, softcap, compute_entropy, backend, shard):
-    """Global (log-probs, entropy) [B, T] from this rank's vocabulary slice; ``flat_mask`` fp32 [N] or None
-    (every token read). ``shard``: an ``inputs.VocabShard``."""
-    return VocabParallelLogprobs.apply(logits, ids.contiguous(), flat_mask, float(temperature), softcap,
-                                       compute_entropy, backend, shard.group, shard.start)
+class ShardedLogitsSource(LogitsSource):
+    """This rank's vocabulary slice of the logits [B, T, V / P]: the global log-probs and entropy."""
+
+    __slots__ = ()
+
+    def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
+        """(global log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens (``inputs.vocab_shard``:
+        this rank's group and first id)."""
+        options, shard = inputs.options, inputs.vocab_shard
+        return VocabParallelLogprobs.apply(self.predicting(), inputs.ids.contiguous(), inputs.mask,
+                                           float(options.kernel_temperature), options.kernel_softcap,
+                                           compute_entropy, inputs.backend, shard.group, shard.start)
 
 
-def vocab_parallel_linear_logprobs(flat, temperature, softcap, compute_entropy, backend, shard):
-    """Global (log-probs, entropy) [N] from this rank's lm_head shard; ``flat`` = (hidden, weight, bias, ids)."""
-    return VocabParallelLinearLogprobs.apply(*flat, float(temperature), softcap, compute_entropy, backend, shard.group,
-                                             shard.start)
+class ShardedHiddenStatesSource(HiddenStatesSource):
+    """Hidden states with this rank's lm_head weight shard [V / P, H]: the global log-probs and entropy."""
+
+    def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
+        options, shard = inputs.options, inputs.vocab_shard
+        pair = VocabParallelLinearLogprobs.apply(*self.flat(inputs), float(options.kernel_temperature),
+                                                 options.kernel_softcap, compute_entropy, inputs.backend,
+                                                 shard.group, shard.start)
+        return self.as_rows(inputs, pair)
+
+
+def sharded_source(source):
+    """The vocabulary-parallel form of an input form's source (its settings kept)."""
+    if isinstance(source, LogitsSource):
+        return ShardedLogitsSource(source.tensor, drop_last_position=source.drop_last_position,
+                       in_place_backward=source.in_place_backward, one_pass=source.one_pass)
+    return ShardedHiddenStatesSource(source.tensor, source.weight, source.bias, source.lm_head_mode)

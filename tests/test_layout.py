@@ -137,3 +137,71 @@ def test_a_loss_call_runs_in_a_straight_line(beta, device):
     files, frames = _call_path(call)
     assert len(files) <= 8, f"a call enters {len(files)} files: {files}"
     assert frames <= 7, f"{frames} package frames above a launch"
+
+
+def module_imports(package: pathlib.Path = PACKAGE) -> dict:
+    """Each module of the package (dotted, relative to it) -> the package's modules it imports, lazy imports
+    included (an import inside a function is an arrow too)."""
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = here[:len(here) - node.level + 1] if node.level > 1 else here
+                target = ".".join([p for p in base if p] + ([node.module] if node.module else []))
+                submodules = {f"{target}.{a.name}".lstrip(".") for a in node.names} & modules.keys()
+                # "from . import ops" imports the submodule ops, not the package
+                found |= submodules if len(submodules) == len(node.names) else {target} | submodules
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def import_cycles(graph: dict) -> list:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_the_package_imports_run_one_way():
+    graph = module_imports()
+    assert {"from_logits", "from_hidden_states", "vocab_parallel", "inputs"} <= graph.keys()
+    assert import_cycles(graph) == [], "modules that import each other (lazily too): make the arrows run one way"
+
+
+def test_the_cycle_check_finds_a_lazy_circle(tmp_path):
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "a.py").write_text("from . import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from .a import g\n")
+    (tmp_path / "c.py").write_text("from .a import b\n")
+    graph = module_imports(tmp_path)
+    assert graph["c"] == {"a"} and import_cycles(graph) == [["a", "b"]]
