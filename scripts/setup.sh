@@ -16,3 +16,8 @@ python -c "import verl" 2>/dev/null || python -m pip install --quiet --no-deps "
 python -c "import megatron.core" 2>/dev/null || python -m pip install --quiet --no-deps "megatron-core==0.16.1"
 # Liger-Kernel, a peer the tests check our numbers against (its own deps are torch and triton)
 python -c "import liger_kernel" 2>/dev/null || python -m pip install --quiet --no-deps "liger-kernel==0.8.5"
+# OpenRLHF's wheel, whose loss code the tests run (its package needs flash-attn and DeepSpeed: not installed,
+# the tests load openrlhf/models/loss.py and utils.py from the wheel; tests/openrlhf_code.py)
+ls .cache/wheels/openrlhf-0.11.2-*.whl >/dev/null 2>&1 || \
+    python -m pip download --quiet --no-deps "openrlhf==0.11.2" -d .cache/wheels || \
+    echo "setup.sh: could not download OpenRLHF's wheel; its parity tests will say so and skip" >&2

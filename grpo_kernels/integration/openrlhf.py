@@ -1,0 +1,242 @@
+"""OpenRLHF drop-in: the actor's loss and log-probs on this package's code, OpenRLHF 0.11's numbers.
+
+OpenRLHF's PPO actor (``openrlhf/trainer/ray/ppo_actor.py``) computes the action log-probs and entropy in
+``Actor.forward`` from the logits, then its loss as::
+
+    actor_loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = PolicyLoss(...)(log_probs, old, advantages, ...)
+    kl_loss = aggregate_loss(compute_approx_kl(log_probs, base, old, estimator, unbiased_gradient), mask, ...)
+    loss = actor_loss + kl_loss * kl_ctl
+
+This module has the same three names with the same signatures and return values, computed with this
+package's per-token terms (``objective.per_token_terms``, ``objective.kl_term``):
+
+- ``PolicyLoss``: ``ppo`` / ``gspo``, clip-higher (``clip_eps_low`` / ``clip_eps_high``), dual-clip, the
+  ``token-mean`` (``token_level_loss=True``) and ``seq-mean-token-mean`` aggregations with ``dp_size``,
+  ``batch_num_tokens`` and ``global_batch_size``, and the rollout corrections (``is_correction_level`` token /
+  seq, ``is_correction_mode`` mask / clip, ``is_correction_gating`` ratio / binary_kl / tv, thresholds);
+- ``compute_approx_kl``: k1 / k2 / k3 with OpenRLHF's clamps, and ``unbiased_gradient``;
+- ``aggregate_loss``: OpenRLHF's reduction (the KL loss is always a token mean, whatever the policy's mode).
+
+``patch_actor()`` makes ``openrlhf.models.actor``'s ``log_probs_from_logits`` and ``compute_entropy`` this
+package's fused kernels (``selective_log_softmax``, ``token_entropy``); ``use_in_openrlhf()`` also puts the
+three loss names above where OpenRLHF's actor looks them up. Importing this module needs neither OpenRLHF nor
+DeepSpeed; the two patch functions need OpenRLHF importable. See ``grpo_kernels/integration/README.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..objective import kl_term, per_token_terms
+from ..options import GRPOOptions
+
+POLICY_LOSS_TYPES = ("ppo", "gspo")
+IS_CORRECTION_LEVELS = ("off", "token", "seq")
+IS_CORRECTION_MODES = ("mask", "clip")
+IS_CORRECTION_GATINGS = ("ratio", "binary_kl", "tv")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+# OpenRLHF's bounds: the PPO log-ratio before exp, every KL estimate, the unbiased gradient's importance weight
+LOG_RATIO_CLAMP = 20.0
+KL_CLAMP = 10.0
+KL_IS_WEIGHT_CLIP = 10.0
+# OpenRLHF's k3 clamps log(pi / pi_ref) at -10 from below only; any symmetric bound >= 11 gives the same values
+# and gradients, since every value beyond it is clamped to KL_CLAMP (zero gradient) either way
+K3_LOG_RATIO_CLAMP = 20.0
+
+
+def masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim=None) -> torch.Tensor:
+    """OpenRLHF's ``masked_mean``: sum(x mask) / sum(mask), NaN where the mask is empty (its convention)."""
+    if mask is None:
+        return x.mean(dim=dim)
+    return (x * mask).sum(dim=dim) / mask.sum(dim=dim)
+
+
+def aggregate_loss(loss: torch.Tensor, loss_mask: torch.Tensor, token_level_loss: bool = True, dp_size: int = 1,
+                   batch_num_tokens=None, global_batch_size=None) -> torch.Tensor:
+    """OpenRLHF's ``aggregate_loss``: a token mean (``token_level_loss``: the masked sum over the global
+    ``batch_num_tokens``, times ``dp_size``, which DeepSpeed's averaging over ranks cancels), or the mean of the
+    non-empty sequences' token means (over ``global_batch_size``, times ``dp_size``). Without the global counts,
+    the local ones."""
+    mask = loss_mask.to(loss.dtype)
+    if token_level_loss:
+        if batch_num_tokens is None:
+            return masked_mean(loss, mask)
+        return (loss * mask).sum() / batch_num_tokens * dp_size
+    tokens = mask.sum(-1)
+    row_loss = (loss * mask).sum(-1) / (tokens + 1e-8)
+    non_empty = (tokens > 0).to(loss.dtype)  # fully masked rows leave the mean
+    if global_batch_size is None:
+        return masked_mean(row_loss, non_empty)
+    return (row_loss * non_empty).sum() / global_batch_size * dp_size
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, action_mask: torch.Tensor,
+                       level: str, mode: str, gating: str, threshold: Sequence[float]):
+    """OpenRLHF's train / rollout mismatch correction: (the per-token weight of the policy term [B, T], the
+    filtered share ``is_filter_ratio``, ``vllm_kl``). A gate reads a statistic per unit (a token, or a sequence's
+    mean) and drops (mask: the survivors keep their IS ratio pi_old / pi_rollout) or clamps (clip) the units
+    outside [low, high]. All detached: the weight carries no gradient."""
+    low, high = threshold
+    seq_level = level == "seq"
+    is_log_ratio = (old_log_probs - rollout_log_probs).detach()
+    token_is = is_log_ratio.exp()
+    if gating == "ratio":
+        stat = masked_mean(is_log_ratio, action_mask, dim=-1).unsqueeze(-1) if seq_level else is_log_ratio
+        stat = stat.exp()
+    else:
+        p = rollout_log_probs.detach().exp().clamp(1e-6, 1 - 1e-6)  # keeps the binary KL's logs finite
+        q = old_log_probs.detach().exp().clamp(1e-6, 1 - 1e-6)
+        if gating == "binary_kl":
+            stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+        else:  # tv
+            stat = (p - q).abs()
+        if seq_level:
+            stat = masked_mean(stat, action_mask, dim=-1).unsqueeze(-1)
+    if mode == "clip":
+        weight = stat.clamp(min=low, max=high)
+        filtered = (stat < low) | (stat > high)
+    else:
+        keep = (stat >= low) & (stat <= high)
+        weight = torch.where(keep, token_is, 0.0)
+        filtered = ~keep
+    filter_ratio = filtered.float().mean() if seq_level else masked_mean(filtered.float(), action_mask)
+    vllm_kl = masked_mean(rollout_log_probs - old_log_probs, action_mask)
+    return weight.expand_as(old_log_probs), filter_ratio, vllm_kl
+
+
+class PolicyLoss(nn.Module):
+    """OpenRLHF's ``PolicyLoss`` (same constructor and ``forward``, same five results) on this package's
+    per-token terms."""
+
+    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: Optional[float] = None,
+                 token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
+                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
+                 is_correction_threshold: Sequence[float] = (0.5, 5.0)) -> None:
+        super().__init__()
+        _check_choice("policy_loss_type", policy_loss_type, POLICY_LOSS_TYPES)
+        _check_choice("is_correction_level", is_correction_level, IS_CORRECTION_LEVELS)
+        _check_choice("is_correction_mode", is_correction_mode, IS_CORRECTION_MODES)
+        _check_choice("is_correction_gating", is_correction_gating, IS_CORRECTION_GATINGS)
+        if is_correction_mode == "clip" and (is_correction_level == "seq" or is_correction_gating != "ratio"):
+            raise ValueError("is_correction_mode='clip' clamps a per-token ratio: it needs is_correction_level='token'"
+                             f" and is_correction_gating='ratio', got {is_correction_level!r} and "
+                             f"{is_correction_gating!r}")
+        if len(is_correction_threshold) != 2:
+            raise ValueError(f"is_correction_threshold must be (low, high), got {tuple(is_correction_threshold)!r}")
+        if is_correction_gating != "ratio" and is_correction_level != "off" and is_correction_threshold[0] > 0:
+            raise ValueError(f"is_correction_gating={is_correction_gating!r} bounds a divergence from above only: "
+                             f"the threshold's low must be 0, got {tuple(is_correction_threshold)!r}")
+        self.clip_eps_low, self.clip_eps_high, self.dual_clip = clip_eps_low, clip_eps_high, dual_clip
+        self.policy_loss_type = policy_loss_type
+        self.token_level_loss = token_level_loss and policy_loss_type != "gspo"  # GSPO: the per-sample mean
+        self.is_correction_level, self.is_correction_mode = is_correction_level, is_correction_mode
+        self.is_correction_gating, self.is_correction_threshold = is_correction_gating, tuple(is_correction_threshold)
+        gspo = policy_loss_type == "gspo"
+        # dual_clip > 1 is checked by GRPOOptions; OpenRLHF's GSPO ratio is unclamped
+        self.options = GRPOOptions(epsilon=clip_eps_low, epsilon_high=clip_eps_high, dual_clip=dual_clip,
+                                   importance_sampling_level="sequence" if gspo else "token",
+                                   log_ratio_clamp=None if gspo else LOG_RATIO_CLAMP, compute_entropy=False)
+
+    def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                action_mask: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
+                dp_size: int = 1, batch_num_tokens=None, global_batch_size=None):
+        """(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), as OpenRLHF's: the last two None without a
+        rollout correction."""
+        if action_mask is None:
+            action_mask = torch.ones_like(log_probs)
+        mask = action_mask.to(log_probs.dtype)
+        correcting = self.is_correction_level != "off"
+        if correcting and rollout_log_probs is None:
+            raise ValueError(f"is_correction_level={self.is_correction_level!r} needs rollout_log_probs, got None")
+        gspo = self.policy_loss_type == "gspo"
+        # GSPO with a correction takes its ratio against the rollout policy instead of weighting the term
+        old = rollout_log_probs if gspo and correcting else old_log_probs
+        weight = vllm_kl = is_filter_ratio = None
+        if correcting and not gspo:
+            weight, is_filter_ratio, vllm_kl = rollout_correction(
+                old_log_probs, rollout_log_probs, mask, self.is_correction_level, self.is_correction_mode,
+                self.is_correction_gating, self.is_correction_threshold)
+        terms = per_token_terms(log_probs, mask, advantages, old.detach(), None, weight, self.options)
+        loss = aggregate_loss(terms.per_token_loss, mask, self.token_level_loss, dp_size, batch_num_tokens,
+                              global_batch_size)
+        with torch.no_grad():
+            clip_ratio = masked_mean(self._clipped(log_probs, old, mask, advantages).float(), mask)
+            ppo_kl = masked_mean(-(log_probs - old_log_probs), mask)
+        return loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
+
+    def _clipped(self, log_probs, old, mask, advantages) -> torch.Tensor:
+        """OpenRLHF's clip flag: the clipped surrogate below the plain one (``surr2 < surr1``)."""
+        log_ratio = log_probs - old
+        if self.policy_loss_type == "gspo":
+            log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+            ratio = log_ratio.exp() * mask
+        else:
+            ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        plain = ratio * advantages
+        return ratio.clamp(1 - self.clip_eps_low, 1 + self.clip_eps_high) * advantages < plain
+
+
+def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor,
+                      log_probs_old: Optional[torch.Tensor] = None, kl_estimator: str = "k1",
+                      unbiased_gradient: bool = False) -> torch.Tensor:
+    """OpenRLHF's ``compute_approx_kl`` [B, T]: the k1 / k2 / k3 estimate of KL(pi || pi_ref), clamped to +-10 (k3
+    also bounds its log-ratio first); with ``unbiased_gradient`` the estimate's value with the reverse KL's
+    importance-weighted gradient, w k1 d log pi, w = pi / pi_old clamped at 10 and detached."""
+    _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    lp, ref = log_probs.float(), log_probs_base.float()
+    clamps = dict(log_ratio_clamp=K3_LOG_RATIO_CLAMP) if kl_estimator == "k3" else {}
+    value = kl_term(lp, ref, GRPOOptions(kl_estimator=kl_estimator, kl_clamp=KL_CLAMP, **clamps))
+    if not unbiased_gradient:
+        return value
+    w = 1.0 if log_probs_old is None else (lp - log_probs_old.float()).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()
+    surrogate = w * (lp - ref) ** 2 / 2.0  # its gradient: w (lp - ref) d lp, the score-function form
+    return value.detach() + surrogate - surrogate.detach()
+
+
+def _replace_everywhere(source, replacements) -> None:
+    """Replace each ``source.<name>`` by ours in every loaded module that holds that object by name."""
+    import sys
+
+    for name, ours in replacements.items():
+        original = getattr(source, name)
+        for module in list(sys.modules.values()):
+            if module is not None and getattr(module, name, None) is original:
+                setattr(module, name, ours)
+
+
+def patch_actor() -> None:
+    """Make OpenRLHF's ``log_probs_from_logits`` and ``compute_entropy`` our fused kernels wherever they were
+    imported by name (``openrlhf.models.actor`` reads them in ``Actor.forward``): fp32 log-probs and entropy,
+    no [N, V] log-softmax; the gradients (the entropy's too, for ``--actor.entropy_coef``) from the same
+    backward formula. ``Actor.forward`` still casts the logits to fp32 and divides them by the temperature
+    before calling them, as OpenRLHF does."""
+    from openrlhf.models import utils
+
+    from ..loss import selective_log_softmax, token_entropy
+
+    def log_probs_from_logits(logits, labels, temperature: float = 1.0):
+        return selective_log_softmax(logits, labels, temperature=temperature)
+
+    def compute_entropy(logits):
+        return token_entropy(logits)
+
+    _replace_everywhere(utils, {"log_probs_from_logits": log_probs_from_logits, "compute_entropy": compute_entropy})
+
+
+def use_in_openrlhf() -> None:
+    """``patch_actor()``, and OpenRLHF's ``PolicyLoss``, ``compute_approx_kl`` and ``aggregate_loss`` replaced by
+    this module's wherever they were imported by name (``openrlhf.trainer.ray.ppo_actor`` among them): the one
+    call a user adds before OpenRLHF builds its actor."""
+    from openrlhf.models import loss, utils
+
+    patch_actor()
+    _replace_everywhere(loss, {"PolicyLoss": PolicyLoss, "aggregate_loss": aggregate_loss})
+    _replace_everywhere(utils, {"compute_approx_kl": compute_approx_kl})

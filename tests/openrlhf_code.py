@@ -1,0 +1,82 @@
+"""OpenRLHF 0.11.2's own loss code, loaded from its wheel: the oracle of the OpenRLHF preset and adapter.
+
+OpenRLHF's package imports flash-attn (a CUDA build) at the top of ``openrlhf.models``, so the tests load the
+two files the loss lives in, ``openrlhf/models/loss.py`` and ``openrlhf/models/utils.py``, from the wheel
+itself, as modules of a package of their own. ``utils.py`` imports ``deepspeed`` at the top for a function
+these tests never call: a stub stands in where DeepSpeed is not installed. ``scripts/setup.sh`` downloads the
+wheel into ``.cache/wheels`` (``pip download --no-deps openrlhf==0.11.2``); a test that finds no wheel tries that
+download once, and skips saying so when the registry cannot be reached.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import types
+import zipfile
+
+import pytest
+
+VERSION = "0.11.2"
+WHEELS = pathlib.Path(os.environ.get("GRPO_KERNELS_WHEELS", pathlib.Path(__file__).resolve().parents[1] / ".cache"
+                                     / "wheels"))
+PACKAGE = "openrlhf_wheel_models"  # the name the two files are loaded under (never "openrlhf")
+
+
+def _wheel() -> pathlib.Path | None:
+    found = sorted(WHEELS.glob(f"openrlhf-{VERSION}-*.whl"))
+    if found:
+        return found[0]
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", f"openrlhf=={VERSION}",
+                        "-d", str(WHEELS)], check=True, timeout=300, capture_output=True)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    found = sorted(WHEELS.glob(f"openrlhf-{VERSION}-*.whl"))
+    return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    wheel = _wheel()
+    if wheel is None:
+        return None
+    with zipfile.ZipFile(wheel) as archive:
+        def source(name):
+            (path,) = [p for p in archive.namelist() if p.endswith(f"/openrlhf/models/{name}")]
+            return archive.read(path).decode()
+        sources = {name: source(f"{name}.py") for name in ("utils", "loss")}
+    package = types.ModuleType(PACKAGE)
+    package.__path__ = []
+    sys.modules[PACKAGE] = package
+    stubbed = "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None
+    if stubbed:  # imported at the top of utils.py, used only by set_z3_leaf_modules
+        sys.modules["deepspeed"] = types.ModuleType("deepspeed")
+    try:
+        modules = {}
+        for name, text in sources.items():  # utils first: loss.py imports masked_mean from it
+            module = types.ModuleType(f"{PACKAGE}.{name}")
+            module.__package__ = PACKAGE
+            module.__file__ = f"{wheel.name}/openrlhf/models/{name}.py"
+            sys.modules[module.__name__] = module
+            exec(compile(text, module.__file__, "exec"), module.__dict__)
+            setattr(package, name, module)
+            modules[name] = module
+    finally:
+        if stubbed:
+            del sys.modules["deepspeed"]
+    return types.SimpleNamespace(**modules)
+
+
+def openrlhf_code():
+    """(OpenRLHF's ``models.utils``, ``models.loss``) from the wheel, or a skip that says why there is none."""
+    code = _load()
+    if code is None:
+        pytest.skip(f"OpenRLHF {VERSION}'s wheel is not in {WHEELS} and `pip download --no-deps openrlhf=={VERSION}` "
+                    "could not fetch it (no registry): its loss code cannot be run here")
+    return code.utils, code.loss

@@ -1,0 +1,167 @@
+"""The OpenRLHF adapter against OpenRLHF 0.11.2's own functions (``tests/openrlhf_code.py``: loaded from its
+wheel): ``PolicyLoss`` for every option, ``compute_approx_kl`` for every estimator, ``aggregate_loss``, and the
+actor's log-probs and entropy. Values, every metric and the gradient of the log-probs (of the logits for the
+actor's functions), on ragged batches with an empty row; the actor's on padded [B, L, V] and packed [1, total, V]
+logits."""
+
+import itertools
+
+import pytest
+import torch
+
+from grpo_kernels.integration import openrlhf as adapter
+from grpo_kernels.loss import selective_log_softmax, token_entropy
+from openrlhf_code import openrlhf_code
+
+LENGTHS = (1, 9, 4, 0, 7, 3)  # ragged, one empty row
+T = max(LENGTHS)
+
+
+def ragged_batch(seed=0, spread=0.5, rollout_spread=0.3):
+    """OpenRLHF's loss inputs [B, T]: log-probs (with gradient), old, rollout and reference log-probs, per-token
+    advantages, the action mask. Padding holds 0, as OpenRLHF's actor leaves it."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(LENGTHS)
+    mask = (torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]).float()
+    lp = ((-1.5 + 0.6 * torch.randn(B, T, generator=g)) * mask).requires_grad_()
+    old = (lp + spread * torch.randn(B, T, generator=g)).detach() * mask
+    rollout = (old + rollout_spread * torch.randn(B, T, generator=g)) * mask
+    ref = (lp + 3 * spread * torch.randn(B, T, generator=g)).detach() * mask
+    adv = (torch.randn(B, 1, generator=g) * 1.5).expand(B, T).clone()
+    return lp, old, rollout, ref, adv, mask
+
+
+def _twin(lp):
+    return lp.detach().clone().requires_grad_()
+
+
+BATCH_INFO = {"local": {}, "two ranks": dict(dp_size=2, batch_num_tokens=torch.tensor(40.0),
+                                             global_batch_size=torch.tensor(9.0))}
+CORRECTIONS = [dict()] + [
+    dict(is_correction_level=level, is_correction_mode=mode, is_correction_gating="ratio",
+         is_correction_threshold=[0.8, 1.25])
+    for level, mode in (("token", "mask"), ("token", "clip"), ("seq", "mask"))
+] + [dict(is_correction_level=level, is_correction_mode="mask", is_correction_gating=gating,
+          is_correction_threshold=[0.0, bound])
+     for level, (gating, bound) in itertools.product(("token", "seq"), (("binary_kl", 0.02), ("tv", 0.1)))]
+
+
+def _correction_id(c):
+    return "off" if not c else f"{c['is_correction_level']}-{c['is_correction_mode']}-{c['is_correction_gating']}"
+
+
+def _compare_policy_loss(kwargs, batch_info, seed=0):
+    _, theirs_loss = openrlhf_code()
+    lp, old, rollout, _, adv, mask = ragged_batch(seed)
+    lp_ours = _twin(lp)
+    theirs = theirs_loss.PolicyLoss(**kwargs)(lp, old, adv, mask, rollout, **batch_info)
+    ours = adapter.PolicyLoss(**kwargs)(lp_ours, old, adv, mask, rollout, **batch_info)
+    theirs[0].backward()
+    ours[0].backward()
+    torch.testing.assert_close(ours[0], theirs[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lp_ours.grad, lp.grad, atol=1e-7, rtol=1e-5)
+    for name, a, b in zip(("clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio"), ours[1:], theirs[1:]):
+        assert (a is None) == (b is None), name
+        if b is not None:
+            torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("batch_info", list(BATCH_INFO), ids=str)
+@pytest.mark.parametrize("token_level_loss", [True, False], ids=["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("policy_loss_type", adapter.POLICY_LOSS_TYPES)
+@pytest.mark.parametrize("clip", [dict(), dict(clip_eps_low=0.2, clip_eps_high=0.28), dict(dual_clip=3.0),
+                                  dict(clip_eps_low=0.1, clip_eps_high=0.3, dual_clip=2.0)],
+                         ids=["default", "clip-higher", "dual-clip", "both"])
+def test_policy_loss_matches_openrlhf(policy_loss_type, token_level_loss, clip, batch_info):
+    _compare_policy_loss(dict(policy_loss_type=policy_loss_type, token_level_loss=token_level_loss, **clip),
+                         BATCH_INFO[batch_info])
+
+
+@pytest.mark.parametrize("correction", CORRECTIONS, ids=_correction_id)
+@pytest.mark.parametrize("policy_loss_type", adapter.POLICY_LOSS_TYPES)
+@pytest.mark.parametrize("token_level_loss", [True, False], ids=["token-mean", "seq-mean-token-mean"])
+def test_rollout_corrections_match_openrlhf(correction, policy_loss_type, token_level_loss):
+    _compare_policy_loss(dict(policy_loss_type=policy_loss_type, token_level_loss=token_level_loss, dual_clip=3.0,
+                              **correction), BATCH_INFO["two ranks"], seed=3)
+
+
+def test_the_corrections_filter_something():
+    """The thresholds above bind: a correction that dropped nothing would test nothing of its gate."""
+    lp, old, rollout, _, adv, mask = ragged_batch(3)
+    for correction in CORRECTIONS[1:]:
+        _, _, _, vllm_kl, filtered = adapter.PolicyLoss(**correction)(lp, old, adv, mask, rollout)
+        assert 0 < float(filtered) < 1, _correction_id(correction)
+
+
+@pytest.mark.parametrize("unbiased_gradient", [False, True], ids=["plain", "unbiased"])
+@pytest.mark.parametrize("kl_estimator", adapter.KL_ESTIMATORS)
+@pytest.mark.parametrize("token_level_loss", [True, False], ids=["token-mean", "seq-mean-token-mean"])
+def test_kl_loss_matches_openrlhf(kl_estimator, unbiased_gradient, token_level_loss):
+    """compute_approx_kl, then aggregate_loss as the actor does; the log-ratios reach past +-11 so that every
+    clamp binds (k3's one-sided -10, the value's +-10, the unbiased weight's 10)."""
+    theirs_utils, theirs_loss = openrlhf_code()
+    lp, old, _, ref, _, mask = ragged_batch(5, spread=6.0)
+    assert float((lp - ref).abs().max()) > 11
+    lp_ours = _twin(lp)
+    info = BATCH_INFO["two ranks"]
+    theirs = theirs_loss.aggregate_loss(theirs_utils.compute_approx_kl(lp, ref, old, kl_estimator, unbiased_gradient),
+                                        mask, token_level_loss, **info)
+    ours = adapter.aggregate_loss(adapter.compute_approx_kl(lp_ours, ref, old, kl_estimator, unbiased_gradient), mask,
+                                  token_level_loss, **info)
+    theirs.backward()
+    ours.backward()
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lp_ours.grad, lp.grad, atol=1e-7, rtol=1e-5)
+
+
+def test_aggregate_loss_without_global_counts_matches_openrlhf():
+    _, theirs_loss = openrlhf_code()
+    lp, *_, mask = ragged_batch(7)
+    for token_level_loss in (True, False):
+        torch.testing.assert_close(adapter.aggregate_loss(lp, mask, token_level_loss),
+                                   theirs_loss.aggregate_loss(lp, mask, token_level_loss))
+
+
+def test_bad_options_are_refused_by_name():
+    with pytest.raises(ValueError, match="policy_loss_type must be one of"):
+        adapter.PolicyLoss(policy_loss_type="grpo")
+    with pytest.raises(ValueError, match="is_correction_mode='clip' clamps a per-token ratio"):
+        adapter.PolicyLoss(is_correction_level="seq", is_correction_mode="clip")
+    with pytest.raises(ValueError, match="bounds a divergence from above only"):
+        adapter.PolicyLoss(is_correction_level="token", is_correction_gating="tv")
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        adapter.PolicyLoss(dual_clip=0.5)
+    with pytest.raises(ValueError, match="needs rollout_log_probs"):
+        lp, old, _, _, adv, mask = ragged_batch()
+        adapter.PolicyLoss(is_correction_level="token")(lp, old, adv, mask)
+    with pytest.raises(ValueError, match="kl_estimator must be one of"):
+        adapter.compute_approx_kl(torch.zeros(2), torch.zeros(2), kl_estimator="k4")
+
+
+def _logits(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 2).to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_actor_log_probs_and_entropy_match_openrlhf(layout, dtype):
+    """What Actor.forward calls, on what it passes: the fp32 logits (divided by the temperature) of a padded batch
+    [B, L, V], or of a packed one [1, total, V] with the rolled ids. Our log-probs and entropy equal OpenRLHF's
+    functions' values and gradients (bf16 logits: OpenRLHF's bf16 branch, a per-row log_softmax)."""
+    theirs_utils, _ = openrlhf_code()
+    V = 37
+    shape = (3, 6, V) if layout == "padded" else (1, 17, V)
+    logits = _logits(shape, dtype)
+    ids = torch.randint(0, V, shape[:-1], generator=torch.Generator().manual_seed(1))
+    ours_logits = _twin(logits)
+    entropy = getattr(theirs_utils.compute_entropy, "_torchdynamo_orig_callable", theirs_utils.compute_entropy)
+    weights = torch.randn(shape[:-1], generator=torch.Generator().manual_seed(2))
+    theirs = theirs_utils.log_probs_from_logits(logits, ids)
+    ours = selective_log_softmax(ours_logits, ids)
+    (theirs.float() * weights + entropy(logits).float() * weights.flip(-1)).sum().backward()
+    (ours * weights + token_entropy(ours_logits) * weights.flip(-1)).sum().backward()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(ours, theirs.float(), **tol)
+    torch.testing.assert_close(token_entropy(ours_logits.detach()), entropy(logits.detach()).float(), **tol)
+    torch.testing.assert_close(ours_logits.grad.float(), logits.grad.float(), **tol)
