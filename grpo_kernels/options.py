@@ -79,16 +79,33 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k3", "k1", "k2")
 BACKENDS = ("auto", "triton", "torch")
 
-# Each trainer's conventions (docs/loss-semantics.md, "Each trainer's conventions"), as GRPOOptions
-# keywords; anything passed alongside a preset overrides it.
+# Each trainer's loss at its own defaults (docs/loss-semantics.md, "Each trainer's conventions"), as GRPOOptions
+# keywords; anything passed alongside a preset overrides it, within what the trainer's loss can be
+# (``PRESET_LIMITS``). tests/test_presets.py holds each to the trainer's own code.
 PRESETS = {
-    # TRL: k3 KL without clamps, no dual-clip (delta caps the unclipped branch when set)
-    "trl": dict(kl_estimator="k3"),
-    # verl "vanilla": dual-clip c = 3, log-ratio clamp +-20, "low_var_kl" (k3, +-20 in, +-10 out),
-    # token-mean aggregation (our dapo with the global token normalizer)
+    # TRL 1.16's GRPOConfig: loss_type "dapo", k3 KL without clamps, times the ratio where there is a KL term
+    # (use_bias_correction_kl, from_preset), no dual-clip (delta caps the unclipped branch)
+    "trl": dict(loss_type="dapo", kl_estimator="k3"),
+    # verl "vanilla" with loss_agg_mode "token-mean" (our dapo: the normalizer is verl's global tokens / dp size):
+    # dual-clip c = 3, log-ratio clamp +-20, the KL loss "low_var_kl" (k3, +-20 in, +-10 out; k1 and k2 unclamped)
+    # aggregated like the policy loss
     "verl": dict(loss_type="dapo", dual_clip=3.0, log_ratio_clamp=20.0, kl_estimator="k3", kl_clamp=10.0),
-    # OpenRLHF: k1 KL clamped to +-10, log-ratio clamp +-20, dual-clip only when set
-    "openrlhf": dict(kl_estimator="k1", log_ratio_clamp=20.0, kl_clamp=10.0),
+    # OpenRLHF's --actor.loss_agg_mode "token-mean" (dapo: its batch_num_tokens / dp_size is the normalizer), the
+    # ratio's log clamped to +-20, the KL loss's estimator k1, every estimate clamped to +-10 (k3's log-ratio at -10
+    # from below first: the +-20 clamp gives the same numbers), dual-clip only when set
+    "openrlhf": dict(loss_type="dapo", kl_estimator="k1", log_ratio_clamp=20.0, kl_clamp=10.0),
+}
+# What a preset's trainer computes with one reduction: the loss types and ratio levels it can be, and what to use
+# for the rest (the trainer's other aggregations leave empty rows out of their mean, and OpenRLHF's KL loss is a
+# token mean whatever the policy's aggregation: neither is one of our reductions).
+PRESET_LIMITS = {
+    "verl": dict(loss_types=("dapo",), levels=("token",), instead=(
+        "verl's other loss_agg_modes and its 'gspo' loss_mode: grpo_kernels.integration.verl (its policy losses take "
+        "every loss_agg_mode, kl_loss its KL loss)")),
+    "openrlhf": dict(loss_types=("dapo",), levels=("token",), instead=(
+        "--actor.loss_agg_mode seq-mean-token-mean and --actor.policy_loss_type gspo: "
+        "grpo_kernels.integration.openrlhf (PolicyLoss, compute_approx_kl and aggregate_loss, OpenRLHF's own "
+        "signatures)")),
 }
 # The matching advantage conventions: keywords of grpo_kernels.advantages.group_advantages.
 ADVANTAGE_PRESETS = {
@@ -256,9 +273,24 @@ class GRPOOptions:
 
     @classmethod
     def from_preset(cls, preset: str, **overrides) -> "GRPOOptions":
-        """A trainer's conventions ("trl", "verl", "openrlhf"), with ``overrides`` on top."""
+        """A trainer's loss at its defaults ("trl", "verl", "openrlhf"), with ``overrides`` on top. A ``loss_type``
+        or ``importance_sampling_level`` whose loss that trainer computes otherwise than one of our reductions is
+        refused, naming what to use instead (``PRESET_LIMITS``)."""
         _check_choice("preset", preset, tuple(PRESETS))
-        return cls(**{**PRESETS[preset], **overrides})
+        options = {**PRESETS[preset], **overrides}
+        limits = PRESET_LIMITS.get(preset)
+        if limits is not None:
+            for name, allowed in (("loss_type", limits["loss_types"]), ("importance_sampling_level", limits["levels"])):
+                value = options.get(name, getattr(cls, name))
+                if value not in allowed:
+                    raise ValueError(f"preset={preset!r} takes {name} in {list(allowed)}, got {value!r}: {preset} "
+                                     f"reduces that loss otherwise than any loss_type here. For {limits['instead']}")
+        if preset == "verl" and options["kl_estimator"] != "k3" and "kl_clamp" not in overrides:
+            options["kl_clamp"] = None  # verl clamps only its k3 ("low_var_kl")
+        if preset == "trl" and "use_bias_correction_kl" not in overrides:
+            # TRL 1.16's default (use_bias_correction_kl=True) multiplies its KL term by the ratio; no KL term, nothing
+            options["use_bias_correction_kl"] = options.get("beta", 0.0) != 0.0
+        return cls(**options)
 
     @classmethod
     def from_trl_config(cls, config, **overrides) -> "GRPOOptions":
@@ -281,7 +313,7 @@ class GRPOOptions:
             vespo_k_pos=float(get("vespo_k_pos", 2.0)), vespo_lambda_pos=float(get("vespo_lambda_pos", 3.0)),
             vespo_k_neg=float(get("vespo_k_neg", 3.0)), vespo_lambda_neg=float(get("vespo_lambda_neg", 2.0)),
             off_policy_mask_threshold=get("off_policy_mask_threshold"),
-            **PRESETS["trl"],
+            kl_estimator=PRESETS["trl"]["kl_estimator"],
         )
         return cls(**{**options, **overrides})
 
