@@ -282,7 +282,7 @@ def compute_loss(inputs: LossInputs) -> GRPOLossOutput:
     """The loss of a prepared call, on its source: the fused loss kernels where they apply, else the loss math
     in torch on the source's differentiable log-probs."""
     opts, source = inputs.options, inputs.source
-    policy = None
+    policy = first_pass = None
     if opts.masks_tokens:  # the masks need this call's log-probs / entropies first: one more read of the logits
         with torch.no_grad():
             first_pass = source.logprobs(inputs, opts.top_entropy_quantile < 1.0)
@@ -294,10 +294,30 @@ def compute_loss(inputs: LossInputs) -> GRPOLossOutput:
         tokens = (loss_tokens(inputs, inputs.importance_weights, inputs.mask_seq) if policy is None
                   else loss_tokens(inputs, policy.importance_weights, policy.bonus_mask))
         out = source.fused_loss(inputs, tokens)
-        return out if inputs.caller_shape is None else inputs.as_called(out)
-    logp, entropy = source.logprobs(inputs, opts.compute_entropy, final=True)
-    return loss_in_torch(inputs, logp, entropy, policy or PolicyTerms(inputs.importance_weights, None,
-                                                                      inputs.mask_seq))
+        out = out if inputs.caller_shape is None else inputs.as_called(out)
+    else:
+        logp, entropy = source.logprobs(inputs, opts.compute_entropy, final=True)
+        out = loss_in_torch(inputs, logp, entropy, policy or PolicyTerms(inputs.importance_weights, None,
+                                                                         inputs.mask_seq))
+    if opts.entropy_coef != 0.0:
+        out.metrics["policy_loss"] = policy_loss_before_bonus(inputs, out, policy, first_pass)
+    return out
+
+
+def policy_loss_before_bonus(inputs: LossInputs, out: GRPOLossOutput, policy, first_pass) -> torch.Tensor:
+    """TRL's ``policy_loss`` metric, logged where the entropy bonus is on: the reduced loss before the bonus is
+    subtracted and before ``loss_scale`` (0-d, detached; NaN with a loss_scale of 0, which leaves no loss to read
+    it from). The bonus's entropy is the mean over its tokens: the call's mask, or the high-entropy tokens."""
+    opts = inputs.options
+    if policy is None or policy.bonus_mask is inputs.mask_seq:
+        bonus_entropy = out.metrics["entropy"]
+    else:
+        entropy, tokens = inputs.layout.seq(first_pass[1]), policy.bonus_mask
+        bonus_entropy = (entropy * tokens).sum() / tokens.sum().clamp(min=1.0)
+    scale = inputs.loss_scale
+    unscaled = out.loss.detach() / scale if not (scale.__class__ is float and scale == 0.0) else \
+        torch.full_like(out.loss.detach(), float("nan"))
+    return unscaled + opts.entropy_coef * bonus_entropy
 
 
 def compute_logprobs(source, ids, temperature: float, compute_entropy: bool, **settings):

@@ -295,8 +295,10 @@ def grpo_loss_reference(
     loss = torch.zeros((), dtype=dtype, device=lp.device)
     for seq, row in zip(rows, losses):
         loss = loss + (row.per_token * seq.m).sum() / _token_weight_denominator(seq, rows, opts, normalizer)
+    metrics = _metrics(losses, rows, opts)
     if opts.entropy_coef != 0.0:  # TRL's bonus: the mean entropy over the (high-entropy) active tokens
+        metrics["policy_loss"] = loss.detach()  # TRL logs the loss before its bonus
         bonus_m = [s.m for s in rows] if entropy_keep is None else [s.m * e for s, e in zip(rows, entropy_keep)]
         total = sum((s.entropy * m).sum() for s, m in zip(rows, bonus_m))
         loss = loss - opts.entropy_coef * total / torch.clamp(sum(m.sum() for m in bonus_m), min=1.0)
-    return GRPOLossOutput(loss, _metrics(losses, rows, opts), lp.detach())
+    return GRPOLossOutput(loss, metrics, lp.detach())

@@ -156,3 +156,20 @@ def test_token_entropy_and_the_pair_are_differentiable(device, backend):
     assert_close("log-probs", lp, lp_ours, **TOL)
     # fp32 on logits / tau up to about 15: log p reaches -40, and p (log p + H) cancels to ~1e-5 absolute
     assert_close("d (both) / d logits", g_both, grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("masks", [{}, {"top_entropy_quantile": 0.5}, {"off_policy_mask_threshold": 0.1}],
+                         ids=["no mask", "high-entropy", "off-policy"])
+@pytest.mark.parametrize("backend, one_pass", PATHS)
+def test_policy_loss_metric_is_the_loss_before_the_bonus(device, backend, one_pass, masks):
+    """TRL's ``policy_loss`` (logged with the bonus on): the reduced loss before the bonus and before loss_scale,
+    the reference's, on every path; with the high-entropy mask the bonus's entropy is its tokens' mean."""
+    batch = make_batch(device=device, seed=24, V=517)
+    options = dict(loss_type="grpo", beta=0.04, entropy_coef=0.2, **masks)
+    expected = grpo_loss_reference(batch["logits"].double(), **{
+        k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "completion_mask" else v)
+        for k, v in batch.items() if k != "logits"}, **options)
+    out, _ = _ours(batch, backend, one_pass, loss_scale=0.25, **options)
+    assert_close("policy_loss", expected.metrics["policy_loss"], out.metrics["policy_loss"], **TOL)
+    assert float(expected.metrics["policy_loss"] - expected.loss) > 1e-3, "the bonus moved the loss"
+    assert "policy_loss" not in grpo_loss(**batch, backend=backend, beta=0.04).metrics

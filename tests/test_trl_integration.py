@@ -80,6 +80,7 @@ def assert_same_as_trl(stock, ours, batch, accumulation=1):
     torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
     for e, a in zip(expected_grads, grads):
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+    assert_same_metrics(expected_metrics, metrics)
     return expected_metrics, metrics
 
 
@@ -101,12 +102,19 @@ def test_same_loss_gradients_and_metrics_as_trl(model_dir, dataset, tmp_path, lo
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
     ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=fused_lm_head, **config)
     assert ours.fused_lm_head is (fused_lm_head is None)
-    expected_metrics, metrics = assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=beta),
-                                                   accumulation)
-    for key in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "cispo_clip_ratio", "vespo/phi_seq_mean"):
+    assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=beta), accumulation)
+
+
+def assert_same_metrics(expected_metrics, metrics):
+    """Every metric stock TRL logged from the loss, under its name, with its value (TRL's own bookkeeping, such as
+    the step time and the token count, is left out)."""
+    loss_metrics = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                    "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean",
+                    "policy_loss", "entropy_coef", "aux_loss")
+    assert {k for k in expected_metrics if k in loss_metrics} == {k for k in metrics if k in loss_metrics}
+    for key in loss_metrics:
         if key in expected_metrics:
-            assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6), key
+            assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6, nan_ok=True), key
 
 
 def test_on_policy_batch_matches_trl(model_dir, dataset, tmp_path):
@@ -266,10 +274,14 @@ def _trl_rank(rank, world, model_dir, loss_type):
     rows = compare.make_rows(16, held_out=False, seed=0)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
     trainer = _trainer(GRPOKernelsTrainer, model_dir, dataset, pathlib.Path(tempfile.mkdtemp()), loss_type=loss_type)
+    stock = _trainer(GRPOTrainer, model_dir, dataset, pathlib.Path(tempfile.mkdtemp()), loss_type=loss_type)
     assert trainer.accelerator.num_processes == world
     batch = _batch(trainer, off_policy=True, beta=0.0)
     half = B // world
     local = {k: (v[rank * half:(rank + 1) * half] if v.dim() > 0 else v) for k, v in batch.items()}
+    # stock TRL on the same two processes: the same local loss and gradients, the same gathered metrics
+    # (clip_ratio/low_min and high_max over both ranks' sequences)
+    assert_same_as_trl(stock, trainer, local)
     _, grads, _ = _loss_and_grads(trainer, local, 1)
     for g in grads:
         dist.all_reduce(g)
@@ -279,7 +291,8 @@ def _trl_rank(rank, world, model_dir, loss_type):
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_two_processes_match_one_process_on_the_trl_path(model_dir, dataset, tmp_path, loss_type):
-    """dapo's num_items_in_batch / num_processes and grpo's per-sequence means across 2 gloo ranks."""
+    """dapo's num_items_in_batch / num_processes and grpo's per-sequence means across 2 gloo ranks; each rank's
+    loss, gradients and gathered metrics equal stock TRL's on the same two ranks."""
     per_rank = run_ranks(_trl_rank, 2, model_dir, loss_type)
     single = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, loss_type=loss_type)
     _, expected, _ = _loss_and_grads(single, _batch(single, off_policy=True, beta=0.0), 1)

@@ -33,6 +33,7 @@ from ..entropy_control import AdaptiveEntropy
 from ..heads import (FusedHeadError, evaluating, fused_head, head_weights, last_hidden_states, logit_rounding,
                      probe_ids, router_aux_loss)
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, selective_log_softmax_and_entropy
+from ..objective import per_token_terms
 from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, GRPOOptions
 from ..wrapped import inside_forward
 
@@ -135,6 +136,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
         path with a warning saying why. True: the fused lm_head or ``FusedHeadError``. False: the logits path
         (``model(...).logits``)."""
         self.fused_lm_head = fused_lm_head is not False  # read by unsupported_options, which runs in TRL's __init__
+        self._clip_options = None  # the loss's options without its KL and bonus: the clip flags' (built once)
         super().__init__(*args, **kwargs)
         problems = unsupported_options(self)
         if problems:
@@ -261,6 +263,12 @@ class GRPOKernelsTrainer(GRPOTrainer):
             logits, aux_loss = self._completion_logits(model, inputs)
             out = self.grpo_loss(logits, completion_ids, mask, inputs["advantages"], **loss_inputs)
         self._log_metrics(out.metrics, mask, mode, inputs["advantages"].dim() == 1)
+        if LOSS_TYPE_REGISTRY[self.loss_type].policy_term == "ppo_clip":
+            self._log_clip_extremes(out.per_token_logps, inputs, mask, mode)
+        if self._entropy_bonus_enabled:  # TRL's policy loss before the bonus, a plain mean over processes
+            scale = loss_inputs["loss_scale"]
+            policy_loss = out.metrics.get("policy_loss", out.loss.detach() / scale)  # (no bonus applied: the loss)
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
         self._control_entropy(out.metrics, mask, mode)
         loss = out.loss
         if aux_loss is not None:  # MoE load balancing, scaled for accumulation as TRL scales it
@@ -284,6 +292,32 @@ class GRPOKernelsTrainer(GRPOTrainer):
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
+    def _log_clip_extremes(self, logps, inputs, mask, mode: str) -> None:
+        """TRL's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: the smallest and largest share of clipped
+        tokens in a sequence, over every process's sequences (a sequence without tokens is NaN and left out),
+        from the clip flags of the call's detached log-probs (O(B * T))."""
+        if self._clip_options is None:
+            self._clip_options = self.grpo_loss.options.replace(
+                beta=0.0, use_bias_correction_kl=False, compute_entropy=False, entropy_coef=0.0,
+                top_entropy_quantile=1.0, off_policy_mask_threshold=None)
+        advantages = inputs["advantages"]
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        fmask = mask.to(logps.dtype)
+        terms = per_token_terms(logps, fmask, advantages, inputs.get("old_per_token_logps"), None, None,
+                                self._clip_options)
+
+        def per_sequence(flags):
+            if flags.shape[1] == 1:  # sequence level: one flag a row
+                return flags.float().squeeze(1)
+            return (flags.float() * fmask).sum(-1) / fmask.sum(-1)
+
+        for name, flags, extreme in (("clip_ratio/low_min", terms.is_low_clipped, torch.min),
+                                     ("clip_ratio/high_max", terms.is_high_clipped, torch.max)):
+            gathered = self.accelerator.gather(per_sequence(flags))
+            scored = gathered[~torch.isnan(gathered)]
+            value = extreme(scored).item() if scored.numel() else float("nan")
+            self._metrics[mode][name].append(value)
+
     def _log_metrics(self, metrics, mask, mode: str, inputs_advantages_per_row: bool = True) -> None:
         """TRL's global means: each local mean weighted by its count (tokens, or rows for a per-row
         value: the clip ratios at sequence level, VESPO's phi with per-row advantages), summed over
@@ -291,6 +325,8 @@ class GRPOKernelsTrainer(GRPOTrainer):
         tokens = mask.sum().float()
         rows = torch.tensor(float(mask.shape[0]), device=mask.device)
         for name, value in metrics.items():
+            if name == "policy_loss":  # not a token mean: logged by _compute_loss as TRL does
+                continue
             # as objective.loss_metrics: clip flags are one per row at sequence level with per-row advantages
             per_row = inputs_advantages_per_row and (
                 name.startswith(("clip_ratio", "cispo")) and self.importance_sampling_level == "sequence"
