@@ -5,6 +5,7 @@ actor's functions), on ragged batches with an empty row; the actor's on padded [
 logits."""
 
 import itertools
+import sys
 
 import pytest
 import torch
@@ -165,3 +166,39 @@ def test_actor_log_probs_and_entropy_match_openrlhf(layout, dtype):
     torch.testing.assert_close(ours, theirs.float(), **tol)
     torch.testing.assert_close(token_entropy(ours_logits.detach()), entropy(logits.detach()).float(), **tol)
     torch.testing.assert_close(ours_logits.grad.float(), logits.grad.float(), **tol)
+
+
+def test_use_in_openrlhf_replaces_the_names_openrlhfs_modules_hold(monkeypatch):
+    """OpenRLHF's modules import these functions by name (``from .utils import log_probs_from_logits``, ...):
+    ``use_in_openrlhf`` replaces them there. OpenRLHF's package cannot be imported on a CPU (flash-attn), so its
+    two loss files from the wheel stand as ``openrlhf.models.utils`` / ``.loss``, and an actor module and a PPO
+    actor module hold the names as OpenRLHF's do."""
+    import types
+
+    utils, loss_code = openrlhf_code()
+    actor = types.ModuleType("openrlhf.models.actor")
+    actor.log_probs_from_logits, actor.compute_entropy = utils.log_probs_from_logits, utils.compute_entropy
+    ppo_actor = types.ModuleType("openrlhf.trainer.ray.ppo_actor")
+    ppo_actor.PolicyLoss, ppo_actor.aggregate_loss = loss_code.PolicyLoss, loss_code.aggregate_loss
+    ppo_actor.compute_approx_kl = utils.compute_approx_kl
+    package, models = types.ModuleType("openrlhf"), types.ModuleType("openrlhf.models")
+    package.models, models.utils, models.loss, models.actor = models, utils, loss_code, actor
+    for name, module in {"openrlhf": package, "openrlhf.models": models, "openrlhf.models.utils": utils,
+                         "openrlhf.models.loss": loss_code, "openrlhf.models.actor": actor,
+                         "openrlhf.trainer.ray.ppo_actor": ppo_actor}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    for module, names in ((utils, ("log_probs_from_logits", "compute_entropy", "compute_approx_kl")),
+                          (loss_code, ("PolicyLoss", "aggregate_loss"))):
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    originals = (utils.log_probs_from_logits, utils.compute_entropy)
+
+    adapter.use_in_openrlhf()
+    assert ppo_actor.PolicyLoss is adapter.PolicyLoss and ppo_actor.aggregate_loss is adapter.aggregate_loss
+    assert ppo_actor.compute_approx_kl is adapter.compute_approx_kl
+    assert actor.log_probs_from_logits is utils.log_probs_from_logits is not originals[0]
+    logits = _logits((2, 5, 19), torch.float32)
+    ids = torch.randint(0, 19, (2, 5), generator=torch.Generator().manual_seed(3))
+    entropy = getattr(originals[1], "_torchdynamo_orig_callable", originals[1])
+    torch.testing.assert_close(actor.log_probs_from_logits(logits, ids), originals[0](logits.detach(), ids))
+    torch.testing.assert_close(actor.compute_entropy(logits), entropy(logits.detach()))

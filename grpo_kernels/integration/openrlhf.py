@@ -32,6 +32,7 @@ from torch import nn
 
 from ..objective import kl_term, per_token_terms
 from ..options import GRPOOptions
+from . import replace_everywhere
 
 POLICY_LOSS_TYPES = ("ppo", "gspo")
 IS_CORRECTION_LEVELS = ("off", "token", "seq")
@@ -201,17 +202,6 @@ def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor,
     return value.detach() + surrogate - surrogate.detach()
 
 
-def _replace_everywhere(source, replacements) -> None:
-    """Replace each ``source.<name>`` by ours in every loaded module that holds that object by name."""
-    import sys
-
-    for name, ours in replacements.items():
-        original = getattr(source, name)
-        for module in list(sys.modules.values()):
-            if module is not None and getattr(module, name, None) is original:
-                setattr(module, name, ours)
-
-
 def patch_actor() -> None:
     """Make OpenRLHF's ``log_probs_from_logits`` and ``compute_entropy`` our fused kernels wherever they were
     imported by name (``openrlhf.models.actor`` reads them in ``Actor.forward``): fp32 log-probs and entropy,
@@ -228,7 +218,7 @@ def patch_actor() -> None:
     def compute_entropy(logits):
         return token_entropy(logits)
 
-    _replace_everywhere(utils, {"log_probs_from_logits": log_probs_from_logits, "compute_entropy": compute_entropy})
+    replace_everywhere(utils, {"log_probs_from_logits": log_probs_from_logits, "compute_entropy": compute_entropy})
 
 
 def use_in_openrlhf() -> None:
@@ -238,5 +228,5 @@ def use_in_openrlhf() -> None:
     from openrlhf.models import loss, utils
 
     patch_actor()
-    _replace_everywhere(loss, {"PolicyLoss": PolicyLoss, "aggregate_loss": aggregate_loss})
-    _replace_everywhere(utils, {"compute_approx_kl": compute_approx_kl})
+    replace_everywhere(loss, {"PolicyLoss": PolicyLoss, "aggregate_loss": aggregate_loss})
+    replace_everywhere(utils, {"compute_approx_kl": compute_approx_kl})

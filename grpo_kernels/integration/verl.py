@@ -33,8 +33,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..options import GRPOOptions
 from ..objective import kl_term, per_token_terms
+from ..options import GRPOOptions
+from . import replace_everywhere
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 VERL_KL = {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
@@ -153,17 +154,6 @@ def register() -> None:
     core_algos.register_policy_loss("grpo_kernels_gspo")(gspo_policy_loss)
 
 
-def _replace_everywhere(source, replacements: Dict[str, Any]) -> None:
-    """Replace each ``source.<name>`` by ours in every loaded module that holds that function by name."""
-    import sys
-
-    for name, ours in replacements.items():
-        original = getattr(source, name)
-        for module in list(sys.modules.values()):
-            if module is not None and getattr(module, name, None) is original:
-                setattr(module, name, ours)
-
-
 def patch_logprobs() -> None:
     """Make verl's log-prob and entropy functions our fused kernel, with their gradients, in every module
     that imported them by name (verl's engines read them when they are built, after ``external_lib`` is
@@ -190,7 +180,7 @@ def patch_logprobs() -> None:
     def entropy_from_logits_with_chunking(logits, chunk_size: int = 2048):  # no chunks needed: no [N, V] temporary
         return token_entropy(logits)
 
-    _replace_everywhere(torch_functional, {"logprobs_from_logits": logprobs_from_logits,
+    replace_everywhere(torch_functional, {"logprobs_from_logits": logprobs_from_logits,
                                            "entropy_from_logits": entropy_from_logits,
                                            "entropy_from_logits_with_chunking": entropy_from_logits_with_chunking})
     try:
@@ -210,6 +200,6 @@ def patch_logprobs() -> None:
     def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size: int = 2048):
         return vocab_parallel_entropy(vocab_parallel_logits)
 
-    _replace_everywhere(tensor_parallel, {"vocab_parallel_log_probs_from_logits": vocab_parallel_log_probs_from_logits,
+    replace_everywhere(tensor_parallel, {"vocab_parallel_log_probs_from_logits": vocab_parallel_log_probs_from_logits,
                                           "vocab_parallel_entropy": vocab_parallel_entropy,
                                           "vocab_parallel_entropy_with_chunking": vocab_parallel_entropy_with_chunking})
