@@ -1,6 +1,7 @@
 """Train a scalar-head reward model on preference pairs of the built-in task, then GRPO against it.
 
     python examples/reward_model_grpo.py [--rm-steps 300] [--grpo-steps 150] [--output-dir runs/rm-grpo]
+    python examples/reward_model_grpo.py --resume   # after a kill: the same run from its last checkpoint
 
 1. Preference pairs from the "Which is bigger?" task: chosen = the bigger number, rejected =
    the smaller one. A tiny Llama with a scalar head is fitted with the Bradley-Terry loss
@@ -10,6 +11,10 @@
    prompt's two numbers gets 0. Ungated, the policy learns garbage that the reward model,
    never trained on such text, scores highly (reward hacking). Held-out accuracy is still
    judged by the verifier.
+
+The reward model is saved once (``reward-model/`` in the output folder) and the policy every ``--save-every``
+steps; ``--resume`` reloads the reward model, the last checkpoint and the run's reference model, and the run
+continues as if never stopped (``metrics.jsonl`` restarts at the checkpoint).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import torch
 from grpo_kernels.training.reward_model import RewardModelReward, preference_accuracy, train_reward_model
 from grpo_kernels.training.rewards import numeric_match
 from grpo_kernels.training.tasks import compare
-from grpo_kernels.training.trainer import RECIPE, GRPOTrainer, TrainerConfig, append_jsonl
+from grpo_kernels.training.cli import restart_log
+from grpo_kernels.training.trainer import (RECIPE, GRPOTrainer, TrainerConfig, save_atomically, append_jsonl,
+                                           latest_checkpoint)
 
 
 def pairs(rows):
@@ -48,25 +55,42 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup-steps", type=int, default=compare.WARMUP_STEPS)
     parser.add_argument("--eval-size", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--output-dir", default="runs/rm-grpo")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     args = parser.parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
     tokenizer = compare.build_tokenizer()
+    rm_dir = os.path.join(args.output_dir, "reward-model")
+    resume_from = latest_checkpoint(args.output_dir) if args.resume else None
+    if args.resume and (resume_from is None or not os.path.isdir(rm_dir)):
+        raise FileNotFoundError(f"--resume: no checkpoint-N folder and reward-model/ in {args.output_dir!r}")
 
     reward_model = build_reward_model(tokenizer, args.seed)
     train_rows = compare.make_rows(20000, held_out=False, seed=args.seed)
     eval_rows = compare.make_rows(args.eval_size, held_out=True, seed=1234)
-    losses = train_reward_model(reward_model, tokenizer, pairs(train_rows), steps=args.rm_steps, seed=args.seed)
-    rm_accuracy = preference_accuracy(reward_model, tokenizer, pairs(eval_rows))
-    print(json.dumps({"reward_model_final_loss": losses[-1] if losses else None,
-                      "reward_model_heldout_preference_accuracy": rm_accuracy}))
+    if resume_from is None:
+        losses = train_reward_model(reward_model, tokenizer, pairs(train_rows), steps=args.rm_steps, seed=args.seed)
+        save_atomically(rm_dir, reward_model.save_pretrained)
+        print(json.dumps({"reward_model_final_loss": losses[-1] if losses else None}))
+    else:
+        from transformers import LlamaForSequenceClassification
 
-    policy = compare.build_model(tokenizer, seed=args.seed)
-    compare.warmup(policy, tokenizer, steps=args.warmup_steps, seed=args.seed)
-    config = TrainerConfig(**{**RECIPE, "steps": args.grpo_steps, "eval_every": 50, "save_every": 0,
+        reward_model = LlamaForSequenceClassification.from_pretrained(rm_dir)
+    rm_accuracy = preference_accuracy(reward_model, tokenizer, pairs(eval_rows))
+    print(json.dumps({"reward_model_heldout_preference_accuracy": rm_accuracy}))
+
+    if resume_from is None:
+        policy = compare.build_model(tokenizer, seed=args.seed)
+        compare.warmup(policy, tokenizer, steps=args.warmup_steps, seed=args.seed)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        policy = AutoModelForCausalLM.from_pretrained(resume_from)
+    config = TrainerConfig(**{**RECIPE, "steps": args.grpo_steps, "eval_every": 50, "save_every": args.save_every,
                               "seed": args.seed, "output_dir": args.output_dir})
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if os.path.exists(metrics_path):
+    if resume_from is None and os.path.exists(metrics_path):
         os.remove(metrics_path)
     score = RewardModelReward(reward_model, tokenizer)
 
@@ -75,7 +99,12 @@ def main(argv=None) -> dict:
 
     trainer = GRPOTrainer(policy, tokenizer, [gated_reward_model], train_rows, config, eval_rows=eval_rows,
                           eval_reward=numeric_match, log=lambda r: append_jsonl(metrics_path, r))
-    records = trainer.train()
+    records = []
+    if resume_from is not None:
+        trainer.load_state(resume_from)
+        records = restart_log(metrics_path, trainer.step, config.steps)
+    records += trainer.train()
+    trainer.save_checkpoint()
     evals = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]
     summary = {"reward_model_heldout_preference_accuracy": rm_accuracy, "first_eval_accuracy": evals[0],
                "final_eval_accuracy": evals[-1]}

@@ -166,10 +166,7 @@ def train(args) -> dict:
     )
     reward_funcs, weights = task.reward_functions()
     records: List[dict] = []
-    if resume_from is not None and os.path.exists(metrics_path):
-        with open(metrics_path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    elif rank == 0 and os.path.exists(metrics_path):
+    if resume_from is None and rank == 0 and os.path.exists(metrics_path):
         os.remove(metrics_path)
 
     def log(record: dict) -> None:
@@ -183,6 +180,7 @@ def train(args) -> dict:
                           device=device, log=log)
     if resume_from is not None:
         trainer.load_state(resume_from)
+        records.extend(restart_log(metrics_path, trainer.step, config.steps, write=rank == 0))
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm.auto import tqdm
@@ -209,6 +207,36 @@ def train(args) -> dict:
         plot_curves(records, os.path.join(args.output_dir, "curves.png"))
         print(json.dumps(summary))
     return summary
+
+
+def restart_log(metrics_path: str, step: int, steps: int, write: bool = True) -> List[dict]:
+    """The log of a run resumed at ``step``, as the uninterrupted run wrote it up to its checkpoint: the rows of
+    steps after it (written by the killed run before it died) move to ``metrics.dropped.jsonl``, and so does a final
+    evaluation at ``step`` = ``steps`` (written after the checkpoint; the resumed run evaluates again). The rows
+    kept, which ``metrics.jsonl`` is rewritten to (atomically, with ``write``)."""
+    if not os.path.exists(metrics_path):
+        return []
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    final_eval_at = len(rows)
+    if step >= steps:  # the last evaluation of a finished run follows its checkpoint
+        final_eval_at = next((i for i, r in enumerate(rows) if r.get("step") == step and "eval_accuracy" in r
+                              and i == len(rows) - 1), len(rows))
+    kept = [r for i, r in enumerate(rows) if r.get("step", 0) <= step and i < final_eval_at]
+    dropped = [r for i, r in enumerate(rows) if not (r.get("step", 0) <= step and i < final_eval_at)]
+    if write and dropped:
+        side = os.path.join(os.path.dirname(metrics_path), "metrics.dropped.jsonl")
+        for record in dropped:
+            append_jsonl(side, record)
+        tmp = metrics_path + ".tmp"
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        for record in kept:
+            append_jsonl(tmp, record)
+        if not kept:
+            open(tmp, "w").close()
+        os.replace(tmp, metrics_path)
+    return kept
 
 
 def evaluate(args) -> dict:

@@ -6,8 +6,9 @@ train`` once per seed (``--jobs`` at a time, the cores shared among them) and re
 and as minimum / median / maximum, the held-out accuracy at the start and the end, the best
 evaluation and how far the end fell below it (a collapse), the zero-std share of the last steps
 and the time (``--script`` runs another training script the same way, such as the reward-model
-example). Each run keeps its own folder (``seed-N/``: metrics, curves, checkpoints, log);
-the table goes to ``seeds.json`` beside them.
+example). Each run keeps its own folder (``seed-N/``: metrics, curves, checkpoints, log, and ``run.json``
+once it has finished); the table goes to ``seeds.json`` beside them. Started again after a kill with the same
+command, a sweep reuses the finished seeds and resumes the unfinished ones from their checkpoints.
 """
 
 from __future__ import annotations
@@ -45,21 +46,52 @@ def spread(values: Sequence[float]) -> Dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+RUN_RECORD = "run.json"  # in seed-N/: the finished run's summary and the command it ran, written last
+
+
+def _read_json(path: str) -> Optional[Dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def _train_one(seed: int, output_dir: str, train_args: Sequence[str], threads: int,
                script: Optional[str]) -> Dict[str, float]:
+    """One seed's run and its summary. A sweep that was killed and started again with the same command reuses
+    a seed's finished run (its ``run.json``) and resumes an unfinished ``grpo-kernels train`` run from its last
+    checkpoint (``--resume``): no seed runs twice, none is counted twice."""
+    from .trainer import latest_checkpoint
+
     run_dir = os.path.join(output_dir, f"seed-{seed}")
     os.makedirs(run_dir, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     program = [script] if script else ["-m", "grpo_kernels", "train", "--no-progress"]
-    command = [sys.executable, *program, *train_args, "--seed", str(seed), "--output-dir", run_dir]
+    command = [*program, *train_args, "--seed", str(seed), "--output-dir", run_dir]
+    finished = _read_json(os.path.join(run_dir, RUN_RECORD))
+    if finished is not None and finished.get("command") == command:
+        return {**finished["summary"], "reused": True}
+    started_before = _read_json(os.path.join(run_dir, "attempt.json"))
+    resume = (script is None and started_before is not None and started_before.get("command") == command
+              and latest_checkpoint(run_dir) is not None)
+    with open(os.path.join(run_dir, "attempt.json"), "w") as f:
+        json.dump({"command": command}, f)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     started = time.time()
-    with open(os.path.join(run_dir, "train.log"), "w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(os.path.join(run_dir, "train.log"), "a" if resume else "w") as log:
+        done = subprocess.run([sys.executable, *command, *(["--resume"] if resume else [])], stdout=log,
+                              stderr=subprocess.STDOUT, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"seed {seed}: `{' '.join(command)}` exited with {done.returncode}; "
                            f"see {os.path.join(run_dir, 'train.log')}")
-    return {"seed": seed, **run_summary(os.path.join(run_dir, "metrics.jsonl")),
-            "seconds": round(time.time() - started, 1)}
+    summary = {"seed": seed, **run_summary(os.path.join(run_dir, "metrics.jsonl")),
+               "seconds": round(time.time() - started, 1),  # (a resumed run's: since the resume)
+               **({"resumed": True} if resume else {})}
+    tmp = os.path.join(run_dir, RUN_RECORD + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"command": command, "summary": summary}, f)
+    os.replace(tmp, os.path.join(run_dir, RUN_RECORD))
+    return summary
 
 
 def run_seeds(seeds: Sequence[int], output_dir: str, train_args: Sequence[str], jobs: int = 1,

@@ -20,11 +20,13 @@ import os
 import random
 import shutil
 import sys
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import __version__
 from ..advantages import group_advantages, process_advantages
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
 from ..heads import fused_head, head_weights
@@ -222,8 +224,9 @@ class GRPOTrainer:
         self.train_rows, self.eval_rows = train_rows, eval_rows or []
         self.eval_reward = eval_reward or reward_funcs[0]
         self.ref_model = None
-        if config.beta > 0:  # a frozen copy of the starting policy
+        if config.beta > 0:  # a frozen copy of the starting policy (a resumed run loads the run's own: load_state)
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self._reference_saved = False  # written with this run's first checkpoint
         loss_options = dict(loss_type=config.loss_type, beta=config.beta, epsilon=config.epsilon,
                             epsilon_high=config.epsilon_high, temperature=config.temperature,
                             max_completion_length=config.max_new_tokens, entropy_coef=config.entropy_coef)
@@ -542,32 +545,66 @@ class GRPOTrainer:
         return correct / len(self.eval_rows)
 
     def save_checkpoint(self, extra: Optional[Dict] = None) -> str:
-        """Write checkpoint-STEP atomically (a temporary folder renamed at the end)."""
+        """Write checkpoint-STEP atomically (a temporary folder renamed at the end): the weights, the optimizer,
+        every random generator the run draws from, the feature state (adaptive entropy) and the config. The
+        reference model (beta > 0) is written once a run, beside the checkpoints (``REFERENCE_DIR``), before the
+        first checkpoint that needs it."""
         final = os.path.join(self.config.output_dir, f"checkpoint-{self.step}")
         if world()[0] != 0:
             return final
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "rng": self.rng.getstate(),
-                 "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(self.config), **(extra or {})}
+        if self.ref_model is not None and not self._reference_saved:
+            save_atomically(os.path.join(self.config.output_dir, REFERENCE_DIR),
+                             lambda tmp: (self.ref_model.save_pretrained(tmp), self.tokenizer.save_pretrained(tmp)))
+            self._reference_saved = True
+        state = {"format": CHECKPOINT_FORMAT, "version": __version__, "step": self.step,
+                 "optimizer": self.optimizer.state_dict(), "rng": self.rng.getstate(),
+                 "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(self.config),
+                 "reference": REFERENCE_DIR if self.ref_model is not None else None, **(extra or {})}
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
         if self.entropy_control is not None:
             state["entropy_control"] = self.entropy_control.state_dict()
-        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+
+        def write(tmp):
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+
+        save_atomically(final, write)
         return final
 
     def load_state(self, checkpoint: str) -> None:
-        """Optimizer, step and RNG from a checkpoint (the weights are loaded with the model)."""
+        """Everything a step depends on from a checkpoint (the policy's weights are loaded with the model): the
+        optimizer, the step, the random generators, the adaptive-entropy state and the reference model. A resume
+        that could not continue the run exactly is refused, naming what differs (``resume_differences``)."""
         state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        refused, noted = resume_differences(state, self.config, self.ref_model is not None)
+        if refused:
+            raise ValueError(f"cannot resume from {checkpoint} as the same run: " + "; ".join(refused)
+                             + ". Resume with the checkpoint's settings, or start a new run in another output dir")
+        for note in noted:
+            warnings.warn(f"resuming from {checkpoint}: {note}", stacklevel=2)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
         if self.entropy_control is not None and "entropy_control" in state:
             self.entropy_control.load_state_dict(state["entropy_control"])
+        if self.ref_model is not None:
+            self._load_reference(os.path.join(self.config.output_dir, state["reference"]))
+
+    def _load_reference(self, path: str) -> None:
+        """The run's reference model (the policy it started from), not the checkpoint's policy."""
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"the run's reference model {path!r} is missing: resuming would anchor the KL "
+                                    "to another model. Start the run again")
+        from transformers import AutoModelForCausalLM
+
+        weights = AutoModelForCausalLM.from_pretrained(path).state_dict()
+        self.ref_model.load_state_dict(weights)
+        self._reference_saved = True
 
     def train(self, on_step: Optional[Callable[[Dict], None]] = None, progress: bool = False) -> List[Dict]:
         """Run to ``config.steps``: evaluate first and at the end, save every ``save_every``.
@@ -592,6 +629,47 @@ class GRPOTrainer:
         if self.eval_rows and not (records and "eval_accuracy" in records[-1] and records[-1]["step"] == self.step):
             emit({"step": self.step, "eval_accuracy": self.evaluate(progress=show)})
         return records
+
+
+# What a checkpoint holds (``save_checkpoint``): 2 added the reference model, the CUDA generators and this number.
+CHECKPOINT_FORMAT = 2
+REFERENCE_DIR = "reference"  # beside the checkpoints: the run's reference model, written once
+# Config fields that change no number of the resumed steps: another value continues the run as it was
+NUMBER_NEUTRAL_FIELDS = ("steps", "eval_every", "save_every", "output_dir")
+
+
+def resume_differences(state: Dict, config: "TrainerConfig", uses_reference: bool) -> tuple:
+    """(why a resume from ``state`` cannot continue the same run, what differs harmlessly): a checkpoint of an
+    older format (no reference model, where the run needs one), config fields that change the numbers."""
+    refused, noted = [], []
+    if state.get("format", 1) < CHECKPOINT_FORMAT:
+        if uses_reference:
+            refused.append("the checkpoint was written by an older grpo-kernels, which did not save the reference "
+                           "model: the KL would be taken to the checkpoint's policy")
+        else:
+            noted.append("the checkpoint was written by an older grpo-kernels (no format number)")
+    saved, now = state.get("config", {}), dataclasses.asdict(config)
+    for name in sorted(saved.keys() & now.keys()):
+        if saved[name] != now[name]:
+            where = noted if name in NUMBER_NEUTRAL_FIELDS else refused
+            where.append(f"{name} is {now[name]!r}, the checkpoint's run had {saved[name]!r}")
+    return refused, noted
+
+
+def save_atomically(final: str, write: Callable[[str], object]) -> None:
+    """``write(tmp)`` into ``final + ".tmp"``, then one rename: a kill during the write leaves the previous
+    ``final`` (or none) and a temporary folder that every reader ignores."""
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    if os.path.isdir(final):  # a rename cannot replace a non-empty folder: move the old one aside first
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
 
 
 def latest_checkpoint(output_dir: str) -> Optional[str]:
