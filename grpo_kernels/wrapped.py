@@ -19,7 +19,8 @@ Two things a fused lm_head loss needs from a model that a plain ``model(...)`` c
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Iterable, Optional, Tuple
 
 import torch
 
@@ -63,6 +64,35 @@ def inside_forward(wrapper: torch.nn.Module, fn: Callable[..., Any], *args: Any,
         return wrapper(*args, **kwargs)
     finally:
         restore()
+
+
+def zero3_partitioned(model: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 has partitioned the model's parameters (each a ``ds_id``; outside its owning
+    module's forward a parameter is an empty placeholder)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def whole_parameters(model: torch.nn.Module):
+    """A context in which every parameter of ``model`` is whole: ZeRO-3's ``GatheredParameters`` over them (read
+    only) where DeepSpeed partitioned them, else nothing. For a forward outside the engine (a probe)."""
+    if not zero3_partitioned(model):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+
+
+def gathered_with(module: torch.nn.Module, parameters: Iterable[Optional[torch.Tensor]]) -> None:
+    """Have ZeRO-3 gather ``parameters`` (owned by other modules: the lm_head's, read by a fused loss that never
+    calls the lm_head) in ``module``'s forward and backward, and reduce their gradients, as its own
+    (``deepspeed.zero.register_external_parameter``). Nothing without ZeRO-3 partitioning."""
+    partitioned = [p for p in parameters if p is not None and hasattr(p, "ds_id")]
+    if not partitioned:
+        return
+    import deepspeed
+
+    for parameter in partitioned:
+        deepspeed.zero.register_external_parameter(module, parameter)
 
 
 def _lora_delta(head: torch.nn.Module, weight: torch.Tensor) -> Optional[torch.Tensor]:

@@ -16,6 +16,10 @@ python -c "import verl" 2>/dev/null || python -m pip install --quiet --no-deps "
 python -c "import megatron.core" 2>/dev/null || python -m pip install --quiet --no-deps "megatron-core==0.16.1"
 # Liger-Kernel, a peer the tests check our numbers against (its own deps are torch and triton)
 python -c "import liger_kernel" 2>/dev/null || python -m pip install --quiet --no-deps "liger-kernel==0.8.5"
+# DeepSpeed (ZeRO-2 / ZeRO-3 on CPU ranks, tests/test_deepspeed.py): built against the torch installed here
+# (--no-build-isolation: an isolated build would pull a CUDA torch), its dependencies first
+python -c "import deepspeed" 2>/dev/null || { python -m pip install --quiet einops hjson ninja msgpack psutil py-cpuinfo \
+    "pydantic>=2" && python -m pip install --quiet --no-deps --no-build-isolation "deepspeed==0.19.6"; }
 # OpenRLHF's wheel, whose loss code the tests run (its package needs flash-attn and DeepSpeed: not installed,
 # the tests load openrlhf/models/loss.py and utils.py from the wheel; tests/openrlhf_code.py)
 ls .cache/wheels/openrlhf-0.11.2-*.whl >/dev/null 2>&1 || \

@@ -35,7 +35,7 @@ from ..heads import (FusedHeadError, evaluating, fused_head, head_weights, last_
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, selective_log_softmax_and_entropy
 from ..objective import per_token_terms
 from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, GRPOOptions
-from ..wrapped import inside_forward
+from ..wrapped import gathered_with, inside_forward, whole_parameters
 
 # The oldest TRL the adapter matches number for number: TRL 1.8 and 1.9 reduce luspo (and cispo with the entropy
 # bonus and the policy masks) otherwise than 1.10 on; 1.0 - 1.7 lack trainer attributes the adapter reads
@@ -142,14 +142,18 @@ class GRPOKernelsTrainer(GRPOTrainer):
         if problems:
             raise ValueError("GRPOKernelsTrainer does not support " + "; ".join(problems)
                              + ". Use TRL's GRPOTrainer for these.")
-        self.head_transform = self._fused_head_transform(required=fused_lm_head is True) if self.fused_lm_head \
-            else None
-        # TRL's own fused head computes the old and reference log-probs: where it misreads a model's head, the
-        # model's own logits answer instead
+        # the probes run the model's forward outside DeepSpeed's engine: under ZeRO-3, on its gathered parameters
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        for model in (policy, self.ref_model):
-            if model is not None:
-                exact_trl_head(model, float(self.temperature))
+        with whole_parameters(policy):
+            self.head_transform = self._fused_head_transform(required=fused_lm_head is True) \
+                if self.fused_lm_head else None
+            # TRL's own fused head computes the old and reference log-probs: where it misreads a model's head, the
+            # model's own logits answer instead
+            exact_trl_head(policy, float(self.temperature))
+        if self.ref_model is not None:
+            with whole_parameters(self.ref_model):
+                exact_trl_head(self.ref_model, float(self.temperature))
+        self._head_gathered = False  # under ZeRO-3, the head's parameters gathered in the policy's forward
         self.fused_lm_head = self.head_transform is not None  # resolved: what the probe allowed
         # the one TRL -> options mapping (GRPOOptions.from_trl_config), with the values the trainer resolved
         options = GRPOOptions.from_trl_config(self.args, loss_type=self.loss_type, beta=float(self.beta),
@@ -210,6 +214,9 @@ class GRPOKernelsTrainer(GRPOTrainer):
         inner = self.accelerator.unwrap_model(model)
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         T = inputs["completion_ids"].size(1)
+        if not self._head_gathered:  # ZeRO-3: the loss reads the head's weight, never calling the head
+            gathered_with(inner, base.get_output_embeddings().parameters())
+            self._head_gathered = True
 
         def loss_in_forward(sequence):
             with self.accelerator.autocast():
