@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
 
     if resume_from is None:
         policy = compare.build_model(tokenizer, seed=args.seed)
-        compare.warmup(policy, tokenizer, steps=args.warmup_steps, seed=args.seed)
+        warmup_record = compare.warmup(policy, tokenizer, steps=args.warmup_steps, seed=args.seed)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -92,13 +92,16 @@ def main(argv=None) -> dict:
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if resume_from is None and os.path.exists(metrics_path):
         os.remove(metrics_path)
+    if resume_from is None:
+        append_jsonl(metrics_path, {"step": 0, **warmup_record})
     score = RewardModelReward(reward_model, tokenizer)
 
     def gated_reward_model(prompts, completions, a, b, **_):
         return [s if c.strip() in (x, y) else 0.0 for s, c, x, y in zip(score(prompts, completions), completions, a, b)]
 
     trainer = GRPOTrainer(policy, tokenizer, [gated_reward_model], train_rows, config, eval_rows=eval_rows,
-                          eval_reward=numeric_match, log=lambda r: append_jsonl(metrics_path, r))
+                          eval_reward=numeric_match, log=lambda r: append_jsonl(metrics_path, r),
+                          format_reward=compare.format_reward())
     records = []
     if resume_from is not None:
         trainer.load_state(resume_from)

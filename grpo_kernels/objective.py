@@ -335,9 +335,11 @@ def grpo_loss_eager(
         opts,
         policy_mask,
     )
-    loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer) - entropy_bonus(
-        entropy, mask if bonus_mask is None else bonus_mask, opts)
+    policy_loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer)
+    loss = policy_loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts)
     metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
+    if opts.entropy_coef != 0.0:  # TRL logs the loss before its bonus
+        metrics["policy_loss"] = policy_loss.detach()
     return GRPOLossOutput(loss, metrics, lp.detach())
 
 

@@ -75,6 +75,8 @@ def assert_same_run(resumed, uninterrupted):
     assert [(r["step"], sorted(r)) for r in rows] == [(r["step"], sorted(r)) for r in expected]
     for row, want in zip(rows, expected):
         for key, value in want.items():
+            if key.endswith("seconds"):  # a time, not a number of the run
+                continue
             if isinstance(value, float):
                 assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (row["step"], key)
             else:

@@ -124,6 +124,14 @@ def plot_curves(records: List[dict], path: str) -> None:
     ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="train reward", alpha=0.6)
     ax.plot([r["step"] for r in train], [r["accuracy"] for r in train], label="train accuracy (sampled)", alpha=0.6)
     ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+    # what the errors are: malformed answers (not one of the prompt's numbers), sampled and held-out
+    if any("malformed" in r for r in train):
+        ax.plot([r["step"] for r in train if "malformed" in r], [r["malformed"] for r in train if "malformed" in r],
+                ":", label="malformed share (sampled)", alpha=0.7)
+    if any("eval_malformed" in r for r in evals):
+        ax.plot([r["step"] for r in evals if "eval_malformed" in r],
+                [r["eval_malformed"] for r in evals if "eval_malformed" in r], "s--",
+                label="malformed share (held-out)", alpha=0.7)
     ax.set_xlabel("GRPO step")
     ax.set_ylim(-0.02, 1.25)
     ax.legend(loc="lower right")
@@ -145,6 +153,7 @@ def train(args) -> dict:
     if args.resume and resume_from is None:
         raise FileNotFoundError(f"--resume: no checkpoint-N folder in {args.output_dir!r}")
     started = time.time()
+    warmup_record = None
     if resume_from is not None:
         model, tokenizer = _load_pretrained(resume_from)
     elif args.model is not None:
@@ -152,8 +161,9 @@ def train(args) -> dict:
     else:
         tokenizer = task.build_tokenizer()
         model = task.build_model(tokenizer, seed=args.seed).to(device)
-        task.warmup(model, tokenizer, steps=args.warmup_steps, seed=args.seed, device=device,
-                    progress=world()[0] == 0 and not args.no_progress)
+        warmup_record = task.warmup(model, tokenizer, steps=args.warmup_steps, seed=args.seed, device=device,
+                                    progress=world()[0] == 0 and not args.no_progress, temperature=args.temperature,
+                                    max_new_tokens=args.max_new_tokens)
     config = TrainerConfig(
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, steps=args.steps,
         learning_rate=args.lr, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
@@ -174,10 +184,13 @@ def train(args) -> dict:
         if rank == 0:
             append_jsonl(metrics_path, record)
 
+    if warmup_record is not None:  # the format warm-up: its steps, the well-formed share it ended at, its time
+        log({"step": 0, **warmup_record})
+
     trainer = GRPOTrainer(model, tokenizer, reward_funcs, task.make_rows(20000, held_out=False, seed=args.seed),
                           config, reward_weights=weights, eval_rows=task.make_rows(args.eval_size, held_out=True,
                                                                                     seed=1234),
-                          device=device, log=log)
+                          device=device, log=log, format_reward=task.format_reward())
     if resume_from is not None:
         trainer.load_state(resume_from)
         records.extend(restart_log(metrics_path, trainer.step, config.steps, write=rank == 0))

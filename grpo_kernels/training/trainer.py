@@ -207,13 +207,15 @@ class GRPOTrainer:
 
     ``train_rows`` / ``eval_rows``: dicts with a "prompt" and any columns the reward
     functions read (passed to them as keyword lists, as TRL does). ``eval_reward`` scores
-    a greedy completion for the held-out accuracy (default: the first reward function).
+    a greedy completion for the held-out accuracy (default: the first reward function). ``format_reward``
+    (optional) says whether a completion is well-formed: the malformed shares are logged beside the accuracy.
     """
 
     def __init__(self, model, tokenizer, reward_funcs: Sequence[RewardFunction], train_rows: List[Dict],
                  config: TrainerConfig, *, reward_weights: Optional[Sequence[float]] = None,
                  eval_rows: Optional[List[Dict]] = None, eval_reward: Optional[RewardFunction] = None,
-                 device: str = "cpu", log: Optional[Callable[[Dict], None]] = None):
+                 device: str = "cpu", log: Optional[Callable[[Dict], None]] = None,
+                 format_reward: Optional[RewardFunction] = None):
         if not reward_funcs:
             raise ValueError("reward_funcs must hold at least one reward function, got none")
         rank, size = world()
@@ -223,6 +225,11 @@ class GRPOTrainer:
         self.reward_funcs, self.reward_weights = list(reward_funcs), reward_weights
         self.train_rows, self.eval_rows = train_rows, eval_rows or []
         self.eval_reward = eval_reward or reward_funcs[0]
+        # a completion's well-formedness (1 / 0): the malformed share of the sampled answers (where it is one of
+        # the reward functions) and of the held-out greedy ones is logged beside the accuracy
+        self.format_reward = format_reward
+        self._format_column = next((k for k, f in enumerate(self.reward_funcs) if f is format_reward), None)
+        self.last_eval_malformed = float("nan")
         self.ref_model = None
         if config.beta > 0:  # a frozen copy of the starting policy (a resumed run loads the run's own: load_state)
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -499,6 +506,9 @@ class GRPOTrainer:
         weights = torch.tensor(self._weights(s.rewards))
         loss_metrics = {name: value.detach().float().cpu() for name, value in sorted(metrics.items())}
         loss_metrics.setdefault("kl", torch.tensor(0.0))
+        if self._format_column is not None:  # the sampled answers' malformed share, beside the accuracy
+            loss_metrics = {"malformed": 1.0 - s.rewards[:, self._format_column].nan_to_num(0.0).mean(),
+                            **loss_metrics}
         stats = torch.stack([s.rewards.nan_to_num(0.0).mul(weights).sum(1).mean(),
                              s.rewards[:, 0].nan_to_num(0.0).mean(), s.zero_std.float().mean(),
                              s.completion_mask.sum().float().cpu() / s.completion_mask.shape[0], loss.cpu(),
@@ -534,15 +544,26 @@ class GRPOTrainer:
 
         if not self.eval_rows:
             return float("nan")
-        correct = 0.0
+        correct = well_formed = 0.0
         batches = range(0, len(self.eval_rows), batch_size)
         for i in tqdm(batches, desc="evaluation", unit="batch", disable=not progress, file=sys.stderr, leave=False):
             rows = self.eval_rows[i:i + batch_size]
             _, _, completion_ids, _ = self.generate([r["prompt"] for r in rows], greedy=True)
             completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            scores = self.eval_reward([r["prompt"] for r in rows], completions, **reward_columns(rows))
-            correct += sum(float(s or 0.0) for s in scores)
+            prompts, columns = [r["prompt"] for r in rows], reward_columns(rows)
+            correct += sum(float(s or 0.0) for s in self.eval_reward(prompts, completions, **columns))
+            if self.format_reward is not None:
+                well_formed += sum(float(s or 0.0) for s in self.format_reward(prompts, completions, **columns))
+        self.last_eval_malformed = (1.0 - well_formed / len(self.eval_rows) if self.format_reward is not None
+                                    else float("nan"))
         return correct / len(self.eval_rows)
+
+    def _evaluation(self, progress: bool) -> Dict[str, float]:
+        """The held-out row of the log: the greedy accuracy, and the malformed share with ``format_reward``."""
+        record = {"step": self.step, "eval_accuracy": self.evaluate(progress=progress)}
+        if self.format_reward is not None:
+            record["eval_malformed"] = self.last_eval_malformed
+        return record
 
     def save_checkpoint(self, extra: Optional[Dict] = None) -> str:
         """Write checkpoint-STEP atomically (a temporary folder renamed at the end): the weights, the optimizer,
@@ -615,7 +636,7 @@ class GRPOTrainer:
         emit = lambda r: (records.append(r), self.log(r))  # noqa: E731
         show = progress and world()[0] == 0
         if self.step == 0 and self.eval_rows:
-            emit({"step": 0, "eval_accuracy": self.evaluate(progress=show)})
+            emit(self._evaluation(show))
         while self.step < self.config.steps:
             record = self.train_step()
             emit(record)
@@ -623,11 +644,11 @@ class GRPOTrainer:
                 on_step(record)
             if self.eval_rows and self.config.eval_every and self.step % self.config.eval_every == 0 \
                     and self.step < self.config.steps:
-                emit({"step": self.step, "eval_accuracy": self.evaluate(progress=show)})
+                emit(self._evaluation(show))
             if self.config.save_every and self.step % self.config.save_every == 0:
                 self.save_checkpoint()
         if self.eval_rows and not (records and "eval_accuracy" in records[-1] and records[-1]["step"] == self.step):
-            emit({"step": self.step, "eval_accuracy": self.evaluate(progress=show)})
+            emit(self._evaluation(show))
         return records
 
 

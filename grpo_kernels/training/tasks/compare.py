@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from typing import Dict, List
 
 import torch
@@ -22,9 +23,14 @@ PROMPT = "Which is bigger? {a:<4} or {b:<4}\nAnswer: "  # fixed-width fields: ev
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 SAME_INTEGER_SHARE = 1.0  # the 9.11 vs 9.9 trap: the fractional parts decide
 CHARACTERS = "0123456789.-/ ?:\nWhichsbgeronwA"
-# The warm-up's length in steps of 32 examples: short of it, some seeds' models still mix the digits of the
-# two numbers in a tenth to a half of their sampled answers (more steps of fewer examples beat fewer of more)
-WARMUP_STEPS = 1200
+# The warm-up's cap in steps of 32 examples, and its learning-rate schedule's length: it ends earlier, at a check
+# (every WARMUP_CHECK_EVERY steps), once the sampled answers are well-formed at WARMUP_FORMAT_TARGET. A fixed 1200
+# steps over a 1200-step schedule left seed 7 with 70 % well-formed sampled answers, which 200 GRPO steps hardly
+# moved; the same seed reaches 93 % at step 1200 of a 2400-step schedule (its rate still falling faster there).
+WARMUP_STEPS = 2400
+WARMUP_CHECK_EVERY = 200
+WARMUP_FORMAT_TARGET = 0.9
+WARMUP_CHECK_PROMPTS = 256  # training prompts of their own (never the evaluation set's), one sample each
 
 
 def _number(rng: random.Random, integer: int) -> str:
@@ -84,31 +90,58 @@ def build_model(tokenizer, *, seed: int = 0, hidden_size: int = 128, layers: int
     return LlamaForCausalLM(config)
 
 
+def well_formed_share(model, tokenizer, rows, *, temperature: float = 1.0, max_new_tokens: int = 8,
+                      seed: int = 0, device: str = "cpu", batch_size: int = 128) -> float:
+    """The share of ``rows`` whose answer, sampled as the GRPO phase samples (``temperature``, no top-k / top-p,
+    ``max_new_tokens``), is exactly one of the prompt's two numbers (``choice_format``). Its own random generator:
+    the run's is left as it was."""
+    was_training = model.training
+    model.eval()
+    ok = 0.0
+    with torch.random.fork_rng(devices=[] if device == "cpu" else [torch.device(device)]), torch.no_grad():
+        torch.manual_seed(seed)
+        for i in range(0, len(rows), batch_size):
+            batch = rows[i:i + batch_size]
+            enc = tokenizer([r["prompt"] for r in batch], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=True,
+                                 temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+            ok += sum(choice_format(None, texts, [r["a"] for r in batch], [r["b"] for r in batch]))
+    model.train(was_training)
+    return ok / len(rows)
+
+
 def warmup(model, tokenizer, *, steps: int, batch_size: int = 32, lr: float = 2e-3, seed: int = 0,
-           device: str = "cpu", progress: bool = False) -> float:
-    """Supervised warm-up on the format only: the target is one of the two numbers at random.
+           device: str = "cpu", progress: bool = False, format_target: float = WARMUP_FORMAT_TARGET,
+           check_every: int = WARMUP_CHECK_EVERY, temperature: float = 1.0,
+           max_new_tokens: int = 8) -> Dict[str, float]:
+    """Supervised warm-up on the format only: the target is one of the two numbers at random. It ends when
+    what it is for is learned: at a check every ``check_every`` steps, the sampled answers (the GRPO phase's
+    sampling: ``temperature``, ``max_new_tokens``) of ``WARMUP_CHECK_PROMPTS`` training prompts of its own are well-formed at
+    ``format_target``; else at ``steps``, the cap. Returns ``{"warmup_steps", "warmup_well_formed",
+    "warmup_seconds"}`` (the rate of the last check; one is made at the end if the cap fell between checks).
 
-    Returns the last batch's loss. After it the model answers with one of the two numbers
-    (the format reward is high) but picks either about equally often.
-
-    The learning rate warms up over the first 5 % of the steps and then decays along a cosine to
-    a tenth of ``lr``: at a constant rate the 50 / 50 targets keep the weights moving, and greedy
-    decoding after 600 steps mixed the digits of the two numbers in about a third of the answers
-    (sampling in half of them), which GRPO then had to unlearn before it could learn the choice.
+    After it the model answers with one of the two numbers but picks either about equally often. The learning
+    rate warms up over the first 5 % of the cap and then decays along a cosine over the cap to a tenth of ``lr``:
+    at a constant rate the 50 / 50 targets keep the weights moving, and the digits of the two numbers get mixed.
     """
     # from transformers.optimization: 4.46 - 4.56 export it only there
     from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+    from tqdm.auto import tqdm
 
+    started = time.time()
     rng = random.Random(seed + 1)
     rows = make_rows(steps * batch_size, held_out=False, seed=seed + 2)
+    check_rows = make_rows(WARMUP_CHECK_PROMPTS, held_out=False, seed=seed + 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, num_warmup_steps=max(1, steps // 20),
                                                            num_training_steps=max(1, steps), min_lr_rate=0.1)
-    model.train()
-    loss = torch.tensor(0.0)
-    from tqdm.auto import tqdm
-
-    for step in tqdm(range(steps), desc="warm-up (format)", unit="step", disable=not progress, file=sys.stderr):
+    well_formed, done = float("nan"), 0
+    bar = tqdm(total=steps, desc="warm-up (format)", unit="step", disable=not progress, file=sys.stderr)
+    for step in range(steps):
+        model.train()
         batch = rows[step * batch_size:(step + 1) * batch_size]
         texts = [r["prompt"] + rng.choice((r["a"], r["b"])) + tokenizer.eos_token for r in batch]
         enc = tokenizer(texts, return_tensors="pt", padding=True).to(device)
@@ -123,12 +156,28 @@ def warmup(model, tokenizer, *, steps: int, batch_size: int = 32, lr: float = 2e
         loss.backward()
         optimizer.step()
         schedule.step()
-    return loss.item()
+        done = step + 1
+        bar.update(1)
+        if check_every and done % check_every == 0 or done == steps:
+            well_formed = well_formed_share(model, tokenizer, check_rows, temperature=temperature,
+                                            max_new_tokens=max_new_tokens, seed=seed, device=device)
+            bar.set_postfix(well_formed=f"{well_formed:.2f}")
+            if well_formed >= format_target:
+                break
+    bar.close()
+    model.train()
+    return {"warmup_steps": done, "warmup_well_formed": well_formed,
+            "warmup_seconds": round(time.time() - started, 1)}
 
 
 def reward_functions():
     """(functions, weights): correctness (1 for the larger number) and format (a number of the prompt)."""
-    return [rewards.numeric_match, choice_format], [1.0, 0.2]
+    return [rewards.numeric_match, format_reward()], [1.0, 0.2]
+
+
+def format_reward():
+    """Whether an answer is well-formed (``choice_format``): the trainer logs the malformed share with it."""
+    return choice_format
 
 
 def choice_format(prompts, completions, a, b, **_) -> List[float]:
