@@ -32,7 +32,11 @@ def run_summary(metrics_path: str) -> Dict[str, float]:
     evals = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]
     steps = [r for r in records if "reward" in r]
     tail = steps[-LAST_STEPS:]
+    warmup = next((r for r in records if "warmup_steps" in r), {})
+    eval_malformed = [r["eval_malformed"] for r in records if "eval_malformed" in r]
     return {
+        **{k: v for k, v in warmup.items() if k != "step"},  # the format warm-up's steps, rate and time
+        "final_eval_malformed": eval_malformed[-1] if eval_malformed else None,
         "first_eval_accuracy": evals[0] if evals else None,
         "final_eval_accuracy": evals[-1] if evals else None,
         "best_eval_accuracy": max(evals) if evals else None,

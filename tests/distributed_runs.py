@@ -1,0 +1,66 @@
+"""Whole TRL ``train()`` runs on 2 CPU ranks (tests/distributed_train.py under ``torchrun``), and the comparison of
+our adapter's run with stock TRL's: tests/test_deepspeed.py and tests/test_two_processes.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grpo_kernels.training.tasks import compare
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_train.py")
+# what TRL's log holds besides the loss's numbers
+NOT_COMPARED = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time")
+
+
+def save_tiny_models(make_dir) -> dict:
+    """A tiny model with a tied head and one with an untied head, saved: {"tied": path, "untied": path}."""
+    paths = {}
+    for head in ("tied", "untied"):
+        path = make_dir(f"tiny-{head}")
+        tokenizer = compare.build_tokenizer()
+        model = compare.build_model(tokenizer, hidden_size=32, seed=1)
+        if head == "untied":
+            model.config.tie_word_embeddings = False
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 0.7)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths[head] = str(path)
+    return paths
+
+
+def train_run(stack, which, model_dir, out, **config):
+    """tests/distributed_train.py on 2 ranks: rank 0's log, parameters at each step and final state dict."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           SCRIPT, stack, which, model_dir, str(out),
+                           *(f"{k}={json.dumps(v)}" for k, v in config.items())], capture_output=True, text=True,
+                          env=env, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return torch.load(out, weights_only=False)
+
+
+def gradients(run):
+    """Each SGD step's gradient, from the whole parameters before and after it."""
+    steps, lr = run["steps"], run["lr"]
+    return [{name: (before[name] - after[name]) / lr for name in before} for before, after in zip(steps, steps[1:])]
+
+
+def assert_same_training(stock, ours, label):
+    """The same loss and logged metrics at every step, the same gradients and the same final parameters."""
+    stock_grads = gradients(stock)
+    assert stock_grads and sum(float(g.abs().sum()) for g in stock_grads[-1].values()) > 0, "a vacuous comparison"
+    assert len(ours["log"]) == len(stock["log"]), label
+    for expected, actual in zip(stock["log"], ours["log"]):
+        assert set(actual) == set(expected), (label, set(actual) ^ set(expected))
+        for key, value in expected.items():
+            if key not in NOT_COMPARED and isinstance(value, float):
+                assert actual[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (label, key)
+    for expected, actual in zip(stock_grads, gradients(ours)):
+        for name, grad in expected.items():
+            torch.testing.assert_close(actual[name], grad, atol=1e-6, rtol=1e-4, msg=f"{label} d{name}")
+    for name, value in stock["parameters"].items():
+        torch.testing.assert_close(ours["parameters"][name], value, atol=1e-7, rtol=1e-6, msg=f"{label} {name}")

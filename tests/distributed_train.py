@@ -1,0 +1,96 @@
+"""One TRL GRPO ``train()`` on 2 CPU ranks (gloo), for tests/test_deepspeed.py and tests/test_two_processes.py (run
+it with ``torchrun --standalone --nproc_per_node 2``): stock TRL or our adapter (the logits path or the fused
+lm_head), under DDP or DeepSpeed ZeRO-2 / ZeRO-3 (through accelerate), with a loss configuration, SGD steps (so
+that equal gradients give equal parameters, with no optimizer state to magnify rounding). Not FSDP: accelerate
+1.16 turns on its FSDP plugin only for multi-accelerator runs (``AcceleratorState``: MULTI_GPU, MULTI_XPU, ...),
+so on CPU ranks ``fsdp=`` in the config is silently a DDP run. Rank 0 writes the log history, the whole parameters before and after each step (each
+step's gradient: their difference over the learning rate) and the final state dict.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/deepspeed_train.py \\
+        STAGE {stock,logits,fused} {tied,untied} MODEL_DIR OUT
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from grpo_kernels.training.tasks import compare
+
+
+def varied_reward(prompts, completions, **_):
+    return [float(len(c) % 3) for c in completions]
+
+
+class ParametersAtSteps(TrainerCallback):
+    """Every parameter, whole (gathered from ZeRO-3's partitions: a collective, on every rank), before each
+    optimizer step and at the end. With SGD, each step's gradient is (before - after) / lr: the gradients as
+    gathered, whichever way the stack reduced and sharded them."""
+
+    def __init__(self):
+        self.steps = []
+
+    def _record(self, model):
+        module = model.module if hasattr(model, "module") else model
+        with _whole(module):
+            self.steps.append({name: p.detach().float().clone() for name, p in module.named_parameters()})
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self._record(model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._record(model)
+
+
+def _whole(module):
+    from grpo_kernels.wrapped import whole_parameters
+
+    return whole_parameters(module)
+
+
+def main(stack: str, which: str, model_dir: str, out: str, **config) -> None:
+    if stack.startswith("zero"):
+        import deepspeed
+
+        # HF's CPU path does not start DeepSpeed's communication before ZeRO-3's zero.Init builds the model,
+        # whose config check then sees one process (stock TRL too): start it here, over gloo
+        deepspeed.init_distributed(dist_backend="gloo")
+        config["deepspeed"] = {"zero_optimization": {"stage": int(stack[-1]),
+                                                     "stage3_gather_16bit_weights_on_model_save": True},
+                               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                               "train_batch_size": "auto", "gradient_clipping": "auto"}
+    rows = compare.make_rows(32, held_out=False, seed=0)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    settings = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, logging_steps=1,
+                    max_steps=int(os.environ.get("TRAIN_STEPS", "2")), beta=0.04, seed=7)
+    settings.update(config)
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+                      optim="sgd", learning_rate=0.1, **settings)
+    recorder = ParametersAtSteps()
+    common = dict(model=model_dir, reward_funcs=varied_reward, args=args, train_dataset=dataset,
+                  processing_class=compare.build_tokenizer(), callbacks=[recorder])
+    if which == "stock":
+        trainer = GRPOTrainer(**common)
+    else:
+        from grpo_kernels.integration.trl import GRPOKernelsTrainer
+
+        trainer = GRPOKernelsTrainer(**common, fused_lm_head=which == "fused")
+        assert trainer.fused_lm_head is (which == "fused")
+    trainer.train()
+    wrapper = type(trainer.model_wrapped).__name__
+    expected = {"ddp": "DistributedDataParallel", "zero2": "DeepSpeedEngine", "zero3": "DeepSpeedEngine"}
+    assert wrapper == expected.get(stack, wrapper), wrapper
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save({"parameters": {k: v.float().clone() for k, v in state.items()}, "log": trainer.state.log_history,
+                    "steps": recorder.steps, "lr": args.learning_rate}, out)
+
+
+if __name__ == "__main__":
+    keywords = dict(arg.split("=", 1) for arg in sys.argv[5:])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], **{k: json.loads(v) for k, v in keywords.items()})
