@@ -50,9 +50,10 @@ def gradients(run):
 
 
 def assert_same_training(stock, ours, label):
-    """The same loss and logged metrics at every step, the same gradients and the same final parameters."""
+    """The same loss and logged metrics at every step (the gradient's norm among them), the same gradients at each
+    step where the run recorded its parameters (DDP), and the same final parameters."""
+    assert any(entry.get("grad_norm", 0) > 0 for entry in stock["log"]), "a vacuous comparison"
     stock_grads = gradients(stock)
-    assert stock_grads and sum(float(g.abs().sum()) for g in stock_grads[-1].values()) > 0, "a vacuous comparison"
     assert len(ours["log"]) == len(stock["log"]), label
     for expected, actual in zip(stock["log"], ours["log"]):
         assert set(actual) == set(expected), (label, set(actual) ^ set(expected))

@@ -1,7 +1,7 @@
 """The TRL adapter inside DeepSpeed ZeRO-2 and ZeRO-3 (through accelerate, on 2 CPU ranks over gloo) equals stock
-TRL under the same config: the loss and every logged metric at each step, each step's gradients (gathered from
-ZeRO's partitions) and the parameters after the steps; the logits path and the fused lm_head, tied and untied
-heads. Each run is its own ``torchrun`` (tests/distributed_train.py)."""
+TRL under the same config: the loss and every logged metric at each step (the gradient's norm, gathered from
+ZeRO's partitions, among them) and the parameters after the steps; the logits path and the fused lm_head, tied and
+untied heads. Each run is its own ``torchrun`` (tests/distributed_train.py)."""
 
 import pytest
 
