@@ -33,6 +33,7 @@ from torch import nn
 from ..objective import kl_term, per_token_terms
 from ..options import GRPOOptions
 from . import replace_everywhere
+from .verl import aggregate
 
 POLICY_LOSS_TYPES = ("ppo", "gspo")
 IS_CORRECTION_LEVELS = ("off", "token", "seq")
@@ -59,19 +60,11 @@ def aggregate_loss(loss: torch.Tensor, loss_mask: torch.Tensor, token_level_loss
                    batch_num_tokens=None, global_batch_size=None) -> torch.Tensor:
     """OpenRLHF's ``aggregate_loss``: a token mean (``token_level_loss``: the masked sum over the global
     ``batch_num_tokens``, times ``dp_size``, which DeepSpeed's averaging over ranks cancels), or the mean of the
-    non-empty sequences' token means (over ``global_batch_size``, times ``dp_size``). Without the global counts,
-    the local ones."""
-    mask = loss_mask.to(loss.dtype)
-    if token_level_loss:
-        if batch_num_tokens is None:
-            return masked_mean(loss, mask)
-        return (loss * mask).sum() / batch_num_tokens * dp_size
-    tokens = mask.sum(-1)
-    row_loss = (loss * mask).sum(-1) / (tokens + 1e-8)
-    non_empty = (tokens > 0).to(loss.dtype)  # fully masked rows leave the mean
-    if global_batch_size is None:
-        return masked_mean(row_loss, non_empty)
-    return (row_loss * non_empty).sum() / global_batch_size * dp_size
+    non-empty sequences' token means (over ``global_batch_size``, times ``dp_size``): verl's ``token-mean`` and
+    ``seq-mean-token-mean`` (``verl.aggregate``). Without the global count, the local mean (OpenRLHF then ignores
+    ``dp_size``, where verl refuses)."""
+    mode, count = ("token-mean", batch_num_tokens) if token_level_loss else ("seq-mean-token-mean", global_batch_size)
+    return aggregate(loss, loss_mask, mode, dp_size if count is not None else 1, batch_num_tokens, global_batch_size)
 
 
 def _check_choice(name: str, value, choices) -> None:

@@ -231,23 +231,18 @@ def restart_log(metrics_path: str, step: int, steps: int, write: bool = True) ->
         return []
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    final_eval_at = len(rows)
-    if step >= steps:  # the last evaluation of a finished run follows its checkpoint
-        final_eval_at = next((i for i, r in enumerate(rows) if r.get("step") == step and "eval_accuracy" in r
-                              and i == len(rows) - 1), len(rows))
-    kept = [r for i, r in enumerate(rows) if r.get("step", 0) <= step and i < final_eval_at]
-    dropped = [r for i, r in enumerate(rows) if not (r.get("step", 0) <= step and i < final_eval_at)]
-    if write and dropped:
+    keep = [r.get("step", 0) <= step for r in rows]
+    if step >= steps and rows and rows[-1].get("step") == step and "eval_accuracy" in rows[-1]:
+        keep[-1] = False  # the last evaluation of a finished run follows its checkpoint
+    kept = [r for r, k in zip(rows, keep) if k]
+    if write and not all(keep):
         side = os.path.join(os.path.dirname(metrics_path), "metrics.dropped.jsonl")
-        for record in dropped:
+        for record in (r for r, k in zip(rows, keep) if not k):
             append_jsonl(side, record)
         tmp = metrics_path + ".tmp"
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        open(tmp, "w").close()
         for record in kept:
             append_jsonl(tmp, record)
-        if not kept:
-            open(tmp, "w").close()
         os.replace(tmp, metrics_path)
     return kept
 
