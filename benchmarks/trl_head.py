@@ -29,7 +29,7 @@ CHUNK_SIZE = 32768
 
 
 def load_chunked_logprob(by_file: bool = False):
-    """TRL's ``trl/kernels/chunked_logprob.py`` module. With the whole of TRL importable, as TRL imports it; else
+    """TRL's ``trl/kernels/chunked_logprob.py`` module. With TRL and its trainer importable, as TRL imports it; else
     (``by_file``, or the GPU machine, where the trl wheel is unpacked without datasets, pandas and pyarrow, which
     ``import trl`` needs) loaded by file under a stand-in package whose ``trainer.utils`` gives the one name the
     module's backward imports, ``maybe_gather_lm_head_ctx``: a null context (it gathers a ZeRO-3 head; there is
@@ -37,6 +37,9 @@ def load_chunked_logprob(by_file: bool = False):
     if not by_file:
         try:
             from trl.kernels import chunked_logprob
+            # its backward imports trl.trainer.utils, which needs datasets: where that fails (the GPU machine),
+            # the module would fail only in the backward, so take the stand-in below instead
+            import trl.trainer.utils  # noqa: F401
             return chunked_logprob
         except ImportError:
             pass

@@ -72,8 +72,13 @@ def check(backend, batch, hidden, weight, bias, tol=dict(atol=1e-5, rtol=1e-5), 
     assert_close("loss", expected[0].loss, actual[0].loss, **tol)
     active = batch["completion_mask"] != 0
     assert_close("per_token_logps", expected[0].per_token_logps[active], actual[0].per_token_logps[active], **tol)
+    # A 16-bit token whose ratio lies within rounding of a clip bound may be clipped on one path and not the
+    # other: the clip shares may differ by the share of the tokens whose side of a bound the rounding changed.
+    flips = _clip_side_changes(batch, expected[0].per_token_logps, actual[0].per_token_logps, options) \
+        if hidden.dtype != torch.float32 else 0.0
     for name in expected[0].metrics:
-        assert_close(name, expected[0].metrics[name], actual[0].metrics[name], **tol)
+        metric_tol = dict(tol, atol=tol["atol"] + flips) if name.startswith("clip_ratio") else tol
+        assert_close(name, expected[0].metrics[name], actual[0].metrics[name], **metric_tol)
     for name, e, a in zip(("d hidden", "d weight", "d bias"), expected[1:], actual[1:]):
         if e is None:
             assert a is None, name
@@ -81,6 +86,24 @@ def check(backend, batch, hidden, weight, bias, tol=dict(atol=1e-5, rtol=1e-5), 
             assert a.dtype == e.dtype
             scale = e.float().abs().max().item()
             assert_close(name, e, a, atol=tol["atol"] * max(scale, 1.0), rtol=tol["rtol"])
+
+
+def _clip_side_changes(batch, expected_logps, actual_logps, options):
+    """The share of active tokens whose token-level ratio is on one side of a clip bound (1 - epsilon,
+    1 + epsilon_high) under the expected log-probs and on the other under the actual ones."""
+    eps_low = options.get("epsilon", 0.2)
+    eps_high = options.get("epsilon_high") or eps_low
+    active = batch["completion_mask"] != 0
+    old = batch["old_logps"] if batch.get("old_logps") is not None else expected_logps.detach()
+
+    def sides(logps):
+        log_ratio = logps.detach().float() - old.float()
+        return log_ratio < torch.log1p(torch.tensor(-eps_low)), log_ratio > torch.log1p(torch.tensor(eps_high))
+
+    changed = torch.zeros_like(active)
+    for e, a in zip(sides(expected_logps), sides(actual_logps)):
+        changed |= e != a
+    return (changed & active).sum().item() / max(active.sum().item(), 1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

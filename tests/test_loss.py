@@ -245,13 +245,13 @@ def test_one_pass_and_two_pass_agree_with_each_other(device):
 
 @pytest.mark.parametrize("programs_per_sm", [1, 3])
 @pytest.mark.parametrize("one_pass", [True, False])
-def test_persistent_schedule_matches_one_program_per_token(programs_per_sm, one_pass):
+def test_persistent_schedule_matches_one_program_per_token(device, programs_per_sm, one_pass):
     """The persistent grid (a few programs striding over the tokens) computes exactly what the default does."""
     from grpo_kernels.kernels import launch
     from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs
     from grpo_kernels.options import GRPOOptions
 
-    batch = make_batch(B=3, T=5, V=1003, seed=11)
+    batch = make_batch(B=3, T=5, V=1003, seed=11, device=device)
     opts = GRPOOptions(beta=0.04)
     B, T = 3, 5
     flat = lambda t: t.reshape(-1).float().contiguous()  # noqa: E731
