@@ -92,7 +92,7 @@ def _clip_side_changes(batch, expected_logps, actual_logps, options):
     """The share of active tokens whose token-level ratio is on one side of a clip bound (1 - epsilon,
     1 + epsilon_high) under the expected log-probs and on the other under the actual ones."""
     eps_low = options.get("epsilon", 0.2)
-    eps_high = options.get("epsilon_high") or eps_low
+    eps_high = eps_low if options.get("epsilon_high") is None else options["epsilon_high"]  # GRPOOptions' rule
     active = batch["completion_mask"] != 0
     old = batch["old_logps"] if batch.get("old_logps") is not None else expected_logps.detach()
 
