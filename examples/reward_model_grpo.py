@@ -53,6 +53,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rm-steps", type=int, default=300)
     parser.add_argument("--grpo-steps", type=int, default=150)
     parser.add_argument("--warmup-steps", type=int, default=compare.WARMUP_STEPS)
+    parser.add_argument("--warmup-large-batch-steps", type=int, default=None)
     parser.add_argument("--eval-size", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=50)
@@ -82,7 +83,8 @@ def main(argv=None) -> dict:
 
     if resume_from is None:
         policy = compare.build_model(tokenizer, seed=args.seed)
-        warmup_record = compare.warmup(policy, tokenizer, steps=args.warmup_steps, seed=args.seed)
+        warmup_record = compare.warmup(policy, tokenizer, steps=args.warmup_steps, seed=args.seed,
+                                       large_batch_steps=args.warmup_large_batch_steps)
     else:
         from transformers import AutoModelForCausalLM
 

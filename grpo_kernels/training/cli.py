@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--entropy-target", type=float, default=DEFAULTS.entropy_target)
     t.add_argument("--warmup-steps", type=int, default=compare.WARMUP_STEPS,
                    help=f"format-only supervised warm-up steps of 32 examples (built-in model; default: "
-                        f"{compare.WARMUP_STEPS})")
+                        f"{compare.WARMUP_STEPS}); it ends earlier once the sampled answers are well-formed")
+    t.add_argument("--warmup-large-batch-steps", type=int, default=None,
+                   help=f"if --warmup-steps ends below the format target: a second stage of up to this many steps "
+                        f"of {compare.WARMUP_LARGE_BATCH_SIZE} examples (default: a third of --warmup-steps; 0: none)")
     t.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every)
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--output-dir", default="runs/grpo")
@@ -163,7 +166,8 @@ def train(args) -> dict:
         model = task.build_model(tokenizer, seed=args.seed).to(device)
         warmup_record = task.warmup(model, tokenizer, steps=args.warmup_steps, seed=args.seed, device=device,
                                     progress=world()[0] == 0 and not args.no_progress, temperature=args.temperature,
-                                    max_new_tokens=args.max_new_tokens)
+                                    max_new_tokens=args.max_new_tokens,
+                                    large_batch_steps=args.warmup_large_batch_steps)
     config = TrainerConfig(
         group_size=args.group_size, prompts_per_step=args.prompts_per_step, steps=args.steps,
         learning_rate=args.lr, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -31,6 +31,14 @@ WARMUP_STEPS = 2400
 WARMUP_CHECK_EVERY = 200
 WARMUP_FORMAT_TARGET = 0.9
 WARMUP_CHECK_PROMPTS = 256  # training prompts of their own (never the evaluation set's), one sample each
+# A seed that reaches the cap below the target goes on with larger batches: its malformed answers mix the two
+# numbers' digits (3.66 vs 3.9 -> "3.6"), and at 32 examples a step the gradient noise of the 50 / 50 targets keeps
+# it from learning to finish the number it started (seed 18 sat at 0.72 - 0.77 from step 1400 to the cap, and
+# 1200 more such steps reached 0.82). 256 examples a step at half the learning rate took seed 18 from 0.76 to 0.94
+# in 400 steps. The cap of this stage is a third of the first stage's (800 steps by default), its checks twice as
+# frequent; a seed that reaches the target in the first stage never enters it, so its run is unchanged.
+WARMUP_LARGE_BATCH_SIZE = 256
+WARMUP_LARGE_BATCH_LR_SCALE = 0.5
 
 
 def _number(rng: random.Random, integer: int) -> str:
@@ -115,35 +123,72 @@ def well_formed_share(model, tokenizer, rows, *, temperature: float = 1.0, max_n
 
 def warmup(model, tokenizer, *, steps: int, batch_size: int = 32, lr: float = 2e-3, seed: int = 0,
            device: str = "cpu", progress: bool = False, format_target: float = WARMUP_FORMAT_TARGET,
-           check_every: int = WARMUP_CHECK_EVERY, temperature: float = 1.0,
-           max_new_tokens: int = 8) -> Dict[str, float]:
+           check_every: int = WARMUP_CHECK_EVERY, temperature: float = 1.0, max_new_tokens: int = 8,
+           large_batch_steps: Optional[int] = None) -> Dict[str, float]:
     """Supervised warm-up on the format only: the target is one of the two numbers at random. It ends when
     what it is for is learned: at a check every ``check_every`` steps, the sampled answers (the GRPO phase's
-    sampling: ``temperature``, ``max_new_tokens``) of ``WARMUP_CHECK_PROMPTS`` training prompts of its own are well-formed at
-    ``format_target``; else at ``steps``, the cap. Returns ``{"warmup_steps", "warmup_well_formed",
-    "warmup_seconds"}`` (the rate of the last check; one is made at the end if the cap fell between checks).
+    sampling: ``temperature``, ``max_new_tokens``) of ``WARMUP_CHECK_PROMPTS`` training prompts of its own are
+    well-formed at ``format_target``. If ``steps``, the cap, comes first, a second stage of
+    ``WARMUP_LARGE_BATCH_SIZE`` examples a step goes on (at ``lr * WARMUP_LARGE_BATCH_LR_SCALE``, a check every
+    ``check_every // 2`` steps) until the target or its own cap, ``large_batch_steps`` (default: ``steps // 3``;
+    0: no second stage). Returns ``{"warmup_steps", "warmup_large_batch_steps", "warmup_well_formed",
+    "warmup_seconds"}``: each stage's steps, the rate of the last check (one is made at a cap that falls between
+    checks) and the time of both.
 
-    After it the model answers with one of the two numbers but picks either about equally often. The learning
-    rate warms up over the first 5 % of the cap and then decays along a cosine over the cap to a tenth of ``lr``:
+    After it the model answers with one of the two numbers but picks either about equally often. In each stage the
+    learning rate warms up over the first 5 % of its cap and then decays along a cosine over the cap to a tenth:
     at a constant rate the 50 / 50 targets keep the weights moving, and the digits of the two numbers get mixed.
     """
-    # from transformers.optimization: 4.46 - 4.56 export it only there
-    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
     from tqdm.auto import tqdm
 
+    if large_batch_steps is None:
+        large_batch_steps = steps // 3
+    if large_batch_steps < 0:
+        raise ValueError(f"large_batch_steps must be >= 0 (0: no second stage), got {large_batch_steps}")
     started = time.time()
-    rng = random.Random(seed + 1)
-    rows = make_rows(steps * batch_size, held_out=False, seed=seed + 2)
     check_rows = make_rows(WARMUP_CHECK_PROMPTS, held_out=False, seed=seed + 3)
+
+    def check() -> float:
+        return well_formed_share(model, tokenizer, check_rows, temperature=temperature,
+                                 max_new_tokens=max_new_tokens, seed=seed, device=device)
+
+    with tqdm(total=steps, desc="warm-up (format)", unit="step", disable=not progress, file=sys.stderr) as bar:
+        first_steps, well_formed = _format_stage(
+            model, tokenizer, rows=make_rows(steps * batch_size, held_out=False, seed=seed + 2),
+            target_rng=random.Random(seed + 1), steps=steps, batch_size=batch_size, lr=lr, check=check,
+            check_every=check_every, format_target=format_target, device=device, bar=bar)
+    second_steps = 0
+    if first_steps == steps and not well_formed >= format_target and large_batch_steps > 0:
+        with tqdm(total=large_batch_steps, desc="warm-up (format, large batches)", unit="step",
+                  disable=not progress, file=sys.stderr) as bar:
+            second_steps, well_formed = _format_stage(
+                model, tokenizer,
+                rows=make_rows(large_batch_steps * WARMUP_LARGE_BATCH_SIZE, held_out=False, seed=seed + 12),
+                target_rng=random.Random(seed + 11), steps=large_batch_steps, batch_size=WARMUP_LARGE_BATCH_SIZE,
+                lr=lr * WARMUP_LARGE_BATCH_LR_SCALE, check=check,
+                check_every=max(1, check_every // 2) if check_every else 0,
+                format_target=format_target, device=device, bar=bar)
+    model.train()
+    return {"warmup_steps": first_steps, "warmup_large_batch_steps": second_steps, "warmup_well_formed": well_formed,
+            "warmup_seconds": round(time.time() - started, 1)}
+
+
+def _format_stage(model, tokenizer, *, rows, target_rng: random.Random, steps: int, batch_size: int, lr: float,
+                  check, check_every: int, format_target: float, device: str, bar) -> Tuple[int, float]:
+    """One stage of the warm-up: ``steps`` steps at most of ``batch_size`` of ``rows`` (each one's target drawn
+    by ``target_rng``), a fresh AdamW and cosine schedule; ``check()`` every ``check_every`` steps and at the cap.
+    Returns (steps run, the last check's rate)."""
+    # from transformers.optimization: 4.46 - 4.56 export it only there
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, num_warmup_steps=max(1, steps // 20),
                                                            num_training_steps=max(1, steps), min_lr_rate=0.1)
     well_formed, done = float("nan"), 0
-    bar = tqdm(total=steps, desc="warm-up (format)", unit="step", disable=not progress, file=sys.stderr)
     for step in range(steps):
         model.train()
         batch = rows[step * batch_size:(step + 1) * batch_size]
-        texts = [r["prompt"] + rng.choice((r["a"], r["b"])) + tokenizer.eos_token for r in batch]
+        texts = [r["prompt"] + target_rng.choice((r["a"], r["b"])) + tokenizer.eos_token for r in batch]
         enc = tokenizer(texts, return_tensors="pt", padding=True).to(device)
         prompt_lens = [len(tokenizer(r["prompt"]).input_ids) for r in batch]
         labels = enc.input_ids.clone()
@@ -159,15 +204,11 @@ def warmup(model, tokenizer, *, steps: int, batch_size: int = 32, lr: float = 2e
         done = step + 1
         bar.update(1)
         if check_every and done % check_every == 0 or done == steps:
-            well_formed = well_formed_share(model, tokenizer, check_rows, temperature=temperature,
-                                            max_new_tokens=max_new_tokens, seed=seed, device=device)
+            well_formed = check()
             bar.set_postfix(well_formed=f"{well_formed:.2f}")
             if well_formed >= format_target:
                 break
-    bar.close()
-    model.train()
-    return {"warmup_steps": done, "warmup_well_formed": well_formed,
-            "warmup_seconds": round(time.time() - started, 1)}
+    return done, well_formed
 
 
 def reward_functions():
