@@ -5,7 +5,9 @@
 
 1. Preference pairs from the "Which is bigger?" task: chosen = the bigger number, rejected =
    the smaller one. A tiny Llama with a scalar head is fitted with the Bradley-Terry loss
-   (``grpo_kernels.family.reward_model_loss``); its held-out preference accuracy is printed.
+   (``grpo_kernels.family.reward_model_loss``) and TRL's centering term (0.01), which holds the
+   scores near 0 so that their sigmoid, the reward, does not saturate; its held-out preference
+   accuracy is printed.
 2. The thin trainer runs GRPO with the reward model's (bounded) score as the reward instead
    of the rule verifier, gated by the format rule: a completion that is not one of the
    prompt's two numbers gets 0. Ungated, the policy learns garbage that the reward model,

@@ -114,21 +114,31 @@ def dpo_from_logps(logp, ref_logps, mask, beta):
     return loss, metrics
 
 
-def reward_model_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: Optional[torch.Tensor] = None
-                      ) -> torch.Tensor:
-    """Bradley-Terry: mean of -log sigmoid(r_chosen - r_rejected - margin), stable at any margin.
+def reward_model_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: Optional[torch.Tensor] = None,
+                      center_rewards_coefficient: Optional[float] = None) -> torch.Tensor:
+    """Bradley-Terry: mean of -log sigmoid(r_chosen - r_rejected - margin), stable at any margin, plus TRL's
+    ``center_rewards_coefficient`` x mean((r_chosen + r_rejected)^2) when that is given (as TRL's RewardTrainer).
 
     ``logsigmoid`` never forms exp of a large positive number, so a margin of 1e4 gives 0
     (right order) or 1e4 (wrong order), not inf or NaN. ``margin`` (optional, same shape or
     a scalar) asks the chosen reward to win by at least that much (Llama 2's margin term).
+    The Bradley-Terry term sees only differences, so the scores' level drifts freely; the centering term holds
+    it near 0 (Eisenstein et al. 2023; TRL recommends 0.01), which a bounded reward such as a sigmoid of the score
+    needs.
     """
     if r_chosen.shape != r_rejected.shape:
         raise ValueError(f"r_chosen and r_rejected must have the same shape, got {tuple(r_chosen.shape)} and "
                          f"{tuple(r_rejected.shape)}")
-    diff = r_chosen.float() - r_rejected.float()
+    if center_rewards_coefficient is not None and not center_rewards_coefficient >= 0:
+        raise ValueError(f"center_rewards_coefficient must be >= 0 or None, got {center_rewards_coefficient}")
+    chosen, rejected = r_chosen.float(), r_rejected.float()
+    diff = chosen - rejected
     if margin is not None:
         diff = diff - margin
-    return -F.logsigmoid(diff).mean()
+    loss = -F.logsigmoid(diff).mean()
+    if center_rewards_coefficient is not None:
+        loss = loss + center_rewards_coefficient * ((chosen + rejected) ** 2).mean()
+    return loss
 
 
 # ----- references: the plain formulas, materializing the log-softmax ---------------------

@@ -93,6 +93,68 @@ def test_reward_model_loss_is_bradley_terry_and_stable():
         family.reward_model_loss(torch.zeros(2), torch.zeros(3))
 
 
+
+@pytest.mark.parametrize("with_margin", [False, True])
+def test_the_centering_term_is_trls_reward_trainers(tmp_path, with_margin):
+    """center_rewards_coefficient is TRL's RewardConfig option: the loss is TRL RewardTrainer.compute_loss's."""
+    pytest.importorskip("trl", reason="the trl extra is not installed")
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    from grpo_kernels.training.tasks import compare
+
+    tokenizer = compare.build_tokenizer()
+    tiny = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    trainer = RewardTrainer(
+        model=tiny, processing_class=tokenizer,
+        args=RewardConfig(output_dir=str(tmp_path), center_rewards_coefficient=0.01, report_to=[], use_cpu=True),
+        train_dataset=Dataset.from_list([{"chosen": "9.9", "rejected": "9.11"}]))
+    g = torch.Generator().manual_seed(0)
+    chosen, rejected = 3.0 + torch.randn(8, generator=g), 2.0 + torch.randn(8, generator=g)
+    margin = torch.rand(8, generator=g) if with_margin else None
+
+    class Scores(torch.nn.Module):  # stands for the model: TRL chunks the logits into chosen, rejected
+        def forward(self, **_):
+            return type("Out", (), {"logits": torch.cat([chosen, rejected])[:, None]})()
+
+    inputs = {"input_ids": torch.ones(16, 2, dtype=torch.long), "attention_mask": torch.ones(16, 2, dtype=torch.long),
+              **({"margin": margin} if with_margin else {})}
+    expected = trainer.compute_loss(Scores(), inputs)
+    got = family.reward_model_loss(chosen, rejected, margin, center_rewards_coefficient=0.01)
+    assert_close("TRL's reward loss", expected, got, atol=1e-6, rtol=1e-6)
+    assert got > family.reward_model_loss(chosen, rejected, margin)  # the term is there
+    with pytest.raises(ValueError, match="center_rewards_coefficient must be >= 0 or None, got -0.1"):
+        family.reward_model_loss(chosen, rejected, center_rewards_coefficient=-0.1)
+
+
+def test_the_reward_models_training_centers_its_scores(monkeypatch):
+    """train_reward_model passes its center_rewards_coefficient (default 0.01) to the loss."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from grpo_kernels.training import reward_model
+    from grpo_kernels.training.tasks import compare
+
+    seen = []
+    loss = family.reward_model_loss
+
+    def spy(chosen, rejected, margin=None, center_rewards_coefficient=None):
+        seen.append(center_rewards_coefficient)
+        return loss(chosen, rejected, margin, center_rewards_coefficient)
+
+    monkeypatch.setattr(reward_model, "reward_model_loss", spy)
+    tokenizer = compare.build_tokenizer()
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    pairs = [{"prompt": "Which is bigger? 9.11 or 9.9 \nAnswer: ", "chosen": "9.9", "rejected": "9.11"}]
+    reward_model.train_reward_model(model, tokenizer, pairs, steps=1, batch_size=2)
+    reward_model.train_reward_model(model, tokenizer, pairs, steps=1, batch_size=2, center_rewards_coefficient=None)
+    assert seen == [0.01, None]
+
+
 def test_reward_model_learns_preferences_and_scores_completions():
     from grpo_kernels.training.reward_model import RewardModelReward, train_reward_model
     from grpo_kernels.training.tasks import compare

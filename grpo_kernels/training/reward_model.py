@@ -9,7 +9,7 @@ TRL) can use it instead of a rule verifier.
 from __future__ import annotations
 
 import random
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -24,8 +24,15 @@ def _scores(model, tokenizer, texts: Sequence[str], device: str) -> torch.Tensor
 
 
 def train_reward_model(model, tokenizer, pairs: List[Dict[str, str]], *, steps: int, batch_size: int = 64,
-                       lr: float = 2e-3, seed: int = 0, device: str = "cpu") -> List[float]:
-    """Bradley-Terry training on pairs {"prompt", "chosen", "rejected"}; returns the loss per step."""
+                       lr: float = 2e-3, seed: int = 0, device: str = "cpu",
+                       center_rewards_coefficient: Optional[float] = 0.01) -> List[float]:
+    """Bradley-Terry training on pairs {"prompt", "chosen", "rejected"}; returns the loss per step.
+
+    ``center_rewards_coefficient`` (TRL's RewardConfig option, at TRL's recommended 0.01; None: off) holds the
+    scores near 0. ``RewardModelReward`` rewards sigmoid(score), and the Bradley-Terry loss alone leaves the
+    scores' level free: one seed of the built-in task's reward model drifted to scores whose sigmoids were 0.9995
+    on average and tied in float32 on a tenth of the pairs, so GRPO's group-normalized advantages ranked rounding
+    noise and the policy ended 15 points below the other seeds."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.to(device).train()
@@ -34,7 +41,7 @@ def train_reward_model(model, tokenizer, pairs: List[Dict[str, str]], *, steps: 
         batch = [rng.choice(pairs) for _ in range(batch_size)]
         chosen = _scores(model, tokenizer, [p["prompt"] + p["chosen"] for p in batch], device)
         rejected = _scores(model, tokenizer, [p["prompt"] + p["rejected"] for p in batch], device)
-        loss = reward_model_loss(chosen, rejected)
+        loss = reward_model_loss(chosen, rejected, center_rewards_coefficient=center_rewards_coefficient)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
