@@ -93,23 +93,26 @@ def test_reward_model_loss_is_bradley_terry_and_stable():
         family.reward_model_loss(torch.zeros(2), torch.zeros(3))
 
 
+def _tiny_reward_model(tokenizer):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    return LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+
 
 @pytest.mark.parametrize("with_margin", [False, True])
 def test_the_centering_term_is_trls_reward_trainers(tmp_path, with_margin):
     """center_rewards_coefficient is TRL's RewardConfig option: the loss is TRL RewardTrainer.compute_loss's."""
     pytest.importorskip("trl", reason="the trl extra is not installed")
     from datasets import Dataset
-    from transformers import LlamaConfig, LlamaForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
     from grpo_kernels.training.tasks import compare
 
     tokenizer = compare.build_tokenizer()
-    tiny = LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id))
     trainer = RewardTrainer(
-        model=tiny, processing_class=tokenizer,
+        model=_tiny_reward_model(tokenizer), processing_class=tokenizer,
         args=RewardConfig(output_dir=str(tmp_path), center_rewards_coefficient=0.01, report_to=[], use_cpu=True),
         train_dataset=Dataset.from_list([{"chosen": "9.9", "rejected": "9.11"}]))
     g = torch.Generator().manual_seed(0)
@@ -132,8 +135,6 @@ def test_the_centering_term_is_trls_reward_trainers(tmp_path, with_margin):
 
 def test_the_reward_models_training_centers_its_scores(monkeypatch):
     """train_reward_model passes its center_rewards_coefficient (default 0.01) to the loss."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
     from grpo_kernels.training import reward_model
     from grpo_kernels.training.tasks import compare
 
@@ -146,9 +147,7 @@ def test_the_reward_models_training_centers_its_scores(monkeypatch):
 
     monkeypatch.setattr(reward_model, "reward_model_loss", spy)
     tokenizer = compare.build_tokenizer()
-    model = LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    model = _tiny_reward_model(tokenizer)
     pairs = [{"prompt": "Which is bigger? 9.11 or 9.9 \nAnswer: ", "chosen": "9.9", "rejected": "9.11"}]
     reward_model.train_reward_model(model, tokenizer, pairs, steps=1, batch_size=2)
     reward_model.train_reward_model(model, tokenizer, pairs, steps=1, batch_size=2, center_rewards_coefficient=None)

@@ -30,9 +30,9 @@ def train_reward_model(model, tokenizer, pairs: List[Dict[str, str]], *, steps: 
 
     ``center_rewards_coefficient`` (TRL's RewardConfig option, at TRL's recommended 0.01; None: off) holds the
     scores near 0. ``RewardModelReward`` rewards sigmoid(score), and the Bradley-Terry loss alone leaves the
-    scores' level free: one seed of the built-in task's reward model drifted to scores whose sigmoids were 0.9995
-    on average and tied in float32 on a tenth of the pairs, so GRPO's group-normalized advantages ranked rounding
-    noise and the policy ended 15 points below the other seeds."""
+    scores' level free: one seed of the built-in task's reward model drifted to scores whose sigmoids averaged
+    0.9997 on held-out pairs and tied in float32 on 21 % of them, so GRPO's group-normalized advantages ranked
+    rounding noise and the policy ended at 77.7 %, over 12 points below every other seed."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.to(device).train()
