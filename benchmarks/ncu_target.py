@@ -1,17 +1,18 @@
-"""What the device suite profiles with Nsight Compute: the split-row schedule's two variants and the one-pass
-kernel, big shape.
+"""What the device suite profiles with Nsight Compute: the one-pass kernel on its read-once schedule (persistent,
+the rows in flight within L2, eviction hints), the one-pass kernel a program a token, and the split-row kernel
+with a chunk held in registers, big shape.
 
     ncu --clock-control none --page raw --csv --metrics ... \
         -k regex:"grpo_forward|split_row_forward" --launch-skip 4 --launch-count 3 \
         python benchmarks/ncu_target.py [--sweep OUT/sweep.json]
 
 After the inputs' log-prob pass (1 launch), runs each schedule twice at (N, V) = (16384, 151936) bf16: a
-warm-up round (compiles; 3 launches: the split-row kernel with chunks read again from L2, the split-row
-kernel with a chunk held in registers, the one-pass kernel) that ncu skips, then the 3 launches it profiles,
+warm-up round (compiles; 3 launches, in SCHEDULES' order) that ncu skips, then the 3 launches it profiles,
 in that order. Each writes dlogits in its one launch: 2 S under the byte model if every logit is read from
-HBM once. With ``--sweep`` the sweep's fastest exact configuration of each is profiled; else defaults (the
-two-pass pair, measured by the first runs, is left out: the stage's time). ``--dry-run`` prints what it
-would run.
+HBM once (the DRAM read / S column says how close each comes; the L2 hit rate, why). With ``--sweep`` the
+sweep's fastest exact configuration of each is profiled; else defaults (the two-pass pair and the split-row
+kernel's streamed variant, measured by the first runs, are left out: the stage's time). ``--dry-run`` prints
+what it would run.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ METRICS = [
 ]
 # (schedule, its label in the report, the kernel it launches, its configuration without a sweep), in launch order
 SCHEDULES = [
-    ("split_row_streamed", "split-row, chunks read again from L2", "split_row_forward_kernel",
-     {"split_row": 8, "BLOCK_V": 4096, "num_warps": 8}),
+    ("one_pass_l2", "one-pass, persistent within L2, L2 hints", "grpo_forward_kernel",
+     {"programs_per_sm": "l2", "l2_hints": True, "BLOCK_V": 4096, "num_warps": 16}),
+    ("one_pass", "one-pass forward (writes dlogits), a program a token", "grpo_forward_kernel", {}),
     ("split_row_held", "split-row, a chunk held in registers", "split_row_forward_kernel",
      {"split_row": 64, "BLOCK_V": 4096, "num_warps": 4}),
-    ("one_pass", "one-pass forward (writes dlogits)", "grpo_forward_kernel", {}),
 ]
 LAUNCHES_PER_ROUND = len(SCHEDULES)
 LAUNCHES_BEFORE = 1 + LAUNCHES_PER_ROUND  # the inputs' log-prob pass, then the warm-up round
@@ -67,9 +68,9 @@ def launch_labels(kernel_names) -> list:
 
 
 def schedule_of(row: dict) -> str:
-    """Which of SCHEDULES a sweep row (mode one_pass) runs."""
+    """Which schedule a sweep row (mode one_pass) runs: one of SCHEDULES, or "split_row_streamed" (not profiled)."""
     if not row.get("split_row"):
-        return "one_pass"
+        return "one_pass_l2" if row.get("programs_per_sm") else "one_pass"
     from grpo_kernels.kernels import launch
 
     held = launch.split_row_chunks(row["V"], row["BLOCK_V"], row["split_row"]).held

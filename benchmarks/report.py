@@ -82,6 +82,17 @@ def plot(rows, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def _sweep_config(kind: str, row: dict) -> str:
+    """A sweep row's configuration in a table cell: its mode (the log-prob pass has none) and the keys it sets."""
+    if kind == "fused_linear":
+        keys = ("BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")
+        return f"{row['mode']} " + (" ".join(f"{k}={row[k]}" for k in keys) if row.get(keys[0]) else "(cuBLAS)")
+    keys = ("BLOCK_V", "num_warps", "num_stages", "loop_stages", "l2_hints", "programs_per_sm", "split_row")
+    shown = " ".join(f"{k}={row[k]}" for k in keys if row.get(k) not in (None, False)
+                     and not (k in ("num_stages", "loop_stages") and row[k] == 1))
+    return f"{row['mode']} {shown}" if kind == "logits" else shown
+
+
 def sweep_table(path: str, top: int = 5) -> str:
     """The sweep's fastest exact candidates per shape, its errors, and the winners it would commit."""
     with open(path) as f:
@@ -90,8 +101,11 @@ def sweep_table(path: str, top: int = 5) -> str:
     lines = [f"Sweep on {env['device']} ({env['arch']}); torch {env['torch']}, triton {env['triton']}"
              + (" (smoke: tiny shapes in the interpreter)" if results.get("smoke") else "")
              + (" (stopped by its time limit)" if results.get("interrupted") else "") + "\n"]
-    for kind, shape_keys in (("logits", ("N", "V")), ("fused_linear", ("N", "H", "V"))):
+    for kind, shape_keys in (("logits", ("N", "V")), ("logprobs", ("N", "V")), ("fused_linear", ("N", "H", "V"))):
         rows = results.get(kind, [])
+        if not rows:
+            continue
+        streaming = kind != "fused_linear"
         counts = defaultdict(int)
         for r in rows:
             counts[r.get("status", "?").split(":")[0]] += 1
@@ -102,15 +116,12 @@ def sweep_table(path: str, top: int = 5) -> str:
                 by_shape[tuple(r[k] for k in shape_keys)].append(r)
         for shape, ok in sorted(by_shape.items()):
             lines += ["", f"| {' x '.join(shape_keys)} = {' x '.join(map(str, shape))} | config | median ms | "
-                      + ("GB/s (byte model) | x copy bw | exact |" if kind == "logits" else "useful TFLOP/s | exact |"),
-                      "|---|---|---|---|" + ("---|---|" if kind == "logits" else "---|")]
+                      + ("GB/s (byte model) | x copy bw | exact |" if streaming else "useful TFLOP/s | exact |"),
+                      "|---|---|---|---|" + ("---|---|" if streaming else "---|")]
             for r in sorted(ok, key=lambda r: r["median_ms"])[:top]:
-                keys = ("BLOCK_V", "num_warps", "num_stages") if kind == "logits" else (
-                    "BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")
-                config = f"{r['mode']} " + (" ".join(f"{k}={r[k]}" for k in keys) if r.get(keys[0]) else "(cuBLAS)")
-                figures = (f"{r['model_GBps']:.0f} | {r['fraction_of_copy']:.2f}" if kind == "logits"
-                           else f"{r['useful_TFLOPs']:.0f}")
-                lines.append(f"| | {config} | {r['median_ms']:.3f} | {figures} | {r.get('exact')} |")
+                lines.append(f"| | {_sweep_config(kind, r)} | {r['median_ms']:.3f} | "
+                             + (f"{r['model_GBps']:.0f} | {r['fraction_of_copy']:.2f}" if streaming
+                                else f"{r['useful_TFLOPs']:.0f}") + f" | {r.get('exact')} |")
             references = sorted({(r["mode"], r["reference"]) for r in ok if r.get("reference")})
             if references:
                 lines.append("\nexact: " + "; ".join(f"{mode} against {ref}" for mode, ref in references))

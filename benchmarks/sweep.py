@@ -6,10 +6,15 @@
 
 Logits kernels, at (N, V) = (16384, 151936) and (16384, 32000) in bf16 (grpo loss, beta 0.04,
 old log-probs, entropy on: the benchmark suite's case): one-pass and two-pass, each over
-BLOCK_V x num_warps x num_stages. Byte model: one-pass moves 2 S bytes (read the logits,
-write the gradient; the second read of each row is counted as an L2 hit), two-pass 3 S.
+BLOCK_V x num_warps x num_stages, the vocabulary loops pipelined or not (loop_stages), with or
+without the L2 eviction hints (l2_hints), a program a token or the persistent schedule that keeps
+the rows in flight within L2 (programs_per_sm "l2"). Byte model: one-pass moves 2 S bytes (read the
+logits, write the gradient; the second read of each row is counted as an L2 hit), two-pass 3 S.
 Each candidate is reported as median ms (CUDA events, after warm-up), GB/s under its byte
 model, and the fraction of a device-to-device copy's bandwidth measured in the same run.
+
+Log-prob passes (the old and reference log-probs: no loss, no gradient, no entropy), at the same
+shapes: their own configurations (kind "logprobs" in tuned.json), timed forward only, 1 S.
 
 Fused lm_head, at (N, H, V) = (16384, 4096, 151936) in bf16: the 3-product mode, and the
 recomputing mode's logits-tile configurations (BLOCK_N, BLOCK_V, BLOCK_H, num_warps,
@@ -53,34 +58,59 @@ SMOKE_LOGITS_SHAPES = [(2, 4, 1003)]
 SMOKE_FUSED_SHAPES = [(32, 32, 300)]
 
 
+def _candidate(mode="one_pass", BLOCK_V=4096, num_warps=8, num_stages=1, loop_stages=1, l2_hints=False,
+               programs_per_sm=None, split_row=None) -> dict:
+    """A logits candidate with every key of a tuned.json entry set (None: that schedule off)."""
+    return {"mode": mode, "BLOCK_V": BLOCK_V, "num_warps": num_warps, "num_stages": num_stages,
+            "loop_stages": loop_stages, "l2_hints": l2_hints, "programs_per_sm": programs_per_sm,
+            "split_row": split_row}
+
+
 def logits_candidates():
-    """Default-like configurations first, so that a run cut short still measures the likeliest winners.
+    """Likeliest winners first, so that a run cut short still measures them.
 
     programs_per_sm: None is one program per token; a number is the persistent schedule (that many
-    programs per SM, each striding over the tokens), which bounds the one-pass kernel's rows in flight.
+    programs per SM, each striding over the tokens), which bounds the one-pass kernel's rows in flight;
+    "l2" that schedule sized so that the rows in flight fit in L2 (launch.l2_programs_per_sm).
     """
-    # Pruned by the first H200 runs (benchmarks/results/gpu/): BLOCK_V 8192 never came within 5 %
-    # of the best, and the persistent schedule lost at every programs_per_sm (one kept as the
-    # record); 42 candidates a shape did not fit the stage's time in the second run, these 25 should
-    # (35 with the split-row candidates).
-    blocks, warps, stages = (4096, 2048), (16, 8, 4), (1, 3)
-    # the split-row schedule first (never measured yet): each row over K programs, read once (2 S). K = 64 is
-    # more chunks than a row has blocks: a block a chunk, held in registers (no second read, from L2 or
-    # anywhere); its per-chunk work (the merge, the loss terms) is spread over a thread's logits, so more of
-    # them (fewer warps, a wider block) is the trade the sweep weighs against occupancy. K = 1 with a block of
-    # 32768: at V = 32000 a row held whole by one program of 16 warps, which waits on nothing (skipped where the
-    # row is wider than the block: one chunk read twice is the one-pass kernel's schedule).
-    for split_row, block_v, num_warps in ((8, 4096, 8), (64, 4096, 4), (64, 8192, 8), (1, 32768, 16), (64, 4096, 8),
-                                          (8, 4096, 4), (4, 4096, 8), (4, 4096, 4), (16, 4096, 8), (16, 4096, 4)):
-        yield {"mode": "one_pass", "BLOCK_V": block_v, "num_warps": num_warps, "num_stages": 1,
-               "programs_per_sm": None, "split_row": split_row}
+    # The H200 runs of 2026-12-01 and -04 (benchmarks/results/gpu/): the one-pass kernel a program a token ran at
+    # copy speed for the 2.75 S it moved (ncu: the second read of a row missed L2, 37 % hit rate); 4 persistent
+    # programs a SM (157 MB of rows in flight) lost; the split-row kernel lost at every K; BLOCK_V 8192 never came
+    # within 5 % of the best then (64-bit loads at 16 warps; now 128-bit at any warp count). So first the read-once
+    # schedule: rows in flight within L2, first read evict_last, second evict_first, streaming gradient stores.
+    for block_v, num_warps in ((4096, 16), (8192, 16), (4096, 8), (8192, 8)):
+        yield _candidate(BLOCK_V=block_v, num_warps=num_warps, l2_hints=True, programs_per_sm="l2")
+    for block_v, num_warps in ((4096, 16), (8192, 16)):  # pipelined (triton 3.6's async copies drop the hints)
+        yield _candidate(BLOCK_V=block_v, num_warps=num_warps, loop_stages=3, l2_hints=True, programs_per_sm="l2")
+    yield _candidate(BLOCK_V=4096, num_warps=16, l2_hints=True, programs_per_sm=2)
+    # a program a token, with the hints and pipelined
+    for block_v, num_warps, loop_stages in ((4096, 16, 1), (4096, 8, 1), (2048, 8, 1), (4096, 16, 3), (4096, 8, 3)):
+        yield _candidate(BLOCK_V=block_v, num_warps=num_warps, loop_stages=loop_stages, l2_hints=True)
+    for block_v in (2048, 4096):  # two-pass with the hints: its passes read a row once each
+        yield _candidate("two_pass", BLOCK_V=block_v, num_warps=8, l2_hints=True)
+    # the split-row schedule (each row over K programs, read once; lost at every K so far): the streamed and the
+    # held variant, one each, as the record
+    for split_row, block_v, num_warps in ((8, 4096, 8), (64, 4096, 4)):
+        yield _candidate(BLOCK_V=block_v, num_warps=num_warps, split_row=split_row)
+    # the grid of the earlier runs (no hints, not pipelined), last
     for mode in ("one_pass", "two_pass"):
-        for block_v, num_warps, num_stages in itertools.product(blocks, warps, stages):
-            yield {"mode": mode, "BLOCK_V": block_v, "num_warps": num_warps, "num_stages": num_stages,
-                   "programs_per_sm": None, "split_row": None}
-        if mode == "one_pass":
-            yield {"mode": mode, "BLOCK_V": 4096, "num_warps": 16, "num_stages": 1, "programs_per_sm": 4,
-                   "split_row": None}
+        for block_v, num_warps, num_stages in itertools.product((4096, 2048), (16, 8, 4), (1, 3)):
+            yield _candidate(mode, BLOCK_V=block_v, num_warps=num_warps, num_stages=num_stages)
+
+
+def logprobs_candidates():
+    """A log-prob pass's configurations (no loss, no gradient, no entropy: the old and reference log-probs).
+
+    Liger's log-prob kernel runs one warp over blocks of 2048 (64 logits a thread in flight, many programs a SM)
+    and ran at 0.91 of copy speed on the H200 where ours, on the one-pass kernel's config (16 warps), ran at 0.62:
+    so few warps with many logits a thread, pipelined or not, against the heuristic's 8 warps."""
+    for block_v, num_warps, loop_stages in ((2048, 1, 1), (2048, 2, 1), (4096, 2, 1), (4096, 4, 1), (8192, 4, 1),
+                                            (4096, 8, 1), (8192, 8, 1), (2048, 4, 1), (4096, 16, 1), (2048, 1, 3),
+                                            (2048, 2, 3), (4096, 4, 3), (4096, 8, 3), (8192, 8, 3)):
+        yield {"BLOCK_V": block_v, "num_warps": num_warps, "num_stages": 1, "loop_stages": loop_stages,
+               "l2_hints": True}
+    for block_v, num_warps in ((4096, 8), (2048, 1)):  # without the hints
+        yield {"BLOCK_V": block_v, "num_warps": num_warps, "num_stages": 1, "loop_stages": 1, "l2_hints": False}
 
 
 def fused_candidates():
@@ -144,10 +174,12 @@ def _tokens(x) -> TokenInputs:
 def run_logits(x, candidate):
     """(logp, loss per token, dlogits) of one candidate: the one-pass kernel, or the forward + backward pair.
 
-    A candidate's schedule is its own: no split rows and no persistent grid unless it sets them (0, not None,
-    so that a measured default in tuned.json never turns a plain candidate into another schedule)."""
+    A candidate's schedule is its own: no split rows, no persistent grid, no pipelining and no hints unless it
+    sets them (0, 1 and False, not None, so that a measured default in tuned.json never turns a plain candidate
+    into another schedule)."""
     config = {k: candidate.get(k) for k in tuned.LOGITS_KEYS}
-    config.update(split_row=candidate.get("split_row") or 0, programs_per_sm=candidate.get("programs_per_sm") or 0)
+    config.update(split_row=candidate.get("split_row") or 0, programs_per_sm=candidate.get("programs_per_sm") or 0,
+                  loop_stages=candidate.get("loop_stages") or 1, l2_hints=bool(candidate.get("l2_hints")))
     common = dict(kernel_loss=x["opts"].kernel_loss, temperature=TEMPERATURE, tokens=_tokens(x), compute_entropy=True,
                   config=config)
     if candidate["mode"] == "one_pass":
@@ -194,13 +226,31 @@ def incumbent_candidate(logits) -> dict:
     The sweep times it first: a run cut short by its budget must not crown a new candidate that was never
     compared with the default it would replace."""
     config = launch.logits_launch_config(logits)
-    return {"mode": "one_pass" if launch.default_one_pass(logits) else "two_pass", "BLOCK_V": config["BLOCK_V"],
-            "num_warps": config["num_warps"], "num_stages": config.get("num_stages"),
-            "programs_per_sm": config.get("programs_per_sm"), "split_row": config.get("split_row")}
+    return _candidate("one_pass" if launch.default_one_pass(logits) else "two_pass", BLOCK_V=config["BLOCK_V"],
+                      num_warps=config["num_warps"], num_stages=config.get("num_stages"),
+                      loop_stages=config.get("loop_stages"), l2_hints=config.get("l2_hints"),
+                      programs_per_sm=config.get("programs_per_sm"), split_row=config.get("split_row"))
 
 
-def sweep_logits(shapes, results, budget_end, write, smoke):
-    for B, T, V in shapes:
+def incumbent_logprobs(logits) -> dict:
+    """What a log-prob pass runs today for these logits, as a logprobs candidate (timed first)."""
+    config = launch.logits_launch_config(logits, kind="logprobs")
+    return {k: config.get(k) for k in tuned.LOGPROBS_KEYS}
+
+
+def run_logprobs(x, candidate):
+    """The log-probs of one log-prob pass candidate (no loss, no entropy, no gradient)."""
+    return launch.forward(x["logits"], x["ids"], temperature=TEMPERATURE,
+                          config={**candidate, "loop_stages": candidate.get("loop_stages") or 1,
+                                  "l2_hints": bool(candidate.get("l2_hints"))}).logp
+
+
+def sweep_logits(shapes, results, budget_end, write, smoke, logprobs_seconds: float = 0.0):
+    """Each shape's loss candidates until ``budget_end`` less ``logprobs_seconds``, then its log-prob pass's
+    candidates for ``logprobs_seconds / len(shapes)``."""
+    for index, (B, T, V) in enumerate(shapes):
+        shape_end = budget_end - logprobs_seconds * (len(shapes) - index) / len(shapes)
+        logprobs_end = shape_end + logprobs_seconds / len(shapes)
         device = "cuda" if ON_GPU else "cpu"
         x = logits_inputs(B, T, V, device)
         S = x["logits"].numel() * x["logits"].element_size()
@@ -226,7 +276,7 @@ def sweep_logits(shapes, results, budget_end, write, smoke):
             if smoke and i >= 2:
                 results["logits"].append({"N": B * T, "V": V, **candidate, "status": "listed (smoke)"})
                 continue
-            if time.monotonic() > budget_end:
+            if time.monotonic() > shape_end:
                 results["logits"].append({"N": B * T, "V": V, **candidate, "status": "not run (time budget)"})
                 continue
             row = {"N": B * T, "V": V, "dtype": str(x["logits"].dtype).replace("torch.", ""), **candidate}
@@ -243,8 +293,32 @@ def sweep_logits(shapes, results, budget_end, write, smoke):
                             median_ms=seconds * 1e3, model_bytes=moved, model_GBps=moved / seconds / 1e9,
                             copy_GBps=2 * S / copy_s / 1e9, fraction_of_copy=(moved / seconds) / (2 * S / copy_s))
             _record_candidate(row, measure, results["logits"], write)
+        sweep_logprobs(x, B * T, V, S, copy_s, results, logprobs_end, write, smoke)
         x = baseline = None  # free the shape's tensors before the next one
         _release_memory()
+
+
+def sweep_logprobs(x, N, V, S, copy_s, results, budget_end, write, smoke):
+    """The log-prob pass's candidates on a logits sweep's inputs, checked against the heuristic's log-probs."""
+    baseline = run_logprobs(x, {**launch.block_config(V, x["logits"].element_size()), "l2_hints": False})
+    incumbent = incumbent_logprobs(x["logits"])
+    candidates = [incumbent] + [c for c in logprobs_candidates() if c != incumbent]
+    for i, candidate in enumerate(candidates):
+        row = {"N": N, "V": V, "dtype": str(x["logits"].dtype).replace("torch.", ""), **candidate}
+        if smoke and i >= 2:
+            results["logprobs"].append({**row, "status": "listed (smoke)"})
+            continue
+        if time.monotonic() > budget_end:
+            results["logprobs"].append({**row, "status": "not run (time budget)"})
+            continue
+
+        def measure(candidate=candidate):
+            err = float((baseline - run_logprobs(x, candidate)).abs().max())
+            seconds = median_seconds(lambda: run_logprobs(x, candidate), reps=3 if smoke else 10)
+            return dict(logp_err=err, exact=err <= AGREE["logp"], status="ok", median_ms=seconds * 1e3,
+                        model_bytes=S, model_GBps=S / seconds / 1e9, copy_GBps=2 * S / copy_s / 1e9,
+                        fraction_of_copy=(S / seconds) / (2 * S / copy_s))
+        _record_candidate(row, measure, results["logprobs"], write)
 
 
 def fused_inputs(N, H, V, device, seed=0):
@@ -340,13 +414,13 @@ def environment() -> dict:
 def winners(results) -> dict:
     """The fastest exact candidate per shape, as tuned.json entries (GPU results only)."""
     env = results["environment"]
-    out = {"logits": [], "fused_linear": []}
+    out = {"logits": [], "logprobs": [], "fused_linear": []}
     if env["arch"] == "cpu" or results.get("smoke"):  # interpreter times and tiny shapes decide nothing
         return out
     note = f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}"
-    for kind, shape_keys in (("logits", ("N", "V")), ("fused_linear", ("N", "H", "V"))):
+    for kind, shape_keys in (("logits", ("N", "V")), ("logprobs", ("N", "V")), ("fused_linear", ("N", "H", "V"))):
         best = {}
-        for row in results[kind]:
+        for row in results.get(kind, []):
             if row.get("status") == "ok" and row.get("exact"):
                 key = tuple(row[k] for k in shape_keys)
                 if key not in best or row["median_ms"] < best[key]["median_ms"]:
@@ -356,6 +430,9 @@ def winners(results) -> dict:
             if kind == "logits":
                 entry.update({"one_pass": row["mode"] == "one_pass", **{k: row.get(k) for k in tuned.LOGITS_KEYS}})
                 measured = f"{row['median_ms']:.3f} ms fwd+bwd at N={row['N']}, {row['model_GBps']:.0f} GB/s"
+            elif kind == "logprobs":
+                entry.update({k: row.get(k) for k in tuned.LOGPROBS_KEYS})
+                measured = f"{row['median_ms']:.3f} ms log-prob pass at N={row['N']}, {row['model_GBps']:.0f} GB/s"
             else:
                 entry.update({"H": row["H"], "mode": row["mode"], **{k: row[k] for k in tuned.FUSED_LINEAR_KEYS}})
                 measured = f"{row['median_ms']:.1f} ms fwd+bwd at N={row['N']}, {row['useful_TFLOPs']:.0f} TFLOP/s"
@@ -369,7 +446,9 @@ def apply(path: str) -> None:
     with open(path) as f:
         found = json.load(f)["winners"]
     table = json.loads(tuned.TABLE_PATH.read_text())
-    for kind in ("logits", "fused_linear"):
+    for kind in ("logits", "logprobs", "fused_linear"):
+        if kind not in found:
+            continue
         same = lambda a, b: all(a.get(k) == b.get(k) for k in ("arch", "dtype", "V", "H"))  # noqa: E731
         table[kind] = [e for e in table.get(kind, []) if not any(same(e, w) for w in found[kind])] + found[kind]
     tuned.TABLE_PATH.write_text(json.dumps(table, indent=2) + "\n")
@@ -389,7 +468,7 @@ def main(argv=None) -> int:
     if not args.out:
         parser.error("--out is required to run the sweep")
     smoke = args.smoke or not ON_GPU
-    results = {"environment": environment(), "smoke": smoke, "logits": [], "fused_linear": []}
+    results = {"environment": environment(), "smoke": smoke, "logits": [], "logprobs": [], "fused_linear": []}
     out_path = pathlib.Path(args.out)
 
     def write():
@@ -400,15 +479,17 @@ def main(argv=None) -> int:
 
     budget_end = time.monotonic() + args.budget
     try:
-        # the logits kernels get two thirds of the budget; the lm_head's products are slower to time
+        # the logits kernels get two thirds of the budget (a fifth of it the log-prob passes'); the lm_head's
+        # products are slower to time
         sweep_logits(SMOKE_LOGITS_SHAPES if smoke else LOGITS_SHAPES, results,
-                     time.monotonic() + args.budget * 2 / 3, write, smoke)
+                     time.monotonic() + args.budget * 2 / 3, write, smoke, logprobs_seconds=args.budget * 2 / 15)
         sweep_fused(SMOKE_FUSED_SHAPES if smoke else FUSED_SHAPES, results, budget_end, write, smoke)
     except KeyboardInterrupt:  # the suite's time limit: keep what was measured
         results["interrupted"] = True
     write()
-    ran = sum(r.get("status") == "ok" for kind in ("logits", "fused_linear") for r in results[kind])
-    print(f"sweep: {ran} candidates timed, {len(results['logits']) + len(results['fused_linear'])} listed; "
+    kinds = ("logits", "logprobs", "fused_linear")
+    ran = sum(r.get("status") == "ok" for kind in kinds for r in results[kind])
+    print(f"sweep: {ran} candidates timed, {sum(len(results[kind]) for kind in kinds)} listed; "
           f"results in {out_path}")
     return 0
 

@@ -118,6 +118,56 @@ def test_aligned_rows_use_128_bit_vector_loads(records):
         r for r in aligned if r["vector_loads_128"] < 1]
 
 
+def test_every_hot_loop_over_aligned_rows_loads_128_bits_at_a_time(records):
+    """In the sm_90 SASS of every streaming kernel over aligned rows, the heuristic's configs and each measured one
+    in tuned.json (what the device runs: 16 warps over 4096 bf16 logits, where a fold by halves once loaded 64
+    bits), pipelined or not, every load of a hot loop is a 16-byte vector (LDG.E.128, or LDGSTS.128 into shared
+    memory). (sm_80's forward has a further loop of a logit or two a thread, the budgets' test says: not checked.)"""
+    streaming = [r for r in records if r.get("hot_loops") and (r["row_align"] or 1) > 1 and not r.get("held_chunk")
+                 and r["arch"] == "sm_90"]
+    assert any(" tuned " in f" {r['specialization']} " for r in streaming)
+    narrow = [(r["arch"], r["specialization"], loop["global_loads"], loop["loads_128"])
+              for r in streaming for loop in r["hot_loops"] if loop["loads_128"] != loop["global_loads"]]
+    assert not narrow, narrow
+
+
+def _sm90(records, label):
+    (record,) = [r for r in records if r["arch"] == "sm_90" and r["specialization"] == label]
+    return record
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_the_row_loops_carry_their_l2_eviction_hints(records, dtype):
+    """The one-pass kernel reads each row twice; the second read comes from L2 only if the row is still there. Its
+    first pass loads with evict_last, its gradient pass with evict_first and writes the gradient with streaming
+    stores (.cs: not read again here); a log-prob pass, which reads a row once, evict_first; the two-pass
+    backward evict_first and streaming stores. In the PTX (``createpolicy`` + ``L2::cache_hint``) and in the
+    SASS of the hot loops themselves (LDG.E.EL.128, LDG.E.EF.128, STG.E.EF.128). Without ``l2_hints`` none."""
+    tag = f"{dtype} V=32000"
+    one_pass = _sm90(records, f"ppo+old+iw one-pass {tag}")
+    assert one_pass["evict_last_loads"] >= 1 and one_pass["evict_first_loads"] >= 1 and one_pass["streaming_stores"]
+    first, gradient = one_pass["hot_loops"]
+    assert first["evict_last_loads"] == first["global_loads"] > 0 and first["global_stores"] == 0, first
+    assert gradient["evict_first_loads"] == gradient["global_loads"] > 0, gradient
+    assert gradient["evict_first_stores"] == gradient["global_stores"] > 0, gradient
+
+    logprobs = _sm90(records, f"logprobs {tag}")
+    assert logprobs["evict_first_loads"] >= 1 and logprobs["evict_last_loads"] == 0
+    (loop,) = logprobs["hot_loops"]
+    assert loop["evict_first_loads"] == loop["global_loads"] > 0, loop
+
+    backward = _sm90(records, f"dlogits {tag}")
+    (loop,) = backward["hot_loops"]
+    assert loop["evict_first_loads"] == loop["global_loads"] > 0 and loop["evict_first_stores"] == loop[
+        "global_stores"] > 0, loop
+
+    for label in (f"ppo+old+iw one-pass no-l2-hints {tag}", f"logprobs no-l2-hints {tag}", f"dlogits no-l2-hints {tag}"):
+        plain = _sm90(records, label)
+        assert plain["evict_last_loads"] == plain["evict_first_loads"] == plain["streaming_stores"] == 0, label
+        assert not any(loop["evict_last_loads"] or loop["evict_first_loads"] or loop["evict_first_stores"]
+                       for loop in plain["hot_loops"]), label
+
+
 def test_fused_lm_head_products_run_on_tensor_cores_fed_by_async_copies(records):
     """bf16 lm_head tiles: wgmma (sm_90) / mma.sync (sm_80) on operands staged by cp.async, i.e. the
     tiles are pipelined through shared memory rather than loaded element by element into registers."""

@@ -80,15 +80,53 @@ def test_launch_config_takes_the_table_then_the_override(table_path, monkeypatch
                                       "fused_linear": []}))
     tuned.table.cache_clear()
     logits = torch.zeros(1, 1, 1003)
-    assert launch.logits_launch_config(logits) == launch.block_config(1003, 4)  # a CPU tensor: heuristics
+    heuristic = {**launch.block_config(1003, 4), "loop_stages": 1, "l2_hints": True}
+    assert launch.logits_launch_config(logits) == heuristic  # a CPU tensor: heuristics
     assert launch.default_one_pass(logits) is True
-    monkeypatch.setattr(tuned, "_nearest", lambda kind, device, dtype, V: json.loads(table_path.read_text())[kind][0])
-    assert launch.logits_launch_config(logits) == {"BLOCK_V": 512, "num_warps": 2, "num_stages": 1}
+    monkeypatch.setattr(tuned, "_nearest", lambda kind, device, dtype, V: (json.loads(table_path.read_text()).get(
+        kind) or [None])[0])
+    # an entry without "l2_hints" was measured before they existed: it runs without them, as measured
+    measured = {"BLOCK_V": 512, "num_warps": 2, "num_stages": 1, "loop_stages": 1, "l2_hints": False}
+    assert launch.logits_launch_config(logits) == measured
     assert launch._forward_grid(100, logits.device, None) == ((100,), False)
     assert launch._forward_grid(100, logits.device, 4) == ((8,), True)  # CPU: 2 "SMs" x 4
     assert launch.default_one_pass(logits) is False
-    assert launch.logits_launch_config(logits, {"num_warps": 4, "BLOCK_V": None}) == {
-        "BLOCK_V": 512, "num_warps": 4, "num_stages": 1}
+    assert launch.logits_launch_config(logits, {"num_warps": 4, "BLOCK_V": None}) == {**measured, "num_warps": 4}
+    # a log-prob pass never takes the loss's entry: its own ("logprobs"), else the heuristic
+    assert launch.logits_launch_config(logits, kind="logprobs") == heuristic
+    table = json.loads(table_path.read_text())
+    table["logprobs"] = [{"arch": "sm_90", "dtype": "float32", "V": 1003, "BLOCK_V": 1024, "num_warps": 1,
+                          "num_stages": 2, "loop_stages": 3, "l2_hints": True}]
+    table_path.write_text(json.dumps(table))
+    tuned.table.cache_clear()
+    assert launch.logits_launch_config(logits, kind="logprobs") == {
+        "BLOCK_V": 1024, "num_warps": 1, "num_stages": 2, "loop_stages": 3, "l2_hints": True}
+    assert launch.logits_launch_config(logits) == measured
+
+
+def test_the_l2_schedule_keeps_the_rows_in_flight_within_l2():
+    """The persistent one-pass schedule's arithmetic (``programs_per_sm: "l2"``): programs per SM such that the rows
+    in flight (one a program: V x the logit's bytes) fill at most ``launch.L2_ROWS_FRACTION`` of L2, at least 1."""
+    MiB = 1 << 20
+    sms, l2 = 132, 50 * MiB  # an H100 / H200 (torch's L2_cache_size: 50 MiB)
+    for V, bytes_per_logit, expected in ((151936, 2, 1), (128256, 2, 1), (32000, 2, 4), (32000, 4, 2),
+                                         (151936, 4, 1), (262144, 2, 1)):
+        row = V * bytes_per_logit
+        programs = launch.l2_programs_per_sm(l2, sms, row)
+        assert programs == expected, (V, bytes_per_logit, programs)
+        budget = launch.L2_ROWS_FRACTION * l2
+        one_a_sm_fits = sms * row <= budget
+        # within the rows' share of L2 wherever one program a SM fits, and the most programs that do
+        assert programs * sms * row <= budget or (programs == 1 and not one_a_sm_fits), (V, bytes_per_logit)
+        assert (programs + 1) * sms * row > budget
+    # Qwen's row in bf16 over 132 SMs: 38.3 MiB, inside the rows' 40 MiB; Gemma's 262,144 cannot fit (66 MiB) and
+    # still gets one program a SM (an idle SM would cost more than the misses)
+    assert 132 * 151936 * 2 <= launch.L2_ROWS_FRACTION * l2 < 132 * 262144 * 2
+    # the grid: "l2" on a CPU tensor sizes itself from the stand-in's 2 SMs and 50 MiB
+    cpu = torch.device("cpu")
+    assert launch._forward_grid(1000, cpu, "l2", 151936 * 2) == ((2 * launch.l2_programs_per_sm(
+        launch.CPU_L2_BYTES, launch.CPU_SMS, 151936 * 2),), True)
+    assert launch._forward_grid(3, cpu, "l2", 1003 * 4) == ((3,), True)  # never more programs than tokens
 
 
 def test_every_sweep_candidate_is_distinct():
@@ -100,9 +138,11 @@ def test_the_sweep_runs_its_candidates_and_they_agree_with_the_default(tmp_path)
     out = tmp_path / "sweep.json"
     assert sweep.main(["--out", str(out), "--smoke"]) == 0
     results = json.loads(out.read_text())
-    ran = [r for kind in ("logits", "fused_linear") for r in results[kind] if r["status"] == "ok"]
+    ran = [r for kind in ("logits", "logprobs", "fused_linear") for r in results[kind] if r["status"] == "ok"]
     assert ran and all(r["exact"] for r in ran)
-    assert results["winners"] == {"logits": [], "fused_linear": []}  # CPU figures never become defaults
+    assert {kind for kind in ("logits", "logprobs", "fused_linear") for r in results[kind] if r["status"] == "ok"} == {
+        "logits", "logprobs", "fused_linear"}  # the log-prob pass has candidates of its own
+    assert results["winners"] == {"logits": [], "logprobs": [], "fused_linear": []}  # CPU figures never become defaults
     assert "Winners" in report.sweep_table(str(out))
 
 
@@ -112,17 +152,25 @@ def test_the_sweep_times_todays_default_first(tmp_path, monkeypatch):
     with the default it would replace."""
     entry = {"one_pass": True, "BLOCK_V": 256, "num_warps": 2, "num_stages": 1, "programs_per_sm": None,
              "split_row": 8}
-    monkeypatch.setattr(tuned, "logits_entry", lambda device, dtype, V: entry)
+    monkeypatch.setattr(tuned, "logits_entry", lambda device, dtype, V, kind="logits": entry if kind == "logits" else
+                        None)
     logits = sweep.logits_inputs(*sweep.SMOKE_LOGITS_SHAPES[0], "cpu")["logits"]
     incumbent = sweep.incumbent_candidate(logits)
-    assert incumbent == {"mode": "one_pass", "BLOCK_V": 256, "num_warps": 2, "num_stages": 1, "programs_per_sm": None,
-                         "split_row": 8}
+    # an entry measured before the L2 hints existed runs without them (and not pipelined), as measured
+    assert incumbent == {"mode": "one_pass", "BLOCK_V": 256, "num_warps": 2, "num_stages": 1, "loop_stages": 1,
+                         "l2_hints": False, "programs_per_sm": None, "split_row": 8}
     out = tmp_path / "sweep.json"
     assert sweep.main(["--out", str(out), "--smoke"]) == 0
-    rows = json.loads(out.read_text())["logits"]
-    keys = ("mode", "BLOCK_V", "num_warps", "num_stages", "programs_per_sm", "split_row")
+    results = json.loads(out.read_text())
+    rows = results["logits"]
+    keys = tuple(incumbent)
     assert {k: rows[0][k] for k in keys} == incumbent and rows[0]["status"] == "ok"
     assert sum({k: r[k] for k in keys} == incumbent for r in rows) == 1
+    # the log-prob pass's incumbent: the heuristic (no "logprobs" entry), timed first too
+    logprobs = results["logprobs"]
+    assert {k: logprobs[0][k] for k in tuned.LOGPROBS_KEYS} == sweep.incumbent_logprobs(logits) == {
+        **launch.block_config(1003, 4), "num_stages": None, "loop_stages": 1, "l2_hints": True}
+    assert logprobs[0]["status"] == "ok"
 
 
 def test_trls_triton_kernel_loads_without_importing_trl_and_agrees_with_ours():
@@ -146,12 +194,12 @@ NCU_RAW = '''==PROF== Connected to process 123
 "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active","sm__inst_issued.avg.pct_of_peak_sustained_active",\
 "sm__warps_active.avg.pct_of_peak_sustained_active"
 "","","","","","","","","","","","byte","byte","nsecond","%","%","%","%"
-"0","1","python3","h","split_row_forward_kernel","1","7","(256, 1, 1)","(264, 1, 1)","0","9.0",\
+"0","1","python3","h","grpo_forward_kernel","1","7","(512, 1, 1)","(132, 1, 1)","0","9.0",\
 "5,000,000,000","4,980,000,000","2,200,000","50.0","40.0","70.0","45.0"
-"1","1","python3","h","split_row_forward_kernel","1","7","(128, 1, 1)","(660, 1, 1)","0","9.0",\
-"4,990,000,000","4,980,000,000","2,300,000","1.0","45.0","90.0","60.0"
-"2","1","python3","h","grpo_forward_kernel","1","7","(256, 1, 1)","(16384, 1, 1)","0","9.0",\
+"1","1","python3","h","grpo_forward_kernel","1","7","(256, 1, 1)","(16384, 1, 1)","0","9.0",\
 "5,100,000,000","4,980,000,000","2,400,000","51.2","30.1","62.0","88.0"
+"2","1","python3","h","split_row_forward_kernel","1","7","(128, 1, 1)","(660, 1, 1)","0","9.0",\
+"4,990,000,000","4,980,000,000","2,300,000","1.0","45.0","90.0","60.0"
 '''
 
 
@@ -159,33 +207,41 @@ def test_ncu_summary_reads_the_raw_csv(tmp_path):
     path = tmp_path / "ncu.csv"
     path.write_text(NCU_RAW)
     summary = report.ncu_summary(str(path), logits_bytes=4_980_000_000)
-    assert "| one-pass forward (writes dlogits) | grpo_forward_kernel | 2.400 | 1.02 | 1.00 | 51 | 88 | 62 | 30 |" \
-        in summary
-    # the split-row kernel's two launches are its two variants, in the profile's order
-    assert "| split-row, chunks read again from L2 | split_row_forward_kernel | 2.200 | 1.00 |" in summary
+    # the forward kernel's two launches are its two schedules, in the profile's order
+    assert ("| one-pass, persistent within L2, L2 hints | grpo_forward_kernel | 2.200 | 1.00 | 1.00 | 50 | 45 | 70 "
+            "| 40 |") in summary
+    assert ("| one-pass forward (writes dlogits), a program a token | grpo_forward_kernel | 2.400 | 1.02 | 1.00 | 51 "
+            "| 88 | 62 | 30 |") in summary
     assert "| split-row, a chunk held in registers | split_row_forward_kernel | 2.300 |" in summary
 
 
 def test_ncu_profiles_the_sweeps_best_of_each_schedule(tmp_path):
-    """The profile's configurations: each schedule's fastest exact sweep row at the profiled V (a split-row row
-    sorted into its variant by the chunk it resolves to), else the defaults."""
+    """The profile's configurations: each schedule's fastest exact sweep row at the profiled V (a persistent row is
+    the read-once schedule's; a split-row row sorted into its variant by the chunk it resolves to, the streamed one
+    not profiled), else the defaults."""
     import ncu_target
 
     V = ncu_target.SHAPE[2]
     row = lambda ms, **c: {"mode": "one_pass", "V": V, "status": "ok", "exact": True, "median_ms": ms,  # noqa: E731
-                           "num_stages": 1, "programs_per_sm": None, "split_row": None, **c}
+                           "num_stages": 1, "loop_stages": 1, "l2_hints": False, "programs_per_sm": None,
+                           "split_row": None, **c}
     rows = [row(3.0, BLOCK_V=4096, num_warps=8), row(2.6, BLOCK_V=4096, num_warps=8, split_row=8),
             row(2.4, BLOCK_V=4096, num_warps=4, split_row=16), row(2.5, BLOCK_V=8192, num_warps=8, split_row=64),
             row(2.1, BLOCK_V=4096, num_warps=4, split_row=64, exact=False), {**row(1.0, BLOCK_V=2048, num_warps=4),
-                                                                             "V": 32000}]
+                                                                             "V": 32000},
+            row(2.7, BLOCK_V=8192, num_warps=16, l2_hints=True, programs_per_sm="l2"),
+            row(2.8, BLOCK_V=4096, num_warps=16, l2_hints=True, programs_per_sm=2)]
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"logits": rows}))
     best = ncu_target.best_configs(str(path))
-    assert best["split_row_streamed"]["split_row"] == 16 and best["split_row_streamed"]["num_warps"] == 4
-    assert best["split_row_held"] == {"BLOCK_V": 8192, "num_warps": 8, "num_stages": 1, "programs_per_sm": None,
+    assert set(best) == {"one_pass_l2", "one_pass", "split_row_held"}
+    assert best["split_row_held"] == {"BLOCK_V": 8192, "num_warps": 8, "num_stages": 1, "loop_stages": 1,
+                                      "l2_hints": False, "programs_per_sm": None,
                                       "split_row": 64}  # the inexact one is never profiled
     assert best["one_pass"]["BLOCK_V"] == 4096 and best["one_pass"]["split_row"] is None
-    assert ncu_target.best_configs(None)["split_row_held"]["split_row"] == 64
+    assert best["one_pass_l2"]["programs_per_sm"] == "l2" and best["one_pass_l2"]["BLOCK_V"] == 8192
+    defaults = ncu_target.best_configs(None)
+    assert defaults["split_row_held"]["split_row"] == 64 and defaults["one_pass_l2"]["programs_per_sm"] == "l2"
 
 
 def test_the_vocab_parallel_step_runs_on_two_ranks_and_matches_the_unsharded_one(tmp_path):

@@ -243,15 +243,13 @@ def test_one_pass_and_two_pass_agree_with_each_other(device):
     assert_close("dlogits", two_grad, one_grad, **FP32_TOL)
 
 
-@pytest.mark.parametrize("programs_per_sm", [1, 3])
-@pytest.mark.parametrize("one_pass", [True, False])
-def test_persistent_schedule_matches_one_program_per_token(device, programs_per_sm, one_pass):
-    """The persistent grid (a few programs striding over the tokens) computes exactly what the default does."""
+def _launch_with_config(device, one_pass, config, V=1003):
+    """(the default launch's ForwardResult, the one with ``config``) of one batch's loss forward."""
     from grpo_kernels.kernels import launch
     from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs
     from grpo_kernels.options import GRPOOptions
 
-    batch = make_batch(B=3, T=5, V=1003, seed=11, device=device)
+    batch = make_batch(B=3, T=5, V=V, seed=11, device=device)
     opts = GRPOOptions(beta=0.04)
     B, T = 3, 5
     flat = lambda t: t.reshape(-1).float().contiguous()  # noqa: E731
@@ -259,14 +257,58 @@ def test_persistent_schedule_matches_one_program_per_token(device, programs_per_
                          old_logps=flat(batch["old_logps"]), ref_logps=flat(batch["ref_logps"]))
     gradient = OnePassGradient(torch.full((B * T,), 0.1, device=batch["logits"].device)) if one_pass else None
     common = dict(kernel_loss=opts.kernel_loss, temperature=1.0, tokens=tokens, compute_entropy=True, gradient=gradient)
-    default = launch.forward(batch["logits"], batch["completion_ids"], **common)
-    persistent = launch.forward(batch["logits"], batch["completion_ids"], config={"programs_per_sm": programs_per_sm},
-                                **common)
-    for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags", "grad_logits"):
+    return (launch.forward(batch["logits"], batch["completion_ids"], **common),
+            launch.forward(batch["logits"], batch["completion_ids"], config=config, **common))
+
+
+RESULT_NAMES = ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags", "grad_logits")
+
+
+@pytest.mark.parametrize("programs_per_sm", [1, 3, "l2"])
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_persistent_schedule_matches_one_program_per_token(device, programs_per_sm, one_pass):
+    """The persistent grid (a few programs striding over the tokens; "l2": as many as keep the rows within L2)
+    computes exactly what the default does."""
+    default, persistent = _launch_with_config(device, one_pass, {"programs_per_sm": programs_per_sm})
+    for name in RESULT_NAMES:
         expected, actual = getattr(default, name), getattr(persistent, name)
         assert (expected is None) == (actual is None), name
         if expected is not None:
             assert torch.equal(expected, actual), name
+
+
+@pytest.mark.parametrize("config", [{"loop_stages": 3}, {"l2_hints": False}, {"l2_hints": True},
+                                   {"loop_stages": 2, "l2_hints": True, "programs_per_sm": "l2"}], ids=str)
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_pipelining_and_l2_hints_change_no_value(device, config, one_pass):
+    """The row loops' software pipelining and L2 eviction hints are scheduling only: every output is bit for bit
+    the default's (the backward's own loop too, through the two-pass loss)."""
+    default, scheduled = _launch_with_config(device, one_pass, config)
+    for name in RESULT_NAMES:
+        expected, actual = getattr(default, name), getattr(scheduled, name)
+        if expected is not None:
+            assert torch.equal(expected, actual), name
+    batch = make_batch(B=2, T=4, V=1003, seed=12, device=device)
+    from grpo_kernels.kernels import launch
+
+    r = launch.forward(batch["logits"], batch["completion_ids"])
+    g = torch.linspace(-1, 1, 8, device=r.lse.device)
+    plain = launch.backward(batch["logits"], batch["completion_ids"], r.lse, g, 1.0)
+    assert torch.equal(plain, launch.backward(batch["logits"], batch["completion_ids"], r.lse, g, 1.0, config=config))
+
+
+@pytest.mark.parametrize("V, config", [(1003, {"BLOCK_V": 256, "num_warps": 8}), (5000, {"BLOCK_V": 1024,
+                                                                                        "num_warps": 16})], ids=str)
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_a_block_over_many_warps_matches_the_default(device, V, config, one_pass):
+    """Each block is loaded whole (every thread's logits contiguous: 128-bit loads at any warp count) and folded as
+    its even and odd logits; with other blocks and warps the sums run in another order, so the results agree with
+    the default's to fp32 rounding, the remainder's masked block included (V not a block multiple)."""
+    default, other = _launch_with_config(device, one_pass, config, V=V)
+    for name in RESULT_NAMES:
+        expected, actual = getattr(default, name), getattr(other, name)
+        if expected is not None and name != "flags":
+            assert_close(name, expected.float(), actual.float(), **FP32_TOL)
 
 
 def _entropy_slow_path_poisoned(row_ptr, V, c, softcap, lse2, BLOCK_V: tl.constexpr):

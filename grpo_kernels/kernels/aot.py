@@ -60,6 +60,11 @@ BUDGETS_HELD_CHUNK = {"one-pass": 60.0, "one-pass entropy-bonus": 62.0}
 # (MUFU.RCP and a multiply) and 3 more instructions a logit in each pass, and the gradient's chain factor 3;
 # measured (bf16, V = 32000) 31.3, 16.1, 15.3 with triton 3.9 and 32.2, 17.1, 15.3 with 3.6, on sm_90 and sm_80
 BUDGETS_SOFTCAP = {"one-pass": 34.0, "forward": 19.0, "backward": 17.0}
+# the row loops software-pipelined (``loop_stages`` > 1, a sweep candidate): the loads become async copies into
+# shared memory, read back with LDS behind a barrier, about 2 to 4 instructions a logit more; measured (sm_90, V =
+# 32000) 20.5 / 10.8 / 8.1 (bf16) and 22.6 / 11.8 / 8.0 (fp32) with triton 3.9, 22.0 / 11.9 / 7.9 and 24.0 / 12.8 /
+# 8.4 with 3.6
+BUDGETS_PIPELINED = {"one-pass": 25.0, "forward": 14.0, "backward": 9.0}
 
 
 @dataclasses.dataclass
@@ -173,6 +178,16 @@ def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                     x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
                     tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]), compute_entropy=True,
                     gradient=OnePassGradient(x["weight"]), config={"programs_per_sm": 2})
+                # the row loops' other settings (launch.loop_config): software-pipelined (the loads become
+                # 16-byte async copies through shared memory), and without the L2 eviction hints
+                for loops, setting in (("pipelined", {"loop_stages": 3}), ("no-l2-hints", {"l2_hints": False})):
+                    yield f"ppo+old+iw one-pass {loops} {tag}", lambda c=setting: launch.forward(
+                        x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
+                        tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
+                        compute_entropy=True, gradient=OnePassGradient(x["weight"]), config=c)
+                    yield f"logprobs {loops} {tag}", lambda c=setting: launch.forward(x["logits"], x["ids"], config=c)
+                    yield f"dlogits {loops} {tag}", lambda c=setting: launch.backward(
+                        x["logits"], x["ids"], x["adv"], x["adv"], 1.0, config=c)
                 yield f"ppo on-policy one-pass {tag}", lambda: launch.forward(
                     x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
                     tokens=TokenInputs(x["mask"], x["adv"]),
@@ -221,6 +236,43 @@ def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
     long = _logits_inputs(torch.bfloat16, 151936, rows=long_rows)
     yield "logprobs+entropy+mask bf16 V=151936 long-context", lambda: launch.forward(
         long["logits"], long["ids"], tokens=TokenInputs(mask=long["mask"]), compute_entropy=True)
+
+
+def tuned_launches(table: Optional[dict] = None) -> Iterator[Tuple[str, Callable[[], None]]]:
+    """The launches of every measured configuration in ``tuned.json`` (``table``: another such table), as a GPU of
+    that architecture runs them: a "logits" entry's one-pass kernel (or its two-pass forward and backward), a
+    "logprobs" entry's log-prob pass; each at its entry's vocabulary and dtype, its keys passed as the launch's
+    config (an entry without "l2_hints" runs without them: ``launch.logits_launch_config``). Labelled "tuned".
+    A CPU tensor never finds an entry (the lookup is by the GPU's architecture), so the other specializations are
+    the heuristic's; these are what the device runs."""
+    from . import tuned
+
+    table = tuned.table() if table is None else table
+    names = {str(dtype).replace("torch.", ""): (name, dtype) for name, dtype in DTYPES.items()}
+    for kind in ("logits", "logprobs"):
+        for entry in table.get(kind, []):
+            if entry["dtype"] not in names:
+                continue
+            dtype_name, dtype = names[entry["dtype"]]
+            keys = tuned.LOGITS_KEYS if kind == "logits" else tuned.LOGPROBS_KEYS
+            config = {k: entry.get(k) for k in keys}
+            config["l2_hints"] = bool(entry.get("l2_hints", False))
+            x = _logits_inputs(dtype, entry["V"])
+            tag = f"tuned {entry['arch']} {dtype_name} V={entry['V']}"
+            if kind == "logprobs":
+                yield f"logprobs {tag}", lambda x=x, c=config: launch.forward(x["logits"], x["ids"], config=c)
+                continue
+            tokens = TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"])
+            loss = LOSS_OPTIONS["ppo"].kernel_loss
+            if entry.get("one_pass", True) and not entry.get("split_row"):
+                yield f"ppo+old+iw one-pass {tag}", lambda x=x, c=config, t=tokens: launch.forward(
+                    x["logits"], x["ids"], kernel_loss=loss, tokens=t, compute_entropy=True,
+                    gradient=OnePassGradient(x["weight"]), config=c)
+            elif not entry.get("split_row"):
+                yield f"ppo+old+iw {tag}", lambda x=x, c=config, t=tokens: launch.forward(
+                    x["logits"], x["ids"], kernel_loss=loss, tokens=t, compute_entropy=True, config=c)
+                yield f"dlogits {tag}", lambda x=x, c=config: launch.backward(
+                    x["logits"], x["ids"], x["adv"], x["adv"], 1.0, config=c)
 
 
 def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
@@ -309,7 +361,8 @@ def record_all() -> List[Launch]:
     The split-row kernel's launcher, given CPU tensors, makes the interpreter's two launches (publish;
     merge and write): what a GPU runs is the same arguments in one cooperative launch (PHASE 0)."""
     found: Dict[tuple, Launch] = {}
-    for label, call in list(logits_launches()) + list(fused_linear_launches()) + list(reduce_launches()):
+    for label, call in (list(logits_launches()) + list(tuned_launches()) + list(fused_linear_launches())
+                        + list(reduce_launches())):
         with recorded_launches() as launches:
             call()
         for item in launches:
@@ -410,11 +463,18 @@ def _loops(code) -> List[Tuple[int, int]]:
 
 
 def _instruction_mix(body: List[str]) -> Dict[str, int]:
-    loads = [op for op in body if op.startswith("LDG")]
+    # global loads: LDG, and LDGSTS (a pipelined loop's async copy to shared memory); LDGDEPBAR is its wait
+    loads = [op for op in body if op.startswith("LDG") and not op.startswith("LDGDEPBAR")]
     widths = [re.search(r"\.(128|64|32|16)\b", op) for op in loads]
+    stores = [op for op in body if op.startswith("STG")]
+    # SASS spells the L2 eviction hints as modifiers: LDG.E.EL (evict_last), LDG.E.EF / STG.E.EF (evict_first; a
+    # ".cs" streaming store is an STG.E.EF)
     return {"instructions": len(body), "mufu": sum(op.startswith("MUFU") for op in body), "global_loads": len(loads),
             "bytes_loaded": sum(int(m.group(1)) // 8 if m else 4 for m in widths),
-            "global_stores": sum(op.startswith("STG") for op in body),
+            "loads_128": sum(bool(m) and m.group(1) == "128" for m in widths),
+            "evict_last_loads": sum(".EL." in op + "." for op in loads),
+            "evict_first_loads": sum(".EF." in op + "." for op in loads),
+            "global_stores": len(stores), "evict_first_stores": sum(".EF." in op + "." for op in stores),
             "shuffles": sum(op.startswith("SHFL") for op in body), "barriers": sum(op.startswith("BAR") for op in body)}
 
 
@@ -442,8 +502,7 @@ def _record(item: Launch, arch: int) -> Dict[str, object]:
         "num_warps": options.num_warps, "num_stages": options.num_stages,
         "signature": {k: v for k, v in signature.items() if v != "constexpr"},
         "registers": usage.get("REG"), "spill_bytes": usage["SPILL"], "local_bytes": usage.get("LOCAL", 0),
-        "vector_loads_128": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|u32|f32)", ptx))
-        + len(re.findall(r"ld\.global(?:\.\w+)*\.v2\.(?:b64|u64)", ptx)),
+        **ptx_memory_facts(ptx),
         # tensor-core products (Hopper's wgmma, Ampere's mma.sync) and global-to-shared async copies
         "tensor_core_mma": len(re.findall(r"wgmma\.mma_async|mma\.sync", ptx)),
         "async_copies": len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
@@ -472,6 +531,24 @@ def _record(item: Launch, arch: int) -> Dict[str, object]:
     return record
 
 
+def ptx_memory_facts(ptx: str) -> Dict[str, int]:
+    """The global memory instructions of a kernel's PTX that the streaming kernels' design rests on:
+    ``vector_loads_128``, 16-byte loads (``ld.global...v4.b32``, ``v2.b64``, whatever their cache modifiers) and
+    16-byte async copies (``cp.async`` of 16 bytes: a pipelined loop's loads); ``evict_last_loads`` and
+    ``evict_first_loads``, loads carrying that L2 eviction policy (``L1::evict_* ... L2::cache_hint``, the policy
+    made by ``createpolicy``); ``streaming_stores``, ``st.global.cs`` (stores marked as not read again)."""
+    modifiers = r"(?:\.[\w:]+)*"
+    return {
+        "vector_loads_128": len(re.findall(rf"ld\.global{modifiers}\.v4\.(?:b32|u32|f32)", ptx))
+        + len(re.findall(rf"ld\.global{modifiers}\.v2\.(?:b64|u64)", ptx))
+        + len(re.findall(r"cp\.async\.c[ag]\.shared\.global[\w.:]*\s+\[[^]]*\],\s*\[[^]]*\],\s*(?:16|0x10)\b", ptx)),
+        "evict_last_loads": len(re.findall(rf"ld\.global{modifiers}\.L1::evict_last{modifiers}\.L2::cache_hint", ptx)),
+        "evict_first_loads": len(re.findall(rf"ld\.global{modifiers}\.L1::evict_first{modifiers}\.L2::cache_hint",
+                                            ptx)),
+        "streaming_stores": len(re.findall(rf"st\.global\.cs{modifiers}", ptx)),
+    }
+
+
 def roofline(record: Dict[str, object], gpu: Dict[str, float] = H200) -> Dict[str, float]:
     """Static roofline of a streaming kernel from its SASS: at HBM speed under the byte model, which share of
     the GPU's issue slots and of its SFU (MUFU) throughput the hot loops need (over 1: that unit, not HBM,
@@ -490,6 +567,8 @@ def budget_of(record: Dict[str, object]) -> Optional[float]:
     """The CI budget (instructions per logit) of a streaming kernel record, or None for the others."""
     vocab = re.search(r"V=(\d+)", record["specialization"])
     bonus = "entropy-bonus" in record["specialization"]
+    if " tuned " in f" {record['specialization']} ":  # a measured config: its measurement judges it, not a budget
+        return None
     if record.get("held_chunk"):  # no loop over the logits: the item's loop, whatever the vocabulary
         return BUDGETS_HELD_CHUNK["one-pass entropy-bonus" if bonus else "one-pass"]
     if "instructions_per_logit" not in record or not vocab or int(vocab.group(1)) < 2 * record["BLOCK_V"]:
@@ -497,6 +576,8 @@ def budget_of(record: Dict[str, object]) -> Optional[float]:
     budgets = {**BUDGETS, **BUDGETS_ENTROPY_BONUS} if bonus else BUDGETS
     if "softcap" in record["specialization"]:
         budgets = BUDGETS_SOFTCAP
+    if "pipelined" in record["specialization"]:
+        budgets = BUDGETS_PIPELINED
     if "one-pass" in record["specialization"]:
         return budgets["one-pass"]
     return budgets["backward"] if record["kernel"] == "backward" else budgets["forward"]

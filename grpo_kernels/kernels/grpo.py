@@ -171,33 +171,40 @@ def _lse_finish(m, s, t, COMPUTE_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def _online_logsumexp(row_ptr, V, inv_temperature, softcap, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr):
+def _online_logsumexp(row_ptr, V, inv_temperature, softcap, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+                      LOOP_STAGES: tl.constexpr, EVICTION: tl.constexpr):
     """One pass over a row: log-sum-exp of x = cap(logits) / tau (natural log) and the entropy of softmax(x).
 
-    Full blocks load without a mask (so aligned rows get 128-bit vector loads); the
-    remainder, if any, is one masked block.
+    Full blocks load without a mask (so aligned rows get 128-bit vector loads); the remainder, if any, is one
+    masked block. The loop is software-pipelined over LOOP_STAGES stages (1: not pipelined);
+    EVICTION is the loads' L2 eviction policy ("" none: see ``_forward_token``).
     """
-    # The lanes' accumulators cover half a block, and each block is folded in as two halves:
-    # both halves' loads are still issued together, with half the accumulator registers.
+    # The lanes' accumulators cover half a block: each block is loaded whole (each thread's logits contiguous,
+    # 128-bit loads at any warp count) and folded in as its even and odd logits, which each thread already holds
+    # (a split of the register file, no data movement): half the accumulator registers of a block-wide fold.
     HALF: tl.constexpr = BLOCK_V // 2
-    cols = tl.arange(0, HALF)
+    block = tl.arange(0, BLOCK_V)
     c = inv_temperature * LOG2E
     m = tl.full([HALF], FLOOR, tl.float32)
     s = tl.zeros([HALF], tl.float32)
     t = tl.zeros([HALF], tl.float32)
     full_end = (V // BLOCK_V) * BLOCK_V
-    for start in range(0, full_end, BLOCK_V):
-        low = base2_logit(tl.load(row_ptr + start + cols), c, softcap)
-        high = base2_logit(tl.load(row_ptr + start + HALF + cols), c, softcap)
-        m, s, t = _lse_fold(low, m, s, t, COMPUTE_ENTROPY)
-        m, s, t = _lse_fold(high, m, s, t, COMPUTE_ENTROPY)
-    for start in range(full_end, V, HALF):  # the remainder: at most two masked half blocks
-        in_row = start + cols < V
-        x2 = padded_base2_logit(tl.load(row_ptr + start + cols, mask=in_row, other=float("-inf")), in_row, c, softcap)
+    for start in tl.range(0, full_end, BLOCK_V, num_stages=LOOP_STAGES):
+        x = tl.load(row_ptr + start + block, eviction_policy=EVICTION)
+        even, odd = tl.split(tl.reshape(x, [HALF, 2]))
+        m, s, t = _lse_fold(base2_logit(even, c, softcap), m, s, t, COMPUTE_ENTROPY)
+        m, s, t = _lse_fold(base2_logit(odd, c, softcap), m, s, t, COMPUTE_ENTROPY)
+    if full_end < V:  # the remainder: one masked block, folded as the full ones (no other register layout)
+        in_row = full_end + block < V
+        x = tl.load(row_ptr + full_end + block, mask=in_row, other=float("-inf"))
+        even, odd = tl.split(tl.reshape(x, [HALF, 2]))
+        even_in_row, odd_in_row = tl.split(tl.reshape(in_row, [HALF, 2]))
         # A padding lane's fold leaves m and s as they were but makes t = t + 0 * -inf = NaN;
         # keep its t, or every row whose V is not a multiple of BLOCK_V would take the slow path.
-        m, s, t_folded = _lse_fold(x2, m, s, t, COMPUTE_ENTROPY)
-        t = tl.where(in_row, t_folded, t)
+        m, s, t_folded = _lse_fold(padded_base2_logit(even, even_in_row, c, softcap), m, s, t, COMPUTE_ENTROPY)
+        t = tl.where(even_in_row, t_folded, t)
+        m, s, t_folded = _lse_fold(padded_base2_logit(odd, odd_in_row, c, softcap), m, s, t, COMPUTE_ENTROPY)
+        t = tl.where(odd_in_row, t_folded, t)
     lse2, entropy = _lse_finish(m, s, t, COMPUTE_ENTROPY)
     if COMPUTE_ENTROPY:
         # A -inf logit adds 0 * -inf to t; rather than guard every logit, a row whose entropy came
@@ -391,19 +398,24 @@ def _forward_token(
     inv_temperature, softcap, loss_scalars,
     LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
     ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, L2_HINTS: tl.constexpr,
 ):
     """Everything the forward does for one token (row ``pid``): see ``grpo_forward_kernel``."""
     HAS_MASK: tl.constexpr = mask_ptr is not None
     COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
     WRITE_GRAD: tl.constexpr = grad_weight_ptr is not None
     HAS_ENTROPY_GRAD: tl.constexpr = entropy_grad_ptr is not None
+    # L2_HINTS: the row's first read stays in L2 (evict_last) where the gradient loop reads it again right after,
+    # and leaves first (evict_first) where nothing will; without them the loads carry no policy
+    FIRST_READ: tl.constexpr = ("evict_last" if WRITE_GRAD else "evict_first") if L2_HINTS else ""
     active = True
     if HAS_MASK:
         active = tl.load(mask_ptr + pid) != 0.0
     row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
     target = tl.load(ids_ptr + pid).to(tl.int64)
     if active:
-        lse, entropy = _online_logsumexp(row_ptr, V, inv_temperature, softcap, BLOCK_V, COMPUTE_ENTROPY)
+        lse, entropy = _online_logsumexp(row_ptr, V, inv_temperature, softcap, BLOCK_V, COMPUTE_ENTROPY, LOOP_STAGES,
+                                         FIRST_READ)
         logp = capped_logit(tl.load(row_ptr + target), softcap) * inv_temperature - lse
     else:
         lse = 0.0
@@ -427,9 +439,7 @@ def _forward_token(
                 h = tl.where(active, tl.load(entropy_grad_ptr + pid), 0.0)
             out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
             _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, softcap, h, entropy, BLOCK_V,
-                                HAS_ENTROPY_GRAD)
-
-
+                                HAS_ENTROPY_GRAD, LOOP_STAGES, L2_HINTS)
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def grpo_forward_kernel(
@@ -440,10 +450,17 @@ def grpo_forward_kernel(
     inv_temperature, softcap, loss_scalars,
     LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
     ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, PERSISTENT: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, L2_HINTS: tl.constexpr,
 ):
     """One token per program on a grid of N programs; or, PERSISTENT, a grid of a few programs per SM,
     each taking every num_programs-th token, so that the rows in flight (and being re-read by the
-    one-pass gradient loop) are bounded by the grid, not by what the hardware keeps resident.
+    one-pass gradient loop) are bounded by the grid, not by what the hardware keeps resident
+    (``launch.l2_programs_per_sm`` sizes it so that they fit in L2).
+
+    The vocabulary loops: blocks of BLOCK_V logits, each thread's logits loaded 128 bits at a time whatever the
+    warps (``_online_logsumexp``), software-pipelined over LOOP_STAGES stages (``tl.range``: Triton pipelines a
+    loop without ``tl.dot`` only when asked; 1 leaves it as it is), with L2 eviction hints where L2_HINTS
+    (``_forward_token``; on triton 3.6 a pipelined load drops them).
 
     An optional tensor is None where absent, and what it switches on is derived from that at compile
     time: the mask, old and reference log-probs, importance weights, the entropy (``entropy_out``), the
@@ -459,20 +476,23 @@ def grpo_forward_kernel(
                 tl.cast(row, tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr, old_ptr,
                 ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
                 grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-                softcap, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS, ROW_ALIGN, BLOCK_V,
+                softcap, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS, ROW_ALIGN, BLOCK_V, LOOP_STAGES,
+                L2_HINTS,
             )
     else:
         _forward_token(
             tl.program_id(0).to(tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr,
             old_ptr, ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
             grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-            softcap, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS, ROW_ALIGN, BLOCK_V,
+            softcap, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS, ROW_ALIGN, BLOCK_V, LOOP_STAGES,
+            L2_HINTS,
         )
 
 
 @triton.jit
 def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, softcap, h, entropy,
-                        BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+                        BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, LOOP_STAGES: tl.constexpr,
+                        L2_HINTS: tl.constexpr):
     """out = g * (onehot(target) - softmax(row / tau)) / tau over one row; a zero row, unread, if g == 0.
 
     The loop writes -g / tau * p for every column, one exp2 and one multiply a logit; the target's
@@ -484,7 +504,12 @@ def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, so
     log p_j = d ln 2) that is p * (a d + b), a = -h ln2 / tau, b = (-g - h H) / tau: one FMA more a
     logit. The row is zero, unread, only if g and h are both 0. With a soft-cap every column's value
     is times its chain factor 1 - tanh^2 (``cap_slope``).
+
+    L2_HINTS: this is the row's last read (evict_first) and the gradient is not read again here (streaming
+    stores, ".cs"); the loops are pipelined over LOOP_STAGES stages.
     """
+    READ: tl.constexpr = "evict_first" if L2_HINTS else ""
+    WRITE: tl.constexpr = ".cs" if L2_HINTS else ""
     cols = tl.arange(0, BLOCK_V)
     out_dtype = out_ptr.dtype.element_ty
     full_end = (V // BLOCK_V) * BLOCK_V
@@ -493,10 +518,10 @@ def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, so
         is_zero = is_zero & (h == 0.0)
     if is_zero:
         zeros = tl.zeros([BLOCK_V], dtype=out_dtype)
-        for start in range(0, full_end, BLOCK_V):
-            tl.store(out_ptr + start + cols, zeros)
+        for start in tl.range(0, full_end, BLOCK_V, num_stages=LOOP_STAGES):
+            tl.store(out_ptr + start + cols, zeros, cache_modifier=WRITE)
         if full_end < V:
-            tl.store(out_ptr + full_end + cols, zeros, mask=full_end + cols < V)
+            tl.store(out_ptr + full_end + cols, zeros, mask=full_end + cols < V, cache_modifier=WRITE)
     elif HAS_ENTROPY_GRAD:
         c = inv_temperature * LOG2E
         lse2 = lse * LOG2E
@@ -507,16 +532,17 @@ def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, so
         # loop, which may write in place.
         x2_target = base2_logit(tl.load(row_ptr + target), c, softcap)
         d_target = tl.maximum(x2_target - lse2, FLOOR, propagate_nan=NAN)
-        for start in range(0, full_end, BLOCK_V):
-            x2 = base2_logit(tl.load(row_ptr + start + cols), c, softcap)
+        for start in tl.range(0, full_end, BLOCK_V, num_stages=LOOP_STAGES):
+            x2 = base2_logit(tl.load(row_ptr + start + cols, eviction_policy=READ), c, softcap)
             d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
-            tl.store(out_ptr + start + cols, chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype))
+            tl.store(out_ptr + start + cols, chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype),
+                     cache_modifier=WRITE)
         if full_end < V:
             in_row = full_end + cols < V
             x2 = base2_logit(tl.load(row_ptr + full_end + cols, mask=in_row, other=float("-inf")), c, softcap)
             d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
             tl.store(out_ptr + full_end + cols, chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype),
-                     mask=in_row)
+                     mask=in_row, cache_modifier=WRITE)
         tl.debug_barrier()
         at_target = g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)
         tl.store(out_ptr + target, chained(at_target, x2_target, c, softcap).to(out_dtype))
@@ -527,14 +553,15 @@ def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, so
         # read before the loop: in place (out_ptr == row_ptr) the loop overwrites the logits
         x2_target = base2_logit(tl.load(row_ptr + target), c, softcap)
         p_target = tl.exp2(x2_target - lse2)
-        for start in range(0, full_end, BLOCK_V):
-            x2 = base2_logit(tl.load(row_ptr + start + cols), c, softcap)
-            tl.store(out_ptr + start + cols, chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype))
+        for start in tl.range(0, full_end, BLOCK_V, num_stages=LOOP_STAGES):
+            x2 = base2_logit(tl.load(row_ptr + start + cols, eviction_policy=READ), c, softcap)
+            tl.store(out_ptr + start + cols, chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype),
+                     cache_modifier=WRITE)
         if full_end < V:
             in_row = full_end + cols < V
             x2 = base2_logit(tl.load(row_ptr + full_end + cols, mask=in_row, other=float("-inf")), c, softcap)
             tl.store(out_ptr + full_end + cols, chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype),
-                     mask=in_row)
+                     mask=in_row, cache_modifier=WRITE)
         tl.debug_barrier()
         tl.store(out_ptr + target, chained(g * inv_temperature * (1.0 - p_target), x2_target, c, softcap).to(out_dtype))
 
@@ -544,11 +571,13 @@ def logprob_backward_kernel(
     logits_ptr, stride_b, stride_t, ids_ptr, T, V,
     grad_logp_ptr, lse_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
     grad_entropy_ptr, entropy_ptr,
-    inv_temperature, softcap, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
+    inv_temperature, softcap, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    L2_HINTS: tl.constexpr,
 ):
     """dlogits = g * (onehot - p) / tau (+ dLoss/dH times dH/dlogits with ``grad_entropy_ptr`` and
     ``entropy_ptr``, None without the entropy bonus), times the soft-cap's chain factor where ``softcap`` is a
-    number; may write into the logits' own storage (in place)."""
+    number; may write into the logits' own storage (in place). The row's loop as the one-pass gradient's
+    (``_write_row_gradient``: pipelined over LOOP_STAGES, streaming hints where L2_HINTS)."""
     HAS_ENTROPY_GRAD: tl.constexpr = grad_entropy_ptr is not None
     pid = tl.program_id(0).to(tl.int64)
     g = tl.load(grad_logp_ptr + pid)
@@ -562,7 +591,7 @@ def logprob_backward_kernel(
     lse = tl.load(lse_ptr + pid)
     target = tl.load(ids_ptr + pid).to(tl.int64)
     _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, softcap, h, entropy, BLOCK_V,
-                        HAS_ENTROPY_GRAD)
+                        HAS_ENTROPY_GRAD, LOOP_STAGES, L2_HINTS)
 
 
 @triton.jit(do_not_specialize=["numel"])

@@ -28,6 +28,20 @@ def block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
     return dict(_block_config(vocab_size, element_size))
 
 
+# The share of L2 the persistent one-pass schedule lets the rows in flight fill (one row a program): the rest holds
+# the gradient's stores on their way out (streaming) and the per-token arrays.
+L2_ROWS_FRACTION = 0.8
+
+
+def l2_programs_per_sm(l2_bytes: int, sms: int, row_bytes: int, fraction: float = L2_ROWS_FRACTION) -> int:
+    """Programs per SM of the persistent one-pass schedule (``programs_per_sm: "l2"``) so that the rows in flight,
+    one a program, fill at most ``fraction`` of L2, at least 1: the gradient loop's second read of a row then finds
+    it in L2 (2 S) instead of HBM (3 S). 132 SMs x 297 KiB (V = 151,936 in bf16) are 38.3 MiB: 1 a SM in a 50 MiB
+    L2; at V = 32,000, 4. A row so wide that one program a SM overflows L2 (V = 262,144 in bf16: 66 MiB on 132 SMs)
+    still gets 1: the fewest rows the grid can keep every SM busy with."""
+    return max(1, int(fraction * l2_bytes) // max(1, sms * row_bytes))
+
+
 @functools.lru_cache(maxsize=256)  # a pure function of two ints, called on every launch
 def _block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
     """Block size over the vocabulary and warp count, from V and the logit width.
@@ -48,36 +62,53 @@ def _block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
     return {"BLOCK_V": block, "num_warps": num_warps}
 
 
-def logits_launch_config(logits: torch.Tensor, override: Optional[Dict[str, int]] = None) -> Dict[str, int]:
-    """BLOCK_V, num_warps (and num_stages, programs_per_sm, split_row where set) of a logits-kernel launch; a new
-    dict (the caller pops from it).
+def logits_launch_config(logits: torch.Tensor, override: Optional[Dict[str, int]] = None,
+                         kind: str = "logits") -> Dict[str, int]:
+    """BLOCK_V, num_warps, loop_stages, l2_hints (and num_stages, programs_per_sm, split_row where set) of a
+    logits-kernel launch; a new dict (the caller pops from it).
 
-    In order: ``override`` (the device sweep's candidates), the measured winner for this GPU,
-    dtype and vocabulary (``tuned.json``), the heuristic of ``block_config``.
+    In order: ``override`` (the device sweep's candidates), the measured winner for this GPU, dtype and vocabulary
+    (``tuned.json``'s ``kind``: "logits" for the loss's launches, "logprobs" for a log-prob pass, which reads each
+    row once and never shares the loss's config: see ``tuned.py``), the heuristic of ``block_config``. The heuristic
+    pipelines nothing (loop_stages 1) and sets the L2 hints; a measured entry without "l2_hints" was measured
+    before they existed, and runs without them, as measured.
     """
-    config = dict(_measured_config(logits))
+    config = dict(_measured_config(logits, kind))
     if override:
         config.update({k: v for k, v in override.items() if k in tuned.LOGITS_KEYS and v is not None})
     return config
 
 
-_MEASURED_CONFIGS: Dict[tuple, tuple] = {}  # (V, element size, device, dtype) -> (what it was read with, config)
+_MEASURED_CONFIGS: Dict[tuple, tuple] = {}  # (V, element size, device, dtype, kind) -> (read with, config)
 
 
-def _measured_config(logits: torch.Tensor) -> dict:
+def _measured_config(logits: torch.Tensor, kind: str) -> dict:
     """The heuristic with the measured entry's keys on top (``logits_launch_config`` without an override). Asked
     on every launch, so each answer is kept with what it was read with (the table and its lookup: the device
     sweep's tests read other tables in and swap the lookup), and used only while those are still the ones."""
-    key = (logits.shape[-1], logits.element_size(), logits.device, logits.dtype)
+    key = (logits.shape[-1], logits.element_size(), logits.device, logits.dtype, kind)
     source = (tuned.table(), tuned.logits_entry, tuned._nearest)
     found = _MEASURED_CONFIGS.get(key)
     if found is None or found[0] != source:  # (a tuple compares its items by identity first: the same ones)
-        config = block_config(key[0], key[1])
-        entry = tuned.logits_entry(logits.device, logits.dtype, key[0])
+        config = {**block_config(key[0], key[1]), "loop_stages": 1, "l2_hints": True}
+        entry = tuned.logits_entry(logits.device, logits.dtype, key[0], kind)
         if entry is not None:
             config.update({k: entry[k] for k in tuned.LOGITS_KEYS if entry.get(k) is not None})
+            config["l2_hints"] = bool(entry.get("l2_hints", False))
         found = _MEASURED_CONFIGS[key] = (source, config)
     return found[1]
+
+
+class LoopConfig(NamedTuple):
+    """The row loops' compile-time settings of a launch (the kernels' LOOP_STAGES and L2_HINTS)."""
+
+    stages: int
+    hints: bool
+
+
+def loop_config(config: Dict[str, int]) -> LoopConfig:
+    """The row loops' settings from a launch config (``logits_launch_config``), popping its own keys."""
+    return LoopConfig(int(config.pop("loop_stages", None) or 1), bool(config.pop("l2_hints", True)))
 
 
 def default_one_pass(logits: torch.Tensor) -> bool:
@@ -92,17 +123,31 @@ def _sm_count(device_index: Optional[int]) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _forward_grid(N: int, device, programs_per_sm: Optional[int]):
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: Optional[int]) -> int:
+    """The L2 cache of a CUDA device in bytes, asked once."""
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+# What the persistent schedule assumes of a device without one (the interpreter on a CPU): 2 "SMs", a 50 MiB L2
+CPU_SMS, CPU_L2_BYTES = 2, 50 << 20
+
+
+def _forward_grid(N: int, device, programs_per_sm, row_bytes: int = 0):
     """(grid, persistent) of the forward kernel: one program per token, or, with ``programs_per_sm``,
-    a persistent grid of that many programs per SM (each takes every grid-th token).
+    a persistent grid of that many programs per SM (each takes every grid-th token); "l2": as many as keep
+    the rows in flight within L2 (``l2_programs_per_sm`` of ``row_bytes``, a row's logits).
 
     The persistent grid bounds the rows in flight, and with them the one-pass kernel's working set
     (the rows it re-reads for the gradient): programs_per_sm x SMs x V x bytes, 132 x 297 KiB =
-    39 MB a program per SM at V = 151,936 in bf16, inside the H200's 60 MB L2.
+    38 MiB a program per SM at V = 151,936 in bf16.
     """
     if not programs_per_sm:
         return (N,), False
-    sms = _sm_count(device.index) if device.type == "cuda" else 2
+    cuda = device.type == "cuda"
+    sms = _sm_count(device.index) if cuda else CPU_SMS
+    if programs_per_sm == "l2":
+        programs_per_sm = l2_programs_per_sm(_l2_bytes(device.index) if cuda else CPU_L2_BYTES, sms, row_bytes)
     return (max(1, min(N, sms * int(programs_per_sm))),), True
 
 
@@ -288,7 +333,7 @@ def _run_forward(logits, ids, out: ForwardResult, kernel_loss: Optional[KernelLo
     out.grad_logits = grad
     pointers = loss_pointers(out, tokens)
     loss = NO_LOSS_ARGS if kernel_loss is None else kernel_loss.args
-    launch_config = logits_launch_config(logits, config)
+    launch_config = logits_launch_config(logits, config, "logprobs" if kernel_loss is None else "logits")
     # positional, in the kernel's signature order (grpo.grpo_forward_kernel): Triton's launcher takes a keyword
     # argument at about ten times a positional one's host time, and this launch has 33
     args = (logits, logits.stride(0), logits.stride(1), ids, T, V, N,
@@ -304,9 +349,11 @@ def _run_forward(logits, ids, out: ForwardResult, kernel_loss: Optional[KernelLo
         if ran:
             return out
     programs_per_sm = launch_config.pop("programs_per_sm", None)
-    grid, persistent = ((N,), False) if not programs_per_sm else _forward_grid(N, logits.device, programs_per_sm)
+    grid, persistent = ((N,), False) if not programs_per_sm else _forward_grid(
+        N, logits.device, programs_per_sm, V * logits.element_size())
+    loops = loop_config(launch_config)
     if N > 0:
-        grpo.grpo_forward_kernel[grid](*args, launch_config.pop("BLOCK_V"), persistent, **launch_config)
+        grpo.grpo_forward_kernel[grid](*args, launch_config.pop("BLOCK_V"), persistent, *loops, **launch_config)
     return out
 
 
@@ -354,6 +401,7 @@ def backward(
     # the forward's schedules (a persistent grid, split rows); the backward reads each row once, a program a row
     launch_config.pop("programs_per_sm", None)
     launch_config.pop("split_row", None)
+    loops = loop_config(launch_config)
     if B * T > 0:
         with_entropy = grad_entropy is not None
         grpo.logprob_backward_kernel[(B * T,)](
@@ -361,7 +409,7 @@ def backward(
             grad_logp_ptr=grad_logp, lse_ptr=lse, grad_logits_ptr=grad, grad_stride_b=grad.stride(0),
             grad_stride_t=grad.stride(1), grad_entropy_ptr=grad_entropy if with_entropy else None,
             entropy_ptr=entropy if with_entropy else None, inv_temperature=1.0 / temperature, softcap=softcap,
-            ROW_ALIGN=row_alignment(logits, grad), **launch_config,
+            ROW_ALIGN=row_alignment(logits, grad), LOOP_STAGES=loops.stages, L2_HINTS=loops.hints, **launch_config,
         )
     return grad
 

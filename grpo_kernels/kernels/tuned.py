@@ -7,14 +7,24 @@ and shape; a launch uses the entry of its architecture and dtype whose vocabular
 nearest (in ratio) to its own, and the built-in heuristics where there is none (CPU, the
 interpreter, an architecture never measured).
 
-Entries (lists under "logits" and "fused_linear"):
+Entries (lists under "logits", "logprobs" and "fused_linear"):
 
 - logits: ``{"arch": "sm_90", "dtype": "bfloat16", "V": 151936, "one_pass": true,
-  "BLOCK_V": 4096, "num_warps": 8, "num_stages": 1, "programs_per_sm": null, "measured": "..."}``
-  (``programs_per_sm``: null is one program per token, a number the persistent schedule; ``split_row``:
-  null, or the one-pass loss on the split-row kernel with each row over at most that many programs, in
-  chunks of whole BLOCK_V blocks: at least the row's blocks is a block a chunk held in registers, and 1
-  with a block as wide as the row is the row held whole by one program)
+  "BLOCK_V": 4096, "num_warps": 8, "num_stages": 1, "loop_stages": 1, "l2_hints": true,
+  "programs_per_sm": null, "measured": "..."}``, the loss's launches (the one-pass kernel, or the two-pass
+  forward and backward)
+  (``programs_per_sm``: null is one program per token, a number the persistent schedule, "l2" the persistent
+  schedule with as many programs as keep the rows in flight within L2 (``launch.l2_programs_per_sm``);
+  ``loop_stages``: the vocabulary loops software-pipelined over that many stages (1 or absent: not pipelined);
+  ``l2_hints``: the row loops' L2 eviction hints (absent: an entry measured before they existed, run without);
+  ``split_row``: null, or the one-pass loss on the split-row kernel with each row over at most that many
+  programs, in chunks of whole BLOCK_V blocks: at least the row's blocks is a block a chunk held in registers,
+  and 1 with a block as wide as the row is the row held whole by one program)
+- logprobs: the same keys but ``one_pass``, ``programs_per_sm`` and ``split_row``: a log-prob pass (old and
+  reference log-probs, ``token_logprobs``, the adapters' log-prob functions), which reads each row once and
+  writes no gradient, measured on its own; without an entry such a launch takes the heuristic, not the
+  loss's entry (the H200's two-pass rows of 2026-12-04, whose passes each read a row once, ran fastest at
+  the heuristic's 8 warps and slowest at the one-pass entry's 16)
 - fused_linear: ``{"arch": ..., "dtype": ..., "V": ..., "H": ..., "BLOCK_N": 64,
   "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3, "measured": "..."}``
 """
@@ -30,7 +40,8 @@ from typing import Dict, Optional
 import torch
 
 TABLE_PATH = pathlib.Path(__file__).with_name("tuned.json")
-LOGITS_KEYS = ("BLOCK_V", "num_warps", "num_stages", "programs_per_sm", "split_row")
+LOGITS_KEYS = ("BLOCK_V", "num_warps", "num_stages", "loop_stages", "l2_hints", "programs_per_sm", "split_row")
+LOGPROBS_KEYS = ("BLOCK_V", "num_warps", "num_stages", "loop_stages", "l2_hints")
 FUSED_LINEAR_KEYS = ("BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")
 
 
@@ -67,9 +78,10 @@ def _nearest(kind: str, device: torch.device, dtype: torch.dtype, V: int) -> Opt
     return found[1]
 
 
-def logits_entry(device: torch.device, dtype: torch.dtype, V: int) -> Optional[dict]:
-    """The measured logits-kernel entry for this launch, or None."""
-    return _nearest("logits", device, dtype, V)
+def logits_entry(device: torch.device, dtype: torch.dtype, V: int, kind: str = "logits") -> Optional[dict]:
+    """The measured logits-kernel entry of this kind ("logits": the loss's launches; "logprobs": a log-prob pass)
+    for this launch, or None."""
+    return _nearest(kind, device, dtype, V)
 
 
 def fused_linear_entry(device: torch.device, dtype: torch.dtype, V: int) -> Optional[dict]:
