@@ -172,15 +172,23 @@ class _Recorder:
         return launch_kernel
 
 
-def test_triton_backward_works_in_bounded_chunks(device, monkeypatch):
-    """A workspace budget of one token block: the backward runs in three chunks (64, 64, 32 tokens),
-    each writing the same [64, V] workspace, and still matches the reference."""
+@pytest.mark.parametrize("budget, min_tile, tiles", [
+    # 160 tokens x 128 columns fit: every token in one chunk, the vocabulary of 300 in tiles of 128, 128, 44
+    (160 * 128 * 4, 64, [(160, 128), (160, 128), (160, 44)]),
+    # not even 128 columns of every token: tiles of the narrowest width over chunks of 64, 64 and 32 tokens
+    (64 * 128 * 4, 128, [(64, 128), (64, 128), (64, 44)] * 2 + [(32, 128), (32, 128), (32, 44)])], ids=["vocab", "both"])
+def test_triton_backward_works_in_bounded_tiles(device, monkeypatch, budget, min_tile, tiles):
+    """The recomputing mode's backward within a workspace budget (``LINEAR_TILED_WORKSPACE_BYTES``): tiles of the
+    vocabulary (d hidden accumulated over them), and of the tokens where needed (d weight accumulated over those),
+    each written into the same workspace, no tile over the budget; the gradients still match the reference."""
     calls = []
     monkeypatch.setattr(FL, "linear_dlogits_kernel", _Recorder(FL.linear_dlogits_kernel, calls))
-    monkeypatch.setattr(fused_linear_launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
+    monkeypatch.setattr(fused_linear_launch, "LINEAR_TILED_WORKSPACE_BYTES", budget)
+    monkeypatch.setattr(fused_linear_launch, "MIN_VOCAB_TILE", min_tile)
     check("triton", *_block_spanning_inputs(device), beta=0.04, loss_type="dapo")
     workspaces = [args["dx_ptr"] for args in calls]
-    assert [tuple(w.shape) for w in workspaces] == [(64, 300), (64, 300), (32, 300)]
+    assert [tuple(w.shape) for w in workspaces] == tiles
+    assert all(w.numel() * w.element_size() <= budget for w in workspaces)
     assert len({w.data_ptr() for w in workspaces}) == 1  # one buffer, reused
 
 
@@ -304,24 +312,29 @@ def test_three_products_mode_scales_and_refuses_a_second_backward(device):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo"])
 def test_three_products_mode_without_gradient_is_the_chunked_forward(device, monkeypatch, loss_type):
-    """No gradient wanted (evaluation, old log-probs): cuBLAS logits and the logits kernel a chunk at a
-    time, with no gradient buffer and nothing written in place; loss, log-probs and metrics as materialized."""
-    monkeypatch.setattr(fused_linear_launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
+    """No gradient wanted (evaluation, old log-probs): cuBLAS logits a [tokens, columns] tile at a time within
+    the tiled budget (64 tokens x 128 columns: the vocabulary of 300 in three tiles over chunks of 64, 64, 32
+    tokens), each tile's log-sum-exp states merged, no gradient buffer and no one-pass kernel; loss, log-probs
+    and metrics as materialized (a target in any tile, masked tokens never read)."""
+    budget = 64 * 128 * 4
+    monkeypatch.setattr(fused_linear_launch, "LINEAR_TILED_WORKSPACE_BYTES", budget)
+    monkeypatch.setattr(fused_linear_launch, "MIN_VOCAB_TILE", 128)
     calls = []
-    original = launch.forward
+    monkeypatch.setattr(FL, "logits_tile_state_kernel", _Recorder(FL.logits_tile_state_kernel, calls))
 
-    def recording_forward(logits, *args, **kwargs):
-        gradient = kwargs.get("gradient")
-        calls.append((tuple(logits.shape), gradient is None, gradient is not None and gradient.in_place))
-        return original(logits, *args, **kwargs)
+    def refuse(*args, **kwargs):
+        raise AssertionError("the logits kernel ran on whole rows without a gradient")
 
-    monkeypatch.setattr(launch, "forward", recording_forward)
+    monkeypatch.setattr(launch, "forward", refuse)
     batch, hidden, weight, bias = _block_spanning_inputs(device)
     options = dict(loss_type=loss_type, beta=0.04, temperature=0.9, **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
     expected = materialized(hidden, weight, bias, batch, options)
     with torch.no_grad():
         actual = three_products(hidden, weight, bias, batch, options)
-    assert calls == [((1, 64, 300), True, False), ((1, 64, 300), True, False), ((1, 32, 300), True, False)]
+    tiles = [(64, 128, 0), (64, 128, 128), (64, 44, 256)] * 2 + [(32, 128, 0), (32, 128, 128), (32, 44, 256)]
+    assert [(*c["logits_ptr"].shape, c["v0"]) for c in calls] == tiles
+    assert all(c["logits_ptr"].numel() * c["logits_ptr"].element_size() <= budget for c in calls)
+    assert len({c["logits_ptr"].data_ptr() for c in calls}) == 1  # one workspace, reused
     assert_close("loss", expected.loss, actual.loss, atol=1e-5, rtol=1e-5)
     active = batch["completion_mask"] != 0
     assert_close("per_token_logps", expected.per_token_logps[active], actual.per_token_logps[active],
@@ -345,3 +358,71 @@ def test_autocast_does_not_cast_the_lm_heads_fp32_products_down(device, backend)
         results.append((out.loss, h.grad, w.grad))
     for name, plain, cast in zip(("loss", "d hidden", "d weight"), *results):
         assert_close(name, plain, cast, atol=1e-6, rtol=1e-5)
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every tensor an op makes in new storage (not a view, not an ``out=``), by bytes: on the meta device, where a
+    Qwen-sized head costs nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        seen = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
+                seen.add(t.untyped_storage()._cdata)
+                self.sizes.append(t.untyped_storage().nbytes())
+        return out
+
+
+def _qwen_head_on_meta():
+    """Qwen's head at a GRPO step's size, on the meta device: N = 16384 tokens, H = 4096, V = 151936, bf16."""
+    from grpo_kernels import GRPOOptions
+    from grpo_kernels.kernels.contracts import TokenInputs
+
+    N, H, V = 16384, 4096, 151936
+    meta = dict(device="meta")
+    ones = torch.ones(N, **meta)
+    return (torch.empty(N, H, dtype=torch.bfloat16, **meta), torch.empty(V, H, dtype=torch.bfloat16, **meta),
+            torch.zeros(N, dtype=torch.int64, **meta), GRPOOptions(beta=0.04).kernel_loss,
+            TokenInputs(ones, ones, ones, ones, ones))
+
+
+def test_the_lm_heads_workspaces_are_bounded_at_qwens_size():
+    """At N = 16384, H = 4096, V = 151936 in bf16 (the kernels recorded, not run; the products on the meta device):
+    the 3-product mode without a gradient allocates at most 256 MiB of workspace plus O(N) (its outputs and the
+    tiles' [4, 19, N] states: about 330 bytes a token), where it held 1 GiB of whole rows; the recomputing mode's
+    backward the same beyond its three gradients; only the 3-product mode with a gradient, whose one-pass kernel
+    needs whole rows, keeps its 1 GiB (``LINEAR_WORKSPACE_BYTES``)."""
+    from grpo_kernels.kernels import aot
+    from grpo_kernels.kernels.contracts import OnePassGradient
+
+    hidden, weight, ids, kernel_loss, tokens = _qwen_head_on_meta()
+    N, H = hidden.shape
+    V = weight.shape[0]
+    MiB = 1 << 20
+    assert fused_linear_launch.LINEAR_TILED_WORKSPACE_BYTES == 256 * MiB
+    assert fused_linear_launch.workspace_tiles(N, V, 2) == (N, 8192)  # 19 tiles of the vocabulary, all the tokens
+    with aot.recorded_launches() as launches, _Allocations() as no_grad:
+        fused_linear_launch.linear_three_products(hidden, weight, None, ids, kernel_loss=kernel_loss, tokens=tokens,
+                                                  compute_entropy=True, gradient=None, compute_weight_grad=False)
+    assert {item.kernel.fn.__name__ for item in launches} == {"logits_tile_state_kernel", "linear_grpo_combine_kernel"}
+    assert max(no_grad.sizes) == 256 * MiB and sum(no_grad.sizes) <= 256 * MiB + 400 * N, sum(no_grad.sizes) / MiB
+
+    with aot.recorded_launches(), _Allocations() as backward:
+        fused_linear_launch.linear_backward(hidden, weight, None, ids, tokens.mask, tokens.mask, 1.0, True)
+    gradients = N * H * 4 + V * H * 4  # d hidden, d weight (fp32)
+    assert sum(backward.sizes) - gradients <= 256 * MiB + 400 * N, (sum(backward.sizes) - gradients) / MiB
+
+    with aot.recorded_launches(), _Allocations() as with_grad:
+        fused_linear_launch.linear_three_products(hidden, weight, None, ids, kernel_loss=kernel_loss, tokens=tokens,
+                                                  compute_entropy=True, gradient=OnePassGradient(tokens.mask),
+                                                  compute_weight_grad=True)
+    whole_rows = fused_linear_launch.linear_chunk_tokens(N, V, 2, 1) * V * 2
+    assert whole_rows <= fused_linear_launch.LINEAR_WORKSPACE_BYTES < whole_rows + V * 2
+    assert whole_rows in with_grad.sizes

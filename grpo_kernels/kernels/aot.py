@@ -80,7 +80,8 @@ class Launch:
 
 _KERNELS = {grpo: ("grpo_forward_kernel", "logprob_backward_kernel", "scale_in_place_kernel"),
             split_row: ("split_row_forward_kernel",), reduce: ("token_weights_kernel", "loss_metrics_kernel"),
-            FL: ("linear_grpo_forward_kernel", "linear_grpo_combine_kernel", "linear_dlogits_kernel", "matmul_kernel")}
+            FL: ("linear_grpo_forward_kernel", "linear_grpo_combine_kernel", "linear_dlogits_kernel", "matmul_kernel",
+                 "logits_tile_state_kernel")}
 
 
 @contextlib.contextmanager
@@ -310,6 +311,15 @@ def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
         yield (f"backward entropy-bonus {dtype_name}",
                lambda: lm_head_launch.linear_backward(hidden, weight, None, ids, ones, ones, 1.0, True,
                                                       grad_entropy=ones, entropy=ones))
+        # the 3-product mode without a gradient: cuBLAS tiles (torch.mm runs here for real: H = 16 keeps it quick;
+        # the tile kernel never reads H) folded by the tile-state kernel, then the combine kernel
+        narrow, narrow_weight = torch.zeros(N, 16, dtype=dtype), torch.zeros(V, 16, dtype=dtype)
+        for name, o in (("ppo+old+iw+k3+bias_kl", opts["ppo+old+iw+k3+bias_kl"]),
+                        ("softcap", GRPOOptions(logit_softcap=SOFTCAP))):
+            yield (f"three-products no-grad {name} {dtype_name}", lambda o=o: lm_head_launch.linear_three_products(
+                narrow, narrow_weight, None, ids, kernel_loss=o.kernel_loss, tokens=TokenInputs(ones, ones, ones, ones,
+                                                                                                  ones),
+                compute_entropy=True, gradient=None, compute_weight_grad=False))
     yield from calls("bf16", torch.bfloat16)
     yield from calls("fp32", torch.float32)
 
@@ -483,7 +493,7 @@ KERNEL_KINDS = {"grpo_forward_kernel": "forward", "logprob_backward_kernel": "ba
                 "scale_in_place_kernel": "scale", "token_weights_kernel": "token-weights",
                 "loss_metrics_kernel": "loss-metrics",
                 "linear_grpo_forward_kernel": "forward", "linear_grpo_combine_kernel": "combine",
-                "linear_dlogits_kernel": "dlogits", "matmul_kernel": "matmul"}
+                "linear_dlogits_kernel": "dlogits", "matmul_kernel": "matmul", "logits_tile_state_kernel": "tile-state"}
 
 
 def _record(item: Launch, arch: int) -> Dict[str, object]:

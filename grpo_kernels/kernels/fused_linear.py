@@ -24,6 +24,11 @@ the only V-sized buffer is the [C, V] workspace):
    accumulators, d weight accumulated in fp32 across chunks in place (each program owns
    its output tile: no atomics). A frozen weight (LoRA) skips the second product.
 
+Without a gradient (evaluation, old log-probs) the 3-product mode's forward takes each tile of cuBLAS logits
+([chunk, tile] of the vocabulary, a bounded workspace) through ``logits_tile_state_kernel``: each token's
+log-sum-exp state over the tile and its target logit if the tile holds it, into the same [4, tiles, N]
+partials, which ``linear_grpo_combine_kernel`` merges.
+
 UPCAST (set only under TRITON_INTERPRET with bf16 inputs): Triton's interpreter multiplies
 the bit patterns of bf16 ``tl.dot`` operands (triton-lang/triton#11584, "not supported"),
 so there the operands are converted to fp32 first; compiled kernels use bf16 tensor cores.
@@ -34,8 +39,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grpo import C_LOSS_NONE, cap_slope, capped_logit, token_loss_and_grad
+from .grpo import LN2, LOG2E, C_LOSS_NONE, cap_slope, capped_logit, token_loss_and_grad
 from .logsumexp import finite_or_zero, merge_lse
+from .split_row import _chunk_state
 
 # N (tokens) changes every step: no recompile for it. V and H are fixed by the model and
 # stay specialized, so that Triton knows the rows are 16-byte aligned and issues wide,
@@ -210,6 +216,40 @@ def linear_grpo_combine_kernel(
         logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out, loss_scalars,
         LOSS_KIND, KL_KIND, LOSS_FLAGS,
     )
+
+
+@triton.jit(do_not_specialize=["stride_n", "V", "v0", "state_stride"])
+def logits_tile_state_kernel(
+    logits_ptr, stride_n, ids_ptr, mask_ptr, V, v0, states_ptr, state_stride, inv_temperature, softcap,
+    COMPUTE_ENTROPY: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One program a token of a vocabulary tile of logits (``logits_ptr``: [chunk, V] rows ``stride_n`` apart, the
+    tile's columns v0 .. v0 + V of the vocabulary): the token's log-sum-exp state over the tile in natural units
+    (max, sum exp(x - max), sum exp(x - max) x of x = cap(logit) / tau) and its target's x where the tile holds the
+    target (else 0), stored at ``states_ptr`` + token, the four ``state_stride`` apart (``linear_grpo_combine_kernel``'s
+    partials at this tile). A masked token (``mask_ptr``, None: none) is not read: (-inf, 0, 0, 0)."""
+    pid = tl.program_id(0).to(tl.int64)
+    active = True
+    if mask_ptr is not None:
+        active = tl.load(mask_ptr + pid) != 0.0
+    tile_max = float("-inf")
+    sum_exp = 0.0
+    sum_exp_x = 0.0
+    target_x = 0.0
+    if active:
+        row_ptr = logits_ptr + tl.multiple_of(pid * stride_n, ROW_ALIGN)
+        max2, sum_exp, sum_x2 = _chunk_state(row_ptr, 0, V, inv_temperature * LOG2E, softcap, BLOCK_V,
+                                             COMPUTE_ENTROPY)
+        tile_max = max2 * LN2  # base 2 to natural: 2^(x2 - max2) is exp(x - max), and x2 ln 2 is x
+        sum_exp_x = sum_x2 * LN2
+        local = tl.load(ids_ptr + pid).to(tl.int64) - v0
+        if (local >= 0) & (local < V):
+            target_x = capped_logit(tl.load(row_ptr + local), softcap) * inv_temperature
+    out = states_ptr + pid
+    tl.store(out, tile_max)
+    tl.store(out + state_stride, sum_exp)
+    tl.store(out + 2 * state_stride, sum_exp_x)
+    tl.store(out + 3 * state_stride, target_x)
 
 
 @triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)

@@ -27,11 +27,19 @@ def default_lm_head_mode(hidden: torch.Tensor, vocab_size: int) -> str:
 
 
 
-# The backward's only V-sized buffer, [chunk, V] in the input dtype, is at most this big
-# (at least one token block). 1 GiB is 3,530 tokens of a 151,936 vocabulary in bf16: few
-# enough chunks that re-reading the fp32 d weight per chunk (2 x V x H x 4 bytes) stays a
-# small part of the products. Lower it to trade speed for memory.
+# The 3-product mode's workspace with a gradient, [chunk, V] in the input dtype (whole rows: the one-pass kernel
+# needs a row's log-sum-exp before it writes any of its gradient), is at most this big (at least one token).
+# 1 GiB is 3,530 tokens of a 151,936 vocabulary in bf16: few enough chunks that re-reading the fp32 d weight per
+# chunk (2 x V x H x 4 bytes) stays a small part of the products. Lower it to trade speed for memory.
 LINEAR_WORKSPACE_BYTES = 1 << 30
+# Every other workspace of the lm_head, tiled over the vocabulary as well as the tokens: the 3-product mode without
+# a gradient (each tile's log-sum-exp states merged, as the recomputing forward's vocabulary splits are) and the
+# recomputing mode's backward (d hidden accumulated over the tiles). 256 MiB is 16,384 tokens x 8,192 columns in
+# bf16 (19 tiles of a 151,936 vocabulary); stock TRL's own head holds a [4096, 32768] fp32 tile, 512 MiB.
+LINEAR_TILED_WORKSPACE_BYTES = 256 << 20
+# The narrowest vocabulary tile before the tokens are chunked: all the tokens in one chunk read the weight (and
+# accumulate its gradient) once, and a tile of 4096 columns keeps the products large
+MIN_VOCAB_TILE = 4096
 
 
 def linear_block_config(dtype: torch.dtype) -> Dict[str, Dict[str, object]]:
@@ -149,6 +157,22 @@ def linear_vocab_splits(blocks_n: int, V: int, block_v: int, device) -> tuple:
     return splits, tiles_per_split * block_v
 
 
+def workspace_tiles(N: int, V: int, element_size: int, budget: Optional[int] = None) -> tuple:
+    """(tokens, columns) of a [tokens, columns] workspace tile within ``budget`` bytes (``LINEAR_TILED_WORKSPACE_BYTES``):
+    whole rows of all N tokens where they fit; else all N tokens over vocabulary tiles as wide as fit, down to
+    ``MIN_VOCAB_TILE`` columns (one pass over the weight); else tiles of ``MIN_VOCAB_TILE`` columns (or V) over
+    chunks of tokens. Columns are a multiple of 64 (16-byte aligned rows in any dtype) unless they are V."""
+    budget = LINEAR_TILED_WORKSPACE_BYTES if budget is None else budget
+    N = max(N, 1)
+    if N * V * element_size <= budget:
+        return N, V
+    columns = budget // (N * element_size) // 64 * 64
+    if columns >= min(V, MIN_VOCAB_TILE):
+        return N, min(columns, V)
+    columns = min(V, MIN_VOCAB_TILE)
+    return max(1, min(N, budget // (columns * element_size))), columns
+
+
 def linear_chunk_tokens(N: int, V: int, element_size: int, block_n: int) -> int:
     """Tokens per backward chunk: the [chunk, V] workspace within LINEAR_WORKSPACE_BYTES, whole token blocks."""
     fits = LINEAR_WORKSPACE_BYTES // max(V * element_size, 1)
@@ -214,13 +238,27 @@ def _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad: bool):
     return torch.empty(N, H, **f32), dw, db
 
 
-def _add_chunk_gradients(dx, weight, hidden_chunk, dh_chunk, dw, db, first: bool) -> None:
-    """From one chunk's dlogits dx [chunk, V]: its d hidden, and its share of d weight and d bias."""
-    product_into(dx, weight, dh_chunk, accumulate=False)
+def _add_chunk_gradients(dx, weight, hidden_chunk, dh_chunk, dw, db, first: bool, first_tile: bool = True) -> None:
+    """From one tile's dlogits dx [chunk, columns] (the columns of ``weight``, ``dw`` and ``db``: the whole vocabulary,
+    or a tile of it): its share of d hidden, d weight and d bias. d hidden is written by a chunk's first tile and
+    added to by its later ones; d weight by the first chunk's product and added to by the later ones."""
+    product_into(dx, weight, dh_chunk, accumulate=not first_tile)
     if dw is not None:
         product_into(dx.T, hidden_chunk, dw, accumulate=not first)
     if db is not None:
         db += dx.sum(0, dtype=torch.float32)
+
+
+def _tiles(N: int, V: int, tokens: int, columns: int):
+    """(token slice, first column, last column + 1) of each workspace tile, the vocabulary fastest."""
+    for n0 in range(0, N, tokens):
+        for v0 in range(0, V, columns):
+            yield slice(n0, min(n0 + tokens, N)), v0, min(v0 + columns, V)
+
+
+def _tile_view(workspace: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A contiguous [rows, columns] tile at the start of a flat workspace (cuBLAS writes it whole, rows adjacent)."""
+    return workspace[: rows * columns].view(rows, columns)
 
 
 @fp32_products
@@ -235,14 +273,15 @@ def linear_three_products(hidden, weight, bias, ids, *, kernel_loss: KernelLoss,
     dx^T @ h. The gradient is complete when the forward ends: the backward only scales it. Memory is
     bounded by the chunk, as in the recomputing mode. Returns (ForwardResult over the N tokens, d hidden,
     d weight or None, d bias or None), fp32. With ``gradient`` None only the forward runs (no gradient
-    wanted: evaluation, old log-probs): cuBLAS logits and the logits kernel a chunk at a time, and the
-    three gradients are None.
+    wanted: evaluation, old log-probs: ``_three_products_forward``, its workspace tiled over the vocabulary
+    too), and the three gradients are None.
     """
     N, H = hidden.shape
     V = weight.shape[0]
     out = allocate_outputs(N, hidden.device, kernel_loss, compute_entropy)
-    with_grad = gradient is not None
-    dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad) if with_grad else (None,) * 3
+    if gradient is None:
+        return _three_products_forward(hidden, weight, bias, ids, out, kernel_loss, tokens), None, None, None
+    dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad)
     chunk = linear_chunk_tokens(N, V, hidden.element_size(), 1)
     workspace = torch.empty(min(chunk, max(N, 1)), V, device=hidden.device, dtype=hidden.dtype)
     pick = lambda t, n: None if t is None else t.reshape(-1)[n]  # noqa: E731  (per-token inputs: N elements)
@@ -253,17 +292,50 @@ def linear_three_products(hidden, weight, bias, ids, *, kernel_loss: KernelLoss,
             torch.mm(hidden[n], weight.T, out=x)
         else:
             torch.addmm(bias, hidden[n], weight.T, out=x)
-        chunk_gradient = OnePassGradient(gradient.weight[n], pick(gradient.entropy_weight, n),
-                                         in_place=True) if with_grad else None
+        chunk_gradient = OnePassGradient(gradient.weight[n], pick(gradient.entropy_weight, n), in_place=True)
         r = logits_launch.forward(x.unsqueeze(0), ids[n].unsqueeze(0), kernel_loss=kernel_loss,
                                   tokens=TokenInputs(*(pick(t, n) for t in tokens)), compute_entropy=compute_entropy,
                                   gradient=chunk_gradient)
         for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):
             if getattr(out, name) is not None:
                 getattr(out, name)[n] = getattr(r, name)
-        if with_grad:
-            _add_chunk_gradients(x, weight, hidden[n], dh[n], dw, db, first=n0 == 0)  # x now holds dlogits
+        _add_chunk_gradients(x, weight, hidden[n], dh[n], dw, db, first=n0 == 0)  # x now holds dlogits
     return out, dh, dw, db
+
+
+def _three_products_forward(hidden, weight, bias, ids, out: ForwardResult, kernel_loss: KernelLoss,
+                            tokens: TokenInputs) -> ForwardResult:
+    """The 3-product mode without a gradient, into ``out``: each [tokens, columns] tile of logits (``workspace_tiles``:
+    at most ``LINEAR_TILED_WORKSPACE_BYTES``) by cuBLAS in the input dtype, as an unfused head rounds them; each
+    token's log-sum-exp state over the tile and its target logit (``logits_tile_state_kernel``) into [4, tiles, N]
+    partials; then the vocabulary-split forward's combine kernel merges them and computes every loss term."""
+    N = hidden.shape[0]
+    V = weight.shape[0]
+    tokens_per_tile, columns = workspace_tiles(N, V, hidden.element_size())
+    splits = triton.cdiv(V, columns)
+    partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32)
+    workspace = torch.empty(min(tokens_per_tile, N) * columns, device=hidden.device, dtype=hidden.dtype)
+    mask = None if tokens.mask is None else tokens.mask.reshape(-1)  # (the per-token inputs may come as [B, T])
+    for n, v0, v1 in _tiles(N, V, tokens_per_tile, columns):
+        x = _tile_view(workspace, n.stop - n.start, v1 - v0)
+        if bias is None:
+            torch.mm(hidden[n], weight[v0:v1].T, out=x)
+        else:
+            torch.addmm(bias[v0:v1], hidden[n], weight[v0:v1].T, out=x)
+        config = logits_launch.logits_launch_config(x, kind="logprobs")  # each tile is read once
+        FL.logits_tile_state_kernel[(n.stop - n.start,)](
+            logits_ptr=x, stride_n=x.stride(0), ids_ptr=ids[n], mask_ptr=None if mask is None else mask[n],
+            V=v1 - v0, v0=v0, states_ptr=partials[0, v0 // columns, n.start:], state_stride=splits * N,
+            inv_temperature=1.0 / kernel_loss.kernel_temperature, softcap=kernel_loss.kernel_softcap,
+            COMPUTE_ENTROPY=out.entropy is not None, ROW_ALIGN=logits_launch.row_alignment(x),
+            BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
+        )
+    if N > 0:
+        FL.linear_grpo_combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
+            partials_ptr=partials, N=N, splits=splits, **loss_pointer_args(out, tokens), **loss_args(kernel_loss),
+            BLOCK_N=COMBINE_BLOCK,
+        )
+    return out
 
 
 @fp32_products
@@ -273,26 +345,28 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
     and, when the loss uses the entropy, h = dLoss/dH (``grad_entropy``) with the forward's ``entropy``; the logits
     are cap(hidden @ weight^T + bias) / temperature (``launch.resolved_head``).
 
-    A chunk of tokens at a time: the dlogits kernel writes the chunk's [chunk, V] gradient
-    of the logits into one reused workspace, then two products give the chunk's d hidden
-    and add its share of d weight (fp32, in place).
+    A tile of the logits at a time (``workspace_tiles``: [tokens, columns], at most
+    ``LINEAR_TILED_WORKSPACE_BYTES``): the dlogits kernel writes the tile's gradient of the logits into one
+    reused workspace (the tile's weight rows and bias, the ids shifted to its first column), then two products
+    add its share of d hidden and of d weight (fp32, in place).
     """
     N, H = hidden.shape
     V = weight.shape[0]
     cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
     dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad)
-    chunk = linear_chunk_tokens(N, V, hidden.element_size(), cfg["BLOCK_N"])
-    workspace = torch.empty(min(chunk, N), V, device=hidden.device, dtype=hidden.dtype)
-    for n0 in range(0, N, chunk):
-        n1 = min(n0 + chunk, N)
-        dx = workspace[: n1 - n0]
-        grid = (triton.cdiv(n1 - n0, cfg["BLOCK_N"]) * triton.cdiv(V, cfg["BLOCK_V"]),)
+    tokens_per_tile, columns = workspace_tiles(N, V, hidden.element_size())
+    workspace = torch.empty(min(tokens_per_tile, N) * columns, device=hidden.device, dtype=hidden.dtype)
+    for n, v0, v1 in _tiles(N, V, tokens_per_tile, columns):
+        rows, width = n.stop - n.start, v1 - v0
+        dx = _tile_view(workspace, rows, width)
+        grid = (triton.cdiv(rows, cfg["BLOCK_N"]) * triton.cdiv(width, cfg["BLOCK_V"]),)
         FL.linear_dlogits_kernel[grid](
-            h_ptr=hidden[n0:n1], w_ptr=weight, b_ptr=bias, ids_ptr=ids[n0:n1], N=n1 - n0,
-            V=V, H=H, lse_ptr=lse[n0:n1], g_ptr=g[n0:n1], dx_ptr=dx, inv_temperature=1.0 / temperature,
-            softcap=None if softcap is None else float(softcap),
-            grad_entropy_ptr=None if grad_entropy is None else grad_entropy[n0:n1],
-            entropy_ptr=None if grad_entropy is None else entropy[n0:n1], **cfg,
+            h_ptr=hidden[n], w_ptr=weight[v0:v1], b_ptr=None if bias is None else bias[v0:v1],
+            ids_ptr=ids[n] if v0 == 0 else ids[n] - v0, N=rows, V=width, H=H, lse_ptr=lse[n], g_ptr=g[n], dx_ptr=dx,
+            inv_temperature=1.0 / temperature, softcap=None if softcap is None else float(softcap),
+            grad_entropy_ptr=None if grad_entropy is None else grad_entropy[n],
+            entropy_ptr=None if grad_entropy is None else entropy[n], **cfg,
         )
-        _add_chunk_gradients(dx, weight, hidden[n0:n1], dh[n0:n1], dw, db, first=n0 == 0)
+        _add_chunk_gradients(dx, weight[v0:v1], hidden[n], dh[n], None if dw is None else dw[v0:v1],
+                             None if db is None else db[v0:v1], first=n.start == 0, first_tile=v0 == 0)
     return dh, dw, db
