@@ -280,3 +280,53 @@ def test_torch_func_grad_on_the_torch_path(options):
     head(h, w).backward()
     for expected, actual in zip((h.grad, w.grad), grads):
         torch.testing.assert_close(actual, expected, atol=1e-7, rtol=1e-6)
+
+
+def test_a_log_prob_pass_computes_no_entropy_unless_asked(monkeypatch):
+    """The old and reference log-probs of every GRPO step (``token_logprobs``, ``selective_log_softmax``,
+    ``linear_token_logprobs``, verl's patched ``logprobs_from_logits``) launch the forward kernel without the
+    entropy (its output pointer None: the entropy's sums compiled out) and with the log-prob pass's own tuned
+    configurations (kind "logprobs"); asking for the entropy turns both on. The kernels are recorded, not run."""
+    from grpo_kernels import validation
+    from grpo_kernels.kernels import aot, launch
+
+    assert validation.interpreter_enabled()  # asked (and cached) before the recorder stands in for the kernels
+    kinds = []
+    original = launch.logits_launch_config
+    monkeypatch.setattr(launch, "logits_launch_config", lambda logits, override=None, kind="logits": (
+        kinds.append(kind), original(logits, override, kind))[1])
+    hidden, weight, b, ids = _lm_head("cpu")
+    logits = hidden @ weight.T + b
+
+    def entropy_out(call):
+        kinds.clear()
+        with aot.recorded_launches() as launches:
+            call()
+        (item,) = [x for x in launches if x.kernel.fn.__name__ in ("grpo_forward_kernel", "linear_grpo_forward_kernel")]
+        args = dict(zip(item.kernel.arg_names, item.args), **item.kwargs)
+        return args["entropy_out"] is not None, set(kinds)
+
+    assert entropy_out(lambda: token_logprobs(logits, ids, backend="triton")) == (False, {"logprobs"})
+    assert entropy_out(lambda: token_logprobs(logits, ids, return_entropy=True, backend="triton")) == (True,
+                                                                                                      {"logprobs"})
+    assert entropy_out(lambda: selective_log_softmax(logits, ids, backend="triton")) == (False, {"logprobs"})
+    assert entropy_out(lambda: linear_token_logprobs(hidden, weight, ids, b, backend="triton"))[0] is False
+    assert entropy_out(lambda: linear_token_logprobs(hidden, weight, ids, b, return_entropy=True,
+                                                     backend="triton"))[0] is True
+    # a loss launch keeps the loss's own configurations
+    assert entropy_out(lambda: grpo_loss(logits, ids, torch.ones_like(ids, dtype=torch.float32),
+                                         torch.ones(ids.shape[0]), backend="triton"))[1] == {"logits"}
+
+    pytest.importorskip("verl")
+    from grpo_kernels import loss
+    from grpo_kernels.integration import verl as verl_adapter
+
+    asked, replacements = [], {}
+    compute = loss.compute_logprobs
+    monkeypatch.setattr(loss, "compute_logprobs", lambda source, ids, temperature, compute_entropy, **kw: (
+        asked.append(compute_entropy), compute(source, ids, temperature, compute_entropy, **kw))[1])
+    # what patch_logprobs would install, kept here rather than installed in every loaded module
+    monkeypatch.setattr(verl_adapter, "replace_everywhere", lambda source, found: replacements.update(found))
+    verl_adapter.patch_logprobs()
+    replacements["logprobs_from_logits"](logits, ids)
+    assert asked == [False]
