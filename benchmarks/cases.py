@@ -17,7 +17,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import triton
 
-from grpo_kernels import GRPOOptions, grpo_loss, objective
+from grpo_kernels import GRPOOptions, grpo_loss, objective, token_logprobs
 from grpo_kernels.objective import grpo_loss_eager
 
 SMOKE = os.environ.get("GRPO_BENCH_SMOKE") == "1"
@@ -287,6 +287,32 @@ def available_paths(level: str = "token") -> Dict[str, Callable]:
         pass
     if not SMOKE:
         paths["torch.compile"] = _compiled(level)  # last: its compile time is the first thing a limit cuts
+    return paths
+
+
+def logprob_paths() -> Dict[str, Callable]:
+    """The log-prob pass of a GRPO step (the old and reference log-probs: no gradient, no mask, no entropy but
+    where a path always computes it) of each path, fn(inputs) -> fp32 [B, T], from the model's [B, T + 1, V]
+    logits: ours (``token_logprobs``), Liger's ``fused_selective_log_softmax`` (what its GRPO trainer runs for
+    them), TRL's Triton kernel (which computes the entropy as well: TRL has no log-prob-only kernel) and TRL's
+    eager ``selective_log_softmax``. Byte model: S (each logit read once)."""
+    paths = {"ours": lambda x: token_logprobs(x["full_logits"], x["completion_ids"], TEMPERATURE,
+                                              drop_last_position=True, check_ids=False)}
+    if ON_GPU:
+        try:
+            from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+
+            paths["liger"] = lambda x: fused_selective_log_softmax(x["full_logits"], x["completion_ids"], TEMPERATURE)
+        except ImportError:
+            pass
+        try:
+            fused = load_trl_kernel()
+            paths["trl (triton kernel, + entropy)"] = lambda x: fused(x["full_logits"][:, :-1], x["completion_ids"],
+                                                                      temperature=TEMPERATURE)[0]
+        except (ImportError, OSError):
+            pass
+    paths["eager"] = lambda x: torch.log_softmax(x["full_logits"][:, :-1].float() / TEMPERATURE, -1).gather(
+        -1, x["completion_ids"].unsqueeze(-1)).squeeze(-1)
     return paths
 
 

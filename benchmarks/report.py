@@ -2,7 +2,7 @@
 
     python benchmarks/report.py RUN.json [MORE.json] [--plot RUN.png] [--sweep sweep.json] [--ncu ncu.csv]
                                 [--vocab-parallel vocab_parallel.json] [--train-step train_step.json]
-    python benchmarks/report.py --merge-steps OUT_DIR   # train_step.json + vocab_parallel.json -> steps.json
+    python benchmarks/report.py --merge-steps OUT_DIR   # train_step, vocab_parallel, profile .json -> steps.json
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from collections import defaultdict
 
 
 def load(path: str, suite: str = "loss"):
-    """The cases of one suite: "loss" (from logits) or "fused_linear" (from hidden states)."""
+    """The cases of one suite: "loss" (from logits), "logprobs" (the log-prob pass) or "fused_linear" (from hidden
+    states)."""
     with open(path) as f:
         data = json.load(f)
     infos = [b["extra_info"] for b in data["benchmarks"] if "path" in b.get("extra_info", {})]
@@ -56,6 +57,20 @@ def table(rows) -> str:
                      f"{r['median_ms']:.3f} | {r['model_GBps']:.0f} | {r['fraction_of_copy']:.2f} | {peak} | {split} | "
                      + (f"{base / r['median_ms']:.1f}x |" if base else "- |"))
     return head + "\n".join(lines)
+
+
+def logprobs_table(rows) -> str:
+    """The log-prob pass (old / reference log-probs, no gradient): each path against eager and Liger at its shape."""
+    lines = ["| N x V | dtype | path | median ms | GB/s (S) | x copy bw | peak extra / S | x eager time | x Liger time |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    by_path = {(r["N"], r["V"], r["path"]): r["median_ms"] for r in rows}
+    for r in sorted(rows, key=lambda r: (r["N"] * r["V"], r["median_ms"])):
+        peak = "-" if r.get("peak_extra_over_S") is None else f"{r['peak_extra_over_S']:.3f}"
+        ratios = [by_path.get((r["N"], r["V"], other)) for other in ("eager", "liger")]
+        lines.append(f"| {r['N']} x {r['V']} | {r['dtype']} | {r['path']} | {r['median_ms']:.3f} | "
+                     f"{r['model_GBps']:.0f} | {r['fraction_of_copy']:.2f} | {peak} | "
+                     + " | ".join("-" if base is None else f"{r['median_ms'] / base:.2f}" for base in ratios) + " |")
+    return "The log-prob pass (old / reference log-probs: forward only, no gradient)\n\n" + "\n".join(lines)
 
 
 def plot(rows, path: str) -> None:
@@ -177,17 +192,36 @@ def train_step_table(path: str) -> str:
 
 
 def merge_steps(out_dir: str) -> None:
-    """train_step.json and vocab_parallel.json of a device run into one steps.json (the device returns 8 files)."""
+    """train_step.json, vocab_parallel.json and profile.json of a device run into one steps.json (the device returns
+    8 files)."""
     import pathlib
 
     out = pathlib.Path(out_dir)
     steps = {}
-    for name in ("train_step", "vocab_parallel"):
+    for name in ("train_step", "vocab_parallel", "profile"):
         f = out / f"{name}.json"
         if f.exists() and f.stat().st_size:
             steps[name] = json.loads(f.read_text())
             f.unlink()
     (out / "steps.json").write_text(json.dumps(steps, indent=1))
+
+
+def profile_table(path: str, top: int = 12) -> str:
+    """benchmarks/profile_loss.py's one loss call: its time, its kernels', and what the largest kernel leaves."""
+    with open(path) as f:
+        r = json.load(f)
+    shape = r["shape"]
+    gpu = r["dtype"] == "bfloat16"  # (the GPU run's case; a CPU's smoke run profiles operators, fp32)
+    what = "kernels" if gpu else "CPU operators"
+    lines = [f"One loss call (GRPOLoss forward + backward) at {shape['B']} x {shape['T']} x {shape['V']} {r['dtype']} on "
+             f"{r['device']}: {r['call_ms']:.3f} ms ({'between CUDA events' if gpu else 'wall clock'}), the host "
+             f"issuing it in {r['host_ms']:.3f} ms; {len(r['kernels'])} {what}, {r['kernels_ms']:.3f} ms; the call "
+             f"less its largest {r['gap_above_largest_ms']:.3f} ms", "",
+             f"| {what[:-1]} | launches | ms | share of the call |", "|---|---|---|---|"]
+    for k in r["kernels"][:top]:
+        lines.append(f"| {k['name'][:80]} | {k['launches']} | {k['device_ms']:.3f} | "
+                     f"{k['device_ms'] / r['call_ms']:.2f} |")
+    return "\n".join(lines)
 
 
 def ncu_summary(path: str, logits_bytes: int) -> str:
@@ -231,17 +265,21 @@ def main() -> None:
     parser.add_argument("--ncu", default=None, help="Nsight Compute raw CSV of benchmarks/ncu_target.py")
     parser.add_argument("--vocab-parallel", default=None, help="a benchmarks/vocab_parallel.py results JSON")
     parser.add_argument("--train-step", default=None, help="a benchmarks/train_step.py results JSON")
+    parser.add_argument("--profile", default=None, help="a benchmarks/profile_loss.py results JSON")
     parser.add_argument("--merge-steps", default=None, metavar="OUT_DIR", help="merge a device run's step files")
     args = parser.parse_args()
     if args.merge_steps:
         merge_steps(args.merge_steps)
         return
-    rows, fused_rows = [], []
+    rows, fused_rows, logprob_rows = [], [], []
     for path in args.json:
         rows += load(path)
         fused_rows += load(path, "fused_linear")
-    if rows or (args.json and not fused_rows):
+        logprob_rows += load(path, "logprobs")
+    if rows or (args.json and not fused_rows and not logprob_rows):
         print(table(rows) + "\n")
+    if logprob_rows:
+        print(logprobs_table(logprob_rows) + "\n")
     if fused_rows:
         print(fused_linear_table(fused_rows) + "\n")
     if args.sweep:
@@ -250,6 +288,8 @@ def main() -> None:
         print(train_step_table(args.train_step) + "\n")
     if args.vocab_parallel:
         print(vocab_parallel_table(args.vocab_parallel) + "\n")
+    if args.profile:
+        print(profile_table(args.profile) + "\n")
     if args.ncu:
         B, T, V = 16, 1024, 151936  # benchmarks/ncu_target.py's shape, bf16
         print(ncu_summary(args.ncu, B * T * V * 2))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cases import (DEVICE, ENTROPY_FAMILY, ON_GPU, available_paths, environment, host_and_timeline_ms, logits_bytes,
-                   make_inputs, model_bytes, path_input, shapes, sync, warm_up_and_time)
+                   logprob_paths, make_inputs, model_bytes, path_input, shapes, sync, warm_up_and_time)
 
 _INPUTS = {}
 _COPY_SECONDS = {}
@@ -113,5 +113,34 @@ def test_grpo_loss(benchmark, name, shape, backward, level):
         "copy_GBps": copy_bandwidth / 1e9, "fraction_of_copy": moved / seconds / copy_bandwidth,
         "peak_extra_bytes": peak_extra, "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
         "host_ms": host_ms, "timeline_ms": timeline_ms,
+        **environment(),
+    })
+
+
+@pytest.mark.parametrize("name, shape", [pytest.param(name, shape, id=f"logprobs-{name}-{'x'.join(map(str, shape))}")
+                                         for shape in shapes() for name in logprob_paths()])
+def test_logprob_pass(benchmark, name, shape):
+    """The old / reference log-prob pass (``cases.logprob_paths``): forward only, no gradient; byte model S."""
+    inputs = inputs_for(shape)
+    fn = logprob_paths()[name]
+
+    def step():
+        with torch.no_grad():
+            fn(inputs)
+        sync()
+
+    peak_extra = warm_up_and_time(benchmark, step, rounds=5 if DEVICE == "cpu" else 20)
+    if benchmark.stats is None:
+        return
+    seconds = benchmark.stats.stats.median
+    S = logits_bytes(inputs)
+    copy_bandwidth = 2 * S / copy_seconds(shape)
+    B, T, V = shape
+    benchmark.extra_info.update({
+        "suite": "logprobs", "path": name, "N": B * T, "B": B, "T": T, "V": V,
+        "dtype": str(inputs["full_logits"].dtype).replace("torch.", ""), "pass": "fwd", "level": "token",
+        "logits_bytes": S, "median_ms": seconds * 1e3, "model_bytes": S, "model_GBps": S / seconds / 1e9,
+        "copy_GBps": copy_bandwidth / 1e9, "fraction_of_copy": S / seconds / copy_bandwidth,
+        "peak_extra_bytes": peak_extra, "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
         **environment(),
     })

@@ -4,6 +4,7 @@ The whole suite (benchmarks/gpu_suite.sh) runs end to end in its CPU smoke mode 
 """
 
 import json
+import os
 import pathlib
 import sys
 
@@ -342,7 +343,21 @@ def test_the_sanitizer_report_counts_errors_per_kernel():
     other_format = "========= Invalid __global__ write of size 2 bytes\n=========     at linear_dlogits_kernel+0x3f0\n"
     assert sanitize.errors_per_kernel(other_format) == {"linear_dlogits_kernel": 1}
     for tool in sanitize.TOOLS:
-        assert sanitize.command(tool, ["tests/x.py"])[:3] == ["compute-sanitizer", "--tool", tool]
+        assert sanitize.command(tool)[:3] == ["compute-sanitizer", "--tool", tool]
+        assert sanitize.command(tool)[-1] == "benchmarks/sanitize_cases.py"
+
+
+def test_the_sanitizers_cases_run_every_kernel_in_the_interpreter():
+    """benchmarks/sanitize_cases.py, what compute-sanitizer runs on the device, runs each of its cases here (the
+    kernels in Triton's interpreter): every case's calls are valid, so a sanitizer report is about the kernels."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "sanitize_cases.py")], capture_output=True, text=True,
+                         timeout=600, cwd=BENCHMARKS.parent, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import sanitize_cases
+
+    assert f"{len(sanitize_cases.CASES)} of {len(sanitize_cases.CASES)} cases ran" in run.stdout
 
 
 def test_the_device_run_returns_at_most_eight_files():
@@ -370,3 +385,26 @@ def test_a_sweep_candidate_runs_its_own_schedule_whatever_tuned_json_says(monkey
                          "programs_per_sm": None, "split_row": 2})
     assert [(c["split_row"], c["programs_per_sm"]) for c in seen] == [(0, 0), (2, 0)]
     assert launch.logits_launch_config(x["logits"], seen[0])["split_row"] == 0
+
+
+def test_the_suite_holds_its_stages_to_nine_minutes(tmp_path):
+    """gpu_suite.sh's stage limits (GPU defaults) plan under its SUITE_LIMIT of 9 minutes with every kill's grace
+    and the set-up; and its ``stage`` clamps each limit to what the suite has left, skipping a stage that would get
+    under 5 s (or whose limit is 0, off), so a run never exceeds the limit whatever a stage takes."""
+    import re
+    import subprocess
+
+    suite = (BENCHMARKS / "gpu_suite.sh").read_text()
+    limits = {name: int(value) for name, value in re.findall(r"(T_[A-Z]+)=\$\{T_[A-Z]+:-(\d+)\}", suite)}
+    assert set(limits) >= {"T_TESTS", "T_SWEEP", "T_BENCH", "T_FUSED", "T_TRAIN", "T_PROFILE", "T_SAN", "T_NCU"}
+    suite_limit = int(re.search(r"SUITE_LIMIT=\$\{SUITE_LIMIT:-(\d+)\}", suite).group(1))
+    grace = int(re.search(r"^GRACE=(\d+)$", suite, re.MULTILINE).group(1))
+    assert suite_limit <= 540
+    assert sum(limits.values()) + grace * len(limits) + 40 <= suite_limit, limits  # 40 s: set-up and the report
+    functions = suite[suite.index("# clamp SECONDS"):suite.index("\nFIRST_TESTS=")]
+    script = f"""set -u; SUITE_LIMIT=60; GRACE=5; OUT={tmp_path}; LOG={tmp_path}/log; say() {{ echo "$*"; }}
+{functions}
+stage plenty 30 true; SECONDS=25; stage squeezed 30 true; SECONDS=40; stage spent 30 true; stage off 0 true"""
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60).stdout
+    assert "stage plenty (limit 30 s)" in out and "stage squeezed (limit 15 s)" in out, out
+    assert "stage spent: skipped (the suite's 60 s are spent)" in out and "stage off: skipped (off)" in out, out
