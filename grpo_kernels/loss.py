@@ -22,7 +22,7 @@ from .from_hidden_states import LM_HEAD_MODES, HiddenStatesSource
 from .from_logits import LogitsSource
 from .inputs import LossInputs, loss_tokens, options_from, prepare_inputs, prepare_logprob_inputs
 from .kernels.contracts import TokenInputs
-from .objective import GRPOLossOutput, loss_from_logps, policy_masks
+from .objective import GRPOLossOutput, entropy_divisor, loss_from_logps, policy_masks
 from .option_docs import HIDDEN_STATES_KEYWORDS, LOGITS_KEYWORDS, docstring_options
 from .options import BACKENDS, GRPOOptions
 
@@ -309,11 +309,13 @@ def policy_loss_before_bonus(inputs: LossInputs, out: GRPOLossOutput, policy, fi
     subtracted and before ``loss_scale`` (0-d, detached; NaN with a loss_scale of 0, which leaves no loss to read
     it from). The bonus's entropy is the mean over its tokens: the call's mask, or the high-entropy tokens."""
     opts = inputs.options
-    if policy is None or policy.bonus_mask is inputs.mask_seq:
-        bonus_entropy = out.metrics["entropy"]
+    if policy is None or policy.bonus_mask is inputs.mask_seq:  # the entropy metric is the bonus tokens' mean
+        tokens = inputs.mask_seq
+        total = out.metrics["entropy"] * tokens.sum().clamp(min=1.0)
     else:
         entropy, tokens = inputs.layout.seq(first_pass[1]), policy.bonus_mask
-        bonus_entropy = (entropy * tokens).sum() / tokens.sum().clamp(min=1.0)
+        total = (entropy * tokens).sum()
+    bonus_entropy = total / entropy_divisor(tokens, opts, inputs.mask_seq, inputs.normalizer)
     scale = inputs.loss_scale
     unscaled = out.loss.detach() / scale if not (scale.__class__ is float and scale == 0.0) else \
         torch.full_like(out.loss.detach(), float("nan"))

@@ -228,7 +228,8 @@ def kernel_reduction(opts: GRPOOptions, S: int, normalizer, loss_scale,
         divisor = normalizer
     else:  # a number (0 divides as 1 where the kernel is launched: no token is active then)
         divisor = float(normalizer)
-    return Reduction(divisor_kind, divisor, loss_scale, float(opts.entropy_coef), bonus_mask)
+    return Reduction(divisor_kind, divisor, loss_scale, float(opts.entropy_coef), bonus_mask,
+                     opts.entropy_reduction == "loss")
 
 
 def _nonzero(normalizer):
@@ -336,7 +337,7 @@ def grpo_loss_eager(
         policy_mask,
     )
     policy_loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer)
-    loss = policy_loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts)
+    loss = policy_loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts, mask, normalizer)
     metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
     if opts.entropy_coef != 0.0:  # TRL logs the loss before its bonus
         metrics["policy_loss"] = policy_loss.detach()
@@ -394,17 +395,27 @@ def policy_masks(logp: torch.Tensor, entropy: Optional[torch.Tensor], mask: torc
     return policy, entropy_mask
 
 
-def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions):
-    """TRL's entropy bonus, subtracted from the loss: ``entropy_coef`` times the mean entropy over the
-    active tokens, whatever the loss type's reduction (0 without a coefficient)."""
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, loss_mask=None, normalizer=None):
+    """The entropy bonus, subtracted from the loss: ``entropy_coef`` times the entropy summed over ``mask``'s tokens
+    (the bonus's), divided by their count (TRL's mean, whatever the loss type's reduction) or, with
+    ``entropy_reduction="loss"``, as the token-count loss is (``normalizer``, else ``loss_mask``'s active tokens:
+    OpenRLHF's ``aggregate_loss`` of the entropy). 0 without a coefficient."""
     if opts.entropy_coef == 0.0:
         return 0.0
-    return opts.entropy_coef * (entropy * mask).sum() / mask.sum().clamp(min=1.0)
+    return opts.entropy_coef * (entropy * mask).sum() / entropy_divisor(mask, opts, loss_mask, normalizer)
 
 
-def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
-    """dLoss/dH per token of ``- entropy_bonus``: -entropy_coef * M / max(sum M, 1)."""
-    return -opts.entropy_coef * mask / mask.sum().clamp(min=1.0)
+def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions, loss_mask=None, normalizer=None) -> torch.Tensor:
+    """dLoss/dH per token of ``- entropy_bonus``: -entropy_coef * M / its divisor (``entropy_divisor``)."""
+    return -opts.entropy_coef * mask / entropy_divisor(mask, opts, loss_mask, normalizer)
+
+
+def entropy_divisor(mask: torch.Tensor, opts: GRPOOptions, loss_mask=None, normalizer=None):
+    """What the entropy bonus divides its sum by (``entropy_bonus``)."""
+    if opts.entropy_reduction == "loss":
+        return active_token_count(mask if loss_mask is None else loss_mask) if normalizer is None else _nonzero(
+            normalizer)
+    return mask.sum().clamp(min=1.0)
 
 
 # ---- The loss assembled from per-token results, where the loss math runs in torch (loss.loss_in_torch) -------
@@ -423,7 +434,7 @@ def reduced_loss(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale
     O(B * T) per-token gradients)."""
     loss = reduce_loss(per_token_loss, mask, opts, normalizer)
     if opts.entropy_coef != 0.0:
-        loss = loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts)
+        loss = loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts, mask, normalizer)
     return scaled(loss, loss_scale)
 
 

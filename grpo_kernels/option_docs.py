@@ -68,6 +68,10 @@ LOSS_OPTION_DOCS = (
       "whatever the loss type's reduction; its gradient (dH/dz = -p (log p + H)) is fused into the one-pass"
       " kernel, the two-pass backward kernel, the lm_head's dlogits kernel and the torch paths, one more "
       'FMA a logit')),
+    (('entropy_reduction',), '"token_mean"',
+     ('how the entropy bonus is divided: `token_mean` (TRL) the mean over its tokens; `loss` as the loss is, by '
+      "the token-count loss types' `normalizer` (else the active tokens): OpenRLHF's entropy loss, "
+      '`aggregate_loss(entropy, mask, batch_num_tokens, dp_size)` (the `openrlhf` preset)')),
 )
 
 # The Modules' and functions' call keywords that are not loss options (how the loss is computed)

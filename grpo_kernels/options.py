@@ -77,6 +77,9 @@ PPO_CLIP_LOSS_TYPES = tuple(n for n, t in LOSS_TYPE_REGISTRY.items() if t.policy
 TOKEN_COUNT_LOSS_TYPES = tuple(n for n, t in LOSS_TYPE_REGISTRY.items() if t.takes_normalizer)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k3", "k1", "k2")
+# How the entropy bonus is divided: "token_mean", TRL's mean over its tokens; "loss", as the loss is (a token-count
+# loss type's normalizer: OpenRLHF's aggregate_loss of the entropy with its global batch_num_tokens and dp_size)
+ENTROPY_REDUCTIONS = ("token_mean", "loss")
 BACKENDS = ("auto", "triton", "torch")
 
 # Each trainer's loss at its own defaults (docs/loss-semantics.md, "Each trainer's conventions"), as GRPOOptions
@@ -92,8 +95,10 @@ PRESETS = {
     "verl": dict(loss_type="dapo", dual_clip=3.0, log_ratio_clamp=20.0, kl_estimator="k3", kl_clamp=10.0),
     # OpenRLHF's --actor.loss_agg_mode "token-mean" (dapo: its batch_num_tokens / dp_size is the normalizer), the
     # ratio's log clamped to +-20, the KL loss's estimator k1, every estimate clamped to +-10 (k3's log-ratio at -10
-    # from below first: the +-20 clamp gives the same numbers), dual-clip only when set
-    "openrlhf": dict(loss_type="dapo", kl_estimator="k1", log_ratio_clamp=20.0, kl_clamp=10.0),
+    # from below first: the +-20 clamp gives the same numbers), dual-clip only when set, the entropy loss
+    # (--actor.entropy_coef) aggregated as the policy loss is (aggregate_loss with the same batch info)
+    "openrlhf": dict(loss_type="dapo", kl_estimator="k1", log_ratio_clamp=20.0, kl_clamp=10.0,
+                     entropy_reduction="loss"),
 }
 # What a preset's trainer computes with one reduction: the loss types and ratio levels it can be, and what to use
 # for the rest (the trainer's other aggregations leave empty rows out of their mean, and OpenRLHF's KL loss is a
@@ -152,6 +157,7 @@ class GRPOOptions:
     kl_clamp: Optional[float] = None
     compute_entropy: bool = True
     entropy_coef: float = 0.0
+    entropy_reduction: str = "token_mean"
     top_entropy_quantile: float = 1.0
     off_policy_mask_threshold: Optional[float] = None
     vespo_k_pos: float = 2.0
@@ -210,6 +216,11 @@ class GRPOOptions:
             if self.max_completion_length < 1:
                 raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length!r}")
         _check_number("entropy_coef", self.entropy_coef)
+        _check_choice("entropy_reduction", self.entropy_reduction, ENTROPY_REDUCTIONS)
+        if self.entropy_reduction == "loss" and LOSS_TYPE_REGISTRY[self.loss_type].reduction != "token_count":
+            counted = [t.name for t in LOSS_TYPE_REGISTRY.values() if t.reduction == "token_count"]
+            raise ValueError(f"entropy_reduction='loss' divides the entropy bonus as a token-count loss is: it needs "
+                             f"loss_type in {counted}, got loss_type={self.loss_type!r}")
         _check_number("top_entropy_quantile", self.top_entropy_quantile)
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in [0, 1] (1 keeps every token), got "

@@ -300,5 +300,9 @@ def grpo_loss_reference(
         metrics["policy_loss"] = loss.detach()  # TRL logs the loss before its bonus
         bonus_m = [s.m for s in rows] if entropy_keep is None else [s.m * e for s, e in zip(rows, entropy_keep)]
         total = sum((s.entropy * m).sum() for s, m in zip(rows, bonus_m))
-        loss = loss - opts.entropy_coef * total / torch.clamp(sum(m.sum() for m in bonus_m), min=1.0)
+        if opts.entropy_reduction == "loss":  # divided as the (token-count) loss is: OpenRLHF's entropy loss
+            divisor = _token_weight_denominator(rows[0], rows, opts, normalizer)
+        else:
+            divisor = torch.clamp(sum(m.sum() for m in bonus_m), min=1.0)
+        loss = loss - opts.entropy_coef * total / divisor
     return GRPOLossOutput(loss, metrics, lp.detach())

@@ -49,6 +49,22 @@ def test_entropy_bonus_matches_the_fp64_reference(device, backend, one_pass, los
     assert_close("dlogits", expected_grad, grad, **TOL)
 
 
+@pytest.mark.parametrize("normalizer", [None, 17.0], ids=["local tokens", "normalizer"])
+@pytest.mark.parametrize("backend, one_pass", PATHS)
+def test_an_entropy_bonus_divided_as_the_loss_is_matches_the_fp64_reference(device, backend, one_pass, normalizer):
+    """``entropy_reduction="loss"`` (OpenRLHF's entropy loss: aggregate_loss with its global token count): the
+    bonus's sum divided by the token-count loss's normalizer (else the active tokens), on every path."""
+    batch = make_batch(device=device, seed=23, V=1003)
+    options = dict(loss_type="dapo", beta=0.04, entropy_coef=0.05, entropy_reduction="loss")
+    expected_loss, expected_grad = _fp64_reference(dict(batch, normalizer=normalizer), **options)
+    out, grad = _ours(dict(batch, normalizer=normalizer), backend, one_pass, **options)
+    assert_close("loss", expected_loss, out.loss, **TOL)
+    assert_close("dlogits", expected_grad, grad, **TOL)
+    with pytest.raises(ValueError, match=r"entropy_reduction='loss' .* loss_type in \['dapo', 'cispo', 'vespo'\], "
+                                         r"got loss_type='grpo'"):
+        GRPOOptions(loss_type="grpo", entropy_coef=0.05, entropy_reduction="loss")
+
+
 @pytest.mark.parametrize("backend, one_pass", PATHS)
 def test_the_entropy_gradient_alone_is_autograd_of_the_fp64_entropy(device, backend, one_pass):
     """Zero advantages and no KL leave only the bonus: dlogits = -coef * d mean(H) / dlogits."""

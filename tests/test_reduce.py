@@ -54,6 +54,25 @@ def test_token_weights_are_the_reductions_weights(device, loss_type, normalizer,
     assert w.importance_weights is None
 
 
+@pytest.mark.parametrize("normalizer", [None, 37, "tensor"])
+@pytest.mark.parametrize("bonus_tokens", [False, True], ids=["mask", "bonus mask"])
+def test_an_entropy_bonus_divided_as_the_loss_is(device, normalizer, bonus_tokens):
+    """``entropy_reduction="loss"`` (OpenRLHF's entropy loss): the bonus's weights divide by the token-count loss's
+    own divisor (the normalizer, else the active tokens), over the bonus's tokens, as ``entropy_bonus_weights``."""
+    B, T = 4, 9
+    mask = _mask(B, T, seed=5).to(device)
+    bonus = (mask * (torch.rand(B, T, device=device) > 0.5)).contiguous() if bonus_tokens else None
+    if normalizer == "tensor":
+        normalizer = torch.tensor(23.0, device=device)
+    opts = GRPOOptions(loss_type="dapo", entropy_coef=0.03, entropy_reduction="loss")
+    w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, 0.5, bonus))
+    expected = entropy_bonus_weights(mask if bonus is None else bonus, opts, mask, normalizer) * 0.5
+    _same(w.entropy_weight.view(B, T), expected)
+    _same(w.weight.view(B, T), reduction_weights(mask, opts, normalizer) * 0.5)
+    if normalizer is None and bonus is None:  # the loss's divisor: its active tokens, as TRL's own count here
+        _same(expected, entropy_bonus_weights(mask, opts.replace(entropy_reduction="token_mean")) * 0.5)
+
+
 def test_fractional_masks_per_token_inputs_and_a_separate_bonus_mask(device):
     B, T = 3, 1100  # a row longer than the kernel's block of tokens
     mask = _mask(B, T, seed=1, fractional=True).to(device)

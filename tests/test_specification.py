@@ -47,6 +47,8 @@ def _draw(seed: int):
         opts["dual_clip"] = 2.0
     if rnd.random() < 0.3:
         opts["entropy_coef"] = 0.05
+        if loss_type in ("dapo", "cispo", "vespo") and rnd.random() < 0.5:
+            opts["entropy_reduction"] = "loss"  # divided as the token-count loss is (OpenRLHF's entropy loss)
     if rnd.random() < 0.25:
         opts["top_entropy_quantile"] = 0.5
     if rnd.random() < 0.25:

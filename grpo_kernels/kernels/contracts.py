@@ -155,13 +155,15 @@ class Reduction(NamedTuple):
     """How a loss reduces its per-token terms, as the token-weights kernel reads it (``objective.reduction_weights``
     times the loss scale; built by ``objective.kernel_reduction``): ``divisor_kind`` a ``DIVISOR_*``; ``divisor``
     the number (or 0-d tensor) of DIVISOR_GIVEN; ``loss_scale`` a float or a 0-d tensor; ``entropy_coef`` the
-    entropy bonus's (0: none), over ``bonus_mask``'s tokens (fp32 [N]; None: the mask's)."""
+    entropy bonus's (0: none), over ``bonus_mask``'s tokens (fp32 [N]; None: the mask's), divided by their count,
+    or with ``entropy_as_loss`` by the loss's divisor (a token-count loss: OpenRLHF's entropy loss)."""
 
     divisor_kind: int
     divisor: object
     loss_scale: object
     entropy_coef: float = 0.0
     bonus_mask: Optional[Any] = None
+    entropy_as_loss: bool = False
 
 
 class TokenWeights(NamedTuple):

@@ -63,7 +63,7 @@ def token_weights_kernel(
     weight_out, divisor, divisor_ptr, loss_scale, loss_scale_ptr,
     entropy_weight_out, bonus_mask_ptr, entropy_coef,
     dropped_ptr, dropped_stride_b, dropped_stride_t, V,
-    DIVISOR: tl.constexpr, ADV_PER_ROW: tl.constexpr, IW_PER_ROW: tl.constexpr,
+    DIVISOR: tl.constexpr, ADV_PER_ROW: tl.constexpr, IW_PER_ROW: tl.constexpr, ENTROPY_AS_LOSS: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Sequence ``program_id`` of the token layout (mask fp32 [N]): what a loss launch reads besides the logits.
@@ -77,7 +77,8 @@ def token_weights_kernel(
       S x the sequence's active count, the batch's active count (each at least 1), or ``divisor`` (the
       0-d tensor at ``divisor_ptr``, where 0 divides as 1: no token is active then, every weight is 0).
     - ``entropy_weight_out``: dLoss/dH of the entropy bonus, -entropy_coef x bonus mask / its count (at
-      least 1), times the loss scale; the bonus mask is ``bonus_mask_ptr`` [N], or the mask.
+      least 1; ENTROPY_AS_LOSS: / the loss's divisor, which needs ``weight_out``), times the loss scale; the bonus
+      mask is ``bonus_mask_ptr`` [N], or the mask.
     - ``dropped_ptr``: a [B, T + 1, V] gradient whose position T the logits pass never writes (the model's
       last position, ``drop_last_position``): sequence s zeroes its row there.
     """
@@ -104,7 +105,9 @@ def token_weights_kernel(
             divided = divisor
     bonus_count = 1.0
     if entropy_weight_out is not None:
-        if bonus_mask_ptr is not None:
+        if ENTROPY_AS_LOSS:
+            bonus_count = divided
+        elif bonus_mask_ptr is not None:
             bonus_count = tl.maximum(_sum(bonus_mask_ptr, 0, N, BLOCK), 1.0)
         else:
             bonus_count = tl.maximum(_sum(mask_ptr, 0, N, BLOCK), 1.0)

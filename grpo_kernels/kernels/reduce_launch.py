@@ -128,7 +128,8 @@ def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch
         entropy_weight_out, None if r is None else r.bonus_mask, 0.0 if r is None else r.entropy_coef,
         dropped_gradient, dropped_gradient.stride(0) if dropped else 0, dropped_gradient.stride(1) if dropped else 0,
         dropped_gradient.shape[-1] if dropped else 0,
-        DIVISOR_GIVEN if r is None else r.divisor_kind, adv_per_row, iw_per_row, TOKEN_BLOCK, ZERO_BLOCK,
+        DIVISOR_GIVEN if r is None else r.divisor_kind, adv_per_row, iw_per_row, r is not None and r.entropy_as_loss,
+        TOKEN_BLOCK, ZERO_BLOCK,
         num_warps=4,
     )
     return tokens, weights
