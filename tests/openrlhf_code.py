@@ -80,3 +80,73 @@ def openrlhf_code():
         pytest.skip(f"OpenRLHF {VERSION}'s wheel is not in {WHEELS} and `pip download --no-deps openrlhf=={VERSION}` "
                     "could not fetch it (no registry): its loss code cannot be run here")
     return code.utils, code.loss
+
+
+# What OpenRLHF's package imports at its modules' tops that this machine cannot install (flash-attn and vLLM are
+# CUDA builds) or the tests do not carry (its math grader's latex parser, its agent's HTTP client, torchdata): a
+# stand-in module for each, whose every attribute is a class that refuses to be built. Nothing the actor's loss
+# runs touches them.
+STANDS_IN = ("flash_attn", "vllm", "pylatexenc", "aiohttp", "torchdata")
+# left missing, as where flash-attn is built without its Triton ops: OpenRLHF's log_probs_from_logits imports its
+# cross-entropy inside a try and falls back to torch's on ImportError
+MISSING = ("flash_attn.ops",)
+SITECUSTOMIZE = f'''"""Stand-ins for what OpenRLHF imports and this machine lacks (tests/openrlhf_code.py): imported by every Python
+process started with this folder on PYTHONPATH, Ray's workers included."""
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+STANDS_IN = {STANDS_IN!r}
+MISSING = {MISSING!r}
+
+
+class _Missing:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(f"{{type(self).__module__}}.{{type(self).__name__}} is a stand-in (tests/openrlhf_code.py)")
+
+
+class _StandIn(types.ModuleType):
+    __path__ = []
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (_Missing,), {{"__module__": self.__name__}})
+        setattr(self, name, value)
+        return value
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in STANDS_IN and not name.startswith(MISSING):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _StandIn(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.append(_Finder())
+'''
+
+
+def openrlhf_tree(dest: pathlib.Path) -> pathlib.Path:
+    """OpenRLHF's whole package, every file of it from its wheel, under ``dest``, with a ``sitecustomize.py`` that
+    stands in for ``STANDS_IN``: with ``dest`` on PYTHONPATH a process (a Ray worker too) imports OpenRLHF's real
+    modules, ``openrlhf.trainer.ray.ppo_actor`` among them. Skips, saying why, where there is no wheel."""
+    wheel = _wheel()
+    if wheel is None:
+        openrlhf_code()  # the skip, with its reason
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            inside = name.split("/purelib/", 1)[-1] if "/purelib/" in name else name
+            if inside.startswith("openrlhf/") and not name.endswith("/"):
+                target = dest / inside
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(archive.read(name))
+    (dest / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return dest

@@ -223,3 +223,45 @@ def use_in_openrlhf() -> None:
     patch_actor()
     replace_everywhere(loss, {"PolicyLoss": PolicyLoss, "aggregate_loss": aggregate_loss})
     replace_everywhere(utils, {"compute_approx_kl": compute_approx_kl})
+
+
+# ---- Every Ray worker --------------------------------------------------------------------------------------------
+#
+# OpenRLHF's actors (PolicyModelActor, ...) are Ray actors: each runs in a worker process of its own, which imports
+# OpenRLHF anew, so a ``use_in_openrlhf()`` in the launcher never reaches them. Ray runs a job's
+# ``worker_process_setup_hook`` in every worker it starts, before the worker's first task or actor.
+
+RAY_SETUP_HOOK = "grpo_kernels.integration.openrlhf.setup_ray_worker"
+# set in a worker once the hook ran (what a process can ask to know it trains on this package's loss)
+PATCHED_ENV = "GRPO_KERNELS_IN_OPENRLHF"
+# OpenRLHF's own runtime_env (openrlhf.cli.train_ppo_ray.train), which it passes to ray.init only when Ray is not
+# initialized yet: what the environment sets wins, as there
+OPENRLHF_ENV_VARS = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
+
+
+def setup_ray_worker() -> None:
+    """Ray's ``worker_process_setup_hook`` (``RAY_SETUP_HOOK``): ``use_in_openrlhf()`` in the worker process, and
+    ``PATCHED_ENV`` set. An error (OpenRLHF not importable in the worker) stops the worker, visibly, rather than
+    leave it training on OpenRLHF's own loss."""
+    import os
+
+    use_in_openrlhf()
+    os.environ[PATCHED_ENV] = "1"
+
+
+def ray_runtime_env(runtime_env: Optional[dict] = None) -> dict:
+    """The ``runtime_env`` to start Ray with (``ray.init(runtime_env=...)``, or ``ray job submit --runtime-env-json``)
+    so that every worker of the job runs OpenRLHF's actor on this package's loss: ``runtime_env`` (yours, if any)
+    with ``worker_process_setup_hook`` set to ``RAY_SETUP_HOOK`` and OpenRLHF's own ``env_vars`` where yours do not
+    set them (OpenRLHF's launcher skips its own ``ray.init`` once Ray is running). Another setup hook is refused:
+    Ray runs one."""
+    import os
+
+    env = dict(runtime_env or {})
+    hook = env.get("worker_process_setup_hook")
+    if hook is not None and hook != RAY_SETUP_HOOK:
+        raise ValueError(f"runtime_env already has worker_process_setup_hook={hook!r}: Ray runs one hook a job; call "
+                         f"{RAY_SETUP_HOOK}() from yours instead")
+    env["worker_process_setup_hook"] = RAY_SETUP_HOOK
+    env["env_vars"] = {**{k: os.environ.get(k, v) for k, v in OPENRLHF_ENV_VARS.items()}, **env.get("env_vars", {})}
+    return env

@@ -125,8 +125,8 @@ def _sm_count(device_index: Optional[int]) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _l2_bytes(device_index: Optional[int]) -> int:
-    """The L2 cache of a CUDA device in bytes, asked once."""
-    return torch.cuda.get_device_properties(device_index).L2_cache_size
+    """The L2 cache of a CUDA device in bytes, asked once (a torch without the property: an H100's 50 MiB)."""
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0) or CPU_L2_BYTES)
 
 
 # What the persistent schedule assumes of a device without one (the interpreter on a CPU): 2 "SMs", a 50 MiB L2
