@@ -9,8 +9,12 @@ who        std         eps    call
 ours       population  1e-8   ``group_advantages(r, G)``
 TRL        sample      1e-4   ``group_advantages(r, G, std="sample", eps=1e-4)``
 verl       sample      1e-6   ``group_advantages(r, G, std="sample", eps=1e-6)``
+OpenRLHF   sample      1e-9   ``group_advantages(r, G, std="sample", eps=1e-9, clip=10.0)``
 Dr. GRPO   (none)      -      ``group_advantages(r, G, scale="none")``
 =========  ==========  =====  ==============================================
+
+(``preset="trl" | "verl" | "openrlhf"`` sets a row's settings: OpenRLHF's ``group_norm`` advantage is its
+normalized reward clamped to ``--reward.clip_range``, +-10 by default.)
 
 A group whose rewards are all equal gets advantage 0 for every member (eps only avoids a
 division by zero; such a group carries no signal), and its share is returned so that it
@@ -89,14 +93,16 @@ def group_advantages(
     weights: Optional[Sequence[float]] = None,
     combine: str = "sum_then_normalize",
     preset: Optional[str] = None,
+    clip: Optional[float] = None,
 ) -> GroupAdvantages:
     """Advantages [B] from rewards [B] or [B, K] (K reward functions, combined with ``weights``).
 
     ``combine``: "sum_then_normalize" (TRL: weighted sum of the K rewards, then the group
     normalization) or "normalize_then_sum" (GDPO: normalize each reward within its group,
     then the weighted sum). NaN in one of K rewards is skipped by the weighted sum (TRL's
-    nansum); a row whose K rewards are all NaN is unscored. ``preset`` ("trl", "verl",
-    "openrlhf") sets that trainer's std and eps, overriding the two arguments.
+    nansum); a row whose K rewards are all NaN is unscored. ``clip``: the advantages clamped to
+    [-clip, clip] (OpenRLHF's ``--reward.clip_range``). ``preset`` ("trl", "verl", "openrlhf") sets that
+    trainer's std, eps and clip, overriding the three arguments.
     """
     if preset is not None:
         from .options import ADVANTAGE_PRESETS
@@ -104,6 +110,9 @@ def group_advantages(
         if preset not in ADVANTAGE_PRESETS:
             raise ValueError(f"preset must be one of {sorted(ADVANTAGE_PRESETS)}, got {preset!r}")
         std, eps = ADVANTAGE_PRESETS[preset]["std"], ADVANTAGE_PRESETS[preset]["eps"]
+        clip = ADVANTAGE_PRESETS[preset].get("clip")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+        raise ValueError(f"clip must be a positive number (the advantages' bound) or None, got {clip!r}")
     if std not in STD_KINDS:
         raise ValueError(f"std must be one of {list(STD_KINDS)}, got {std!r}")
     if scale not in SCALES:
@@ -130,6 +139,8 @@ def group_advantages(
         per_reward = [_normalize(rewards[:, k].contiguous(), group_size, std, eps, scale) for k in range(K)]
         advantages = sum(w[k] * adv for k, (adv, _) in enumerate(per_reward))
         zero_std = torch.stack([z for _, z in per_reward]).all(0)
+    if clip is not None:
+        advantages = advantages.clamp(-clip, clip)
     return GroupAdvantages(advantages, zero_std.float().mean(), zero_std)
 
 

@@ -116,7 +116,7 @@ PRESET_LIMITS = {
 ADVANTAGE_PRESETS = {
     "trl": dict(std="sample", eps=1e-4),
     "verl": dict(std="sample", eps=1e-6),
-    "openrlhf": dict(std="sample", eps=1e-9),
+    "openrlhf": dict(std="sample", eps=1e-9, clip=10.0),  # its group_norm, clamped to --reward.clip_range
 }
 
 

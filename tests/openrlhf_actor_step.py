@@ -119,3 +119,23 @@ def training_step(config_name: str) -> dict:
     return {"loss": float(backpropagated[0]), "metrics": metrics,
             "grads": {name: p.grad.detach().clone() for name, p in model.named_parameters()},
             "names": names_in_use()}
+
+
+def group_norm_advantages(rewards, group_size: int) -> torch.Tensor:
+    """OpenRLHF's own ``RemoteExperienceMaker.compute_advantages_and_returns`` with ``--algo.advantage.estimator
+    group_norm`` and its default ``--reward.clip_range`` (-10, 10), on one experience of ``rewards`` (a prompt's
+    ``group_size`` completions after another), KL 0: each completion's advantage (every token's is the same)."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    ns = types.SimpleNamespace
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    B, A = rewards.shape[0], 3
+    args = ns(rollout=ns(n_samples_per_prompt=group_size), reward=ns(clip_range=(-10.0, 10.0)),
+              algo=ns(advantage=ns(estimator="group_norm", gamma=1.0, no_std_norm=False)))
+    maker = ns(strategy=ns(args=args), kl_ctl=ns(value=0.0), advantage_estimator="group_norm")
+    maker.get_cumulative_returns = lambda *a, **k: RemoteExperienceMaker.get_cumulative_returns(maker, *a, **k)
+    experience = Experience(rewards=rewards, index=list(range(B)), kl=torch.zeros(B, A),
+                            action_mask=torch.ones(B, A, dtype=torch.bool))
+    (out,) = RemoteExperienceMaker.compute_advantages_and_returns(maker, [experience])
+    return out.advantages[:, 0]

@@ -5,6 +5,7 @@ actor's functions), on ragged batches with an empty row; the actor's on padded [
 logits."""
 
 import itertools
+import pathlib
 import sys
 
 import pytest
@@ -202,3 +203,105 @@ def test_use_in_openrlhf_replaces_the_names_openrlhfs_modules_hold(monkeypatch):
     entropy = getattr(originals[1], "_torchdynamo_orig_callable", originals[1])
     torch.testing.assert_close(actor.log_probs_from_logits(logits, ids), originals[0](logits.detach(), ids))
     torch.testing.assert_close(actor.compute_entropy(logits), entropy(logits.detach()))
+
+
+# ---- Where OpenRLHF's own runs and ours once differed (issue 53) --------------------------------------------------
+
+POLICY_MODES = {"token-mean": dict(), "seq-mean-token-mean": dict(token_level_loss=False),
+                "gspo": dict(policy_loss_type="gspo")}
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool], ids=["float mask", "bool mask"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mode", list(POLICY_MODES))
+def test_16_bit_log_probs_give_openrlhfs_loss_within_their_rounding_and_no_nan(mode, dtype, mask_dtype):
+    """bf16 / fp16 log-probs, a mask of either dtype OpenRLHF's actor passes (its action_mask is a bool tensor), a
+    batch with an empty row: our loss and aggregate_loss are fp32 sums (OpenRLHF's float mask promotes its sums to
+    fp32), within the input dtype's rounding of OpenRLHF's, its gradient too; never NaN where OpenRLHF is finite
+    (a 16-bit row count made the empty row's 0 + 1e-8 a 0, and its mean NaN, in fp16)."""
+    _, theirs_loss = openrlhf_code()
+    lp, old, _, _, adv, mask = ragged_batch(11)
+    mask = mask.to(mask_dtype)
+    ours_lp, theirs_lp = (lp.detach().to(dtype).requires_grad_() for _ in range(2))
+    args = (old.to(dtype), adv.to(dtype), mask)
+    theirs = theirs_loss.PolicyLoss(**POLICY_MODES[mode])(theirs_lp, *args, **BATCH_INFO["two ranks"])
+    ours = adapter.PolicyLoss(**POLICY_MODES[mode])(ours_lp, *args, **BATCH_INFO["two ranks"])
+    theirs[0].backward()
+    ours[0].backward()
+    eps = torch.finfo(dtype).eps
+    assert torch.isfinite(theirs[0]) and torch.isfinite(ours[0]) and ours[0].dtype == torch.float32
+    torch.testing.assert_close(ours[0], theirs[0].float(), atol=2 * eps * max(1.0, abs(float(theirs[0]))), rtol=0)
+    scale = float(theirs_lp.grad.float().abs().max())
+    torch.testing.assert_close(ours_lp.grad.float(), theirs_lp.grad.float(), atol=2 * eps * scale, rtol=0)
+    for token_level_loss in (True, False):
+        expected = theirs_loss.aggregate_loss(lp.detach().to(dtype), mask, token_level_loss)
+        actual = adapter.aggregate_loss(lp.detach().to(dtype), mask, token_level_loss)
+        assert torch.isfinite(actual) and actual.dtype == torch.float32
+        torch.testing.assert_close(actual, expected.float(), atol=2 * eps * max(1.0, abs(float(expected))), rtol=0)
+
+
+def test_gspo_past_exps_range_is_openrlhfs_value_where_openrlhf_has_one():
+    """GSPO's ratio is exp of a row's mean log-ratio, inf past about 88.7 in fp32. A row that far off the old policy
+    with a positive advantage has a finite loss: the clipped term, the minimum. OpenRLHF gives it where the row has
+    no padding, though its gradient is NaN (exp's backward: 0 x inf); where the row has padding, OpenRLHF multiplies
+    the inf ratio by the padding's zeros and its loss is NaN too. Decided: ours bounds the mean log-ratio within
+    exp's range (``adapter.GSPO_LOG_RATIO_CLAMP``), so that on the padded batch and without padding it is OpenRLHF's
+    finite value, with a finite gradient (0 on that row, whose clipped term is constant)."""
+    _, theirs_loss = openrlhf_code()
+    g = torch.Generator().manual_seed(12)
+    B, L, pad = 3, 5, 2
+    lp = -1.5 + 0.3 * torch.randn(B, L, generator=g)
+    old = lp + 0.2 * torch.randn(B, L, generator=g)
+    old[1] = lp[1] - 90.0  # a mean log-ratio of 90: exp overflows
+    adv = torch.tensor([[0.7], [1.3], [-0.4]]).expand(B, L).contiguous()
+    full = torch.ones(B, L)
+
+    def padded(x, fill=0.0):
+        return torch.cat([x, torch.full((B, pad), fill)], dim=1)
+
+    policy = dict(policy_loss_type="gspo")
+    unpadded = theirs_loss.PolicyLoss(**policy)(lp.clone().requires_grad_(), old, adv, full)[0]
+    assert torch.isfinite(unpadded)
+    with_padding = theirs_loss.PolicyLoss(**policy)(padded(lp).requires_grad_(), padded(old), padded(adv),
+                                                    padded(full))[0]
+    assert torch.isnan(with_padding)  # OpenRLHF's: inf x 0 at the padding
+    for x, m in ((lp, full), (padded(lp), padded(full))):
+        leaf = x.clone().requires_grad_()
+        ours = adapter.PolicyLoss(**policy)(leaf, padded(old) if x.shape[1] > L else old,
+                                            padded(adv) if x.shape[1] > L else adv, m)[0]
+        ours.backward()
+        torch.testing.assert_close(ours, unpadded, atol=1e-6, rtol=1e-6)
+        assert torch.isfinite(leaf.grad).all() and not leaf.grad[1].any()
+
+
+def test_the_openrlhf_advantage_preset_is_openrlhfs_group_norm_with_its_clip_range(tmp_path):
+    """``group_advantages(preset="openrlhf")`` against OpenRLHF's own ``compute_advantages_and_returns``
+    (``--algo.advantage.estimator group_norm``, its default ``--reward.clip_range`` of +-10), run on its real
+    module in a process of its own (``openrlhf_actor_step``): a group of 128 with one success normalizes past 10
+    and is clamped there; a random group and a group with no signal (all 0.5) too."""
+    import os
+    import subprocess
+
+    from grpo_kernels.advantages import group_advantages
+    from openrlhf_code import openrlhf_tree
+
+    G = 128
+    rewards = torch.zeros(3 * G)
+    rewards[0] = 1.0
+    rewards[G:2 * G] = torch.rand(G, generator=torch.Generator().manual_seed(0))
+    rewards[2 * G:] = 0.5
+    tree = openrlhf_tree(tmp_path / "tree")
+    out = tmp_path / "advantages.pt"
+    torch.save(rewards, tmp_path / "rewards.pt")
+    script = (f"import torch, openrlhf_actor_step as s; torch.save(s.group_norm_advantages("
+              f"torch.load({str(tmp_path / 'rewards.pt')!r}), {G}), {str(out)!r})")
+    tests = pathlib.Path(__file__).resolve().parent
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (tree, tests)))})
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = torch.load(out)
+    ours = group_advantages(rewards, G, preset="openrlhf").advantages
+    assert float(theirs[0]) == 10.0 and float(group_advantages(rewards, G, std="sample", eps=1e-9).advantages[0]) > 11
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="clip must be a positive number"):
+        group_advantages(rewards, G, clip=-1.0)

@@ -124,6 +124,37 @@ def test_openrlhf_preset_is_openrlhfs_loss(flags, dp, backend):
     assert_same("openrlhf", openrlhf, backend, normalizer=tokens / dp, **overrides)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("accumulation", [1, 3], ids=["one micro-batch", "three micro-batches"])
+def test_openrlhf_preset_entropy_loss_is_openrlhfs(backend, accumulation):
+    """``--actor.entropy_coef``: OpenRLHF's actor subtracts ``entropy_coef * aggregate_loss(entropy, mask,
+    **loss_batch_info)``, the entropy summed over this micro-batch's tokens and divided by the global token count
+    (an uneven second rank's tokens, and with gradient accumulation the other micro-batches' too) times
+    ``dp_size``: the preset divides it as its policy loss is (``entropy_reduction="loss"``), not by the local
+    tokens."""
+    utils, loss_code = openrlhf_code()
+    logits, ids, mask, adv, old, ref = batch(seed=4)
+    dp, coef = 2, 0.05
+    tokens = mask.sum() * accumulation + 17.0  # this rank's window of micro-batches, and another rank's 17 tokens
+    info = dict(dp_size=dp, batch_num_tokens=tokens, global_batch_size=torch.tensor(11.0))
+    twin = logits.detach().clone().requires_grad_()
+    lp = their_logps(logits, ids, mask)
+    entropy = getattr(utils.compute_entropy, "_torchdynamo_orig_callable", utils.compute_entropy)(logits.float())
+    expected = (loss_code.PolicyLoss()(lp, old, adv, mask, None, **info)[0]
+                + 0.01 * loss_code.aggregate_loss(utils.compute_approx_kl(lp, ref, old, "k1"), mask, **info)
+                - coef * loss_code.aggregate_loss(entropy, mask, **info))
+    actual = ours("openrlhf", twin, ids, mask, adv, old, ref, backend, normalizer=tokens / dp, beta=0.01,
+                  entropy_coef=coef)
+    expected.backward()
+    actual.backward()
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(twin.grad, logits.grad, atol=1e-7, rtol=1e-5)
+    # the local mean (TRL's bonus) is another number here
+    local = ours("openrlhf", logits.detach(), ids, mask, adv, old, ref, backend, normalizer=tokens / dp, beta=0.01,
+                 entropy_coef=coef, entropy_reduction="token_mean")
+    assert abs(float(local) - float(expected)) > 1e-4
+
+
 def test_openrlhf_k3_clamps_bind_and_match():
     """k3 far from the reference: OpenRLHF clamps log(pi / pi_ref) at -10 from below, then the value to +-10."""
     utils, loss_code = openrlhf_code()

@@ -1,5 +1,8 @@
 """verl adapter against verl's own core_algos functions: policy losses, agg_loss modes, KL estimators."""
 
+import pathlib
+import sys
+
 import pytest
 import torch
 
@@ -145,3 +148,57 @@ def test_enable_module_registers_and_patches():
     finally:
         for name, fn in originals.items():
             setattr(torch_functional, name, fn)
+
+
+def test_verls_ray_worker_imports_external_lib_and_calls_our_names(tmp_path):
+    """verl trains in Ray workers too; its ``external_lib`` reaches them because each worker builds its model config
+    (``HFModelConfig``, in ``ActorRolloutRefWorker.init_model``), whose ``__post_init__`` imports it. In a real Ray
+    worker (a local Ray started by a driver that never imports this package), that construction with the
+    integration example's ``external_lib``, then the names verl's FSDP engine (``logprobs_from_logits``, imported by
+    name) and its losses (``get_policy_loss_fn``, a registry) call are ours."""
+    import json
+    import os
+    import subprocess
+
+    pytest.importorskip("ray")
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig
+
+    from grpo_kernels.training.tasks.compare import build_tokenizer
+
+    config = OmegaConf.load(pathlib.Path(__file__).resolve().parents[1] / "integration" / "verl_grpo_kernels.yaml")
+    model = tmp_path / "model"  # a tiny model directory: verl's model config reads its config and tokenizer
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(model)
+    LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, architectures=["LlamaForCausalLM"]).save_pretrained(model)
+    script = '''
+import json, os, sys
+import ray
+
+@ray.remote
+def in_worker(path, external_lib, loss_mode):
+    from verl.workers.config import HFModelConfig
+    HFModelConfig(path=path, external_lib=external_lib, override_config={"attn_implementation": "eager"})
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_engine
+    from verl.trainer.ppo import core_algos
+    where = lambda fn: f"{fn.__module__}.{fn.__qualname__}"
+    return {"pid": os.getpid(), "fsdp_engine.logprobs_from_logits": where(fsdp_engine.logprobs_from_logits),
+            "policy loss": where(core_algos.get_policy_loss_fn(loss_mode))}
+
+ray.init(num_cpus=1, include_dashboard=False)
+found = ray.get(in_worker.remote(*sys.argv[1:]))
+found["driver imported grpo_kernels"] = any(name.startswith("grpo_kernels") for name in sys.modules)
+found["driver pid"] = os.getpid()
+ray.shutdown()
+print(json.dumps(found))
+'''
+    run = subprocess.run([sys.executable, "-c", script, str(model), config.actor_rollout_ref.model.external_lib,
+                          config.actor_rollout_ref.actor.policy_loss.loss_mode], capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["pid"] != found["driver pid"] and not found["driver imported grpo_kernels"]
+    assert found["fsdp_engine.logprobs_from_logits"] == \
+        "grpo_kernels.integration.verl.patch_logprobs.<locals>.logprobs_from_logits"
+    assert found["policy loss"] == "grpo_kernels.integration.verl.vanilla_policy_loss"

@@ -47,13 +47,20 @@ KL_IS_WEIGHT_CLIP = 10.0
 # OpenRLHF's k3 clamps log(pi / pi_ref) at -10 from below only; any symmetric bound >= 11 gives the same values
 # and gradients, since every value beyond it is clamped to KL_CLAMP (zero gradient) either way
 K3_LOG_RATIO_CLAMP = 20.0
+# OpenRLHF's GSPO ratio is unclamped: exp of a row's mean log-ratio, inf past about 88.7 in fp32, where its loss is
+# NaN (the inf times the padding's zeros) and its gradient NaN (exp's backward, 0 x inf) even without padding. Ours
+# bounds the mean log-ratio at 88 (e^88 = 1.65e38, fp32's largest power of e): OpenRLHF's numbers wherever they are
+# finite (a row that far off clips: the clipped term and the dual-clip bound are exact, their gradient 0), and a
+# finite loss and gradient where OpenRLHF's are NaN (without dual-clip a negative advantage's term is then
+# 1.65e38 |A| for inf)
+GSPO_LOG_RATIO_CLAMP = 88.0
 
 
 def masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim=None) -> torch.Tensor:
-    """OpenRLHF's ``masked_mean``: sum(x mask) / sum(mask), NaN where the mask is empty (its convention)."""
+    """OpenRLHF's ``masked_mean``: sum(x mask) / sum(mask), NaN where the mask is empty (its convention); in fp32."""
     if mask is None:
-        return x.mean(dim=dim)
-    return (x * mask).sum(dim=dim) / mask.sum(dim=dim)
+        return x.float().mean(dim=dim)
+    return (x.float() * mask.float()).sum(dim=dim) / mask.float().sum(dim=dim)
 
 
 def aggregate_loss(loss: torch.Tensor, loss_mask: torch.Tensor, token_level_loss: bool = True, dp_size: int = 1,
@@ -62,9 +69,11 @@ def aggregate_loss(loss: torch.Tensor, loss_mask: torch.Tensor, token_level_loss
     ``batch_num_tokens``, times ``dp_size``, which DeepSpeed's averaging over ranks cancels), or the mean of the
     non-empty sequences' token means (over ``global_batch_size``, times ``dp_size``): verl's ``token-mean`` and
     ``seq-mean-token-mean`` (``verl.aggregate``). Without the global count, the local mean (OpenRLHF then ignores
-    ``dp_size``, where verl refuses)."""
+    ``dp_size``, where verl refuses). Summed in fp32 whatever the loss's dtype, as OpenRLHF's float mask promotes
+    its sums (a 16-bit row count would also turn an empty row's ``0 + 1e-8`` into 0 and its mean into NaN)."""
     mode, count = ("token-mean", batch_num_tokens) if token_level_loss else ("seq-mean-token-mean", global_batch_size)
-    return aggregate(loss, loss_mask, mode, dp_size if count is not None else 1, batch_num_tokens, global_batch_size)
+    return aggregate(loss.float(), loss_mask.float(), mode, dp_size if count is not None else 1, batch_num_tokens,
+                     global_batch_size)
 
 
 def _check_choice(name: str, value, choices) -> None:
@@ -134,19 +143,24 @@ class PolicyLoss(nn.Module):
         self.is_correction_level, self.is_correction_mode = is_correction_level, is_correction_mode
         self.is_correction_gating, self.is_correction_threshold = is_correction_gating, tuple(is_correction_threshold)
         gspo = policy_loss_type == "gspo"
-        # dual_clip > 1 is checked by GRPOOptions; OpenRLHF's GSPO ratio is unclamped
+        # dual_clip > 1 is checked by GRPOOptions; OpenRLHF's GSPO ratio is unclamped: ours within exp's range
         self.options = GRPOOptions(epsilon=clip_eps_low, epsilon_high=clip_eps_high, dual_clip=dual_clip,
                                    importance_sampling_level="sequence" if gspo else "token",
-                                   log_ratio_clamp=None if gspo else LOG_RATIO_CLAMP, compute_entropy=False)
+                                   log_ratio_clamp=GSPO_LOG_RATIO_CLAMP if gspo else LOG_RATIO_CLAMP,
+                                   compute_entropy=False)
 
     def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 action_mask: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
                 dp_size: int = 1, batch_num_tokens=None, global_batch_size=None):
         """(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), as OpenRLHF's: the last two None without a
-        rollout correction."""
+        rollout correction. In fp32 whatever the inputs' dtype (the gradient reaches 16-bit log-probs through the
+        cast): OpenRLHF's float mask promotes its sums to fp32, and a 16-bit mask's row counts would make an empty
+        row's mean NaN."""
         if action_mask is None:
             action_mask = torch.ones_like(log_probs)
-        mask = action_mask.to(log_probs.dtype)
+        log_probs, old_log_probs, advantages = log_probs.float(), old_log_probs.float(), advantages.float()
+        rollout_log_probs = None if rollout_log_probs is None else rollout_log_probs.float()
+        mask = action_mask.float()
         correcting = self.is_correction_level != "off"
         if correcting and rollout_log_probs is None:
             raise ValueError(f"is_correction_level={self.is_correction_level!r} needs rollout_log_probs, got None")
@@ -171,7 +185,7 @@ class PolicyLoss(nn.Module):
         log_ratio = log_probs - old
         if self.policy_loss_type == "gspo":
             log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-            ratio = log_ratio.exp() * mask
+            ratio = log_ratio.clamp(max=GSPO_LOG_RATIO_CLAMP).exp() * mask
         else:
             ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
         plain = ratio * advantages
