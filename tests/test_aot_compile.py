@@ -172,7 +172,7 @@ def test_fused_lm_head_products_run_on_tensor_cores_fed_by_async_copies(records)
     """bf16 lm_head tiles: wgmma (sm_90) / mma.sync (sm_80) on operands staged by cp.async, i.e. the
     tiles are pipelined through shared memory rather than loaded element by element into registers."""
     lm_head = [r for r in records if "fused-linear" in r["specialization"] and r["dtype"] == "bf16"
-               and r["kernel"] != "combine"]
+               and r["kernel"] not in ("combine", "tile-state")]  # the two that fold states, no product
     assert {r["kernel"] for r in lm_head} == {"forward", "dlogits", "matmul"}
     slow = [r for r in lm_head if r["tensor_core_mma"] == 0 or r["async_copies"] == 0]
     assert not slow, slow
