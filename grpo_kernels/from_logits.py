@@ -92,10 +92,10 @@ class LogitsSource:
             if sharded:
                 raise ValueError("in_place_backward=True is not supported with vocab_parallel_group")
             check_in_place(True, self.tensor)
-        if backend == "triton" and self.tensor.stride(-1) != 1:
+        if self.tensor.stride(-1) != 1:  # on every backend: code that passes on a laptop runs on the GPU
             raise ValueError(
-                f"backend='triton' needs logits with a unit last stride, got strides {tuple(self.tensor.stride())}; "
-                "views that slice B or T are fine, a transposed vocabulary is not (call .contiguous())"
+                f"logits need a unit last stride, got strides {tuple(self.tensor.stride())} (backend={backend!r}); "
+                "views that slice B or T are fine, a transposed or strided vocabulary is not (call .contiguous())"
             )
 
     def predicting(self) -> torch.Tensor:

@@ -278,7 +278,8 @@ def prepare_inputs(source, completion_ids, completion_mask, advantages, old_logp
     device = source.tensor.device
     sharded = vocab_parallel_group is not None
     check_inputs(shape, device, ids, mask, layout.tokens(advantages).view(1, -1) if layout else advantages,
-                 old, ref, None if layout else importance_weights, normalizer, options, check_ids and not sharded)
+                 old, ref, None if layout else importance_weights, normalizer, options, check_ids and not sharded,
+                 what=source.what)
     shard = None if not sharded else _vocab_shard(vocab_parallel_group, vocab_start_index, shape, device, ids,
                                                     check_ids, mask=mask, normalizer=normalizer)
     if sampling is not None:

@@ -10,6 +10,8 @@ kernel specialization.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
 from typing import ClassVar, Optional
 
@@ -330,6 +332,56 @@ class GRPOOptions:
 
 
 _KL_KINDS = {"k3": contracts.KL_K3, "k1": contracts.KL_K1, "k2": contracts.KL_K2}
+
+# Other trainers' names for our options (an unknown option names ours: ``check_option_names``)
+OPTION_ALIASES = {
+    "clip_eps": "epsilon", "clip_eps_low": "epsilon", "eps_clip": "epsilon", "eps_low": "epsilon",
+    "epsilon_low": "epsilon", "clip_ratio": "epsilon", "clip_ratio_low": "epsilon", "cliprange": "epsilon",
+    "clip_range": "epsilon", "clip_eps_high": "epsilon_high", "eps_high": "epsilon_high",
+    "clip_ratio_high": "epsilon_high", "clip_ratio_c": "dual_clip", "kl_coef": "beta", "init_kl_coef": "beta",
+    "kl_beta": "beta", "kl_ctl": "beta", "entropy_coeff": "entropy_coef", "kl_penalty": "kl_estimator",
+    "kl_loss_type": "kl_estimator", "loss_agg_mode": "loss_type", "max_response_length": "max_completion_length",
+}
+# The loss functions' and Modules' call keywords, which an unknown option may have meant (option_docs' lists)
+CALL_KEYWORDS = ("backend", "in_place_backward", "one_pass", "check_ids", "drop_last_position", "preset", "options",
+                 "loss_scale", "cu_seqlens", "vocab_parallel_group", "vocab_start_index", "lm_head_mode")
+
+
+def check_option_names(names) -> None:
+    """Refuse an unknown option by name, with the nearest of ours: another trainer's name for it
+    (``OPTION_ALIASES``: OpenRLHF's ``clip_eps`` is ``epsilon``), else the closest spelling among the options and
+    the call keywords."""
+    fields = _option_fields()
+    for name in names:
+        if name in fields:
+            continue
+        if name in OPTION_ALIASES:
+            hint = f"; did you mean {OPTION_ALIASES[name]!r} (another trainer's name for it)?"
+        else:
+            close = difflib.get_close_matches(name, fields + CALL_KEYWORDS, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else "."
+        raise TypeError(f"unknown option {name!r}{hint} The options are GRPOOptions' fields (the README's options "
+                        "table)")
+
+
+@functools.lru_cache(maxsize=None)
+def _option_fields() -> tuple:
+    return tuple(f.name for f in dataclasses.fields(GRPOOptions))
+
+
+def _checked_init(generated):
+    """GRPOOptions' generated ``__init__`` behind ``check_option_names``: every way of making options (keywords to
+    ``GRPOLoss``, ``grpo_loss``, ``from_preset``, ``GRPOOptions`` itself) names an unknown option's fix."""
+    @functools.wraps(generated)
+    def __init__(self, *args, **kwargs):
+        if not kwargs.keys() <= _FIELD_SET:
+            check_option_names(kwargs)
+        generated(self, *args, **kwargs)
+    return __init__
+
+
+_FIELD_SET = frozenset(f.name for f in dataclasses.fields(GRPOOptions))
+GRPOOptions.__init__ = _checked_init(GRPOOptions.__init__)
 
 
 def _kernel_loss(o: GRPOOptions) -> contracts.KernelLoss:

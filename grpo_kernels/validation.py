@@ -50,6 +50,18 @@ _INTEGER_DTYPES = frozenset(getattr(torch, name) for name in ("int64", "int32", 
                             if hasattr(torch, name))  # (the common ids' dtypes, answered by one lookup: host time)
 
 
+def check_one_position_more(ids, shape, what: str = "logits") -> None:
+    """A model's whole output ([B, T + 1, V] logits, or [B, T + 1, H] hidden states) beside completion ids [B, T]: the
+    last position predicts nothing, and ``drop_last_position=True`` (or a slice) is the fix; say so, before any
+    per-token input is found to disagree with the logits' T."""
+    B, T = shape[0], shape[1]
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and tuple(ids.shape) == (B, T - 1):
+        fix = ("pass drop_last_position=True (its gradient written at the logits' shape, the last position's 0), or "
+               "logits[:, :-1]" if what == "logits" else f"pass {what}[:, :-1]")
+        raise ValueError(f"{what} [B, T + 1, ...] = {(B, T)} hold one position more than completion_ids [B, T] = "
+                         f"{tuple(ids.shape)}: a model's whole output, whose last position predicts nothing; {fix}")
+
+
 def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normalizer=None) -> None:
     """Shape, dtype and device of the ids against the logits' ``shape`` (B, T, V) and ``device``; with
     ``check_range``, one host sync that checks the ids at active positions (``mask != 0``; all of them without a
@@ -62,22 +74,28 @@ def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normali
                                              ids.dtype == torch.bool):
         raise TypeError(f"completion_ids must be an integer tensor, got {ids.dtype}")
     if ids.shape != (B, T):
+        check_one_position_more(ids, shape)
         raise ValueError(f"completion_ids must be [B, T] = {(B, T)} to match logits [B, T, V], got {tuple(ids.shape)}")
     if ids.device != device:
         raise ValueError(f"completion_ids is on {ids.device} but logits is on {device}")
     if not check_range:
         return
     checked = ids if mask is None else ids.masked_fill(mask == 0, 0)
+    weighted = mask is not None and mask.dtype != torch.bool and ids.numel()  # a mask of numbers: check them too
     if torch.compiler.is_compiling():  # a graph has no host sync: the same checks, asserted on the device
-        _assert_in_graph(checked, V, mask, normalizer)
+        _assert_in_graph(checked, V, mask if weighted else None, normalizer)
         return
-    if not isinstance(normalizer, torch.Tensor):  # the ids' range alone: two ops and the one host sync
+    if not isinstance(normalizer, torch.Tensor) and not weighted:  # the ids' range alone: the one host sync
         values = torch.stack(torch.aminmax(checked)).tolist() if ids.numel() else []
-    else:  # with its value, and the active tokens a normalizer of 0 needs none of, in the same sync
-        stats = [v.reshape(1).double().to(ids.device) for v in torch.aminmax(checked)] if ids.numel() else []
-        stats.append(_active_tokens(mask, ids).reshape(1).double().to(ids.device))
-        stats.append(normalizer.detach().reshape(1).double().to(ids.device))
-        values = torch.cat(stats).tolist()  # the one host sync
+    else:  # with the mask's range, the normalizer's value and the active tokens it may need, in the same sync
+        stats = [v.reshape(1).double() for v in torch.aminmax(checked)] if ids.numel() else []
+        if weighted:
+            low_high = torch.aminmax(mask.double())
+            stats += [low_high[0].reshape(1), low_high[1].reshape(1), mask.isnan().any().double().reshape(1)]
+        if isinstance(normalizer, torch.Tensor):
+            stats.append(_active_tokens(mask, ids).reshape(1).double())
+            stats.append(normalizer.detach().reshape(1).double().to(ids.device))
+        values = torch.cat([v.to(ids.device) for v in stats]).tolist()  # the one host sync
     if ids.numel():
         low, high = int(values[0]), int(values[1])
         if low < 0 or high >= V:
@@ -86,8 +104,19 @@ def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normali
                 f"completion_ids must lie in [0, V) = [0, {V}) at active positions, got a token id {bad} "
                 "(masked positions may hold any id, -100 included)"
             )
+    if weighted:
+        _check_mask_range(*values[2:5])
     if isinstance(normalizer, torch.Tensor):
         _check_normalizer_value(values[-1], lambda: int(values[-2]))
+
+
+def _check_mask_range(low: float, high: float, has_nan: float) -> None:
+    """A mask's values lie in [0, 1]: 1 counts a token, 0 masks it, a fraction weights it (as TRL's
+    ``per_token_loss * mask``). A negative value (a -1 for padding) or a NaN would be taken as a weight, silently."""
+    if has_nan or low < 0 or high > 1:
+        got = "a NaN" if has_nan else f"values from {low:g} to {high:g}"
+        raise ValueError(f"completion_mask must lie in [0, 1] (1 counts a token, 0 masks it, a fraction weights it), "
+                         f"got {got}: a -1 or another padding marker must become 0 (e.g. (mask == 1).float())")
 
 
 def _assert_in_graph(checked: torch.Tensor, V: int, mask, normalizer) -> None:
@@ -97,6 +126,8 @@ def _assert_in_graph(checked: torch.Tensor, V: int, mask, normalizer) -> None:
     if checked.numel():
         torch._assert_async(((checked >= 0) & (checked < V)).all(),
                             f"completion_ids must lie in [0, V) = [0, {V}) at active positions")
+    if mask is not None:
+        torch._assert_async(((mask >= 0) & (mask <= 1)).all(), "completion_mask must lie in [0, 1]")
     if isinstance(normalizer, torch.Tensor):
         value = normalizer.detach().reshape(())
         valid = (torch.isfinite(value) & (value > 0)) | ((value == 0) & (_active_tokens(mask, checked) == 0))
@@ -145,10 +176,11 @@ def check_per_token(name: str, t, shape, device, *, allow_row: bool, allow_bool=
 
 def check_inputs(
     shape, device, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-    normalizer, opts: GRPOOptions, check_ids: bool = True,
+    normalizer, opts: GRPOOptions, check_ids: bool = True, what: str = "logits",
 ) -> None:
     """Every per-call tensor of a loss call against the logits' ``shape`` (B, T, V) and ``device`` (the logits
-    themselves, or the hidden states and head, are their input form's to check)."""
+    themselves, or the hidden states and head, are their input form's to check; ``what`` names them)."""
+    check_one_position_more(completion_ids, shape, what)
     if completion_mask is None:
         raise ValueError("completion_mask is required ([B, T], 1 where a completion token counts), got None")
     if advantages is None:

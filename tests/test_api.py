@@ -101,7 +101,7 @@ def _bad(batch, **changes):
 BAD_INPUTS = {
     "logits 2-d": (lambda b: _bad(b, logits=b["logits"][0]), ValueError, r"logits must be \[B, T, V\] \(3 dims\), got shape \(5, 1003\)"),
     "logits int": (lambda b: _bad(b, logits=b["logits"].long()), TypeError, r"logits must be float32, bfloat16, float16 or float64 \(the torch path\), got torch.int64"),
-    "ids shape": (lambda b: _bad(b, completion_ids=b["completion_ids"][:, :4]), ValueError, r"completion_ids must be \[B, T\] = \(3, 5\) to match logits \[B, T, V\], got \(3, 4\)"),
+    "ids shape": (lambda b: _bad(b, completion_ids=b["completion_ids"][:, :3]), ValueError, r"completion_ids must be \[B, T\] = \(3, 5\) to match logits \[B, T, V\], got \(3, 3\)"),
     "ids float": (lambda b: _bad(b, completion_ids=b["completion_ids"].float()), TypeError, "completion_ids must be an integer tensor, got torch.float32"),
     "ids too large": (lambda b: _bad(b, completion_ids=b["completion_ids"].clone().fill_(1003)), ValueError, r"completion_ids must lie in \[0, V\) = \[0, 1003\) at active positions, got a token id 1003"),
     "ids negative": (lambda b: _bad(b, completion_ids=b["completion_ids"].clone().fill_(-100)), ValueError, "got a token id -100"),
@@ -129,6 +129,14 @@ BAD_INPUTS = {
     "dual clip with sapo": (lambda b: _bad(b, dual_clip=3.0, loss_type="sapo"), ValueError, "dual_clip applies to the PPO-clip loss types"),
     "bias kl without kl": (lambda b: _bad(b, use_bias_correction_kl=True), ValueError, "use_bias_correction_kl=True multiplies the KL term, but beta=0"),
     "unknown backend": (lambda b: _bad(b, backend="cuda"), ValueError, r"backend must be one of \['auto', 'triton', 'torch'\], got 'cuda'"),
+    # what a new user gets wrong first, each error naming the fix
+    "logits one position more": (lambda b: _bad(b, logits=torch.cat([b["logits"], b["logits"][:, :1]], 1)), ValueError, r"logits \[B, T \+ 1, \.\.\.\] = \(3, 6\) hold one position more than completion_ids \[B, T\] = \(3, 5\): a model's whole output, whose last position predicts nothing; pass drop_last_position=True"),
+    "mask negative": (lambda b: _bad(b, completion_mask=b["completion_mask"] * 2 - 1), ValueError, r"completion_mask must lie in \[0, 1\] \(1 counts a token, 0 masks it, a fraction weights it\), got values from -1 to 1: a -1 or another padding marker must become 0"),
+    "mask above one": (lambda b: _bad(b, completion_mask=b["completion_mask"] * 2), ValueError, r"completion_mask must lie in \[0, 1\].*got values from 0 to 2"),
+    "mask nan": (lambda b: _bad(b, completion_mask=torch.full_like(b["completion_mask"], float("nan"))), ValueError, r"completion_mask must lie in \[0, 1\].*got a NaN"),
+    "vocabulary strided": (lambda b: _bad(b, logits=torch.cat([b["logits"], b["logits"]], -1)[..., ::2]), ValueError, r"logits need a unit last stride, got strides \(10030, 2006, 2\) \(backend='torch'\); views that slice B or T are fine, a transposed or strided vocabulary is not \(call .contiguous\(\)\)"),
+    "another trainer's option name": (lambda b: _bad(b, clip_eps=0.2), TypeError, r"unknown option 'clip_eps'; did you mean 'epsilon' \(another trainer's name for it\)\?"),
+    "misspelt option": (lambda b: _bad(b, epsilom=0.2), TypeError, r"unknown option 'epsilom'; did you mean 'epsilon'\?"),
 }
 
 
@@ -138,6 +146,25 @@ def test_bad_input_is_a_clear_error(case):
     kwargs = change(make_batch())
     with pytest.raises(error, match=message):
         grpo_loss(**kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_takes_the_same_inputs(backend):
+    """What one backend refuses, the other refuses with the same message (code that passes on a laptop's CPU runs on
+    the GPU): a vocabulary-strided view, a mask outside [0, 1], one position more than the ids; the log-prob
+    functions name drop_last_position as well. Views that slice B or T pass on both."""
+    batch = make_batch()
+    for case in ("vocabulary strided", "mask negative", "logits one position more"):
+        change, error, message = BAD_INPUTS[case]
+        with pytest.raises(error, match=message.replace("'torch'", repr(backend))):
+            grpo_loss(**change(batch), backend=backend)
+    sliced = torch.cat([batch["logits"], batch["logits"]], 1)[:, 1::2]  # strides over T: fine everywhere
+    assert torch.isfinite(grpo_loss(**{**batch, "logits": sliced}, backend=backend).loss)
+    longer = torch.cat([batch["logits"], batch["logits"][:, :1]], 1)
+    with pytest.raises(ValueError, match=r"completion_ids must be \[B, T\] = \(3, 6\).*got \(3, 5\)|one position more"):
+        token_logprobs(longer, batch["completion_ids"], backend=backend)
+    with pytest.raises(ValueError, match="drop_last_position=True"):
+        token_logprobs(longer, batch["completion_ids"], backend=backend)
 
 
 def test_device_mismatch_is_named():
@@ -177,7 +204,7 @@ def test_per_step_values_are_runtime_arguments():
         # feature flags, block sizes and the launch schedule (fixed by the configuration, not the step)
         assert constexprs <= {"LOSS_KIND", "HAS_OLD", "HAS_KL", "KL_KIND", "LOSS_FLAGS", "HAS_IW", "HAS_MASK",
                               "COMPUTE_ENTROPY", "WRITE_GRAD", "ROW_ALIGN", "BLOCK_V", "PERSISTENT",
-                              "HAS_ENTROPY_GRAD"}
+                              "HAS_ENTROPY_GRAD", "LOOP_STAGES", "L2_HINTS"}
     assert set(K.RUNTIME_INTS) == {"T", "V", "N", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"}
     for name in ("grpo_forward_kernel", "logprob_backward_kernel"):
         assert re.search(rf"@triton\.jit\(do_not_specialize=RUNTIME_INTS\)\ndef {name}", source), name
