@@ -6,8 +6,12 @@ On a machine with CUDA the kernels are compiled and run natively instead.
 
 import os
 
-import pytest
-import torch
+# Torch's OpenMP threads wait passively: set before torch loads (OpenMP reads it once), so that a test run sharing
+# the machine with another busy process does not spin against it (the CLI does the same: training.cli)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton 3.9 warns that this default will change; keep today's (fused multiply-add on).
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from grpo_kernels.training import cli
+from grpo_kernels.training import cli, seeds
 from grpo_kernels.training.rewards import numeric_match, parse_number
 from grpo_kernels.training.tasks import compare
 from grpo_kernels.training.trainer import GRPOTrainer, TrainerConfig, latest_checkpoint
@@ -389,6 +389,11 @@ def test_seeds_command_reports_the_spread(tmp_path, capsys):
     finals = sorted(r["final_eval_accuracy"] for r in result["runs"])
     assert result["final_eval_accuracy"] == {"min": finals[0], "median": sum(finals) / 2, "max": finals[1]}
     assert "2 seeds, min / median / max" in printed and "seed 3:" in printed
+    for seed in (3, 4):  # what each run printed, beside its own train.log, its OpenMP threads waiting passively
+        run_dir = os.path.join(out, f"seed-{seed}")
+        assert os.path.exists(os.path.join(run_dir, seeds.CONSOLE_LOG))
+        log = open(os.path.join(run_dir, "train.log")).read()
+        assert f"{result['threads_per_run']} CPU threads (OMP_WAIT_POLICY=PASSIVE)" in log
     with pytest.raises(ValueError, match="--seed is set per run"):
         cli.main(["seeds", "--output-dir", out, "--", "--seed", "1"])
 

@@ -51,6 +51,7 @@ def spread(values: Sequence[float]) -> Dict[str, float]:
 
 
 RUN_RECORD = "run.json"  # in seed-N/: the finished run's summary and the command it ran, written last
+CONSOLE_LOG = "console.log"  # in seed-N/: what the run printed (its own train.log is beside it)
 
 
 def _read_json(path: str) -> Optional[Dict]:
@@ -80,14 +81,17 @@ def _train_one(seed: int, output_dir: str, train_args: Sequence[str], threads: i
               and latest_checkpoint(run_dir) is not None)
     with open(os.path.join(run_dir, "attempt.json"), "w") as f:
         json.dump({"command": command}, f)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    # each run its share of the cores, its OpenMP threads waiting passively (a spinning pool slowed a run sharing 2
+    # cores with one busy process 4x, 1.9x once passive)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+               OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     started = time.time()
-    with open(os.path.join(run_dir, "train.log"), "a" if resume else "w") as log:
+    with open(os.path.join(run_dir, CONSOLE_LOG), "a" if resume else "w") as log:
         done = subprocess.run([sys.executable, *command, *(["--resume"] if resume else [])], stdout=log,
                               stderr=subprocess.STDOUT, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"seed {seed}: `{' '.join(command)}` exited with {done.returncode}; "
-                           f"see {os.path.join(run_dir, 'train.log')}")
+                           f"see {os.path.join(run_dir, CONSOLE_LOG)} and train.log there")
     summary = {"seed": seed, **run_summary(os.path.join(run_dir, "metrics.jsonl")),
                "seconds": round(time.time() - started, 1),  # (a resumed run's: since the resume)
                **({"resumed": True} if resume else {})}
