@@ -111,12 +111,14 @@ def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normali
 
 
 def _check_mask_range(low: float, high: float, has_nan: float) -> None:
-    """A mask's values lie in [0, 1]: 1 counts a token, 0 masks it, a fraction weights it (as TRL's
-    ``per_token_loss * mask``). A negative value (a -1 for padding) or a NaN would be taken as a weight, silently."""
-    if has_nan or low < 0 or high > 1:
+    """A mask's values are finite and >= 0: 1 counts a token, 0 masks it, another value weights it (TRL's
+    ``per_token_loss * mask``: a weight of 0.5 or 2 counts as such). A negative value (a -1 for padding), a NaN or an
+    inf would be taken as a weight, silently."""
+    if has_nan or low < 0 or high == float("inf"):
         got = "a NaN" if has_nan else f"values from {low:g} to {high:g}"
-        raise ValueError(f"completion_mask must lie in [0, 1] (1 counts a token, 0 masks it, a fraction weights it), "
-                         f"got {got}: a -1 or another padding marker must become 0 (e.g. (mask == 1).float())")
+        raise ValueError(f"completion_mask must be finite and >= 0 (1 counts a token, 0 masks it, another value "
+                         f"weights it), got {got}: a -1 or another padding marker must become 0 (e.g. "
+                         f"(mask == 1).float())")
 
 
 def _assert_in_graph(checked: torch.Tensor, V: int, mask, normalizer) -> None:
@@ -127,7 +129,7 @@ def _assert_in_graph(checked: torch.Tensor, V: int, mask, normalizer) -> None:
         torch._assert_async(((checked >= 0) & (checked < V)).all(),
                             f"completion_ids must lie in [0, V) = [0, {V}) at active positions")
     if mask is not None:
-        torch._assert_async(((mask >= 0) & (mask <= 1)).all(), "completion_mask must lie in [0, 1]")
+        torch._assert_async(((mask >= 0) & (mask < float("inf"))).all(), "completion_mask must be finite and >= 0")
     if isinstance(normalizer, torch.Tensor):
         value = normalizer.detach().reshape(())
         valid = (torch.isfinite(value) & (value > 0)) | ((value == 0) & (_active_tokens(mask, checked) == 0))
