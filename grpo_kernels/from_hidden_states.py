@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 
 from . import ops, torch_path
-from .from_logits import (LogprobResult, first_backward, input_grads, kernel_output, loss_outputs,
-                          weighted_dloss)
+from .from_logits import (LogprobResult, apply_or_forward, first_backward, input_grads, kernel_output, loss_outputs,
+                          signature_bound_once, weighted_dloss)
 from .kernels.contracts import (LossTokens, OnePassGradient, launch_module, lm_head_launch_module,
                                 reduce_launch_module)
 from .objective import GRPOLossOutput
@@ -96,8 +96,8 @@ class HiddenStatesSource:
         """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens, as in the logits form. A
         vocabulary-parallel call's source is ``vocab_parallel.ShardedHiddenStatesSource``, which overrides this."""
         options = inputs.options
-        pair = LinearTokenLogprobs.apply(*self.flat(inputs), options.kernel_temperature, options.kernel_softcap,
-                                         compute_entropy, inputs.backend)[:2]
+        pair = apply_or_forward(LinearTokenLogprobs, *self.flat(inputs), options.kernel_temperature,
+                                options.kernel_softcap, compute_entropy, inputs.backend)[:2]
         return self.as_rows(inputs, pair)
 
     @staticmethod
@@ -278,6 +278,7 @@ def linear_logprobs_bwd(hidden, weight, bias, ids, lse, g, temperature: float, s
                                       grad_entropy=grad_entropy, entropy=entropy, softcap=softcap)
 
 
+@signature_bound_once
 class LinearTokenLogprobs(torch.autograd.Function):
     """log softmax(cap(h @ W^T + b) / tau)[ids] with the lm_head fused in: no [N, V] tensor is kept.
 

