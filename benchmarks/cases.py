@@ -29,7 +29,10 @@ BETA = 0.04
 # (rows B, completion length T, vocabulary V): N = B * T tokens
 GPU_SHAPES = [(4, 1024, 32000), (16, 1024, 128256), (16, 1024, 151936)]
 CPU_SHAPES = [(2, 128, 32000), (4, 256, 32000)]
-SMOKE_SHAPES = [(2, 8, 1003)]
+# One small shape that runs every path in about a second on a CPU (CI's smoke run), big enough (2M logits) that a
+# path's time is not its fixed host cost alone: at 16 tokens x 1003 (the smoke shape until 2026-12) the torch
+# path's ~0.3 ms of Python and dispatch above eager's was the whole comparison (benchmarks/host_cost.py measures it)
+SMOKE_SHAPES = [(4, 64, 8000)]
 
 
 def sync():
@@ -39,7 +42,8 @@ def sync():
 
 def environment() -> Dict[str, str]:
     """Device and versions, recorded with every case."""
-    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+    info = {"smoke": SMOKE, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
             "device": torch.cuda.get_device_name() if ON_GPU else platform.processor() or platform.machine()}
     for name, dist in (("trl", "trl"), ("liger_kernel", "liger-kernel")):
         try:

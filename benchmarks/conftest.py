@@ -9,6 +9,24 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # only the kernels' import needs it; CPU cases use the torch path
 
 
+SMOKE_NOTE = ("smoke mode (GRPO_BENCH_SMOKE=1): one small shape, 5 rounds a path, to show every path runs; each time "
+              "still carries its path's fixed host cost (Python, dispatch, allocations), which training shapes "
+              "amortize; for the speed at training shapes run without it")
+
+
+def pytest_report_header(config):
+    """A smoke run says what its times are, at the top of its output."""
+    if os.environ.get("GRPO_BENCH_SMOKE") == "1":
+        return SMOKE_NOTE
+    return None
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """... and again under pytest-benchmark's table."""
+    if os.environ.get("GRPO_BENCH_SMOKE") == "1":
+        terminalreporter.write_line(SMOKE_NOTE)
+
+
 def pytest_benchmark_generate_machine_info():
     """pytest-benchmark's machine info without py-cpuinfo, whose probe runs for seconds on a many-core
     machine: the device suite's time limit once landed inside it, and the run's JSON was lost.

@@ -40,22 +40,33 @@ def fused_linear_table(rows) -> str:
     return environment_line(rows) + "\n".join(lines)
 
 
+def smoke_note(rows) -> str:
+    """What a smoke run's table measures, said above it."""
+    if rows and rows[0].get("smoke"):
+        return ("Smoke run (GRPO_BENCH_SMOKE=1): one small shape, 5 rounds a path, to show every path runs; each time "
+                "still carries its path's fixed host cost (Python, dispatch, allocations), which training shapes "
+                "amortize. For the speed at training shapes run without GRPO_BENCH_SMOKE.\n\n")
+    return ""
+
+
 def table(rows) -> str:
     if not rows:
         return "(no cases)"
-    head = environment_line(rows)
+    head = smoke_note(rows) + environment_line(rows)
     lines = ["| N x V | dtype | level | pass | path | median ms | GB/s (byte model) | x copy bw | peak extra / S "
-             "| host ms / GPU-timeline ms | speed-up vs eager |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    eager = {(r["N"], r["V"], r["level"], r["pass"]): r["median_ms"] for r in rows if r["path"] == "eager"}
+             "| host ms / GPU-timeline ms | speed-up vs eager | speed-up vs torch.compile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    # each path against eager and the torch.compile'd eager loss (where that shape has one) of the same pass
+    baselines = [{(r["N"], r["V"], r["level"], r["pass"]): r["median_ms"] for r in rows if r["path"] == name}
+                 for name in ("eager", "torch.compile")]
     for r in sorted(rows, key=lambda r: (r["level"] != "token", r["N"] * r["V"], r["pass"], -r["median_ms"])):
-        base = eager.get((r["N"], r["V"], r["level"], r["pass"]))
+        bases = [baseline.get((r["N"], r["V"], r["level"], r["pass"])) for baseline in baselines]
         peak = "-" if r.get("peak_extra_over_S") is None else f"{r['peak_extra_over_S']:.3f}"
         split = "-" if r.get("host_ms") is None else f"{r['host_ms']:.3f} / " + (
             "-" if r.get("timeline_ms") is None else f"{r['timeline_ms']:.3f}")
         lines.append(f"| {r['N']} x {r['V']} | {r['dtype']} | {r['level']} | {r['pass']} | {r['path']} | "
                      f"{r['median_ms']:.3f} | {r['model_GBps']:.0f} | {r['fraction_of_copy']:.2f} | {peak} | {split} | "
-                     + (f"{base / r['median_ms']:.1f}x |" if base else "- |"))
+                     + " | ".join(f"{base / r['median_ms']:.2f}x" if base else "-" for base in bases) + " |")
     return head + "\n".join(lines)
 
 
@@ -70,7 +81,8 @@ def logprobs_table(rows) -> str:
         lines.append(f"| {r['N']} x {r['V']} | {r['dtype']} | {r['path']} | {r['median_ms']:.3f} | "
                      f"{r['model_GBps']:.0f} | {r['fraction_of_copy']:.2f} | {peak} | "
                      + " | ".join("-" if base is None else f"{r['median_ms'] / base:.2f}" for base in ratios) + " |")
-    return "The log-prob pass (old / reference log-probs: forward only, no gradient)\n\n" + "\n".join(lines)
+    return ("The log-prob pass (old / reference log-probs: forward only, no gradient)\n\n" + smoke_note(rows)
+            + "\n".join(lines))
 
 
 def plot(rows, path: str) -> None:

@@ -95,6 +95,8 @@ def test_grpo_loss(benchmark, name, shape, backward, level):
         call()
         sync()
 
+    # pytest-benchmark's table a group a (shape, pass, level): fwd beside fwd, fwd+bwd beside fwd+bwd
+    benchmark.group = f"loss {'x'.join(map(str, shape))} {'fwd+bwd' if backward else 'fwd'} {level} level"
     peak_extra = warm_up_and_time(benchmark, step, rounds=5 if DEVICE == "cpu" else 20)
     if benchmark.stats is None:  # --benchmark-disable: the path ran once, nothing was timed
         return
@@ -129,6 +131,7 @@ def test_logprob_pass(benchmark, name, shape):
             fn(inputs)
         sync()
 
+    benchmark.group = f"log-prob pass {'x'.join(map(str, shape))} fwd"
     peak_extra = warm_up_and_time(benchmark, step, rounds=5 if DEVICE == "cpu" else 20)
     if benchmark.stats is None:
         return

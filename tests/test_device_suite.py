@@ -408,3 +408,26 @@ stage plenty 30 true; SECONDS=25; stage squeezed 30 true; SECONDS=40; stage spen
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60).stdout
     assert "stage plenty (limit 30 s)" in out and "stage squeezed (limit 15 s)" in out, out
     assert "stage spent: skipped (the suite's 60 s are spent)" in out and "stage off: skipped (off)" in out, out
+
+
+def _loss_row(path, median_ms, pass_="fwd+bwd", N=16, V=1003, smoke=True):
+    return {"smoke": smoke, "N": N, "V": V, "dtype": "fp32", "level": "token", "pass": pass_, "path": path, "median_ms": median_ms,
+            "model_GBps": 1.0, "fraction_of_copy": 0.5, "device": "cpu", "torch": "2.13", "triton": "3.9"}
+
+
+def test_the_report_says_smoke_times_are_host_cost_and_pairs_each_pass_with_its_own_baselines():
+    """A smoke run's table says what its times carry; each row's speed-ups are against eager and the
+    torch.compile'd loss of the same shape and pass (fwd against fwd, fwd+bwd against fwd+bwd), '-' where that
+    shape has no compiled row."""
+    rows = [_loss_row("eager", 2.0), _loss_row("ours (torch path)", 1.0), _loss_row("eager", 1.0, "fwd"),
+            _loss_row("ours (torch path)", 0.5, "fwd")]
+    table = report.table(rows)
+    assert table.startswith("Smoke run (GRPO_BENCH_SMOKE=1): one small shape")
+    assert "| fwd+bwd | ours (torch path) | 1.000 |" in table and "| 2.00x | - |" in table
+    assert "| fwd | ours (torch path) | 0.500 |" in table  # against fwd eager (1.0), not fwd+bwd's
+    assert table.count("| 2.00x | - |") == 2 and "4.00x" not in table and "1.00x" in table
+    big = [_loss_row(path, ms, N=1024, V=32000, smoke=False) for path, ms in (("eager", 600.0), ("torch.compile", 240.0),
+                                                                   ("ours (torch path)", 200.0))]
+    table = report.table(big)
+    assert not table.startswith("Smoke") and "| ours (torch path) | 200.000 |" in table
+    assert "| 3.00x | 1.20x |" in table  # eager 600 / 200, compiled 240 / 200
