@@ -17,13 +17,15 @@ from .trainer import RECIPE, GRPOTrainer, TrainerConfig, append_jsonl, latest_ch
 
 DEFAULTS = TrainerConfig(**RECIPE)  # the built-in task's recipe
 
+# (short names: the epilog's source lines fit)
+_CAP, _LARGE_BATCH, _STEPS = compare.WARMUP_STEPS, compare.WARMUP_LARGE_BATCH_SIZE, DEFAULTS.steps
 TRAIN_EPILOG = f"""What runs, in order (the output folder's train.log says each phase as it starts):
   1. with the built-in model (no --model): its format warm-up, supervised (the answer's format only), up to
-     --warmup-steps steps of 32 examples, ending early once {compare.WARMUP_FORMAT_TARGET:.0%} of sampled answers are
-     well-formed; if its cap comes first, up to --warmup-large-batch-steps more of {compare.WARMUP_LARGE_BATCH_SIZE}.
-     The recipe's caps are {compare.WARMUP_STEPS} and {compare.WARMUP_STEPS // 3} (1-4 minutes on 2 cores); a shorter run than the
-     recipe's {DEFAULTS.steps} steps scales the first cap with --steps ({compare.WARMUP_STEPS // DEFAULTS.steps} a step) and skips the second, and
-     says so, with the share it reached: expect less accuracy than the recipe's.
+     --warmup-steps steps of 32 examples, ending early once {compare.WARMUP_FORMAT_TARGET:.0%} of sampled answers
+     are well-formed; if its cap comes first, up to --warmup-large-batch-steps more of {_LARGE_BATCH}.
+     The recipe's caps are {_CAP} and {_CAP // 3} (1-4 minutes on 2 cores); a run shorter than the recipe's
+     {_STEPS} steps scales the first cap with --steps ({_CAP // _STEPS} a step) and skips the second, and says
+     so, with the share it reached: expect less accuracy than the recipe's.
   2. --steps GRPO steps; a held-out evaluation before the first, every --eval-every steps and after the last.
   3. a checkpoint (checkpoint-N/), metrics.jsonl and curves.png.
 stdout holds one line, the JSON summary; progress, warnings and everything else go to stderr.
@@ -313,14 +315,15 @@ def _train(args) -> dict:
                      also_stderr=args.no_progress)
         warmup_record = task.warmup(model, tokenizer, steps=warmup_steps, seed=args.seed, device=device,
                                     progress=rank == 0 and not args.no_progress, temperature=args.temperature,
-                                    max_new_tokens=args.max_new_tokens, large_batch_steps=large_batch_steps)
+                                    max_new_tokens=args.max_new_tokens, large_batch_steps=large_batch_steps,
+                                    phase=f"phase 1/{phases} ")
         well_formed = warmup_record["warmup_well_formed"]
         run_log.line(f"warm-up: {warmup_record['warmup_steps']} + {warmup_record['warmup_large_batch_steps']} steps "
                      f"in {warmup_record['warmup_seconds']} s, {well_formed:.0%} of sampled answers well-formed")
         if not well_formed >= compare.WARMUP_FORMAT_TARGET:
-            why = (f"this is a short run (--steps {args.steps} < the recipe's {DEFAULTS.steps}): its warm-up was capped "
-                   f"at {warmup_steps} steps (the recipe's: {compare.WARMUP_STEPS}, then up to "
-                   f"{compare.WARMUP_STEPS // 3} larger ones)" if scaled else
+            why = (f"this is a short run (--steps {args.steps} < the recipe's {DEFAULTS.steps}): its warm-up was "
+                   f"capped at {warmup_steps} steps (the recipe's: {_CAP}, then up to {_CAP // 3} larger ones)"
+                   if scaled else
                    f"its caps ({warmup_steps} and {large_batch_steps} steps) came first")
             warnings.append(f"the format warm-up ended at {well_formed:.0%} well-formed answers, below its "
                             f"{compare.WARMUP_FORMAT_TARGET:.0%} target: {why}. GRPO starts from a model that often "
@@ -361,8 +364,9 @@ def _train(args) -> dict:
     if resume_from is not None:
         trainer.load_state(resume_from)
         records.extend(restart_log(metrics_path, trainer.step, config.steps, write=rank == 0))
-    run_log.line(f"phase {phases}/{phases}: GRPO, steps {trainer.step + 1} to {config.steps} ({config.prompts_per_step} "
-                 f"prompts x {config.group_size} completions a step), evaluation every {config.eval_every}",
+    run_log.line(f"phase {phases}/{phases}: GRPO, steps {trainer.step + 1} to {config.steps} "
+                 f"({config.prompts_per_step} prompts x {config.group_size} completions a step), evaluation every "
+                 f"{config.eval_every}",
                  also_stderr=args.no_progress)
     bar = None
     if rank == 0 and not args.no_progress:

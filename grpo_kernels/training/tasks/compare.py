@@ -125,14 +125,14 @@ def well_formed_share(model, tokenizer, rows, *, temperature: float = 1.0, max_n
 def warmup(model, tokenizer, *, steps: int, batch_size: int = 32, lr: float = 2e-3, seed: int = 0,
            device: str = "cpu", progress: bool = False, format_target: float = WARMUP_FORMAT_TARGET,
            check_every: int = WARMUP_CHECK_EVERY, temperature: float = 1.0, max_new_tokens: int = 8,
-           large_batch_steps: Optional[int] = None) -> Dict[str, float]:
-    """Supervised warm-up on the format only: the target is one of the two numbers at random. It ends when
-    what it is for is learned: at a check every ``check_every`` steps, the sampled answers (the GRPO phase's
-    sampling: ``temperature``, ``max_new_tokens``) of ``WARMUP_CHECK_PROMPTS`` training prompts of its own are
-    well-formed at ``format_target``. If ``steps``, the cap, comes first, a second stage of
-    ``WARMUP_LARGE_BATCH_SIZE`` examples a step goes on (at ``lr * WARMUP_LARGE_BATCH_LR_SCALE``, a check every
-    ``check_every // 2`` steps) until the target or its own cap, ``large_batch_steps`` (default: ``steps // 3``;
-    0: no second stage). Returns ``{"warmup_steps", "warmup_large_batch_steps", "warmup_well_formed",
+           large_batch_steps: Optional[int] = None, phase: str = "") -> Dict[str, float]:
+    """Supervised warm-up on the format only: the target is one of the two numbers at random. It ends when what it is
+    for is learned: at a check every ``check_every`` steps, the sampled answers (the GRPO phase's sampling:
+    ``temperature``, ``max_new_tokens``) of ``WARMUP_CHECK_PROMPTS`` training prompts of its own are well-formed at
+    ``format_target``. If ``steps``, the cap, comes first, a second stage of ``WARMUP_LARGE_BATCH_SIZE`` examples a
+    step goes on (at ``lr * WARMUP_LARGE_BATCH_LR_SCALE``, a check every ``check_every // 2`` steps) until the target
+    or its own cap, ``large_batch_steps`` (default: ``steps // 3``; 0: no second stage); ``phase`` prefixes the
+    progress bars' labels. Returns ``{"warmup_steps", "warmup_large_batch_steps", "warmup_well_formed",
     "warmup_seconds"}``: each stage's steps, the rate of the last check (one is made at a cap that falls between
     checks) and the time of both.
 
@@ -153,14 +153,14 @@ def warmup(model, tokenizer, *, steps: int, batch_size: int = 32, lr: float = 2e
         return well_formed_share(model, tokenizer, check_rows, temperature=temperature,
                                  max_new_tokens=max_new_tokens, seed=seed, device=device)
 
-    with tqdm(total=steps, desc="warm-up (format)", unit="step", disable=not progress, file=sys.stderr) as bar:
+    with tqdm(total=steps, desc=f"{phase}warm-up (format)", unit="step", disable=not progress, file=sys.stderr) as bar:
         first_steps, well_formed = _format_stage(
             model, tokenizer, rows=make_rows(steps * batch_size, held_out=False, seed=seed + 2),
             target_rng=random.Random(seed + 1), steps=steps, batch_size=batch_size, lr=lr, check=check,
             check_every=check_every, format_target=format_target, device=device, bar=bar)
     second_steps = 0
     if not well_formed >= format_target and large_batch_steps > 0:  # the cap came first (NaN: no check ran)
-        with tqdm(total=large_batch_steps, desc="warm-up (format, large batches)", unit="step",
+        with tqdm(total=large_batch_steps, desc=f"{phase}warm-up (format, large batches)", unit="step",
                   disable=not progress, file=sys.stderr) as bar:
             second_steps, well_formed = _format_stage(
                 model, tokenizer,
