@@ -159,7 +159,9 @@ def backward(
     h_all = None if grad_entropy is None else grad_entropy.view(B, T) * inv_temperature
     # Without the entropy's term the gradient is computed in place, and in the gradient's own buffer where it has
     # the compute dtype: no [rows, V] temporary, no copy (at small shapes an op less, at large ones a pass less)
-    in_buffer = grad.dtype == lse.dtype and h_all is None
+    # (not where autograd records these ops: torch.func.grad differentiates a backward, and an op with out= has none)
+    in_buffer = grad.dtype == lse.dtype and h_all is None and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (logits, lse, grad_logp)))
     for piece, grad_piece, index in _chunks(logits, grad):
         g = _part(g_all, index).unsqueeze(-1)  # [rows, t, 1]
         x, slope = capped(piece.to(lse.dtype), softcap)
