@@ -90,8 +90,8 @@ def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normali
     else:  # with the mask's range, the normalizer's value and the active tokens it may need, in the same sync
         stats = [v.reshape(1).double() for v in torch.aminmax(checked)] if ids.numel() else []
         if weighted:
-            low_high = torch.aminmax(mask.double())
-            stats += [low_high[0].reshape(1), low_high[1].reshape(1), mask.isnan().any().double().reshape(1)]
+            # the mask's own dtype, no copy; a NaN anywhere makes both ends NaN (aminmax propagates it)
+            stats += [end.reshape(1).double() for end in torch.aminmax(mask)]
         if isinstance(normalizer, torch.Tensor):
             stats.append(_active_tokens(mask, ids).reshape(1).double())
             stats.append(normalizer.detach().reshape(1).double().to(ids.device))
@@ -105,17 +105,17 @@ def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normali
                 "(masked positions may hold any id, -100 included)"
             )
     if weighted:
-        _check_mask_range(*values[2:5])
+        _check_mask_range(*values[2:4])
     if isinstance(normalizer, torch.Tensor):
         _check_normalizer_value(values[-1], lambda: int(values[-2]))
 
 
-def _check_mask_range(low: float, high: float, has_nan: float) -> None:
+def _check_mask_range(low: float, high: float) -> None:
     """A mask's values are finite and >= 0: 1 counts a token, 0 masks it, another value weights it (TRL's
     ``per_token_loss * mask``: a weight of 0.5 or 2 counts as such). A negative value (a -1 for padding), a NaN or an
     inf would be taken as a weight, silently."""
-    if has_nan or low < 0 or high == float("inf"):
-        got = "a NaN" if has_nan else f"values from {low:g} to {high:g}"
+    if math.isnan(low) or low < 0 or high == float("inf"):
+        got = "a NaN" if math.isnan(low) else f"values from {low:g} to {high:g}"
         raise ValueError(f"completion_mask must be finite and >= 0 (1 counts a token, 0 masks it, another value "
                          f"weights it), got {got}: a -1 or another padding marker must become 0 (e.g. "
                          f"(mask == 1).float())")
