@@ -73,13 +73,38 @@ def zero3_partitioned(model: torch.nn.Module) -> bool:
 
 
 def whole_parameters(model: torch.nn.Module):
-    """A context in which every parameter of ``model`` is whole: ZeRO-3's ``GatheredParameters`` over them (read
-    only) where DeepSpeed partitioned them, else nothing. For a forward outside the engine (a probe)."""
+    """A context in which every parameter of ``model`` is whole: ZeRO-3's ``GatheredParameters`` (read only)
+    where DeepSpeed partitioned them, else nothing. For a forward outside the engine (a probe).
+
+    One ``GatheredParameters`` a parameter: given several, DeepSpeed 0.19 launches an async all-gather for each
+    and waits for the last alone, which gloo (CPU ranks) may finish before the others, so their buffers are read
+    uninitialized now and then; one at a time, each all-gather is waited for."""
     if not zero3_partitioned(model):
         return contextlib.nullcontext()
+    return _gathered_one_by_one(list(model.parameters()))
+
+
+def zero3_gloo_hazard(deepspeed_config: Optional[dict], backend: Optional[str]) -> Optional[str]:
+    """What to say where ZeRO-3 runs over gloo without ``stage3_allgather_sequential`` (None otherwise): DeepSpeed's
+    gather of several parameters at once (TRL's generation, the step's re-gather of persistent parameters, the
+    state dict) then reads some of them before their all-gather arrives. NCCL finishes a stream's collectives in
+    order, so GPU runs are not affected."""
+    zero = (deepspeed_config or {}).get("zero_optimization", {})
+    if backend != "gloo" or zero.get("stage") != 3 or zero.get("stage3_allgather_sequential", False):
+        return None
+    return ("DeepSpeed ZeRO-3 over gloo gathers several parameters at once by waiting for the last all-gather "
+            "alone; gloo finishes them out of order, so parameters are read before they arrive now and then "
+            "(wrong numbers). Set \"stage3_allgather_sequential\": true in zero_optimization")
+
+
+@contextlib.contextmanager
+def _gathered_one_by_one(parameters):
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+    with contextlib.ExitStack() as stack:
+        for parameter in parameters:
+            stack.enter_context(deepspeed.zero.GatheredParameters([parameter], modifier_rank=None))
+        yield
 
 
 def gathered_with(module: torch.nn.Module, parameters: Iterable[Optional[torch.Tensor]]) -> None:

@@ -51,9 +51,14 @@ def gradients(run):
 
 def assert_same_training(stock, ours, label):
     """The same loss and logged metrics at every step (the gradient's norm among them), the same gradients at each
-    step where the run recorded its parameters (DDP), and the same final parameters."""
+    step (from the whole parameters before and after it), the same final parameters, and at each of our loss calls
+    the loss's log-probs equal to the model's own forward's (the fused lm_head reads the weight the model uses)."""
     assert any(entry.get("grad_norm", 0) > 0 for entry in stock["log"]), "a vacuous comparison"
+    differences = ours["logp_differences"]
+    assert differences, f"{label}: no loss call recorded its log-probs"
+    assert max(differences) <= 1e-5, (label, "log-probs beyond fp32 rounding of the model's forward", differences)
     stock_grads = gradients(stock)
+    assert len(stock_grads) == len(stock["log"]) - 1 > 0, (label, "a step without its parameters recorded")
     assert len(ours["log"]) == len(stock["log"]), label
     for expected, actual in zip(stock["log"], ours["log"]):
         assert set(actual) == set(expected), (label, set(actual) ^ set(expected))

@@ -3,8 +3,10 @@ it with ``torchrun --standalone --nproc_per_node 2``): stock TRL or our adapter 
 lm_head), under DDP or DeepSpeed ZeRO-2 / ZeRO-3 (through accelerate), with a loss configuration, SGD steps (so
 that equal gradients give equal parameters, with no optimizer state to magnify rounding). Not FSDP: accelerate
 1.16 turns on its FSDP plugin only for multi-accelerator runs (``AcceleratorState``: MULTI_GPU, MULTI_XPU, ...),
-so on CPU ranks ``fsdp=`` in the config is silently a DDP run. Rank 0 writes the log history, the whole parameters before and after each step (each
-step's gradient: their difference over the learning rate) and the final state dict.
+so on CPU ranks ``fsdp=`` in the config is silently a DDP run. Rank 0 writes the log history, the whole parameters
+before and after each step (each step's gradient: their difference over the learning rate), the final state dict
+and, for our adapter, at each loss call the largest difference between the loss's log-probs and the model's own
+forward's (``ForwardChecked``).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/deepspeed_train.py \\
         STAGE {stock,logits,fused} {tied,untied} MODEL_DIR OUT
@@ -20,7 +22,9 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from grpo_kernels.reference import token_logprobs_and_entropy
 from grpo_kernels.training.tasks import compare
+from grpo_kernels.wrapped import whole_parameters
 
 
 def varied_reward(prompts, completions, **_):
@@ -29,20 +33,45 @@ def varied_reward(prompts, completions, **_):
 
 class ParametersAtSteps(TrainerCallback):
     """Every parameter before each optimizer step and at the end. With SGD, each step's gradient is
-    (before - after) / lr: the gradients as all-reduced."""
+    (before - after) / lr: the gradients as all-reduced. Under ZeRO-3, each parameter gathered whole."""
 
     def __init__(self):
         self.steps = []
 
     def _record(self, model):
         module = model.module if hasattr(model, "module") else model
-        self.steps.append({name: p.detach().float().clone() for name, p in module.named_parameters()})
+        with whole_parameters(module):
+            self.steps.append({name: p.detach().float().clone() for name, p in module.named_parameters()})
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         self._record(model)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         self._record(model)
+
+
+class ForwardChecked:
+    """Our adapter's trainer that, at each loss call, also runs the model's own forward (through the engine that
+    wraps it: ZeRO-3 gathers the parameters as in any forward) and records the largest difference between the
+    loss's per-token log-probs and the log-softmax of that forward's logits at the completion tokens: the fused
+    lm_head must read exactly the head weight the model's forward uses, at every step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logp_differences = []
+        self._seen = []
+        self.grpo_loss.register_forward_hook(lambda module, args, out: self._seen.append(out.per_token_logps))
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        ours = self._seen.pop()
+        T = inputs["completion_ids"].size(1)
+        with torch.no_grad():
+            logits = model(**self._sequence(inputs), logits_to_keep=T + 1).logits[:, :-1]
+            own, _ = token_logprobs_and_entropy(logits, inputs["completion_ids"], float(self.temperature))
+        active = inputs["completion_mask"].bool()
+        self.logp_differences.append((ours - own).abs()[active].max().item() if active.any() else 0.0)
+        return loss
 
 
 def main(stack: str, which: str, model_dir: str, out: str, **config) -> None:
@@ -52,8 +81,14 @@ def main(stack: str, which: str, model_dir: str, out: str, **config) -> None:
         # HF's CPU path does not start DeepSpeed's communication before ZeRO-3's zero.Init builds the model,
         # whose config check then sees one process (stock TRL too): start it here, over gloo
         deepspeed.init_distributed(dist_backend="gloo")
+        # stage3_allgather_sequential: DeepSpeed's blocking all-gather of several parameters (GatheredParameters,
+        # the persistent parameters' re-gather after each step, the state dict) launches one async all-gather a
+        # parameter and waits for the last alone; gloo runs them on several threads and finishes them out of
+        # order, so the others are read before they arrive (uninitialized memory, now and then). Sequential
+        # waits each one (docs/testing.md, "ZeRO-3 on CPU ranks"; scripts/zero3_gloo_gather.py reproduces it).
         config["deepspeed"] = {"zero_optimization": {"stage": int(stack[-1]),
-                                                     "stage3_gather_16bit_weights_on_model_save": True},
+                                                     "stage3_gather_16bit_weights_on_model_save": True,
+                                                     "stage3_allgather_sequential": True},
                                "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                                "train_batch_size": "auto", "gradient_clipping": "auto"}
     rows = compare.make_rows(32, held_out=False, seed=0)
@@ -63,19 +98,15 @@ def main(stack: str, which: str, model_dir: str, out: str, **config) -> None:
     settings.update(config)
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, bf16=False, save_strategy="no",
                       optim="sgd", learning_rate=0.1, **settings)
-    # the parameters at each step under DDP only: gathering ZeRO-3's partitions from a callback at a step boundary
-    # read garbage for small persistent parameters at times (the training itself stayed exact, its next step's
-    # parameters and every logged number included); ZeRO runs are compared by their logged gradient norms and
-    # losses at each step and their final parameters
     recorder = ParametersAtSteps()
     common = dict(model=model_dir, reward_funcs=varied_reward, args=args, train_dataset=dataset,
-                  processing_class=compare.build_tokenizer(), callbacks=[] if stack.startswith("zero") else [recorder])
+                  processing_class=compare.build_tokenizer(), callbacks=[recorder])
     if which == "stock":
         trainer = GRPOTrainer(**common)
     else:
         from grpo_kernels.integration.trl import GRPOKernelsTrainer
 
-        trainer = GRPOKernelsTrainer(**common, fused_lm_head=which == "fused")
+        trainer = type("Checked", (ForwardChecked, GRPOKernelsTrainer), {})(**common, fused_lm_head=which == "fused")
         assert trainer.fused_lm_head is (which == "fused")
     trainer.train()
     wrapper = type(trainer.model_wrapped).__name__
@@ -84,7 +115,8 @@ def main(stack: str, which: str, model_dir: str, out: str, **config) -> None:
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save({"parameters": {k: v.float().clone() for k, v in state.items()}, "log": trainer.state.log_history,
-                    "steps": recorder.steps, "lr": args.learning_rate}, out)
+                    "steps": recorder.steps, "lr": args.learning_rate,
+                    "logp_differences": getattr(trainer, "logp_differences", None)}, out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from gloo_ranks import run_ranks
 
 from grpo_kernels import fused_linear_grpo_loss, grpo_loss
 from grpo_kernels.training.tasks import compare
-from grpo_kernels.wrapped import inside_forward, output_layer, unwrapped_model
+from grpo_kernels.wrapped import inside_forward, output_layer, unwrapped_model, zero3_gloo_hazard
 
 B, P, T = 4, 5, 6
 
@@ -249,3 +249,15 @@ def test_head_adapters_a_weight_cannot_express_are_refused():
     dora = _lora_model(["lm_head"], use_dora=True)
     with pytest.raises(ValueError, match="DoRA"):
         output_layer(dora.get_base_model().lm_head)
+
+
+def test_zero3_over_gloo_without_sequential_gathers_is_named():
+    """ZeRO-3 over gloo with DeepSpeed's default (stage3_allgather_sequential off) is the configuration whose gathers
+    of several parameters read some early (tests/test_deepspeed.py counts them); every other one says nothing."""
+    zero3 = {"zero_optimization": {"stage": 3}}
+    message = zero3_gloo_hazard(zero3, "gloo")
+    assert "stage3_allgather_sequential" in message
+    assert zero3_gloo_hazard({"zero_optimization": {"stage": 3, "stage3_allgather_sequential": True}}, "gloo") is None
+    assert zero3_gloo_hazard(zero3, "nccl") is None
+    assert zero3_gloo_hazard({"zero_optimization": {"stage": 2}}, "gloo") is None
+    assert zero3_gloo_hazard(None, "gloo") is None

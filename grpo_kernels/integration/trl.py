@@ -35,7 +35,7 @@ from ..heads import (FusedHeadError, evaluating, fused_head, head_weights, last_
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, selective_log_softmax_and_entropy
 from ..objective import per_token_terms
 from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, GRPOOptions
-from ..wrapped import gathered_with, inside_forward, whole_parameters
+from ..wrapped import gathered_with, inside_forward, whole_parameters, zero3_gloo_hazard
 
 # The oldest TRL the adapter matches number for number: TRL 1.8 and 1.9 reduce luspo (and cispo with the entropy
 # bonus and the policy masks) otherwise than 1.10 on; 1.0 - 1.7 lack trainer attributes the adapter reads
@@ -144,6 +144,11 @@ class GRPOKernelsTrainer(GRPOTrainer):
                              + ". Use TRL's GRPOTrainer for these.")
         # the probes run the model's forward outside DeepSpeed's engine: under ZeRO-3, on its gathered parameters
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        hazard = plugin is not None and torch.distributed.is_initialized() and zero3_gloo_hazard(
+            plugin.deepspeed_config, torch.distributed.get_backend())
+        if hazard:
+            warnings.warn(hazard, stacklevel=2)
         with whole_parameters(policy):
             self.head_transform = self._fused_head_transform(required=fused_lm_head is True) \
                 if self.fused_lm_head else None
