@@ -12,7 +12,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable, Dict, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 import triton
@@ -40,11 +40,15 @@ def sync():
         torch.cuda.synchronize()
 
 
-def environment() -> Dict[str, str]:
+def environment() -> dict[str, str]:
     """Device and versions, recorded with every case."""
-    info = {"smoke": SMOKE, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(),
-            "device": torch.cuda.get_device_name() if ON_GPU else platform.processor() or platform.machine()}
+    info = {
+        "smoke": SMOKE,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if ON_GPU else platform.processor() or platform.machine(),
+    }
     for name, dist in (("trl", "trl"), ("liger_kernel", "liger-kernel")):
         try:
             info[name] = importlib.metadata.version(dist)
@@ -53,7 +57,7 @@ def environment() -> Dict[str, str]:
     return info
 
 
-def warm_up_and_time(benchmark, step: Callable[[], None], rounds: int) -> Optional[int]:
+def warm_up_and_time(benchmark, step: Callable[[], None], rounds: int) -> int | None:
     """Two warm-up calls (compile, autotune, caches), one more for peak GPU memory above what is
     allocated before it (None on CPU), then ``rounds`` timed calls through pytest-benchmark."""
     for _ in range(2):
@@ -68,7 +72,7 @@ def warm_up_and_time(benchmark, step: Callable[[], None], rounds: int) -> Option
     return peak_extra
 
 
-def host_and_timeline_ms(call: Callable[[], None], repeats: int = 10) -> Tuple[float, Optional[float]]:
+def host_and_timeline_ms(call: Callable[[], None], repeats: int = 10) -> tuple[float, float | None]:
     """Host and GPU apart, each a median over ``repeats`` calls of ``call`` (which must not synchronize):
     the host's wall-clock from the call's start until it returns (the Python, the dispatcher, the launches;
     the GPU runs behind it), and the time between CUDA events recorded just before and just after it on the
@@ -95,24 +99,25 @@ def shapes():
     return SMOKE_SHAPES if SMOKE else GPU_SHAPES if ON_GPU else CPU_SHAPES
 
 
-def make_inputs(B: int, T: int, V: int, dtype=None, device: str = DEVICE, seed: int = 0) -> Dict:
+def make_inputs(B: int, T: int, V: int, dtype=None, device: str = DEVICE, seed: int = 0) -> dict:
     """Logits [B, T + 1, V] as a model returns them (the last position predicts nothing) and the rest."""
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     g = torch.Generator(device=device).manual_seed(seed)
     full = torch.randn(B, T + 1, V, device=device, dtype=dtype, generator=g)
     ids = torch.randint(0, V, (B, T), device=device, generator=g)
     mask = torch.ones(B, T, device=device)
-    mask[:, T - T // 8:] = 0  # some padding, as in real batches
+    mask[:, T - T // 8 :] = 0  # some padding, as in real batches
     with torch.no_grad():
         lp = torch.log_softmax(full[:, :T].float() / TEMPERATURE, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     old = lp + 0.05 * torch.randn(B, T, device=device, generator=g)
     ref_logps = lp + 0.05 * torch.randn(B, T, device=device, generator=g)
     adv = torch.randn(B, device=device, generator=g)
-    return dict(full_logits=full, completion_ids=ids, completion_mask=mask, advantages=adv, old_logps=old,
-                ref_logps=ref_logps)
+    return dict(
+        full_logits=full, completion_ids=ids, completion_mask=mask, advantages=adv, old_logps=old, ref_logps=ref_logps
+    )
 
 
-def logits_bytes(inputs: Dict) -> int:
+def logits_bytes(inputs: dict) -> int:
     full = inputs["full_logits"]
     B, T1, V = full.shape
     return B * (T1 - 1) * V * full.element_size()
@@ -120,10 +125,22 @@ def logits_bytes(inputs: Dict) -> int:
 
 def _ours(one_pass: bool, level: str = "token", **options):
     def run(inputs, logits):
-        return grpo_loss(logits, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
-                         inputs["old_logps"], inputs["ref_logps"], beta=BETA, temperature=TEMPERATURE,
-                         importance_sampling_level=level, one_pass=one_pass, check_ids=False,
-                         drop_last_position=True, **options).loss
+        return grpo_loss(
+            logits,
+            inputs["completion_ids"],
+            inputs["completion_mask"],
+            inputs["advantages"],
+            inputs["old_logps"],
+            inputs["ref_logps"],
+            beta=BETA,
+            temperature=TEMPERATURE,
+            importance_sampling_level=level,
+            one_pass=one_pass,
+            check_ids=False,
+            drop_last_position=True,
+            **options,
+        ).loss
+
     return run
 
 
@@ -136,10 +153,11 @@ def _ours_split_row(chunks: int):
     def run(inputs, logits):
         with launch.split_row_schedule(chunks):
             return plain(inputs, logits)
+
     return run
 
 
-def packed_batch(inputs: Dict) -> Dict:
+def packed_batch(inputs: dict) -> dict:
     """The same batch packed (padding-free): only the active tokens' logits, gathered once and kept in
     ``inputs`` (the first call is a warm-up call, outside the timing), the rows' lengths from the mask."""
     packed = inputs.get("_packed")
@@ -149,19 +167,35 @@ def packed_batch(inputs: Dict) -> Dict:
         cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=mask.device)
         cu[1:] = lengths.cumsum(0)
         packed = inputs["_packed"] = dict(
-            logits=inputs["full_logits"][:, :-1][mask].contiguous(), ids=inputs["completion_ids"][mask],
-            old=inputs["old_logps"][mask], ref=inputs["ref_logps"][mask], cu=cu)
+            logits=inputs["full_logits"][:, :-1][mask].contiguous(),
+            ids=inputs["completion_ids"][mask],
+            old=inputs["old_logps"][mask],
+            ref=inputs["ref_logps"][mask],
+            cu=cu,
+        )
     return packed
 
 
 def _ours_packed(one_pass: bool = True):
     """Ours on the packed batch (``path_input`` gives it the packed logits [total, V]): the padding's
     share of S saved."""
+
     def run(inputs, logits):
         packed = packed_batch(inputs)
-        return grpo_loss(logits, packed["ids"], torch.ones_like(packed["old"]), inputs["advantages"], packed["old"],
-                         packed["ref"], beta=BETA, temperature=TEMPERATURE, one_pass=one_pass, check_ids=False,
-                         cu_seqlens=packed["cu"]).loss
+        return grpo_loss(
+            logits,
+            packed["ids"],
+            torch.ones_like(packed["old"]),
+            inputs["advantages"],
+            packed["old"],
+            packed["ref"],
+            beta=BETA,
+            temperature=TEMPERATURE,
+            one_pass=one_pass,
+            check_ids=False,
+            cu_seqlens=packed["cu"],
+        ).loss
+
     return run
 
 
@@ -174,9 +208,18 @@ ENTROPY_FAMILY = {
 
 def _eager(level: str = "token"):
     def run(inputs, logits):
-        return grpo_loss_eager(logits, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
-                               inputs["old_logps"], inputs["ref_logps"], beta=BETA, temperature=TEMPERATURE,
-                               importance_sampling_level=level).loss
+        return grpo_loss_eager(
+            logits,
+            inputs["completion_ids"],
+            inputs["completion_mask"],
+            inputs["advantages"],
+            inputs["old_logps"],
+            inputs["ref_logps"],
+            beta=BETA,
+            temperature=TEMPERATURE,
+            importance_sampling_level=level,
+        ).loss
+
     return run
 
 
@@ -204,9 +247,11 @@ def _trl(level: str = "token"):
         with torch.no_grad():
             entropy_from_logits(scaled)
         mask = inputs["completion_mask"]
-        terms = objective.per_token_terms(lp, mask, inputs["advantages"].unsqueeze(1), inputs["old_logps"],
-                                    inputs["ref_logps"], None, opts)
+        terms = objective.per_token_terms(
+            lp, mask, inputs["advantages"].unsqueeze(1), inputs["old_logps"], inputs["ref_logps"], None, opts
+        )
         return objective.reduce_loss(terms.per_token_loss, mask, opts)
+
     return run
 
 
@@ -217,10 +262,23 @@ def _liger(level: str = "token"):
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
     def run(inputs, logits):
-        return triton_grpo_loss(logits, inputs["old_logps"], inputs["ref_logps"], inputs["completion_ids"],
-                                inputs["advantages"], inputs["completion_mask"], temperature=TEMPERATURE, beta=BETA,
-                                eps_low=0.2, eps_high=0.2, inplace=False, loss_type="grpo",
-                                importance_sampling_level=level, reduce=True)[0]
+        return triton_grpo_loss(
+            logits,
+            inputs["old_logps"],
+            inputs["ref_logps"],
+            inputs["completion_ids"],
+            inputs["advantages"],
+            inputs["completion_mask"],
+            temperature=TEMPERATURE,
+            beta=BETA,
+            eps_low=0.2,
+            eps_high=0.2,
+            inplace=False,
+            loss_type="grpo",
+            importance_sampling_level=level,
+            reduce=True,
+        )[0]
+
     return run
 
 
@@ -252,13 +310,15 @@ def _trl_kernel(level: str = "token"):
     def run(inputs, logits):
         mask = inputs["completion_mask"]
         lp, _ = fused(logits, inputs["completion_ids"], temperature=TEMPERATURE, row_mask=mask.bool())
-        terms = objective.per_token_terms(lp, mask, inputs["advantages"].unsqueeze(1), inputs["old_logps"],
-                                    inputs["ref_logps"], None, opts)
+        terms = objective.per_token_terms(
+            lp, mask, inputs["advantages"].unsqueeze(1), inputs["old_logps"], inputs["ref_logps"], None, opts
+        )
         return objective.reduce_loss(terms.per_token_loss, mask, opts)
+
     return run
 
 
-def available_paths(level: str = "token") -> Dict[str, Callable]:
+def available_paths(level: str = "token") -> dict[str, Callable]:
     """Name -> fn(inputs, logits) returning the scalar loss (the logits as ``path_input`` gives them).
     Peers only where installed / runnable."""
     paths = {}
@@ -294,14 +354,17 @@ def available_paths(level: str = "token") -> Dict[str, Callable]:
     return paths
 
 
-def logprob_paths() -> Dict[str, Callable]:
+def logprob_paths() -> dict[str, Callable]:
     """The log-prob pass of a GRPO step (the old and reference log-probs: no gradient, no mask, no entropy but
     where a path always computes it) of each path, fn(inputs) -> fp32 [B, T], from the model's [B, T + 1, V]
     logits: ours (``token_logprobs``), Liger's ``fused_selective_log_softmax`` (what its GRPO trainer runs for
     them), TRL's Triton kernel (which computes the entropy as well: TRL has no log-prob-only kernel) and TRL's
     eager ``selective_log_softmax``. Byte model: S (each logit read once)."""
-    paths = {"ours": lambda x: token_logprobs(x["full_logits"], x["completion_ids"], TEMPERATURE,
-                                              drop_last_position=True, check_ids=False)}
+    paths = {
+        "ours": lambda x: token_logprobs(
+            x["full_logits"], x["completion_ids"], TEMPERATURE, drop_last_position=True, check_ids=False
+        )
+    }
     if ON_GPU:
         try:
             from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
@@ -311,16 +374,20 @@ def logprob_paths() -> Dict[str, Callable]:
             pass
         try:
             fused = load_trl_kernel()
-            paths["trl (triton kernel, + entropy)"] = lambda x: fused(x["full_logits"][:, :-1], x["completion_ids"],
-                                                                      temperature=TEMPERATURE)[0]
+            paths["trl (triton kernel, + entropy)"] = lambda x: fused(
+                x["full_logits"][:, :-1], x["completion_ids"], temperature=TEMPERATURE
+            )[0]
         except (ImportError, OSError):
             pass
-    paths["eager"] = lambda x: torch.log_softmax(x["full_logits"][:, :-1].float() / TEMPERATURE, -1).gather(
-        -1, x["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    paths["eager"] = lambda x: (
+        torch.log_softmax(x["full_logits"][:, :-1].float() / TEMPERATURE, -1)
+        .gather(-1, x["completion_ids"].unsqueeze(-1))
+        .squeeze(-1)
+    )
     return paths
 
 
-def path_input(name: str, full: torch.Tensor, inputs: Dict, requires_grad: bool):
+def path_input(name: str, full: torch.Tensor, inputs: dict, requires_grad: bool):
     """(the leaf a gradient is taken of, what the path is given).
 
     Ours (``drop_last_position=True``) and Liger take the model's [B, T + 1, V] logits whole and write

@@ -9,9 +9,11 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # only the kernels' import needs it; CPU cases use the torch path
 
 
-SMOKE_NOTE = ("smoke mode (GRPO_BENCH_SMOKE=1): one small shape, 5 rounds a path, to show every path runs; each time "
-              "still carries its path's fixed host cost (Python, dispatch, allocations), which training shapes "
-              "amortize; for the speed at training shapes run without it")
+SMOKE_NOTE = (
+    "smoke mode (GRPO_BENCH_SMOKE=1): one small shape, 5 rounds a path, to show every path runs; each time "
+    "still carries its path's fixed host cost (Python, dispatch, allocations), which training shapes "
+    "amortize; for the speed at training shapes run without it"
+)
 
 
 def pytest_report_header(config):
@@ -42,9 +44,15 @@ def pytest_benchmark_generate_machine_info():
     except OSError:
         pass
     return {
-        "node": platform.node(), "processor": platform.processor(), "machine": platform.machine(),
-        "python_compiler": platform.python_compiler(), "python_implementation": platform.python_implementation(),
-        "python_implementation_version": platform.python_version(), "python_version": platform.python_version(),
-        "python_build": platform.python_build(), "release": platform.release(), "system": platform.system(),
+        "node": platform.node(),
+        "processor": platform.processor(),
+        "machine": platform.machine(),
+        "python_compiler": platform.python_compiler(),
+        "python_implementation": platform.python_implementation(),
+        "python_implementation_version": platform.python_version(),
+        "python_version": platform.python_version(),
+        "python_build": platform.python_build(),
+        "release": platform.release(),
+        "system": platform.system(),
         "cpu": cpu,
     }

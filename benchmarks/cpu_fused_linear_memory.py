@@ -43,8 +43,16 @@ def run_one(path: str, n: int, h: int, v: int) -> dict:
 
     step()  # warm-up; the gradients it leaves are inputs-sized and stay allocated
     seconds, extra = measure(step)
-    return {"path": path, "N": B * T, "H": h, "V": v, "seconds": seconds, "peak_extra_bytes": extra,
-            "logits_fp32_bytes": B * T * v * 4, "torch": torch.__version__}
+    return {
+        "path": path,
+        "N": B * T,
+        "H": h,
+        "V": v,
+        "seconds": seconds,
+        "peak_extra_bytes": extra,
+        "logits_fp32_bytes": B * T * v * 4,
+        "torch": torch.__version__,
+    }
 
 
 def main() -> None:
@@ -63,8 +71,10 @@ def main() -> None:
     print("| path | seconds (fwd+bwd) | peak memory above the inputs | vs materialized |")
     print("|---|---|---|---|")
     for r in results:
-        print(f"| {r['path']} | {r['seconds']:.2f} | {r['peak_extra_bytes'] / 2**20:.0f} MiB | "
-              f"{r['peak_extra_bytes'] / base:.3f} |")
+        print(
+            f"| {r['path']} | {r['seconds']:.2f} | {r['peak_extra_bytes'] / 2**20:.0f} MiB | "
+            f"{r['peak_extra_bytes'] / base:.3f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

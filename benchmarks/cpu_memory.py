@@ -40,8 +40,18 @@ def run_one(path: str, n: int, v: int, temperature: float) -> dict:
         if path == "eager":
             loss = grpo_loss_eager(logits, ids, mask, adv, old, ref, **kwargs).loss
         else:
-            loss = grpo_loss(logits, ids, mask, adv, old, ref, backend="torch", check_ids=False,
-                             in_place_backward=path.endswith("in-place"), **kwargs).loss
+            loss = grpo_loss(
+                logits,
+                ids,
+                mask,
+                adv,
+                old,
+                ref,
+                backend="torch",
+                check_ids=False,
+                in_place_backward=path.endswith("in-place"),
+                **kwargs,
+            ).loss
         loss.backward()
 
     S = n * v * 4
@@ -59,10 +69,20 @@ def run_one(path: str, n: int, v: int, temperature: float) -> dict:
         del warm
         logits = torch.randn(B, T, v).requires_grad_()
     seconds, extra = measure(lambda: step(logits))
-    return {"path": path, "N": n, "V": v, "dtype": "float32", "temperature": temperature, "logits_bytes": S,
-            "seconds": seconds, "peak_extra_bytes": extra, "peak_extra_over_S": extra / S,
-            "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "threads":
-            torch.get_num_threads()}
+    return {
+        "path": path,
+        "N": n,
+        "V": v,
+        "dtype": "float32",
+        "temperature": temperature,
+        "logits_bytes": S,
+        "seconds": seconds,
+        "peak_extra_bytes": extra,
+        "peak_extra_over_S": extra / S,
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main() -> None:
@@ -76,8 +96,9 @@ def main() -> None:
     if args.one:
         print(json.dumps(run_one(args.one, args.n, args.v, args.temperature)))
         return
-    results = run_each(__file__, PATHS, ["--n", str(args.n), "--v", str(args.v), "--temperature",
-                                         str(args.temperature)])
+    results = run_each(
+        __file__, PATHS, ["--n", str(args.n), "--v", str(args.v), "--temperature", str(args.temperature)]
+    )
     print("| path | seconds (fwd+bwd) | peak extra memory | / S |")
     print("|---|---|---|---|")
     for r in results:

@@ -27,12 +27,12 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict
+from collections.abc import Callable
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors on backend="triton": before triton is imported
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 B, T, V = 2, 8, 1003
 TEMPERATURE, BETA = 0.7, 0.04
@@ -71,23 +71,39 @@ def no_op_launches():
         InterpretedFunction.run = run
 
 
-def inputs(seed: int = 0) -> Dict[str, torch.Tensor]:
+def inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     mask = torch.ones(B, T)
-    mask[0, T // 2:] = 0
-    return dict(logits=torch.randn(B, T + 1, V, generator=g), completion_ids=torch.randint(0, V, (B, T), generator=g),
-                completion_mask=mask, advantages=torch.randn(B, generator=g),
-                old_logps=-torch.rand(B, T, generator=g), ref_logps=-torch.rand(B, T, generator=g))
+    mask[0, T // 2 :] = 0
+    return dict(
+        logits=torch.randn(B, T + 1, V, generator=g),
+        completion_ids=torch.randint(0, V, (B, T), generator=g),
+        completion_mask=mask,
+        advantages=torch.randn(B, generator=g),
+        old_logps=-torch.rand(B, T, generator=g),
+        ref_logps=-torch.rand(B, T, generator=g),
+    )
 
 
-def paths() -> Dict[str, Callable]:
+def paths() -> dict[str, Callable]:
     from grpo_kernels import GRPOLoss, grpo_loss
 
     def ours(**kw):
         def call(x, logits):
-            return grpo_loss(logits, x["completion_ids"], x["completion_mask"], x["advantages"], x["old_logps"],
-                             x["ref_logps"], beta=BETA, temperature=TEMPERATURE, backend="triton",
-                             drop_last_position=True, **kw).loss
+            return grpo_loss(
+                logits,
+                x["completion_ids"],
+                x["completion_mask"],
+                x["advantages"],
+                x["old_logps"],
+                x["ref_logps"],
+                beta=BETA,
+                temperature=TEMPERATURE,
+                backend="triton",
+                drop_last_position=True,
+                **kw,
+            ).loss
+
         return call
 
     module = GRPOLoss(beta=BETA, temperature=TEMPERATURE, backend="triton", drop_last_position=True, check_ids=False)
@@ -95,8 +111,11 @@ def paths() -> Dict[str, Callable]:
         "grpo_loss one-pass": ours(one_pass=True),
         "grpo_loss one-pass, check_ids=False": ours(one_pass=True, check_ids=False),
         "grpo_loss two-pass": ours(one_pass=False),
-        "GRPOLoss module, check_ids=False": lambda x, logits: module(
-            logits, x["completion_ids"], x["completion_mask"], x["advantages"], x["old_logps"], x["ref_logps"]).loss,
+        "GRPOLoss module, check_ids=False": lambda x, logits: (
+            module(
+                logits, x["completion_ids"], x["completion_mask"], x["advantages"], x["old_logps"], x["ref_logps"]
+            ).loss
+        ),
     }
     found["autograd.Function floor (no loss)"] = _floor
     try:
@@ -105,9 +124,22 @@ def paths() -> Dict[str, Callable]:
         return found
 
     def liger(x, logits):
-        return triton_grpo_loss(logits, x["old_logps"], x["ref_logps"], x["completion_ids"], x["advantages"],
-                                x["completion_mask"], temperature=TEMPERATURE, beta=BETA, eps_low=0.2, eps_high=0.2,
-                                inplace=False, loss_type="grpo", reduce=True)[0]
+        return triton_grpo_loss(
+            logits,
+            x["old_logps"],
+            x["ref_logps"],
+            x["completion_ids"],
+            x["advantages"],
+            x["completion_mask"],
+            temperature=TEMPERATURE,
+            beta=BETA,
+            eps_low=0.2,
+            eps_high=0.2,
+            inplace=False,
+            loss_type="grpo",
+            reduce=True,
+        )[0]
+
     found["Liger triton_grpo_loss"] = liger
     return found
 
@@ -130,8 +162,9 @@ class _Floor(torch.autograd.Function):
 
 
 def _floor(x, logits):
-    return _Floor.apply(logits, x["completion_ids"], x["completion_mask"], x["advantages"], x["old_logps"],
-                        x["ref_logps"])[0]
+    return _Floor.apply(
+        logits, x["completion_ids"], x["completion_mask"], x["advantages"], x["old_logps"], x["ref_logps"]
+    )[0]
 
 
 def jit_binding_us(launched, iters: int, repeats: int) -> float:
@@ -156,7 +189,7 @@ def jit_binding_us(launched, iters: int, repeats: int) -> float:
         key_cache: dict = {}
         keywords = {**kwargs, **run_options}
 
-        def bind():
+        def bind(binder=binder, args=args, keywords=keywords, key_cache=key_cache):
             _, specialization, options = binder(*args, **keywords)
             compute_cache_key(key_cache, specialization, options)
 
@@ -190,11 +223,14 @@ def _counts(call: Callable) -> tuple:
         logits.grad, launches["launched"] = None, []
         call(x, logits).backward()
         launched, launches["launched"] = launches["launched"], None
-    return {"aten_ops_forward": forward.count, "aten_ops_backward": backward.count,
-            "triton_launches": counted_launches}, launched
+    return {
+        "aten_ops_forward": forward.count,
+        "aten_ops_backward": backward.count,
+        "triton_launches": counted_launches,
+    }, launched
 
 
-def measure_all(calls: Dict[str, Callable], iters: int, repeats: int) -> Dict[str, Dict[str, float]]:
+def measure_all(calls: dict[str, Callable], iters: int, repeats: int) -> dict[str, dict[str, float]]:
     """Each path's counts, host time per forward + backward (the median of ``repeats`` rounds of ``iters`` calls)
     and JIT binding. The rounds are interleaved, every path once a round, so that a stretch of load on the
     machine lands on every path alike, not on whichever was being timed (the paths are compared in one run)."""
@@ -213,12 +249,14 @@ def measure_all(calls: Dict[str, Callable], iters: int, repeats: int) -> Dict[st
                     call(x, logits).backward()
                 times[name].append((time.perf_counter() - start) / iters)
     for name in calls:
-        results[name].update(host_us=round(statistics.median(times[name]) * 1e6, 1),
-                             jit_binding_us=round(jit_binding_us(launched[name], iters, repeats), 1))
+        results[name].update(
+            host_us=round(statistics.median(times[name]) * 1e6, 1),
+            jit_binding_us=round(jit_binding_us(launched[name], iters, repeats), 1),
+        )
     return results
 
 
-def main(argv=None) -> Dict[str, Dict[str, float]]:
+def main(argv=None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
@@ -230,12 +268,16 @@ def main(argv=None) -> Dict[str, Dict[str, float]]:
         results = measure_all(paths(), args.iters, args.repeats)
     finally:
         torch.set_num_threads(threads)
-    print(f"host work of one forward + backward, every Triton launch a no-op (B, T, V = {B}, {T}, {V}; "
-          f"torch {torch.__version__}, 1 thread)")
+    print(
+        f"host work of one forward + backward, every Triton launch a no-op (B, T, V = {B}, {T}, {V}; "
+        f"torch {torch.__version__}, 1 thread)"
+    )
     print(f"{'path':40s} {'aten fwd':>9s} {'aten bwd':>9s} {'launches':>9s} {'host us':>9s} {'+ JIT binding us':>17s}")
     for name, r in results.items():
-        print(f"{name:40s} {r['aten_ops_forward']:9d} {r['aten_ops_backward']:9d} {r['triton_launches']:9d} "
-              f"{r['host_us']:9.1f} {r['jit_binding_us']:17.1f}")
+        print(
+            f"{name:40s} {r['aten_ops_forward']:9d} {r['aten_ops_backward']:9d} {r['triton_launches']:9d} "
+            f"{r['host_us']:9.1f} {r['jit_binding_us']:17.1f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": [B, T, V], "torch": torch.__version__, "results": results}, f, indent=1)

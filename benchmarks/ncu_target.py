@@ -38,21 +38,43 @@ METRICS = [
 ]
 # (schedule, its label in the report, the kernel it launches, its configuration without a sweep), in launch order
 SCHEDULES = [
-    ("one_pass_l2", "one-pass, persistent within L2, L2 hints", "grpo_forward_kernel",
-     {"programs_per_sm": "l2", "l2_hints": True, "BLOCK_V": 4096, "num_warps": 16}),
+    (
+        "one_pass_l2",
+        "one-pass, persistent within L2, L2 hints",
+        "grpo_forward_kernel",
+        {"programs_per_sm": "l2", "l2_hints": True, "BLOCK_V": 4096, "num_warps": 16},
+    ),
     ("one_pass", "one-pass forward (writes dlogits), a program a token", "grpo_forward_kernel", {}),
-    ("split_row_held", "split-row, a chunk held in registers", "split_row_forward_kernel",
-     {"split_row": 64, "BLOCK_V": 4096, "num_warps": 4}),
+    (
+        "split_row_held",
+        "split-row, a chunk held in registers",
+        "split_row_forward_kernel",
+        {"split_row": 64, "BLOCK_V": 4096, "num_warps": 4},
+    ),
 ]
 LAUNCHES_PER_ROUND = len(SCHEDULES)
 LAUNCHES_BEFORE = 1 + LAUNCHES_PER_ROUND  # the inputs' log-prob pass, then the warm-up round
 
 
 def ncu_command(python: str = "python", sweep: str | None = None) -> list:
-    return (["ncu", "--clock-control", "none", "--page", "raw", "--csv", "--metrics", ",".join(METRICS),
-             "-k", f"regex:{KERNELS}", "--launch-skip", str(LAUNCHES_BEFORE),
-             "--launch-count", str(LAUNCHES_PER_ROUND), python, "benchmarks/ncu_target.py"]
-            + (["--sweep", sweep] if sweep else []))
+    return [
+        "ncu",
+        "--clock-control",
+        "none",
+        "--page",
+        "raw",
+        "--csv",
+        "--metrics",
+        ",".join(METRICS),
+        "-k",
+        f"regex:{KERNELS}",
+        "--launch-skip",
+        str(LAUNCHES_BEFORE),
+        "--launch-count",
+        str(LAUNCHES_PER_ROUND),
+        python,
+        "benchmarks/ncu_target.py",
+    ] + (["--sweep", sweep] if sweep else [])
 
 
 def launch_labels(kernel_names) -> list:
@@ -87,8 +109,9 @@ def best_configs(sweep_path: str | None) -> dict:
             rows = json.load(f)["logits"]
     except (OSError, ValueError, KeyError):
         return best
-    ok = [r for r in rows if r.get("status") == "ok" and r.get("exact") and r["mode"] == "one_pass"
-          and r["V"] == SHAPE[2]]
+    ok = [
+        r for r in rows if r.get("status") == "ok" and r.get("exact") and r["mode"] == "one_pass" and r["V"] == SHAPE[2]
+    ]
     for name in best:
         mine = [r for r in ok if schedule_of(r) == name]
         if mine:
@@ -105,9 +128,11 @@ def main(argv=None) -> int:
     configs = best_configs(args.sweep)
     if args.dry_run or not torch.cuda.is_available():
         print("ncu would run:", " ".join(ncu_command(sweep=args.sweep)))
-        print(f"profiling at (B, T, V) = {SHAPE} bf16: "
-              + "; ".join(f"{label} {configs[name] or 'default config'}" for name, label, _, _ in SCHEDULES)
-              + f"; metrics: {', '.join(METRICS)}")
+        print(
+            f"profiling at (B, T, V) = {SHAPE} bf16: "
+            + "; ".join(f"{label} {configs[name] or 'default config'}" for name, label, _, _ in SCHEDULES)
+            + f"; metrics: {', '.join(METRICS)}"
+        )
         return 0
     sys.path.insert(0, "benchmarks")
     from sweep import logits_inputs, run_logits

@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from cases import BETA, ON_GPU, TEMPERATURE, environment, make_inputs, sync  # noqa: E402
+
 from grpo_kernels import GRPOLoss  # noqa: E402
 
 GPU_SHAPE, SMOKE_SHAPE = (16, 1024, 151936), (2, 8, 1003)
@@ -37,9 +38,16 @@ def loss_call(inputs):
 
     def call():
         leaf = inputs["full_logits"].detach().requires_grad_()
-        out = loss_fn(leaf, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
-                      old_logps=inputs["old_logps"], ref_logps=inputs["ref_logps"])
+        out = loss_fn(
+            leaf,
+            inputs["completion_ids"],
+            inputs["completion_mask"],
+            inputs["advantages"],
+            old_logps=inputs["old_logps"],
+            ref_logps=inputs["ref_logps"],
+        )
         torch.autograd.grad(out.loss, leaf)
+
     return call
 
 
@@ -89,13 +97,21 @@ def main(argv=None) -> int:
         sync()
     found = kernels(prof)
     B, T, V = shape
-    result = {"shape": {"B": B, "T": T, "V": V, "N": B * T}, "dtype": "bfloat16" if ON_GPU else "float32",
-              "call_ms": wall[0], "host_ms": wall[1], "kernels": found,
-              "kernels_ms": sum(k["device_ms"] for k in found),
-              "gap_above_largest_ms": wall[0] - (found[0]["device_ms"] if found else 0.0), **environment()}
+    result = {
+        "shape": {"B": B, "T": T, "V": V, "N": B * T},
+        "dtype": "bfloat16" if ON_GPU else "float32",
+        "call_ms": wall[0],
+        "host_ms": wall[1],
+        "kernels": found,
+        "kernels_ms": sum(k["device_ms"] for k in found),
+        "gap_above_largest_ms": wall[0] - (found[0]["device_ms"] if found else 0.0),
+        **environment(),
+    }
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"one loss call at {B} x {T} x {V}: {wall[0]:.3f} ms (host {wall[1]:.3f} ms), "
-          f"{len(found)} kernels {result['kernels_ms']:.3f} ms")
+    print(
+        f"one loss call at {B} x {T} x {V}: {wall[0]:.3f} ms (host {wall[1]:.3f} ms), "
+        f"{len(found)} kernels {result['kernels_ms']:.3f} ms"
+    )
     for k in found[:15]:
         print(f"  {k['device_ms']:8.3f} ms  {k['launches']:3d}x  {k['name'][:90]}")
     return 0

@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 import time
-from typing import Callable, List, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 
 def _status_kib(field: str) -> int:
@@ -22,7 +22,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def measure(step: Callable[[], None]) -> Tuple[float, int]:
+def measure(step: Callable[[], None]) -> tuple[float, int]:
     """(seconds, peak bytes above the baseline) of one call of ``step`` (warm it up first)."""
     gc.collect()
     base = _status_kib("VmRSS")
@@ -34,11 +34,12 @@ def measure(step: Callable[[], None]) -> Tuple[float, int]:
     return seconds, (_status_kib("VmHWM") - base) * 1024
 
 
-def run_each(script: str, paths: Sequence[str], extra_args: List[str]) -> List[dict]:
+def run_each(script: str, paths: Sequence[str], extra_args: list[str]) -> list[dict]:
     """Run ``script --one PATH`` in a fresh process per path (a clean heap each) and collect its JSON line."""
     results = []
     for path in paths:
-        out = subprocess.run([sys.executable, script, "--one", path, *extra_args], capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run(
+            [sys.executable, script, "--one", path, *extra_args], capture_output=True, text=True, check=True
+        )
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return results

@@ -31,20 +31,29 @@ SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
 
 
 def command(tool: str, script: str = CASES) -> list:
-    return ["compute-sanitizer", "--tool", tool, "--print-limit", "50", "--target-processes", "all",
-            sys.executable, script]
+    return [
+        "compute-sanitizer",
+        "--tool",
+        tool,
+        "--print-limit",
+        "50",
+        "--target-processes",
+        "all",
+        sys.executable,
+        script,
+    ]
 
 
 def errors_per_kernel(text: str) -> dict:
     """Kernel name -> number of reported errors, from compute-sanitizer's '=========' lines: each error's
     first line, then its location within the next few lines."""
-    lines = [line[len("========="):].strip() for line in text.splitlines() if line.startswith("=========")]
+    lines = [line[len("=========") :].strip() for line in text.splitlines() if line.startswith("=========")]
     counts = collections.Counter()
     for i, line in enumerate(lines):
         if not line.startswith(ERROR_START) or line.startswith("ERROR SUMMARY"):
             continue
         name = "(unnamed)"
-        for candidate in lines[i:i + 4]:
+        for candidate in lines[i : i + 4]:
             found = KERNEL.search(candidate)
             if found and found.group(1) != "0x":
                 name = found.group(1)
@@ -81,12 +90,17 @@ def main() -> None:
         per_kernel = errors_per_kernel(text)
         cases = re.findall(r"\d+ of \d+ cases ran", text)
         failed = re.findall(r"^(.*): FAILED$", text, re.MULTILINE)
-        print(f"{tool}: {status} in {time.monotonic() - start:.0f} s; ERROR SUMMARY {summary[-1] if summary else '?'} "
-              f"errors; {cases[-1] if cases else 'cases: ?'}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+        print(
+            f"{tool}: {status} in {time.monotonic() - start:.0f} s; ERROR SUMMARY {summary[-1] if summary else '?'} "
+            f"errors; {cases[-1] if cases else 'cases: ?'}" + (f"; failed: {', '.join(failed)}" if failed else "")
+        )
         for kernel, n in sorted(per_kernel.items()):
             print(f"  {kernel}: {n} errors")
         if per_kernel:
-            print("  first report:\n" + "\n".join("    " + line for line in text.split("========= ", 2)[1].splitlines()[:12]))
+            print(
+                "  first report:\n"
+                + "\n".join("    " + line for line in text.split("========= ", 2)[1].splitlines()[:12])
+            )
 
 
 if __name__ == "__main__":

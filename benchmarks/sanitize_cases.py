@@ -33,11 +33,17 @@ def _batch(B=3, T=7, V=1003, seed=0):
     full = torch.randn(B, T + 1, V, generator=g).to(DEVICE, DTYPE)
     ids = torch.randint(0, V, (B, T), generator=g).to(DEVICE)
     mask = torch.ones(B, T)
-    mask[0, T - 2:] = 0
+    mask[0, T - 2 :] = 0
     mask[2] = 0  # an all-padding row: never read
     lp = torch.randn(B, T, generator=g) - 7.0
-    return dict(full=full, ids=ids, mask=mask.to(DEVICE), adv=torch.randn(B, generator=g).to(DEVICE),
-                old=(lp + 0.1).to(DEVICE), ref=(lp - 0.1).to(DEVICE))
+    return dict(
+        full=full,
+        ids=ids,
+        mask=mask.to(DEVICE),
+        adv=torch.randn(B, generator=g).to(DEVICE),
+        old=(lp + 0.1).to(DEVICE),
+        ref=(lp - 0.1).to(DEVICE),
+    )
 
 
 def _one_pass(config, V=1003):
@@ -49,9 +55,15 @@ def _one_pass(config, V=1003):
     B, T = x["ids"].shape
     flat = lambda t: t.reshape(-1).float().contiguous()  # noqa: E731
     tokens = TokenInputs(flat(x["mask"]), flat(x["adv"][:, None].expand(B, T)), flat(x["old"]), flat(x["ref"]))
-    launch.forward(x["full"][:, :-1], x["ids"], kernel_loss=GRPOOptions(beta=0.04).kernel_loss, tokens=tokens,
-                   compute_entropy=True, gradient=OnePassGradient(torch.full((B * T,), 0.1, device=DEVICE)),
-                   config=config)
+    launch.forward(
+        x["full"][:, :-1],
+        x["ids"],
+        kernel_loss=GRPOOptions(beta=0.04).kernel_loss,
+        tokens=tokens,
+        compute_entropy=True,
+        gradient=OnePassGradient(torch.full((B * T,), 0.1, device=DEVICE)),
+        config=config,
+    )
 
 
 def _backward(config, in_place=False, V=4104):
@@ -69,8 +81,18 @@ def _loss(**options):
 
     x = _batch(V=4104)
     leaf = x["full"].detach().requires_grad_()
-    out = grpo_loss(leaf, x["ids"], x["mask"], x["adv"], x["old"], x["ref"], beta=0.04, drop_last_position=True,
-                    backend=BACKEND, **options)
+    out = grpo_loss(
+        leaf,
+        x["ids"],
+        x["mask"],
+        x["adv"],
+        x["old"],
+        x["ref"],
+        beta=0.04,
+        drop_last_position=True,
+        backend=BACKEND,
+        **options,
+    )
     (3.0 * out.loss).backward()
 
 
@@ -82,8 +104,17 @@ def _packed():
     cu = torch.zeros(4, dtype=torch.int32, device=DEVICE)
     cu[1:] = rows.sum(-1).cumsum(0)
     leaf = x["full"][:, :-1][rows].detach().contiguous().requires_grad_()
-    grpo_loss(leaf, x["ids"][rows], torch.ones_like(x["old"][rows]), x["adv"], x["old"][rows], x["ref"][rows],
-              beta=0.04, cu_seqlens=cu, backend=BACKEND).loss.backward()
+    grpo_loss(
+        leaf,
+        x["ids"][rows],
+        torch.ones_like(x["old"][rows]),
+        x["adv"],
+        x["old"][rows],
+        x["ref"][rows],
+        beta=0.04,
+        cu_seqlens=cu,
+        backend=BACKEND,
+    ).loss.backward()
 
 
 def _split_row():
@@ -115,8 +146,18 @@ def _lm_head(mode, with_grad=True):
     hidden = torch.randn(B, T, 64, generator=g).to(DEVICE, DTYPE).requires_grad_(with_grad)
     weight = (0.1 * torch.randn(1003, 64, generator=g)).to(DEVICE, DTYPE).requires_grad_(with_grad)
     with _tiled(8 * 128 * hidden.element_size()), torch.set_grad_enabled(with_grad):
-        out = fused_linear_grpo_loss(hidden, weight, x["ids"], x["mask"], x["adv"], x["old"], x["ref"], beta=0.04,
-                                     lm_head_mode=mode, backend=BACKEND)
+        out = fused_linear_grpo_loss(
+            hidden,
+            weight,
+            x["ids"],
+            x["mask"],
+            x["adv"],
+            x["old"],
+            x["ref"],
+            beta=0.04,
+            lm_head_mode=mode,
+            backend=BACKEND,
+        )
         if with_grad:
             out.loss.backward()
 

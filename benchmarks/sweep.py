@@ -45,8 +45,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from grpo_kernels import GRPOOptions  # noqa: E402
-from grpo_kernels import objective  # noqa: E402
+from grpo_kernels import GRPOOptions, objective  # noqa: E402
 from grpo_kernels.kernels import fused_linear_launch as lm_head_launch  # noqa: E402
 from grpo_kernels.kernels import launch, tuned  # noqa: E402
 from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs  # noqa: E402
@@ -58,12 +57,27 @@ SMOKE_LOGITS_SHAPES = [(2, 4, 1003)]
 SMOKE_FUSED_SHAPES = [(32, 32, 300)]
 
 
-def _candidate(mode="one_pass", BLOCK_V=4096, num_warps=8, num_stages=1, loop_stages=1, l2_hints=False,
-               programs_per_sm=None, split_row=None) -> dict:
+def _candidate(
+    mode="one_pass",
+    BLOCK_V=4096,
+    num_warps=8,
+    num_stages=1,
+    loop_stages=1,
+    l2_hints=False,
+    programs_per_sm=None,
+    split_row=None,
+) -> dict:
     """A logits candidate with every key of a tuned.json entry set (None: that schedule off)."""
-    return {"mode": mode, "BLOCK_V": BLOCK_V, "num_warps": num_warps, "num_stages": num_stages,
-            "loop_stages": loop_stages, "l2_hints": l2_hints, "programs_per_sm": programs_per_sm,
-            "split_row": split_row}
+    return {
+        "mode": mode,
+        "BLOCK_V": BLOCK_V,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+        "loop_stages": loop_stages,
+        "l2_hints": l2_hints,
+        "programs_per_sm": programs_per_sm,
+        "split_row": split_row,
+    }
 
 
 def logits_candidates():
@@ -104,11 +118,29 @@ def logprobs_candidates():
     Liger's log-prob kernel runs one warp over blocks of 2048 (64 logits a thread in flight, many programs a SM)
     and ran at 0.91 of copy speed on the H200 where ours, on the one-pass kernel's config (16 warps), ran at 0.62:
     so few warps with many logits a thread, pipelined or not, against the heuristic's 8 warps."""
-    for block_v, num_warps, loop_stages in ((2048, 1, 1), (2048, 2, 1), (4096, 2, 1), (4096, 4, 1), (8192, 4, 1),
-                                            (4096, 8, 1), (8192, 8, 1), (2048, 4, 1), (4096, 16, 1), (2048, 1, 3),
-                                            (2048, 2, 3), (4096, 4, 3), (4096, 8, 3), (8192, 8, 3)):
-        yield {"BLOCK_V": block_v, "num_warps": num_warps, "num_stages": 1, "loop_stages": loop_stages,
-               "l2_hints": True}
+    for block_v, num_warps, loop_stages in (
+        (2048, 1, 1),
+        (2048, 2, 1),
+        (4096, 2, 1),
+        (4096, 4, 1),
+        (8192, 4, 1),
+        (4096, 8, 1),
+        (8192, 8, 1),
+        (2048, 4, 1),
+        (4096, 16, 1),
+        (2048, 1, 3),
+        (2048, 2, 3),
+        (4096, 4, 3),
+        (4096, 8, 3),
+        (8192, 8, 3),
+    ):
+        yield {
+            "BLOCK_V": block_v,
+            "num_warps": num_warps,
+            "num_stages": 1,
+            "loop_stages": loop_stages,
+            "l2_hints": True,
+        }
     for block_v, num_warps in ((4096, 8), (2048, 1)):  # without the hints
         yield {"BLOCK_V": block_v, "num_warps": num_warps, "num_stages": 1, "loop_stages": 1, "l2_hints": False}
 
@@ -117,11 +149,23 @@ def fused_candidates():
     # the 3-product mode: cuBLAS logits per chunk, the one-pass logits kernel in place, cuBLAS gradients
     yield {"mode": "three_products", **{k: None for k in ("BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")}}
     for block_n, block_v, block_h, num_warps, num_stages in (
-        (64, 128, 64, 8, 3), (64, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-        (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 3), (64, 128, 32, 4, 4),
+        (64, 128, 64, 8, 3),
+        (64, 128, 64, 8, 4),
+        (128, 128, 64, 8, 3),
+        (128, 128, 64, 8, 4),
+        (64, 256, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+        (128, 128, 64, 4, 3),
+        (64, 128, 32, 4, 4),
     ):
-        yield {"mode": "recompute", "BLOCK_N": block_n, "BLOCK_V": block_v, "BLOCK_H": block_h,
-               "num_warps": num_warps, "num_stages": num_stages}
+        yield {
+            "mode": "recompute",
+            "BLOCK_N": block_n,
+            "BLOCK_V": block_v,
+            "BLOCK_H": block_h,
+            "num_warps": num_warps,
+            "num_stages": num_stages,
+        }
 
 
 def _sync():
@@ -154,7 +198,7 @@ def logits_inputs(B, T, V, device, seed=0):
     logits = torch.randn(B, T, V, device=device, dtype=dtype, generator=g)
     ids = torch.randint(0, V, (B, T), device=device, generator=g)
     mask = torch.ones(B, T, device=device)
-    mask[:, T - T // 8:] = 0
+    mask[:, T - T // 8 :] = 0
     with torch.no_grad():
         lp = launch.forward(logits, ids, temperature=TEMPERATURE).logp
     flat = lambda t: t.reshape(-1).contiguous()  # noqa: E731
@@ -178,10 +222,19 @@ def run_logits(x, candidate):
     sets them (0, 1 and False, not None, so that a measured default in tuned.json never turns a plain candidate
     into another schedule)."""
     config = {k: candidate.get(k) for k in tuned.LOGITS_KEYS}
-    config.update(split_row=candidate.get("split_row") or 0, programs_per_sm=candidate.get("programs_per_sm") or 0,
-                  loop_stages=candidate.get("loop_stages") or 1, l2_hints=bool(candidate.get("l2_hints")))
-    common = dict(kernel_loss=x["opts"].kernel_loss, temperature=TEMPERATURE, tokens=_tokens(x), compute_entropy=True,
-                  config=config)
+    config.update(
+        split_row=candidate.get("split_row") or 0,
+        programs_per_sm=candidate.get("programs_per_sm") or 0,
+        loop_stages=candidate.get("loop_stages") or 1,
+        l2_hints=bool(candidate.get("l2_hints")),
+    )
+    common = dict(
+        kernel_loss=x["opts"].kernel_loss,
+        temperature=TEMPERATURE,
+        tokens=_tokens(x),
+        compute_entropy=True,
+        config=config,
+    )
     if candidate["mode"] == "one_pass":
         r = launch.forward(x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **common)
         return r.logp, r.loss, r.grad_logits
@@ -197,12 +250,12 @@ def copy_seconds(t: torch.Tensor) -> float:
 
 def error_against(expected, got) -> float:
     """Largest absolute difference over the (logp, loss, gradient) triple, in fp32."""
-    return max(float((e.float() - g.float()).abs().max()) for e, g in zip(expected, got))
+    return max(float((e.float() - g.float()).abs().max()) for e, g in zip(expected, got, strict=True))
 
 
 # Two candidates agree when they differ by less than this: the block size changes the order of
 # the fp32 sums; the bf16 gradient may then round one ulp differently (2^-8 of its magnitude).
-AGREE = {"logp": 1e-3, "grad": 2.0 ** -6}
+AGREE = {"logp": 1e-3, "grad": 2.0**-6}
 
 
 def _record_candidate(row: dict, measure, rows: list, write) -> None:
@@ -226,10 +279,16 @@ def incumbent_candidate(logits) -> dict:
     The sweep times it first: a run cut short by its budget must not crown a new candidate that was never
     compared with the default it would replace."""
     config = launch.logits_launch_config(logits)
-    return _candidate("one_pass" if launch.default_one_pass(logits) else "two_pass", BLOCK_V=config["BLOCK_V"],
-                      num_warps=config["num_warps"], num_stages=config.get("num_stages"),
-                      loop_stages=config.get("loop_stages"), l2_hints=config.get("l2_hints"),
-                      programs_per_sm=config.get("programs_per_sm"), split_row=config.get("split_row"))
+    return _candidate(
+        "one_pass" if launch.default_one_pass(logits) else "two_pass",
+        BLOCK_V=config["BLOCK_V"],
+        num_warps=config["num_warps"],
+        num_stages=config.get("num_stages"),
+        loop_stages=config.get("loop_stages"),
+        l2_hints=config.get("l2_hints"),
+        programs_per_sm=config.get("programs_per_sm"),
+        split_row=config.get("split_row"),
+    )
 
 
 def incumbent_logprobs(logits) -> dict:
@@ -240,9 +299,16 @@ def incumbent_logprobs(logits) -> dict:
 
 def run_logprobs(x, candidate):
     """The log-probs of one log-prob pass candidate (no loss, no entropy, no gradient)."""
-    return launch.forward(x["logits"], x["ids"], temperature=TEMPERATURE,
-                          config={**candidate, "loop_stages": candidate.get("loop_stages") or 1,
-                                  "l2_hints": bool(candidate.get("l2_hints"))}).logp
+    return launch.forward(
+        x["logits"],
+        x["ids"],
+        temperature=TEMPERATURE,
+        config={
+            **candidate,
+            "loop_stages": candidate.get("loop_stages") or 1,
+            "l2_hints": bool(candidate.get("l2_hints")),
+        },
+    ).logp
 
 
 def sweep_logits(shapes, results, budget_end, write, smoke, logprobs_seconds: float = 0.0):
@@ -255,8 +321,9 @@ def sweep_logits(shapes, results, budget_end, write, smoke, logprobs_seconds: fl
         x = logits_inputs(B, T, V, device)
         S = x["logits"].numel() * x["logits"].element_size()
         copy_s = copy_seconds(x["logits"])
-        baseline = run_logits(x, {"mode": "two_pass", **launch.block_config(V, x["logits"].element_size()),
-                                  "num_stages": None})
+        baseline = run_logits(
+            x, {"mode": "two_pass", **launch.block_config(V, x["logits"].element_size()), "num_stages": None}
+        )
         incumbent = incumbent_candidate(x["logits"])
         candidates = [incumbent] + [c for c in logits_candidates() if c != incumbent]
         schedules = {}  # a split-row candidate's schedule on this V -> the first candidate that runs it
@@ -264,13 +331,20 @@ def sweep_logits(shapes, results, budget_end, write, smoke, logprobs_seconds: fl
             if candidate["split_row"]:
                 chunks = launch.split_row_chunks(V, candidate["BLOCK_V"], candidate["split_row"])
                 if chunks.K == 1 and not chunks.held:
-                    results["logits"].append({"N": B * T, "V": V, **candidate,
-                                              "status": "skipped (one chunk of several blocks: not a split)"})
+                    results["logits"].append(
+                        {
+                            "N": B * T,
+                            "V": V,
+                            **candidate,
+                            "status": "skipped (one chunk of several blocks: not a split)",
+                        }
+                    )
                     continue
                 schedule = (chunks, candidate["BLOCK_V"], candidate["num_warps"], candidate["num_stages"])
                 if schedule in schedules:  # at V = 32000, K = 64 is K = 8: 8 blocks held
-                    results["logits"].append({"N": B * T, "V": V, **candidate,
-                                              "status": f"same schedule as split_row={schedules[schedule]}"})
+                    results["logits"].append(
+                        {"N": B * T, "V": V, **candidate, "status": f"same schedule as split_row={schedules[schedule]}"}
+                    )
                     continue
                 schedules[schedule] = candidate["split_row"]
             if smoke and i >= 2:
@@ -281,17 +355,25 @@ def sweep_logits(shapes, results, budget_end, write, smoke, logprobs_seconds: fl
                 continue
             row = {"N": B * T, "V": V, "dtype": str(x["logits"].dtype).replace("torch.", ""), **candidate}
 
-            def measure(candidate=candidate):
+            def measure(candidate=candidate, x=x, baseline=baseline, S=S, copy_s=copy_s):
                 out = run_logits(x, candidate)
                 logp_err = error_against(baseline[:2], out[:2])
                 grad_err = float((baseline[2].float() - out[2].float()).abs().max())
                 del out
                 seconds = median_seconds(lambda: run_logits(x, candidate), reps=3 if smoke else 10)
                 moved = (2 if candidate["mode"] == "one_pass" else 3) * S
-                return dict(logp_err=logp_err, grad_err=grad_err,
-                            exact=logp_err <= AGREE["logp"] and grad_err <= AGREE["grad"], status="ok",
-                            median_ms=seconds * 1e3, model_bytes=moved, model_GBps=moved / seconds / 1e9,
-                            copy_GBps=2 * S / copy_s / 1e9, fraction_of_copy=(moved / seconds) / (2 * S / copy_s))
+                return dict(
+                    logp_err=logp_err,
+                    grad_err=grad_err,
+                    exact=logp_err <= AGREE["logp"] and grad_err <= AGREE["grad"],
+                    status="ok",
+                    median_ms=seconds * 1e3,
+                    model_bytes=moved,
+                    model_GBps=moved / seconds / 1e9,
+                    copy_GBps=2 * S / copy_s / 1e9,
+                    fraction_of_copy=(moved / seconds) / (2 * S / copy_s),
+                )
+
             _record_candidate(row, measure, results["logits"], write)
         sweep_logprobs(x, B * T, V, S, copy_s, results, logprobs_end, write, smoke)
         x = baseline = None  # free the shape's tensors before the next one
@@ -315,9 +397,17 @@ def sweep_logprobs(x, N, V, S, copy_s, results, budget_end, write, smoke):
         def measure(candidate=candidate):
             err = float((baseline - run_logprobs(x, candidate)).abs().max())
             seconds = median_seconds(lambda: run_logprobs(x, candidate), reps=3 if smoke else 10)
-            return dict(logp_err=err, exact=err <= AGREE["logp"], status="ok", median_ms=seconds * 1e3,
-                        model_bytes=S, model_GBps=S / seconds / 1e9, copy_GBps=2 * S / copy_s / 1e9,
-                        fraction_of_copy=(S / seconds) / (2 * S / copy_s))
+            return dict(
+                logp_err=err,
+                exact=err <= AGREE["logp"],
+                status="ok",
+                median_ms=seconds * 1e3,
+                model_bytes=S,
+                model_GBps=S / seconds / 1e9,
+                copy_GBps=2 * S / copy_s / 1e9,
+                fraction_of_copy=(S / seconds) / (2 * S / copy_s),
+            )
+
         _record_candidate(row, measure, results["logprobs"], write)
 
 
@@ -325,27 +415,60 @@ def fused_inputs(N, H, V, device, seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hidden = torch.randn(N, H, device=device, dtype=dtype, generator=g)
-    weight = (torch.randn(V, H, device=device, dtype=dtype, generator=g) * H ** -0.5).to(dtype)
+    weight = (torch.randn(V, H, device=device, dtype=dtype, generator=g) * H**-0.5).to(dtype)
     ids = torch.randint(0, V, (N,), device=device, generator=g)
     opts = GRPOOptions(beta=BETA, temperature=TEMPERATURE)
     lp = lm_head_launch.linear_forward(hidden, weight, None, ids, temperature=TEMPERATURE).logp
-    return dict(hidden=hidden, weight=weight, ids=ids, mask=torch.ones(N, device=device),
-                adv=torch.randn(N, device=device, generator=g), old=lp + 0.05, ref=lp - 0.05,
-                weight_per_token=torch.full((N,), 1.0 / N, device=device), opts=opts)
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        ids=ids,
+        mask=torch.ones(N, device=device),
+        adv=torch.randn(N, device=device, generator=g),
+        old=lp + 0.05,
+        ref=lp - 0.05,
+        weight_per_token=torch.full((N,), 1.0 / N, device=device),
+        opts=opts,
+    )
 
 
 def run_fused(x, candidate):
     if candidate["mode"] == "three_products":
         r, dh, dw, _ = lm_head_launch.linear_three_products(
-            x["hidden"], x["weight"], None, x["ids"], kernel_loss=x["opts"].kernel_loss, tokens=_tokens(x),
+            x["hidden"],
+            x["weight"],
+            None,
+            x["ids"],
+            kernel_loss=x["opts"].kernel_loss,
+            tokens=_tokens(x),
             compute_entropy=True,
-            gradient=OnePassGradient(x["weight_per_token"]), compute_weight_grad=True)
+            gradient=OnePassGradient(x["weight_per_token"]),
+            compute_weight_grad=True,
+        )
         return r.logp, r.loss, dh, dw
     config = {k: candidate[k] for k in tuned.FUSED_LINEAR_KEYS}
-    r = lm_head_launch.linear_forward(x["hidden"], x["weight"], None, x["ids"], kernel_loss=x["opts"].kernel_loss,
-                                      temperature=TEMPERATURE, tokens=_tokens(x), compute_entropy=True, config=config)
-    dh, dw, _ = lm_head_launch.linear_backward(x["hidden"], x["weight"], None, x["ids"], r.lse,
-                                               r.dloss_dlogp * x["weight_per_token"], TEMPERATURE, True, config=config)
+    r = lm_head_launch.linear_forward(
+        x["hidden"],
+        x["weight"],
+        None,
+        x["ids"],
+        kernel_loss=x["opts"].kernel_loss,
+        temperature=TEMPERATURE,
+        tokens=_tokens(x),
+        compute_entropy=True,
+        config=config,
+    )
+    dh, dw, _ = lm_head_launch.linear_backward(
+        x["hidden"],
+        x["weight"],
+        None,
+        x["ids"],
+        r.lse,
+        r.dloss_dlogp * x["weight_per_token"],
+        TEMPERATURE,
+        True,
+        config=config,
+    )
     return r.logp, r.loss, dh, dw
 
 
@@ -354,9 +477,15 @@ def run_unfused(x):
     (one [N, V] product), the one-pass kernel's dlogits, and the two gradient products in fp32.
     The three-product mode computes exactly this, a chunk at a time, so this is its reference."""
     logits = x["hidden"] @ x["weight"].T
-    r = launch.forward(logits.unsqueeze(0), x["ids"].unsqueeze(0), kernel_loss=x["opts"].kernel_loss,
-                       temperature=TEMPERATURE,
-                       tokens=_tokens(x), compute_entropy=True, gradient=OnePassGradient(x["weight_per_token"]))
+    r = launch.forward(
+        logits.unsqueeze(0),
+        x["ids"].unsqueeze(0),
+        kernel_loss=x["opts"].kernel_loss,
+        temperature=TEMPERATURE,
+        tokens=_tokens(x),
+        compute_entropy=True,
+        gradient=OnePassGradient(x["weight_per_token"]),
+    )
     del logits
     dlogits = r.grad_logits.reshape(x["ids"].shape[0], -1).float()
     return r.logp, r.loss, dlogits @ x["weight"].float(), dlogits.T @ x["hidden"].float()
@@ -369,10 +498,14 @@ def sweep_fused(shapes, results, budget_end, write, smoke):
     for N, H, V in shapes:
         device = "cuda" if ON_GPU else "cpu"
         x = fused_inputs(N, H, V, device)
-        references = {"recompute": run_fused(x, {"mode": "recompute", **{k: None for k in tuned.FUSED_LINEAR_KEYS}}),
-                      "three_products": run_unfused(x)}
-        reference_names = {"recompute": "recompute, default tiles (fp32 logits)",
-                           "three_products": "unfused lm_head + logits kernel (logits in the input dtype)"}
+        references = {
+            "recompute": run_fused(x, {"mode": "recompute", **{k: None for k in tuned.FUSED_LINEAR_KEYS}}),
+            "three_products": run_unfused(x),
+        }
+        reference_names = {
+            "recompute": "recompute, default tiles (fp32 logits)",
+            "three_products": "unfused lm_head + logits kernel (logits in the input dtype)",
+        }
         for i, candidate in enumerate(fused_candidates()):
             row = {"N": N, "H": H, "V": V, "dtype": str(x["hidden"].dtype).replace("torch.", ""), **candidate}
             if smoke and i >= 1:
@@ -382,7 +515,9 @@ def sweep_fused(shapes, results, budget_end, write, smoke):
                 results["fused_linear"].append({**row, "status": "not run (time budget)"})
                 continue
 
-            def measure(candidate=candidate):
+            def measure(
+                candidate=candidate, x=x, references=references, reference_names=reference_names, N=N, V=V, H=H
+            ):
                 reference = references[candidate["mode"]]
                 out = run_fused(x, candidate)
                 err = error_against(reference[:2], out[:2])
@@ -390,9 +525,16 @@ def sweep_fused(shapes, results, budget_end, write, smoke):
                 dw_err = float((reference[3] - out[3]).abs().max()) / scale
                 del out
                 seconds = median_seconds(lambda: run_fused(x, candidate), warmup=1, reps=2 if smoke else 3)
-                return dict(reference=reference_names[candidate["mode"]], logp_err=err, d_weight_rel_err=dw_err,
-                            exact=err <= AGREE["logp"] and dw_err <= 1e-2, status="ok", median_ms=seconds * 1e3,
-                            useful_TFLOPs=6 * N * V * H / seconds / 1e12)
+                return dict(
+                    reference=reference_names[candidate["mode"]],
+                    logp_err=err,
+                    d_weight_rel_err=dw_err,
+                    exact=err <= AGREE["logp"] and dw_err <= 1e-2,
+                    status="ok",
+                    median_ms=seconds * 1e3,
+                    useful_TFLOPs=6 * N * V * H / seconds / 1e12,
+                )
+
             _record_candidate(row, measure, results["fused_linear"], write)
         x = references = None  # free the shape's tensors before the next one
         _release_memory()
@@ -401,8 +543,11 @@ def sweep_fused(shapes, results, budget_end, write, smoke):
 def environment() -> dict:
     import triton
 
-    info = {"torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
+    info = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+    }
     if ON_GPU:
         info["device"] = torch.cuda.get_device_name()
         info["arch"] = tuned.arch_of(torch.cuda.current_device())
@@ -481,16 +626,21 @@ def main(argv=None) -> int:
     try:
         # the logits kernels get two thirds of the budget (a fifth of it the log-prob passes'); the lm_head's
         # products are slower to time
-        sweep_logits(SMOKE_LOGITS_SHAPES if smoke else LOGITS_SHAPES, results,
-                     time.monotonic() + args.budget * 2 / 3, write, smoke, logprobs_seconds=args.budget * 2 / 15)
+        sweep_logits(
+            SMOKE_LOGITS_SHAPES if smoke else LOGITS_SHAPES,
+            results,
+            time.monotonic() + args.budget * 2 / 3,
+            write,
+            smoke,
+            logprobs_seconds=args.budget * 2 / 15,
+        )
         sweep_fused(SMOKE_FUSED_SHAPES if smoke else FUSED_SHAPES, results, budget_end, write, smoke)
     except KeyboardInterrupt:  # the suite's time limit: keep what was measured
         results["interrupted"] = True
     write()
     kinds = ("logits", "logprobs", "fused_linear")
     ran = sum(r.get("status") == "ok" for kind in kinds for r in results[kind])
-    print(f"sweep: {ran} candidates timed, {sum(len(results[kind]) for kind in kinds)} listed; "
-          f"results in {out_path}")
+    print(f"sweep: {ran} candidates timed, {sum(len(results[kind]) for kind in kinds)} listed; results in {out_path}")
     return 0
 
 

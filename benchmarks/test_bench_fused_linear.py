@@ -18,10 +18,9 @@ the inputs (GPU), and the time relative to the unfused pipeline measured in the 
 
 import pytest
 import torch
-
+import trl_head
 from cases import BETA, ON_GPU, SMOKE, TEMPERATURE, environment, sync, warm_up_and_time
 
-import trl_head
 from grpo_kernels import fused_linear_grpo_loss, grpo_loss
 
 # (B, T, H, V)
@@ -43,29 +42,54 @@ def inputs_for(shape):
         device, dtype = ("cuda", torch.bfloat16) if ON_GPU else ("cpu", torch.float32)
         g = torch.Generator(device=device).manual_seed(0)
         hidden = torch.randn(B, T, H, device=device, dtype=dtype, generator=g)
-        weight = (torch.randn(V, H, device=device, dtype=dtype, generator=g) * H ** -0.5).to(dtype)
+        weight = (torch.randn(V, H, device=device, dtype=dtype, generator=g) * H**-0.5).to(dtype)
         ids = torch.randint(0, V, (B, T), device=device, generator=g)
         mask = torch.ones(B, T, device=device)
-        mask[:, T - T // 8:] = 0  # some padding, as in real batches
+        mask[:, T - T // 8 :] = 0  # some padding, as in real batches
         lp = torch.zeros(B, T, device=device)
         with torch.no_grad():
             for b in range(B):  # a row of logits at a time: the fp32 [N, V] would not fit beside the rest
                 x = (hidden[b].float() @ weight.float().T) / TEMPERATURE
                 lp[b] = torch.log_softmax(x, -1).gather(-1, ids[b].unsqueeze(-1)).squeeze(-1)
-        _INPUTS[shape] = dict(hidden=hidden, weight=weight, ids=ids, mask=mask, adv=torch.randn(B, device=device),
-                              old=lp + 0.05 * torch.randn(B, T, device=device),
-                              ref=lp + 0.05 * torch.randn(B, T, device=device))
+        _INPUTS[shape] = dict(
+            hidden=hidden,
+            weight=weight,
+            ids=ids,
+            mask=mask,
+            adv=torch.randn(B, device=device),
+            old=lp + 0.05 * torch.randn(B, T, device=device),
+            ref=lp + 0.05 * torch.randn(B, T, device=device),
+        )
     return _INPUTS[shape]
 
 
 def _ours_fused(x, hidden, weight):
-    return fused_linear_grpo_loss(hidden, weight, x["ids"], x["mask"], x["adv"], x["old"], x["ref"], beta=BETA,
-                                  temperature=TEMPERATURE, check_ids=False).loss
+    return fused_linear_grpo_loss(
+        hidden,
+        weight,
+        x["ids"],
+        x["mask"],
+        x["adv"],
+        x["old"],
+        x["ref"],
+        beta=BETA,
+        temperature=TEMPERATURE,
+        check_ids=False,
+    ).loss
 
 
 def _unfused(x, hidden, weight):
-    return grpo_loss(hidden @ weight.T, x["ids"], x["mask"], x["adv"], x["old"], x["ref"], beta=BETA,
-                     temperature=TEMPERATURE, check_ids=False).loss
+    return grpo_loss(
+        hidden @ weight.T,
+        x["ids"],
+        x["mask"],
+        x["adv"],
+        x["old"],
+        x["ref"],
+        beta=BETA,
+        temperature=TEMPERATURE,
+        check_ids=False,
+    ).loss
 
 
 def _liger():
@@ -74,14 +98,17 @@ def _liger():
     loss_fn = LigerFusedLinearGRPOLoss(beta=BETA, loss_type="grpo", temperature=TEMPERATURE, compiled=ON_GPU)
 
     def run(x, hidden, weight):
-        return loss_fn(hidden, weight, x["ids"], x["mask"], x["adv"], ref_per_token_logps=x["ref"],
-                       old_per_token_logps=x["old"])[0]
+        return loss_fn(
+            hidden, weight, x["ids"], x["mask"], x["adv"], ref_per_token_logps=x["ref"], old_per_token_logps=x["old"]
+        )[0]
+
     return run
 
 
 def _stock_trl(x, hidden, weight):
-    return trl_head.trl_fused_grpo_loss(hidden, weight, x["ids"], x["mask"], x["adv"], x["old"], x["ref"],
-                                        beta=BETA, temperature=TEMPERATURE)
+    return trl_head.trl_fused_grpo_loss(
+        hidden, weight, x["ids"], x["mask"], x["adv"], x["old"], x["ref"], beta=BETA, temperature=TEMPERATURE
+    )
 
 
 def paths():
@@ -101,8 +128,9 @@ def _cases():
     for shape in shapes():
         for name in paths():
             for backward in (False, True):
-                yield pytest.param(name, shape, backward,
-                                   id=f"{name}-{'x'.join(map(str, shape))}-{'fwd+bwd' if backward else 'fwd'}")
+                yield pytest.param(
+                    name, shape, backward, id=f"{name}-{'x'.join(map(str, shape))}-{'fwd+bwd' if backward else 'fwd'}"
+                )
 
 
 @pytest.mark.parametrize("name, shape, backward", list(_cases()))
@@ -129,11 +157,22 @@ def test_fused_linear_grpo_loss(benchmark, name, shape, backward):
     flops = 2 * N * V * H * (3 if backward else 1)
     _MEDIANS[(shape, name, backward)] = seconds
     unfused = _MEDIANS.get((shape, "unfused (lm_head + ours)", backward))
-    benchmark.extra_info.update({
-        "suite": "fused_linear", "path": name, "N": N, "B": B, "T": T, "H": H, "V": V,
-        "dtype": str(x["hidden"].dtype).replace("torch.", ""), "pass": "fwd+bwd" if backward else "fwd",
-        "median_ms": seconds * 1e3, "useful_TFLOPs": flops / seconds / 1e12,
-        "vs_unfused": None if unfused is None else seconds / unfused,
-        "peak_extra_bytes": peak_extra, "logits_bytes": N * V * x["hidden"].element_size(),
-        **environment(),
-    })
+    benchmark.extra_info.update(
+        {
+            "suite": "fused_linear",
+            "path": name,
+            "N": N,
+            "B": B,
+            "T": T,
+            "H": H,
+            "V": V,
+            "dtype": str(x["hidden"].dtype).replace("torch.", ""),
+            "pass": "fwd+bwd" if backward else "fwd",
+            "median_ms": seconds * 1e3,
+            "useful_TFLOPs": flops / seconds / 1e12,
+            "vs_unfused": None if unfused is None else seconds / unfused,
+            "peak_extra_bytes": peak_extra,
+            "logits_bytes": N * V * x["hidden"].element_size(),
+            **environment(),
+        }
+    )

@@ -11,9 +11,22 @@ import statistics
 
 import pytest
 import torch
-
-from cases import (DEVICE, ENTROPY_FAMILY, ON_GPU, available_paths, environment, host_and_timeline_ms, logits_bytes,
-                   logprob_paths, make_inputs, model_bytes, path_input, shapes, sync, warm_up_and_time)
+from cases import (
+    DEVICE,
+    ENTROPY_FAMILY,
+    ON_GPU,
+    available_paths,
+    environment,
+    host_and_timeline_ms,
+    logits_bytes,
+    logprob_paths,
+    make_inputs,
+    model_bytes,
+    path_input,
+    shapes,
+    sync,
+    warm_up_and_time,
+)
 
 _INPUTS = {}
 _COPY_SECONDS = {}
@@ -69,7 +82,8 @@ def _cases():
         for shape in level_shapes:
             for name in available_paths(level):
                 if name in ("torch.compile", "ours one-pass packed", *ENTROPY_FAMILY) and (
-                        level != "token" or shape != shapes()[-1]):
+                    level != "token" or shape != shapes()[-1]
+                ):
                     continue
                 for backward in (False, True):
                     label = f"{name}-{'x'.join(map(str, shape))}-{'fwd+bwd' if backward else 'fwd'}-{level}"
@@ -108,19 +122,39 @@ def test_grpo_loss(benchmark, name, shape, backward, level):
     moved = model_bytes(name, S, backward)
     copy_bandwidth = 2 * S / copy_seconds(shape)
     B, T, V = shape
-    benchmark.extra_info.update({
-        "path": name, "N": B * T, "B": B, "T": T, "V": V, "dtype": str(full.dtype).replace("torch.", ""),
-        "pass": "fwd+bwd" if backward else "fwd", "level": level, "logits_bytes": S,
-        "median_ms": seconds * 1e3, "model_bytes": moved, "model_GBps": moved / seconds / 1e9,
-        "copy_GBps": copy_bandwidth / 1e9, "fraction_of_copy": moved / seconds / copy_bandwidth,
-        "peak_extra_bytes": peak_extra, "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
-        "host_ms": host_ms, "timeline_ms": timeline_ms,
-        **environment(),
-    })
+    benchmark.extra_info.update(
+        {
+            "path": name,
+            "N": B * T,
+            "B": B,
+            "T": T,
+            "V": V,
+            "dtype": str(full.dtype).replace("torch.", ""),
+            "pass": "fwd+bwd" if backward else "fwd",
+            "level": level,
+            "logits_bytes": S,
+            "median_ms": seconds * 1e3,
+            "model_bytes": moved,
+            "model_GBps": moved / seconds / 1e9,
+            "copy_GBps": copy_bandwidth / 1e9,
+            "fraction_of_copy": moved / seconds / copy_bandwidth,
+            "peak_extra_bytes": peak_extra,
+            "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
+            "host_ms": host_ms,
+            "timeline_ms": timeline_ms,
+            **environment(),
+        }
+    )
 
 
-@pytest.mark.parametrize("name, shape", [pytest.param(name, shape, id=f"logprobs-{name}-{'x'.join(map(str, shape))}")
-                                         for shape in shapes() for name in logprob_paths()])
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        pytest.param(name, shape, id=f"logprobs-{name}-{'x'.join(map(str, shape))}")
+        for shape in shapes()
+        for name in logprob_paths()
+    ],
+)
 def test_logprob_pass(benchmark, name, shape):
     """The old / reference log-prob pass (``cases.logprob_paths``): forward only, no gradient; byte model S."""
     inputs = inputs_for(shape)
@@ -139,11 +173,25 @@ def test_logprob_pass(benchmark, name, shape):
     S = logits_bytes(inputs)
     copy_bandwidth = 2 * S / copy_seconds(shape)
     B, T, V = shape
-    benchmark.extra_info.update({
-        "suite": "logprobs", "path": name, "N": B * T, "B": B, "T": T, "V": V,
-        "dtype": str(inputs["full_logits"].dtype).replace("torch.", ""), "pass": "fwd", "level": "token",
-        "logits_bytes": S, "median_ms": seconds * 1e3, "model_bytes": S, "model_GBps": S / seconds / 1e9,
-        "copy_GBps": copy_bandwidth / 1e9, "fraction_of_copy": S / seconds / copy_bandwidth,
-        "peak_extra_bytes": peak_extra, "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
-        **environment(),
-    })
+    benchmark.extra_info.update(
+        {
+            "suite": "logprobs",
+            "path": name,
+            "N": B * T,
+            "B": B,
+            "T": T,
+            "V": V,
+            "dtype": str(inputs["full_logits"].dtype).replace("torch.", ""),
+            "pass": "fwd",
+            "level": "token",
+            "logits_bytes": S,
+            "median_ms": seconds * 1e3,
+            "model_bytes": S,
+            "model_GBps": S / seconds / 1e9,
+            "copy_GBps": copy_bandwidth / 1e9,
+            "fraction_of_copy": S / seconds / copy_bandwidth,
+            "peak_extra_bytes": peak_extra,
+            "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
+            **environment(),
+        }
+    )

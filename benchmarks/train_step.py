@@ -46,19 +46,60 @@ import trl_head  # noqa: E402
 
 BETA, PROMPT = 0.04, 128
 MODELS = {
-    "Qwen2.5-0.5B": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)),
-    "Qwen2.5-1.5B": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936)),
-    "Llama-3.2-1B": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256)),
+    "Qwen2.5-0.5B": (
+        "qwen2",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        ),
+    ),
+    "Qwen2.5-1.5B": (
+        "qwen2",
+        dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        ),
+    ),
+    "Llama-3.2-1B": (
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+        ),
+    ),
 }
 # (model, completions, completion length), in order of value (the table users decide on: both Qwen shapes at
 # 16 x 1024 first); the length search runs on the first model
-GPU_CASES = [("Qwen2.5-0.5B", 16, 1024), ("Qwen2.5-1.5B", 16, 1024), ("Qwen2.5-0.5B", 8, 4096),
-             ("Llama-3.2-1B", 16, 1024)]
-SMOKE_MODEL = ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=1000))
+GPU_CASES = [
+    ("Qwen2.5-0.5B", 16, 1024),
+    ("Qwen2.5-1.5B", 16, 1024),
+    ("Qwen2.5-0.5B", 8, 4096),
+    ("Llama-3.2-1B", 16, 1024),
+]
+SMOKE_MODEL = (
+    "llama",
+    dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    ),
+)
 SMOKE_CASES = [("tiny", 2, 16), ("tiny", 2, 32)]
 PATHS = ("eager", "liger", "ours logits", "ours hidden", "stock TRL")
 LENGTH_CAP = 65536
@@ -69,8 +110,13 @@ def build_model(kind: str, config: dict, device, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
-    cfg = config_cls(**config, tie_word_embeddings=True, max_position_embeddings=LENGTH_CAP + PROMPT,
-                     use_cache=False, attn_implementation="sdpa")
+    cfg = config_cls(
+        **config,
+        tie_word_embeddings=True,
+        max_position_embeddings=LENGTH_CAP + PROMPT,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     with torch.device(device):
         model = model_cls(cfg).to(dtype)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
@@ -85,8 +131,13 @@ def make_batch(B: int, T: int, V: int, device, seed: int = 0) -> dict:
     input_ids = torch.randint(0, V, (B, PROMPT + T), generator=g)
     lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None] < lengths[:, None]).float()
-    batch = dict(input_ids=input_ids, completion_ids=input_ids[:, PROMPT:], completion_mask=mask,
-                 advantages=torch.randn(B, generator=g), ref_logps=-2.0 + 0.3 * torch.randn(B, T, generator=g))
+    batch = dict(
+        input_ids=input_ids,
+        completion_ids=input_ids[:, PROMPT:],
+        completion_mask=mask,
+        advantages=torch.randn(B, generator=g),
+        ref_logps=-2.0 + 0.3 * torch.randn(B, T, generator=g),
+    )
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -97,6 +148,7 @@ def available_paths(device) -> list:
     if device.type == "cuda":
         try:
             import liger_kernel.transformers.grpo_loss  # noqa: F401
+
             paths.append("liger")
         except ImportError:
             pass
@@ -109,7 +161,7 @@ def _logits(model, batch, T):
 
 
 def _hidden(model, batch, T):
-    return model.model(input_ids=batch["input_ids"]).last_hidden_state[:, -(T + 1):-1]
+    return model.model(input_ids=batch["input_ids"]).last_hidden_state[:, -(T + 1) : -1]
 
 
 def loss_of(path: str, model, batch, T, loss_fns, x=None):
@@ -117,24 +169,53 @@ def loss_of(path: str, model, batch, T, loss_fns, x=None):
     b = batch
     if path == "stock TRL":
         hidden = _hidden(model, b, T) if x is None else x
-        return trl_head.trl_fused_grpo_loss(hidden, model.lm_head.weight, b["completion_ids"], b["completion_mask"],
-                                            b["advantages"], None, b["ref_logps"], beta=BETA, temperature=1.0)
+        return trl_head.trl_fused_grpo_loss(
+            hidden,
+            model.lm_head.weight,
+            b["completion_ids"],
+            b["completion_mask"],
+            b["advantages"],
+            None,
+            b["ref_logps"],
+            beta=BETA,
+            temperature=1.0,
+        )
     if path == "ours hidden":
         hidden = _hidden(model, b, T) if x is None else x
-        return loss_fns["ours hidden"](hidden, model.lm_head.weight, b["completion_ids"], b["completion_mask"],
-                                       b["advantages"], ref_logps=b["ref_logps"]).loss
+        return loss_fns["ours hidden"](
+            hidden,
+            model.lm_head.weight,
+            b["completion_ids"],
+            b["completion_mask"],
+            b["advantages"],
+            ref_logps=b["ref_logps"],
+        ).loss
     logits = _logits(model, b, T) if x is None else x
     if path == "ours logits":
-        return loss_fns["ours logits"](logits, b["completion_ids"], b["completion_mask"], b["advantages"],
-                                       ref_logps=b["ref_logps"]).loss
+        return loss_fns["ours logits"](
+            logits, b["completion_ids"], b["completion_mask"], b["advantages"], ref_logps=b["ref_logps"]
+        ).loss
     if path == "liger":
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
-        return triton_grpo_loss(logits, None, b["ref_logps"], b["completion_ids"], b["advantages"],
-                                b["completion_mask"], temperature=1.0, beta=BETA, eps_low=0.2, eps_high=0.2,
-                                inplace=True, loss_type="grpo", reduce=True)[0]
-    return grpo_loss_eager(logits[:, :-1], b["completion_ids"], b["completion_mask"], b["advantages"],
-                           ref_logps=b["ref_logps"], beta=BETA).loss
+        return triton_grpo_loss(
+            logits,
+            None,
+            b["ref_logps"],
+            b["completion_ids"],
+            b["advantages"],
+            b["completion_mask"],
+            temperature=1.0,
+            beta=BETA,
+            eps_low=0.2,
+            eps_high=0.2,
+            inplace=True,
+            loss_type="grpo",
+            reduce=True,
+        )[0]
+    return grpo_loss_eager(
+        logits[:, :-1], b["completion_ids"], b["completion_mask"], b["advantages"], ref_logps=b["ref_logps"], beta=BETA
+    ).loss
 
 
 def _sync(device):
@@ -228,16 +309,28 @@ def main() -> None:
     try:
         import transformers
     except ImportError as e:
-        print(f"transformers is not importable ({e}): nothing to build the models from "
-              "(scripts/device_wheels.sh carries it to the GPU machine)")
+        print(
+            f"transformers is not importable ({e}): nothing to build the models from "
+            "(scripts/device_wheels.sh carries it to the GPU machine)"
+        )
         pathlib.Path(args.out).write_text(json.dumps({"error": "transformers not importable", "cases": []}))
         return
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
-              "prompt_tokens": PROMPT, "beta": BETA, "gradient_checkpointing": True, "cases": []}
-    loss_fns = {"ours logits": GRPOLoss(beta=BETA, drop_last_position=True), "ours hidden": FusedLinearGRPOLoss(beta=BETA)}
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dtype": str(dtype),
+        "prompt_tokens": PROMPT,
+        "beta": BETA,
+        "gradient_checkpointing": True,
+        "cases": [],
+    }
+    loss_fns = {
+        "ours logits": GRPOLoss(beta=BETA, drop_last_position=True),
+        "ours hidden": FusedLinearGRPOLoss(beta=BETA),
+    }
     searched = smoke  # the length search: GPU only, on the first model's first batch size
-    for name, B, T in (SMOKE_CASES if smoke else GPU_CASES):
+    for name, B, T in SMOKE_CASES if smoke else GPU_CASES:
         kind, config = SMOKE_MODEL if smoke else MODELS[name]
         if time.monotonic() > deadline:
             print(f"budget spent: {name} {B} x {T} left out")
@@ -251,8 +344,19 @@ def main() -> None:
                 break
             case = {"model": name, "completions": B, "completion_length": T, "path": path}
             try:
-                case.update(time_steps(path, model, optimizer, batch, T, loss_fns, warmup=1 if smoke else 2,
-                                       repeats=2 if smoke else 3, device=device))
+                case.update(
+                    time_steps(
+                        path,
+                        model,
+                        optimizer,
+                        batch,
+                        T,
+                        loss_fns,
+                        warmup=1 if smoke else 2,
+                        repeats=2 if smoke else 3,
+                        device=device,
+                    )
+                )
                 case["tokens_per_s"] = B * (PROMPT + T) / case["step_s"]
                 case["loss_s"] = time_loss_alone(path, model, batch, T, loss_fns, 1 if smoke else 3, device)
                 case["loss_share"] = case["loss_s"] / case["step_s"]
@@ -261,14 +365,29 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
             if not searched and not case.get("oom"):
-                case["fit"] = longest_fit(path, model, optimizer, B, T, config["vocab_size"], loss_fns, device,
-                                          min(deadline, time.monotonic() + 20.0))
+                case["fit"] = longest_fit(
+                    path,
+                    model,
+                    optimizer,
+                    B,
+                    T,
+                    config["vocab_size"],
+                    loss_fns,
+                    device,
+                    min(deadline, time.monotonic() + 20.0),
+                )
             result["cases"].append(case)
             pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
             peak = "-" if case.get("peak_bytes") is None else f"{case['peak_bytes'] / 2**30:.2f} GiB"
-            print(f"{name} {B} x {T} {path}: " + ("out of memory" if case.get("oom") else
-                  f"{case['step_s'] * 1e3:.1f} ms, {case['tokens_per_s']:.0f} tok/s, peak {peak}, "
-                  f"loss {100 * case['loss_share']:.0f} %" + (f", longest {case['fit']}" if "fit" in case else "")))
+            print(
+                f"{name} {B} x {T} {path}: "
+                + (
+                    "out of memory"
+                    if case.get("oom")
+                    else f"{case['step_s'] * 1e3:.1f} ms, {case['tokens_per_s']:.0f} tok/s, peak {peak}, "
+                    f"loss {100 * case['loss_share']:.0f} %" + (f", longest {case['fit']}" if "fit" in case else "")
+                )
+            )
         searched = True
         del model, optimizer
         if device.type == "cuda":

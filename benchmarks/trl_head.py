@@ -20,7 +20,6 @@ import importlib.util
 import pathlib
 import sys
 import types
-from typing import Optional
 
 import torch
 
@@ -36,10 +35,11 @@ def load_chunked_logprob(by_file: bool = False):
     none here)."""
     if not by_file:
         try:
-            from trl.kernels import chunked_logprob
             # its backward imports trl.trainer.utils, which needs datasets: where that fails (the GPU machine),
             # the module would fail only in the backward, so take the stand-in below instead
             import trl.trainer.utils  # noqa: F401
+            from trl.kernels import chunked_logprob
+
             return chunked_logprob
         except ImportError:
             pass
@@ -71,8 +71,15 @@ def available() -> bool:
     return True
 
 
-def trl_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-                       temperature: float, bias: Optional[torch.Tensor] = None, by_file: bool = False) -> torch.Tensor:
+def trl_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
+    bias: torch.Tensor | None = None,
+    by_file: bool = False,
+) -> torch.Tensor:
     """Per-token log-probs [B, T] of ``hidden`` [B, T, H] under the head ``weight`` [V, H] by TRL's fused head, 0
     where ``mask`` is 0 (``add_fused_lm_head``'s forward, its entropy output not asked for, as the GRPO loss
     without an entropy mask does not)."""
@@ -81,15 +88,28 @@ def trl_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Te
     compact = module._use_triton(hidden.device)
     flat_hidden = hidden[keep] if compact else hidden.reshape(-1, hidden.shape[-1])
     flat_ids = ids[keep] if compact else ids.reshape(-1)
-    log_probs = module.ChunkedLogProbFunction.apply(flat_hidden, weight, bias, flat_ids, temperature, CHUNK_SIZE,
-                                                    None, 1.0, ("log_probs",))[0]
+    log_probs = module.ChunkedLogProbFunction.apply(
+        flat_hidden, weight, bias, flat_ids, temperature, CHUNK_SIZE, None, 1.0, ("log_probs",)
+    )[0]
     if compact:
         return log_probs.new_zeros(keep.shape).masked_scatter(keep, log_probs)
     return log_probs.view(keep.shape).masked_fill(~keep, 0)
 
 
-def trl_fused_grpo_loss(hidden, weight, ids, mask, advantages, old_logps, ref_logps, *, beta: float,
-                        temperature: float, epsilon: float = 0.2, by_file: bool = False) -> torch.Tensor:
+def trl_fused_grpo_loss(
+    hidden,
+    weight,
+    ids,
+    mask,
+    advantages,
+    old_logps,
+    ref_logps,
+    *,
+    beta: float,
+    temperature: float,
+    epsilon: float = 0.2,
+    by_file: bool = False,
+) -> torch.Tensor:
     """TRL 1.16's ``loss_type="grpo"`` on its fused head's log-probs (``GRPOTrainer._compute_loss``)."""
     logps = trl_token_logprobs(hidden, weight, ids, mask, temperature, by_file=by_file)
     mask = mask.float()

@@ -55,10 +55,16 @@ def _shard(B: int, T: int, V: int, P: int, shard: int, device, dtype) -> torch.T
 def _per_token_inputs(B: int, T: int, V: int, device) -> dict:
     g = torch.Generator().manual_seed(0)
     mask = torch.ones(B, T)
-    mask[:, T - T // 8:] = 0  # some padding, as in real batches
-    return {k: v.to(device) for k, v in dict(completion_ids=torch.randint(0, V, (B, T), generator=g),
-                                              completion_mask=mask, advantages=torch.randn(B, generator=g),
-                                              noise=0.05 * torch.randn(2, B, T, generator=g)).items()}
+    mask[:, T - T // 8 :] = 0  # some padding, as in real batches
+    return {
+        k: v.to(device)
+        for k, v in dict(
+            completion_ids=torch.randint(0, V, (B, T), generator=g),
+            completion_mask=mask,
+            advantages=torch.randn(B, generator=g),
+            noise=0.05 * torch.randn(2, B, T, generator=g),
+        ).items()
+    }
 
 
 def _sync(device):
@@ -68,8 +74,18 @@ def _sync(device):
 
 def _step(logits, x, group):
     leaf = logits.detach().requires_grad_()
-    out = grpo_loss(leaf, x["completion_ids"], x["completion_mask"], x["advantages"], x["old_logps"], x["ref_logps"],
-                    beta=BETA, temperature=TEMPERATURE, check_ids=False, vocab_parallel_group=group)
+    out = grpo_loss(
+        leaf,
+        x["completion_ids"],
+        x["completion_mask"],
+        x["advantages"],
+        x["old_logps"],
+        x["ref_logps"],
+        beta=BETA,
+        temperature=TEMPERATURE,
+        check_ids=False,
+        vocab_parallel_group=group,
+    )
     out.loss.backward()
     return out.loss.detach(), leaf.grad
 
@@ -96,8 +112,11 @@ def _rank(rank: int, world: int, shapes, rounds: int) -> list:
 
     group = dist.group.WORLD
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device() if dist.get_backend() == "nccl" else 0) if cuda \
+    device = (
+        torch.device("cuda", torch.cuda.current_device() if dist.get_backend() == "nccl" else 0)
+        if cuda
         else torch.device("cpu")
+    )
     dtype = torch.bfloat16 if cuda else torch.float32
     rows = []
     for B, T, V in shapes:
@@ -105,24 +124,39 @@ def _rank(rank: int, world: int, shapes, rounds: int) -> list:
         mine = _shard(B, T, V, world, rank, device, dtype)
         lp = token_logprobs(mine, x["completion_ids"], temperature=TEMPERATURE, vocab_parallel_group=group)
         x["old_logps"], x["ref_logps"] = lp + x["noise"][0], lp + x["noise"][1]
-        sharded_ms = _timed(lambda: _step(mine, x, group), rounds, device, barrier=dist.barrier)
+        sharded_ms = _timed(lambda mine=mine, x=x: _step(mine, x, group), rounds, device, barrier=dist.barrier)
         loss, grad = _step(mine, x, group)
         sums = [None] * world  # as objects: gloo gathers no CUDA tensors
         dist.all_gather_object(sums, grad.double().abs().sum().item())
         del grad
-        row = dict(B=B, T=T, V=V, P=world, dtype=str(dtype).replace("torch.", ""), device=str(device),
-                   transport=dist.get_backend(), sharded_ms=statistics.median(sharded_ms), rounds=rounds)
+        row = dict(
+            B=B,
+            T=T,
+            V=V,
+            P=world,
+            dtype=str(dtype).replace("torch.", ""),
+            device=str(device),
+            transport=dist.get_backend(),
+            sharded_ms=statistics.median(sharded_ms),
+            rounds=rounds,
+        )
         if rank == 0:  # the unsharded step, on the whole vocabulary, while the other ranks wait
             full = torch.cat([_shard(B, T, V, world, r, device, dtype) for r in range(world)], dim=-1)
-            row["unsharded_ms"] = statistics.median(_timed(lambda: _step(full, x, None), rounds, device))
+            row["unsharded_ms"] = statistics.median(_timed(lambda full=full, x=x: _step(full, x, None), rounds, device))
             full_loss, full_grad = _step(full, x, None)
-            expected = [full_grad[..., r * (V // world):(r + 1) * (V // world)].double().abs().sum().item()
-                        for r in range(world)]
+            expected = [
+                full_grad[..., r * (V // world) : (r + 1) * (V // world)].double().abs().sum().item()
+                for r in range(world)
+            ]
             got = sums
             row["loss_difference"] = abs(loss.item() - full_loss.item())
-            row["grad_sum_relative_difference"] = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, expected))
-            row["matches_unsharded"] = (row["loss_difference"] <= 1e-3 * max(1.0, abs(full_loss.item()))
-                                        and row["grad_sum_relative_difference"] <= 1e-2)
+            row["grad_sum_relative_difference"] = max(
+                abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, expected, strict=True)
+            )
+            row["matches_unsharded"] = (
+                row["loss_difference"] <= 1e-3 * max(1.0, abs(full_loss.item()))
+                and row["grad_sum_relative_difference"] <= 1e-2
+            )
             S = B * T * V * full.element_size()
             row["S_bytes"] = S
             row["sharded_GBps"] = 2 * S / row["sharded_ms"] / 1e6  # one-pass: 2 S in all, 2 S / P a rank
@@ -149,13 +183,21 @@ def main() -> None:
     rounds = args.rounds or (3 if smoke else 20)
     backend = "nccl" if cuda and torch.cuda.device_count() >= args.ranks else "gloo"
     started = time.time()
-    result = dict(environment=dict(torch=torch.__version__, device=torch.cuda.get_device_name() if cuda else "cpu",
-                                   gpus=torch.cuda.device_count() if cuda else 0, transport=backend,
-                                   interpreter=os.environ.get("TRITON_INTERPRET") == "1"))
+    result = dict(
+        environment=dict(
+            torch=torch.__version__,
+            device=torch.cuda.get_device_name() if cuda else "cpu",
+            gpus=torch.cuda.device_count() if cuda else 0,
+            transport=backend,
+            interpreter=os.environ.get("TRITON_INTERPRET") == "1",
+        )
+    )
     try:
         per_rank = run_ranks(_rank, args.ranks, shapes, rounds, timeout=args.timeout, backend=backend)
         result["cases"] = per_rank[0]
-        for row, *others in zip(*per_rank):  # the step ends at a barrier, so every rank's time is the step's
+        for row, *others in zip(
+            *per_rank, strict=True
+        ):  # the step ends at a barrier, so every rank's time is the step's
             row["sharded_ms_per_rank"] = [row["sharded_ms"]] + [o["sharded_ms"] for o in others]
     except Exception as error:  # noqa: BLE001 - the suite keeps what ran; the error is the result
         result["error"] = f"{type(error).__name__}: {error}"

@@ -27,26 +27,42 @@ import os
 
 import torch
 
+from grpo_kernels.training.cli import restart_log
 from grpo_kernels.training.reward_model import RewardModelReward, preference_accuracy, train_reward_model
 from grpo_kernels.training.rewards import numeric_match
 from grpo_kernels.training.tasks import compare
-from grpo_kernels.training.cli import restart_log
-from grpo_kernels.training.trainer import (RECIPE, GRPOTrainer, TrainerConfig, save_atomically, append_jsonl,
-                                           latest_checkpoint)
+from grpo_kernels.training.trainer import (
+    RECIPE,
+    GRPOTrainer,
+    TrainerConfig,
+    append_jsonl,
+    latest_checkpoint,
+    save_atomically,
+)
 
 
 def pairs(rows):
-    return [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["b"] if r["answer"] == r["a"] else r["a"]}
-            for r in rows]
+    return [
+        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["b"] if r["answer"] == r["a"] else r["a"]}
+        for r in rows
+    ]
 
 
 def build_reward_model(tokenizer, seed: int):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return LlamaForSequenceClassification(config)
 
 
@@ -85,14 +101,23 @@ def main(argv=None) -> dict:
 
     if resume_from is None:
         policy = compare.build_model(tokenizer, seed=args.seed)
-        warmup_record = compare.warmup(policy, tokenizer, steps=args.warmup_steps, seed=args.seed,
-                                       large_batch_steps=args.warmup_large_batch_steps)
+        warmup_record = compare.warmup(
+            policy, tokenizer, steps=args.warmup_steps, seed=args.seed, large_batch_steps=args.warmup_large_batch_steps
+        )
     else:
         from transformers import AutoModelForCausalLM
 
         policy = AutoModelForCausalLM.from_pretrained(resume_from)
-    config = TrainerConfig(**{**RECIPE, "steps": args.grpo_steps, "eval_every": 50, "save_every": args.save_every,
-                              "seed": args.seed, "output_dir": args.output_dir})
+    config = TrainerConfig(
+        **{
+            **RECIPE,
+            "steps": args.grpo_steps,
+            "eval_every": 50,
+            "save_every": args.save_every,
+            "seed": args.seed,
+            "output_dir": args.output_dir,
+        }
+    )
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     if resume_from is None and os.path.exists(metrics_path):
         os.remove(metrics_path)
@@ -101,11 +126,22 @@ def main(argv=None) -> dict:
     score = RewardModelReward(reward_model, tokenizer)
 
     def gated_reward_model(prompts, completions, a, b, **_):
-        return [s if c.strip() in (x, y) else 0.0 for s, c, x, y in zip(score(prompts, completions), completions, a, b)]
+        return [
+            s if c.strip() in (x, y) else 0.0
+            for s, c, x, y in zip(score(prompts, completions), completions, a, b, strict=True)
+        ]
 
-    trainer = GRPOTrainer(policy, tokenizer, [gated_reward_model], train_rows, config, eval_rows=eval_rows,
-                          eval_reward=numeric_match, log=lambda r: append_jsonl(metrics_path, r),
-                          format_reward=compare.format_reward())
+    trainer = GRPOTrainer(
+        policy,
+        tokenizer,
+        [gated_reward_model],
+        train_rows,
+        config,
+        eval_rows=eval_rows,
+        eval_reward=numeric_match,
+        log=lambda r: append_jsonl(metrics_path, r),
+        format_reward=compare.format_reward(),
+    )
     records = []
     if resume_from is not None:
         trainer.load_state(resume_from)
@@ -113,8 +149,11 @@ def main(argv=None) -> dict:
     records += trainer.train()
     trainer.save_checkpoint()
     evals = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]
-    summary = {"reward_model_heldout_preference_accuracy": rm_accuracy, "first_eval_accuracy": evals[0],
-               "final_eval_accuracy": evals[-1]}
+    summary = {
+        "reward_model_heldout_preference_accuracy": rm_accuracy,
+        "first_eval_accuracy": evals[0],
+        "final_eval_accuracy": evals[-1],
+    }
     print(json.dumps(summary))
     return summary
 

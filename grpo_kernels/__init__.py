@@ -1,14 +1,32 @@
 """grpo-kernels: fused Triton kernels for the GRPO loss, with a PyTorch front end."""
 
-from .loss import (FusedLinearGRPOLoss, GRPOLoss, fused_linear_grpo_loss, grpo_loss, linear_token_logprobs,
-                   selective_log_softmax, selective_log_softmax_and_entropy, token_entropy, token_logprobs)
-from .options import GRPOOptions
+from .loss import (
+    FusedLinearGRPOLoss,
+    GRPOLoss,
+    fused_linear_grpo_loss,
+    grpo_loss,
+    linear_token_logprobs,
+    selective_log_softmax,
+    selective_log_softmax_and_entropy,
+    token_entropy,
+    token_logprobs,
+)
 from .objective import GRPOLossOutput
+from .options import GRPOOptions
 from .reference import grpo_loss_reference
 
 __all__ = [
-    "FusedLinearGRPOLoss", "GRPOLoss", "GRPOLossOutput", "GRPOOptions", "fused_linear_grpo_loss", "grpo_loss",
-    "grpo_loss_reference", "linear_token_logprobs", "selective_log_softmax", "selective_log_softmax_and_entropy",
-    "token_entropy", "token_logprobs",
+    "FusedLinearGRPOLoss",
+    "GRPOLoss",
+    "GRPOLossOutput",
+    "GRPOOptions",
+    "fused_linear_grpo_loss",
+    "grpo_loss",
+    "grpo_loss_reference",
+    "linear_token_logprobs",
+    "selective_log_softmax",
+    "selective_log_softmax_and_entropy",
+    "token_entropy",
+    "token_logprobs",
 ]
 __version__ = "0.1.0"

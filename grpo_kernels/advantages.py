@@ -25,7 +25,7 @@ mean and std, as in TRL; a completion with no score at all gets advantage 0.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -46,9 +46,7 @@ def _check_groups(rewards: torch.Tensor, group_size: int, name: str = "rewards")
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     B = rewards.shape[0]
     if B % group_size != 0:
-        raise ValueError(
-            f"{name} has {B} rows, not a multiple of group_size={group_size}: groups would mix prompts"
-        )
+        raise ValueError(f"{name} has {B} rows, not a multiple of group_size={group_size}: groups would mix prompts")
     return B // group_size
 
 
@@ -90,10 +88,10 @@ def group_advantages(
     std: str = "population",
     eps: float = 1e-8,
     scale: str = "group",
-    weights: Optional[Sequence[float]] = None,
+    weights: Sequence[float] | None = None,
     combine: str = "sum_then_normalize",
-    preset: Optional[str] = None,
-    clip: Optional[float] = None,
+    preset: str | None = None,
+    clip: float | None = None,
 ) -> GroupAdvantages:
     """Advantages [B] from rewards [B] or [B, K] (K reward functions, combined with ``weights``).
 

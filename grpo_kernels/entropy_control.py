@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Dict, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +28,7 @@ class AdaptiveEntropy:
     coef_max: float = 1.0  # entropy_coef_max
     delta: float = 0.005  # entropy_coef_delta
     last_world_entropy: float = math.inf
-    _window: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    _window: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("coef", "target", "coef_min", "coef_max", "delta"):
@@ -36,8 +36,10 @@ class AdaptiveEntropy:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"AdaptiveEntropy.{name} must be a finite number, got {value!r}")
         if not self.coef_min <= self.coef_max or self.delta < 0:
-            raise ValueError(f"AdaptiveEntropy needs coef_min <= coef_max and delta >= 0, got {self.coef_min}, "
-                             f"{self.coef_max}, {self.delta}")
+            raise ValueError(
+                f"AdaptiveEntropy needs coef_min <= coef_max and delta >= 0, got {self.coef_min}, "
+                f"{self.coef_max}, {self.delta}"
+            )
 
     def applied_coef(self) -> float:
         """The coefficient for this window's micro-batches: gated off while the last window's entropy
@@ -49,7 +51,7 @@ class AdaptiveEntropy:
         stats = torch.stack([entropy_sum.detach().reshape(()).float(), tokens.detach().reshape(()).float()])
         self._window = stats if self._window is None else self._window + stats
 
-    def end_window(self, reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> float:
+    def end_window(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
         """At an optimizer-step boundary: the window-global mean entropy (its totals summed over the
         processes by ``reduce_sum``), the coefficient moved for the next window. Returns that entropy."""
         if self._window is None:
@@ -64,11 +66,11 @@ class AdaptiveEntropy:
         self._window = None
         return world_entropy
 
-    def state_dict(self) -> Dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         """TRL's checkpointed state (its ``entropy_ctrl_state.json`` keys)."""
         return {"entropy_coef": self.coef, "last_world_entropy": self.last_world_entropy}
 
-    def load_state_dict(self, state: Dict[str, float]) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.coef = float(state["entropy_coef"])
         self.last_world_entropy = float(state["last_world_entropy"])
         self._window = None

@@ -23,14 +23,12 @@ advantages) is out of scope: removing the critic is the point of GRPO.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
 from .from_logits import TokenLogprobs
-from .options import GRPOOptions
 from .objective import GRPOLossOutput, token_logprobs_and_entropy
+from .options import GRPOOptions
 from .validation import check_logits, check_per_token, check_token_ids, resolve_backend
 
 
@@ -38,13 +36,15 @@ def _logps(logits, ids, mask, temperature, backend):
     """Per-token log-probs with gradient on the fused kernel (0 at masked positions)."""
     check_logits(logits)
     check_token_ids(ids, logits.shape, logits.device, True)
-    check_per_token("completion_mask", mask, logits.shape, logits.device, allow_row=False, allow_bool=True,
-                    allow_int=True)
+    check_per_token(
+        "completion_mask", mask, logits.shape, logits.device, allow_row=False, allow_bool=True, allow_int=True
+    )
     GRPOOptions(temperature=temperature)  # validates the temperature
     resolved = resolve_backend(backend, logits)
     flat_mask = mask.float().reshape(-1).contiguous()
-    logp, _, _ = TokenLogprobs.apply(logits, ids.contiguous(), flat_mask, float(temperature), None, False, resolved,
-                                     False)
+    logp, _, _ = TokenLogprobs.apply(
+        logits, ids.contiguous(), flat_mask, float(temperature), None, False, resolved, False
+    )
     return logp
 
 
@@ -55,16 +55,18 @@ def _coefficient_loss(logp, mask, coefficient):
     return -per_row.mean()
 
 
-def sft_loss(logits, completion_ids, completion_mask, *, temperature: float = 1.0,
-             backend: str = "auto") -> GRPOLossOutput:
+def sft_loss(
+    logits, completion_ids, completion_mask, *, temperature: float = 1.0, backend: str = "auto"
+) -> GRPOLossOutput:
     """Supervised fine-tuning: GC = 1 (the per-sequence mean negative log-likelihood)."""
     logp = _logps(logits, completion_ids, completion_mask, temperature, backend)
     loss = _coefficient_loss(logp, completion_mask, 1.0)
     return GRPOLossOutput(loss, {"nll": loss.detach()}, logp.detach())
 
 
-def rft_loss(logits, completion_ids, completion_mask, rewards, *, temperature: float = 1.0,
-             backend: str = "auto") -> GRPOLossOutput:
+def rft_loss(
+    logits, completion_ids, completion_mask, rewards, *, temperature: float = 1.0, backend: str = "auto"
+) -> GRPOLossOutput:
     """Rejection-sampling fine-tuning: GC = 1 for completions whose reward is 1, 0 for reward 0.
 
     ``rewards`` [B] of 0 / 1 (a rule verifier's verdict per completion). Offline RFT uses
@@ -72,8 +74,10 @@ def rft_loss(logits, completion_ids, completion_mask, rewards, *, temperature: f
     """
     check_per_token("rewards", rewards, logits.shape, logits.device, allow_row=True)
     if rewards.dim() != 1 or not bool(((rewards == 0) | (rewards == 1)).all()):
-        raise ValueError(f"rewards must be [B] of 0 / 1 (correct or not), got shape {tuple(rewards.shape)} with "
-                         f"values {sorted(set(rewards.flatten().tolist()))[:5]}")
+        raise ValueError(
+            f"rewards must be [B] of 0 / 1 (correct or not), got shape {tuple(rewards.shape)} with "
+            f"values {sorted(set(rewards.flatten().tolist()))[:5]}"
+        )
     logp = _logps(logits, completion_ids, completion_mask, temperature, backend)
     loss = _coefficient_loss(logp, completion_mask, rewards.float().unsqueeze(-1))
     return GRPOLossOutput(loss, {"kept_fraction": rewards.float().mean()}, logp.detach())
@@ -84,8 +88,16 @@ def _split_pairs(t: torch.Tensor):
     return t[:half], t[half:]
 
 
-def dpo_loss(logits, completion_ids, completion_mask, ref_logps, *, beta: float = 0.1, temperature: float = 1.0,
-             backend: str = "auto") -> GRPOLossOutput:
+def dpo_loss(
+    logits,
+    completion_ids,
+    completion_mask,
+    ref_logps,
+    *,
+    beta: float = 0.1,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> GRPOLossOutput:
     """DPO with length-normalized implicit rewards R(o) = 1/|o| sum_t (log pi - log pi_ref).
 
     Pairs are laid out as [2B, T]: rows 0..B-1 the chosen completions, rows B..2B-1 the
@@ -93,8 +105,9 @@ def dpo_loss(logits, completion_ids, completion_mask, ref_logps, *, beta: float 
     whose gradient coefficient is beta * sigmoid(beta (R- - R+)) on o+ and its negative on o-.
     """
     if logits.dim() != 3 or logits.shape[0] % 2:
-        raise ValueError(f"dpo_loss needs logits [2B, T, V] (chosen rows, then rejected rows), got "
-                         f"shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"dpo_loss needs logits [2B, T, V] (chosen rows, then rejected rows), got shape {tuple(logits.shape)}"
+        )
     if not isinstance(beta, (int, float)) or beta <= 0:
         raise ValueError(f"beta must be a positive number, got {beta!r}")
     check_per_token("ref_logps", ref_logps, logits.shape, logits.device, allow_row=False)
@@ -109,13 +122,21 @@ def dpo_from_logps(logp, ref_logps, mask, beta):
     chosen, rejected = _split_pairs(implicit)
     margin = beta * (chosen - rejected)
     loss = -F.logsigmoid(margin).mean()
-    metrics = {"rewards/chosen": chosen.detach().mean(), "rewards/rejected": rejected.detach().mean(),
-               "rewards/accuracy": (margin.detach() > 0).float().mean(), "rewards/margin": margin.detach().mean()}
+    metrics = {
+        "rewards/chosen": chosen.detach().mean(),
+        "rewards/rejected": rejected.detach().mean(),
+        "rewards/accuracy": (margin.detach() > 0).float().mean(),
+        "rewards/margin": margin.detach().mean(),
+    }
     return loss, metrics
 
 
-def reward_model_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: Optional[torch.Tensor] = None,
-                      center_rewards_coefficient: Optional[float] = None) -> torch.Tensor:
+def reward_model_loss(
+    r_chosen: torch.Tensor,
+    r_rejected: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    center_rewards_coefficient: float | None = None,
+) -> torch.Tensor:
     """Bradley-Terry: mean of -log sigmoid(r_chosen - r_rejected - margin), stable at any margin, plus TRL's
     ``center_rewards_coefficient`` x mean((r_chosen + r_rejected)^2) when that is given (as TRL's RewardTrainer).
 
@@ -127,8 +148,10 @@ def reward_model_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: 
     needs.
     """
     if r_chosen.shape != r_rejected.shape:
-        raise ValueError(f"r_chosen and r_rejected must have the same shape, got {tuple(r_chosen.shape)} and "
-                         f"{tuple(r_rejected.shape)}")
+        raise ValueError(
+            f"r_chosen and r_rejected must have the same shape, got {tuple(r_chosen.shape)} and "
+            f"{tuple(r_rejected.shape)}"
+        )
     if center_rewards_coefficient is not None and not center_rewards_coefficient >= 0:
         raise ValueError(f"center_rewards_coefficient must be >= 0 or None, got {center_rewards_coefficient}")
     chosen, rejected = r_chosen.float(), r_rejected.float()
@@ -143,6 +166,7 @@ def reward_model_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: 
 
 # ----- references: the plain formulas, materializing the log-softmax ---------------------
 
+
 def sft_loss_reference(logits, completion_ids, completion_mask, *, temperature: float = 1.0):
     lp, _ = token_logprobs_and_entropy(logits, completion_ids, temperature)
     mask = completion_mask.float()
@@ -155,8 +179,9 @@ def rft_loss_reference(logits, completion_ids, completion_mask, rewards, *, temp
     return -(rewards.float() * (lp * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
-def dpo_loss_reference(logits, completion_ids, completion_mask, ref_logps, *, beta: float = 0.1,
-                       temperature: float = 1.0):
+def dpo_loss_reference(
+    logits, completion_ids, completion_mask, ref_logps, *, beta: float = 0.1, temperature: float = 1.0
+):
     lp, _ = token_logprobs_and_entropy(logits, completion_ids, temperature)
     mask = completion_mask.float()
     half = logits.shape[0] // 2

@@ -22,15 +22,20 @@ On the Triton backend the host functions reach the launchers through ``kernels.c
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import ops, torch_path
-from .from_logits import (LogprobResult, apply_or_forward, first_backward, input_grads, kernel_output, loss_outputs,
-                          signature_bound_once, weighted_dloss)
-from .kernels.contracts import (LossTokens, OnePassGradient, launch_module, lm_head_launch_module,
-                                reduce_launch_module)
+from .from_logits import (
+    LogprobResult,
+    apply_or_forward,
+    first_backward,
+    input_grads,
+    kernel_output,
+    loss_outputs,
+    signature_bound_once,
+    weighted_dloss,
+)
+from .kernels.contracts import LossTokens, OnePassGradient, launch_module, lm_head_launch_module, reduce_launch_module
 from .objective import GRPOLossOutput
 from .options import GRPOOptions
 from .validation import check_linear_inputs
@@ -48,19 +53,24 @@ class HiddenStatesSource:
 
     what = "hidden_states"
 
-    def __init__(self, hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 lm_head_mode: Optional[str] = None):
+    def __init__(
+        self,
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        lm_head_mode: str | None = None,
+    ):
         self.tensor, self.weight, self.bias, self.lm_head_mode = hidden_states, weight, bias, lm_head_mode
         self._flat, self._flat_with_grad = None, False
 
     def check_packable(self) -> None:
         """Hidden states pack as they are (one per completion token)."""
 
-    def with_tensor(self, hidden_states: torch.Tensor) -> "HiddenStatesSource":
+    def with_tensor(self, hidden_states: torch.Tensor) -> HiddenStatesSource:
         """This source's head and settings on other hidden states (a packed batch's checked one row)."""
         return type(self)(hidden_states, self.weight, self.bias, self.lm_head_mode)
 
-    def as_one_row(self) -> "HiddenStatesSource":
+    def as_one_row(self) -> HiddenStatesSource:
         return self.with_tensor(self.tensor.reshape(1, -1, self.tensor.shape[-1]))
 
     def logits_shape(self, ids) -> tuple:
@@ -96,8 +106,14 @@ class HiddenStatesSource:
         """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens, as in the logits form. A
         vocabulary-parallel call's source is ``vocab_parallel.ShardedHiddenStatesSource``, which overrides this."""
         options = inputs.options
-        pair = apply_or_forward(LinearTokenLogprobs, *self.flat(inputs), options.kernel_temperature,
-                                options.kernel_softcap, compute_entropy, inputs.backend)[:2]
+        pair = apply_or_forward(
+            LinearTokenLogprobs,
+            *self.flat(inputs),
+            options.kernel_temperature,
+            options.kernel_softcap,
+            compute_entropy,
+            inputs.backend,
+        )[:2]
         return self.as_rows(inputs, pair)
 
     @staticmethod
@@ -128,7 +144,7 @@ class HiddenStatesSource:
         return kernel_output(opts, loss, metrics, logp)
 
 
-def flat_f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def flat_f32(t: torch.Tensor | None) -> torch.Tensor | None:
     """A per-token tensor as the kernels read it: contiguous fp32 [N] (fp64 stays fp64: the torch path's
     gradcheck precision; None stays None)."""
     if t is None:
@@ -138,8 +154,10 @@ def flat_f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def as_input_grads(ctx, grads, inputs) -> tuple:
     """fp32 gradients in their inputs' dtypes, None where the input wants none (or has none)."""
-    return tuple(g.to(x.dtype) if needed and g is not None else None
-                 for g, x, needed in zip(grads, inputs, ctx.needs_input_grad))
+    return tuple(
+        g.to(x.dtype) if needed and g is not None else None
+        for g, x, needed in zip(grads, inputs, ctx.needs_input_grad[: len(inputs)], strict=True)
+    )
 
 
 # ---- Recompute: the loss terms in the forward kernel, the logits recomputed by the backward ----------------------
@@ -150,19 +168,43 @@ def linear_loss_fwd(hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GR
     the lm_head forward kernel with the per-token loss, the loss-metrics kernel."""
     reduce_launch = reduce_launch_module()
     tokens, weights = reduce_launch.weighted_tokens(loss_tokens)
-    r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, kernel_loss=opts.kernel_loss,
-                                               tokens=tokens, compute_entropy=opts.compute_entropy)
+    r = lm_head_launch_module().linear_forward(
+        hidden, weight, bias, ids, kernel_loss=opts.kernel_loss, tokens=tokens, compute_entropy=opts.compute_entropy
+    )
     loss, metrics = reduce_launch.reduced(tokens.mask, opts.kernel_loss, r, weights)
     return loss, metrics, r, weights
 
 
-def linear_loss_bwd(hidden, weight, bias, ids, lse, g, temperature: float, softcap: Optional[float], backend: str,
-                    wants_weight: bool, h=None, entropy=None) -> tuple:
+def linear_loss_bwd(
+    hidden,
+    weight,
+    bias,
+    ids,
+    lse,
+    g,
+    temperature: float,
+    softcap: float | None,
+    backend: str,
+    wants_weight: bool,
+    h=None,
+    entropy=None,
+) -> tuple:
     """(d hidden, d weight or None, d bias or None), fp32, from g = dLoss/dlogp (and h = dLoss/dH with the
     forward's entropy): a chunk of tokens at a time, the logits recomputed (Triton or the torch path)."""
-    return linear_logprobs_bwd(hidden, weight, bias, ids, lse, flat_f32(g), temperature, softcap, backend,
-                               wants_weight, grad_entropy=flat_f32(h),
-                               entropy=flat_f32(entropy) if h is not None else None)
+    return linear_logprobs_bwd(
+        hidden,
+        weight,
+        bias,
+        ids,
+        lse,
+        flat_f32(g),
+        temperature,
+        softcap,
+        backend,
+        wants_weight,
+        grad_entropy=flat_f32(h),
+        entropy=flat_f32(entropy) if h is not None else None,
+    )
 
 
 class LinearLoss(torch.autograd.Function):
@@ -174,8 +216,9 @@ class LinearLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
         ctx.set_materialize_grads(False)
         loss, metrics, r, weights = linear_loss_fwd(hidden, weight, bias, ids, loss_tokens, opts)
-        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy, weights.weight,
-                              weights.entropy_weight)
+        ctx.save_for_backward(
+            hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy, weights.weight, weights.entropy_weight
+        )
         ctx.temperature, ctx.softcap = opts.kernel_temperature, opts.kernel_softcap
         return loss_outputs(ctx, loss, metrics, r.logp, out_shape)
 
@@ -185,8 +228,20 @@ class LinearLoss(torch.autograd.Function):
             return input_grads(ctx)
         hidden, weight, bias, ids, lse, dloss_dlogp, entropy, weight_of_token, entropy_weight = ctx.saved_tensors
         g, h = weighted_dloss(grad_loss, weight_of_token, dloss_dlogp, entropy_weight)
-        grads = linear_loss_bwd(hidden, weight, bias, ids, lse, g, ctx.temperature, ctx.softcap, "triton",
-                                _wants_weight(ctx, bias), h, entropy)
+        grads = linear_loss_bwd(
+            hidden,
+            weight,
+            bias,
+            ids,
+            lse,
+            g,
+            ctx.temperature,
+            ctx.softcap,
+            "triton",
+            _wants_weight(ctx, bias),
+            h,
+            entropy,
+        )
         return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
 
 
@@ -197,8 +252,9 @@ def _wants_weight(ctx, bias) -> bool:
 # ---- Three products: every gradient in the forward's chunk loop -------------------------------------------------
 
 
-def three_products_fwd(hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions,
-                       wants_weight: Optional[bool]) -> tuple:
+def three_products_fwd(
+    hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, wants_weight: bool | None
+) -> tuple:
     """(loss, metrics vector, log-probs [N], d hidden, d weight, d bias) of the 3-product launches: each chunk's
     logits by cuBLAS, the one-pass logits kernel turning them into the loss terms and, in place, dlogits of the
     reduced loss (each token's weight from the token-weights kernel), both gradient products in the same loop.
@@ -207,8 +263,16 @@ def three_products_fwd(hidden, weight, bias, ids, loss_tokens: LossTokens, opts:
     tokens, weights = reduce_launch.weighted_tokens(loss_tokens)
     gradient = None if wants_weight is None else OnePassGradient(weights.weight, weights.entropy_weight)
     r, dh, dw, db = lm_head_launch_module().linear_three_products(
-        hidden, weight, bias, ids, kernel_loss=opts.kernel_loss, tokens=tokens, compute_entropy=opts.compute_entropy,
-        gradient=gradient, compute_weight_grad=bool(wants_weight))
+        hidden,
+        weight,
+        bias,
+        ids,
+        kernel_loss=opts.kernel_loss,
+        tokens=tokens,
+        compute_entropy=opts.compute_entropy,
+        gradient=gradient,
+        compute_weight_grad=bool(wants_weight),
+    )
     loss, metrics = reduce_launch.reduced(tokens.mask, opts.kernel_loss, r, weights)
     return loss, metrics, r.logp, dh, dw, db
 
@@ -226,8 +290,9 @@ class LinearLossThreeProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
-        loss, metrics, logp, dh, dw, db = three_products_fwd(hidden, weight, bias, ids, loss_tokens, opts,
-                                                             _wants_weight(ctx, bias))
+        loss, metrics, logp, dh, dw, db = three_products_fwd(
+            hidden, weight, bias, ids, loss_tokens, opts, _wants_weight(ctx, bias)
+        )
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss_outputs(ctx, loss, metrics, logp, out_shape)
@@ -235,22 +300,26 @@ class LinearLossThreeProducts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *unused):
         first_backward(ctx, "the 3-product lm_head loss")
-        wanted = [t if needed else None for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3])]
+        wanted = [t if needed else None for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3], strict=True)]
         scaled = three_products_bwd(wanted, grad_loss)
-        return input_grads(ctx, *(None if t is None else t.to(dtype) for t, dtype in zip(scaled, ctx.dtypes)))
+        return input_grads(
+            ctx, *(None if t is None else t.to(dtype) for t, dtype in zip(scaled, ctx.dtypes, strict=True))
+        )
 
 
 # ---- Log-probs: the lm_head kernels' (or the torch path's) log-probs, the loss math in torch ---------------------
 
 
-def linear_logprobs_fwd(hidden, weight, bias, ids, temperature: float, compute_entropy: bool,
-                        softcap: Optional[float], backend: str) -> LogprobResult:
+def linear_logprobs_fwd(
+    hidden, weight, bias, ids, temperature: float, compute_entropy: bool, softcap: float | None, backend: str
+) -> LogprobResult:
     """log softmax(cap(hidden [N, H] @ weight [V, H]^T + bias) / temperature)[ids] (and the entropy), a tile or a
     chunk of tokens at a time: fp32 [N] (fp64 for fp64 inputs on the torch path)."""
     compiling = torch.compiler.is_compiling()  # one opaque op in the graph (ops.py)
     if backend == "triton" and not compiling:
-        r = lm_head_launch_module().linear_forward(hidden, weight, bias, ids, temperature=temperature,
-                                                   softcap=softcap, compute_entropy=compute_entropy)
+        r = lm_head_launch_module().linear_forward(
+            hidden, weight, bias, ids, temperature=temperature, softcap=softcap, compute_entropy=compute_entropy
+        )
         return LogprobResult(r.logp, r.entropy, r.lse)
     if compiling:
         op = ops.triton_linear_logprobs if backend == "triton" else ops.torch_linear_logprobs
@@ -260,22 +329,56 @@ def linear_logprobs_fwd(hidden, weight, bias, ids, temperature: float, compute_e
     return LogprobResult(logp, entropy, lse)
 
 
-def linear_logprobs_bwd(hidden, weight, bias, ids, lse, g, temperature: float, softcap: Optional[float],
-                        backend: str, compute_weight_grad: bool, grad_entropy=None, entropy=None) -> tuple:
+def linear_logprobs_bwd(
+    hidden,
+    weight,
+    bias,
+    ids,
+    lse,
+    g,
+    temperature: float,
+    softcap: float | None,
+    backend: str,
+    compute_weight_grad: bool,
+    grad_entropy=None,
+    entropy=None,
+) -> tuple:
     """(d hidden, d weight or None, d bias or None), fp32, from g = dLoss/dlogp (and h = dLoss/dH with the
     forward's entropy), the logits recomputed a chunk at a time."""
     compiling = torch.compiler.is_compiling()
     if backend == "triton" and not compiling:
-        return lm_head_launch_module().linear_backward(hidden, weight, bias, ids, lse, g, temperature,
-                                                       compute_weight_grad, grad_entropy=grad_entropy,
-                                                       entropy=entropy, softcap=softcap)
+        return lm_head_launch_module().linear_backward(
+            hidden,
+            weight,
+            bias,
+            ids,
+            lse,
+            g,
+            temperature,
+            compute_weight_grad,
+            grad_entropy=grad_entropy,
+            entropy=entropy,
+            softcap=softcap,
+        )
     if compiling:
         op = ops.triton_linear_backward if backend == "triton" else ops.torch_linear_backward
-        dh, dw, db = op(hidden, weight, bias, ids, lse, g, temperature, softcap, compute_weight_grad, grad_entropy,
-                        entropy)
+        dh, dw, db = op(
+            hidden, weight, bias, ids, lse, g, temperature, softcap, compute_weight_grad, grad_entropy, entropy
+        )
         return dh, ops.present(dw, compute_weight_grad), ops.present(db, compute_weight_grad and bias is not None)
-    return torch_path.linear_backward(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad,
-                                      grad_entropy=grad_entropy, entropy=entropy, softcap=softcap)
+    return torch_path.linear_backward(
+        hidden,
+        weight,
+        bias,
+        ids,
+        lse,
+        g,
+        temperature,
+        compute_weight_grad,
+        grad_entropy=grad_entropy,
+        entropy=entropy,
+        softcap=softcap,
+    )
 
 
 @signature_bound_once
@@ -287,8 +390,9 @@ class LinearTokenLogprobs(torch.autograd.Function):
     ``from_logits.TokenLogprobs``; ``setup_context`` style (torch.func applies)."""
 
     @staticmethod
-    def forward(hidden, weight, bias, ids, temperature: float, softcap: Optional[float], compute_entropy: bool,
-                backend: str):
+    def forward(
+        hidden, weight, bias, ids, temperature: float, softcap: float | None, compute_entropy: bool, backend: str
+    ):
         r = linear_logprobs_fwd(hidden, weight, bias, ids, temperature, compute_entropy, softcap, backend)
         return r.logp, r.entropy, r.lse  # both differentiable: a loss may use the entropy (the entropy bonus)
 
@@ -307,6 +411,18 @@ class LinearTokenLogprobs(torch.autograd.Function):
             return input_grads(ctx)
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp
-        grads = linear_loss_bwd(hidden, weight, bias, ids, lse, g, ctx.temperature, ctx.softcap, ctx.backend,
-                                _wants_weight(ctx, bias), grad_entropy, entropy)
+        grads = linear_loss_bwd(
+            hidden,
+            weight,
+            bias,
+            ids,
+            lse,
+            g,
+            ctx.temperature,
+            ctx.softcap,
+            ctx.backend,
+            _wants_weight(ctx, bias),
+            grad_entropy,
+            entropy,
+        )
         return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))

@@ -31,7 +31,7 @@ PyTorch's "modified by an inplace operation" error instead of silently reading t
 from __future__ import annotations
 
 import inspect
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -44,7 +44,7 @@ from .validation import check_in_place, check_logits, checked_drop_last_position
 
 class LogprobResult(NamedTuple):
     logp: torch.Tensor  # fp32 [N], 0 at masked tokens
-    entropy: Optional[torch.Tensor]  # fp32 [N] (0 at masked tokens) or None
+    entropy: torch.Tensor | None  # fp32 [N] (0 at masked tokens) or None
     lse: torch.Tensor  # fp32 [N], what the backward reads
 
 
@@ -58,22 +58,30 @@ class LogitsSource:
     what = "logits"
     __slots__ = ("tensor", "drop_last_position", "in_place_backward", "one_pass")
 
-    def __init__(self, logits: torch.Tensor, *, drop_last_position: bool = False, in_place_backward: bool = False,
-                 one_pass: Optional[bool] = None):
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        *,
+        drop_last_position: bool = False,
+        in_place_backward: bool = False,
+        one_pass: bool | None = None,
+    ):
         self.tensor, self.drop_last_position = logits, drop_last_position
         self.in_place_backward, self.one_pass = in_place_backward, one_pass
 
     def check_packable(self) -> None:
         """A packed batch (``cu_seqlens``) gives the completion tokens' logits only."""
         if self.drop_last_position:
-            raise ValueError("drop_last_position=True applies to padded [B, T + 1, V] logits, not to a packed batch "
-                             "(cu_seqlens): give the packed logits of the completion tokens only")
+            raise ValueError(
+                "drop_last_position=True applies to padded [B, T + 1, V] logits, not to a packed batch "
+                "(cu_seqlens): give the packed logits of the completion tokens only"
+            )
 
-    def with_tensor(self, logits: torch.Tensor) -> "LogitsSource":
+    def with_tensor(self, logits: torch.Tensor) -> LogitsSource:
         """This source's settings on other logits (a packed batch's checked one row [1, total, V])."""
         return type(self)(logits, in_place_backward=self.in_place_backward, one_pass=self.one_pass)
 
-    def as_one_row(self) -> "LogitsSource":
+    def as_one_row(self) -> LogitsSource:
         """Logits [..., V] of other leading dims as one row [1, N, V] (a view where possible)."""
         return self.with_tensor(self.tensor.reshape(1, -1, self.tensor.shape[-1]))
 
@@ -108,9 +116,18 @@ class LogitsSource:
         gradient flows through (it may write the gradient into the logits, with in_place_backward). A
         vocabulary-parallel call's source is ``vocab_parallel.ShardedLogitsSource``, which overrides this."""
         options = inputs.options
-        return apply_or_forward(TokenLogprobs, self.tensor, inputs.ids.contiguous(), inputs.mask,
-                                options.kernel_temperature, options.kernel_softcap, compute_entropy, inputs.backend,
-                                final and self.in_place_backward, self.drop_last_position)[:2]
+        return apply_or_forward(
+            TokenLogprobs,
+            self.tensor,
+            inputs.ids.contiguous(),
+            inputs.mask,
+            options.kernel_temperature,
+            options.kernel_softcap,
+            compute_entropy,
+            inputs.backend,
+            final and self.in_place_backward,
+            self.drop_last_position,
+        )[:2]
 
     def fused_loss(self, inputs, loss_tokens: LossTokens) -> GRPOLossOutput:
         """The loss with its per-token math in the logits kernel (Triton): the schedule chosen here, one-pass
@@ -129,7 +146,7 @@ class LogitsSource:
 def kernel_output(opts: GRPOOptions, loss, metrics, logp) -> GRPOLossOutput:
     """A fused loss Function's output: its loss, its metrics vector under TRL's names (the loss-metrics kernel's
     order), its log-probs (not differentiable)."""
-    return GRPOLossOutput(loss, dict(zip(opts.fused_metric_names, metrics.unbind())), logp)
+    return GRPOLossOutput(loss, dict(zip(opts.fused_metric_names, metrics.unbind(), strict=True)), logp)
 
 
 def aligned(logits: torch.Tensor, drop_last_position: bool) -> torch.Tensor:
@@ -192,8 +209,14 @@ def one_pass_fwd(logits, ids, loss_tokens: LossTokens, opts: GRPOOptions, drop_l
     positions, in place of a [B, T, V] view; the token-weights kernel zeroes a dropped last position), the
     loss-metrics kernel."""
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    r = launch_module().loss_forward(logits, ids, kernel_loss=opts.kernel_loss, loss_tokens=loss_tokens,
-                                     gradient_out=grad, dropped_gradient=grad if drop_last_position else None)
+    r = launch_module().loss_forward(
+        logits,
+        ids,
+        kernel_loss=opts.kernel_loss,
+        loss_tokens=loss_tokens,
+        gradient_out=grad,
+        dropped_gradient=grad if drop_last_position else None,
+    )
     return r.loss, r.metrics, r.result.logp, grad
 
 
@@ -215,8 +238,9 @@ class OnePassLoss(torch.autograd.Function):
     def forward(ctx, logits, inputs, loss_tokens: LossTokens):
         ctx.set_materialize_grads(False)
         ids = inputs.ids.contiguous()
-        loss, metrics, logp, grad = one_pass_fwd(logits, ids, loss_tokens, inputs.options,
-                                                 inputs.source.drop_last_position)
+        loss, metrics, logp, grad = one_pass_fwd(
+            logits, ids, loss_tokens, inputs.options, inputs.source.drop_last_position
+        )
         ctx.save_for_backward(grad)
         return loss_outputs(ctx, loss, metrics, logp, ids.shape)
 
@@ -237,13 +261,35 @@ def two_pass_fwd(logits, ids, loss_tokens: LossTokens, opts: GRPOOptions):
     return launch_module().loss_forward(logits, ids, kernel_loss=opts.kernel_loss, loss_tokens=loss_tokens)
 
 
-def two_pass_bwd(logits, ids, lse, g, temperature: float, softcap: Optional[float], drop_last_position: bool,
-                 in_place: bool, backend: str, h=None, entropy=None) -> torch.Tensor:
+def two_pass_bwd(
+    logits,
+    ids,
+    lse,
+    g,
+    temperature: float,
+    softcap: float | None,
+    drop_last_position: bool,
+    in_place: bool,
+    backend: str,
+    h=None,
+    entropy=None,
+) -> torch.Tensor:
     """dlogits of g = dLoss/dlogp (and h = dLoss/dH with the forward's entropy), at the logits' shape (a dropped
     last position zeroed), written by the backend's backward (in place: into the logits, their version bumped)."""
     grad = gradient_buffer(logits, drop_last_position, in_place)
-    logprobs_bwd(logits, ids, lse, g, temperature, softcap, drop_last_position, backend, out=grad, grad_entropy=h,
-                 entropy=entropy)
+    logprobs_bwd(
+        logits,
+        ids,
+        lse,
+        g,
+        temperature,
+        softcap,
+        drop_last_position,
+        backend,
+        out=grad,
+        grad_entropy=h,
+        entropy=entropy,
+    )
     if in_place:
         torch.autograd.graph.increment_version(logits)
     return grad
@@ -260,8 +306,15 @@ class TwoPassLoss(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ids, opts, source = inputs.ids.contiguous(), inputs.options, inputs.source
         r = two_pass_fwd(logits, ids, loss_tokens, opts)
-        ctx.save_for_backward(logits, ids, r.result.lse, r.result.dloss_dlogp, r.result.entropy, r.weights.weight,
-                              r.weights.entropy_weight)
+        ctx.save_for_backward(
+            logits,
+            ids,
+            r.result.lse,
+            r.result.dloss_dlogp,
+            r.result.entropy,
+            r.weights.weight,
+            r.weights.entropy_weight,
+        )
         ctx.in_place, ctx.drop_last_position = source.in_place_backward, source.drop_last_position
         ctx.temperature, ctx.softcap = opts.kernel_temperature, opts.kernel_softcap
         return loss_outputs(ctx, r.loss, r.metrics, r.result.logp, ids.shape)
@@ -272,16 +325,33 @@ class TwoPassLoss(torch.autograd.Function):
         if grad_loss is None or not ctx.needs_input_grad[0]:
             return input_grads(ctx)
         g, h = weighted_dloss(grad_loss, weight, dloss_dlogp, entropy_weight)
-        return input_grads(ctx, two_pass_bwd(logits, ids, lse, g, ctx.temperature, ctx.softcap,
-                                             ctx.drop_last_position, ctx.in_place, "triton", h, entropy))
+        return input_grads(
+            ctx,
+            two_pass_bwd(
+                logits,
+                ids,
+                lse,
+                g,
+                ctx.temperature,
+                ctx.softcap,
+                ctx.drop_last_position,
+                ctx.in_place,
+                "triton",
+                h,
+                entropy,
+            ),
+        )
 
 
 def apply_or_forward(function, *args):
     """``function.apply(*args)``, or where no gradient can flow (no grad mode, or no input that requires one) its
     ``forward`` alone: the same outputs without the autograd Function's fixed cost, most of a small call's time (an
     old / reference log-prob pass). Under torch.compile and torch.func transforms, always ``apply``."""
-    if (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)) or \
-            torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if (
+        (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+        or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+    ):
         return function.apply(*args)
     return function.forward(*args)
 
@@ -296,17 +366,32 @@ def signature_bound_once(function_class):
 # ---- Log-probs: the kernels' (or the torch path's) log-probs, the loss math in torch ------------------------------
 
 
-def logprobs_fwd(logits, ids, temperature: float, mask: Optional[torch.Tensor], compute_entropy: bool,
-                 softcap: Optional[float], backend: str, drop_last_position: bool = False) -> LogprobResult:
+def logprobs_fwd(
+    logits,
+    ids,
+    temperature: float,
+    mask: torch.Tensor | None,
+    compute_entropy: bool,
+    softcap: float | None,
+    backend: str,
+    drop_last_position: bool = False,
+) -> LogprobResult:
     """log softmax(cap(logits) / temperature)[ids] (and the entropy) of the logits that predict the completion,
     fp32 [N]; ``mask`` fp32 [N] or None (every token read): 0 where it is 0."""
     if backend == "triton":
         if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py)
-            logp, entropy, lse = ops.triton_logprobs(aligned(logits, drop_last_position), ids, temperature, softcap,
-                                                     mask, compute_entropy)
+            logp, entropy, lse = ops.triton_logprobs(
+                aligned(logits, drop_last_position), ids, temperature, softcap, mask, compute_entropy
+            )
             return LogprobResult(logp, ops.present(entropy, compute_entropy), lse)
-        r = launch_module().forward(logits, ids, temperature=temperature, softcap=softcap,
-                                    tokens=TokenInputs(mask=mask), compute_entropy=compute_entropy)
+        r = launch_module().forward(
+            logits,
+            ids,
+            temperature=temperature,
+            softcap=softcap,
+            tokens=TokenInputs(mask=mask),
+            compute_entropy=compute_entropy,
+        )
         return LogprobResult(r.logp, r.entropy, r.lse)  # the kernels never read a masked row's id
     logits = aligned(logits, drop_last_position)
     B, T, _ = logits.shape
@@ -324,9 +409,20 @@ def logprobs_fwd(logits, ids, temperature: float, mask: Optional[torch.Tensor], 
     return LogprobResult(logp.reshape(-1), None if entropy is None else entropy.reshape(-1), lse.reshape(-1))
 
 
-def logprobs_bwd(logits, ids, lse, g, temperature: float, softcap: Optional[float], drop_last_position: bool,
-                 backend: str, *, out: torch.Tensor, grad_entropy: Optional[torch.Tensor] = None,
-                 entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+def logprobs_bwd(
+    logits,
+    ids,
+    lse,
+    g,
+    temperature: float,
+    softcap: float | None,
+    drop_last_position: bool,
+    backend: str,
+    *,
+    out: torch.Tensor,
+    grad_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> torch.Tensor:
     """dlogits of g = dLoss/dlogp (and h = dLoss/dH, with the forward's entropy) written into ``out`` (the logits'
     shape: with ``drop_last_position`` its first T positions). Masked positions' ids must be in range here (the
     torch path scatters into them; the kernels never read them)."""
@@ -334,23 +430,51 @@ def logprobs_bwd(logits, ids, lse, g, temperature: float, softcap: Optional[floa
     if backend == "triton":
         flat = lambda t: None if t is None else t.reshape(-1).float().contiguous()  # noqa: E731
         if torch.compiler.is_compiling():
-            ops.triton_logprobs_backward(aligned(logits, drop_last_position), ids, lse.reshape(-1), flat(g),
-                                         temperature, softcap, written, flat(grad_entropy),
-                                         flat(entropy) if grad_entropy is not None else None)
+            ops.triton_logprobs_backward(
+                aligned(logits, drop_last_position),
+                ids,
+                lse.reshape(-1),
+                flat(g),
+                temperature,
+                softcap,
+                written,
+                flat(grad_entropy),
+                flat(entropy) if grad_entropy is not None else None,
+            )
             return out
-        launch_module().backward(logits, ids, lse.reshape(-1), flat(g), temperature, softcap=softcap, out=out,
-                                 grad_entropy=flat(grad_entropy),
-                                 entropy=flat(entropy) if grad_entropy is not None else None)
+        launch_module().backward(
+            logits,
+            ids,
+            lse.reshape(-1),
+            flat(g),
+            temperature,
+            softcap=softcap,
+            out=out,
+            grad_entropy=flat(grad_entropy),
+            entropy=flat(entropy) if grad_entropy is not None else None,
+        )
         return out
     logits = aligned(logits, drop_last_position)
     B, T, _ = logits.shape
     as_bt = lambda t: None if t is None else t.to(lse.dtype).reshape(B, T)  # noqa: E731  (fp32, or fp64)
     if torch.compiler.is_compiling():
-        written.copy_(ops.torch_logprobs_backward(logits, ids, lse.reshape(B, T), as_bt(g), temperature, softcap,
-                                                  as_bt(grad_entropy), as_bt(entropy)))
+        written.copy_(
+            ops.torch_logprobs_backward(
+                logits, ids, lse.reshape(B, T), as_bt(g), temperature, softcap, as_bt(grad_entropy), as_bt(entropy)
+            )
+        )
     else:
-        torch_path.backward(logits, ids, lse.reshape(B, T), as_bt(g), temperature, out=written,
-                            grad_entropy=as_bt(grad_entropy), entropy=as_bt(entropy), softcap=softcap)
+        torch_path.backward(
+            logits,
+            ids,
+            lse.reshape(B, T),
+            as_bt(g),
+            temperature,
+            out=written,
+            grad_entropy=as_bt(grad_entropy),
+            entropy=as_bt(entropy),
+            softcap=softcap,
+        )
     return out
 
 
@@ -364,8 +488,17 @@ class TokenLogprobs(torch.autograd.Function):
     apply."""
 
     @staticmethod
-    def forward(logits, ids, mask: Optional[torch.Tensor], temperature: float, softcap: Optional[float],
-                compute_entropy: bool, backend: str, in_place: bool, drop_last_position: bool = False):
+    def forward(
+        logits,
+        ids,
+        mask: torch.Tensor | None,
+        temperature: float,
+        softcap: float | None,
+        compute_entropy: bool,
+        backend: str,
+        in_place: bool,
+        drop_last_position: bool = False,
+    ):
         r = logprobs_fwd(logits, ids, temperature, mask, compute_entropy, softcap, backend, drop_last_position)
         B, T = ids.shape
         entropy = None if r.entropy is None else r.entropy.view(B, T)
@@ -392,6 +525,17 @@ class TokenLogprobs(torch.autograd.Function):
         grad = None
         if ctx.needs_input_grad[0] and (grad_logp is not None or grad_entropy is not None):
             g = torch.zeros_like(lse) if grad_logp is None else grad_logp
-            grad = two_pass_bwd(logits, ids, lse, g, ctx.temperature, ctx.softcap, ctx.drop_last_position,
-                                ctx.in_place, ctx.backend, grad_entropy, entropy)
+            grad = two_pass_bwd(
+                logits,
+                ids,
+                lse,
+                g,
+                ctx.temperature,
+                ctx.softcap,
+                ctx.drop_last_position,
+                ctx.in_place,
+                ctx.backend,
+                grad_entropy,
+                entropy,
+            )
         return input_grads(ctx, grad)

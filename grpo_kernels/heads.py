@@ -30,7 +30,7 @@ import contextlib
 import inspect
 import math
 import sys
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import torch
 
@@ -43,12 +43,12 @@ class HeadTransform(NamedTuple):
     ``read_from``: the config fields it came from (for messages)."""
 
     scale: float = 1.0
-    softcap: Optional[float] = None
-    vocab_size: Optional[int] = None
-    read_from: Tuple[str, ...] = ()
+    softcap: float | None = None
+    vocab_size: int | None = None
+    read_from: tuple[str, ...] = ()
 
     @property
-    def options(self) -> Dict[str, object]:
+    def options(self) -> dict[str, object]:
         """The loss options of this transform (``logit_scale``, ``logit_softcap``), for ``FusedLinearGRPOLoss``,
         ``linear_token_logprobs`` and the logits-path calls on raw head outputs."""
         return {"logit_scale": self.scale, "logit_softcap": self.softcap}
@@ -70,7 +70,7 @@ _DIVISOR_ON_HIDDEN = ("logits_mup_width_multiplier",)
 _LOGITS_SCALING_MULTIPLIES = ("hyperclovax", "hyperclovax_vision_v2")  # logits_scaling: the others divide
 
 
-def _number(config, name: str) -> Optional[float]:
+def _number(config, name: str) -> float | None:
     value = getattr(config, name, None)
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -122,7 +122,7 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_decoder()
 
 
-def head_weights(model: torch.nn.Module, transform: HeadTransform) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def head_weights(model: torch.nn.Module, transform: HeadTransform) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) of the model's output layer as its forward applies them (``wrapped.output_layer``: a LoRA
     adapter folded in), the rows the model keeps (``transform.vocab_size``)."""
     weight, bias = output_layer(model.get_output_embeddings())
@@ -132,8 +132,9 @@ def head_weights(model: torch.nn.Module, transform: HeadTransform) -> Tuple[torc
     return weight, bias
 
 
-def last_hidden_states(model: torch.nn.Module, input_ids, attention_mask=None, *, output_router_logits=False,
-                       **extra_inputs):
+def last_hidden_states(
+    model: torch.nn.Module, input_ids, attention_mask=None, *, output_router_logits=False, **extra_inputs
+):
     """The backbone's output (``backbone``) on a batch, with the model's other inputs (a vision-language model's
     ``pixel_values``, ``image_grid_thw``, ...: merged into the sequence as the model's own forward merges them).
     An input the backbone's forward does not name is refused by name: it would be dropped, and the hidden
@@ -143,8 +144,10 @@ def last_hidden_states(model: torch.nn.Module, input_ids, attention_mask=None, *
     named = inspect.signature(module.forward).parameters
     unknown = sorted(name for name in given if name not in named)
     if unknown:
-        raise FusedHeadError(f"{type(model).__name__}'s backbone ({type(module).__name__}) takes no {unknown}: the "
-                             "fused lm_head cannot merge them into its hidden states; use fused_lm_head=False")
+        raise FusedHeadError(
+            f"{type(model).__name__}'s backbone ({type(module).__name__}) takes no {unknown}: the "
+            "fused lm_head cannot merge them into its hidden states; use fused_lm_head=False"
+        )
     if output_router_logits:
         given["output_router_logits"] = True
     return module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **given)
@@ -158,9 +161,11 @@ def router_aux_loss(model: torch.nn.Module, backbone_outputs, attention_mask) ->
     experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
     logits = getattr(backbone_outputs, "router_logits", None)
     if fn is None or experts is None or top_k is None or logits is None:
-        raise FusedHeadError(f"{type(model).__name__}: the fused lm_head cannot compute this model's router "
-                             "auxiliary loss (no load_balancing_loss_func, num_experts or router logits where "
-                             "transformers' MoE models keep them); use fused_lm_head=False")
+        raise FusedHeadError(
+            f"{type(model).__name__}: the fused lm_head cannot compute this model's router "
+            "auxiliary loss (no load_balancing_loss_func, num_experts or router logits where "
+            "transformers' MoE models keep them); use fused_lm_head=False"
+        )
     return fn(logits, experts, top_k, attention_mask)
 
 
@@ -171,9 +176,17 @@ def probe_ids(model, tokens: int) -> torch.Tensor:
     configs = [config] + [getattr(config, name) for name in ("text_config",) if getattr(config, name, None)]
     vocab = min(getattr(c, "vocab_size", None) or math.inf for c in configs)
     vocab = int(min(vocab, model.get_output_embeddings().weight.shape[0]))
-    special = {v for c in configs for k, v in vars(c).items() if isinstance(v, int) and not isinstance(v, bool)
-               and k.endswith(("_token_id", "_token_index")) and "pad" not in k and "bos" not in k
-               and "eos" not in k}
+    special = {
+        v
+        for c in configs
+        for k, v in vars(c).items()
+        if isinstance(v, int)
+        and not isinstance(v, bool)
+        and k.endswith(("_token_id", "_token_index"))
+        and "pad" not in k
+        and "bos" not in k
+        and "eos" not in k
+    }
     allowed = [i for i in range(min(vocab, 4096)) if i not in special]
     g = torch.Generator().manual_seed(0)
     picks = torch.randint(0, len(allowed), (2, tokens), generator=g)
@@ -198,8 +211,9 @@ def logit_rounding(logits: torch.Tensor, dtype: torch.dtype) -> float:
     return 16 * torch.finfo(dtype).eps * max(1.0, float(logits.abs().max()))
 
 
-def probe_difference(model: torch.nn.Module, transform: HeadTransform, *, tokens: int = 8,
-                     router_aux_loss_too: bool = False) -> Optional[str]:
+def probe_difference(
+    model: torch.nn.Module, transform: HeadTransform, *, tokens: int = 8, router_aux_loss_too: bool = False
+) -> str | None:
     """Why the fused lm_head's logits of ``model`` would differ from its own forward's (None if they agree
     within rounding): the model's forward and the fused path's inputs (``last_hidden_states``, ``head_weights``,
     ``transform``) on a few tokens, compared as log-probs (what the loss reads); with ``router_aux_loss_too``, the
@@ -216,13 +230,17 @@ def probe_difference(model: torch.nn.Module, transform: HeadTransform, *, tokens
         fused = transform.apply(torch.nn.functional.linear(hidden, weight, bias))
         logits = own.logits.float()
         if logits.shape != fused.shape:
-            return (f"its forward returns logits of shape {tuple(logits.shape)}, its head on its backbone's hidden "
-                    f"states gives {tuple(fused.shape)}")
+            return (
+                f"its forward returns logits of shape {tuple(logits.shape)}, its head on its backbone's hidden "
+                f"states gives {tuple(fused.shape)}"
+            )
         tolerance = logit_rounding(logits, own.logits.dtype)
         difference = float((logits.log_softmax(-1) - fused.log_softmax(-1)).abs().max())
         if not difference <= tolerance:  # NaN differs too
-            return (f"its forward's log-probs and the fused lm_head's (head transform: {_described(transform)}) "
-                    f"differ by {difference:.3g} on a probe, beyond the rounding of its logits ({tolerance:.2g})")
+            return (
+                f"its forward's log-probs and the fused lm_head's (head transform: {_described(transform)}) "
+                f"differ by {difference:.3g} on a probe, beyond the rounding of its logits ({tolerance:.2g})"
+            )
         if router_aux_loss_too:
             expected, got = own.aux_loss, router_aux_loss(model, outputs, mask)
             if expected is None or not torch.allclose(got.float(), expected.float(), rtol=1e-4, atol=1e-6):
@@ -245,6 +263,8 @@ def fused_head(model: torch.nn.Module, *, router_aux_loss_too: bool = False) -> 
     except Exception as err:  # noqa: BLE001  (the model's forward failed on the probe: say which and why)
         reason = f"its forward failed on the probe ({type(err).__name__}: {err})"
     if reason is not None:
-        raise FusedHeadError(f"the fused lm_head cannot reproduce {type(model).__name__}'s logits: {reason}. Use "
-                             "the logits path (fused_lm_head=False), which reads the model's own logits")
+        raise FusedHeadError(
+            f"the fused lm_head cannot reproduce {type(model).__name__}'s logits: {reason}. Use "
+            "the logits path (fused_lm_head=False), which reads the model's own logits"
+        )
     return transform

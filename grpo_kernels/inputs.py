@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple
 
 import torch
 
@@ -43,7 +43,7 @@ class SequenceLayout:
     """The map between the token layout (what the kernels read: [B * T] or [total]) and the sequence
     layout ([B, T] or [S, T_max], 0 where a sequence has no token)."""
 
-    def __init__(self, B: int, T: int, cu_seqlens: Optional[torch.Tensor] = None):
+    def __init__(self, B: int, T: int, cu_seqlens: torch.Tensor | None = None):
         self.packed = cu_seqlens is not None
         if not self.packed:
             self.S, self.T_max, self.N = B, T, B * T
@@ -55,17 +55,18 @@ class SequenceLayout:
         steps = torch.arange(self.T_max, device=cu_seqlens.device)
         self.valid = steps < lengths.unsqueeze(1)  # [S, T_max]
         self.index = torch.where(self.valid, starts.unsqueeze(1) + steps, 0)  # token of each (sequence, step)
-        self.sequence_of_token = torch.repeat_interleave(torch.arange(self.S, device=cu_seqlens.device), lengths,
-                                                         output_size=self.N)
+        self.sequence_of_token = torch.repeat_interleave(
+            torch.arange(self.S, device=cu_seqlens.device), lengths, output_size=self.N
+        )
         self.sequences = Sequences(self.S, self.T_max, cu_seqlens)  # as the token-weights kernel reads them
 
     @staticmethod
     @functools.lru_cache(maxsize=256)
-    def padded(B: int, T: int) -> "SequenceLayout":
+    def padded(B: int, T: int) -> SequenceLayout:
         """The layout of padded [B, T] rows: holds two numbers, so one object serves every call of that shape."""
         return SequenceLayout(B, T)
 
-    def token_layout(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def token_layout(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A per-token or per-sequence tensor as the token-weights kernel reads it: a packed batch's sequence
         layout [S, T_max] taken back to its tokens, anything else as it is (N elements a token, or S a
         sequence: the padded sequence layout is the token layout)."""
@@ -73,7 +74,7 @@ class SequenceLayout:
             return self.from_seq(t)
         return t
 
-    def tokens(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def tokens(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A per-token or per-sequence input as the kernels read it: contiguous fp32 [N]."""
         if t is None:
             return None
@@ -91,7 +92,7 @@ class SequenceLayout:
     def _is_seq_layout(self, t: torch.Tensor) -> bool:
         return t.dim() == 2 and tuple(t.shape) == (self.S, self.T_max) and not (self.S == 1 and self.T_max == self.N)
 
-    def seq(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def seq(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A per-token ([N], [1, N], padded [B, T]) or per-sequence tensor in the sequence layout:
         [S, T_max] (0 where there is no token) or [S, 1]; differentiable."""
         if t is None or not self.packed:
@@ -106,7 +107,7 @@ class SequenceLayout:
         """A sequence-layout [S, T_max] tensor back in the token layout, [N]."""
         return t.reshape(-1) if not self.packed else t[self.valid]
 
-    def one_row(self, name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def one_row(self, name: str, t: torch.Tensor | None) -> torch.Tensor | None:
         """A packed call's per-token input, checked, as one row [1, total]."""
         if t is None:
             return None
@@ -116,33 +117,48 @@ class SequenceLayout:
             raise ValueError(f"{name} of a packed batch must be [total] or [1, total] with total = {total}, got {got}")
         return t.reshape(1, total)
 
-    def check_per_sequence_or_token(self, name: str, t: Optional[torch.Tensor]) -> None:
+    def check_per_sequence_or_token(self, name: str, t: torch.Tensor | None) -> None:
         """A packed call's advantages or importance weights: per sequence [S] / [S, 1], or per token."""
         if t is None:
             return
-        per_sequence = isinstance(t, torch.Tensor) and t.dim() in (1, 2) and t.numel() == self.S and \
-            (t.dim() == 1 or t.shape[1] == 1)
+        per_sequence = (
+            isinstance(t, torch.Tensor)
+            and t.dim() in (1, 2)
+            and t.numel() == self.S
+            and (t.dim() == 1 or t.shape[1] == 1)
+        )
         if not per_sequence:
             self.one_row(f"{name} (per token; or per sequence [S] = [{self.S}])", t)
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def packed_layout(cu_seqlens, packed_source) -> Tuple[SequenceLayout, object]:
+def packed_layout(cu_seqlens, packed_source) -> tuple[SequenceLayout, object]:
     """Check a packed call's ``cu_seqlens`` and its logits or hidden states [total, last] or [1, total, last]
     (``packed_source``, an input form's source): (its layout, the source as one row [1, total, last], a view)."""
     packed_source.check_packable()
     source, what = packed_source.tensor, packed_source.what
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or \
-            cu_seqlens.dtype not in (torch.int32, torch.int64):
-        got = (f"shape {tuple(cu_seqlens.shape)}, dtype {cu_seqlens.dtype}" if isinstance(cu_seqlens, torch.Tensor)
-               else type(cu_seqlens).__name__)
-        raise ValueError(f"cu_seqlens must be an int32 / int64 tensor [S + 1] (flash-attention's convention), "
-                         f"got {got}")
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.numel() < 1
+        or cu_seqlens.dtype not in (torch.int32, torch.int64)
+    ):
+        got = (
+            f"shape {tuple(cu_seqlens.shape)}, dtype {cu_seqlens.dtype}"
+            if isinstance(cu_seqlens, torch.Tensor)
+            else type(cu_seqlens).__name__
+        )
+        raise ValueError(
+            f"cu_seqlens must be an int32 / int64 tensor [S + 1] (flash-attention's convention), got {got}"
+        )
     if what == "logits":
         check_logits(source if source.dim() == 3 else source.unsqueeze(0))
-    if not isinstance(source, torch.Tensor) or source.dim() not in (2, 3) or (
-            source.dim() == 3 and source.shape[0] != 1):
+    if (
+        not isinstance(source, torch.Tensor)
+        or source.dim() not in (2, 3)
+        or (source.dim() == 3 and source.shape[0] != 1)
+    ):
         got = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__
         last = "V" if what == "logits" else "H"
         raise ValueError(f"packed {what} must be [total, {last}] or [1, total, {last}], got {got}")
@@ -152,8 +168,10 @@ def packed_layout(cu_seqlens, packed_source) -> Tuple[SequenceLayout, object]:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but {what} is on {source.device}")
     bounds = cu_seqlens.detach().cpu()
     if int(bounds[0]) != 0 or int(bounds[-1]) != total or bool((bounds[1:] < bounds[:-1]).any()):
-        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the packed token count {total}, "
-                         f"got {bounds.tolist()[:8]}{' ...' if bounds.numel() > 8 else ''}")
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end at the packed token count {total}, "
+            f"got {bounds.tolist()[:8]}{' ...' if bounds.numel() > 8 else ''}"
+        )
     return SequenceLayout(1, total, cu_seqlens), packed_source.with_tensor(one_row)
 
 
@@ -172,20 +190,20 @@ class LossInputs(NamedTuple):
 
     source: object  # from_logits.LogitsSource or from_hidden_states.HiddenStatesSource (a packed call's: one row)
     ids: torch.Tensor
-    mask: Optional[torch.Tensor]  # fp32, contiguous, shaped as the ids: 1 where a token counts; None: every token
-    mask_seq: Optional[torch.Tensor]  # the mask in the reductions' sequence layout (the mask itself when padded)
-    advantages: Optional[torch.Tensor]  # None in a log-prob call
-    old_logps: Optional[torch.Tensor]
-    ref_logps: Optional[torch.Tensor]
-    importance_weights: Optional[torch.Tensor]
-    sampling_logps: Optional[torch.Tensor]
+    mask: torch.Tensor | None  # fp32, contiguous, shaped as the ids: 1 where a token counts; None: every token
+    mask_seq: torch.Tensor | None  # the mask in the reductions' sequence layout (the mask itself when padded)
+    advantages: torch.Tensor | None  # None in a log-prob call
+    old_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    importance_weights: torch.Tensor | None
+    sampling_logps: torch.Tensor | None
     normalizer: object  # None, a number, or a detached 0-d tensor
-    loss_scale: Union[float, torch.Tensor]
+    loss_scale: float | torch.Tensor
     options: GRPOOptions
     backend: str  # resolved: "triton" or "torch"
     layout: SequenceLayout
-    caller_shape: Optional[torch.Size]  # a packed call's ids' shape, which its per-token log-probs take
-    vocab_shard: Optional[VocabShard]
+    caller_shape: torch.Size | None  # a packed call's ids' shape, which its per-token log-probs take
+    vocab_shard: VocabShard | None
 
     def as_called(self, out: GRPOLossOutput, seq_layout: bool = False) -> GRPOLossOutput:
         """A packed call's output with its per-token log-probs in the token layout, shaped as its ids (from
@@ -203,13 +221,17 @@ def loss_tokens(inputs: LossInputs, importance_weights, bonus_mask) -> LossToken
     token-weights kernel computes it."""
     L, o = inputs.layout, inputs.options
     bonus = None if bonus_mask is inputs.mask_seq else L.token_layout(bonus_mask).float().contiguous()
-    tokens = TokenInputs(mask=inputs.mask, advantages=inputs.advantages, old_logps=_fp32_tokens(inputs.old_logps),
-                         ref_logps=_fp32_tokens(inputs.ref_logps) if o.uses_kl else None,
-                         importance_weights=L.token_layout(importance_weights) if L.packed else importance_weights)
+    tokens = TokenInputs(
+        mask=inputs.mask,
+        advantages=inputs.advantages,
+        old_logps=_fp32_tokens(inputs.old_logps),
+        ref_logps=_fp32_tokens(inputs.ref_logps) if o.uses_kl else None,
+        importance_weights=L.token_layout(importance_weights) if L.packed else importance_weights,
+    )
     return LossTokens(tokens, L.sequences, kernel_reduction(o, L.S, inputs.normalizer, inputs.loss_scale, bonus))
 
 
-def _fp32_tokens(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _fp32_tokens(t: torch.Tensor | None) -> torch.Tensor | None:
     """A per-token tensor as the kernels read it, at its pointer, token n at element n: fp32 and contiguous (the
     tensor itself when it is; its shape kept)."""
     if t is None or (t.dtype is torch.float32 and t.is_contiguous()):
@@ -221,15 +243,16 @@ _OPTIONS_OF_KEYWORDS: dict = {}  # the functional API's options by their keyword
 _VALUE = operator.itemgetter(1)
 
 
-def options_from(options: Optional[GRPOOptions], option_kwargs: dict) -> GRPOOptions:
+def options_from(options: GRPOOptions | None, option_kwargs: dict) -> GRPOOptions:
     """The call's options: ``options=`` or the keywords (TRL's names), not both. The options a set of keywords
     makes are kept (a few dozen sets at most), so that a loop calling ``grpo_loss(..., beta=0.04)`` builds them
     once, and with them what the launchers read of them (``GRPOOptions.kernel_loss`` and the other facts
     ``GRPOOptions._derive_facts`` keeps)."""
     if options is not None:
         if option_kwargs:
-            raise ValueError(f"pass options either as options= or as keywords, got both (keywords "
-                             f"{sorted(option_kwargs)})")
+            raise ValueError(
+                f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})"
+            )
         return options
     try:  # the keywords as this call site orders them, with their types (beta=True is not beta=1)
         key = (tuple(option_kwargs.items()), tuple(map(type, option_kwargs.values())))
@@ -248,20 +271,38 @@ def options_from(options: Optional[GRPOOptions], option_kwargs: dict) -> GRPOOpt
     return kept
 
 
-def _vocab_shard(group, vocab_start_index, shape, device, ids, check_ids: bool, *, mask=None,
-                 normalizer=None) -> Optional[VocabShard]:
+def _vocab_shard(
+    group, vocab_start_index, shape, device, ids, check_ids: bool, *, mask=None, normalizer=None
+) -> VocabShard | None:
     """This rank's vocabulary shard of a vocabulary-parallel call (None without a group), after checking the
     ids, which are global, against the whole vocabulary (with ``check_ids``)."""
     if group is None:
         return None
-    return VocabShard(group, sharded_vocab_start(shape, device, ids, group, vocab_start_index, check_ids, mask=mask,
-                                                 normalizer=normalizer))
+    return VocabShard(
+        group,
+        sharded_vocab_start(shape, device, ids, group, vocab_start_index, check_ids, mask=mask, normalizer=normalizer),
+    )
 
 
-def prepare_inputs(source, completion_ids, completion_mask, advantages, old_logps=None, ref_logps=None,
-                   importance_weights=None, sampling_logps=None, normalizer=None, *, options: GRPOOptions,
-                   backend: str = "auto", check_ids: bool = True, loss_scale=1.0, cu_seqlens=None,
-                   vocab_parallel_group=None, vocab_start_index: Optional[int] = None) -> LossInputs:
+def prepare_inputs(
+    source,
+    completion_ids,
+    completion_mask,
+    advantages,
+    old_logps=None,
+    ref_logps=None,
+    importance_weights=None,
+    sampling_logps=None,
+    normalizer=None,
+    *,
+    options: GRPOOptions,
+    backend: str = "auto",
+    check_ids: bool = True,
+    loss_scale=1.0,
+    cu_seqlens=None,
+    vocab_parallel_group=None,
+    vocab_start_index: int | None = None,
+) -> LossInputs:
     """A loss call's ``LossInputs``, every input checked (see ``grpo_loss`` for the arguments). ``source`` is a
     ``from_logits.LogitsSource`` or a ``from_hidden_states.HiddenStatesSource``."""
     ids, mask, old, ref, sampling = completion_ids, completion_mask, old_logps, ref_logps, sampling_logps
@@ -269,19 +310,42 @@ def prepare_inputs(source, completion_ids, completion_mask, advantages, old_logp
     if cu_seqlens is not None:  # a packed batch: one row of tokens to the kernels, sequences to the reductions
         caller_shape = ids.shape if isinstance(ids, torch.Tensor) else None
         layout, source = packed_layout(cu_seqlens, source)
-        ids, mask, old, ref, sampling = (layout.one_row(name, x) for name, x in (
-            ("completion_ids", ids), ("completion_mask", mask), ("old_logps", old), ("ref_logps", ref),
-            ("sampling_logps", sampling)))
+        ids, mask, old, ref, sampling = (
+            layout.one_row(name, x)
+            for name, x in (
+                ("completion_ids", ids),
+                ("completion_mask", mask),
+                ("old_logps", old),
+                ("ref_logps", ref),
+                ("sampling_logps", sampling),
+            )
+        )
         layout.check_per_sequence_or_token("advantages", advantages)
         layout.check_per_sequence_or_token("importance_weights", importance_weights)
     shape = source.logits_shape(ids)  # (B, T, V): checks the logits, or the hidden states and the head
     device = source.tensor.device
     sharded = vocab_parallel_group is not None
-    check_inputs(shape, device, ids, mask, layout.tokens(advantages).view(1, -1) if layout else advantages,
-                 old, ref, None if layout else importance_weights, normalizer, options, check_ids and not sharded,
-                 what=source.what)
-    shard = None if not sharded else _vocab_shard(vocab_parallel_group, vocab_start_index, shape, device, ids,
-                                                    check_ids, mask=mask, normalizer=normalizer)
+    check_inputs(
+        shape,
+        device,
+        ids,
+        mask,
+        layout.tokens(advantages).view(1, -1) if layout else advantages,
+        old,
+        ref,
+        None if layout else importance_weights,
+        normalizer,
+        options,
+        check_ids and not sharded,
+        what=source.what,
+    )
+    shard = (
+        None
+        if not sharded
+        else _vocab_shard(
+            vocab_parallel_group, vocab_start_index, shape, device, ids, check_ids, mask=mask, normalizer=normalizer
+        )
+    )
     if sampling is not None:
         check_per_token("sampling_logps", sampling, shape, device, allow_row=False)
     backend = resolve_backend(backend, source.tensor)
@@ -295,19 +359,46 @@ def prepare_inputs(source, completion_ids, completion_mask, advantages, old_logp
         layout, mask_seq = SequenceLayout.padded(shape[0], shape[1]), mask
     else:
         mask_seq = layout.seq(mask)
-    return LossInputs(source, ids, mask, mask_seq, advantages, old, ref, importance_weights, sampling, normalizer,
-                      checked_loss_scale(loss_scale), options, backend, layout, caller_shape, shard)
+    return LossInputs(
+        source,
+        ids,
+        mask,
+        mask_seq,
+        advantages,
+        old,
+        ref,
+        importance_weights,
+        sampling,
+        normalizer,
+        checked_loss_scale(loss_scale),
+        options,
+        backend,
+        layout,
+        caller_shape,
+        shard,
+    )
 
 
-def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: float, *, backend: str = "auto",
-                           check_ids: bool = True, drop_last_position: bool = False, cu_seqlens=None,
-                           vocab_parallel_group=None, vocab_start_index: Optional[int] = None,
-                           logit_scale: float = 1.0, logit_softcap: Optional[float] = None) -> LossInputs:
+def prepare_logprob_inputs(
+    source,
+    ids: torch.Tensor | None,
+    temperature: float,
+    *,
+    backend: str = "auto",
+    check_ids: bool = True,
+    drop_last_position: bool = False,
+    cu_seqlens=None,
+    vocab_parallel_group=None,
+    vocab_start_index: int | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+) -> LossInputs:
     """The ``LossInputs`` of a log-prob call (no mask: every token read; see ``token_logprobs`` for the
     arguments). ``ids`` None: the entropy alone (no target). A source with other leading dims than [B, T]
     ([N, V], [B, T, K, V], ...) is read as one row; the results take the ids' shape (a packed call's: [total])."""
-    opts = options_from(None, dict(temperature=temperature, logit_scale=logit_scale,
-                                   logit_softcap=logit_softcap))  # validated once per set of values
+    opts = options_from(
+        None, dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+    )  # validated once per set of values
     caller_shape = None
     if cu_seqlens is not None:
         layout, source = packed_layout(cu_seqlens, source)
@@ -335,5 +426,21 @@ def prepare_logprob_inputs(source, ids: Optional[torch.Tensor], temperature: flo
     source.check_call(backend, sharded)
     if sharded:
         source = sharded_source(source)
-    return LossInputs(source, ids, None, None, None, None, None, None, None, None, 1.0, opts, backend,
-                      SequenceLayout.padded(shape[0], shape[1]), caller_shape, shard)
+    return LossInputs(
+        source,
+        ids,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        1.0,
+        opts,
+        backend,
+        SequenceLayout.padded(shape[0], shape[1]),
+        caller_shape,
+        shard,
+    )

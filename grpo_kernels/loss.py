@@ -13,7 +13,7 @@ or ``from_hidden_states.HiddenStatesSource``), ``inputs.prepare_inputs`` checks 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -32,22 +32,22 @@ def grpo_loss(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
-    old_logps: Optional[torch.Tensor] = None,
-    ref_logps: Optional[torch.Tensor] = None,
-    importance_weights: Optional[torch.Tensor] = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
     normalizer=None,
     *,
-    options: Optional[GRPOOptions] = None,
+    options: GRPOOptions | None = None,
     backend: str = "auto",
     in_place_backward: bool = False,
     check_ids: bool = True,
-    one_pass: Optional[bool] = None,
+    one_pass: bool | None = None,
     loss_scale=1.0,
     drop_last_position: bool = False,
-    sampling_logps: Optional[torch.Tensor] = None,
-    cu_seqlens: Optional[torch.Tensor] = None,
+    sampling_logps: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
-    vocab_start_index: Optional[int] = None,
+    vocab_start_index: int | None = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
@@ -78,13 +78,29 @@ def grpo_loss(
     gradient-accumulation steps) multiplies the returned loss; the one-pass kernel folds it
     into the gradient it writes, so ``out.loss.backward()`` then moves no extra byte.
     """
-    source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward,
-                          one_pass=one_pass)
-    return compute_loss(prepare_inputs(
-        source, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-        sampling_logps, normalizer, options=options_from(options, option_kwargs), backend=backend,
-        check_ids=check_ids, loss_scale=loss_scale, cu_seqlens=cu_seqlens, vocab_parallel_group=vocab_parallel_group,
-        vocab_start_index=vocab_start_index))
+    source = LogitsSource(
+        logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward, one_pass=one_pass
+    )
+    return compute_loss(
+        prepare_inputs(
+            source,
+            completion_ids,
+            completion_mask,
+            advantages,
+            old_logps,
+            ref_logps,
+            importance_weights,
+            sampling_logps,
+            normalizer,
+            options=options_from(options, option_kwargs),
+            backend=backend,
+            check_ids=check_ids,
+            loss_scale=loss_scale,
+            cu_seqlens=cu_seqlens,
+            vocab_parallel_group=vocab_parallel_group,
+            vocab_start_index=vocab_start_index,
+        )
+    )
 
 
 def fused_linear_grpo_loss(
@@ -93,21 +109,21 @@ def fused_linear_grpo_loss(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
-    old_logps: Optional[torch.Tensor] = None,
-    ref_logps: Optional[torch.Tensor] = None,
-    importance_weights: Optional[torch.Tensor] = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
     normalizer=None,
     *,
-    bias: Optional[torch.Tensor] = None,
-    options: Optional[GRPOOptions] = None,
+    bias: torch.Tensor | None = None,
+    options: GRPOOptions | None = None,
     backend: str = "auto",
     check_ids: bool = True,
     loss_scale=1.0,
-    lm_head_mode: Optional[str] = None,
-    sampling_logps: Optional[torch.Tensor] = None,
-    cu_seqlens: Optional[torch.Tensor] = None,
+    lm_head_mode: str | None = None,
+    sampling_logps: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
-    vocab_start_index: Optional[int] = None,
+    vocab_start_index: int | None = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
@@ -127,11 +143,26 @@ def fused_linear_grpo_loss(
     default, takes the device sweep's measured choice (``kernels/tuned.json``), else "recompute".
     """
     source = HiddenStatesSource(hidden_states, weight, bias, lm_head_mode)
-    return compute_loss(prepare_inputs(
-        source, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-        sampling_logps, normalizer, options=options_from(options, option_kwargs), backend=backend,
-        check_ids=check_ids, loss_scale=loss_scale, cu_seqlens=cu_seqlens, vocab_parallel_group=vocab_parallel_group,
-        vocab_start_index=vocab_start_index))
+    return compute_loss(
+        prepare_inputs(
+            source,
+            completion_ids,
+            completion_mask,
+            advantages,
+            old_logps,
+            ref_logps,
+            importance_weights,
+            sampling_logps,
+            normalizer,
+            options=options_from(options, option_kwargs),
+            backend=backend,
+            check_ids=check_ids,
+            loss_scale=loss_scale,
+            cu_seqlens=cu_seqlens,
+            vocab_parallel_group=vocab_parallel_group,
+            vocab_start_index=vocab_start_index,
+        )
+    )
 
 
 # ---- The log-prob family -------------------------------------------------------------------------------------
@@ -157,11 +188,11 @@ def token_logprobs(
     backend: str = "auto",
     check_ids: bool = True,
     drop_last_position: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
-    vocab_start_index: Optional[int] = None,
+    vocab_start_index: int | None = None,
     logit_scale: float = 1.0,
-    logit_softcap: Optional[float] = None,
+    logit_softcap: float | None = None,
 ):
     """Per-token log softmax(logits / temperature)[ids] in fp32, shaped like ``ids``, without gradient.
 
@@ -174,10 +205,23 @@ def token_logprobs(
     the logits are a head's raw outputs, transformed as the options of those names say (see ``GRPOLoss``).
     """
     source = LogitsSource(logits, drop_last_position=drop_last_position)
-    return _pair(compute_logprobs(source, ids, temperature, return_entropy, backend=backend, check_ids=check_ids,
-                                  drop_last_position=drop_last_position, cu_seqlens=cu_seqlens,
-                                  vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index,
-                                  logit_scale=logit_scale, logit_softcap=logit_softcap), return_entropy)
+    return _pair(
+        compute_logprobs(
+            source,
+            ids,
+            temperature,
+            return_entropy,
+            backend=backend,
+            check_ids=check_ids,
+            drop_last_position=drop_last_position,
+            cu_seqlens=cu_seqlens,
+            vocab_parallel_group=vocab_parallel_group,
+            vocab_start_index=vocab_start_index,
+            logit_scale=logit_scale,
+            logit_softcap=logit_softcap,
+        ),
+        return_entropy,
+    )
 
 
 @torch.no_grad()
@@ -185,17 +229,17 @@ def linear_token_logprobs(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     ids: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
     *,
     backend: str = "auto",
     check_ids: bool = True,
-    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
-    vocab_start_index: Optional[int] = None,
+    vocab_start_index: int | None = None,
     logit_scale: float = 1.0,
-    logit_softcap: Optional[float] = None,
+    logit_softcap: float | None = None,
 ):
     """``token_logprobs`` of ``hidden_states @ weight.T + bias`` without the [N, V] logits: the old and reference
     log-probs of a fused lm_head user (the lm_head forward kernel, a tile of logits at a time; the torch
@@ -205,17 +249,38 @@ def linear_token_logprobs(
     weight (an adapter on the head: ``grpo_kernels.wrapped.output_layer``), and ``logit_scale`` / ``logit_softcap``
     its output transform (a model's: ``grpo_kernels.heads.head_transform(model).options``)."""
     source = HiddenStatesSource(hidden_states, weight, bias)
-    return _pair(compute_logprobs(source, ids, temperature, return_entropy, backend=backend, check_ids=check_ids,
-                                  cu_seqlens=cu_seqlens, vocab_parallel_group=vocab_parallel_group,
-                                  vocab_start_index=vocab_start_index, logit_scale=logit_scale,
-                                  logit_softcap=logit_softcap), return_entropy)
+    return _pair(
+        compute_logprobs(
+            source,
+            ids,
+            temperature,
+            return_entropy,
+            backend=backend,
+            check_ids=check_ids,
+            cu_seqlens=cu_seqlens,
+            vocab_parallel_group=vocab_parallel_group,
+            vocab_start_index=vocab_start_index,
+            logit_scale=logit_scale,
+            logit_softcap=logit_softcap,
+        ),
+        return_entropy,
+    )
 
 
 def selective_log_softmax(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto",
-    check_ids: bool = True, in_place_backward: bool = False, drop_last_position: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None, vocab_parallel_group=None, vocab_start_index: Optional[int] = None,
-    logit_scale: float = 1.0, logit_softcap: Optional[float] = None,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    backend: str = "auto",
+    check_ids: bool = True,
+    in_place_backward: bool = False,
+    drop_last_position: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    vocab_parallel_group=None,
+    vocab_start_index: int | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Differentiable ``log_softmax(logits / temperature).gather(-1, ids)`` in fp32, on the fused kernel.
 
@@ -226,16 +291,34 @@ def selective_log_softmax(
     ``grpo_loss``): a drop-in for verl's ``vocab_parallel_log_probs_from_logits``.
     """
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
-    return compute_logprobs(source, ids, temperature, False, backend=backend, check_ids=check_ids,
-                            drop_last_position=drop_last_position, cu_seqlens=cu_seqlens,
-                            vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index,
-                            logit_scale=logit_scale, logit_softcap=logit_softcap)[0]
+    return compute_logprobs(
+        source,
+        ids,
+        temperature,
+        False,
+        backend=backend,
+        check_ids=check_ids,
+        drop_last_position=drop_last_position,
+        cu_seqlens=cu_seqlens,
+        vocab_parallel_group=vocab_parallel_group,
+        vocab_start_index=vocab_start_index,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
+    )[0]
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto",
-                  in_place_backward: bool = False, drop_last_position: bool = False, vocab_parallel_group=None,
-                  vocab_start_index: Optional[int] = None, logit_scale: float = 1.0,
-                  logit_softcap: Optional[float] = None) -> torch.Tensor:
+def token_entropy(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    backend: str = "auto",
+    in_place_backward: bool = False,
+    drop_last_position: bool = False,
+    vocab_parallel_group=None,
+    vocab_start_index: int | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
     """Differentiable entropy of softmax(logits / temperature) over the last dim, fp32 [...], on the fused kernel.
 
     One read of the logits in the forward, one more in the backward, which writes
@@ -244,25 +327,53 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, backend: st
     ``vocab_parallel_group``, on this rank's vocabulary slice, for ``vocab_parallel_entropy``).
     """
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
-    return compute_logprobs(source, None, temperature, True, backend=backend, check_ids=False,
-                            drop_last_position=drop_last_position, vocab_parallel_group=vocab_parallel_group,
-                            vocab_start_index=vocab_start_index, logit_scale=logit_scale,
-                            logit_softcap=logit_softcap)[1]
+    return compute_logprobs(
+        source,
+        None,
+        temperature,
+        True,
+        backend=backend,
+        check_ids=False,
+        drop_last_position=drop_last_position,
+        vocab_parallel_group=vocab_parallel_group,
+        vocab_start_index=vocab_start_index,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
+    )[1]
 
 
 def selective_log_softmax_and_entropy(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, *, backend: str = "auto",
-    check_ids: bool = True, in_place_backward: bool = False, drop_last_position: bool = False,
-    cu_seqlens: Optional[torch.Tensor] = None, vocab_parallel_group=None, vocab_start_index: Optional[int] = None,
-    logit_scale: float = 1.0, logit_softcap: Optional[float] = None,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    backend: str = "auto",
+    check_ids: bool = True,
+    in_place_backward: bool = False,
+    drop_last_position: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    vocab_parallel_group=None,
+    vocab_start_index: int | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ):
     """``(selective_log_softmax(...), token_entropy(...))`` from one pass over the logits, both differentiable
     (the backward is one pass too, whichever of the two the loss uses). fp32, shapes ``ids.shape``."""
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
-    return compute_logprobs(source, ids, temperature, True, backend=backend, check_ids=check_ids,
-                            drop_last_position=drop_last_position, cu_seqlens=cu_seqlens,
-                            vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index,
-                            logit_scale=logit_scale, logit_softcap=logit_softcap)
+    return compute_logprobs(
+        source,
+        ids,
+        temperature,
+        True,
+        backend=backend,
+        check_ids=check_ids,
+        drop_last_position=drop_last_position,
+        cu_seqlens=cu_seqlens,
+        vocab_parallel_group=vocab_parallel_group,
+        vocab_start_index=vocab_start_index,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
+    )
 
 
 # ---- The dispatch ---------------------------------------------------------------------------------------------
@@ -273,8 +384,8 @@ class PolicyTerms(NamedTuple):
     policy mask where the loss math runs in torch (else folded into the weights), and the tokens the entropy
     bonus acts on."""
 
-    importance_weights: Optional[torch.Tensor]
-    policy_mask: Optional[torch.Tensor]
+    importance_weights: torch.Tensor | None
+    policy_mask: torch.Tensor | None
     bonus_mask: torch.Tensor
 
 
@@ -289,16 +400,24 @@ def compute_loss(inputs: LossInputs) -> GRPOLossOutput:
         policy = with_policy_masks(inputs, first_pass)
     # inside a torch.compile graph the Triton path runs its log-prob kernels as custom ops (ops.py) and the
     # O(B * T) loss math as graph code: the fused loss kernels are not custom ops yet
-    if inputs.backend == "triton" and opts.loss_in_kernel and inputs.vocab_shard is None and \
-            not torch.compiler.is_compiling():
-        tokens = (loss_tokens(inputs, inputs.importance_weights, inputs.mask_seq) if policy is None
-                  else loss_tokens(inputs, policy.importance_weights, policy.bonus_mask))
+    if (
+        inputs.backend == "triton"
+        and opts.loss_in_kernel
+        and inputs.vocab_shard is None
+        and not torch.compiler.is_compiling()
+    ):
+        tokens = (
+            loss_tokens(inputs, inputs.importance_weights, inputs.mask_seq)
+            if policy is None
+            else loss_tokens(inputs, policy.importance_weights, policy.bonus_mask)
+        )
         out = source.fused_loss(inputs, tokens)
         out = out if inputs.caller_shape is None else inputs.as_called(out)
     else:
         logp, entropy = source.logprobs(inputs, opts.compute_entropy, final=True)
-        out = loss_in_torch(inputs, logp, entropy, policy or PolicyTerms(inputs.importance_weights, None,
-                                                                         inputs.mask_seq))
+        out = loss_in_torch(
+            inputs, logp, entropy, policy or PolicyTerms(inputs.importance_weights, None, inputs.mask_seq)
+        )
     if opts.entropy_coef != 0.0:
         out.metrics["policy_loss"] = policy_loss_before_bonus(inputs, out, policy, first_pass)
     return out
@@ -317,8 +436,11 @@ def policy_loss_before_bonus(inputs: LossInputs, out: GRPOLossOutput, policy, fi
         total = (entropy * tokens).sum()
     bonus_entropy = total / entropy_divisor(tokens, opts, inputs.mask_seq, inputs.normalizer)
     scale = inputs.loss_scale
-    unscaled = out.loss.detach() / scale if not (scale.__class__ is float and scale == 0.0) else \
-        torch.full_like(out.loss.detach(), float("nan"))
+    unscaled = (
+        out.loss.detach() / scale
+        if not (scale.__class__ is float and scale == 0.0)
+        else torch.full_like(out.loss.detach(), float("nan"))
+    )
     return unscaled + opts.entropy_coef * bonus_entropy
 
 
@@ -337,10 +459,23 @@ def loss_in_torch(inputs: LossInputs, logp, entropy, policy: PolicyTerms) -> GRP
     """The loss math in torch on differentiable log-probs (and entropy) of the token layout: every
     per-token input taken to the sequence layout, the output given back as the caller shaped it."""
     seq = inputs.layout.seq
-    per_token = TokenInputs(mask=inputs.mask_seq, advantages=seq(inputs.advantages), old_logps=seq(inputs.old_logps),
-                            ref_logps=seq(inputs.ref_logps), importance_weights=seq(policy.importance_weights))
-    out = loss_from_logps(seq(logp), seq(entropy), per_token, inputs.normalizer, inputs.options, inputs.loss_scale,
-                          policy.bonus_mask, policy.policy_mask)
+    per_token = TokenInputs(
+        mask=inputs.mask_seq,
+        advantages=seq(inputs.advantages),
+        old_logps=seq(inputs.old_logps),
+        ref_logps=seq(inputs.ref_logps),
+        importance_weights=seq(policy.importance_weights),
+    )
+    out = loss_from_logps(
+        seq(logp),
+        seq(entropy),
+        per_token,
+        inputs.normalizer,
+        inputs.options,
+        inputs.loss_scale,
+        policy.bonus_mask,
+        policy.policy_mask,
+    )
     return inputs.as_called(out, seq_layout=True)
 
 
@@ -357,8 +492,9 @@ def with_policy_masks(inputs: LossInputs, first_pass) -> PolicyTerms:
     opts, L, mask_seq = inputs.options, inputs.layout, inputs.mask_seq
     logp, entropy = (L.seq(t) for t in first_pass)
     sampling = inputs.old_logps if inputs.sampling_logps is None else inputs.sampling_logps
-    policy_mask, entropy_mask = policy_masks(logp, entropy, mask_seq, L.seq(inputs.advantages).detach().float(),
-                                             L.seq(sampling), opts)
+    policy_mask, entropy_mask = policy_masks(
+        logp, entropy, mask_seq, L.seq(inputs.advantages).detach().float(), L.seq(sampling), opts
+    )
     bonus_mask = mask_seq if entropy_mask is None else mask_seq * entropy_mask
     importance_weights = L.seq(inputs.importance_weights)
     if not opts.loss_in_kernel:
@@ -375,14 +511,24 @@ class _LossModule(nn.Module):
     """What both loss Modules hold: the options (``options=``, or keywords with an optional ``preset=``), the
     backend, the ids check and the vocabulary-parallel group. Each Module adds its own input form's keywords."""
 
-    def __init__(self, *, backend: str, check_ids: bool, options: Optional[GRPOOptions], preset: Optional[str],
-                 vocab_parallel_group, vocab_start_index: Optional[int], option_kwargs: dict):
+    def __init__(
+        self,
+        *,
+        backend: str,
+        check_ids: bool,
+        options: GRPOOptions | None,
+        preset: str | None,
+        vocab_parallel_group,
+        vocab_start_index: int | None,
+        option_kwargs: dict,
+    ):
         super().__init__()
         if options is not None and (option_kwargs or preset is not None):
             raise ValueError("pass options either as options= or as keywords (with an optional preset=), got both")
         if options is None:
-            options = (GRPOOptions.from_preset(preset, **option_kwargs) if preset is not None
-                       else GRPOOptions(**option_kwargs))
+            options = (
+                GRPOOptions.from_preset(preset, **option_kwargs) if preset is not None else GRPOOptions(**option_kwargs)
+            )
         self.options = options
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
@@ -406,13 +552,40 @@ class _LossModule(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.options}, backend={self.backend!r}"
 
-    def _loss(self, source, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-              normalizer, loss_scale, sampling_logps, cu_seqlens) -> GRPOLossOutput:
-        return compute_loss(prepare_inputs(
-            source, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-            sampling_logps, normalizer, options=self.options, backend=self.backend, check_ids=self.check_ids,
-            loss_scale=loss_scale, cu_seqlens=cu_seqlens, vocab_parallel_group=self.vocab_parallel_group,
-            vocab_start_index=self.vocab_start_index))
+    def _loss(
+        self,
+        source,
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_logps,
+        ref_logps,
+        importance_weights,
+        normalizer,
+        loss_scale,
+        sampling_logps,
+        cu_seqlens,
+    ) -> GRPOLossOutput:
+        return compute_loss(
+            prepare_inputs(
+                source,
+                completion_ids,
+                completion_mask,
+                advantages,
+                old_logps,
+                ref_logps,
+                importance_weights,
+                sampling_logps,
+                normalizer,
+                options=self.options,
+                backend=self.backend,
+                check_ids=self.check_ids,
+                loss_scale=loss_scale,
+                cu_seqlens=cu_seqlens,
+                vocab_parallel_group=self.vocab_parallel_group,
+                vocab_start_index=self.vocab_start_index,
+            )
+        )
 
 
 class GRPOLoss(_LossModule):
@@ -439,24 +612,66 @@ class GRPOLoss(_LossModule):
 
     KEYWORDS = LOGITS_KEYWORDS
 
-    def __init__(self, *, backend: str = "auto", in_place_backward: bool = False, check_ids: bool = True,
-                 one_pass: Optional[bool] = None, options: Optional[GRPOOptions] = None, preset: Optional[str] = None,
-                 drop_last_position: bool = False, vocab_parallel_group=None, vocab_start_index: Optional[int] = None,
-                 **option_kwargs):
-        super().__init__(backend=backend, check_ids=check_ids, options=options, preset=preset,
-                         vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index,
-                         option_kwargs=option_kwargs)
+    def __init__(
+        self,
+        *,
+        backend: str = "auto",
+        in_place_backward: bool = False,
+        check_ids: bool = True,
+        one_pass: bool | None = None,
+        options: GRPOOptions | None = None,
+        preset: str | None = None,
+        drop_last_position: bool = False,
+        vocab_parallel_group=None,
+        vocab_start_index: int | None = None,
+        **option_kwargs,
+    ):
+        super().__init__(
+            backend=backend,
+            check_ids=check_ids,
+            options=options,
+            preset=preset,
+            vocab_parallel_group=vocab_parallel_group,
+            vocab_start_index=vocab_start_index,
+            option_kwargs=option_kwargs,
+        )
         self.in_place_backward = in_place_backward
         self.one_pass = one_pass
         self.drop_last_position = drop_last_position
 
-    def forward(self, logits, completion_ids, completion_mask, advantages, old_logps=None, ref_logps=None,
-                importance_weights=None, normalizer=None, loss_scale=1.0, sampling_logps=None,
-                cu_seqlens=None) -> GRPOLossOutput:
-        source = LogitsSource(logits, drop_last_position=self.drop_last_position,
-                              in_place_backward=self.in_place_backward, one_pass=self.one_pass)
-        return self._loss(source, completion_ids, completion_mask, advantages, old_logps, ref_logps,
-                          importance_weights, normalizer, loss_scale, sampling_logps, cu_seqlens)
+    def forward(
+        self,
+        logits,
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_logps=None,
+        ref_logps=None,
+        importance_weights=None,
+        normalizer=None,
+        loss_scale=1.0,
+        sampling_logps=None,
+        cu_seqlens=None,
+    ) -> GRPOLossOutput:
+        source = LogitsSource(
+            logits,
+            drop_last_position=self.drop_last_position,
+            in_place_backward=self.in_place_backward,
+            one_pass=self.one_pass,
+        )
+        return self._loss(
+            source,
+            completion_ids,
+            completion_mask,
+            advantages,
+            old_logps,
+            ref_logps,
+            importance_weights,
+            normalizer,
+            loss_scale,
+            sampling_logps,
+            cu_seqlens,
+        )
 
 
 class FusedLinearGRPOLoss(_LossModule):
@@ -473,29 +688,71 @@ class FusedLinearGRPOLoss(_LossModule):
 
     KEYWORDS = HIDDEN_STATES_KEYWORDS
 
-    def __init__(self, *, backend: str = "auto", check_ids: bool = True, lm_head_mode: Optional[str] = None,
-                 options: Optional[GRPOOptions] = None, preset: Optional[str] = None, vocab_parallel_group=None,
-                 vocab_start_index: Optional[int] = None, **option_kwargs):
+    def __init__(
+        self,
+        *,
+        backend: str = "auto",
+        check_ids: bool = True,
+        lm_head_mode: str | None = None,
+        options: GRPOOptions | None = None,
+        preset: str | None = None,
+        vocab_parallel_group=None,
+        vocab_start_index: int | None = None,
+        **option_kwargs,
+    ):
         for name in set(LOGITS_KEYWORDS) - set(HIDDEN_STATES_KEYWORDS):  # a GRPOLoss keyword given here by mistake
             if option_kwargs.get(name):
-                raise ValueError(f"{name}={option_kwargs[name]!r} applies to GRPOLoss on logits; FusedLinearGRPOLoss "
-                                 "takes hidden states and never holds logits (its modes: lm_head_mode=)")
+                raise ValueError(
+                    f"{name}={option_kwargs[name]!r} applies to GRPOLoss on logits; FusedLinearGRPOLoss "
+                    "takes hidden states and never holds logits (its modes: lm_head_mode=)"
+                )
             option_kwargs.pop(name, None)
-        super().__init__(backend=backend, check_ids=check_ids, options=options, preset=preset,
-                         vocab_parallel_group=vocab_parallel_group, vocab_start_index=vocab_start_index,
-                         option_kwargs=option_kwargs)
+        super().__init__(
+            backend=backend,
+            check_ids=check_ids,
+            options=options,
+            preset=preset,
+            vocab_parallel_group=vocab_parallel_group,
+            vocab_start_index=vocab_start_index,
+            option_kwargs=option_kwargs,
+        )
         if lm_head_mode is not None and lm_head_mode not in LM_HEAD_MODES:
             raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
         self.lm_head_mode = lm_head_mode
 
-    def forward(self, hidden_states, weight, completion_ids, completion_mask, advantages, old_logps=None,
-                ref_logps=None, importance_weights=None, normalizer=None, bias=None, loss_scale=1.0,
-                sampling_logps=None, cu_seqlens=None) -> GRPOLossOutput:
+    def forward(
+        self,
+        hidden_states,
+        weight,
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_logps=None,
+        ref_logps=None,
+        importance_weights=None,
+        normalizer=None,
+        bias=None,
+        loss_scale=1.0,
+        sampling_logps=None,
+        cu_seqlens=None,
+    ) -> GRPOLossOutput:
         source = HiddenStatesSource(hidden_states, weight, bias, self.lm_head_mode)
-        return self._loss(source, completion_ids, completion_mask, advantages, old_logps, ref_logps,
-                          importance_weights, normalizer, loss_scale, sampling_logps, cu_seqlens)
+        return self._loss(
+            source,
+            completion_ids,
+            completion_mask,
+            advantages,
+            old_logps,
+            ref_logps,
+            importance_weights,
+            normalizer,
+            loss_scale,
+            sampling_logps,
+            cu_seqlens,
+        )
 
 
 GRPOLoss.__doc__ = GRPOLoss.__doc__.replace("{options}", docstring_options(LOGITS_KEYWORDS))
-FusedLinearGRPOLoss.__doc__ = FusedLinearGRPOLoss.__doc__.replace("{options}",
-                                                                  docstring_options(HIDDEN_STATES_KEYWORDS))
+FusedLinearGRPOLoss.__doc__ = FusedLinearGRPOLoss.__doc__.replace(
+    "{options}", docstring_options(HIDDEN_STATES_KEYWORDS)
+)

@@ -2,13 +2,15 @@
 
 Eager calls run ``torch_path`` and the launchers directly (no dispatcher hop: host time). Inside a
 ``torch.compile`` graph (``torch.compiler.is_compiling()``) the host functions (``from_logits.py``,
-``from_hidden_states.py``) call these ops instead: each is one opaque node with a fake (meta) implementation, so dynamo neither unrolls the chunk loops (whose ``range`` would fix the
-completion length and recompile for each new one) nor breaks the graph, and a step compiles once for
-every length (``dynamic=True``, or dynamo's automatic dynamic shapes after the first new length).
+``from_hidden_states.py``) call these ops instead: each is one opaque node with a fake (meta) implementation,
+so dynamo neither unrolls the chunk loops (whose ``range`` would fix the completion length and recompile for
+each new one) nor breaks the graph, and a step compiles once for every length (``dynamic=True``, or dynamo's
+automatic dynamic shapes after the first new length).
 
 Autograd stays with the package's ``autograd.Function``s (``from_logits.py``, ``from_hidden_states.py``), which
-dynamo traces: the ops are their forward and backward primitives. They return new tensors (no argument mutated); the Functions'
-in-place and preallocated-gradient options copy the result where eager writes directly (compiled only).
+dynamo traces: the ops are their forward and backward primitives. They return new tensors (no argument
+mutated); the Functions' in-place and preallocated-gradient options copy the result where eager writes directly
+(compiled only).
 An absent optional output is an empty tensor here (a custom op's schema has no optional outputs).
 
 The Triton path's ops are its log-prob kernels (forward without a loss, backward; the lm_head's): inside a
@@ -35,8 +37,9 @@ def _dtype(t: Tensor) -> torch.dtype:
 
 
 @torch.library.custom_op("grpo_kernels::torch_logprobs", mutates_args=())
-def torch_logprobs(logits: Tensor, ids: Tensor, temperature: float, softcap: Optional[float],
-                   compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def torch_logprobs(
+    logits: Tensor, ids: Tensor, temperature: float, softcap: Optional[float], compute_entropy: bool
+) -> Tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy or empty, lse), [B, T] fp32 (fp64 for fp64 logits): ``torch_path.forward``."""
     logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy, softcap)
     return logp, (logp.new_empty(_NONE) if entropy is None else entropy), lse
@@ -50,12 +53,20 @@ def _(logits, ids, temperature, softcap, compute_entropy):
 
 
 @torch.library.custom_op("grpo_kernels::torch_logprobs_backward", mutates_args=())
-def torch_logprobs_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Tensor, temperature: float,
-                            softcap: Optional[float], grad_entropy: Optional[Tensor],
-                            entropy: Optional[Tensor]) -> Tensor:
+def torch_logprobs_backward(
+    logits: Tensor,
+    ids: Tensor,
+    lse: Tensor,
+    grad_logp: Tensor,
+    temperature: float,
+    softcap: Optional[float],
+    grad_entropy: Optional[Tensor],
+    entropy: Optional[Tensor],
+) -> Tensor:
     """dlogits [B, T, V] in the logits' dtype: ``torch_path.backward`` into a new tensor."""
-    return torch_path.backward(logits, ids, lse, grad_logp, temperature, grad_entropy=grad_entropy, entropy=entropy,
-                               softcap=softcap)
+    return torch_path.backward(
+        logits, ids, lse, grad_logp, temperature, grad_entropy=grad_entropy, entropy=entropy, softcap=softcap
+    )
 
 
 @torch_logprobs_backward.register_fake
@@ -64,8 +75,15 @@ def _(logits, ids, lse, grad_logp, temperature, softcap, grad_entropy, entropy):
 
 
 @torch.library.custom_op("grpo_kernels::torch_linear_logprobs", mutates_args=())
-def torch_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
-                          softcap: Optional[float], compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def torch_linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    ids: Tensor,
+    temperature: float,
+    softcap: Optional[float],
+    compute_entropy: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
     """(lse, logp, entropy or empty), [N]: ``torch_path.linear_forward``."""
     lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy, softcap)
     return lse, logp, (logp.new_empty(_NONE) if entropy is None else entropy)
@@ -79,12 +97,33 @@ def _(hidden, weight, bias, ids, temperature, softcap, compute_entropy):
 
 
 @torch.library.custom_op("grpo_kernels::torch_linear_backward", mutates_args=())
-def torch_linear_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, lse: Tensor,
-                          g: Tensor, temperature: float, softcap: Optional[float], compute_weight_grad: bool,
-                          grad_entropy: Optional[Tensor], entropy: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+def torch_linear_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    ids: Tensor,
+    lse: Tensor,
+    g: Tensor,
+    temperature: float,
+    softcap: Optional[float],
+    compute_weight_grad: bool,
+    grad_entropy: Optional[Tensor],
+    entropy: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor]:
     """(d hidden, d weight or empty, d bias or empty): ``torch_path.linear_backward``."""
-    dh, dw, db = torch_path.linear_backward(hidden, weight, bias, ids, lse, g, temperature, compute_weight_grad,
-                                            grad_entropy=grad_entropy, entropy=entropy, softcap=softcap)
+    dh, dw, db = torch_path.linear_backward(
+        hidden,
+        weight,
+        bias,
+        ids,
+        lse,
+        g,
+        temperature,
+        compute_weight_grad,
+        grad_entropy=grad_entropy,
+        entropy=entropy,
+        softcap=softcap,
+    )
     empty = lambda t: dh.new_empty(_NONE) if t is None else t  # noqa: E731
     return dh, empty(dw), empty(db)
 
@@ -99,6 +138,7 @@ def _(hidden, weight, bias, ids, lse, g, temperature, softcap, compute_weight_gr
 
 
 # ----- the Triton path's log-prob kernels (launch.forward without a loss, launch.backward; the lm_head's) -----
+
 
 def _launch():
     from .kernels.contracts import launch_module
@@ -120,13 +160,25 @@ def _unaliased(*outputs: Optional[Tensor]) -> Tuple[Tensor, ...]:
 
 
 @torch.library.custom_op("grpo_kernels::triton_logprobs", mutates_args=())
-def triton_logprobs(logits: Tensor, ids: Tensor, temperature: float, softcap: Optional[float], mask: Optional[Tensor],
-                    compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def triton_logprobs(
+    logits: Tensor,
+    ids: Tensor,
+    temperature: float,
+    softcap: Optional[float],
+    mask: Optional[Tensor],
+    compute_entropy: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy or empty, lse), fp32 [N]: the forward kernel without a loss (``launch.forward``)."""
     from .kernels.contracts import TokenInputs
 
-    r = _launch().forward(logits, ids, temperature=temperature, softcap=softcap, tokens=TokenInputs(mask=mask),
-                          compute_entropy=compute_entropy)
+    r = _launch().forward(
+        logits,
+        ids,
+        temperature=temperature,
+        softcap=softcap,
+        tokens=TokenInputs(mask=mask),
+        compute_entropy=compute_entropy,
+    )
     return _unaliased(r.logp, r.entropy, r.lse)
 
 
@@ -138,12 +190,21 @@ def _(logits, ids, temperature, softcap, mask, compute_entropy):
 
 
 @torch.library.custom_op("grpo_kernels::triton_logprobs_backward", mutates_args=("out",))
-def triton_logprobs_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Tensor, temperature: float,
-                             softcap: Optional[float], out: Tensor, grad_entropy: Optional[Tensor],
-                             entropy: Optional[Tensor]) -> None:
+def triton_logprobs_backward(
+    logits: Tensor,
+    ids: Tensor,
+    lse: Tensor,
+    grad_logp: Tensor,
+    temperature: float,
+    softcap: Optional[float],
+    out: Tensor,
+    grad_entropy: Optional[Tensor],
+    entropy: Optional[Tensor],
+) -> None:
     """dlogits written into ``out`` ([B, T, V], a unit last stride): the backward kernel (``launch.backward``)."""
-    _launch().backward(logits, ids, lse, grad_logp, temperature, softcap=softcap, out=out, grad_entropy=grad_entropy,
-                       entropy=entropy)
+    _launch().backward(
+        logits, ids, lse, grad_logp, temperature, softcap=softcap, out=out, grad_entropy=grad_entropy, entropy=entropy
+    )
 
 
 @triton_logprobs_backward.register_fake
@@ -152,11 +213,19 @@ def _(logits, ids, lse, grad_logp, temperature, softcap, out, grad_entropy, entr
 
 
 @torch.library.custom_op("grpo_kernels::triton_linear_logprobs", mutates_args=())
-def triton_linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
-                           softcap: Optional[float], compute_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def triton_linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    ids: Tensor,
+    temperature: float,
+    softcap: Optional[float],
+    compute_entropy: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
     """(lse, logp, entropy or empty), fp32 [N]: the lm_head forward kernel without a loss."""
-    r = _lm_head_launch().linear_forward(hidden, weight, bias, ids, temperature=temperature, softcap=softcap,
-                                         compute_entropy=compute_entropy)
+    r = _lm_head_launch().linear_forward(
+        hidden, weight, bias, ids, temperature=temperature, softcap=softcap, compute_entropy=compute_entropy
+    )
     return _unaliased(r.lse, r.logp, r.entropy)
 
 
@@ -168,13 +237,33 @@ def _(hidden, weight, bias, ids, temperature, softcap, compute_entropy):
 
 
 @torch.library.custom_op("grpo_kernels::triton_linear_backward", mutates_args=())
-def triton_linear_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, lse: Tensor,
-                           g: Tensor, temperature: float, softcap: Optional[float], compute_weight_grad: bool,
-                           grad_entropy: Optional[Tensor], entropy: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+def triton_linear_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    ids: Tensor,
+    lse: Tensor,
+    g: Tensor,
+    temperature: float,
+    softcap: Optional[float],
+    compute_weight_grad: bool,
+    grad_entropy: Optional[Tensor],
+    entropy: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor]:
     """(d hidden, d weight or empty, d bias or empty), fp32: the lm_head's chunked backward."""
-    dh, dw, db = _lm_head_launch().linear_backward(hidden, weight, bias, ids, lse, g, temperature,
-                                                   compute_weight_grad, grad_entropy=grad_entropy, entropy=entropy,
-                                                   softcap=softcap)
+    dh, dw, db = _lm_head_launch().linear_backward(
+        hidden,
+        weight,
+        bias,
+        ids,
+        lse,
+        g,
+        temperature,
+        compute_weight_grad,
+        grad_entropy=grad_entropy,
+        entropy=entropy,
+        softcap=softcap,
+    )
     empty = lambda t: dh.new_empty(_NONE) if t is None else t  # noqa: E731
     return dh, empty(dw), empty(db)
 

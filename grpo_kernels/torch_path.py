@@ -11,7 +11,7 @@ cap(x) = x).
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from collections.abc import Iterator
 
 import torch
 
@@ -20,7 +20,7 @@ from .kernels.contracts import fp32_products
 CHUNK_ELEMENTS = 1 << 21  # 8 MiB of fp32 per temporary
 
 
-def _chunks(*tensors: torch.Tensor) -> Iterator[Tuple[torch.Tensor, ...]]:
+def _chunks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
     """Yield (a [rows, t, V] view of each tensor, ..., the piece's index (rows, t) into the [B, T] token grid, or
     None where the piece is the whole of every tensor).
 
@@ -57,7 +57,7 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def capped(x: torch.Tensor, softcap: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def capped(x: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(cap(x), d cap / dx) of raw logits already in the compute dtype: (softcap * tanh(x / softcap), 1 - tanh^2),
     or (x, None) without a cap. A new tensor with a cap (x is never written)."""
     if softcap is None:
@@ -66,8 +66,13 @@ def capped(x: torch.Tensor, softcap: Optional[float]) -> Tuple[torch.Tensor, Opt
     return t * softcap, 1.0 - t * t
 
 
-def _row_statistics(x: torch.Tensor, ids: torch.Tensor, compute_entropy: bool, inv_temperature: float = 1.0,
-                    dtype: torch.dtype = torch.float32):
+def _row_statistics(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    compute_entropy: bool,
+    inv_temperature: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+):
     """(log-sum-exp, log-prob of ``ids``, entropy or None) of the rows of ``x * inv_temperature`` (``x`` [..., V] in
     any float dtype, never written; ``ids`` [...]), computed in ``dtype``.
 
@@ -94,9 +99,12 @@ def _row_statistics(x: torch.Tensor, ids: torch.Tensor, compute_entropy: bool, i
 
 
 def forward(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float, compute_entropy: bool,
-    softcap: Optional[float] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float,
+    compute_entropy: bool,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """log-probs, entropy (or None) and log-sum-exp of cap(logits) / temperature, each fp32 [B, T]."""
     B, T, V = logits.shape
     dtype = compute_dtype(logits)
@@ -104,8 +112,9 @@ def forward(
     logp = lse = entropy = None
     for piece, index in _chunks(logits):
         x = piece if softcap is None else capped(piece.to(dtype), softcap)[0]  # [rows, t, V]
-        piece_lse, piece_logp, piece_entropy = _row_statistics(x, _part(ids, index).long(), compute_entropy,
-                                                               inv_temperature, dtype)
+        piece_lse, piece_logp, piece_entropy = _row_statistics(
+            x, _part(ids, index).long(), compute_entropy, inv_temperature, dtype
+        )
         if index is None:  # one piece: its statistics are the outputs
             return piece_logp, piece_entropy, piece_lse
         if logp is None:  # the first of several pieces: the outputs to fill
@@ -118,8 +127,9 @@ def forward(
     return logp, entropy, lse
 
 
-def _softmax_gradient(log_p: torch.Tensor, g: torch.Tensor, h: Optional[torch.Tensor] = None,
-                      entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _softmax_gradient(
+    log_p: torch.Tensor, g: torch.Tensor, h: torch.Tensor | None = None, entropy: torch.Tensor | None = None
+) -> torch.Tensor:
     """The gradient of g logp_target + h H over the logits, without the target's one-hot term g: -g p, plus
     h dH/dz = -h p (log p + H) with the entropy. fp32 [rows, V] from log p [rows, V] and g, h, H [rows, 1]
     (g and h already divided by the temperature). A -inf logit (p = 0, log p = -inf) gets 0, not 0 * -inf.
@@ -138,10 +148,10 @@ def backward(
     temperature: float,
     *,
     in_place: bool = False,
-    out: Optional[torch.Tensor] = None,
-    grad_entropy: Optional[torch.Tensor] = None,
-    entropy: Optional[torch.Tensor] = None,
-    softcap: Optional[float] = None,
+    out: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """dlogits = g * (onehot - softmax(cap(logits) / tau)) / tau (times d cap / dx with a soft-cap), in the logits'
     dtype.
@@ -152,22 +162,31 @@ def backward(
     dH/dz_j = -p_j (log p_j + H): the row becomes (g onehot + p (-g - h H - h log p)) / tau.
     """
     B, T, V = logits.shape
-    grad = logits if in_place else out if out is not None else torch.empty(
-        (B, T, V), device=logits.device, dtype=logits.dtype)
+    grad = (
+        logits
+        if in_place
+        else out
+        if out is not None
+        else torch.empty((B, T, V), device=logits.device, dtype=logits.dtype)
+    )
     inv_temperature = 1.0 / temperature
     g_all = grad_logp.view(B, T) * inv_temperature
     h_all = None if grad_entropy is None else grad_entropy.view(B, T) * inv_temperature
     # Without the entropy's term the gradient is computed in place, and in the gradient's own buffer where it has
     # the compute dtype: no [rows, V] temporary, no copy (at small shapes an op less, at large ones a pass less)
     # (not where autograd records these ops: torch.func.grad differentiates a backward, and an op with out= has none)
-    in_buffer = grad.dtype == lse.dtype and h_all is None and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in (logits, lse, grad_logp)))
+    in_buffer = (
+        grad.dtype == lse.dtype
+        and h_all is None
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (logits, lse, grad_logp)))
+    )
     for piece, grad_piece, index in _chunks(logits, grad):
         g = _part(g_all, index).unsqueeze(-1)  # [rows, t, 1]
         x, slope = capped(piece.to(lse.dtype), softcap)
         # x / tau - lse in one op (x may be grad_piece itself, in place: each element read before it is written)
-        log_p = torch.add(_part(lse, index).unsqueeze(-1).neg(), x, alpha=inv_temperature,
-                          out=grad_piece if in_buffer else None)
+        log_p = torch.add(
+            _part(lse, index).unsqueeze(-1).neg(), x, alpha=inv_temperature, out=grad_piece if in_buffer else None
+        )
         h = None if h_all is None else _part(h_all, index).unsqueeze(-1)
         entropy_piece = None if h is None else _part(entropy.view(B, T), index).unsqueeze(-1)
         piece_grad = _softmax_gradient(log_p, g, h, entropy_piece)
@@ -198,8 +217,7 @@ def _chunk_logits(hidden_chunk, weight, bias, inv_temperature, softcap):
 
 
 @fp32_products
-def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entropy: bool,
-                   softcap: Optional[float] = None):
+def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entropy: bool, softcap: float | None = None):
     """lse, logp, entropy (fp32 [N]) of the lm_head logits cap(hidden @ weight^T + bias) / temperature, a chunk of
     tokens at a time."""
     N = hidden.shape[0]
@@ -217,8 +235,19 @@ def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entrop
 
 
 @fp32_products
-def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool,
-                    grad_entropy=None, entropy=None, softcap: Optional[float] = None):
+def linear_backward(
+    hidden,
+    weight,
+    bias,
+    ids,
+    lse,
+    g,
+    temperature: float,
+    compute_weight_grad: bool,
+    grad_entropy=None,
+    entropy=None,
+    softcap: float | None = None,
+):
     """d hidden, d weight (or None), d bias (or None) in fp32 (fp64 for fp64 inputs), recomputing each
     chunk's logits; with ``grad_entropy`` (h = dLoss/dH) and the forward's ``entropy``, the entropy's
     gradient too."""
@@ -226,8 +255,11 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
     dtype = compute_dtype(hidden)
     dh = torch.empty(N, H, device=hidden.device, dtype=dtype)
     dw = torch.zeros_like(weight, dtype=dtype) if compute_weight_grad else None
-    db = (torch.zeros(weight.shape[0], device=hidden.device, dtype=dtype) if compute_weight_grad and bias is not None
-          else None)
+    db = (
+        torch.zeros(weight.shape[0], device=hidden.device, dtype=dtype)
+        if compute_weight_grad and bias is not None
+        else None
+    )
     step, inv_temperature, flat_ids = linear_chunk_rows(weight.shape[0]), 1.0 / temperature, ids.long()
     w32 = weight.to(dtype)
     for n0 in range(0, N, step):

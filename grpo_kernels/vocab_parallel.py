@@ -22,19 +22,16 @@ A vocabulary-parallel call's source is one of this module's (``sharded_source``,
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
-from .from_hidden_states import (HiddenStatesSource, as_input_grads, flat_f32, linear_logprobs_bwd,
-                                 linear_logprobs_fwd)
+from .from_hidden_states import HiddenStatesSource, as_input_grads, flat_f32, linear_logprobs_bwd, linear_logprobs_fwd
 from .from_logits import LogitsSource, logprobs_bwd, logprobs_fwd
 from .torch_path import capped
 from .validation import check_token_ids
 
 
-def vocab_range(local: int, device, group, vocab_start_index: Optional[int]) -> tuple:
+def vocab_range(local: int, device, group, vocab_start_index: int | None) -> tuple:
     """(this rank's first id, the global vocabulary size) of a slice of ``local`` ids on ``device``: Megatron's
     equal partitions unless ``vocab_start_index`` says where this rank's slice starts. One all-reduce of one
     integer."""
@@ -43,8 +40,10 @@ def vocab_range(local: int, device, group, vocab_start_index: Optional[int]) -> 
     start = dist.get_rank(group) * local if vocab_start_index is None else int(vocab_start_index)
     total = int(size.item())
     if not 0 <= start <= total - local:
-        raise ValueError(f"vocab_start_index {start} with {local} local logits does not fit the global vocabulary "
-                         f"of {total} (the sum of the ranks' slices)")
+        raise ValueError(
+            f"vocab_start_index {start} with {local} local logits does not fit the global vocabulary "
+            f"of {total} (the sum of the ranks' slices)"
+        )
     return start, total
 
 
@@ -53,8 +52,18 @@ class VocabParallelLogprobs(torch.autograd.Function):
     differentiable (cap: the head's soft-cap, none with ``softcap`` None)."""
 
     @staticmethod
-    def forward(ctx, logits, ids, mask: Optional[torch.Tensor], temperature: float, softcap: Optional[float],
-                compute_entropy: bool, backend: str, group, start: int):
+    def forward(
+        ctx,
+        logits,
+        ids,
+        mask: torch.Tensor | None,
+        temperature: float,
+        softcap: float | None,
+        compute_entropy: bool,
+        backend: str,
+        group,
+        start: int,
+    ):
         ctx.set_materialize_grads(False)
         B, T, V_local = logits.shape
         owned = (ids >= start) & (ids < start + V_local)
@@ -79,8 +88,19 @@ class VocabParallelLogprobs(torch.autograd.Function):
         g = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
         h = None if grad_entropy is None else grad_entropy.float()
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        grad = logprobs_bwd(logits, local_ids, lse, g, ctx.temperature, ctx.softcap, False, ctx.backend, out=out,
-                            grad_entropy=h, entropy=entropy if h is not None else None)
+        grad = logprobs_bwd(
+            logits,
+            local_ids,
+            lse,
+            g,
+            ctx.temperature,
+            ctx.softcap,
+            False,
+            ctx.backend,
+            out=out,
+            grad_entropy=h,
+            entropy=entropy if h is not None else None,
+        )
         # Where this rank does not own the target, the kernel's one-hot landed on local column 0:
         # that column is rewritten without it, from its own logit (O(B * T), no host sync).
         inv_t = 1.0 / ctx.temperature
@@ -121,8 +141,19 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature: float, softcap: Optional[float], compute_entropy: bool,
-                backend: str, group, start: int):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        ids,
+        temperature: float,
+        softcap: float | None,
+        compute_entropy: bool,
+        backend: str,
+        group,
+        start: int,
+    ):
         ctx.set_materialize_grads(False)
         V_local = weight.shape[0]
         owned = (ids >= start) & (ids < start + V_local)
@@ -141,9 +172,20 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         g = torch.zeros_like(lse) if grad_logp is None else flat_f32(grad_logp)
         h = flat_f32(grad_entropy)
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        dh, dw, db = linear_logprobs_bwd(hidden, weight, bias, local_ids, lse, g, ctx.temperature, ctx.softcap,
-                                         ctx.backend, wants_weight, grad_entropy=h,
-                                         entropy=entropy if h is not None else None)
+        dh, dw, db = linear_logprobs_bwd(
+            hidden,
+            weight,
+            bias,
+            local_ids,
+            lse,
+            g,
+            ctx.temperature,
+            ctx.softcap,
+            ctx.backend,
+            wants_weight,
+            grad_entropy=h,
+            entropy=entropy if h is not None else None,
+        )
         # Where this rank does not own the target, the backward added the one-hot term g / tau at
         # local column 0 (times the cap's chain factor there); take it out of d hidden, d weight[0] and
         # d bias[0] (O(N * H)).
@@ -160,8 +202,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
-def sharded_vocab_start(shape, device, ids, group, vocab_start_index, check_ids, *, mask=None,
-                        normalizer=None) -> int:
+def sharded_vocab_start(shape, device, ids, group, vocab_start_index, check_ids, *, mask=None, normalizer=None) -> int:
     """This rank's first vocabulary id (``vocab_range``) of its logits' ``shape`` (B, T, V / P) on ``device``, after
     checking the ids, which are global, against the whole vocabulary (with ``check_ids``: one host sync, as
     unsharded)."""
@@ -179,9 +220,17 @@ class ShardedLogitsSource(LogitsSource):
         """(global log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens (``inputs.vocab_shard``:
         this rank's group and first id)."""
         options, shard = inputs.options, inputs.vocab_shard
-        return VocabParallelLogprobs.apply(self.predicting(), inputs.ids.contiguous(), inputs.mask,
-                                           float(options.kernel_temperature), options.kernel_softcap,
-                                           compute_entropy, inputs.backend, shard.group, shard.start)
+        return VocabParallelLogprobs.apply(
+            self.predicting(),
+            inputs.ids.contiguous(),
+            inputs.mask,
+            float(options.kernel_temperature),
+            options.kernel_softcap,
+            compute_entropy,
+            inputs.backend,
+            shard.group,
+            shard.start,
+        )
 
 
 class ShardedHiddenStatesSource(HiddenStatesSource):
@@ -189,15 +238,25 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
 
     def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
         options, shard = inputs.options, inputs.vocab_shard
-        pair = VocabParallelLinearLogprobs.apply(*self.flat(inputs), float(options.kernel_temperature),
-                                                 options.kernel_softcap, compute_entropy, inputs.backend,
-                                                 shard.group, shard.start)
+        pair = VocabParallelLinearLogprobs.apply(
+            *self.flat(inputs),
+            float(options.kernel_temperature),
+            options.kernel_softcap,
+            compute_entropy,
+            inputs.backend,
+            shard.group,
+            shard.start,
+        )
         return self.as_rows(inputs, pair)
 
 
 def sharded_source(source):
     """The vocabulary-parallel form of an input form's source (its settings kept)."""
     if isinstance(source, LogitsSource):
-        return ShardedLogitsSource(source.tensor, drop_last_position=source.drop_last_position,
-                       in_place_backward=source.in_place_backward, one_pass=source.one_pass)
+        return ShardedLogitsSource(
+            source.tensor,
+            drop_last_position=source.drop_last_position,
+            in_place_backward=source.in_place_backward,
+            one_pass=source.one_pass,
+        )
     return ShardedHiddenStatesSource(source.tensor, source.weight, source.bias, source.lm_head_mode)

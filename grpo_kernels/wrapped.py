@@ -20,7 +20,8 @@ Two things a fused lm_head loss needs from a model that a plain ``model(...)`` c
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Optional, Tuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -35,8 +36,9 @@ def unwrapped_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def inside_forward(wrapper: torch.nn.Module, fn: Callable[..., Any], *args: Any,
-                   inner: Optional[torch.nn.Module] = None, **kwargs: Any) -> Any:
+def inside_forward(
+    wrapper: torch.nn.Module, fn: Callable[..., Any], *args: Any, inner: torch.nn.Module | None = None, **kwargs: Any
+) -> Any:
     """``fn(*args, **kwargs)`` run as the forward of ``inner`` (default: ``unwrapped_model(wrapper)``), called
     through ``wrapper(*args, **kwargs)``, so that every hook a wrapper puts around the forward applies: DDP's
     gradient reduction, FSDP2's all-gather of the root's parameters (and the backward's hooks on what ``fn``
@@ -84,7 +86,7 @@ def whole_parameters(model: torch.nn.Module):
     return _gathered_one_by_one(list(model.parameters()))
 
 
-def zero3_gloo_hazard(deepspeed_config: Optional[dict], backend: Optional[str]) -> Optional[str]:
+def zero3_gloo_hazard(deepspeed_config: dict | None, backend: str | None) -> str | None:
     """What to say where ZeRO-3 runs over gloo without ``stage3_allgather_sequential`` (None otherwise): DeepSpeed's
     gather of several parameters at once (TRL's generation, the step's re-gather of persistent parameters, the
     state dict) then reads some of them before their all-gather arrives. NCCL finishes a stream's collectives in
@@ -92,9 +94,11 @@ def zero3_gloo_hazard(deepspeed_config: Optional[dict], backend: Optional[str]) 
     zero = (deepspeed_config or {}).get("zero_optimization", {})
     if backend != "gloo" or zero.get("stage") != 3 or zero.get("stage3_allgather_sequential", False):
         return None
-    return ("DeepSpeed ZeRO-3 over gloo gathers several parameters at once by waiting for the last all-gather "
-            "alone; gloo finishes them out of order, so parameters are read before they arrive now and then "
-            "(wrong numbers). Set \"stage3_allgather_sequential\": true in zero_optimization")
+    return (
+        "DeepSpeed ZeRO-3 over gloo gathers several parameters at once by waiting for the last all-gather "
+        "alone; gloo finishes them out of order, so parameters are read before they arrive now and then "
+        '(wrong numbers). Set "stage3_allgather_sequential": true in zero_optimization'
+    )
 
 
 @contextlib.contextmanager
@@ -107,7 +111,7 @@ def _gathered_one_by_one(parameters):
         yield
 
 
-def gathered_with(module: torch.nn.Module, parameters: Iterable[Optional[torch.Tensor]]) -> None:
+def gathered_with(module: torch.nn.Module, parameters: Iterable[torch.Tensor | None]) -> None:
     """Have ZeRO-3 gather ``parameters`` (owned by other modules: the lm_head's, read by a fused loss that never
     calls the lm_head) in ``module``'s forward and backward, and reduce their gradients, as its own
     (``deepspeed.zero.register_external_parameter``). Nothing without ZeRO-3 partitioning."""
@@ -120,7 +124,7 @@ def gathered_with(module: torch.nn.Module, parameters: Iterable[Optional[torch.T
         deepspeed.zero.register_external_parameter(module, parameter)
 
 
-def _lora_delta(head: torch.nn.Module, weight: torch.Tensor) -> Optional[torch.Tensor]:
+def _lora_delta(head: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
     """The summed delta of the active LoRA adapters of a PEFT ``lora.Linear`` (None when none is active)."""
     if getattr(head, "merged", False):  # merged into the base weight: the weight is already the effective one
         return None
@@ -132,16 +136,22 @@ def _lora_delta(head: torch.nn.Module, weight: torch.Tensor) -> Optional[torch.T
         if name not in getattr(head, "lora_A", {}):
             continue
         if getattr(head, "use_dora", {}).get(name, False):
-            raise ValueError(f"the lm_head has a DoRA adapter ({name!r}), which the fused lm_head cannot fold in: "
-                             "merge it (merge_adapter()) or use the logits path (fused_lm_head=False)")
+            raise ValueError(
+                f"the lm_head has a DoRA adapter ({name!r}), which the fused lm_head cannot fold in: "
+                "merge it (merge_adapter()) or use the logits path (fused_lm_head=False)"
+            )
         dropout = head.lora_dropout[name] if name in getattr(head, "lora_dropout", {}) else None
         if head.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
-            raise ValueError(f"the lm_head's LoRA adapter {name!r} has lora_dropout={dropout.p} on its input, which "
-                             "a weight cannot express while training: set lora_dropout=0 for the head, or use the "
-                             "logits path (fused_lm_head=False)")
+            raise ValueError(
+                f"the lm_head's LoRA adapter {name!r} has lora_dropout={dropout.p} on its input, which "
+                "a weight cannot express while training: set lora_dropout=0 for the head, or use the "
+                "logits path (fused_lm_head=False)"
+            )
         if getattr(head.lora_B[name], "bias", None) is not None:
-            raise ValueError(f"the lm_head's LoRA adapter {name!r} has a bias (lora_bias=True), which the fused "
-                             "lm_head does not fold in: use the logits path (fused_lm_head=False)")
+            raise ValueError(
+                f"the lm_head's LoRA adapter {name!r} has a bias (lora_bias=True), which the fused "
+                "lm_head does not fold in: use the logits path (fused_lm_head=False)"
+            )
         a, b = head.lora_A[name].weight, head.lora_B[name].weight
         term = (b.to(torch.float32) @ a.to(torch.float32)) * float(head.scaling[name])
         delta = term if delta is None else delta + term
@@ -152,7 +162,7 @@ def _lora_delta(head: torch.nn.Module, weight: torch.Tensor) -> Optional[torch.T
     return delta.to(weight.dtype)
 
 
-def output_layer(head: torch.nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def output_layer(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [V, H], bias [V] or None) of an output layer as its forward applies them: a plain Linear's own,
     or a PEFT LoRA layer's base weight plus its active adapters' delta (differentiable in the adapters'
     weights). Adapters a weight cannot express are refused (see the module docstring)."""
@@ -163,12 +173,16 @@ def output_layer(head: torch.nn.Module) -> Tuple[torch.Tensor, Optional[torch.Te
     base = getattr(head, "base_layer", None)
     if base is None:
         if hasattr(head, "lora_A") or hasattr(head, "adapter_layer_names"):
-            raise ValueError(f"the lm_head is an adapter layer ({type(head).__name__}) without a base_layer: the "
-                             "fused lm_head cannot read its effective weight; use the logits path")
+            raise ValueError(
+                f"the lm_head is an adapter layer ({type(head).__name__}) without a base_layer: the "
+                "fused lm_head cannot read its effective weight; use the logits path"
+            )
         return head.weight, getattr(head, "bias", None)
     if not hasattr(head, "lora_A"):
-        raise ValueError(f"the lm_head carries an adapter of type {type(head).__name__}, which the fused lm_head "
-                         "cannot fold into a weight: merge it first, or use the logits path (fused_lm_head=False)")
+        raise ValueError(
+            f"the lm_head carries an adapter of type {type(head).__name__}, which the fused lm_head "
+            "cannot fold into a weight: merge it first, or use the logits path (fused_lm_head=False)"
+        )
     while getattr(base, "base_layer", None) is not None:  # stacked tuner layers
         base = base.base_layer
     weight = base.weight

@@ -32,9 +32,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--beta", type=float, default=0.04)
-    parser.add_argument("--warmup-steps", type=int, default=compare.WARMUP_CHECK_EVERY,
-                        help="the format warm-up's supervised steps before GRPO (0: a model fresh from its config, "
-                             "whose rewards are all 0)")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=compare.WARMUP_CHECK_EVERY,
+        help="the format warm-up's supervised steps before GRPO (0: a model fresh from its config, "
+        "whose rewards are all 0)",
+    )
     args = parser.parse_args(argv)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="trl-grpo-")
 
@@ -49,19 +53,35 @@ def main(argv=None) -> dict:
     rows = compare.make_rows(256, held_out=False, seed=0)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
-    config = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=32, num_generations=8,
-                        max_completion_length=8, max_steps=args.max_steps, loss_type=args.loss_type,
-                        beta=args.beta, learning_rate=5e-4, logging_steps=1, report_to="none", use_cpu=True,
-                        bf16=False, save_strategy="no", disable_tqdm=True)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=numeric_match, args=config, train_dataset=dataset,
-                          processing_class=tokenizer)
+    config = GRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=8,
+        max_steps=args.max_steps,
+        loss_type=args.loss_type,
+        beta=args.beta,
+        learning_rate=5e-4,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model_dir, reward_funcs=numeric_match, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
     result = trainer.train()
-    steps = [{key: log[key] for key in STEP_KEYS if key in log} for log in trainer.state.log_history
-             if "reward" in log]
+    steps = [{key: log[key] for key in STEP_KEYS if key in log} for log in trainer.state.log_history if "reward" in log]
     for step, log in enumerate(steps, 1):
         print(f"step {step}: " + ", ".join(f"{key} {value:.4g}" for key, value in log.items()))
-    summary = {"steps": trainer.state.global_step, "training_loss": result.training_loss,
-               "warmup_well_formed": warmup.get("warmup_well_formed"), "per_step": steps}
+    summary = {
+        "steps": trainer.state.global_step,
+        "training_loss": result.training_loss,
+        "warmup_well_formed": warmup.get("warmup_well_formed"),
+        "per_step": steps,
+    }
     print(json.dumps(summary, default=float))
     return summary
 

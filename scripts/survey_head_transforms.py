@@ -16,37 +16,42 @@ import argparse
 import ast
 import pathlib
 import re
-from typing import Dict, List, Optional, Tuple
 
 import transformers
 from transformers.models.auto import modeling_auto
 
 HEAD_CALL = re.compile(r"self\.(lm_head|output_layer|embed_out|get_output_embeddings\(\))\(")
 # a statement that reads the backbone's output or keeps its last positions (nothing done to the values)
-PLAIN_HIDDEN = re.compile(r"^hidden_states = (\w+(\.last_hidden_state|\[0\])?( if return_dict else \w+\[0\])?"
-                          r"|slice_logits_to_keep\(.*\))$")
+PLAIN_HIDDEN = re.compile(
+    r"^hidden_states = (\w+(\.last_hidden_state|\[0\])?( if return_dict else \w+\[0\])?"
+    r"|slice_logits_to_keep\(.*\))$"
+)
 # the head applied, or applied and cast to another dtype (nothing to apply: the fused kernels compute in fp32)
-PLAIN_HEAD = re.compile(r"^(lm_)?logits = self\.(lm_head|embed_out)\((hidden_states|last_hidden_state)"
-                        r"(\.to\(self\.lm_head\.weight\.dtype\))?\)(\.float\(\))?$")
+PLAIN_HEAD = re.compile(
+    r"^(lm_)?logits = self\.(lm_head|embed_out)\((hidden_states|last_hidden_state)"
+    r"(\.to\(self\.lm_head\.weight\.dtype\))?\)(\.float\(\))?$"
+)
 CASTS = re.compile(r"^logits = logits\.(float\(\)|to\(torch\.float32\))$")
 
 
-def causal_lm_classes() -> Dict[str, str]:
+def causal_lm_classes() -> dict[str, str]:
     """{class name: model type} of the causal-LM and image-text-to-text auto mappings."""
     names = {}
-    for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                    modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+    for mapping in (
+        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    ):
         for model_type, classes in mapping.items():
             for name in classes if isinstance(classes, (list, tuple)) else (classes,):
                 names.setdefault(name, model_type)
     return names
 
 
-def _statements(source: str) -> List[str]:
+def _statements(source: str) -> list[str]:
     return [" ".join(line.split("#")[0].split()) for line in source.splitlines()]
 
 
-def around_the_head(forward_source: str) -> Tuple[Optional[str], List[str], List[str]]:
+def around_the_head(forward_source: str) -> tuple[str | None, list[str], list[str]]:
     """(the head's call, statements on the hidden states just before it, statements on the logits after it)."""
     lines = [s for s in _statements(forward_source) if s]
     calls = [i for i, s in enumerate(lines) if HEAD_CALL.search(s)]
@@ -60,7 +65,7 @@ def around_the_head(forward_source: str) -> Tuple[Optional[str], List[str], List
         if not PLAIN_HIDDEN.match(s):
             before.insert(0, s)
     after = []
-    for s in lines[i + 1:]:
+    for s in lines[i + 1 :]:
         if s.startswith(("loss", "if labels", "return", "aux_loss", "if not return_dict", "output")):
             break
         if not CASTS.match(s):
@@ -68,7 +73,7 @@ def around_the_head(forward_source: str) -> Tuple[Optional[str], List[str], List
     return lines[i], before, after
 
 
-def survey() -> List[Dict[str, object]]:
+def survey() -> list[dict[str, object]]:
     wanted = causal_lm_classes()
     root = pathlib.Path(transformers.__file__).parent / "models"
     rows = []
@@ -81,8 +86,15 @@ def survey() -> List[Dict[str, object]]:
             if forward is None:
                 continue
             call, before, after = around_the_head(ast.get_source_segment(source, forward))
-            rows.append({"class": node.name, "model_type": wanted[node.name], "head_call": call,
-                         "before": before, "after": after})
+            rows.append(
+                {
+                    "class": node.name,
+                    "model_type": wanted[node.name],
+                    "head_call": call,
+                    "before": before,
+                    "after": after,
+                }
+            )
     return rows
 
 
@@ -97,8 +109,10 @@ def main() -> None:
     args = parser.parse_args()
     rows = survey()
     shown = rows if args.all else [r for r in rows if does_something(r)]
-    print(f"transformers {transformers.__version__}: {len(rows)} causal-LM classes, "
-          f"{len(rows) - len([r for r in rows if does_something(r)])} apply the head and nothing else\n")
+    print(
+        f"transformers {transformers.__version__}: {len(rows)} causal-LM classes, "
+        f"{len(rows) - len([r for r in rows if does_something(r)])} apply the head and nothing else\n"
+    )
     print("| class | what its forward does around the head |")
     print("|---|---|")
     for r in sorted(shown, key=lambda r: r["class"].lower()):

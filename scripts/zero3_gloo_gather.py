@@ -11,10 +11,9 @@
    ``stage3_allgather_sequential: true`` waits for each, and none differs.
 """
 
+import deepspeed
 import torch
 import torch.distributed as dist
-
-import deepspeed
 
 TRIALS = 300
 deepspeed.init_distributed(dist_backend="gloo")
@@ -24,21 +23,28 @@ early = 0
 for _ in range(TRIALS):
     inputs = [torch.full((4096,), float(rank + 1 + 10 * k)) for k in range(16)]
     outputs = [torch.full((2 * 4096,), float("nan")) for _ in inputs]
-    handles = [dist.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outputs, inputs)]
+    handles = [dist.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outputs, inputs, strict=True)]
     handles[-1].wait()
     seen = [o.clone() for o in outputs]
     for handle in handles:
         handle.wait()
-    early += any(not torch.equal(s, o) for s, o in zip(seen, outputs))
+    early += any(not torch.equal(s, o) for s, o in zip(seen, outputs, strict=True))
 print(f"rank {rank}, torch: {early} of {TRIALS} times an all-gather was unfinished after the last one's wait")
 
 for sequential in (False, True):
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3, "stage3_allgather_sequential": sequential}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_allgather_sequential": sequential},
+    }
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters(),
-                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        config=config,
+        model_parameters=model.parameters(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    )
     params = list(engine.module.parameters())
     alone = []
     for p in params:
@@ -47,6 +53,8 @@ for sequential in (False, True):
     wrong = 0
     for _ in range(TRIALS):
         with deepspeed.zero.GatheredParameters(params):
-            wrong += any(not torch.equal(p.data, a) for p, a in zip(params, alone))
-    print(f"rank {rank}, DeepSpeed stage3_allgather_sequential={sequential}: {wrong} of {TRIALS} whole-model "
-          "gathers read a parameter that differs from its own gather")
+            wrong += any(not torch.equal(p.data, a) for p, a in zip(params, alone, strict=True))
+    print(
+        f"rank {rank}, DeepSpeed stage3_allgather_sequential={sequential}: {wrong} of {TRIALS} whole-model "
+        "gathers read a parameter that differs from its own gather"
+    )

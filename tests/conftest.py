@@ -10,8 +10,8 @@ import os
 # the machine with another busy process does not spin against it (the CLI does the same: training.cli)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # Triton 3.9 warns that this default will change; keep today's (fused multiply-add on).
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

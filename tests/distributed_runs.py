@@ -1,6 +1,7 @@
 """Whole TRL ``train()`` runs on 2 CPU ranks (tests/distributed_train.py under ``torchrun``), and the comparison of
 our adapter's run with stock TRL's: tests/test_deepspeed.py and tests/test_two_processes.py."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -35,10 +36,26 @@ def save_tiny_models(make_dir) -> dict:
 def train_run(stack, which, model_dir, out, **config):
     """tests/distributed_train.py on 2 ranks: rank 0's log, parameters at each step and final state dict."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           SCRIPT, stack, which, model_dir, str(out),
-                           *(f"{k}={json.dumps(v)}" for k, v in config.items())], capture_output=True, text=True,
-                          env=env, timeout=1200)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            SCRIPT,
+            stack,
+            which,
+            model_dir,
+            str(out),
+            *(f"{k}={json.dumps(v)}" for k, v in config.items()),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return torch.load(out, weights_only=False)
 
@@ -46,7 +63,7 @@ def train_run(stack, which, model_dir, out, **config):
 def gradients(run):
     """Each SGD step's gradient, from the whole parameters before and after it."""
     steps, lr = run["steps"], run["lr"]
-    return [{name: (before[name] - after[name]) / lr for name in before} for before, after in zip(steps, steps[1:])]
+    return [{name: (before[name] - after[name]) / lr for name in before} for before, after in itertools.pairwise(steps)]
 
 
 def assert_same_training(stock, ours, label):
@@ -60,12 +77,12 @@ def assert_same_training(stock, ours, label):
     stock_grads = gradients(stock)
     assert len(stock_grads) == len(stock["log"]) - 1 > 0, (label, "a step without its parameters recorded")
     assert len(ours["log"]) == len(stock["log"]), label
-    for expected, actual in zip(stock["log"], ours["log"]):
+    for expected, actual in zip(stock["log"], ours["log"], strict=True):
         assert set(actual) == set(expected), (label, set(actual) ^ set(expected))
         for key, value in expected.items():
             if key not in NOT_COMPARED and isinstance(value, float):
                 assert actual[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (label, key)
-    for expected, actual in zip(stock_grads, gradients(ours)):
+    for expected, actual in zip(stock_grads, gradients(ours), strict=True):
         for name, grad in expected.items():
             torch.testing.assert_close(actual[name], grad, atol=1e-6, rtol=1e-4, msg=f"{label} d{name}")
     for name, value in stock["parameters"].items():

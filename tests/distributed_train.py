@@ -86,21 +86,48 @@ def main(stack: str, which: str, model_dir: str, out: str, **config) -> None:
         # parameter and waits for the last alone; gloo runs them on several threads and finishes them out of
         # order, so the others are read before they arrive (uninitialized memory, now and then). Sequential
         # waits each one (docs/testing.md, "ZeRO-3 on CPU ranks"; scripts/zero3_gloo_gather.py reproduces it).
-        config["deepspeed"] = {"zero_optimization": {"stage": int(stack[-1]),
-                                                     "stage3_gather_16bit_weights_on_model_save": True,
-                                                     "stage3_allgather_sequential": True},
-                               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                               "train_batch_size": "auto", "gradient_clipping": "auto"}
+        config["deepspeed"] = {
+            "zero_optimization": {
+                "stage": int(stack[-1]),
+                "stage3_gather_16bit_weights_on_model_save": True,
+                "stage3_allgather_sequential": True,
+            },
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": "auto",
+        }
     rows = compare.make_rows(32, held_out=False, seed=0)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
-    settings = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, logging_steps=1,
-                    max_steps=int(os.environ.get("TRAIN_STEPS", "2")), beta=0.04, seed=7)
+    settings = dict(
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        logging_steps=1,
+        max_steps=int(os.environ.get("TRAIN_STEPS", "2")),
+        beta=0.04,
+        seed=7,
+    )
     settings.update(config)
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, bf16=False, save_strategy="no",
-                      optim="sgd", learning_rate=0.1, **settings)
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        optim="sgd",
+        learning_rate=0.1,
+        **settings,
+    )
     recorder = ParametersAtSteps()
-    common = dict(model=model_dir, reward_funcs=varied_reward, args=args, train_dataset=dataset,
-                  processing_class=compare.build_tokenizer(), callbacks=[recorder])
+    common = dict(
+        model=model_dir,
+        reward_funcs=varied_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=compare.build_tokenizer(),
+        callbacks=[recorder],
+    )
     if which == "stock":
         trainer = GRPOTrainer(**common)
     else:
@@ -114,9 +141,16 @@ def main(stack: str, which: str, model_dir: str, out: str, **config) -> None:
     assert wrapper == expected.get(stack, wrapper), wrapper
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if int(os.environ.get("RANK", "0")) == 0:
-        torch.save({"parameters": {k: v.float().clone() for k, v in state.items()}, "log": trainer.state.log_history,
-                    "steps": recorder.steps, "lr": args.learning_rate,
-                    "logp_differences": getattr(trainer, "logp_differences", None)}, out)
+        torch.save(
+            {
+                "parameters": {k: v.float().clone() for k, v in state.items()},
+                "log": trainer.state.log_history,
+                "steps": recorder.steps,
+                "lr": args.learning_rate,
+                "logp_differences": getattr(trainer, "logp_differences", None),
+            },
+            out,
+        )
 
 
 if __name__ == "__main__":

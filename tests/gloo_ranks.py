@@ -34,15 +34,27 @@ import torch.multiprocessing as mp
 
 
 def _rank_main(fn, rank: int, world: int, workdir: str, port: int, args: tuple, backend: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     result, error = None, None
     try:
         if backend == "nccl":  # one GPU a rank (NCCL refuses two ranks on one device)
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{workdir}/rendezvous",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
         result = fn(rank, world, *args)
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent as text
         error = traceback.format_exc()
@@ -74,9 +86,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "glo
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="grpo-ranks-") as workdir:
         port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, workdir, port, args, backend),
-                             daemon=True)
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, r, world, workdir, port, args, backend), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         files = [pathlib.Path(workdir) / f"rank{r}.pt" for r in range(world)]
@@ -84,7 +97,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "glo
         outputs: dict[int, dict] = {}
         try:
             while len(outputs) < world:
-                for r, (p, f) in enumerate(zip(procs, files)):
+                for r, (p, f) in enumerate(zip(procs, files, strict=True)):
                     if r in outputs:
                         continue
                     if f.exists():
@@ -92,8 +105,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "glo
                         if outputs[r]["error"] is not None:  # fail at once: its peers may wait on it forever
                             raise RuntimeError(f"rank {r} of {world} raised:\n{outputs[r]['error']}")
                     elif not p.is_alive() and not f.exists():  # exists: written just before it exited
-                        raise RuntimeError(f"rank {r} of {world} exited with code {p.exitcode} before it wrote "
-                                           "its result (a crash in the code it ran)")
+                        raise RuntimeError(
+                            f"rank {r} of {world} exited with code {p.exitcode} before it wrote "
+                            "its result (a crash in the code it ran)"
+                        )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks ran past {timeout} s; ranks with a result: {sorted(outputs)}")
                 time.sleep(0.05)

@@ -22,8 +22,9 @@ import zipfile
 import pytest
 
 VERSION = "0.11.2"
-WHEELS = pathlib.Path(os.environ.get("GRPO_KERNELS_WHEELS", pathlib.Path(__file__).resolve().parents[1] / ".cache"
-                                     / "wheels"))
+WHEELS = pathlib.Path(
+    os.environ.get("GRPO_KERNELS_WHEELS", pathlib.Path(__file__).resolve().parents[1] / ".cache" / "wheels")
+)
 PACKAGE = "openrlhf_wheel_models"  # the name the two files are loaded under (never "openrlhf")
 
 
@@ -33,23 +34,39 @@ def _wheel() -> pathlib.Path | None:
         return found[0]
     WHEELS.mkdir(parents=True, exist_ok=True)
     try:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", f"openrlhf=={VERSION}",
-                        "-d", str(WHEELS)], check=True, timeout=300, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                f"openrlhf=={VERSION}",
+                "-d",
+                str(WHEELS),
+            ],
+            check=True,
+            timeout=300,
+            capture_output=True,
+        )
     except (subprocess.SubprocessError, OSError):
         return None
     found = sorted(WHEELS.glob(f"openrlhf-{VERSION}-*.whl"))
     return found[0] if found else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load():
     wheel = _wheel()
     if wheel is None:
         return None
     with zipfile.ZipFile(wheel) as archive:
+
         def source(name):
             (path,) = [p for p in archive.namelist() if p.endswith(f"/openrlhf/models/{name}")]
             return archive.read(path).decode()
+
         sources = {name: source(f"{name}.py") for name in ("utils", "loss")}
     package = types.ModuleType(PACKAGE)
     package.__path__ = []
@@ -77,8 +94,10 @@ def openrlhf_code():
     """(OpenRLHF's ``models.utils``, ``models.loss``) from the wheel, or a skip that says why there is none."""
     code = _load()
     if code is None:
-        pytest.skip(f"OpenRLHF {VERSION}'s wheel is not in {WHEELS} and `pip download --no-deps openrlhf=={VERSION}` "
-                    "could not fetch it (no registry): its loss code cannot be run here")
+        pytest.skip(
+            f"OpenRLHF {VERSION}'s wheel is not in {WHEELS} and `pip download --no-deps openrlhf=={VERSION}` "
+            "could not fetch it (no registry): its loss code cannot be run here"
+        )
     return code.utils, code.loss
 
 
@@ -90,8 +109,8 @@ STANDS_IN = ("flash_attn", "vllm", "pylatexenc", "aiohttp", "torchdata")
 # left missing, as where flash-attn is built without its Triton ops: OpenRLHF's log_probs_from_logits imports its
 # cross-entropy inside a try and falls back to torch's on ImportError
 MISSING = ("flash_attn.ops",)
-SITECUSTOMIZE = f'''"""Stand-ins for what OpenRLHF imports and this machine lacks (tests/openrlhf_code.py): imported by every Python
-process started with this folder on PYTHONPATH, Ray's workers included."""
+SITECUSTOMIZE = f'''"""Stand-ins for what OpenRLHF imports and this machine lacks (tests/openrlhf_code.py): imported by
+every Python process started with this folder on PYTHONPATH, Ray's workers included."""
 import importlib.abc
 import importlib.machinery
 import sys

@@ -22,14 +22,16 @@ import torch
 def _in_worker(actor, config_names):
     import openrlhf_actor_step
 
-    return {"names": openrlhf_actor_step.names_in_use(), "pid": os.getpid(),
-            "steps": {name: openrlhf_actor_step.training_step(name) for name in config_names}}
+    return {
+        "names": openrlhf_actor_step.names_in_use(),
+        "pid": os.getpid(),
+        "steps": {name: openrlhf_actor_step.training_step(name) for name in config_names},
+    }
 
 
 def run(out: str) -> None:
-    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
-
     import openrlhf_actor_step
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
     actor = PolicyModelActor.options(num_gpus=0, num_cpus=1).remote(1, 0, None, None)
     result = ray.get(actor.__ray_call__.remote(_in_worker, list(openrlhf_actor_step.CONFIGS)))
@@ -40,8 +42,13 @@ def run(out: str) -> None:
 if __name__ == "__main__":
     from grpo_kernels.integration.openrlhf import ray_runtime_env
 
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env=ray_runtime_env(
-        {"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", "TORCHDYNAMO_DISABLE") if k in os.environ}}))
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env=ray_runtime_env(
+            {"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", "TORCHDYNAMO_DISABLE") if k in os.environ}}
+        ),
+    )
     try:
         run(sys.argv[1])
     finally:

@@ -56,16 +56,20 @@ def test_several_reward_functions_sum_then_normalize_and_normalize_then_sum():
     torch.testing.assert_close(group_advantages(rewards, 4, weights=weights).advantages, expected)
     col = lambda c: (c - c.mean()) / (c.std(unbiased=False) + 1e-8)  # noqa: E731
     gdpo = 2.0 * col(rewards[:, 0]) + 1.0 * col(rewards[:, 1])
-    torch.testing.assert_close(group_advantages(rewards, 4, weights=weights, combine="normalize_then_sum").advantages,
-                               gdpo)
+    torch.testing.assert_close(
+        group_advantages(rewards, 4, weights=weights, combine="normalize_then_sum").advantages, gdpo
+    )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(group_size=3), "rewards has 4 rows, not a multiple of group_size=3"),
-    (dict(group_size=0), "group_size must be a positive int, got 0"),
-    (dict(group_size=2, std="bessel"), "std must be one of"),
-    (dict(group_size=2, weights=[1.0, 2.0]), r"weights must have one entry per reward function \(1\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(group_size=3), "rewards has 4 rows, not a multiple of group_size=3"),
+        (dict(group_size=0), "group_size must be a positive int, got 0"),
+        (dict(group_size=2, std="bessel"), "std must be one of"),
+        (dict(group_size=2, weights=[1.0, 2.0]), r"weights must have one entry per reward function \(1\)"),
+    ],
+)
 def test_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
         group_advantages(torch.ones(4), **kwargs)

@@ -17,12 +17,10 @@ import tempfile
 import threading
 
 import pytest
-
 import torch
 
 from grpo_kernels.kernels import aot, launch
 from grpo_kernels.kernels.aot import DTYPES
-
 
 # No wall-clock limit on the whole compile (hundreds of specializations; a loaded 2-core machine can take many
 # times the usual): the guard is on progress. The tool prints a line a finished specialization, each a few seconds
@@ -67,8 +65,9 @@ def _aot(*args):
 def test_the_watch_fails_a_stalled_process_and_waits_for_a_slow_one():
     """A process that runs 10 s but prints a line every 2 s passes an 8 s watch (6 s of slack a line for a busy
     machine); one silent for 30 s fails a 1 s one."""
-    slow = ("import sys, time\nfor i in range(5):\n    time.sleep(2); print(i, file=sys.stderr, flush=True)\n"
-            "print('done')")
+    slow = (
+        "import sys, time\nfor i in range(5):\n    time.sleep(2); print(i, file=sys.stderr, flush=True)\nprint('done')"
+    )
     assert _run_watched([sys.executable, "-c", slow], dict(os.environ), stall_s=8) == "done\n"
     with pytest.raises(pytest.fail.Exception, match="printed nothing for 1 s"):
         _run_watched([sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), stall_s=1)
@@ -82,12 +81,24 @@ def records():
 def test_every_specialization_compiles_without_spills(records):
     print("\nkernel    arch   dtype BLOCK_V warps regs spill specialization")
     for r in records:
-        print(f"{r['kernel']:9} {r['arch']} {r['dtype']:5} {r['BLOCK_V']:7} {r['num_warps']:5} {r['registers']:4} "
-              f"{r['spill_bytes']:5} {r['specialization']}")
+        print(
+            f"{r['kernel']:9} {r['arch']} {r['dtype']:5} {r['BLOCK_V']:7} {r['num_warps']:5} {r['registers']:4} "
+            f"{r['spill_bytes']:5} {r['specialization']}"
+        )
     assert {r["arch"] for r in records} == {"sm_90", "sm_80"}
     assert {r["dtype"] for r in records} == set(DTYPES)
-    assert {r["kernel"] for r in records} == {"forward", "backward", "scale", "dlogits", "matmul", "combine",
-                                              "split-row", "token-weights", "loss-metrics", "tile-state"}
+    assert {r["kernel"] for r in records} == {
+        "forward",
+        "backward",
+        "scale",
+        "dlogits",
+        "matmul",
+        "combine",
+        "split-row",
+        "token-weights",
+        "loss-metrics",
+        "tile-state",
+    }
     spilled = [r for r in records if r["spill_bytes"] or r["local_bytes"]]
     assert not spilled, f"register spills: {spilled}"
     streaming = [r for r in records if "fused-linear" not in r["specialization"]]
@@ -115,7 +126,8 @@ def test_the_split_row_kernel_compiles_as_one_cooperative_launch_that_fits_the_g
 def test_aligned_rows_use_128_bit_vector_loads(records):
     aligned = [r for r in records if (r["row_align"] or 1) > 1]
     assert aligned and all(r["vector_loads_128"] >= 1 for r in aligned), [
-        r for r in aligned if r["vector_loads_128"] < 1]
+        r for r in aligned if r["vector_loads_128"] < 1
+    ]
 
 
 def test_every_hot_loop_over_aligned_rows_loads_128_bits_at_a_time(records):
@@ -123,11 +135,18 @@ def test_every_hot_loop_over_aligned_rows_loads_128_bits_at_a_time(records):
     in tuned.json (what the device runs: 16 warps over 4096 bf16 logits, where a fold by halves once loaded 64
     bits), pipelined or not, every load of a hot loop is a 16-byte vector (LDG.E.128, or LDGSTS.128 into shared
     memory). (sm_80's forward has a further loop of a logit or two a thread, the budgets' test says: not checked.)"""
-    streaming = [r for r in records if r.get("hot_loops") and (r["row_align"] or 1) > 1 and not r.get("held_chunk")
-                 and r["arch"] == "sm_90"]
+    streaming = [
+        r
+        for r in records
+        if r.get("hot_loops") and (r["row_align"] or 1) > 1 and not r.get("held_chunk") and r["arch"] == "sm_90"
+    ]
     assert any(" tuned " in f" {r['specialization']} " for r in streaming)
-    narrow = [(r["arch"], r["specialization"], loop["global_loads"], loop["loads_128"])
-              for r in streaming for loop in r["hot_loops"] if loop["loads_128"] != loop["global_loads"]]
+    narrow = [
+        (r["arch"], r["specialization"], loop["global_loads"], loop["loads_128"])
+        for r in streaming
+        for loop in r["hot_loops"]
+        if loop["loads_128"] != loop["global_loads"]
+    ]
     assert not narrow, narrow
 
 
@@ -158,21 +177,34 @@ def test_the_row_loops_carry_their_l2_eviction_hints(records, dtype):
 
     backward = _sm90(records, f"dlogits {tag}")
     (loop,) = backward["hot_loops"]
-    assert loop["evict_first_loads"] == loop["global_loads"] > 0 and loop["evict_first_stores"] == loop[
-        "global_stores"] > 0, loop
+    assert (
+        loop["evict_first_loads"] == loop["global_loads"] > 0
+        and loop["evict_first_stores"] == loop["global_stores"] > 0
+    ), loop
 
-    for label in (f"ppo+old+iw one-pass no-l2-hints {tag}", f"logprobs no-l2-hints {tag}", f"dlogits no-l2-hints {tag}"):
+    for label in (
+        f"ppo+old+iw one-pass no-l2-hints {tag}",
+        f"logprobs no-l2-hints {tag}",
+        f"dlogits no-l2-hints {tag}",
+    ):
         plain = _sm90(records, label)
         assert plain["evict_last_loads"] == plain["evict_first_loads"] == plain["streaming_stores"] == 0, label
-        assert not any(loop["evict_last_loads"] or loop["evict_first_loads"] or loop["evict_first_stores"]
-                       for loop in plain["hot_loops"]), label
+        assert not any(
+            loop["evict_last_loads"] or loop["evict_first_loads"] or loop["evict_first_stores"]
+            for loop in plain["hot_loops"]
+        ), label
 
 
 def test_fused_lm_head_products_run_on_tensor_cores_fed_by_async_copies(records):
     """bf16 lm_head tiles: wgmma (sm_90) / mma.sync (sm_80) on operands staged by cp.async, i.e. the
     tiles are pipelined through shared memory rather than loaded element by element into registers."""
-    lm_head = [r for r in records if "fused-linear" in r["specialization"] and r["dtype"] == "bf16"
-               and r["kernel"] not in ("combine", "tile-state")]  # the two that fold states, no product
+    lm_head = [
+        r
+        for r in records
+        if "fused-linear" in r["specialization"]
+        and r["dtype"] == "bf16"
+        and r["kernel"] not in ("combine", "tile-state")
+    ]  # the two that fold states, no product
     assert {r["kernel"] for r in lm_head} == {"forward", "dlogits", "matmul"}
     slow = [r for r in lm_head if r["tensor_core_mma"] == 0 or r["async_copies"] == 0]
     assert not slow, slow
@@ -183,12 +215,18 @@ def test_fused_lm_head_products_run_on_tensor_cores_fed_by_async_copies(records)
 def test_hot_loops_fit_the_instruction_budgets(records):
     """Instructions per logit in the streaming kernels' hot loops (from the sm_90 SASS) within the budgets
     that keep them memory-bound on an H200: one-pass <= 20 (forward + gradient, entropy on)."""
-    streaming = [r for r in records if r["arch"] == "sm_90" and r.get("budget") and not r.get("held_chunk")
-                 and "softcap" not in r["specialization"]]
+    streaming = [
+        r
+        for r in records
+        if r["arch"] == "sm_90" and r.get("budget") and not r.get("held_chunk") and "softcap" not in r["specialization"]
+    ]
     print("\n" + aot.summary([r for r in records if r["arch"] == "sm_90"]))
     assert any("one-pass" in r["specialization"] for r in streaming)
-    over = [(r["specialization"], r["instructions_per_logit"], r["budget"]) for r in streaming
-            if r["instructions_per_logit"] > r["budget"]]
+    over = [
+        (r["specialization"], r["instructions_per_logit"], r["budget"])
+        for r in streaming
+        if r["instructions_per_logit"] > r["budget"]
+    ]
     assert not over, over
     # one exp2 a logit in each hot loop, nothing more (the old kernel's rescale cost a second)
     assert all(abs(loop["mufu_per_logit"] - 1.0) < 0.01 for r in streaming for loop in r["hot_loops"])
@@ -210,13 +248,15 @@ def test_a_soft_capped_head_is_a_specialization_of_its_own_within_its_budget(rec
         assert {(arch, kernel, False) for kernel in ("forward", "backward")} <= kinds, kinds
         assert {(arch, "forward", True), (arch, "dlogits", True)} <= kinds, kinds
     assert all(r["spill_bytes"] == 0 and r["local_bytes"] == 0 for r in capped), [
-        (r["arch"], r["specialization"], r["spill_bytes"]) for r in capped if r["spill_bytes"]]
+        (r["arch"], r["specialization"], r["spill_bytes"]) for r in capped if r["spill_bytes"]
+    ]
     streaming = [r for r in capped if r.get("budget")]
-    assert {r["arch"] for r in streaming} == {"sm_90", "sm_80"} and any("one-pass" in r["specialization"]
-                                                                        for r in streaming)
+    assert {r["arch"] for r in streaming} == {"sm_90", "sm_80"} and any(
+        "one-pass" in r["specialization"] for r in streaming
+    )
     for r in streaming:
         # the passes over the logits: sm_80's forward has a further loop of 1 or 2 logits a thread, not one of them
-        passes = r["hot_loops"][:2 if "one-pass" in r["specialization"] else 1]
+        passes = r["hot_loops"][: 2 if "one-pass" in r["specialization"] else 1]
         per_logit = sum(loop["instructions"] / loop["logits_per_thread"] for loop in passes)
         assert per_logit <= r["budget"], (r["arch"], r["specialization"], per_logit)
         assert all(loop["mufu_per_logit"] <= 3.0 + 1e-6 for loop in passes), r["hot_loops"]
@@ -226,8 +266,9 @@ def test_a_held_chunk_is_loaded_once_and_its_item_fits_its_budget(records):
     """The split-row kernel with a chunk of one block held in registers: one 128-bit load per 8 logits and no loop
     over the logits (the item's loop is the hot one), one exp2 a logit (the state's: the gradient multiplies it
     by the row's 2^(max - lse)) and a few an item, no spill, and the item's instructions per logit (an upper
-    bound: both chunk paths and the per-item work) within its budget. The roofline's issue fraction is reported, not bounded: at 16 logits a thread the per-item work
-    may make it issue-bound, which the device sweep weighs (4 warps, 8192-logit blocks)."""
+    bound: both chunk paths and the per-item work) within its budget. The roofline's issue fraction is reported,
+    not bounded: at 16 logits a thread the per-item work may make it issue-bound, which the device sweep weighs
+    (4 warps, 8192-logit blocks)."""
     held = [r for r in records if r.get("held_chunk")]
     assert {(r["arch"], r["dtype"]) for r in held} >= {("sm_90", "bf16"), ("sm_80", "bf16")}
     for r in held:
@@ -267,6 +308,7 @@ def test_the_recorded_launch_is_the_launch_that_runs(monkeypatch):
             def call(*args, **kwargs):
                 seen.append((grid, args, kwargs))
                 return self.fn[grid](*args, **kwargs)
+
             return call
 
     logits, ids = torch.randn(2, 3, 1003), torch.randint(0, 1003, (2, 3))
@@ -276,9 +318,12 @@ def test_the_recorded_launch_is_the_launch_that_runs(monkeypatch):
     with aot.recorded_launches() as launches:
         launch.forward(logits, ids, compute_entropy=True)
     (grid, args, kwargs), item = seen[0], launches[0]
-    same = lambda a, b: a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)  # noqa: E731
-                                   and a.shape == b.shape and a.dtype == b.dtype) or (
-        not isinstance(a, torch.Tensor) and a == b)
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return a is b or (a.shape == b.shape and a.dtype == b.dtype)
+        return a is b or (not isinstance(a, torch.Tensor) and a == b)
+
     assert grid == item.grid and kwargs.keys() == item.kwargs.keys()
     assert all(same(kwargs[k], item.kwargs[k]) for k in kwargs), "the keyword arguments differ"
-    assert len(args) == len(item.args) and all(same(a, b) for a, b in zip(args, item.args))
+    assert len(args) == len(item.args) and all(same(a, b) for a, b in zip(args, item.args, strict=True))

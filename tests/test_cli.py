@@ -33,16 +33,19 @@ def test_train_help_shows_every_default_and_what_runs_before_step_1():
     assert "What runs, in order" in flat and "format warm-up" in flat and "--threads 1" in flat
 
 
-@pytest.mark.parametrize("steps, warmup_steps, large_batch_steps, expected", [
-    (200, None, None, (compare.WARMUP_STEPS, compare.WARMUP_STEPS // 3, False)),  # the recipe
-    (500, None, None, (compare.WARMUP_STEPS, compare.WARMUP_STEPS // 3, False)),  # longer: the recipe's warm-up
-    (20, None, None, (240, 0, True)),  # a short run: 12 a step, no second stage
-    (199, None, None, (2388, 0, True)),
-    (2, None, None, (compare.WARMUP_CHECK_EVERY, 0, True)),  # at least one check of the format
-    (20, 100, None, (100, 0, False)),  # caps given are kept: not scaled
-    (20, None, 50, (240, 50, True)),
-    (200, 400, None, (400, 133, False)),
-])
+@pytest.mark.parametrize(
+    "steps, warmup_steps, large_batch_steps, expected",
+    [
+        (200, None, None, (compare.WARMUP_STEPS, compare.WARMUP_STEPS // 3, False)),  # the recipe
+        (500, None, None, (compare.WARMUP_STEPS, compare.WARMUP_STEPS // 3, False)),  # longer: the recipe's warm-up
+        (20, None, None, (240, 0, True)),  # a short run: 12 a step, no second stage
+        (199, None, None, (2388, 0, True)),
+        (2, None, None, (compare.WARMUP_CHECK_EVERY, 0, True)),  # at least one check of the format
+        (20, 100, None, (100, 0, False)),  # caps given are kept: not scaled
+        (20, None, 50, (240, 50, True)),
+        (200, 400, None, (400, 133, False)),
+    ],
+)
 def test_a_short_runs_warmup_scales_with_its_steps(steps, warmup_steps, large_batch_steps, expected):
     assert cli.warmup_plan(steps, warmup_steps, large_batch_steps) == expected
 
@@ -60,8 +63,27 @@ def test_the_output_folder_holds_a_log_before_the_warmup_ends(tmp_path, monkeypa
         return real_warmup(*args, **kwargs)
 
     monkeypatch.setattr(compare, "warmup", warmup)
-    assert cli.main(["train", "--steps", "1", "--eval-size", "4", "--group-size", "2", "--prompts-per-step", "2",
-                     "--save-every", "0", "--output-dir", out, "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--steps",
+                "1",
+                "--eval-size",
+                "4",
+                "--group-size",
+                "2",
+                "--prompts-per-step",
+                "2",
+                "--save-every",
+                "0",
+                "--output-dir",
+                out,
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "CPU threads" in seen["log"] and "phase 1/2: format warm-up, up to 200 steps" in seen["log"]
     assert seen["steps"] == (compare.WARMUP_CHECK_EVERY, 0)
     captured = capsys.readouterr()
@@ -84,10 +106,35 @@ def test_a_short_run_from_the_command_line_waits_passively_and_prints_its_summar
     (whatever libraries print goes to stderr)."""
     out = str(tmp_path / "run")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    done = subprocess.run([sys.executable, "-m", "grpo_kernels.training.cli", "train", "--steps", "1",
-                           "--warmup-steps", "2", "--eval-size", "4", "--group-size", "2", "--prompts-per-step", "2",
-                           "--save-every", "0", "--threads", "1", "--output-dir", out, "--no-progress"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_kernels.training.cli",
+            "train",
+            "--steps",
+            "1",
+            "--warmup-steps",
+            "2",
+            "--eval-size",
+            "4",
+            "--group-size",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--save-every",
+            "0",
+            "--threads",
+            "1",
+            "--output-dir",
+            out,
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1, done.stdout
@@ -100,20 +147,39 @@ def test_a_short_run_from_the_command_line_waits_passively_and_prints_its_summar
 
 
 def test_curves_are_three_labelled_panels_with_integer_steps_and_the_legends_off_the_lines():
-    records = [{"step": 0, "warmup_steps": 240, "warmup_large_batch_steps": 0, "warmup_well_formed": 0.48,
-                "warmup_seconds": 12.0, "warmup_below_target": True},
-               {"step": 0, "eval_accuracy": 0.29, "eval_malformed": 0.4}]
+    records = [
+        {
+            "step": 0,
+            "warmup_steps": 240,
+            "warmup_large_batch_steps": 0,
+            "warmup_well_formed": 0.48,
+            "warmup_seconds": 12.0,
+            "warmup_below_target": True,
+        },
+        {"step": 0, "eval_accuracy": 0.29, "eval_malformed": 0.4},
+    ]
     for step in range(1, 6):
-        records.append({"step": step, "reward": 0.1 * step, "accuracy": 0.1 * step, "malformed": 0.5 - 0.05 * step,
-                        "loss": 0.01 * step, "kl": 0.001 * step, "entropy": 1.0 - 0.1 * step})
+        records.append(
+            {
+                "step": step,
+                "reward": 0.1 * step,
+                "accuracy": 0.1 * step,
+                "malformed": 0.5 - 0.05 * step,
+                "loss": 0.01 * step,
+                "kl": 0.001 * step,
+                "entropy": 1.0 - 0.1 * step,
+            }
+        )
     records.append({"step": 5, "eval_accuracy": 0.54, "eval_malformed": 0.2})
     fig = cli.curves_figure(records)
     canvas = FigureCanvasAgg(fig)  # what savefig draws with
     canvas.draw()
     panels = [axis for axis in fig.axes if axis.get_title()]
     assert [axis.get_title() for axis in panels] == [
-        "Reward and accuracy", "Loss, KL and entropy (each on its own axis)",
-        "Malformed answers (not one of the prompt's numbers)"]
+        "Reward and accuracy",
+        "Loss, KL and entropy (each on its own axis)",
+        "Malformed answers (not one of the prompt's numbers)",
+    ]
     assert all(axis.get_ylabel() for axis in fig.axes)  # every axis, the KL's and entropy's twins too
     assert panels[-1].get_xlabel() == "GRPO step"
     ticks = [t for t in panels[-1].get_xticks() if 1 <= t <= 5]
@@ -127,5 +193,6 @@ def test_curves_are_three_labelled_panels_with_integer_steps_and_the_legends_off
     assert middle_labels == ["loss", "KL to the reference", "entropy"]
     marked = [text.get_text() for text in panels[0].texts]
     assert marked == ["29%", "54%"]  # both held-out evaluations of a short run, labelled
-    assert any("240 + 0 steps, 48% of sampled answers well-formed (below its target)" in t.get_text()
-               for t in fig.texts)
+    assert any(
+        "240 + 0 steps, 48% of sampled answers well-formed (below its target)" in t.get_text() for t in fig.texts
+    )

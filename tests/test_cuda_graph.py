@@ -25,8 +25,7 @@ def _inputs(seed):
 def _eager(inputs, one_pass, schedule):
     logits = inputs["logits"].detach().clone().requires_grad_()
     with schedule():
-        out = grpo_loss(**{**inputs, "logits": logits}, backend="triton", one_pass=one_pass, check_ids=False,
-                        **OPTIONS)
+        out = grpo_loss(**{**inputs, "logits": logits}, backend="triton", one_pass=one_pass, check_ids=False, **OPTIONS)
     out.loss.backward()
     return out, logits.grad
 
@@ -44,14 +43,14 @@ def test_a_captured_forward_and_backward_replays_on_new_inputs(one_pass, split):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), schedule():  # warm-up: compiles, caches, the split-row kernel's resident count
         for _ in range(2):
-            grpo_loss(**{**static, "logits": logits}, backend="triton", one_pass=one_pass, check_ids=False,
-                      **OPTIONS).loss.backward()
+            grpo_loss(
+                **{**static, "logits": logits}, backend="triton", one_pass=one_pass, check_ids=False, **OPTIONS
+            ).loss.backward()
     torch.cuda.current_stream().wait_stream(side)
     logits.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), schedule():
-        out = grpo_loss(**{**static, "logits": logits}, backend="triton", one_pass=one_pass, check_ids=False,
-                        **OPTIONS)
+        out = grpo_loss(**{**static, "logits": logits}, backend="triton", one_pass=one_pass, check_ids=False, **OPTIONS)
         out.loss.backward()
 
     for seed in (2, 3):  # new values in the captured tensors, then a replay

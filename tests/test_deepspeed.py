@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/setup.sh installs it)")
 pytest.importorskip("trl", reason="the trl extra is not installed")
 
-import torch  # noqa: E402
-from distributed_runs import assert_same_training, save_tiny_models, train_run  # noqa: E402
-from gloo_ranks import run_ranks  # noqa: E402
+import torch
+from distributed_runs import assert_same_training, save_tiny_models, train_run
+from gloo_ranks import run_ranks
 
-from grpo_kernels.wrapped import whole_parameters  # noqa: E402
+from grpo_kernels.wrapped import whole_parameters
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,19 @@ def _gathers_rank(rank, world, trials):
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3},
+    }
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters(),
-                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        config=config,
+        model_parameters=model.parameters(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    )
     params = list(engine.module.parameters())
     expected = []
     for p in params:
@@ -52,9 +59,9 @@ def _gathers_rank(rank, world, trials):
     ours = deepspeeds = 0
     for _ in range(trials):
         with whole_parameters(engine.module):
-            ours += any(not torch.equal(p.data, e) for p, e in zip(params, expected))
+            ours += any(not torch.equal(p.data, e) for p, e in zip(params, expected, strict=True))
         with deepspeed.zero.GatheredParameters(params):
-            deepspeeds += any(not torch.equal(p.data, e) for p, e in zip(params, expected))
+            deepspeeds += any(not torch.equal(p.data, e) for p, e in zip(params, expected, strict=True))
     return ours, deepspeeds
 
 

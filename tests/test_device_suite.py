@@ -25,18 +25,77 @@ def _gpu_results():
     """A sweep result as a GPU run writes it: two logits candidates per shape, one of them inexact."""
     env = {"torch": "2.11.0", "triton": "3.6.0", "date": "2026-11-30", "device": "NVIDIA H200", "arch": "sm_90"}
     rows = [
-        {"N": 16384, "V": 151936, "dtype": "bfloat16", "mode": "one_pass", "BLOCK_V": 4096, "num_warps": 8,
-         "num_stages": 1, "status": "ok", "exact": True, "median_ms": 3.0, "model_GBps": 3300.0},
-        {"N": 16384, "V": 151936, "dtype": "bfloat16", "mode": "two_pass", "BLOCK_V": 8192, "num_warps": 16,
-         "num_stages": 3, "status": "ok", "exact": True, "median_ms": 2.5, "model_GBps": 6000.0},
-        {"N": 16384, "V": 151936, "dtype": "bfloat16", "mode": "one_pass", "BLOCK_V": 2048, "num_warps": 4,
-         "num_stages": 1, "status": "ok", "exact": False, "median_ms": 1.0, "model_GBps": 9000.0},
-        {"N": 16384, "V": 32000, "dtype": "bfloat16", "mode": "one_pass", "BLOCK_V": 2048, "num_warps": 4,
-         "num_stages": 3, "status": "ok", "exact": True, "median_ms": 0.6, "model_GBps": 3500.0},
+        {
+            "N": 16384,
+            "V": 151936,
+            "dtype": "bfloat16",
+            "mode": "one_pass",
+            "BLOCK_V": 4096,
+            "num_warps": 8,
+            "num_stages": 1,
+            "status": "ok",
+            "exact": True,
+            "median_ms": 3.0,
+            "model_GBps": 3300.0,
+        },
+        {
+            "N": 16384,
+            "V": 151936,
+            "dtype": "bfloat16",
+            "mode": "two_pass",
+            "BLOCK_V": 8192,
+            "num_warps": 16,
+            "num_stages": 3,
+            "status": "ok",
+            "exact": True,
+            "median_ms": 2.5,
+            "model_GBps": 6000.0,
+        },
+        {
+            "N": 16384,
+            "V": 151936,
+            "dtype": "bfloat16",
+            "mode": "one_pass",
+            "BLOCK_V": 2048,
+            "num_warps": 4,
+            "num_stages": 1,
+            "status": "ok",
+            "exact": False,
+            "median_ms": 1.0,
+            "model_GBps": 9000.0,
+        },
+        {
+            "N": 16384,
+            "V": 32000,
+            "dtype": "bfloat16",
+            "mode": "one_pass",
+            "BLOCK_V": 2048,
+            "num_warps": 4,
+            "num_stages": 3,
+            "status": "ok",
+            "exact": True,
+            "median_ms": 0.6,
+            "model_GBps": 3500.0,
+        },
     ]
-    fused = [{"N": 16384, "H": 4096, "V": 151936, "dtype": "bfloat16", "mode": "recompute", "BLOCK_N": 128,
-              "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "num_stages": 4, "status": "ok", "exact": True,
-              "median_ms": 200.0, "useful_TFLOPs": 300.0}]
+    fused = [
+        {
+            "N": 16384,
+            "H": 4096,
+            "V": 151936,
+            "dtype": "bfloat16",
+            "mode": "recompute",
+            "BLOCK_N": 128,
+            "BLOCK_V": 128,
+            "BLOCK_H": 64,
+            "num_warps": 8,
+            "num_stages": 4,
+            "status": "ok",
+            "exact": True,
+            "median_ms": 200.0,
+            "useful_TFLOPs": 300.0,
+        }
+    ]
     return {"environment": env, "logits": rows, "fused_linear": fused}
 
 
@@ -76,16 +135,32 @@ def test_sweep_winners_become_the_launchers_defaults(table_path, tmp_path):
 
 
 def test_launch_config_takes_the_table_then_the_override(table_path, monkeypatch):
-    table_path.write_text(json.dumps({"logits": [{"arch": "sm_90", "dtype": "float32", "V": 1003, "one_pass": False,
-                                                  "BLOCK_V": 512, "num_warps": 2, "num_stages": 1}],
-                                      "fused_linear": []}))
+    table_path.write_text(
+        json.dumps(
+            {
+                "logits": [
+                    {
+                        "arch": "sm_90",
+                        "dtype": "float32",
+                        "V": 1003,
+                        "one_pass": False,
+                        "BLOCK_V": 512,
+                        "num_warps": 2,
+                        "num_stages": 1,
+                    }
+                ],
+                "fused_linear": [],
+            }
+        )
+    )
     tuned.table.cache_clear()
     logits = torch.zeros(1, 1, 1003)
     heuristic = {**launch.block_config(1003, 4), "loop_stages": 1, "l2_hints": True}
     assert launch.logits_launch_config(logits) == heuristic  # a CPU tensor: heuristics
     assert launch.default_one_pass(logits) is True
-    monkeypatch.setattr(tuned, "_nearest", lambda kind, device, dtype, V: (json.loads(table_path.read_text()).get(
-        kind) or [None])[0])
+    monkeypatch.setattr(
+        tuned, "_nearest", lambda kind, device, dtype, V: (json.loads(table_path.read_text()).get(kind) or [None])[0]
+    )
     # an entry without "l2_hints" was measured before they existed: it runs without them, as measured
     measured = {"BLOCK_V": 512, "num_warps": 2, "num_stages": 1, "loop_stages": 1, "l2_hints": False}
     assert launch.logits_launch_config(logits) == measured
@@ -96,12 +171,27 @@ def test_launch_config_takes_the_table_then_the_override(table_path, monkeypatch
     # a log-prob pass never takes the loss's entry: its own ("logprobs"), else the heuristic
     assert launch.logits_launch_config(logits, kind="logprobs") == heuristic
     table = json.loads(table_path.read_text())
-    table["logprobs"] = [{"arch": "sm_90", "dtype": "float32", "V": 1003, "BLOCK_V": 1024, "num_warps": 1,
-                          "num_stages": 2, "loop_stages": 3, "l2_hints": True}]
+    table["logprobs"] = [
+        {
+            "arch": "sm_90",
+            "dtype": "float32",
+            "V": 1003,
+            "BLOCK_V": 1024,
+            "num_warps": 1,
+            "num_stages": 2,
+            "loop_stages": 3,
+            "l2_hints": True,
+        }
+    ]
     table_path.write_text(json.dumps(table))
     tuned.table.cache_clear()
     assert launch.logits_launch_config(logits, kind="logprobs") == {
-        "BLOCK_V": 1024, "num_warps": 1, "num_stages": 2, "loop_stages": 3, "l2_hints": True}
+        "BLOCK_V": 1024,
+        "num_warps": 1,
+        "num_stages": 2,
+        "loop_stages": 3,
+        "l2_hints": True,
+    }
     assert launch.logits_launch_config(logits) == measured
 
 
@@ -110,8 +200,14 @@ def test_the_l2_schedule_keeps_the_rows_in_flight_within_l2():
     in flight (one a program: V x the logit's bytes) fill at most ``launch.L2_ROWS_FRACTION`` of L2, at least 1."""
     MiB = 1 << 20
     sms, l2 = 132, 50 * MiB  # an H100 / H200 (torch's L2_cache_size: 50 MiB)
-    for V, bytes_per_logit, expected in ((151936, 2, 1), (128256, 2, 1), (32000, 2, 4), (32000, 4, 2),
-                                         (151936, 4, 1), (262144, 2, 1)):
+    for V, bytes_per_logit, expected in (
+        (151936, 2, 1),
+        (128256, 2, 1),
+        (32000, 2, 4),
+        (32000, 4, 2),
+        (151936, 4, 1),
+        (262144, 2, 1),
+    ):
         row = V * bytes_per_logit
         programs = launch.l2_programs_per_sm(l2, sms, row)
         assert programs == expected, (V, bytes_per_logit, programs)
@@ -125,8 +221,10 @@ def test_the_l2_schedule_keeps_the_rows_in_flight_within_l2():
     assert 132 * 151936 * 2 <= launch.L2_ROWS_FRACTION * l2 < 132 * 262144 * 2
     # the grid: "l2" on a CPU tensor sizes itself from the stand-in's 2 SMs and 50 MiB
     cpu = torch.device("cpu")
-    assert launch._forward_grid(1000, cpu, "l2", 151936 * 2) == ((2 * launch.l2_programs_per_sm(
-        launch.CPU_L2_BYTES, launch.CPU_SMS, 151936 * 2),), True)
+    assert launch._forward_grid(1000, cpu, "l2", 151936 * 2) == (
+        (2 * launch.l2_programs_per_sm(launch.CPU_L2_BYTES, launch.CPU_SMS, 151936 * 2),),
+        True,
+    )
     assert launch._forward_grid(3, cpu, "l2", 1003 * 4) == ((3,), True)  # never more programs than tokens
 
 
@@ -142,7 +240,10 @@ def test_the_sweep_runs_its_candidates_and_they_agree_with_the_default(tmp_path)
     ran = [r for kind in ("logits", "logprobs", "fused_linear") for r in results[kind] if r["status"] == "ok"]
     assert ran and all(r["exact"] for r in ran)
     assert {kind for kind in ("logits", "logprobs", "fused_linear") for r in results[kind] if r["status"] == "ok"} == {
-        "logits", "logprobs", "fused_linear"}  # the log-prob pass has candidates of its own
+        "logits",
+        "logprobs",
+        "fused_linear",
+    }  # the log-prob pass has candidates of its own
     assert results["winners"] == {"logits": [], "logprobs": [], "fused_linear": []}  # CPU figures never become defaults
     assert "Winners" in report.sweep_table(str(out))
 
@@ -151,15 +252,23 @@ def test_the_sweep_times_todays_default_first(tmp_path, monkeypatch):
     """The launchers' current configuration (here a tuned entry as a GPU would read it) is the first candidate
     timed, and not timed twice: a sweep cut short by its budget never crowns a candidate it did not compare
     with the default it would replace."""
-    entry = {"one_pass": True, "BLOCK_V": 256, "num_warps": 2, "num_stages": 1, "programs_per_sm": None,
-             "split_row": 8}
-    monkeypatch.setattr(tuned, "logits_entry", lambda device, dtype, V, kind="logits": entry if kind == "logits" else
-                        None)
+    entry = {"one_pass": True, "BLOCK_V": 256, "num_warps": 2, "num_stages": 1, "programs_per_sm": None, "split_row": 8}
+    monkeypatch.setattr(
+        tuned, "logits_entry", lambda device, dtype, V, kind="logits": entry if kind == "logits" else None
+    )
     logits = sweep.logits_inputs(*sweep.SMOKE_LOGITS_SHAPES[0], "cpu")["logits"]
     incumbent = sweep.incumbent_candidate(logits)
     # an entry measured before the L2 hints existed runs without them (and not pipelined), as measured
-    assert incumbent == {"mode": "one_pass", "BLOCK_V": 256, "num_warps": 2, "num_stages": 1, "loop_stages": 1,
-                         "l2_hints": False, "programs_per_sm": None, "split_row": 8}
+    assert incumbent == {
+        "mode": "one_pass",
+        "BLOCK_V": 256,
+        "num_warps": 2,
+        "num_stages": 1,
+        "loop_stages": 1,
+        "l2_hints": False,
+        "programs_per_sm": None,
+        "split_row": 8,
+    }
     out = tmp_path / "sweep.json"
     assert sweep.main(["--out", str(out), "--smoke"]) == 0
     results = json.loads(out.read_text())
@@ -169,8 +278,11 @@ def test_the_sweep_times_todays_default_first(tmp_path, monkeypatch):
     assert sum({k: r[k] for k in keys} == incumbent for r in rows) == 1
     # the log-prob pass's incumbent: the heuristic (no "logprobs" entry), timed first too
     logprobs = results["logprobs"]
-    assert {k: logprobs[0][k] for k in tuned.LOGPROBS_KEYS} == sweep.incumbent_logprobs(logits) == {
-        **launch.block_config(1003, 4), "num_stages": None, "loop_stages": 1, "l2_hints": True}
+    assert (
+        {k: logprobs[0][k] for k in tuned.LOGPROBS_KEYS}
+        == sweep.incumbent_logprobs(logits)
+        == {**launch.block_config(1003, 4), "num_stages": None, "loop_stages": 1, "l2_hints": True}
+    )
     assert logprobs[0]["status"] == "ok"
 
 
@@ -185,11 +297,12 @@ def test_trls_triton_kernel_loads_without_importing_trl_and_agrees_with_ours():
     logits = torch.randn(2, 5, 33, generator=g)
     ids = torch.randint(0, 33, (2, 5), generator=g)
     theirs, _ = fused(logits, ids, temperature=0.7)
-    torch.testing.assert_close(theirs, token_logprobs(logits, ids, temperature=0.7, backend="triton"), atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        theirs, token_logprobs(logits, ids, temperature=0.7, backend="triton"), atol=1e-5, rtol=1e-5
+    )
 
 
-NCU_RAW = '''==PROF== Connected to process 123
+NCU_RAW = """==PROF== Connected to process 123
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC",\
 "dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum","lts__t_sector_hit_rate.pct",\
 "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active","sm__inst_issued.avg.pct_of_peak_sustained_active",\
@@ -201,7 +314,7 @@ NCU_RAW = '''==PROF== Connected to process 123
 "5,100,000,000","4,980,000,000","2,400,000","51.2","30.1","62.0","88.0"
 "2","1","python3","h","split_row_forward_kernel","1","7","(128, 1, 1)","(660, 1, 1)","0","9.0",\
 "4,990,000,000","4,980,000,000","2,300,000","1.0","45.0","90.0","60.0"
-'''
+"""
 
 
 def test_ncu_summary_reads_the_raw_csv(tmp_path):
@@ -209,10 +322,13 @@ def test_ncu_summary_reads_the_raw_csv(tmp_path):
     path.write_text(NCU_RAW)
     summary = report.ncu_summary(str(path), logits_bytes=4_980_000_000)
     # the forward kernel's two launches are its two schedules, in the profile's order
-    assert ("| one-pass, persistent within L2, L2 hints | grpo_forward_kernel | 2.200 | 1.00 | 1.00 | 50 | 45 | 70 "
-            "| 40 |") in summary
-    assert ("| one-pass forward (writes dlogits), a program a token | grpo_forward_kernel | 2.400 | 1.02 | 1.00 | 51 "
-            "| 88 | 62 | 30 |") in summary
+    assert (
+        "| one-pass, persistent within L2, L2 hints | grpo_forward_kernel | 2.200 | 1.00 | 1.00 | 50 | 45 | 70 | 40 |"
+    ) in summary
+    assert (
+        "| one-pass forward (writes dlogits), a program a token | grpo_forward_kernel | 2.400 | 1.02 | 1.00 | 51 "
+        "| 88 | 62 | 30 |"
+    ) in summary
     assert "| split-row, a chunk held in registers | split_row_forward_kernel | 2.300 |" in summary
 
 
@@ -223,22 +339,45 @@ def test_ncu_profiles_the_sweeps_best_of_each_schedule(tmp_path):
     import ncu_target
 
     V = ncu_target.SHAPE[2]
-    row = lambda ms, **c: {"mode": "one_pass", "V": V, "status": "ok", "exact": True, "median_ms": ms,  # noqa: E731
-                           "num_stages": 1, "loop_stages": 1, "l2_hints": False, "programs_per_sm": None,
-                           "split_row": None, **c}
-    rows = [row(3.0, BLOCK_V=4096, num_warps=8), row(2.6, BLOCK_V=4096, num_warps=8, split_row=8),
-            row(2.4, BLOCK_V=4096, num_warps=4, split_row=16), row(2.5, BLOCK_V=8192, num_warps=8, split_row=64),
-            row(2.1, BLOCK_V=4096, num_warps=4, split_row=64, exact=False), {**row(1.0, BLOCK_V=2048, num_warps=4),
-                                                                             "V": 32000},
-            row(2.7, BLOCK_V=8192, num_warps=16, l2_hints=True, programs_per_sm="l2"),
-            row(2.8, BLOCK_V=4096, num_warps=16, l2_hints=True, programs_per_sm=2)]
+
+    def row(ms, **c):
+        return {
+            "mode": "one_pass",
+            "V": V,
+            "status": "ok",
+            "exact": True,
+            "median_ms": ms,
+            "num_stages": 1,
+            "loop_stages": 1,
+            "l2_hints": False,
+            "programs_per_sm": None,
+            "split_row": None,
+            **c,
+        }
+
+    rows = [
+        row(3.0, BLOCK_V=4096, num_warps=8),
+        row(2.6, BLOCK_V=4096, num_warps=8, split_row=8),
+        row(2.4, BLOCK_V=4096, num_warps=4, split_row=16),
+        row(2.5, BLOCK_V=8192, num_warps=8, split_row=64),
+        row(2.1, BLOCK_V=4096, num_warps=4, split_row=64, exact=False),
+        {**row(1.0, BLOCK_V=2048, num_warps=4), "V": 32000},
+        row(2.7, BLOCK_V=8192, num_warps=16, l2_hints=True, programs_per_sm="l2"),
+        row(2.8, BLOCK_V=4096, num_warps=16, l2_hints=True, programs_per_sm=2),
+    ]
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"logits": rows}))
     best = ncu_target.best_configs(str(path))
     assert set(best) == {"one_pass_l2", "one_pass", "split_row_held"}
-    assert best["split_row_held"] == {"BLOCK_V": 8192, "num_warps": 8, "num_stages": 1, "loop_stages": 1,
-                                      "l2_hints": False, "programs_per_sm": None,
-                                      "split_row": 64}  # the inexact one is never profiled
+    assert best["split_row_held"] == {
+        "BLOCK_V": 8192,
+        "num_warps": 8,
+        "num_stages": 1,
+        "loop_stages": 1,
+        "l2_hints": False,
+        "programs_per_sm": None,
+        "split_row": 64,
+    }  # the inexact one is never profiled
     assert best["one_pass"]["BLOCK_V"] == 4096 and best["one_pass"]["split_row"] is None
     assert best["one_pass_l2"]["programs_per_sm"] == "l2" and best["one_pass_l2"]["BLOCK_V"] == 8192
     defaults = ncu_target.best_configs(None)
@@ -250,8 +389,12 @@ def test_the_vocab_parallel_step_runs_on_two_ranks_and_matches_the_unsharded_one
     import subprocess
 
     out = tmp_path / "vocab_parallel.json"
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "vocab_parallel.py"), "--out", str(out), "--smoke"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "vocab_parallel.py"), "--out", str(out), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     results = json.loads(out.read_text())
     assert "error" not in results and results["cases"]
@@ -287,8 +430,12 @@ def test_the_whole_step_benchmark_runs_every_path_and_reports_it(tmp_path):
     import subprocess
 
     out = tmp_path / "train_step.json"
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "train_step.py"), "--out", str(out), "--smoke"],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "train_step.py"), "--out", str(out), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     results = json.loads(out.read_text())
     import trl_head
@@ -352,8 +499,14 @@ def test_the_sanitizers_cases_run_every_kernel_in_the_interpreter():
     kernels in Triton's interpreter): every case's calls are valid, so a sanitizer report is about the kernels."""
     import subprocess
 
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "sanitize_cases.py")], capture_output=True, text=True,
-                         timeout=600, cwd=BENCHMARKS.parent, env={**os.environ, "TRITON_INTERPRET": "1"})
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "sanitize_cases.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCHMARKS.parent,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     import sanitize_cases
 
@@ -363,8 +516,16 @@ def test_the_sanitizers_cases_run_every_kernel_in_the_interpreter():
 def test_the_device_run_returns_at_most_eight_files():
     """The GPU mode's outputs, as gpu_suite.sh names them, fit the device tool's limit of 8 files."""
     suite = (BENCHMARKS / "gpu_suite.sh").read_text()
-    outputs = {"tests.txt", "sweep.json", "bench.json", "bench_fused_linear.json", "steps.json", "ncu.csv",
-               "report.md", "run.log"}
+    outputs = {
+        "tests.txt",
+        "sweep.json",
+        "bench.json",
+        "bench_fused_linear.json",
+        "steps.json",
+        "ncu.csv",
+        "report.md",
+        "run.log",
+    }
     for name in outputs:
         assert name in suite, name
     assert "--merge-steps" in suite and len(outputs) == 8
@@ -377,12 +538,31 @@ def test_a_sweep_candidate_runs_its_own_schedule_whatever_tuned_json_says(monkey
     x = sweep.logits_inputs(1, 3, 301, "cpu")
     seen = []
     real = launch.forward
-    monkeypatch.setattr(launch, "forward",
-                        lambda *a, config=None, **k: seen.append(dict(config)) or real(*a, config=config, **k))
-    sweep.run_logits(x, {"mode": "one_pass", "BLOCK_V": 256, "num_warps": 2, "num_stages": None,
-                         "programs_per_sm": None, "split_row": None})
-    sweep.run_logits(x, {"mode": "one_pass", "BLOCK_V": 256, "num_warps": 2, "num_stages": None,
-                         "programs_per_sm": None, "split_row": 2})
+    monkeypatch.setattr(
+        launch, "forward", lambda *a, config=None, **k: seen.append(dict(config)) or real(*a, config=config, **k)
+    )
+    sweep.run_logits(
+        x,
+        {
+            "mode": "one_pass",
+            "BLOCK_V": 256,
+            "num_warps": 2,
+            "num_stages": None,
+            "programs_per_sm": None,
+            "split_row": None,
+        },
+    )
+    sweep.run_logits(
+        x,
+        {
+            "mode": "one_pass",
+            "BLOCK_V": 256,
+            "num_warps": 2,
+            "num_stages": None,
+            "programs_per_sm": None,
+            "split_row": 2,
+        },
+    )
     assert [(c["split_row"], c["programs_per_sm"]) for c in seen] == [(0, 0), (2, 0)]
     assert launch.logits_launch_config(x["logits"], seen[0])["split_row"] == 0
 
@@ -401,7 +581,7 @@ def test_the_suite_holds_its_stages_to_nine_minutes(tmp_path):
     grace = int(re.search(r"^GRACE=(\d+)$", suite, re.MULTILINE).group(1))
     assert suite_limit <= 540
     assert sum(limits.values()) + grace * len(limits) + 40 <= suite_limit, limits  # 40 s: set-up and the report
-    functions = suite[suite.index("# clamp SECONDS"):suite.index("\nFIRST_TESTS=")]
+    functions = suite[suite.index("# clamp SECONDS") : suite.index("\nFIRST_TESTS=")]
     script = f"""set -u; SUITE_LIMIT=60; GRACE=5; OUT={tmp_path}; LOG={tmp_path}/log; say() {{ echo "$*"; }}
 {functions}
 stage plenty 30 true; SECONDS=25; stage squeezed 30 true; SECONDS=40; stage spent 30 true; stage off 0 true"""
@@ -411,23 +591,42 @@ stage plenty 30 true; SECONDS=25; stage squeezed 30 true; SECONDS=40; stage spen
 
 
 def _loss_row(path, median_ms, pass_="fwd+bwd", N=16, V=1003, smoke=True):
-    return {"smoke": smoke, "N": N, "V": V, "dtype": "fp32", "level": "token", "pass": pass_, "path": path, "median_ms": median_ms,
-            "model_GBps": 1.0, "fraction_of_copy": 0.5, "device": "cpu", "torch": "2.13", "triton": "3.9"}
+    return {
+        "smoke": smoke,
+        "N": N,
+        "V": V,
+        "dtype": "fp32",
+        "level": "token",
+        "pass": pass_,
+        "path": path,
+        "median_ms": median_ms,
+        "model_GBps": 1.0,
+        "fraction_of_copy": 0.5,
+        "device": "cpu",
+        "torch": "2.13",
+        "triton": "3.9",
+    }
 
 
 def test_the_report_says_smoke_times_are_host_cost_and_pairs_each_pass_with_its_own_baselines():
     """A smoke run's table says what its times carry; each row's speed-ups are against eager and the
     torch.compile'd loss of the same shape and pass (fwd against fwd, fwd+bwd against fwd+bwd), '-' where that
     shape has no compiled row."""
-    rows = [_loss_row("eager", 2.0), _loss_row("ours (torch path)", 1.0), _loss_row("eager", 1.0, "fwd"),
-            _loss_row("ours (torch path)", 0.5, "fwd")]
+    rows = [
+        _loss_row("eager", 2.0),
+        _loss_row("ours (torch path)", 1.0),
+        _loss_row("eager", 1.0, "fwd"),
+        _loss_row("ours (torch path)", 0.5, "fwd"),
+    ]
     table = report.table(rows)
     assert table.startswith("Smoke run (GRPO_BENCH_SMOKE=1): one small shape")
     assert "| fwd+bwd | ours (torch path) | 1.000 |" in table and "| 2.00x | - |" in table
     assert "| fwd | ours (torch path) | 0.500 |" in table  # against fwd eager (1.0), not fwd+bwd's
     assert table.count("| 2.00x | - |") == 2 and "4.00x" not in table and "1.00x" in table
-    big = [_loss_row(path, ms, N=1024, V=32000, smoke=False) for path, ms in (("eager", 600.0), ("torch.compile", 240.0),
-                                                                   ("ours (torch path)", 200.0))]
+    big = [
+        _loss_row(path, ms, N=1024, V=32000, smoke=False)
+        for path, ms in (("eager", 600.0), ("torch.compile", 240.0), ("ours (torch path)", 200.0))
+    ]
     table = report.table(big)
     assert not table.startswith("Smoke") and "| ours (torch path) | 200.000 |" in table
     assert "| 3.00x | 1.20x |" in table  # eager 600 / 200, compiled 240 / 200

@@ -1,6 +1,5 @@
 """Data parallel: two processes (gloo, CPU) make the update one process makes on the whole batch."""
 
-
 import pytest
 import torch
 from gloo_ranks import run_ranks
@@ -24,15 +23,22 @@ def _rollout(trainer, rows: slice) -> Rollout:
     advantages = torch.randn(ROWS, generator=g)
     rewards = torch.zeros(ROWS, 1)
     n = len(range(ROWS)[rows])
-    return Rollout(prompt_ids[rows], prompt_mask[rows], completion_ids[rows], completion_mask[rows],
-                   advantages[rows], rewards[rows], torch.zeros(n // GROUP, dtype=torch.bool), [{}] * n)
+    return Rollout(
+        prompt_ids[rows],
+        prompt_mask[rows],
+        completion_ids[rows],
+        completion_mask[rows],
+        advantages[rows],
+        rewards[rows],
+        torch.zeros(n // GROUP, dtype=torch.bool),
+        [{}] * n,
+    )
 
 
 def _gradients(loss_type: str, rows: slice):
     tokenizer = compare.build_tokenizer()
     model = compare.build_model(tokenizer, hidden_size=32, seed=0)
-    config = TrainerConfig(group_size=GROUP, prompts_per_step=ROWS // GROUP, loss_type=loss_type,
-                           max_new_tokens=6)
+    config = TrainerConfig(group_size=GROUP, prompts_per_step=ROWS // GROUP, loss_type=loss_type, max_new_tokens=6)
     trainer = GRPOTrainer(model, tokenizer, [numeric_match], [{"prompt": "x", "answer": "1"}], config)
     loss, _ = trainer.accumulate_gradients(_rollout(trainer, rows))
     return [p.grad.clone() for p in model.parameters()]
@@ -48,5 +54,5 @@ def test_two_processes_match_one_process(loss_type):
     per_rank = run_ranks(_rank_gradients, 2, loss_type)
     single = _gradients(loss_type, slice(0, ROWS))
     for rank_grads in per_rank:  # the all-reduced gradients are the same on every rank
-        for d, s in zip(rank_grads, single):
+        for d, s in zip(rank_grads, single, strict=True):
             torch.testing.assert_close(d, s, atol=1e-6, rtol=1e-4)

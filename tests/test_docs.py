@@ -15,13 +15,13 @@ PACKAGE = ROOT / "grpo_kernels"
 EXTERNAL = ("torch", "triton", "tl", "pytest", "transformers", "trl")  # cited, not ours to check
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sources() -> dict:
     files = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
     return {path: ast.parse(path.read_text()) for path in files}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _definitions(path: pathlib.Path) -> dict:
     """Every name ``path`` defines: functions, classes, assignment targets (attributes too), parameters."""
     names = {}
@@ -124,20 +124,25 @@ def test_extending_cites_only_what_exists():
     assert len(citations(EXTENDING)) > 80  # the page is read, not skipped
 
 
-@pytest.mark.parametrize("cited,wrong", [
-    ("kernels/launch.py::loss_scalar_args", "defines no loss_scalar_args"),
-    ("loss_flags", "nothing defines loss_flags"),
-    ("contracts.NO_SUCH_*", "defines no NO_SUCH_*"),
-    ("kernels/nothing.py", "no file"),
-    ("GRPOOptions.no_such_member", "nothing defines no_such_member"),
-])
+@pytest.mark.parametrize(
+    "cited,wrong",
+    [
+        ("kernels/launch.py::loss_scalar_args", "defines no loss_scalar_args"),
+        ("loss_flags", "nothing defines loss_flags"),
+        ("contracts.NO_SUCH_*", "defines no NO_SUCH_*"),
+        ("kernels/nothing.py", "no file"),
+        ("GRPOOptions.no_such_member", "nothing defines no_such_member"),
+    ],
+)
 def test_the_citation_check_finds_what_does_not_exist(cited, wrong):
     assert wrong in (citation_error(cited) or "")
 
 
 def test_the_citation_check_reads_every_form():
-    found = citations("`kernels/grpo.py::token_loss_and_grad` `contracts.DIVISOR_*` `tokens=TokenInputs(...)` "
-                      "`HAS_IW: tl.constexpr = iw is not None` `grpo` `per_token_terms`\n```\nnot_read\n```")
+    found = citations(
+        "`kernels/grpo.py::token_loss_and_grad` `contracts.DIVISOR_*` `tokens=TokenInputs(...)` "
+        "`HAS_IW: tl.constexpr = iw is not None` `grpo` `per_token_terms`\n```\nnot_read\n```"
+    )
     assert found == ["kernels/grpo.py::token_loss_and_grad", "contracts.DIVISOR_*", "TokenInputs", "per_token_terms"]
     assert all(citation_error(c) is None for c in found)
 

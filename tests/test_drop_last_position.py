@@ -50,8 +50,15 @@ def test_full_logits_match_the_aligned_view(device, backend, one_pass, level, in
 
     leaf = _full_logits(batch, device)
     given = leaf * 1.0 if in_place else leaf  # in place needs a model output (not a leaf) to overwrite
-    out = grpo_loss(given, **inputs, **options, backend=backend, one_pass=one_pass, in_place_backward=in_place,
-                    drop_last_position=True)
+    out = grpo_loss(
+        given,
+        **inputs,
+        **options,
+        backend=backend,
+        one_pass=one_pass,
+        in_place_backward=in_place,
+        drop_last_position=True,
+    )
     out.loss.backward()
     grad = leaf.grad
 
@@ -80,9 +87,14 @@ def test_the_backward_writes_the_full_gradient_without_a_slice_copy(device, back
     assert not any("slice_backward" in name for name in names), names
     # (the torch path's masked_fill_ sets the masked tokens' rows of its piece to 0, a guard against their logits'
     # NaN: one op over the whole piece where the batch fits one, as it does here, but no buffer zero-filled)
-    fills = [name for name, result in recorder.ops
-             if any(word in name for word in ("zeros", "zero_", "fill_")) and "masked_fill" not in name
-             and isinstance(result, torch.Tensor) and result.numel() >= B * (T1 - 1) * V]
+    fills = [
+        name
+        for name, result in recorder.ops
+        if any(word in name for word in ("zeros", "zero_", "fill_"))
+        and "masked_fill" not in name
+        and isinstance(result, torch.Tensor)
+        and result.numel() >= B * (T1 - 1) * V
+    ]
     assert not fills, f"a gradient-sized fill: {fills}"
 
 
@@ -97,14 +109,18 @@ def test_token_logprobs_and_the_module_take_full_logits(device, backend):
 
     inputs = {k: v for k, v in batch.items() if k != "logits"}
     module = GRPOLoss(beta=0.04, backend=backend, drop_last_position=True)
-    assert_close("loss", GRPOLoss(beta=0.04, backend=backend)(batch["logits"], **inputs).loss,
-                 module(full, **inputs).loss, **TOL)
+    assert_close(
+        "loss", GRPOLoss(beta=0.04, backend=backend)(batch["logits"], **inputs).loss, module(full, **inputs).loss, **TOL
+    )
 
 
 def test_drop_last_position_needs_one_more_position(device):
     batch = make_batch(device=device, seed=9)
-    with pytest.raises(ValueError, match=r"drop_last_position=True needs logits \[B, T \+ 1, V\] for completion_ids "
-                                         r"\[B, T\], got logits \(3, 5, 1003\) and completion_ids \(3, 5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"drop_last_position=True needs logits \[B, T \+ 1, V\] for completion_ids "
+        r"\[B, T\], got logits \(3, 5, 1003\) and completion_ids \(3, 5\)",
+    ):
         grpo_loss(**batch, drop_last_position=True)
     with pytest.raises(TypeError, match="drop_last_position must be a bool, got 1"):
         grpo_loss(**batch, drop_last_position=1)

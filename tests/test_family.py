@@ -40,8 +40,9 @@ def test_rft_matches_reference_and_ignores_rejected_completions(device, backend)
     assert_close("dlogits", expected_grad, grad, **TOL)
     assert torch.count_nonzero(grad[1]) == 0  # GC = 0: an incorrect completion teaches nothing
     with pytest.raises(ValueError, match="rewards must be \\[B\\] of 0 / 1"):
-        family.rft_loss(b["logits"], b["completion_ids"], b["completion_mask"],
-                        torch.tensor([1.0, 0.5, 0.0], device=device))
+        family.rft_loss(
+            b["logits"], b["completion_ids"], b["completion_mask"], torch.tensor([1.0, 0.5, 0.0], device=device)
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -96,9 +97,18 @@ def test_reward_model_loss_is_bradley_terry_and_stable():
 def _tiny_reward_model(tokenizer):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    return LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    return LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            num_labels=1,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
 
 
 @pytest.mark.parametrize("with_margin", [False, True])
@@ -112,9 +122,11 @@ def test_the_centering_term_is_trls_reward_trainers(tmp_path, with_margin):
 
     tokenizer = compare.build_tokenizer()
     trainer = RewardTrainer(
-        model=_tiny_reward_model(tokenizer), processing_class=tokenizer,
+        model=_tiny_reward_model(tokenizer),
+        processing_class=tokenizer,
         args=RewardConfig(output_dir=str(tmp_path), center_rewards_coefficient=0.01, report_to=[], use_cpu=True),
-        train_dataset=Dataset.from_list([{"chosen": "9.9", "rejected": "9.11"}]))
+        train_dataset=Dataset.from_list([{"chosen": "9.9", "rejected": "9.11"}]),
+    )
     g = torch.Generator().manual_seed(0)
     chosen, rejected = 3.0 + torch.randn(8, generator=g), 2.0 + torch.randn(8, generator=g)
     margin = torch.rand(8, generator=g) if with_margin else None
@@ -123,8 +135,11 @@ def test_the_centering_term_is_trls_reward_trainers(tmp_path, with_margin):
         def forward(self, **_):
             return type("Out", (), {"logits": torch.cat([chosen, rejected])[:, None]})()
 
-    inputs = {"input_ids": torch.ones(16, 2, dtype=torch.long), "attention_mask": torch.ones(16, 2, dtype=torch.long),
-              **({"margin": margin} if with_margin else {})}
+    inputs = {
+        "input_ids": torch.ones(16, 2, dtype=torch.long),
+        "attention_mask": torch.ones(16, 2, dtype=torch.long),
+        **({"margin": margin} if with_margin else {}),
+    }
     expected = trainer.compute_loss(Scores(), inputs)
     got = family.reward_model_loss(chosen, rejected, margin, center_rewards_coefficient=0.01)
     assert_close("TRL's reward loss", expected, got, atol=1e-6, rtol=1e-6)
@@ -155,14 +170,15 @@ def test_the_reward_models_training_centers_its_scores(monkeypatch):
 
 
 def test_reward_model_learns_preferences_and_scores_completions():
-    from grpo_kernels.training.reward_model import RewardModelReward, train_reward_model
-    from grpo_kernels.training.tasks import compare
-
     import importlib.util
     import pathlib
 
+    from grpo_kernels.training.reward_model import RewardModelReward, train_reward_model
+    from grpo_kernels.training.tasks import compare
+
     spec = importlib.util.spec_from_file_location(
-        "reward_model_grpo", pathlib.Path(__file__).parents[1] / "examples" / "reward_model_grpo.py")
+        "reward_model_grpo", pathlib.Path(__file__).parents[1] / "examples" / "reward_model_grpo.py"
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     tokenizer = compare.build_tokenizer()

@@ -9,9 +9,18 @@ import pytest
 import torch
 from helpers import assert_close
 
-from grpo_kernels import (FusedLinearGRPOLoss, GRPOLoss, GRPOOptions, fused_linear_grpo_loss, grpo_loss,
-                          linear_token_logprobs, selective_log_softmax, selective_log_softmax_and_entropy,
-                          token_entropy, token_logprobs)
+from grpo_kernels import (
+    FusedLinearGRPOLoss,
+    GRPOLoss,
+    GRPOOptions,
+    fused_linear_grpo_loss,
+    grpo_loss,
+    linear_token_logprobs,
+    selective_log_softmax,
+    selective_log_softmax_and_entropy,
+    token_entropy,
+    token_logprobs,
+)
 from grpo_kernels.from_logits import LogitsSource
 from grpo_kernels.inputs import prepare_inputs
 from grpo_kernels.option_docs import option_names, options_table, undocumented_fields
@@ -42,8 +51,9 @@ def test_linear_token_logprobs_equal_token_logprobs_on_the_materialized_logits(d
     assert lp.shape == ids.shape and h.shape == ids.shape and not lp.requires_grad
     assert_close("log-probs", expected_lp, lp, **TOL)
     assert_close("entropy", expected_h, h, **TOL)
-    assert_close("log-probs alone", expected_lp, linear_token_logprobs(hidden, weight, ids, b, 0.8, backend=backend),
-                 **TOL)
+    assert_close(
+        "log-probs alone", expected_lp, linear_token_logprobs(hidden, weight, ids, b, 0.8, backend=backend), **TOL
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -53,7 +63,7 @@ def test_linear_token_logprobs_of_a_packed_batch(device, backend):
     logits = hidden[0] @ weight.T + b
     expected = token_logprobs(logits, ids[0], return_entropy=True, backend=backend, cu_seqlens=cu)
     got = linear_token_logprobs(hidden[0], weight, ids[0], b, return_entropy=True, backend=backend, cu_seqlens=cu)
-    for name, e, x in zip(("log-probs", "entropy"), expected, got):
+    for name, e, x in zip(("log-probs", "entropy"), expected, got, strict=True):
         assert x.shape == (11,)
         assert_close(name, e, x, **TOL)
 
@@ -66,8 +76,17 @@ def test_linear_token_logprobs_are_the_fused_losss_own_log_probs(device, backend
     mask = torch.ones(ids.shape, device=device)
     mask[0, 4:] = 0
     old = linear_token_logprobs(hidden, weight, ids, b, backend=backend)
-    out = fused_linear_grpo_loss(hidden, weight, ids, mask, torch.randn(ids.shape[0], device=device), old, bias=b,
-                                 backend=backend, lm_head_mode=lm_head_mode)
+    out = fused_linear_grpo_loss(
+        hidden,
+        weight,
+        ids,
+        mask,
+        torch.randn(ids.shape[0], device=device),
+        old,
+        bias=b,
+        backend=backend,
+        lm_head_mode=lm_head_mode,
+    )
     assert_close("log-probs", old * mask, out.per_token_logps * mask, **TOL)
     assert float(out.metrics["clip_ratio/region_mean"]) == 0.0
 
@@ -88,13 +107,27 @@ def test_the_log_prob_family_takes_the_same_keywords():
     """Every function of the family takes the shared keywords; token_entropy has no ids, so no check_ids and
     no cu_seqlens (its values are per position); token_logprobs and linear_token_logprobs have no backward,
     so no in_place_backward; hidden states have no extra position to drop."""
-    shared = {"backend", "drop_last_position", "cu_seqlens", "vocab_parallel_group", "vocab_start_index",
-              "check_ids", "in_place_backward"}
-    exceptions = {token_logprobs: {"in_place_backward"}, linear_token_logprobs: {"in_place_backward",
-                                                                                "drop_last_position"},
-                  token_entropy: {"check_ids", "cu_seqlens"}}
-    for fn in (token_logprobs, linear_token_logprobs, selective_log_softmax, token_entropy,
-               selective_log_softmax_and_entropy):
+    shared = {
+        "backend",
+        "drop_last_position",
+        "cu_seqlens",
+        "vocab_parallel_group",
+        "vocab_start_index",
+        "check_ids",
+        "in_place_backward",
+    }
+    exceptions = {
+        token_logprobs: {"in_place_backward"},
+        linear_token_logprobs: {"in_place_backward", "drop_last_position"},
+        token_entropy: {"check_ids", "cu_seqlens"},
+    }
+    for fn in (
+        token_logprobs,
+        linear_token_logprobs,
+        selective_log_softmax,
+        token_entropy,
+        selective_log_softmax_and_entropy,
+    ):
         params = inspect.signature(fn).parameters
         assert shared - exceptions.get(fn, set()) <= set(params), fn.__name__
         ids_names = {"ids", "index", "completion_ids", "labels"} & set(params)
@@ -116,8 +149,12 @@ def test_the_differentiable_family_drops_the_last_position_and_skips_the_ids_che
     assert_close("without the ids check", expected_lp, lp_sliced, **TOL)
     with pytest.raises(ValueError, match=r"completion_ids must lie in \[0, V\)"):
         selective_log_softmax(full[:, :-1], ids + 41, backend=backend)
-    packed = selective_log_softmax(full[0], torch.randint(0, 41, (5,)).to(device), backend=backend,
-                                   cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32, device=device))
+    packed = selective_log_softmax(
+        full[0],
+        torch.randint(0, 41, (5,)).to(device),
+        backend=backend,
+        cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32, device=device),
+    )
     assert packed.shape == (5,)
 
 
@@ -126,9 +163,15 @@ def test_prepared_inputs_are_frozen_and_packed_once(device):
     logits = torch.randn(7, 13, generator=g).to(device)
     ids = torch.randint(0, 13, (7,), generator=g).to(device)
     cu = torch.tensor([0, 3, 7], device=device)
-    inputs = prepare_inputs(LogitsSource(logits), ids, torch.ones(7, device=device),
-                            torch.randn(2, generator=g).to(device), options=GRPOOptions(), backend="torch",
-                            cu_seqlens=cu)
+    inputs = prepare_inputs(
+        LogitsSource(logits),
+        ids,
+        torch.ones(7, device=device),
+        torch.randn(2, generator=g).to(device),
+        options=GRPOOptions(),
+        backend="torch",
+        cu_seqlens=cu,
+    )
     assert inputs.source.tensor.shape == (1, 7, 13) and inputs.ids.shape == (1, 7) and inputs.caller_shape == (7,)
     assert inputs.layout.packed and inputs.mask_seq.shape == (2, 4)
     assert inputs.mask.dtype == torch.float32 and inputs.mask.is_contiguous()  # the kernels' one mask
@@ -159,8 +202,10 @@ def test_the_options_table_the_docstrings_and_the_options_agree():
     name every option and their own keywords."""
     assert undocumented_fields() == ()
     assert options_table() in README.read_text(), "the README's options table is option_docs.options_table()"
-    for module, own in ((GRPOLoss, ("one_pass", "drop_last_position", "in_place_backward")),
-                        (FusedLinearGRPOLoss, ("check_ids",))):
+    for module, own in (
+        (GRPOLoss, ("one_pass", "drop_last_position", "in_place_backward")),
+        (FusedLinearGRPOLoss, ("check_ids",)),
+    ):
         doc = re.sub(r"\s+", " ", module.__doc__)
         for name in option_names() + own:
             assert name in doc, (module.__name__, name)
@@ -185,8 +230,13 @@ def test_the_fused_lm_head_module_is_a_sibling_not_a_subclass():
 def test_the_loss_type_registry_covers_every_loss_type():
     assert tuple(LOSS_TYPE_REGISTRY) == LOSS_TYPES
     for name, entry in LOSS_TYPE_REGISTRY.items():
-        assert entry.name == name and entry.reduction in ("row_token_mean", "batch_token_mean", "constant",
-                                                          "token_count", "rows")
+        assert entry.name == name and entry.reduction in (
+            "row_token_mean",
+            "batch_token_mean",
+            "constant",
+            "token_count",
+            "rows",
+        )
         # TRL divides exactly the losses not normalized by a global token count by the accumulation steps
         assert entry.divided_by_accumulation == (entry.reduction != "token_count")
         assert entry.policy_term in ("ppo_clip", "capped_ratio", "soft_gate", "sequence_weight")
@@ -207,8 +257,10 @@ def _rank_dtensor_errors(rank: int, world: int):
     messages = []
     sharded_weight = distribute_tensor(weight, mesh, [Shard(0)])
     sharded_logits = distribute_tensor(hidden @ weight.T, mesh, [Shard(2)])
-    for call in (lambda: fused_linear_grpo_loss(hidden, sharded_weight, ids, mask, adv),
-                 lambda: grpo_loss(sharded_logits, ids, mask, adv)):
+    for call in (
+        lambda: fused_linear_grpo_loss(hidden, sharded_weight, ids, mask, adv),
+        lambda: grpo_loss(sharded_logits, ids, mask, adv),
+    ):
         try:
             call()
             messages.append(None)
@@ -217,21 +269,26 @@ def _rank_dtensor_errors(rank: int, world: int):
     return messages
 
 
-
 def test_sharded_dtensor_inputs_are_named_in_a_clear_error():
     """An FSDP2 / tensor-parallel DTensor weight or logits never reaches the kernels or the torch ops (where it
     failed deep inside aten.mm or the launcher): the error names it and says what to pass instead."""
     from gloo_ranks import run_ranks
 
-    (weight_error, logits_error), = run_ranks(_rank_dtensor_errors, 1, timeout=120)
+    ((weight_error, logits_error),) = run_ranks(_rank_dtensor_errors, 1, timeout=120)
     assert weight_error and "weight is a DTensor" in weight_error and "full_tensor()" in weight_error
     assert "vocab_parallel_group" in weight_error
     assert logits_error and "logits is a DTensor" in logits_error and "to_local()" in logits_error
 
 
-@pytest.mark.parametrize("options", [dict(beta=0.04, entropy_coef=0.1), dict(loss_type="dapo", delta=1.5),
-                                     dict(importance_sampling_level="sequence", beta=0.04),
-                                     dict(loss_type="sapo", kl_estimator="k2", beta=0.1)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(beta=0.04, entropy_coef=0.1),
+        dict(loss_type="dapo", delta=1.5),
+        dict(importance_sampling_level="sequence", beta=0.04),
+        dict(loss_type="sapo", kl_estimator="k2", beta=0.1),
+    ],
+)
 def test_float64_on_the_torch_path_passes_gradcheck(options):
     """fp64 logits (and hidden states) run on the torch path in fp64, so torch.autograd.gradcheck applies;
     the Triton kernels refuse them by name. (Not for cispo and vespo: their coefficients are detached by
@@ -242,8 +299,9 @@ def test_float64_on_the_torch_path_passes_gradcheck(options):
     assert torch.autograd.gradcheck(lambda x: grpo_loss(x, **batch, **options).loss, (logits,), eps=1e-6, atol=1e-6)
     hidden = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda h, w: fused_linear_grpo_loss(h, w, **batch, **options).loss,
-                                    (hidden, weight), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(
+        lambda h, w: fused_linear_grpo_loss(h, w, **batch, **options).loss, (hidden, weight), eps=1e-6, atol=1e-6
+    )
     with pytest.raises(TypeError, match="float64 runs on backend='torch'"):
         grpo_loss(logits, **batch, backend="triton")
 
@@ -252,9 +310,14 @@ def make_batch_fp64(g):
     ids = torch.randint(0, 7, (2, 3), generator=g)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     lp = -torch.rand(2, 3, generator=g, dtype=torch.float64) - 1.5
-    return dict(logits=torch.randn(2, 3, 7, generator=g, dtype=torch.float64), completion_ids=ids,
-                completion_mask=mask, advantages=torch.randn(2, generator=g, dtype=torch.float64), old_logps=lp,
-                ref_logps=lp + 0.1)
+    return dict(
+        logits=torch.randn(2, 3, 7, generator=g, dtype=torch.float64),
+        completion_ids=ids,
+        completion_mask=mask,
+        advantages=torch.randn(2, generator=g, dtype=torch.float64),
+        old_logps=lp,
+        ref_logps=lp + 0.1,
+    )
 
 
 @pytest.mark.parametrize("options", [dict(beta=0.04, entropy_coef=0.1), dict(importance_sampling_level="sequence")])
@@ -278,7 +341,7 @@ def test_torch_func_grad_on_the_torch_path(options):
     grads = torch.func.grad(head, argnums=(0, 1))(hidden, weight)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     head(h, w).backward()
-    for expected, actual in zip((h.grad, w.grad), grads):
+    for expected, actual in zip((h.grad, w.grad), grads, strict=True):
         torch.testing.assert_close(actual, expected, atol=1e-7, rtol=1e-6)
 
 
@@ -293,8 +356,11 @@ def test_a_log_prob_pass_computes_no_entropy_unless_asked(monkeypatch):
     assert validation.interpreter_enabled()  # asked (and cached) before the recorder stands in for the kernels
     kinds = []
     original = launch.logits_launch_config
-    monkeypatch.setattr(launch, "logits_launch_config", lambda logits, override=None, kind="logits": (
-        kinds.append(kind), original(logits, override, kind))[1])
+    monkeypatch.setattr(
+        launch,
+        "logits_launch_config",
+        lambda logits, override=None, kind="logits": (kinds.append(kind), original(logits, override, kind))[1],
+    )
     hidden, weight, b, ids = _lm_head("cpu")
     logits = hidden @ weight.T + b
 
@@ -303,19 +369,26 @@ def test_a_log_prob_pass_computes_no_entropy_unless_asked(monkeypatch):
         with aot.recorded_launches() as launches:
             call()
         (item,) = [x for x in launches if x.kernel.fn.__name__ in ("grpo_forward_kernel", "linear_grpo_forward_kernel")]
-        args = dict(zip(item.kernel.arg_names, item.args), **item.kwargs)
+        args = dict(zip(item.kernel.arg_names, item.args, strict=False), **item.kwargs)
         return args["entropy_out"] is not None, set(kinds)
 
     assert entropy_out(lambda: token_logprobs(logits, ids, backend="triton")) == (False, {"logprobs"})
-    assert entropy_out(lambda: token_logprobs(logits, ids, return_entropy=True, backend="triton")) == (True,
-                                                                                                      {"logprobs"})
+    assert entropy_out(lambda: token_logprobs(logits, ids, return_entropy=True, backend="triton")) == (
+        True,
+        {"logprobs"},
+    )
     assert entropy_out(lambda: selective_log_softmax(logits, ids, backend="triton")) == (False, {"logprobs"})
     assert entropy_out(lambda: linear_token_logprobs(hidden, weight, ids, b, backend="triton"))[0] is False
-    assert entropy_out(lambda: linear_token_logprobs(hidden, weight, ids, b, return_entropy=True,
-                                                     backend="triton"))[0] is True
+    assert (
+        entropy_out(lambda: linear_token_logprobs(hidden, weight, ids, b, return_entropy=True, backend="triton"))[0]
+        is True
+    )
     # a loss launch keeps the loss's own configurations
-    assert entropy_out(lambda: grpo_loss(logits, ids, torch.ones_like(ids, dtype=torch.float32),
-                                         torch.ones(ids.shape[0]), backend="triton"))[1] == {"logits"}
+    assert entropy_out(
+        lambda: grpo_loss(
+            logits, ids, torch.ones_like(ids, dtype=torch.float32), torch.ones(ids.shape[0]), backend="triton"
+        )
+    )[1] == {"logits"}
 
     pytest.importorskip("verl")
     from grpo_kernels import loss
@@ -323,8 +396,14 @@ def test_a_log_prob_pass_computes_no_entropy_unless_asked(monkeypatch):
 
     asked, replacements = [], {}
     compute = loss.compute_logprobs
-    monkeypatch.setattr(loss, "compute_logprobs", lambda source, ids, temperature, compute_entropy, **kw: (
-        asked.append(compute_entropy), compute(source, ids, temperature, compute_entropy, **kw))[1])
+    monkeypatch.setattr(
+        loss,
+        "compute_logprobs",
+        lambda source, ids, temperature, compute_entropy, **kw: (
+            asked.append(compute_entropy),
+            compute(source, ids, temperature, compute_entropy, **kw),
+        )[1],
+    )
     # what patch_logprobs would install, kept here rather than installed in every loaded module
     monkeypatch.setattr(verl_adapter, "replace_everywhere", lambda source, found: replacements.update(found))
     verl_adapter.patch_logprobs()

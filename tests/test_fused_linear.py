@@ -29,8 +29,11 @@ def _inputs(device, dtype=torch.float32, seed=0, b=B, t=T, h=H, v=V, **batch_kw)
     batch = make_batch(B=b, T=t, V=v, device=device, seed=seed, **batch_kw)
     # old / ref log-probs near this model's own, so that ratios fall on both sides of the clip range
     temperature = batch_kw.get("temperature", 1.0)
-    true_lp = torch.log_softmax((hidden @ weight.T + bias) / temperature, -1).gather(
-        -1, batch["completion_ids"].cpu().unsqueeze(-1)).squeeze(-1)
+    true_lp = (
+        torch.log_softmax((hidden @ weight.T + bias) / temperature, -1)
+        .gather(-1, batch["completion_ids"].cpu().unsqueeze(-1))
+        .squeeze(-1)
+    )
     spread = batch_kw.get("clip_spread", 0.4)
     for key, scale in (("old_logps", spread), ("ref_logps", 0.3)):
         if batch[key] is not None:
@@ -62,8 +65,8 @@ def three_products(h, w, b, batch, options):
     return fused_linear_grpo_loss(h, w, **batch, bias=b, backend="triton", lm_head_mode="three_products", **options)
 
 
-def check(backend, batch, hidden, weight, bias, tol=dict(atol=1e-5, rtol=1e-5), freeze_weight=False, path=None,
-          **options):
+def check(backend, batch, hidden, weight, bias, tol=None, freeze_weight=False, path=None, **options):
+    tol = dict(atol=1e-5, rtol=1e-5) if tol is None else tol
     # the expected values: fp32 math on the same (possibly 16-bit) values, gradients cast back
     up = lambda t: None if t is None else t.float()  # noqa: E731
     expected = _run(materialized, batch, up(hidden), up(weight), up(bias), freeze_weight, **options)
@@ -74,12 +77,15 @@ def check(backend, batch, hidden, weight, bias, tol=dict(atol=1e-5, rtol=1e-5), 
     assert_close("per_token_logps", expected[0].per_token_logps[active], actual[0].per_token_logps[active], **tol)
     # A 16-bit token whose ratio lies within rounding of a clip bound may be clipped on one path and not the
     # other: the clip shares may differ by the share of the tokens whose side of a bound the rounding changed.
-    flips = _clip_side_changes(batch, expected[0].per_token_logps, actual[0].per_token_logps, options) \
-        if hidden.dtype != torch.float32 else 0.0
+    flips = (
+        _clip_side_changes(batch, expected[0].per_token_logps, actual[0].per_token_logps, options)
+        if hidden.dtype != torch.float32
+        else 0.0
+    )
     for name in expected[0].metrics:
         metric_tol = dict(tol, atol=tol["atol"] + flips) if name.startswith("clip_ratio") else tol
         assert_close(name, expected[0].metrics[name], actual[0].metrics[name], **metric_tol)
-    for name, e, a in zip(("d hidden", "d weight", "d bias"), expected[1:], actual[1:]):
+    for name, e, a in zip(("d hidden", "d weight", "d bias"), expected[1:], actual[1:], strict=True):
         if e is None:
             assert a is None, name
         else:
@@ -101,7 +107,7 @@ def _clip_side_changes(batch, expected_logps, actual_logps, options):
         return log_ratio < torch.log1p(torch.tensor(-eps_low)), log_ratio > torch.log1p(torch.tensor(eps_high))
 
     changed = torch.zeros_like(active)
-    for e, a in zip(sides(expected_logps), sides(actual_logps)):
+    for e, a in zip(sides(expected_logps), sides(actual_logps), strict=True):
         changed |= e != a
     return (changed & active).sum().item() / max(active.sum().item(), 1)
 
@@ -112,10 +118,21 @@ def _clip_side_changes(batch, expected_logps, actual_logps, options):
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("off_policy", [True, False])
 def test_every_loss_type_matches_materialized_logits(device, backend, loss_type, level, beta, off_policy):
-    batch, hidden, weight, bias = _inputs(device, seed=zlib.crc32(f"{loss_type}/{level}".encode()) % 1000,
-                                          off_policy=off_policy)
-    check(backend, batch, hidden, weight, bias, loss_type=loss_type, importance_sampling_level=level, beta=beta,
-          temperature=0.8, **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+    batch, hidden, weight, bias = _inputs(
+        device, seed=zlib.crc32(f"{loss_type}/{level}".encode()) % 1000, off_policy=off_policy
+    )
+    check(
+        backend,
+        batch,
+        hidden,
+        weight,
+        bias,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        temperature=0.8,
+        **LOSS_TYPE_DEFAULTS.get(loss_type, {}),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -123,8 +140,9 @@ def test_every_loss_type_matches_materialized_logits(device, backend, loss_type,
 def test_options_match_materialized_logits(device, backend, case):
     spec = dict(OPTION_CASES[case])
     shape = {k.lower(): spec[k] for k in ("B", "T", "V") if k in spec}
-    batch, hidden, weight, bias = _inputs(device, seed=7, **shape, **{k: spec[k] for k in BATCH_KEYS
-                                                                       if k in spec and k not in ("B", "T", "V")})
+    batch, hidden, weight, bias = _inputs(
+        device, seed=7, **shape, **{k: spec[k] for k in BATCH_KEYS if k in spec and k not in ("B", "T", "V")}
+    )
     options = {k: v for k, v in spec.items() if k not in BATCH_KEYS or k == "temperature"}
     check(backend, batch, hidden, weight, bias, **options)
 
@@ -145,9 +163,15 @@ def test_several_token_blocks_k_slices_and_a_masked_block(device, backend):
 
 
 @pytest.mark.parametrize("splits", [2, 3])
-@pytest.mark.parametrize("options", [dict(beta=0.04, temperature=0.9), dict(loss_type="cispo", epsilon_high=1.1),
-                                     dict(loss_type="sapo", importance_sampling_level="sequence", beta=0.04)],
-                         ids=["grpo", "cispo", "sapo-sequence"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(beta=0.04, temperature=0.9),
+        dict(loss_type="cispo", epsilon_high=1.1),
+        dict(loss_type="sapo", importance_sampling_level="sequence", beta=0.04),
+    ],
+    ids=["grpo", "cispo", "sapo-sequence"],
+)
 def test_forward_split_over_the_vocabulary(device, monkeypatch, splits, options):
     """The small-batch forward grid: V = 300 in 128-wide tiles cut into 2 splits (256 + 44 columns) or
     3 (one tile each), merged by the combine kernel; entropy, KL and clip metrics included."""
@@ -167,16 +191,22 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch_kernel(*args, **kwargs):
-            self.calls.append({**dict(zip(self.kernel.arg_names, args)), **kwargs})
+            self.calls.append({**dict(zip(self.kernel.arg_names, args, strict=False)), **kwargs})
             return self.kernel[grid](*args, **kwargs)
+
         return launch_kernel
 
 
-@pytest.mark.parametrize("budget, min_tile, tiles", [
-    # 160 tokens x 128 columns fit: every token in one chunk, the vocabulary of 300 in tiles of 128, 128, 44
-    (160 * 128 * 4, 64, [(160, 128), (160, 128), (160, 44)]),
-    # not even 128 columns of every token: tiles of the narrowest width over chunks of 64, 64 and 32 tokens
-    (64 * 128 * 4, 128, [(64, 128), (64, 128), (64, 44)] * 2 + [(32, 128), (32, 128), (32, 44)])], ids=["vocab", "both"])
+@pytest.mark.parametrize(
+    "budget, min_tile, tiles",
+    [
+        # 160 tokens x 128 columns fit: every token in one chunk, the vocabulary of 300 in tiles of 128, 128, 44
+        (160 * 128 * 4, 64, [(160, 128), (160, 128), (160, 44)]),
+        # not even 128 columns of every token: tiles of the narrowest width over chunks of 64, 64 and 32 tokens
+        (64 * 128 * 4, 128, [(64, 128), (64, 128), (64, 44)] * 2 + [(32, 128), (32, 128), (32, 44)]),
+    ],
+    ids=["vocab", "both"],
+)
 def test_triton_backward_works_in_bounded_tiles(device, monkeypatch, budget, min_tile, tiles):
     """The recomputing mode's backward within a workspace budget (``LINEAR_TILED_WORKSPACE_BYTES``): tiles of the
     vocabulary (d hidden accumulated over them), and of the tokens where needed (d weight accumulated over those),
@@ -258,22 +288,35 @@ def test_torch_path_works_in_bounded_chunks(monkeypatch):
 # The 3-product mode (Triton, token level): each chunk's logits computed once, the gradient complete
 # at the end of the forward.
 
+
 @pytest.mark.parametrize("loss_type", KERNEL_LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("off_policy", [True, False])
 def test_three_products_mode_matches_materialized_logits(device, loss_type, beta, off_policy):
-    batch, hidden, weight, bias = _inputs(device, seed=zlib.crc32(f"3p/{loss_type}".encode()) % 1000,
-                                          off_policy=off_policy)
-    check("triton", batch, hidden, weight, bias, path=three_products, loss_type=loss_type, beta=beta,
-          temperature=0.8, **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+    batch, hidden, weight, bias = _inputs(
+        device, seed=zlib.crc32(f"3p/{loss_type}".encode()) % 1000, off_policy=off_policy
+    )
+    check(
+        "triton",
+        batch,
+        hidden,
+        weight,
+        bias,
+        path=three_products,
+        loss_type=loss_type,
+        beta=beta,
+        temperature=0.8,
+        **LOSS_TYPE_DEFAULTS.get(loss_type, {}),
+    )
 
 
 @pytest.mark.parametrize("case", sorted(c for c in OPTION_CASES if "strided" not in c and "sequence" not in c))
 def test_three_products_mode_options(device, case):
     spec = dict(OPTION_CASES[case])
     shape = {k.lower(): spec[k] for k in ("B", "T", "V") if k in spec}
-    batch, hidden, weight, bias = _inputs(device, seed=8, **shape, **{k: spec[k] for k in BATCH_KEYS
-                                                                       if k in spec and k not in ("B", "T", "V")})
+    batch, hidden, weight, bias = _inputs(
+        device, seed=8, **shape, **{k: spec[k] for k in BATCH_KEYS if k in spec and k not in ("B", "T", "V")}
+    )
     options = {k: v for k, v in spec.items() if k not in BATCH_KEYS or k == "temperature"}
     check("triton", batch, hidden, weight, bias, path=three_products, **options)
 
@@ -337,8 +380,9 @@ def test_three_products_mode_without_gradient_is_the_chunked_forward(device, mon
     assert len({c["logits_ptr"].data_ptr() for c in calls}) == 1  # one workspace, reused
     assert_close("loss", expected.loss, actual.loss, atol=1e-5, rtol=1e-5)
     active = batch["completion_mask"] != 0
-    assert_close("per_token_logps", expected.per_token_logps[active], actual.per_token_logps[active],
-                 atol=1e-5, rtol=1e-5)
+    assert_close(
+        "per_token_logps", expected.per_token_logps[active], actual.per_token_logps[active], atol=1e-5, rtol=1e-5
+    )
     for name in expected.metrics:
         assert_close(name, expected.metrics[name], actual.metrics[name], atol=1e-5, rtol=1e-5)
 
@@ -356,7 +400,7 @@ def test_autocast_does_not_cast_the_lm_heads_fp32_products_down(device, backend)
             out = fused_linear_grpo_loss(h, w, **batch, bias=bias, backend=backend, beta=0.04)
         out.loss.backward()
         results.append((out.loss, h.grad, w.grad))
-    for name, plain, cast in zip(("loss", "d hidden", "d weight"), *results):
+    for name, plain, cast in zip(("loss", "d hidden", "d weight"), *results, strict=True):
         assert_close(name, plain, cast, atol=1e-6, rtol=1e-5)
 
 
@@ -370,8 +414,11 @@ class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        seen = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)}
+        seen = {
+            t.untyped_storage()._cdata
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
         out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
@@ -388,9 +435,13 @@ def _qwen_head_on_meta():
     N, H, V = 16384, 4096, 151936
     meta = dict(device="meta")
     ones = torch.ones(N, **meta)
-    return (torch.empty(N, H, dtype=torch.bfloat16, **meta), torch.empty(V, H, dtype=torch.bfloat16, **meta),
-            torch.zeros(N, dtype=torch.int64, **meta), GRPOOptions(beta=0.04).kernel_loss,
-            TokenInputs(ones, ones, ones, ones, ones))
+    return (
+        torch.empty(N, H, dtype=torch.bfloat16, **meta),
+        torch.empty(V, H, dtype=torch.bfloat16, **meta),
+        torch.zeros(N, dtype=torch.int64, **meta),
+        GRPOOptions(beta=0.04).kernel_loss,
+        TokenInputs(ones, ones, ones, ones, ones),
+    )
 
 
 def test_the_lm_heads_workspaces_are_bounded_at_qwens_size():
@@ -409,8 +460,17 @@ def test_the_lm_heads_workspaces_are_bounded_at_qwens_size():
     assert fused_linear_launch.LINEAR_TILED_WORKSPACE_BYTES == 256 * MiB
     assert fused_linear_launch.workspace_tiles(N, V, 2) == (N, 8192)  # 19 tiles of the vocabulary, all the tokens
     with aot.recorded_launches() as launches, _Allocations() as no_grad:
-        fused_linear_launch.linear_three_products(hidden, weight, None, ids, kernel_loss=kernel_loss, tokens=tokens,
-                                                  compute_entropy=True, gradient=None, compute_weight_grad=False)
+        fused_linear_launch.linear_three_products(
+            hidden,
+            weight,
+            None,
+            ids,
+            kernel_loss=kernel_loss,
+            tokens=tokens,
+            compute_entropy=True,
+            gradient=None,
+            compute_weight_grad=False,
+        )
     assert {item.kernel.fn.__name__ for item in launches} == {"logits_tile_state_kernel", "linear_grpo_combine_kernel"}
     assert max(no_grad.sizes) == 256 * MiB and sum(no_grad.sizes) <= 256 * MiB + 400 * N, sum(no_grad.sizes) / MiB
 
@@ -420,9 +480,17 @@ def test_the_lm_heads_workspaces_are_bounded_at_qwens_size():
     assert sum(backward.sizes) - gradients <= 256 * MiB + 400 * N, (sum(backward.sizes) - gradients) / MiB
 
     with aot.recorded_launches(), _Allocations() as with_grad:
-        fused_linear_launch.linear_three_products(hidden, weight, None, ids, kernel_loss=kernel_loss, tokens=tokens,
-                                                  compute_entropy=True, gradient=OnePassGradient(tokens.mask),
-                                                  compute_weight_grad=True)
+        fused_linear_launch.linear_three_products(
+            hidden,
+            weight,
+            None,
+            ids,
+            kernel_loss=kernel_loss,
+            tokens=tokens,
+            compute_entropy=True,
+            gradient=OnePassGradient(tokens.mask),
+            compute_weight_grad=True,
+        )
     whole_rows = fused_linear_launch.linear_chunk_tokens(N, V, 2, 1) * V * 2
     assert whole_rows <= fused_linear_launch.LINEAR_WORKSPACE_BYTES < whole_rows + V * 2
     assert whole_rows in with_grad.sizes

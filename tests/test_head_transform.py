@@ -30,8 +30,9 @@ TRANSFORMS = {
     "scale": dict(logit_scale=0.5),
     "softcap": dict(logit_softcap=3.0),
     # all at once, as a capped model trained at a temperature with the KL and an entropy bonus
-    "scale_softcap_temperature": dict(logit_scale=1.7, logit_softcap=3.0, temperature=0.7, beta=0.04,
-                                      entropy_coef=0.05),
+    "scale_softcap_temperature": dict(
+        logit_scale=1.7, logit_softcap=3.0, temperature=0.7, beta=0.04, entropy_coef=0.05
+    ),
 }
 FP32 = dict(atol=2e-6, rtol=2e-5)  # the kernels' tanh is 2 / (1 + e^-2y) - 1: ~1e-7 of the cap
 
@@ -43,8 +44,7 @@ def _logits_run(backend, batch, **options):
         out = grpo_loss_reference(**inputs, **options)
     else:
         with split_row(4) if backend == "triton-split-row" else contextlib.nullcontext():
-            out = grpo_loss(**inputs, backend=backend.split("-")[0], one_pass=backend != "triton-two-pass",
-                            **options)
+            out = grpo_loss(**inputs, backend=backend.split("-")[0], one_pass=backend != "triton-two-pass", **options)
     out.loss.backward()
     return out, logits.grad
 
@@ -98,8 +98,15 @@ def test_bf16_logits_with_a_softcap(device, backend):
     """bf16 raw logits: fp32 math on the same values; the gradient is rounded to bf16 (2 eps relative)."""
     batch = make_batch(device=device, dtype=torch.bfloat16, V=2053, seed=5)
     eps = torch.finfo(torch.bfloat16).eps
-    _check_logits(backend, batch, loss_tol=dict(atol=1e-5, rtol=1e-4), grad_tol=dict(atol=1e-5, rtol=2 * eps),
-                  logit_softcap=3.0, logit_scale=0.8, beta=0.04)
+    _check_logits(
+        backend,
+        batch,
+        loss_tol=dict(atol=1e-5, rtol=1e-4),
+        grad_tol=dict(atol=1e-5, rtol=2 * eps),
+        logit_softcap=3.0,
+        logit_scale=0.8,
+        beta=0.04,
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -123,8 +130,11 @@ def test_log_prob_functions_apply_the_head_transform(device, backend):
 
 # ---- the fused lm_head ----------------------------------------------------------------------------------------
 
-FUSED_PATHS = {"torch": dict(backend="torch"), "triton-recompute": dict(backend="triton", lm_head_mode="recompute"),
-               "triton-three-products": dict(backend="triton", lm_head_mode="three_products")}
+FUSED_PATHS = {
+    "torch": dict(backend="torch"),
+    "triton-recompute": dict(backend="triton", lm_head_mode="recompute"),
+    "triton-three-products": dict(backend="triton", lm_head_mode="three_products"),
+}
 B, T, H, V = 3, 5, 37, 203  # odd H and V: every tile has a ragged edge
 
 
@@ -166,7 +176,7 @@ def test_fused_lm_head_applies_the_head_transform(device, path, dtype):
     assert_close("per_token_logps", expected.per_token_logps[active], actual.per_token_logps[active], **loss_tol)
     for name in expected.metrics:
         assert_close(name, expected.metrics[name], actual.metrics[name], **loss_tol)
-    for name, e, a in zip(("d hidden", "d weight", "d bias"), expected_grads, grads):
+    for name, e, a in zip(("d hidden", "d weight", "d bias"), expected_grads, grads, strict=True):
         assert_close(name, e.to(a.dtype), a, **grad_tol)
 
 
@@ -176,14 +186,25 @@ def test_linear_token_logprobs_apply_the_head_transform(device, backend):
     ids = batch["completion_ids"]
     raw = (hidden @ weight.T + bias).detach()
     expected_lp, expected_entropy = token_logprobs_and_entropy(raw, ids, 0.9, 0.8, 3.0)
-    lp, entropy = linear_token_logprobs(hidden.detach(), weight.detach(), ids, bias.detach(), 0.9,
-                                        return_entropy=True, backend=backend, logit_scale=0.8, logit_softcap=3.0)
+    lp, entropy = linear_token_logprobs(
+        hidden.detach(),
+        weight.detach(),
+        ids,
+        bias.detach(),
+        0.9,
+        return_entropy=True,
+        backend=backend,
+        logit_scale=0.8,
+        logit_softcap=3.0,
+    )
     assert_close("logps", expected_lp, lp, atol=1e-5, rtol=1e-5)
     assert_close("entropy", expected_entropy, entropy, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name, value", [("logit_scale", 0.0), ("logit_scale", -1.0), ("logit_softcap", 0.0),
-                                         ("logit_softcap", float("nan"))])
+@pytest.mark.parametrize(
+    "name, value",
+    [("logit_scale", 0.0), ("logit_scale", -1.0), ("logit_softcap", 0.0), ("logit_softcap", float("nan"))],
+)
 def test_a_transform_that_is_not_positive_is_refused_by_name(name, value):
     with pytest.raises((ValueError, TypeError), match=name):  # TypeError: not a finite number
         GRPOOptions(**{name: value})

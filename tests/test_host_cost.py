@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import host_cost  # noqa: E402
+import host_cost
 
 # measured with torch 2.13 (benchmarks/README.md, "Host work"): 7 / 2 on the one-pass path without the ids check
 MAX_FORWARD_OPS, MAX_BACKWARD_OPS = 9, 4
@@ -59,16 +59,24 @@ def test_positional_launches_bind_as_the_launchers_mean_them():
     import torch
 
     x, logits, launched = _one_pass_launches()
-    bound = {interpreted.fn.__name__: inspect.signature(interpreted.fn).bind(*args, **{
-        k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}).arguments
-        for interpreted, args, kwargs in launched}
+    bound = {
+        interpreted.fn.__name__: inspect.signature(interpreted.fn)
+        .bind(*args, **{k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
+        .arguments
+        for interpreted, args, kwargs in launched
+    }
     B, T1, V = logits.shape
     T, N = T1 - 1, B * (T1 - 1)
     forward, weights = bound["grpo_forward_kernel"], bound["token_weights_kernel"]
     metrics, scale = bound["loss_metrics_kernel"], bound["scale_in_place_kernel"]
     assert forward["logits_ptr"] is logits and forward["ids_ptr"] is x["completion_ids"]
     assert (forward["stride_b"], forward["stride_t"], forward["T"], forward["V"], forward["N"]) == (
-        logits.stride(0), logits.stride(1), T, V, N)
+        logits.stride(0),
+        logits.stride(1),
+        T,
+        V,
+        N,
+    )
     assert forward["mask_ptr"] is x["completion_mask"] and forward["old_ptr"] is x["old_logps"]
     assert forward["ref_ptr"] is x["ref_logps"] and forward["iw_ptr"] is None
     assert forward["adv_ptr"] is weights["adv_out"] and forward["grad_weight_ptr"] is weights["weight_out"]

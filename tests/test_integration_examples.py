@@ -14,9 +14,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_the_trl_example_trains(tmp_path):
     pytest.importorskip("trl", reason="the trl extra is not installed (pip install 'grpo-kernels[trl]')")
-    proc = subprocess.run([sys.executable, str(ROOT / "integration" / "trl_grpo.py"), "--max-steps", "3",
-                           "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "integration" / "trl_grpo.py"), "--max-steps", "3", "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 3 and math.isfinite(summary["training_loss"])
@@ -28,8 +32,10 @@ def test_the_trl_example_trains(tmp_path):
 
 
 def test_the_verl_config_names_what_exists():
-    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos",
-                                     reason="verl is not installed (pip install --no-deps verl; pip install '.[verl]')")
+    core_algos = pytest.importorskip(
+        "verl.trainer.ppo.core_algos",
+        reason="verl is not installed (pip install --no-deps verl; pip install '.[verl]')",
+    )
     from omegaconf import OmegaConf
     from verl.utils import torch_functional
 

@@ -30,8 +30,9 @@ def front_end_imports(path: pathlib.Path) -> list:
     """The imports of ``path`` (a module under kernels/) that reach outside kernels/ into the package."""
     found = []
     for level, module, line in _imports(ast.parse(path.read_text())):
-        outside = level >= 2 or (level == 0 and module.startswith("grpo_kernels") and
-                                 not module.startswith("grpo_kernels.kernels"))
+        outside = level >= 2 or (
+            level == 0 and module.startswith("grpo_kernels") and not module.startswith("grpo_kernels.kernels")
+        )
         if outside:
             found.append(f"{path.name}:{line}: {'.' * level}{module}")
     return found
@@ -39,6 +40,7 @@ def front_end_imports(path: pathlib.Path) -> list:
 
 def loss_type_name_branches(source: str, name: str = "<source>") -> list:
     """Comparisons with a loss type's name as a string literal (``x == "cispo"``, ``x in ("grpo", "bnpo")``)."""
+
     def names_a_loss_type(node) -> bool:
         if isinstance(node, ast.Constant):
             return node.value in LOSS_TYPES
@@ -60,21 +62,32 @@ def test_the_kernel_tier_imports_nothing_of_the_front_end(path):
 
 def test_the_import_check_finds_a_front_end_import(tmp_path):
     module = tmp_path / "launch.py"
-    module.write_text("from ..options import GRPOOptions\nimport grpo_kernels.objective\nfrom . import grpo\n"
-                      "def f():\n    from ..torch_path import fp32_products\n")
-    assert [f.split(": ")[1] for f in front_end_imports(module)] == ["..options", "grpo_kernels.objective",
-                                                                      "..torch_path"]
+    module.write_text(
+        "from ..options import GRPOOptions\nimport grpo_kernels.objective\nfrom . import grpo\n"
+        "def f():\n    from ..torch_path import fp32_products\n"
+    )
+    assert [f.split(": ")[1] for f in front_end_imports(module)] == [
+        "..options",
+        "grpo_kernels.objective",
+        "..torch_path",
+    ]
 
 
 def test_no_module_outside_the_registry_and_the_specification_branches_on_a_loss_types_name():
-    found = [branch for path in sorted(PACKAGE.rglob("*.py")) if path not in NAMES_LOSS_TYPES
-             for branch in loss_type_name_branches(path.read_text(), str(path.relative_to(PACKAGE)))]
+    found = [
+        branch
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in NAMES_LOSS_TYPES
+        for branch in loss_type_name_branches(path.read_text(), str(path.relative_to(PACKAGE)))
+    ]
     assert found == [], "ask the loss type's registry entry (options.LossType) instead of its name"
 
 
 def test_the_branch_check_finds_a_name_branch():
-    source = ('if opts.loss_type == "vespo":\n    pass\nscale = 2 if loss_type in ("bnpo", "grpo") else 1\n'
-              'ok = opts.loss.policy_term == "ppo_clip"\n')
+    source = (
+        'if opts.loss_type == "vespo":\n    pass\nscale = 2 if loss_type in ("bnpo", "grpo") else 1\n'
+        'ok = opts.loss.policy_term == "ppo_clip"\n'
+    )
     assert len(loss_type_name_branches(source)) == 2
 
 
@@ -124,15 +137,23 @@ def test_a_loss_call_runs_in_a_straight_line(beta, device):
 
     from grpo_kernels import grpo_loss
 
-    pytest.importorskip("triton", reason="the Triton path's call; triton is a dependency, absent only where "
-                                         "tests/test_without_triton.py checks the CPU path without it")
+    pytest.importorskip(
+        "triton",
+        reason="the Triton path's call; triton is a dependency, absent only where "
+        "tests/test_without_triton.py checks the CPU path without it",
+    )
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 40, generator=g).to(device).requires_grad_()
-    ids, mask, adv = (t.to(device) for t in (torch.randint(0, 40, (2, 4), generator=g), torch.ones(2, 4),
-                                             torch.randn(2, generator=g)))
+    ids, mask, adv = (
+        t.to(device) for t in (torch.randint(0, 40, (2, 4), generator=g), torch.ones(2, 4), torch.randn(2, generator=g))
+    )
     ref = (torch.randn(2, 4, generator=g) - 3.0).to(device)
-    call = lambda: grpo_loss(logits, ids, mask, adv, ref_logps=ref, beta=beta, backend="triton",  # noqa: E731
-                             drop_last_position=True).loss.backward()
+
+    def call():
+        grpo_loss(
+            logits, ids, mask, adv, ref_logps=ref, beta=beta, backend="triton", drop_last_position=True
+        ).loss.backward()
+
     call()  # first calls import and compile
     files, frames = _call_path(call)
     assert len(files) <= 8, f"a call enters {len(files)} files: {files}"
@@ -152,7 +173,7 @@ def module_imports(package: pathlib.Path = PACKAGE) -> dict:
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
-                base = here[:len(here) - node.level + 1] if node.level > 1 else here
+                base = here[: len(here) - node.level + 1] if node.level > 1 else here
                 target = ".".join([p for p in base if p] + ([node.module] if node.module else []))
                 submodules = {f"{target}.{a.name}".lstrip(".") for a in node.names} & modules.keys()
                 # "from . import ops" imports the submodule ops, not the package

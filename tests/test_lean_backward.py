@@ -45,6 +45,7 @@ class LargeAllocations(TorchDispatchMode):
 @contextlib.contextmanager
 def no_host_sync():
     """Every way a tensor's value reaches the host raises inside the block."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a host sync (a tensor's value read on the host) inside the backward")
 

@@ -30,8 +30,10 @@ def _inputs(device, seed=0):
     old = lp + 0.3 * torch.randn(B, T, generator=g)
     ref = lp + 0.3 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, generator=g)
-    return {k: v.to(device) for k, v in dict(hidden=hidden, weight=weight, ids=ids, mask=mask, old=old, ref=ref,
-                                               adv=adv).items()}
+    return {
+        k: v.to(device)
+        for k, v in dict(hidden=hidden, weight=weight, ids=ids, mask=mask, old=old, ref=ref, adv=adv).items()
+    }
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -41,22 +43,36 @@ def test_fused_linear_matches_liger_fused_linear_grpo_loss(device, backend, loss
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     x = _inputs(device)
-    options = dict(beta=0.04, loss_type=loss_type, temperature=0.7, importance_sampling_level=level,
-                   max_completion_length=T)
-    liger = LigerFusedLinearGRPOLoss(compiled=False, epsilon_low=0.2, epsilon_high=0.28,
-                                     **{k: v for k, v in options.items()})
+    options = dict(
+        beta=0.04, loss_type=loss_type, temperature=0.7, importance_sampling_level=level, max_completion_length=T
+    )
+    liger = LigerFusedLinearGRPOLoss(
+        compiled=False, epsilon_low=0.2, epsilon_high=0.28, **{k: v for k, v in options.items()}
+    )
     results = []
     for run in ("liger", "ours"):
         h, w = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
         if run == "liger":
-            loss = liger(h, w, x["ids"], x["mask"], x["adv"], ref_per_token_logps=x["ref"],
-                         old_per_token_logps=x["old"])[0]
+            loss = liger(
+                h, w, x["ids"], x["mask"], x["adv"], ref_per_token_logps=x["ref"], old_per_token_logps=x["old"]
+            )[0]
         else:
-            loss = fused_linear_grpo_loss(h, w, x["ids"], x["mask"], x["adv"], x["old"], x["ref"], backend=backend,
-                                          epsilon=0.2, epsilon_high=0.28, **options).loss
+            loss = fused_linear_grpo_loss(
+                h,
+                w,
+                x["ids"],
+                x["mask"],
+                x["adv"],
+                x["old"],
+                x["ref"],
+                backend=backend,
+                epsilon=0.2,
+                epsilon_high=0.28,
+                **options,
+            ).loss
         loss.backward()
         results.append((loss, h.grad, w.grad))
-    for name, expected, actual in zip(("loss", "d hidden", "d weight"), *results):
+    for name, expected, actual in zip(("loss", "d hidden", "d weight"), *results, strict=True):
         assert_close(name, expected, actual, **TOL)
 
 
@@ -73,11 +89,32 @@ def test_logits_path_matches_liger_triton_grpo_loss(device, backend):
     for run in ("liger", "ours"):
         leaf = full.clone().requires_grad_()
         if run == "liger":
-            loss = triton_grpo_loss(leaf, x["old"], x["ref"], x["ids"], x["adv"], x["mask"], temperature=0.7,
-                                    beta=0.04, eps_low=0.2, eps_high=0.2, loss_type="grpo", reduce=True)[0]
+            loss = triton_grpo_loss(
+                leaf,
+                x["old"],
+                x["ref"],
+                x["ids"],
+                x["adv"],
+                x["mask"],
+                temperature=0.7,
+                beta=0.04,
+                eps_low=0.2,
+                eps_high=0.2,
+                loss_type="grpo",
+                reduce=True,
+            )[0]
         else:
-            loss = grpo_loss(leaf[:, :-1], x["ids"], x["mask"], x["adv"], x["old"], x["ref"], beta=0.04,
-                             temperature=0.7, backend=backend).loss
+            loss = grpo_loss(
+                leaf[:, :-1],
+                x["ids"],
+                x["mask"],
+                x["adv"],
+                x["old"],
+                x["ref"],
+                beta=0.04,
+                temperature=0.7,
+                backend=backend,
+            ).loss
         (grad,) = torch.autograd.grad(loss, leaf)
         losses.append(loss)
         expected_grad, actual_grad = (grad, actual_grad) if run == "liger" else (expected_grad, grad)

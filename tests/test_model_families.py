@@ -21,10 +21,20 @@ from grpo_kernels import heads, linear_token_logprobs
 from grpo_kernels.training.tasks import compare
 
 TOKENIZER = compare.build_tokenizer()
-COMMON = dict(vocab_size=len(TOKENIZER), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-              initializer_range=0.2, pad_token_id=TOKENIZER.pad_token_id, bos_token_id=TOKENIZER.bos_token_id,
-              eos_token_id=TOKENIZER.eos_token_id)
+COMMON = dict(
+    vocab_size=len(TOKENIZER),
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    pad_token_id=TOKENIZER.pad_token_id,
+    bos_token_id=TOKENIZER.bos_token_id,
+    eos_token_id=TOKENIZER.eos_token_id,
+)
 MOE = dict(output_router_logits=False, router_aux_loss_coef=0.02)
 # model_type: (config fields, the transform head_transform must read: (scale, softcap))
 TRANSFORMING = {
@@ -38,26 +48,41 @@ TRANSFORMING = {
     "cohere2": (dict(logit_scale=3.0), (3.0, None)),
     "granite": (dict(logits_scaling=0.4), (2.5, None)),
     # no router loss: stock TRL 1.16's fused head reads config.num_experts, which GraniteMoE names num_local_experts
-    "granitemoe": (dict(logits_scaling=0.4, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.0),
-                   (2.5, None)),
+    "granitemoe": (
+        dict(logits_scaling=0.4, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.0),
+        (2.5, None),
+    ),
     "falcon_h1": (dict(lm_head_multiplier=3.0), (3.0, None)),
     "hyperclovax": (dict(logits_scaling=3.0), (3.0, None)),  # HyperCLOVA X multiplies where Granite divides
     "beam": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
     "gemma4_unified_text": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
     # a padded vocabulary: the logits keep the first unpadded_vocab_size rows of the head
-    "inkling2_text": (dict(final_logit_softcapping=1.5, vocab_size=len(TOKENIZER) + 3,
-                           unpadded_vocab_size=len(TOKENIZER)), (1.0, 1.5)),
+    "inkling2_text": (
+        dict(final_logit_softcapping=1.5, vocab_size=len(TOKENIZER) + 3, unpadded_vocab_size=len(TOKENIZER)),
+        (1.0, 1.5),
+    ),
     "xlstm": (dict(output_logit_soft_cap=1.5), (1.0, 1.5)),
     "cohere2_moe": (dict(logit_scale=3.0), (3.0, None)),
     "granite_swa": (dict(logits_scaling=0.4), (2.5, None)),
-    "granitemoe_swa": (dict(logits_scaling=0.4, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.0),
-                       (2.5, None)),
-    "granitemoeshared": (dict(logits_scaling=0.4, num_local_experts=2, num_experts_per_tok=1,
-                              router_aux_loss_coef=0.0), (2.5, None)),
+    "granitemoe_swa": (
+        dict(logits_scaling=0.4, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.0),
+        (2.5, None),
+    ),
+    "granitemoeshared": (
+        dict(logits_scaling=0.4, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.0),
+        (2.5, None),
+    ),
     "inkling_text": (dict(logits_mup_width_multiplier=2.5), (0.4, None)),  # divides the hidden states
 }
 PLAIN = {
-    "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {}, "phi3": {}, "olmo2": {}, "smollm3": {}, "gemma": {},
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "mistral": {},
+    "phi3": {},
+    "olmo2": {},
+    "smollm3": {},
+    "gemma": {},
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **MOE),
 }
 FAMILIES = {**{name: fields for name, (fields, _) in TRANSFORMING.items()}, **PLAIN}
@@ -136,6 +161,7 @@ def test_linear_token_logprobs_are_the_models_own(model_type):
 
 # ---- the TRL adapter against stock TRL, family by family --------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def dataset():
     Dataset = pytest.importorskip("datasets").Dataset
@@ -161,8 +187,7 @@ STOCK_TRL_MISREADS = {"recurrent_gemma", "xlstm", "inkling_text"}
 
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
 @pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_trl_adapter_default_matches_stock_trl(tmp_path_factory, tmp_path, dataset, model_type,
-                                               gradient_checkpointing):
+def test_trl_adapter_default_matches_stock_trl(tmp_path_factory, tmp_path, dataset, model_type, gradient_checkpointing):
     pytest.importorskip("trl", reason="the trl extra is not installed (pip install 'grpo-kernels[trl]')")
     from test_trl_integration import _batch, _trainer, assert_same_as_trl
     from trl import GRPOTrainer
@@ -202,13 +227,30 @@ def tiny_vlm(seed: int = 0):
 
     text = {k: v for k, v in COMMON.items() if k not in ("head_dim", "pad_token_id", "bos_token_id", "eos_token_id")}
     text.update(vocab_size=IMAGE_TOKEN + 4, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"],
-                  patch_size=2, spatial_merge_size=2, temporal_patch_size=1, in_channels=3, fullatt_block_indexes=[0],
-                  window_size=4)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
-                              video_token_id=IMAGE_TOKEN + 1, vision_start_token_id=IMAGE_TOKEN + 2,
-                              vision_end_token_id=IMAGE_TOKEN + 3, pad_token_id=TOKENIZER.pad_token_id,
-                              bos_token_id=TOKENIZER.bos_token_id, eos_token_id=TOKENIZER.eos_token_id)
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=COMMON["hidden_size"],
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=1,
+        in_channels=3,
+        fullatt_block_indexes=[0],
+        window_size=4,
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=IMAGE_TOKEN + 1,
+        vision_start_token_id=IMAGE_TOKEN + 2,
+        vision_end_token_id=IMAGE_TOKEN + 3,
+        pad_token_id=TOKENIZER.pad_token_id,
+        bos_token_id=TOKENIZER.bos_token_id,
+        eos_token_id=TOKENIZER.eos_token_id,
+    )
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import torch
+from openrlhf_code import openrlhf_code
 
 from grpo_kernels.integration import openrlhf as adapter
 from grpo_kernels.loss import selective_log_softmax, token_entropy
-from openrlhf_code import openrlhf_code
 
 LENGTHS = (1, 9, 4, 0, 7, 3)  # ragged, one empty row
 T = max(LENGTHS)
@@ -37,15 +37,31 @@ def _twin(lp):
     return lp.detach().clone().requires_grad_()
 
 
-BATCH_INFO = {"local": {}, "two ranks": dict(dp_size=2, batch_num_tokens=torch.tensor(40.0),
-                                             global_batch_size=torch.tensor(9.0))}
-CORRECTIONS = [dict()] + [
-    dict(is_correction_level=level, is_correction_mode=mode, is_correction_gating="ratio",
-         is_correction_threshold=[0.8, 1.25])
-    for level, mode in (("token", "mask"), ("token", "clip"), ("seq", "mask"))
-] + [dict(is_correction_level=level, is_correction_mode="mask", is_correction_gating=gating,
-          is_correction_threshold=[0.0, bound])
-     for level, (gating, bound) in itertools.product(("token", "seq"), (("binary_kl", 0.02), ("tv", 0.1)))]
+BATCH_INFO = {
+    "local": {},
+    "two ranks": dict(dp_size=2, batch_num_tokens=torch.tensor(40.0), global_batch_size=torch.tensor(9.0)),
+}
+CORRECTIONS = (
+    [dict()]
+    + [
+        dict(
+            is_correction_level=level,
+            is_correction_mode=mode,
+            is_correction_gating="ratio",
+            is_correction_threshold=[0.8, 1.25],
+        )
+        for level, mode in (("token", "mask"), ("token", "clip"), ("seq", "mask"))
+    ]
+    + [
+        dict(
+            is_correction_level=level,
+            is_correction_mode="mask",
+            is_correction_gating=gating,
+            is_correction_threshold=[0.0, bound],
+        )
+        for level, (gating, bound) in itertools.product(("token", "seq"), (("binary_kl", 0.02), ("tv", 0.1)))
+    ]
+)
 
 
 def _correction_id(c):
@@ -62,7 +78,7 @@ def _compare_policy_loss(kwargs, batch_info, seed=0):
     ours[0].backward()
     torch.testing.assert_close(ours[0], theirs[0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lp_ours.grad, lp.grad, atol=1e-7, rtol=1e-5)
-    for name, a, b in zip(("clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio"), ours[1:], theirs[1:]):
+    for name, a, b in zip(("clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio"), ours[1:], theirs[1:], strict=True):
         assert (a is None) == (b is None), name
         if b is not None:
             torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=1e-5, msg=name)
@@ -71,20 +87,31 @@ def _compare_policy_loss(kwargs, batch_info, seed=0):
 @pytest.mark.parametrize("batch_info", list(BATCH_INFO), ids=str)
 @pytest.mark.parametrize("token_level_loss", [True, False], ids=["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("policy_loss_type", adapter.POLICY_LOSS_TYPES)
-@pytest.mark.parametrize("clip", [dict(), dict(clip_eps_low=0.2, clip_eps_high=0.28), dict(dual_clip=3.0),
-                                  dict(clip_eps_low=0.1, clip_eps_high=0.3, dual_clip=2.0)],
-                         ids=["default", "clip-higher", "dual-clip", "both"])
+@pytest.mark.parametrize(
+    "clip",
+    [
+        dict(),
+        dict(clip_eps_low=0.2, clip_eps_high=0.28),
+        dict(dual_clip=3.0),
+        dict(clip_eps_low=0.1, clip_eps_high=0.3, dual_clip=2.0),
+    ],
+    ids=["default", "clip-higher", "dual-clip", "both"],
+)
 def test_policy_loss_matches_openrlhf(policy_loss_type, token_level_loss, clip, batch_info):
-    _compare_policy_loss(dict(policy_loss_type=policy_loss_type, token_level_loss=token_level_loss, **clip),
-                         BATCH_INFO[batch_info])
+    _compare_policy_loss(
+        dict(policy_loss_type=policy_loss_type, token_level_loss=token_level_loss, **clip), BATCH_INFO[batch_info]
+    )
 
 
 @pytest.mark.parametrize("correction", CORRECTIONS, ids=_correction_id)
 @pytest.mark.parametrize("policy_loss_type", adapter.POLICY_LOSS_TYPES)
 @pytest.mark.parametrize("token_level_loss", [True, False], ids=["token-mean", "seq-mean-token-mean"])
 def test_rollout_corrections_match_openrlhf(correction, policy_loss_type, token_level_loss):
-    _compare_policy_loss(dict(policy_loss_type=policy_loss_type, token_level_loss=token_level_loss, dual_clip=3.0,
-                              **correction), BATCH_INFO["two ranks"], seed=3)
+    _compare_policy_loss(
+        dict(policy_loss_type=policy_loss_type, token_level_loss=token_level_loss, dual_clip=3.0, **correction),
+        BATCH_INFO["two ranks"],
+        seed=3,
+    )
 
 
 def test_the_corrections_filter_something():
@@ -106,10 +133,12 @@ def test_kl_loss_matches_openrlhf(kl_estimator, unbiased_gradient, token_level_l
     assert float((lp - ref).abs().max()) > 11
     lp_ours = _twin(lp)
     info = BATCH_INFO["two ranks"]
-    theirs = theirs_loss.aggregate_loss(theirs_utils.compute_approx_kl(lp, ref, old, kl_estimator, unbiased_gradient),
-                                        mask, token_level_loss, **info)
-    ours = adapter.aggregate_loss(adapter.compute_approx_kl(lp_ours, ref, old, kl_estimator, unbiased_gradient), mask,
-                                  token_level_loss, **info)
+    theirs = theirs_loss.aggregate_loss(
+        theirs_utils.compute_approx_kl(lp, ref, old, kl_estimator, unbiased_gradient), mask, token_level_loss, **info
+    )
+    ours = adapter.aggregate_loss(
+        adapter.compute_approx_kl(lp_ours, ref, old, kl_estimator, unbiased_gradient), mask, token_level_loss, **info
+    )
     theirs.backward()
     ours.backward()
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
@@ -120,8 +149,9 @@ def test_aggregate_loss_without_global_counts_matches_openrlhf():
     _, theirs_loss = openrlhf_code()
     lp, *_, mask = ragged_batch(7)
     for token_level_loss in (True, False):
-        torch.testing.assert_close(adapter.aggregate_loss(lp, mask, token_level_loss),
-                                   theirs_loss.aggregate_loss(lp, mask, token_level_loss))
+        torch.testing.assert_close(
+            adapter.aggregate_loss(lp, mask, token_level_loss), theirs_loss.aggregate_loss(lp, mask, token_level_loss)
+        )
 
 
 def test_bad_options_are_refused_by_name():
@@ -184,12 +214,19 @@ def test_use_in_openrlhf_replaces_the_names_openrlhfs_modules_hold(monkeypatch):
     ppo_actor.compute_approx_kl = utils.compute_approx_kl
     package, models = types.ModuleType("openrlhf"), types.ModuleType("openrlhf.models")
     package.models, models.utils, models.loss, models.actor = models, utils, loss_code, actor
-    for name, module in {"openrlhf": package, "openrlhf.models": models, "openrlhf.models.utils": utils,
-                         "openrlhf.models.loss": loss_code, "openrlhf.models.actor": actor,
-                         "openrlhf.trainer.ray.ppo_actor": ppo_actor}.items():
+    for name, module in {
+        "openrlhf": package,
+        "openrlhf.models": models,
+        "openrlhf.models.utils": utils,
+        "openrlhf.models.loss": loss_code,
+        "openrlhf.models.actor": actor,
+        "openrlhf.trainer.ray.ppo_actor": ppo_actor,
+    }.items():
         monkeypatch.setitem(sys.modules, name, module)
-    for module, names in ((utils, ("log_probs_from_logits", "compute_entropy", "compute_approx_kl")),
-                          (loss_code, ("PolicyLoss", "aggregate_loss"))):
+    for module, names in (
+        (utils, ("log_probs_from_logits", "compute_entropy", "compute_approx_kl")),
+        (loss_code, ("PolicyLoss", "aggregate_loss")),
+    ):
         for name in names:
             monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     originals = (utils.log_probs_from_logits, utils.compute_entropy)
@@ -207,8 +244,11 @@ def test_use_in_openrlhf_replaces_the_names_openrlhfs_modules_hold(monkeypatch):
 
 # ---- Where OpenRLHF's own runs and ours once differed (issue 53) --------------------------------------------------
 
-POLICY_MODES = {"token-mean": dict(), "seq-mean-token-mean": dict(token_level_loss=False),
-                "gspo": dict(policy_loss_type="gspo")}
+POLICY_MODES = {
+    "token-mean": dict(),
+    "seq-mean-token-mean": dict(token_level_loss=False),
+    "gspo": dict(policy_loss_type="gspo"),
+}
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool], ids=["float mask", "bool mask"])
@@ -262,13 +302,15 @@ def test_gspo_past_exps_range_is_openrlhfs_value_where_openrlhf_has_one():
     policy = dict(policy_loss_type="gspo")
     unpadded = theirs_loss.PolicyLoss(**policy)(lp.clone().requires_grad_(), old, adv, full)[0]
     assert torch.isfinite(unpadded)
-    with_padding = theirs_loss.PolicyLoss(**policy)(padded(lp).requires_grad_(), padded(old), padded(adv),
-                                                    padded(full))[0]
+    with_padding = theirs_loss.PolicyLoss(**policy)(
+        padded(lp).requires_grad_(), padded(old), padded(adv), padded(full)
+    )[0]
     assert torch.isnan(with_padding)  # OpenRLHF's: inf x 0 at the padding
     for x, m in ((lp, full), (padded(lp), padded(full))):
         leaf = x.clone().requires_grad_()
-        ours = adapter.PolicyLoss(**policy)(leaf, padded(old) if x.shape[1] > L else old,
-                                            padded(adv) if x.shape[1] > L else adv, m)[0]
+        ours = adapter.PolicyLoss(**policy)(
+            leaf, padded(old) if x.shape[1] > L else old, padded(adv) if x.shape[1] > L else adv, m
+        )[0]
         ours.backward()
         torch.testing.assert_close(ours, unpadded, atol=1e-6, rtol=1e-6)
         assert torch.isfinite(leaf.grad).all() and not leaf.grad[1].any()
@@ -282,22 +324,30 @@ def test_the_openrlhf_advantage_preset_is_openrlhfs_group_norm_with_its_clip_ran
     import os
     import subprocess
 
-    from grpo_kernels.advantages import group_advantages
     from openrlhf_code import openrlhf_tree
+
+    from grpo_kernels.advantages import group_advantages
 
     G = 128
     rewards = torch.zeros(3 * G)
     rewards[0] = 1.0
-    rewards[G:2 * G] = torch.rand(G, generator=torch.Generator().manual_seed(0))
-    rewards[2 * G:] = 0.5
+    rewards[G : 2 * G] = torch.rand(G, generator=torch.Generator().manual_seed(0))
+    rewards[2 * G :] = 0.5
     tree = openrlhf_tree(tmp_path / "tree")
     out = tmp_path / "advantages.pt"
     torch.save(rewards, tmp_path / "rewards.pt")
-    script = (f"import torch, openrlhf_actor_step as s; torch.save(s.group_norm_advantages("
-              f"torch.load({str(tmp_path / 'rewards.pt')!r}), {G}), {str(out)!r})")
+    script = (
+        f"import torch, openrlhf_actor_step as s; torch.save(s.group_norm_advantages("
+        f"torch.load({str(tmp_path / 'rewards.pt')!r}), {G}), {str(out)!r})"
+    )
     tests = pathlib.Path(__file__).resolve().parent
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (tree, tests)))})
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (tree, tests)))},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     theirs = torch.load(out)
     ours = group_advantages(rewards, G, preset="openrlhf").advantages

@@ -23,17 +23,18 @@ import sys
 
 import pytest
 import torch
-
 from openrlhf_actor_step import CONFIGS
 from openrlhf_code import openrlhf_tree
 
 TESTS = pathlib.Path(__file__).resolve().parent
 REPO = TESTS.parent
-OURS = {"ppo_actor.PolicyLoss": "grpo_kernels.integration.openrlhf.PolicyLoss",
-        "ppo_actor.aggregate_loss": "grpo_kernels.integration.openrlhf.aggregate_loss",
-        "ppo_actor.compute_approx_kl": "grpo_kernels.integration.openrlhf.compute_approx_kl",
-        "actor.log_probs_from_logits": "grpo_kernels.integration.openrlhf.patch_actor.<locals>.log_probs_from_logits",
-        "actor.compute_entropy": "grpo_kernels.integration.openrlhf.patch_actor.<locals>.compute_entropy"}
+OURS = {
+    "ppo_actor.PolicyLoss": "grpo_kernels.integration.openrlhf.PolicyLoss",
+    "ppo_actor.aggregate_loss": "grpo_kernels.integration.openrlhf.aggregate_loss",
+    "ppo_actor.compute_approx_kl": "grpo_kernels.integration.openrlhf.compute_approx_kl",
+    "actor.log_probs_from_logits": "grpo_kernels.integration.openrlhf.patch_actor.<locals>.log_probs_from_logits",
+    "actor.compute_entropy": "grpo_kernels.integration.openrlhf.patch_actor.<locals>.compute_entropy",
+}
 TIMEOUT = 900  # a Ray start and a worker importing OpenRLHF: a minute on an idle machine, never a failure when slow
 
 
@@ -45,8 +46,12 @@ def tree(tmp_path_factory):
 
 def _env(tree: pathlib.Path) -> dict:
     # OpenRLHF's compute_entropy is torch.compile'd: eager here (no C++ toolchain needed), the same values
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (tree, TESTS, REPO))), "TORCHDYNAMO_DISABLE": "1",
-            "RAY_DEDUP_LOGS": "0"}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(map(str, (tree, TESTS, REPO))),
+        "TORCHDYNAMO_DISABLE": "1",
+        "RAY_DEDUP_LOGS": "0",
+    }
 
 
 def _run(command, tree, out):
@@ -59,12 +64,15 @@ def _run(command, tree, out):
 def openrlhfs_own(tree, tmp_path_factory):
     """The training step with OpenRLHF's own functions, in a plain process (no Ray, no patch)."""
     out = tmp_path_factory.mktemp("reference") / "steps.pt"
-    script = ("import sys, torch, openrlhf_actor_step as s; "
-              "torch.save({c: s.training_step(c) for c in s.CONFIGS}, sys.argv[1])")
+    script = (
+        "import sys, torch, openrlhf_actor_step as s; "
+        "torch.save({c: s.training_step(c) for c in s.CONFIGS}, sys.argv[1])"
+    )
     steps = _run([sys.executable, "-c", script, str(out)], tree, out)
     for step in steps.values():
-        assert not step["names"]["hook ran"] and all(v.startswith("openrlhf.") for k, v in step["names"].items()
-                                                     if k != "hook ran"), step["names"]
+        assert not step["names"]["hook ran"] and all(
+            v.startswith("openrlhf.") for k, v in step["names"].items() if k != "hook ran"
+        ), step["names"]
     return steps
 
 
@@ -99,7 +107,8 @@ def test_the_launcher_reaches_openrlhfs_ray_workers(tree, openrlhfs_own, tmp_pat
     (launched / "openrlhf" / "cli" / "train_ppo_ray.py").write_text(
         '"""A stand-in for OpenRLHF\'s entry point (tests/test_openrlhf_ray.py)."""\n'
         "import sys\n\nimport openrlhf_ray_driver\n\n"
-        'if __name__ == "__main__":\n    openrlhf_ray_driver.run(sys.argv[sys.argv.index("--out") + 1])\n')
+        'if __name__ == "__main__":\n    openrlhf_ray_driver.run(sys.argv[sys.argv.index("--out") + 1])\n'
+    )
     out = tmp_path / "worker.pt"
     result = _run([sys.executable, "-m", "grpo_kernels.integration.openrlhf_train", "--out", str(out)], launched, out)
     _assert_ours_with_openrlhfs_numbers(result, openrlhfs_own)
@@ -109,14 +118,16 @@ def test_use_in_openrlhf_in_the_driver_alone_does_not_reach_the_workers(tree, tm
     """What the README once said (``use_in_openrlhf()`` in the launcher): the Ray worker imports OpenRLHF anew and
     runs its own functions."""
     out = tmp_path / "worker.pt"
-    script = ("import sys, ray, openrlhf_ray_driver\n"
-              "from grpo_kernels.integration.openrlhf import use_in_openrlhf\n"
-              "use_in_openrlhf()\n"
-              "ray.init(num_cpus=2, include_dashboard=False)\n"
-              "import openrlhf_actor_step\n"
-              "openrlhf_actor_step.CONFIGS = {}\n"  # (the names are the point here, not the steps)
-              "openrlhf_ray_driver.run(sys.argv[1])\n"
-              "ray.shutdown()\n")
+    script = (
+        "import sys, ray, openrlhf_ray_driver\n"
+        "from grpo_kernels.integration.openrlhf import use_in_openrlhf\n"
+        "use_in_openrlhf()\n"
+        "ray.init(num_cpus=2, include_dashboard=False)\n"
+        "import openrlhf_actor_step\n"
+        "openrlhf_actor_step.CONFIGS = {}\n"  # (the names are the point here, not the steps)
+        "openrlhf_ray_driver.run(sys.argv[1])\n"
+        "ray.shutdown()\n"
+    )
     result = _run([sys.executable, "-c", script, str(out)], tree, out)
     assert not result["names"]["hook ran"]
     assert all(result["names"][name].startswith("openrlhf.models.") for name in OURS), result["names"]

@@ -111,20 +111,25 @@ def test_the_entropy_quantile_is_over_every_process():
     mask[3] = 0
     single = high_entropy_mask(entropy, mask, GRPOOptions(top_entropy_quantile=0.3))
     assert torch.tensor(per_rank[0] + per_rank[1]).equal(single)
-    assert not torch.equal(torch.tensor(per_rank[1]), high_entropy_mask(entropy[2:], mask[2:],
-                                                                        GRPOOptions(top_entropy_quantile=0.3)))
+    assert not torch.equal(
+        torch.tensor(per_rank[1]), high_entropy_mask(entropy[2:], mask[2:], GRPOOptions(top_entropy_quantile=0.3))
+    )
 
 
 # From hidden states: the same first pass (log-probs and entropies, no logits kept), every lm_head mode
 LM_HEAD_PATHS = [("torch", None), ("triton", "recompute"), ("triton", "three_products")]
 
 
-@pytest.mark.parametrize("options", [
-    dict(top_entropy_quantile=0.5, entropy_coef=0.1, beta=0.04),
-    dict(off_policy_mask_threshold=0.05, beta=0.04),
-    dict(top_entropy_quantile=0.7, off_policy_mask_threshold=0.05, importance_sampling_level="sequence"),
-    dict(loss_type="vespo", top_entropy_quantile=0.6, entropy_coef=0.05),
-], ids=["entropy_mask_and_bonus", "off_policy", "both_sequence", "vespo"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(top_entropy_quantile=0.5, entropy_coef=0.1, beta=0.04),
+        dict(off_policy_mask_threshold=0.05, beta=0.04),
+        dict(top_entropy_quantile=0.7, off_policy_mask_threshold=0.05, importance_sampling_level="sequence"),
+        dict(loss_type="vespo", top_entropy_quantile=0.6, entropy_coef=0.05),
+    ],
+    ids=["entropy_mask_and_bonus", "off_policy", "both_sequence", "vespo"],
+)
 @pytest.mark.parametrize("backend, lm_head_mode", LM_HEAD_PATHS)
 def test_masks_and_bonus_from_hidden_states(device, backend, lm_head_mode, options):
     g = torch.Generator().manual_seed(51)
@@ -135,5 +140,6 @@ def test_masks_and_bonus_from_hidden_states(device, backend, lm_head_mode, optio
         current, _ = token_logprobs_and_entropy(hidden @ weight.T, batch["completion_ids"])
         batch["sampling_logps"] = current + torch.tensor([[0.0], [0.5], [0.0], [0.5]], device=device)
     inputs = {k: v for k, v in batch.items() if k != "logits"}
-    check_lm_head_against_reference(hidden, weight, inputs, backend=backend, lm_head_mode=lm_head_mode,
-                                    options=options, tol=TOL)
+    check_lm_head_against_reference(
+        hidden, weight, inputs, backend=backend, lm_head_mode=lm_head_mode, options=options, tol=TOL
+    )

@@ -6,10 +6,10 @@ with an empty row. What one reduction cannot express is refused by name."""
 
 import pytest
 import torch
+from openrlhf_code import openrlhf_code
 
 from grpo_kernels import GRPOLoss
 from grpo_kernels.options import GRPOOptions
-from openrlhf_code import openrlhf_code
 
 LENGTHS = (1, 9, 4, 0, 7, 3)
 T, V = max(LENGTHS), 23
@@ -38,8 +38,9 @@ def their_logps(logits, ids, mask):
 
 def ours(preset, logits, ids, mask, adv, old, ref, backend, normalizer=None, **overrides):
     loss = GRPOLoss(preset=preset, backend=backend, **overrides)
-    out = loss(logits, ids, mask, adv, old_logps=old, ref_logps=ref if loss.options.beta else None,
-               normalizer=normalizer)
+    out = loss(
+        logits, ids, mask, adv, old_logps=old, ref_logps=ref if loss.options.beta else None, normalizer=normalizer
+    )
     return out.loss
 
 
@@ -77,8 +78,13 @@ def test_verl_preset_is_verls_loss(flags, dp, backend):
     _, _, mask, *_ = batch()
     tokens = mask.sum() * dp  # the other rank's tokens: as many
     info = dict(dp_size=dp, batch_num_tokens=float(tokens), global_batch_size=5.0 * dp)
-    config = ActorConfig(strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=1, global_batch_info=info,
-                         **{"clip_ratio": 0.2, **config_kw})
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=2,
+        ppo_micro_batch_size_per_gpu=1,
+        global_batch_info=info,
+        **{"clip_ratio": 0.2, **config_kw},
+    )
 
     def verl(lp, old, ref, adv, mask):
         loss, _ = core_algos.compute_policy_loss_vanilla(old, lp, adv, mask, "token-mean", config)
@@ -140,18 +146,33 @@ def test_openrlhf_preset_entropy_loss_is_openrlhfs(backend, accumulation):
     twin = logits.detach().clone().requires_grad_()
     lp = their_logps(logits, ids, mask)
     entropy = getattr(utils.compute_entropy, "_torchdynamo_orig_callable", utils.compute_entropy)(logits.float())
-    expected = (loss_code.PolicyLoss()(lp, old, adv, mask, None, **info)[0]
-                + 0.01 * loss_code.aggregate_loss(utils.compute_approx_kl(lp, ref, old, "k1"), mask, **info)
-                - coef * loss_code.aggregate_loss(entropy, mask, **info))
-    actual = ours("openrlhf", twin, ids, mask, adv, old, ref, backend, normalizer=tokens / dp, beta=0.01,
-                  entropy_coef=coef)
+    expected = (
+        loss_code.PolicyLoss()(lp, old, adv, mask, None, **info)[0]
+        + 0.01 * loss_code.aggregate_loss(utils.compute_approx_kl(lp, ref, old, "k1"), mask, **info)
+        - coef * loss_code.aggregate_loss(entropy, mask, **info)
+    )
+    actual = ours(
+        "openrlhf", twin, ids, mask, adv, old, ref, backend, normalizer=tokens / dp, beta=0.01, entropy_coef=coef
+    )
     expected.backward()
     actual.backward()
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(twin.grad, logits.grad, atol=1e-7, rtol=1e-5)
     # the local mean (TRL's bonus) is another number here
-    local = ours("openrlhf", logits.detach(), ids, mask, adv, old, ref, backend, normalizer=tokens / dp, beta=0.01,
-                 entropy_coef=coef, entropy_reduction="token_mean")
+    local = ours(
+        "openrlhf",
+        logits.detach(),
+        ids,
+        mask,
+        adv,
+        old,
+        ref,
+        backend,
+        normalizer=tokens / dp,
+        beta=0.01,
+        entropy_coef=coef,
+        entropy_reduction="token_mean",
+    )
     assert abs(float(local) - float(expected)) > 1e-4
 
 
@@ -159,13 +180,15 @@ def test_openrlhf_k3_clamps_bind_and_match():
     """k3 far from the reference: OpenRLHF clamps log(pi / pi_ref) at -10 from below, then the value to +-10."""
     utils, loss_code = openrlhf_code()
     logits, ids, mask, adv, old, _ = batch(4)
-    ref = (their_logps(logits, ids, mask).detach() + 12 * torch.randn(mask.shape,
-                                                                      generator=torch.Generator().manual_seed(9)))
+    ref = their_logps(logits, ids, mask).detach() + 12 * torch.randn(
+        mask.shape, generator=torch.Generator().manual_seed(9)
+    )
     twin = logits.detach().clone().requires_grad_()
     lp = their_logps(logits, ids, mask)
     assert float((lp - ref).detach().abs().max()) > 11
     expected = loss_code.PolicyLoss()(lp, old, adv, mask)[0] + 0.1 * loss_code.aggregate_loss(
-        utils.compute_approx_kl(lp, ref, old, "k3"), mask)
+        utils.compute_approx_kl(lp, ref, old, "k3"), mask
+    )
     actual = ours("openrlhf", twin, ids, mask, adv, old, ref, "torch", beta=0.1, kl_estimator="k3")
     expected.backward()
     actual.backward()
@@ -189,10 +212,10 @@ def test_trl_preset_is_trls_loss(flags, tmp_path):
     """Stock GRPOTrainer.compute_loss on a tiny model against GRPOLoss(preset="trl") on the same model's logits
     (TRL's normalizer for dapo: num_items_in_batch over the processes)."""
     pytest.importorskip("trl", reason="the trl extra is not installed")
-    from trl import GRPOTrainer
-
     from datasets import Dataset
-    from test_trl_integration import T as TRL_T, _batch, _trainer
+    from test_trl_integration import T as TRL_T
+    from test_trl_integration import _batch, _trainer
+    from trl import GRPOTrainer
 
     from grpo_kernels.training.tasks import compare
 
@@ -217,22 +240,31 @@ def test_trl_preset_is_trls_loss(flags, tmp_path):
     options = GRPOOptions.from_preset("trl", **config, temperature=stock.temperature)
     assert options.loss_type == config.get("loss_type", stock.args.loss_type)  # the preset's default is TRL's
     out = GRPOLoss(options=options, drop_last_position=True)(
-        logits, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
-        old_logps=inputs["old_per_token_logps"], ref_logps=inputs.get("ref_per_token_logps"),
-        normalizer=inputs["num_items_in_batch"] if options.loss.takes_normalizer else None)
+        logits,
+        inputs["completion_ids"],
+        inputs["completion_mask"],
+        inputs["advantages"],
+        old_logps=inputs["old_per_token_logps"],
+        ref_logps=inputs.get("ref_per_token_logps"),
+        normalizer=inputs["num_items_in_batch"] if options.loss.takes_normalizer else None,
+    )
     out.loss.backward()
-    for e, a in zip(expected, stock.model.parameters()):
+    for e, a in zip(expected, stock.model.parameters(), strict=True):
         torch.testing.assert_close(a.grad, e, atol=1e-6, rtol=1e-4)
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("preset, overrides, names", [
-    ("openrlhf", dict(loss_type="grpo"), "seq-mean-token-mean"),
-    ("openrlhf", dict(importance_sampling_level="sequence"), "policy_loss_type gspo"),
-    ("verl", dict(loss_type="bnpo"), "loss_agg_modes"),
-    ("verl", dict(importance_sampling_level="sequence_token"), "'gspo' loss_mode"),
-])
+
+@pytest.mark.parametrize(
+    "preset, overrides, names",
+    [
+        ("openrlhf", dict(loss_type="grpo"), "seq-mean-token-mean"),
+        ("openrlhf", dict(importance_sampling_level="sequence"), "policy_loss_type gspo"),
+        ("verl", dict(loss_type="bnpo"), "loss_agg_modes"),
+        ("verl", dict(importance_sampling_level="sequence_token"), "'gspo' loss_mode"),
+    ],
+)
 def test_a_loss_one_reduction_cannot_express_is_refused_by_name(preset, overrides, names):
     with pytest.raises(ValueError, match=f"preset='{preset}' takes") as err:
         GRPOLoss(preset=preset, **overrides)

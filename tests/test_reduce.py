@@ -14,11 +14,24 @@ from grpo_kernels import GRPOOptions
 from grpo_kernels.inputs import SequenceLayout
 from grpo_kernels.kernels import reduce_launch
 from grpo_kernels.kernels.contracts import FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, Sequences
-from grpo_kernels.objective import (clip_metric_values, entropy_bonus_weights, kernel_reduction, masked_mean,
-                                    metric_names, reduction_weights)
+from grpo_kernels.objective import (
+    clip_metric_values,
+    entropy_bonus_weights,
+    kernel_reduction,
+    masked_mean,
+    metric_names,
+    reduction_weights,
+)
 
-LOSS_TYPES = {"grpo": {}, "bnpo": {}, "dr_grpo": dict(max_completion_length=7), "dapo": {}, "luspo": {},
-              "cispo": dict(epsilon_high=1.1), "sapo": {}}
+LOSS_TYPES = {
+    "grpo": {},
+    "bnpo": {},
+    "dr_grpo": dict(max_completion_length=7),
+    "dapo": {},
+    "luspo": {},
+    "cispo": dict(epsilon_high=1.1),
+    "sapo": {},
+}
 
 
 def _same(actual, expected):
@@ -34,8 +47,13 @@ def _mask(B, T, seed, fractional=False):
     return mask
 
 
-@pytest.mark.parametrize("loss_type,normalizer", [(t, None) for t in LOSS_TYPES] + [  # a normalizer: token_count's
-    (t, n) for t in ("dapo", "cispo") for n in (37, 0, "tensor")])
+@pytest.mark.parametrize(
+    "loss_type,normalizer",
+    [(t, None) for t in LOSS_TYPES]
+    + [  # a normalizer: token_count's
+        (t, n) for t in ("dapo", "cispo") for n in (37, 0, "tensor")
+    ],
+)
 @pytest.mark.parametrize("loss_scale", [1.0, 0.25, "tensor"])
 def test_token_weights_are_the_reductions_weights(device, loss_type, normalizer, loss_scale):
     B, T = 4, 9
@@ -45,8 +63,9 @@ def test_token_weights_are_the_reductions_weights(device, loss_type, normalizer,
     scale = torch.tensor(0.5, device=device) if loss_scale == "tensor" else loss_scale
     opts = GRPOOptions(loss_type=loss_type, entropy_coef=0.03, **LOSS_TYPES[loss_type])
     advantages = torch.randn(B, device=device, dtype=torch.float64)  # any float dtype, written as fp32
-    w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, scale),
-                                    advantages=advantages)
+    w = reduce_launch.token_weights(
+        mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, scale), advantages=advantages
+    )
     expected = reduction_weights(mask, opts, normalizer) * scale
     _same(w.weight.view(B, T), expected)
     _same(w.entropy_weight.view(B, T), entropy_bonus_weights(mask, opts) * scale)
@@ -79,8 +98,9 @@ def test_fractional_masks_per_token_inputs_and_a_separate_bonus_mask(device):
     bonus = (mask * (torch.rand(B, T, device=device) > 0.5)).contiguous()
     opts = GRPOOptions(entropy_coef=0.1)
     adv, iw = torch.randn(B, T, device=device), torch.rand(B, 1, device=device, dtype=torch.bfloat16)
-    w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, None, 1.0, bonus),
-                                    advantages=adv, importance_weights=iw)
+    w = reduce_launch.token_weights(
+        mask, Sequences(B, T), kernel_reduction(opts, B, None, 1.0, bonus), advantages=adv, importance_weights=iw
+    )
     close = dict(atol=0, rtol=1e-5)  # sums of fractional masks, in another order
     torch.testing.assert_close(w.weight.view(B, T), reduction_weights(mask, opts), **close)
     torch.testing.assert_close(w.entropy_weight.view(B, T), entropy_bonus_weights(bonus, opts), **close)
@@ -97,8 +117,9 @@ def test_a_packed_batch_takes_its_sequences_from_cu_seqlens(device, loss_type):
     layout = SequenceLayout(1, N, cu_seqlens)
     opts = GRPOOptions(loss_type=loss_type)
     per_sequence = torch.randn(S, device=device)
-    w = reduce_launch.token_weights(mask, layout.sequences, kernel_reduction(opts, S, None, 1.0),
-                                    advantages=per_sequence)
+    w = reduce_launch.token_weights(
+        mask, layout.sequences, kernel_reduction(opts, S, None, 1.0), advantages=per_sequence
+    )
     expected = layout.from_seq(reduction_weights(layout.seq(mask), opts))
     _same(w.weight, expected)
     assert torch.equal(w.advantages, per_sequence[layout.sequence_of_token])
@@ -108,28 +129,40 @@ def test_the_dropped_position_is_zeroed_and_nothing_else_written(device):
     B, T, V = 3, 4, 2500  # V over two of the kernel's zeroing blocks
     grad = torch.full((B, T + 1, V), 7.0, device=device, dtype=torch.bfloat16)
     mask = torch.ones(B, T, device=device)
-    reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(GRPOOptions(), B, None, 1.0),
-                                advantages=torch.zeros(B, device=device), dropped_gradient=grad)
+    reduce_launch.token_weights(
+        mask,
+        Sequences(B, T),
+        kernel_reduction(GRPOOptions(), B, None, 1.0),
+        advantages=torch.zeros(B, device=device),
+        dropped_gradient=grad,
+    )
     assert grad[:, -1].eq(0).all() and grad[:, :-1].eq(7).all()
 
 
 def test_no_token_gives_empty_weights_and_zeroes_the_dropped_position(device):
     grad = torch.ones(2, 1, 5, device=device)
-    w = reduce_launch.token_weights(torch.ones(2, 0, device=device), Sequences(2, 0),
-                                    kernel_reduction(GRPOOptions(), 2, None, 1.0),
-                                    advantages=torch.ones(2, device=device), dropped_gradient=grad)
+    w = reduce_launch.token_weights(
+        torch.ones(2, 0, device=device),
+        Sequences(2, 0),
+        kernel_reduction(GRPOOptions(), 2, None, 1.0),
+        advantages=torch.ones(2, device=device),
+        dropped_gradient=grad,
+    )
     assert w.weight.numel() == 0 and w.advantages.numel() == 0 and grad.eq(0).all()
 
 
 def test_inputs_of_neither_a_token_nor_a_sequence_each_are_refused(device):
     with pytest.raises(ValueError, match="advantages must hold one value a token"):
-        reduce_launch.token_weights(torch.ones(6, device=device), Sequences(2, 3), None,
-                                    advantages=torch.ones(4, device=device))
+        reduce_launch.token_weights(
+            torch.ones(6, device=device), Sequences(2, 3), None, advantages=torch.ones(4, device=device)
+        )
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "cispo", "sapo"])
-@pytest.mark.parametrize("with_kl,with_entropy,with_bonus", [(True, True, True), (False, True, False),
-                                                             (True, False, False), (False, False, False)])
+@pytest.mark.parametrize(
+    "with_kl,with_entropy,with_bonus",
+    [(True, True, True), (False, True, False), (True, False, False), (False, False, False)],
+)
 def test_loss_metrics_are_the_reduced_loss_and_trls_means(device, loss_type, with_kl, with_entropy, with_bonus):
     B, T = 3, 2100  # over one block of the kernel's tokens
     g = torch.Generator().manual_seed(3)
@@ -139,20 +172,35 @@ def test_loss_metrics_are_the_reduced_loss_and_trls_means(device, loss_type, wit
     loss_t, entropy = at_active(torch.randn(B * T, generator=g)), at_active(torch.rand(B * T, generator=g))
     kl = at_active(torch.rand(B * T, generator=g))
     flags = torch.where(active, torch.randint(0, 4, (B * T,), generator=g).to(device), 0).to(torch.int8)
-    opts = GRPOOptions(loss_type=loss_type, beta=0.04 if with_kl else 0.0, compute_entropy=with_entropy,
-                       entropy_coef=0.02 if with_bonus else 0.0, **LOSS_TYPES[loss_type])
+    opts = GRPOOptions(
+        loss_type=loss_type,
+        beta=0.04 if with_kl else 0.0,
+        compute_entropy=with_entropy,
+        entropy_coef=0.02 if with_bonus else 0.0,
+        **LOSS_TYPES[loss_type],
+    )
     weights = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, None, 0.5))
-    loss, metrics = reduce_launch.loss_metrics(mask, opts.kernel_loss, loss=loss_t,
-                                               entropy=entropy if with_entropy else None, kl=kl if with_kl else None, flags=flags, weights=weights)
+    loss, metrics = reduce_launch.loss_metrics(
+        mask,
+        opts.kernel_loss,
+        loss=loss_t,
+        entropy=entropy if with_entropy else None,
+        kl=kl if with_kl else None,
+        flags=flags,
+        weights=weights,
+    )
     expected_loss = (loss_t * weights.weight).sum() + ((entropy * weights.entropy_weight).sum() if with_bonus else 0)
     torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
     low, high = ((flags.int() & bit) != 0 for bit in (FLAG_LOW_CLIPPED, FLAG_HIGH_CLIPPED))
     clip = clip_metric_values(opts, low.float(), high.float())
-    expected = {"kl": masked_mean(kl, mask), "entropy": masked_mean(entropy, mask),
-                **{name: masked_mean(v, mask) for name, v in clip.items()}}
+    expected = {
+        "kl": masked_mean(kl, mask),
+        "entropy": masked_mean(entropy, mask),
+        **{name: masked_mean(v, mask) for name, v in clip.items()},
+    }
     names = metric_names(opts, with_kl, with_entropy)
     assert metrics.shape == (len(names),)
-    for name, value in zip(names, metrics):
+    for name, value in zip(names, metrics, strict=True):
         torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
@@ -160,8 +208,9 @@ def test_loss_metrics_of_no_token_are_zero(device):
     opts = GRPOOptions(beta=0.04)
     empty = torch.empty(0, device=device)
     weights = reduce_launch.token_weights(empty, Sequences(0, 0), kernel_reduction(opts, 0, None, 1.0))
-    loss, metrics = reduce_launch.loss_metrics(empty, opts.kernel_loss, loss=empty, entropy=empty, kl=empty,
-                                               flags=empty.to(torch.int8), weights=weights)
+    loss, metrics = reduce_launch.loss_metrics(
+        empty, opts.kernel_loss, loss=empty, entropy=empty, kl=empty, flags=empty.to(torch.int8), weights=weights
+    )
     assert loss.item() == 0 and metrics.eq(0).all() and metrics.numel() == 5
 
 
@@ -175,7 +224,9 @@ def test_scalars_are_read_where_the_kernel_can_read_them(device):
     B, T = 2, 3
     mask = torch.ones(B, T, device=device)
     opts = GRPOOptions(loss_type="dapo")
-    for normalizer, scale in ((torch.tensor(0.0), torch.tensor(0.5)),  # CPU tensors (on a GPU: read on the host)
-                              (torch.tensor(0.0, device=device), torch.tensor(0.5, device=device))):
+    for normalizer, scale in (
+        (torch.tensor(0.0), torch.tensor(0.5)),  # CPU tensors (on a GPU: read on the host)
+        (torch.tensor(0.0, device=device), torch.tensor(0.5, device=device)),
+    ):
         w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, scale))
         _same(w.weight, 0.5 * mask.reshape(-1))  # divided as 1, as the torch reduction does

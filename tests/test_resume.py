@@ -20,15 +20,44 @@ from grpo_kernels.training.cli import restart_log
 from grpo_kernels.training.trainer import CHECKPOINT_FORMAT, TrainerConfig, resume_differences
 
 # tiny: 6 steps of 4 prompts x 4 completions after a short warm-up, a checkpoint every 2 steps
-RUN = ["--steps", "6", "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "10", "--warmup-steps", "30",
-       "--save-every", "2", "--eval-every", "2", "--no-progress"]
-RECIPES = {"default": [], "process supervision": ["--process-rollouts", "2"],
-           "adaptive entropy": ["--adaptive-entropy", "--entropy-coef", "0.01"], "reward-model example": ["example"]}
+RUN = [
+    "--steps",
+    "6",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--eval-size",
+    "10",
+    "--warmup-steps",
+    "30",
+    "--save-every",
+    "2",
+    "--eval-every",
+    "2",
+    "--no-progress",
+]
+RECIPES = {
+    "default": [],
+    "process supervision": ["--process-rollouts", "2"],
+    "adaptive entropy": ["--adaptive-entropy", "--entropy-coef", "0.01"],
+    "reward-model example": ["example"],
+}
 
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "reward_model_grpo.py"
-EXAMPLE_RUN = ["--rm-steps", "10", "--grpo-steps", "6", "--warmup-steps", "30", "--eval-size", "10",
-               "--save-every", "2"]
+EXAMPLE_RUN = [
+    "--rm-steps",
+    "10",
+    "--grpo-steps",
+    "6",
+    "--warmup-steps",
+    "30",
+    "--eval-size",
+    "10",
+    "--save-every",
+    "2",
+]
 
 
 def _command(out, extra):
@@ -58,8 +87,11 @@ def _killed_after_a_checkpoint(out, extra):
     try:
         deadline = time.monotonic() + 1800
         while time.monotonic() < deadline:
-            if (out / "checkpoint-2").is_dir() and (out / "metrics.jsonl").exists() and \
-                    any(r.get("step", 0) >= 3 and "reward" in r for r in _rows(out)):
+            if (
+                (out / "checkpoint-2").is_dir()
+                and (out / "metrics.jsonl").exists()
+                and any(r.get("step", 0) >= 3 and "reward" in r for r in _rows(out))
+            ):
                 break
             assert proc.poll() is None, "the run ended before it could be killed"
             time.sleep(0.05)
@@ -73,7 +105,7 @@ def _killed_after_a_checkpoint(out, extra):
 def assert_same_run(resumed, uninterrupted):
     rows, expected = _rows(resumed), _rows(uninterrupted)
     assert [(r["step"], sorted(r)) for r in rows] == [(r["step"], sorted(r)) for r in expected]
-    for row, want in zip(rows, expected):
+    for row, want in zip(rows, expected, strict=True):
         for key, value in want.items():
             if key.endswith("seconds"):  # a time, not a number of the run
                 continue
@@ -138,8 +170,13 @@ def test_a_resume_that_could_not_be_exact_is_refused_by_name():
 
 def test_the_log_restarts_at_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    rows = [{"step": 0, "eval_accuracy": 0.1}, {"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.6},
-            {"step": 2, "eval_accuracy": 0.2}, {"step": 3, "reward": 0.7}]
+    rows = [
+        {"step": 0, "eval_accuracy": 0.1},
+        {"step": 1, "reward": 0.5},
+        {"step": 2, "reward": 0.6},
+        {"step": 2, "eval_accuracy": 0.2},
+        {"step": 3, "reward": 0.7},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert restart_log(str(path), 2, 6) == rows[:4]
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:4]
@@ -163,7 +200,8 @@ def test_a_restarted_seeds_sweep_reuses_finished_seeds(tmp_path):
         f"open({str(calls)!r}, 'a').write(f'{{a.seed}}\\n')\n"
         "rows = [{'step': 0, 'eval_accuracy': 0.5}, {'step': 1, 'reward': 1.0, 'zero_std_groups': 0.0},\n"
         "        {'step': 1, 'eval_accuracy': 0.5 + a.seed / 10}]\n"
-        "open(os.path.join(a.output_dir, 'metrics.jsonl'), 'w').write(''.join(json.dumps(r) + '\\n' for r in rows))\n")
+        "open(os.path.join(a.output_dir, 'metrics.jsonl'), 'w').write(''.join(json.dumps(r) + '\\n' for r in rows))\n"
+    )
     out = tmp_path / "sweep"
     run_seeds([0, 1], str(out), [], script=str(script))
     os.remove(out / "seed-1" / "run.json")  # killed while seed 1 ran: it never wrote its record

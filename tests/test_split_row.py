@@ -61,8 +61,9 @@ def _both(batch, chunks, block_v=256, **options):
             with split_row(chunks, block_v):
                 out = grpo_loss(**inputs, backend="triton", one_pass=True, **options)
         else:
-            out = grpo_loss_reference(**{**inputs, "logits": logits.float()} if logits.dtype != torch.float32
-                                      else inputs, **options)
+            out = grpo_loss_reference(
+                **{**inputs, "logits": logits.float()} if logits.dtype != torch.float32 else inputs, **options
+            )
         out.loss.backward()
         results.append((out.loss, logits.grad, out))
     return results
@@ -87,8 +88,18 @@ def test_any_number_of_chunks_and_any_vocabulary(device, chunks, V):
 
 def test_the_chunks_cover_the_row_in_whole_blocks():
     """At most the K asked for, chunks of whole blocks, as few blocks a chunk as that allows, none empty."""
-    for V, block, chunks in [(151936, 4096, 8), (151936, 4096, 16), (151936, 4096, 64), (151936, 8192, 19),
-                             (32000, 4096, 4), (32000, 4096, 8), (1003, 256, 4), (5, 2, 8), (1, 2, 4), (7, 2, 3)]:
+    for V, block, chunks in [
+        (151936, 4096, 8),
+        (151936, 4096, 16),
+        (151936, 4096, 64),
+        (151936, 8192, 19),
+        (32000, 4096, 4),
+        (32000, 4096, 8),
+        (1003, 256, 4),
+        (5, 2, 8),
+        (1, 2, 4),
+        (7, 2, 3),
+    ]:
         k, chunk_len, held = launch.split_row_chunks(V, block, chunks)
         assert held == (chunk_len == block)
         blocks = -(-V // block)
@@ -100,13 +111,16 @@ def test_the_chunks_cover_the_row_in_whole_blocks():
     assert launch.split_row_chunks(32000, 4096, 8) == (8, 4096, True)
 
 
-@pytest.mark.parametrize("V, chunks, block_v, dtype, held", [
-    (4999, 2, 2048, torch.float32, False),  # 3 blocks: chunks of 2 blocks, the second read from L2
-    (4999, 3, 2048, torch.float32, True),  # a block a chunk, K = 3 (not a power of 2: the merge masks lanes)
-    (4999, 8, 1024, torch.float32, True),  # more chunks than blocks: K = 5, a block each
-    (1003, 4, 1024, torch.float32, True),  # K = 1: the row in one program, a block held (no sibling to wait on)
-    (32000, 8, None, torch.bfloat16, True),  # the launcher's 4096-logit blocks: 8 chunks held
-])
+@pytest.mark.parametrize(
+    "V, chunks, block_v, dtype, held",
+    [
+        (4999, 2, 2048, torch.float32, False),  # 3 blocks: chunks of 2 blocks, the second read from L2
+        (4999, 3, 2048, torch.float32, True),  # a block a chunk, K = 3 (not a power of 2: the merge masks lanes)
+        (4999, 8, 1024, torch.float32, True),  # more chunks than blocks: K = 5, a block each
+        (1003, 4, 1024, torch.float32, True),  # K = 1: the row in one program, a block held (no sibling to wait on)
+        (32000, 8, None, torch.bfloat16, True),  # the launcher's 4096-logit blocks: 8 chunks held
+    ],
+)
 def test_which_variant_runs_and_both_match_the_reference(device, launched, V, chunks, block_v, dtype, held):
     """A chunk of one block is held in registers from its load to its gradient (HOLD_CHUNK), a longer one is
     read again; K is any number of chunks. Both against the reference, with the entropy bonus's gradient too."""
@@ -125,12 +139,19 @@ def test_which_variant_runs_and_both_match_the_reference(device, launched, V, ch
 # the loss options in the held variant; in the streamed one those that reach its own code (the entropy off, rows
 # not 16-byte aligned, one token, several blocks a chunk): the loss terms are one function for every kernel
 LAYOUT_CASES = ["no_entropy", "strided_logits_view", "one_token", "vocab_over_several_blocks"]
-LOSS_CASES = ["delta_and_dual_clip_per_token_adv", "kl_k3_clamped_verl", "bias_corrected_kl", "cispo_per_token_adv",
-              "sapo_temperatures"]
+LOSS_CASES = [
+    "delta_and_dual_clip_per_token_adv",
+    "kl_k3_clamped_verl",
+    "bias_corrected_kl",
+    "cispo_per_token_adv",
+    "sapo_temperatures",
+]
 
 
-@pytest.mark.parametrize("case, variant", [(case, "held") for case in LOSS_CASES + LAYOUT_CASES]
-                         + [(case, "streamed") for case in LAYOUT_CASES])
+@pytest.mark.parametrize(
+    "case, variant",
+    [(case, "held") for case in LOSS_CASES + LAYOUT_CASES] + [(case, "streamed") for case in LAYOUT_CASES],
+)
 def test_options(device, launched, case, variant):
     from helpers import BATCH_KEYS
 
@@ -183,7 +204,7 @@ def test_the_default_schedule_is_unchanged_until_measured(device, monkeypatch):
     real = launch._split_row_forward
     monkeypatch.setattr(launch, "_split_row_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     batch = make_batch(device=device, seed=1)
-    grpo_loss(**batch, backend="triton", one_pass=True).loss
+    grpo_loss(**batch, backend="triton", one_pass=True)
     assert not calls
     with split_row(2):
         logits = batch["logits"].clone().requires_grad_()
@@ -203,12 +224,20 @@ def test_no_wait_times_out(device, launched, chunks, held):
     N = ids.numel()
     f32 = dict(device=device, dtype=torch.float32)
     with split_row(chunks):
-        tokens = TokenInputs(mask=batch["completion_mask"].reshape(-1),
-                             advantages=batch["advantages"].repeat_interleave(ids.shape[1]).contiguous(),
-                             old_logps=batch["old_logps"].reshape(-1).contiguous(),
-                             ref_logps=batch["ref_logps"].reshape(-1).contiguous())
-        r = launch.forward(logits, ids, kernel_loss=GRPOOptions(beta=0.04).kernel_loss, tokens=tokens,
-                           compute_entropy=True, gradient=OnePassGradient(torch.full((N,), 1.0 / N, **f32)))
+        tokens = TokenInputs(
+            mask=batch["completion_mask"].reshape(-1),
+            advantages=batch["advantages"].repeat_interleave(ids.shape[1]).contiguous(),
+            old_logps=batch["old_logps"].reshape(-1).contiguous(),
+            ref_logps=batch["ref_logps"].reshape(-1).contiguous(),
+        )
+        r = launch.forward(
+            logits,
+            ids,
+            kernel_loss=GRPOOptions(beta=0.04).kernel_loss,
+            tokens=tokens,
+            compute_entropy=True,
+            gradient=OnePassGradient(torch.full((N,), 1.0 / N, **f32)),
+        )
     assert r.grad_logits is not None and torch.isfinite(r.grad_logits).all()
     assert launched and all(c["HOLD_CHUNK"] == held for c in launched), _seen(launched)
     if logits.is_cuda:
@@ -252,8 +281,14 @@ def test_a_packed_batch(device, launched, variant):
     expected.loss.backward()
     logits = packed["logits"].detach().clone().requires_grad_()
     with split_row(**VARIANTS[variant]):
-        out = grpo_loss(logits, **{k: v for k, v in packed.items() if k != "logits"}, **options, backend="triton",
-                        one_pass=True, cu_seqlens=cu)
+        out = grpo_loss(
+            logits,
+            **{k: v for k, v in packed.items() if k != "logits"},
+            **options,
+            backend="triton",
+            one_pass=True,
+            cu_seqlens=cu,
+        )
     out.loss.backward()
     assert launched and all(c["HOLD_CHUNK"] == (variant == "held") for c in launched), _seen(launched)
     assert_close("loss", expected.loss, out.loss, **TOL)

@@ -6,7 +6,6 @@ their maximum. Bound: 2e-5 absolute at a largest logit of 57.8 (the fp32 Triton 
 """
 
 import pytest
-
 import torch
 
 from grpo_kernels import torch_path

@@ -47,7 +47,7 @@ def test_generation_masks_up_to_and_including_eos(tiny):
     trainer = _trainer(tiny, max_new_tokens=6)
     _, _, ids, mask = trainer.generate([r["prompt"] for r in trainer.train_rows[:4]])
     eos, pad = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id
-    for row_ids, row_mask in zip(ids.tolist(), mask.tolist()):
+    for row_ids, row_mask in zip(ids.tolist(), mask.tolist(), strict=True):
         n = sum(row_mask)
         assert row_mask == [1] * n + [0] * (len(row_mask) - n)
         assert eos not in row_ids[: n - 1] and all(t == pad for t in row_ids[n:])
@@ -60,7 +60,7 @@ def test_one_step_changes_the_policy_and_logs_metrics(tiny):
     assert set(record) >= {"step", "reward", "kl", "accuracy", "loss", "zero_std_groups"}
     assert all(torch.isfinite(torch.tensor(v)) for v in record.values())
     # unless every group had equal rewards (no signal), the weights moved
-    moved = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    moved = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
     assert moved or record["zero_std_groups"] == 1.0
 
 
@@ -91,8 +91,23 @@ def test_bad_configuration_is_refused(tiny):
 
 def test_cli_train_resume_and_eval(tmp_path, capsys):
     out = str(tmp_path / "run")
-    common = ["--warmup-steps", "5", "--eval-size", "8", "--group-size", "2", "--prompts-per-step", "2",
-              "--output-dir", out, "--no-progress", "--save-every", "2", "--eval-every", "2"]
+    common = [
+        "--warmup-steps",
+        "5",
+        "--eval-size",
+        "8",
+        "--group-size",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--output-dir",
+        out,
+        "--no-progress",
+        "--save-every",
+        "2",
+        "--eval-every",
+        "2",
+    ]
     assert cli.main(["train", "--steps", "3", *common]) == 0
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     evals = [r for r in lines if "eval_accuracy" in r]
@@ -127,9 +142,29 @@ def test_a_short_default_run_learns(tmp_path, capsys):
     """A shortened `grpo-kernels train` (the default recipe, fewer steps): held-out greedy accuracy rises
     clearly over its step-0 value on whatever trajectory this machine draws."""
     out = str(tmp_path / "learn")
-    assert cli.main(["train", "--warmup-steps", "400", "--warmup-large-batch-steps", "0", "--steps", "60",
-                     "--eval-every", "30", "--eval-size", "300", "--save-every", "0", "--output-dir", out,
-                     "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--warmup-steps",
+                "400",
+                "--warmup-large-batch-steps",
+                "0",
+                "--steps",
+                "60",
+                "--eval-every",
+                "30",
+                "--eval-size",
+                "300",
+                "--save-every",
+                "0",
+                "--output-dir",
+                out,
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     print(summary)
     assert summary["final_eval_accuracy"] >= summary["first_eval_accuracy"] + SHORT_RUN_MIN_GAIN, summary
@@ -197,9 +232,31 @@ def test_process_labels_are_the_prefixs_shared_by_completions_that_share_it(tiny
 
 def test_process_supervision_from_the_command_line(tmp_path, capsys):
     out = str(tmp_path / "process")
-    assert cli.main(["train", "--warmup-steps", "5", "--steps", "2", "--eval-size", "8", "--group-size", "2",
-                     "--prompts-per-step", "2", "--process-rollouts", "2", "--output-dir", out, "--no-progress",
-                     "--save-every", "0"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--warmup-steps",
+                "5",
+                "--steps",
+                "2",
+                "--eval-size",
+                "8",
+                "--group-size",
+                "2",
+                "--prompts-per-step",
+                "2",
+                "--process-rollouts",
+                "2",
+                "--output-dir",
+                out,
+                "--no-progress",
+                "--save-every",
+                "0",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in lines if "reward" in r] == [1, 2]
 
@@ -212,7 +269,7 @@ def test_fused_lm_head_option_gives_the_same_gradients(tiny):
     for fused in (False, True):
         _trainer(tiny, fused_lm_head=fused).accumulate_gradients(rollout)
         grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
 
 
@@ -221,8 +278,9 @@ def test_fused_lm_head_folds_in_a_lora_adapter_on_the_head(tiny):
     update equals the logits path's, the head's adapter weights included (the base weight alone would drop it)."""
     peft = pytest.importorskip("peft", reason="the peft extra is not installed (pip install 'grpo-kernels[peft]')")
     base, tokenizer = tiny
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"],
-                                                                     lora_dropout=0.0))
+    model = peft.get_peft_model(
+        copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], lora_dropout=0.0)
+    )
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -244,23 +302,58 @@ def test_train_any_local_hugging_face_model(tmp_path, tiny):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = compare.build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     path = str(tmp_path / "qwen2-tiny")
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     out = str(tmp_path / "run")
-    assert cli.main(["train", "--model", path, "--steps", "2", "--eval-size", "8", "--group-size", "2",
-                     "--prompts-per-step", "2", "--output-dir", out, "--no-progress", "--save-every", "0"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--model",
+                path,
+                "--steps",
+                "2",
+                "--eval-size",
+                "8",
+                "--group-size",
+                "2",
+                "--prompts-per-step",
+                "2",
+                "--output-dir",
+                out,
+                "--no-progress",
+                "--save-every",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert latest_checkpoint(out).endswith("checkpoint-2")
 
 
 def test_adaptive_entropy_moves_the_coefficient_and_survives_a_resume(tiny, tmp_path):
     """TRL's rule in the thin trainer: gated off until a step has measured the entropy, then the
     coefficient moves by delta toward the target each step; its state is in the checkpoint."""
-    config = dict(entropy_coef=0.05, adaptive_entropy=True, entropy_target=100.0, entropy_coef_delta=0.01,
-                  entropy_coef_max=0.065, output_dir=str(tmp_path / "run"))
+    config = dict(
+        entropy_coef=0.05,
+        adaptive_entropy=True,
+        entropy_target=100.0,
+        entropy_coef_delta=0.01,
+        entropy_coef_max=0.065,
+        output_dir=str(tmp_path / "run"),
+    )
     trainer = _trainer(tiny, **config)
     first = trainer.train_step()
     assert first["entropy_coef"] == pytest.approx(0.06) and 0.0 < first["entropy"] < 100.0
@@ -294,9 +387,34 @@ def test_adaptive_entropy_controller_rules():
 
 def test_entropy_flags_from_the_command_line(tmp_path, capsys):
     out = str(tmp_path / "run")
-    assert cli.main(["train", "--steps", "2", "--warmup-steps", "2", "--eval-size", "4", "--group-size", "2",
-                     "--prompts-per-step", "2", "--output-dir", out, "--no-progress", "--save-every", "0",
-                     "--entropy-coef", "0.01", "--adaptive-entropy", "--entropy-target", "100"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--steps",
+                "2",
+                "--warmup-steps",
+                "2",
+                "--eval-size",
+                "4",
+                "--group-size",
+                "2",
+                "--prompts-per-step",
+                "2",
+                "--output-dir",
+                out,
+                "--no-progress",
+                "--save-every",
+                "0",
+                "--entropy-coef",
+                "0.01",
+                "--adaptive-entropy",
+                "--entropy-target",
+                "100",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [round(r["entropy_coef"], 4) for r in lines if "reward" in r] == [0.015, 0.02]
 
@@ -347,13 +465,15 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tiny):
 
 
 def test_dynamic_sampling_gives_up_after_its_rounds_and_still_steps(tiny):
-    reward, calls = _scripted_reward(signal_every=10 ** 6)  # never any signal
+    reward, calls = _scripted_reward(signal_every=10**6)  # never any signal
     trainer = _trainer(tiny, [reward], dynamic_sampling=True, max_sampling_rounds=3)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     record = trainer.train_step()
     assert len(calls) == 3 and record["groups_sampled"] == 6 and record["groups_kept"] == 0
     assert record["zero_std_groups"] == 1.0 and all(torch.isfinite(torch.tensor(v)) for v in record.values())
-    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # zero advantages: no move
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True)
+    )  # zero advantages: no move
     with pytest.raises(ValueError, match="max_sampling_rounds must be >= 1"):
         TrainerConfig(max_sampling_rounds=0)
 
@@ -374,16 +494,46 @@ def test_steps_log_entropy_and_clip_ratios(tiny):
 
 def test_seeds_command_reports_the_spread(tmp_path, capsys):
     out = str(tmp_path / "seeds")
-    assert cli.main(["seeds", "--seeds", "2", "--first-seed", "3", "--jobs", "2", "--output-dir", out, "--",
-                     "--warmup-steps", "5", "--steps", "2", "--eval-size", "8", "--group-size", "2",
-                     "--prompts-per-step", "2", "--eval-every", "1", "--save-every", "0"]) == 0
+    assert (
+        cli.main(
+            [
+                "seeds",
+                "--seeds",
+                "2",
+                "--first-seed",
+                "3",
+                "--jobs",
+                "2",
+                "--output-dir",
+                out,
+                "--",
+                "--warmup-steps",
+                "5",
+                "--steps",
+                "2",
+                "--eval-size",
+                "8",
+                "--group-size",
+                "2",
+                "--prompts-per-step",
+                "2",
+                "--eval-every",
+                "1",
+                "--save-every",
+                "0",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     result = json.load(open(os.path.join(out, "seeds.json")))
     assert [r["seed"] for r in result["runs"]] == [3, 4]
     for run in result["runs"]:
-        evals = [json.loads(line)["eval_accuracy"] for line in open(os.path.join(out, f"seed-{run['seed']}",
-                                                                               "metrics.jsonl"))
-                 if "eval_accuracy" in line]
+        evals = [
+            json.loads(line)["eval_accuracy"]
+            for line in open(os.path.join(out, f"seed-{run['seed']}", "metrics.jsonl"))
+            if "eval_accuracy" in line
+        ]
         assert len(evals) == 3 and run["final_eval_accuracy"] == evals[-1] and run["best_eval_accuracy"] == max(evals)
         assert run["drop_from_best"] == pytest.approx(max(evals) - evals[-1])
     finals = sorted(r["final_eval_accuracy"] for r in result["runs"])
@@ -407,7 +557,7 @@ def test_samples_of_a_prompt_share_its_prefill(tiny):
     shared = trainer.generate(prompts, greedy=True, samples_per_prompt=3)
     repeated = trainer.generate([p for p in prompts for _ in range(3)], greedy=True)
     assert shared[1][:, 0].tolist() == [1] * 3 + [0] * 6  # the shorter prompts are left-padded
-    for a, b in zip(shared, repeated):
+    for a, b in zip(shared, repeated, strict=True):
         assert torch.equal(a, b)
     ids, mask = trainer.generate(prompts, samples_per_prompt=4)[2:]
     assert ids.shape[0] == 12 and mask.shape == ids.shape
@@ -432,5 +582,5 @@ def test_fused_lm_head_applies_the_models_head_transform(model_type):
     for fused in (False, True):
         _trainer(family, fused_lm_head=fused).accumulate_gradients(rollout)
         grads.append([p.grad.clone() for p in family[0].parameters()])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)

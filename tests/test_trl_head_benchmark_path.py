@@ -12,7 +12,7 @@ from grpo_kernels import fused_linear_grpo_loss
 
 pytest.importorskip("trl", reason="the trl extra is not installed (pip install 'grpo-kernels[trl]')")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import trl_head  # noqa: E402
+import trl_head
 
 
 def test_the_chunk_size_is_trls():
@@ -38,14 +38,15 @@ def test_stock_trl_path_is_our_loss(off_policy, by_file):
     for fn in ("trl", "ours"):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         if fn == "trl":
-            loss = trl_head.trl_fused_grpo_loss(h, w, ids, mask, adv, old, ref, beta=0.04, temperature=0.7,
-                                                by_file=by_file)
+            loss = trl_head.trl_fused_grpo_loss(
+                h, w, ids, mask, adv, old, ref, beta=0.04, temperature=0.7, by_file=by_file
+            )
         else:
             loss = fused_linear_grpo_loss(h, w, ids, mask, adv, old, ref, beta=0.04, temperature=0.7).loss
         losses.append(loss.detach())
         grads.append(torch.autograd.grad(loss, (h, w)))
     torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-5)
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     assert grads[1][0].abs().max() > 1e-4  # a gradient to compare
 

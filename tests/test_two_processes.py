@@ -12,15 +12,17 @@ import pytest
 
 pytest.importorskip("trl", reason="the trl extra is not installed")
 
-from distributed_runs import assert_same_training, save_tiny_models, train_run  # noqa: E402
+from distributed_runs import assert_same_training, save_tiny_models, train_run
 
 CONFIGS = {
     "dapo": dict(loss_type="dapo"),
-    "grpo, KL, steps_per_generation 4": dict(loss_type="grpo", beta=0.04, steps_per_generation=4,
-                                             gradient_accumulation_steps=2, max_steps=4),
+    "grpo, KL, steps_per_generation 4": dict(
+        loss_type="grpo", beta=0.04, steps_per_generation=4, gradient_accumulation_steps=2, max_steps=4
+    ),
     "cispo": dict(loss_type="cispo", epsilon_high=5.0),
-    "adaptive entropy": dict(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=100.0,
-                             entropy_coef_delta=0.05),
+    "adaptive entropy": dict(
+        loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=100.0, entropy_coef_delta=0.05
+    ),
 }
 
 

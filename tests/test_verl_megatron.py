@@ -39,15 +39,24 @@ def _rank(rank, world, packed):
     if packed:  # verl's remove-padding layout: [total_nnz, V / P]
         logits, ids, weights = logits.reshape(B * T, V), ids.reshape(-1), weights.reshape(2, -1)
     part = V // world
-    mine = logits[..., rank * part:(rank + 1) * part].contiguous()
-    theirs = _gradients(tensor_parallel.vocab_parallel_log_probs_from_logits, tensor_parallel.vocab_parallel_entropy,
-                        mine, ids, weights)
-    originals = (tensor_parallel.vocab_parallel_log_probs_from_logits, tensor_parallel.vocab_parallel_entropy,
-                 tensor_parallel.vocab_parallel_entropy_with_chunking)
+    mine = logits[..., rank * part : (rank + 1) * part].contiguous()
+    theirs = _gradients(
+        tensor_parallel.vocab_parallel_log_probs_from_logits, tensor_parallel.vocab_parallel_entropy, mine, ids, weights
+    )
+    originals = (
+        tensor_parallel.vocab_parallel_log_probs_from_logits,
+        tensor_parallel.vocab_parallel_entropy,
+        tensor_parallel.vocab_parallel_entropy_with_chunking,
+    )
     adapter.patch_logprobs()
-    patched = (tensor_parallel.vocab_parallel_log_probs_from_logits, tensor_parallel.vocab_parallel_entropy,
-               tensor_parallel.vocab_parallel_entropy_with_chunking)
-    assert all(p is not o for p, o in zip(patched, originals)), "patch_logprobs left verl's Megatron functions"
+    patched = (
+        tensor_parallel.vocab_parallel_log_probs_from_logits,
+        tensor_parallel.vocab_parallel_entropy,
+        tensor_parallel.vocab_parallel_entropy_with_chunking,
+    )
+    assert all(p is not o for p, o in zip(patched, originals, strict=True)), (
+        "patch_logprobs left verl's Megatron functions"
+    )
     ours = _gradients(patched[0], patched[1], mine, ids, weights)
     chunked = patched[2](mine, chunk_size=2)
     return theirs, ours, chunked
@@ -56,6 +65,8 @@ def _rank(rank, world, packed):
 @pytest.mark.parametrize("world, packed", [(2, False), (2, True), (4, False)])
 def test_verl_megatron_log_probs_and_entropy_are_ours_and_equal_verls(world, packed):
     for theirs, ours, chunked in run_ranks(_rank, world, packed, timeout=600):
-        for name, expected, actual in zip(("log-probs", "entropy", "d log-probs", "d entropy"), theirs, ours):
-            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        for name, expected, actual in zip(
+            ("log-probs", "entropy", "d log-probs", "d entropy"), theirs, ours, strict=True
+        ):
+            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
         torch.testing.assert_close(chunked.float(), theirs[1], atol=1e-5, rtol=1e-5)

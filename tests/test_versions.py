@@ -2,10 +2,8 @@
 
 import numpy
 import pytest
-
 import torch
 import triton
-
 from helpers import make_batch
 
 from grpo_kernels import grpo_loss, validation
@@ -18,10 +16,13 @@ def fresh_interpreter_check():
     validation.check_interpreter_versions.cache_clear()
 
 
-@pytest.mark.parametrize("triton_version, numpy_version, refused", [
-    ("3.6.0", "2.4.1", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.5.0", False), ("3.3.1", "2.4.0", True)])
-def test_the_interpreter_names_triton_and_numpy_it_cannot_run_with(monkeypatch, fresh_interpreter_check,
-                                                                   triton_version, numpy_version, refused):
+@pytest.mark.parametrize(
+    "triton_version, numpy_version, refused",
+    [("3.6.0", "2.4.1", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.5.0", False), ("3.3.1", "2.4.0", True)],
+)
+def test_the_interpreter_names_triton_and_numpy_it_cannot_run_with(
+    monkeypatch, fresh_interpreter_check, triton_version, numpy_version, refused
+):
     monkeypatch.setattr(triton, "__version__", triton_version)
     monkeypatch.setattr(numpy, "__version__", numpy_version)
     if refused:
@@ -56,6 +57,7 @@ def test_the_split_row_interpreter_run_names_the_triton_it_needs(monkeypatch, fr
 def test_the_trl_adapter_refuses_trl_older_than_it_matches():
     pytest.importorskip("trl", reason="the trl extra is not installed (pip install 'grpo-kernels[trl]')")
     from grpo_kernels.integration import trl as trl_adapter
+
     for version in ("1.0.0", "1.8.2", "1.9.0"):
         with pytest.raises(ImportError, match=rf"TRL >= 1\.10, got trl {version}"):
             trl_adapter.check_trl_version(version)

@@ -19,8 +19,7 @@ TOL = dict(atol=2e-6, rtol=1e-5)
 
 
 def test_the_weight_is_the_gamma_formula():
-    opts = GRPOOptions(loss_type="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-                       vespo_lambda_neg=2.0)
+    opts = GRPOOptions(loss_type="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
     log_ratio = torch.tensor([[0.1, -0.3, 0.2, 9.0], [0.0, 0.0, 0.0, 0.0], [-0.2, 0.05, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
     advantages = torch.tensor([[0.5], [-1.0], [-0.2]])
@@ -28,14 +27,14 @@ def test_the_weight_is_the_gamma_formula():
     for row in range(3):
         w = math.exp(float((log_ratio[row] * mask[row]).sum()))  # the masked position's 9.0 never counts
         k, lam = (2.0, 3.0) if advantages[row, 0] >= 0 else (3.0, 2.0)
-        expected = math.exp(lam) * w ** k * math.exp(-lam * w)
+        expected = math.exp(lam) * w**k * math.exp(-lam * w)
         assert phi[row, 0].item() == pytest.approx(expected, rel=1e-6)
     assert phi[1, 0].item() == pytest.approx(1.0)  # phi(1) = 1: on-policy rows keep the plain gradient
     # a rollout importance weight multiplies w (its log is added), on active tokens only
     iw = torch.full((3, 4), 1.5)
     with_iw = vespo_weights(advantages, log_ratio, mask, iw, opts)
     w0 = math.exp(float((log_ratio[0] * mask[0]).sum()) + 3 * math.log(1.5))
-    assert with_iw[0, 0].item() == pytest.approx(math.exp(3.0) * w0 ** 2 * math.exp(-3.0 * w0), rel=1e-6)
+    assert with_iw[0, 0].item() == pytest.approx(math.exp(3.0) * w0**2 * math.exp(-3.0 * w0), rel=1e-6)
     # an overflowing ratio (clamped to e^20) gives a vanishing weight, never NaN
     huge = vespo_weights(advantages, torch.full((3, 4), 20.0), mask, None, opts)
     assert torch.isfinite(huge).all() and (huge < 1e-30).all()
@@ -49,8 +48,9 @@ def test_vespo_matches_the_reference(device, backend, case):
     extra = {}
     if case == "kl_iw_bonus":
         options.update(beta=0.04, entropy_coef=0.05)
-        extra["importance_weights"] = (0.8 + 0.4 * torch.rand(3, 5, generator=torch.Generator().manual_seed(1))
-                                       ).to(device)
+        extra["importance_weights"] = (0.8 + 0.4 * torch.rand(3, 5, generator=torch.Generator().manual_seed(1))).to(
+            device
+        )
     if case == "masks":
         options.update(top_entropy_quantile=0.6, off_policy_mask_threshold=0.1)
     logits = batch["logits"].detach().clone().requires_grad_()
@@ -86,8 +86,11 @@ def test_vespo_from_hidden_states(device, backend):
 
 
 def test_vespo_needs_token_level_ratios():
-    with pytest.raises(ValueError, match="loss_type='vespo' computes its own sequence weight from the token "
-                                         "log-ratios: use importance_sampling_level='token', got 'sequence'"):
+    with pytest.raises(
+        ValueError,
+        match="loss_type='vespo' computes its own sequence weight from the token "
+        "log-ratios: use importance_sampling_level='token', got 'sequence'",
+    ):
         GRPOOptions(loss_type="vespo", importance_sampling_level="sequence")
     with pytest.raises(TypeError, match="vespo_k_pos must be a finite number, got inf"):
         GRPOOptions(loss_type="vespo", vespo_k_pos=float("inf"))

@@ -29,8 +29,9 @@ def test_the_warmup_stops_at_the_first_check_that_reaches_the_target(tiny, monke
         return next(rates)
 
     monkeypatch.setattr(compare, "well_formed_share", share)
-    record = compare.warmup(model, tokenizer, steps=40, check_every=5, format_target=0.9, temperature=0.7,
-                            max_new_tokens=6)
+    record = compare.warmup(
+        model, tokenizer, steps=40, check_every=5, format_target=0.9, temperature=0.7, max_new_tokens=6
+    )
     assert record["warmup_steps"] == 15 and record["warmup_well_formed"] == 0.95
     assert seen == [(compare.WARMUP_CHECK_PROMPTS, 0.7, 6)] * 3
     assert record["warmup_seconds"] >= 0
@@ -71,9 +72,15 @@ def test_the_warmup_goes_on_with_large_batches_when_the_cap_comes_first(tiny, mo
     monkeypatch.setattr(compare, "well_formed_share", share)
     record = compare.warmup(model, tokenizer, steps=10, check_every=5, format_target=0.9, large_batch_steps=6)
     assert (record["warmup_steps"], record["warmup_large_batch_steps"], record["warmup_well_formed"]) == (10, 4, 0.95)
-    assert stages == [{"steps": 10, "batch_size": 32, "lr": 2e-3, "check_every": 5},
-                      {"steps": 6, "batch_size": compare.WARMUP_LARGE_BATCH_SIZE,
-                       "lr": 2e-3 * compare.WARMUP_LARGE_BATCH_LR_SCALE, "check_every": 2}]
+    assert stages == [
+        {"steps": 10, "batch_size": 32, "lr": 2e-3, "check_every": 5},
+        {
+            "steps": 6,
+            "batch_size": compare.WARMUP_LARGE_BATCH_SIZE,
+            "lr": 2e-3 * compare.WARMUP_LARGE_BATCH_LR_SCALE,
+            "check_every": 2,
+        },
+    ]
     assert seen == [compare.WARMUP_CHECK_PROMPTS] * 4  # the same check prompts in both stages
 
 
@@ -108,9 +115,31 @@ def test_the_check_samples_prompts_of_its_own_and_leaves_the_runs_generator(tiny
 
 def test_the_run_logs_the_warmup_and_the_malformed_shares(tmp_path):
     out = str(tmp_path / "run")
-    assert cli.main(["train", "--warmup-steps", "6", "--steps", "2", "--eval-size", "8", "--group-size", "2",
-                     "--prompts-per-step", "2", "--eval-every", "1", "--save-every", "0", "--output-dir", out,
-                     "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--warmup-steps",
+                "6",
+                "--steps",
+                "2",
+                "--eval-size",
+                "8",
+                "--group-size",
+                "2",
+                "--prompts-per-step",
+                "2",
+                "--eval-every",
+                "1",
+                "--save-every",
+                "0",
+                "--output-dir",
+                out,
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert rows[0]["step"] == 0 and rows[0]["warmup_steps"] == 6 and 0 <= rows[0]["warmup_well_formed"] <= 1
     assert rows[0]["warmup_large_batch_steps"] in (0, 1, 2)  # a second stage of up to 6 // 3 steps

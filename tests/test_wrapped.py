@@ -3,9 +3,6 @@ on the head (PEFT LoRA). Every fused result is checked against the same model's 
 
 from __future__ import annotations
 
-import pathlib
-import tempfile
-
 import pytest
 import torch
 from gloo_ranks import run_ranks
@@ -31,18 +28,31 @@ def _batch(vocab: int, seed=0):
     input_ids = torch.randint(3, vocab, (B, P + T), generator=g)
     attention_mask = torch.ones(B, P + T, dtype=torch.long)
     completion_mask = (torch.arange(T)[None] < torch.tensor([6, 2, 4, 1])[:, None]).float()
-    return dict(input_ids=input_ids, attention_mask=attention_mask, completion_ids=input_ids[:, P:],
-                completion_mask=completion_mask, advantages=torch.randn(B, generator=g),
-                old_logps=-3 + 0.3 * torch.randn(B, T, generator=g), ref_logps=-3 + 0.3 * torch.randn(B, T, generator=g))
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_ids=input_ids[:, P:],
+        completion_mask=completion_mask,
+        advantages=torch.randn(B, generator=g),
+        old_logps=-3 + 0.3 * torch.randn(B, T, generator=g),
+        ref_logps=-3 + 0.3 * torch.randn(B, T, generator=g),
+    )
 
 
 LOSS = dict(beta=0.04, loss_type="grpo")
 
 
 def _logits_loss(model, batch):
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, P - 1:-1]
-    return grpo_loss(logits, batch["completion_ids"], batch["completion_mask"], batch["advantages"],
-                     old_logps=batch["old_logps"], ref_logps=batch["ref_logps"], **LOSS).loss
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, P - 1 : -1]
+    return grpo_loss(
+        logits,
+        batch["completion_ids"],
+        batch["completion_mask"],
+        batch["advantages"],
+        old_logps=batch["old_logps"],
+        ref_logps=batch["ref_logps"],
+        **LOSS,
+    ).loss
 
 
 def _fused_loss_in_forward(model, batch):
@@ -51,11 +61,19 @@ def _fused_loss_in_forward(model, batch):
 
     def loss_in_forward(input_ids, attention_mask):
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-        hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, P - 1:-1]
+        hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, P - 1 : -1]
         weight, bias = output_layer(base.get_output_embeddings())
-        out = fused_linear_grpo_loss(hidden, weight, batch["completion_ids"], batch["completion_mask"],
-                                     batch["advantages"], bias=bias, old_logps=batch["old_logps"],
-                                     ref_logps=batch["ref_logps"], **LOSS)
+        out = fused_linear_grpo_loss(
+            hidden,
+            weight,
+            batch["completion_ids"],
+            batch["completion_mask"],
+            batch["advantages"],
+            bias=bias,
+            old_logps=batch["old_logps"],
+            ref_logps=batch["ref_logps"],
+            **LOSS,
+        )
         return out.loss, out
 
     loss, _ = inside_forward(model, loss_in_forward, batch["input_ids"], batch["attention_mask"], inner=inner)
@@ -63,6 +81,7 @@ def _fused_loss_in_forward(model, batch):
 
 
 # ----- inside_forward -------------------------------------------------------------------------------------
+
 
 def test_inside_forward_runs_the_wrappers_hooks_and_restores_the_forward():
     model = torch.nn.Linear(3, 3)
@@ -112,6 +131,7 @@ def _ddp_one_rank(rank, world):
 
 # ----- FSDP2 -----------------------------------------------------------------------------------------------
 
+
 def _fsdp2_rank(rank, world, tie):
     from torch.distributed.fsdp import fully_shard
 
@@ -151,8 +171,9 @@ def _fsdp2_bare_call_rank(rank, world):
     batch = _batch(model.config.vocab_size)
     hidden = torch.randn(B, T, 32)
     try:
-        fused_linear_grpo_loss(hidden, model.lm_head.weight, batch["completion_ids"], batch["completion_mask"],
-                               batch["advantages"])
+        fused_linear_grpo_loss(
+            hidden, model.lm_head.weight, batch["completion_ids"], batch["completion_mask"], batch["advantages"]
+        )
     except (TypeError, ValueError) as e:
         return str(e)
     return None
@@ -166,11 +187,11 @@ def test_a_sharded_head_weight_outside_the_forward_is_named():
 
 # ----- PEFT on the head --------------------------------------------------------------------------------------
 
+
 def _lora_model(target_modules, dropout=0.0, use_dora=False, tie=False):
     peft = pytest.importorskip("peft", reason="the peft extra is not installed (pip install 'grpo-kernels[peft]')")
     model = _model(tie=tie)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, lora_dropout=dropout,
-                             use_dora=use_dora)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, lora_dropout=dropout, use_dora=use_dora)
     wrapped = peft.get_peft_model(model, config)
     g = torch.Generator().manual_seed(3)
     for name, p in wrapped.named_parameters():
@@ -210,8 +231,9 @@ def test_modules_to_save_on_the_head_reads_the_trained_copy():
     """PEFT's modules_to_save=["lm_head"] (a trained copy of the head, LoRA elsewhere): the fused loss reads the
     active copy, as the forward does; disabled adapters read the original head."""
     peft = pytest.importorskip("peft", reason="the peft extra is not installed (pip install 'grpo-kernels[peft]')")
-    model = peft.get_peft_model(_model(tie=False), peft.LoraConfig(r=4, target_modules=["q_proj"],
-                                                                  modules_to_save=["lm_head"]))
+    model = peft.get_peft_model(
+        _model(tie=False), peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    )
     head = model.get_base_model().lm_head
     copy = head.modules_to_save["default"]
     with torch.no_grad():

@@ -25,7 +25,7 @@ DeepSpeed; the two patch functions need OpenRLHF importable. See ``grpo_kernels/
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -56,15 +56,21 @@ K3_LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_CLAMP = 88.0
 
 
-def masked_mean(x: torch.Tensor, mask: Optional[torch.Tensor], dim=None) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None, dim=None) -> torch.Tensor:
     """OpenRLHF's ``masked_mean``: sum(x mask) / sum(mask), NaN where the mask is empty (its convention); in fp32."""
     if mask is None:
         return x.float().mean(dim=dim)
     return (x.float() * mask.float()).sum(dim=dim) / mask.float().sum(dim=dim)
 
 
-def aggregate_loss(loss: torch.Tensor, loss_mask: torch.Tensor, token_level_loss: bool = True, dp_size: int = 1,
-                   batch_num_tokens=None, global_batch_size=None) -> torch.Tensor:
+def aggregate_loss(
+    loss: torch.Tensor,
+    loss_mask: torch.Tensor,
+    token_level_loss: bool = True,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+) -> torch.Tensor:
     """OpenRLHF's ``aggregate_loss``: a token mean (``token_level_loss``: the masked sum over the global
     ``batch_num_tokens``, times ``dp_size``, which DeepSpeed's averaging over ranks cancels), or the mean of the
     non-empty sequences' token means (over ``global_batch_size``, times ``dp_size``): verl's ``token-mean`` and
@@ -72,8 +78,9 @@ def aggregate_loss(loss: torch.Tensor, loss_mask: torch.Tensor, token_level_loss
     ``dp_size``, where verl refuses). Summed in fp32 whatever the loss's dtype, as OpenRLHF's float mask promotes
     its sums (a 16-bit row count would also turn an empty row's ``0 + 1e-8`` into 0 and its mean into NaN)."""
     mode, count = ("token-mean", batch_num_tokens) if token_level_loss else ("seq-mean-token-mean", global_batch_size)
-    return aggregate(loss.float(), loss_mask.float(), mode, dp_size if count is not None else 1, batch_num_tokens,
-                     global_batch_size)
+    return aggregate(
+        loss.float(), loss_mask.float(), mode, dp_size if count is not None else 1, batch_num_tokens, global_batch_size
+    )
 
 
 def _check_choice(name: str, value, choices) -> None:
@@ -81,8 +88,15 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, action_mask: torch.Tensor,
-                       level: str, mode: str, gating: str, threshold: Sequence[float]):
+def rollout_correction(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    action_mask: torch.Tensor,
+    level: str,
+    mode: str,
+    gating: str,
+    threshold: Sequence[float],
+):
     """OpenRLHF's train / rollout mismatch correction: (the per-token weight of the policy term [B, T], the
     filtered share ``is_filter_ratio``, ``vllm_kl``). A gate reads a statistic per unit (a token, or a sequence's
     mean) and drops (mask: the survivors keep their IS ratio pi_old / pi_rollout) or clamps (clip) the units
@@ -119,24 +133,36 @@ class PolicyLoss(nn.Module):
     """OpenRLHF's ``PolicyLoss`` (same constructor and ``forward``, same five results) on this package's
     per-token terms."""
 
-    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: Optional[float] = None,
-                 token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
-                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
-                 is_correction_threshold: Sequence[float] = (0.5, 5.0)) -> None:
+    def __init__(
+        self,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        dual_clip: float | None = None,
+        token_level_loss: bool = True,
+        policy_loss_type: str = "ppo",
+        is_correction_level: str = "off",
+        is_correction_mode: str = "mask",
+        is_correction_gating: str = "ratio",
+        is_correction_threshold: Sequence[float] = (0.5, 5.0),
+    ) -> None:
         super().__init__()
         _check_choice("policy_loss_type", policy_loss_type, POLICY_LOSS_TYPES)
         _check_choice("is_correction_level", is_correction_level, IS_CORRECTION_LEVELS)
         _check_choice("is_correction_mode", is_correction_mode, IS_CORRECTION_MODES)
         _check_choice("is_correction_gating", is_correction_gating, IS_CORRECTION_GATINGS)
         if is_correction_mode == "clip" and (is_correction_level == "seq" or is_correction_gating != "ratio"):
-            raise ValueError("is_correction_mode='clip' clamps a per-token ratio: it needs is_correction_level='token'"
-                             f" and is_correction_gating='ratio', got {is_correction_level!r} and "
-                             f"{is_correction_gating!r}")
+            raise ValueError(
+                "is_correction_mode='clip' clamps a per-token ratio: it needs is_correction_level='token'"
+                f" and is_correction_gating='ratio', got {is_correction_level!r} and "
+                f"{is_correction_gating!r}"
+            )
         if len(is_correction_threshold) != 2:
             raise ValueError(f"is_correction_threshold must be (low, high), got {tuple(is_correction_threshold)!r}")
         if is_correction_gating != "ratio" and is_correction_level != "off" and is_correction_threshold[0] > 0:
-            raise ValueError(f"is_correction_gating={is_correction_gating!r} bounds a divergence from above only: "
-                             f"the threshold's low must be 0, got {tuple(is_correction_threshold)!r}")
+            raise ValueError(
+                f"is_correction_gating={is_correction_gating!r} bounds a divergence from above only: "
+                f"the threshold's low must be 0, got {tuple(is_correction_threshold)!r}"
+            )
         self.clip_eps_low, self.clip_eps_high, self.dual_clip = clip_eps_low, clip_eps_high, dual_clip
         self.policy_loss_type = policy_loss_type
         self.token_level_loss = token_level_loss and policy_loss_type != "gspo"  # GSPO: the per-sample mean
@@ -144,14 +170,26 @@ class PolicyLoss(nn.Module):
         self.is_correction_gating, self.is_correction_threshold = is_correction_gating, tuple(is_correction_threshold)
         gspo = policy_loss_type == "gspo"
         # dual_clip > 1 is checked by GRPOOptions; OpenRLHF's GSPO ratio is unclamped: ours within exp's range
-        self.options = GRPOOptions(epsilon=clip_eps_low, epsilon_high=clip_eps_high, dual_clip=dual_clip,
-                                   importance_sampling_level="sequence" if gspo else "token",
-                                   log_ratio_clamp=GSPO_LOG_RATIO_CLAMP if gspo else LOG_RATIO_CLAMP,
-                                   compute_entropy=False)
+        self.options = GRPOOptions(
+            epsilon=clip_eps_low,
+            epsilon_high=clip_eps_high,
+            dual_clip=dual_clip,
+            importance_sampling_level="sequence" if gspo else "token",
+            log_ratio_clamp=GSPO_LOG_RATIO_CLAMP if gspo else LOG_RATIO_CLAMP,
+            compute_entropy=False,
+        )
 
-    def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                action_mask: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
-                dp_size: int = 1, batch_num_tokens=None, global_batch_size=None):
+    def forward(
+        self,
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        action_mask: torch.Tensor | None = None,
+        rollout_log_probs: torch.Tensor | None = None,
+        dp_size: int = 1,
+        batch_num_tokens=None,
+        global_batch_size=None,
+    ):
         """(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), as OpenRLHF's: the last two None without a
         rollout correction. In fp32 whatever the inputs' dtype (the gradient reaches 16-bit log-probs through the
         cast): OpenRLHF's float mask promotes its sums to fp32, and a 16-bit mask's row counts would make an empty
@@ -170,11 +208,18 @@ class PolicyLoss(nn.Module):
         weight = vllm_kl = is_filter_ratio = None
         if correcting and not gspo:
             weight, is_filter_ratio, vllm_kl = rollout_correction(
-                old_log_probs, rollout_log_probs, mask, self.is_correction_level, self.is_correction_mode,
-                self.is_correction_gating, self.is_correction_threshold)
+                old_log_probs,
+                rollout_log_probs,
+                mask,
+                self.is_correction_level,
+                self.is_correction_mode,
+                self.is_correction_gating,
+                self.is_correction_threshold,
+            )
         terms = per_token_terms(log_probs, mask, advantages, old.detach(), None, weight, self.options)
-        loss = aggregate_loss(terms.per_token_loss, mask, self.token_level_loss, dp_size, batch_num_tokens,
-                              global_batch_size)
+        loss = aggregate_loss(
+            terms.per_token_loss, mask, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size
+        )
         with torch.no_grad():
             clip_ratio = masked_mean(self._clipped(log_probs, old, mask, advantages).float(), mask)
             ppo_kl = masked_mean(-(log_probs - old_log_probs), mask)
@@ -192,9 +237,13 @@ class PolicyLoss(nn.Module):
         return ratio.clamp(1 - self.clip_eps_low, 1 + self.clip_eps_high) * advantages < plain
 
 
-def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor,
-                      log_probs_old: Optional[torch.Tensor] = None, kl_estimator: str = "k1",
-                      unbiased_gradient: bool = False) -> torch.Tensor:
+def compute_approx_kl(
+    log_probs: torch.Tensor,
+    log_probs_base: torch.Tensor,
+    log_probs_old: torch.Tensor | None = None,
+    kl_estimator: str = "k1",
+    unbiased_gradient: bool = False,
+) -> torch.Tensor:
     """OpenRLHF's ``compute_approx_kl`` [B, T]: the k1 / k2 / k3 estimate of KL(pi || pi_ref), clamped to +-10 (k3
     also bounds its log-ratio first); with ``unbiased_gradient`` the estimate's value with the reverse KL's
     importance-weighted gradient, w k1 d log pi, w = pi / pi_old clamped at 10 and detached."""
@@ -263,7 +312,7 @@ def setup_ray_worker() -> None:
     os.environ[PATCHED_ENV] = "1"
 
 
-def ray_runtime_env(runtime_env: Optional[dict] = None) -> dict:
+def ray_runtime_env(runtime_env: dict | None = None) -> dict:
     """The ``runtime_env`` to start Ray with (``ray.init(runtime_env=...)``, or ``ray job submit --runtime-env-json``)
     so that every worker of the job runs OpenRLHF's actor on this package's loss: ``runtime_env`` (yours, if any)
     with ``worker_process_setup_hook`` set to ``RAY_SETUP_HOOK`` and OpenRLHF's own ``env_vars`` where yours do not
@@ -274,8 +323,10 @@ def ray_runtime_env(runtime_env: Optional[dict] = None) -> dict:
     env = dict(runtime_env or {})
     hook = env.get("worker_process_setup_hook")
     if hook is not None and hook != RAY_SETUP_HOOK:
-        raise ValueError(f"runtime_env already has worker_process_setup_hook={hook!r}: Ray runs one hook a job; call "
-                         f"{RAY_SETUP_HOOK}() from yours instead")
+        raise ValueError(
+            f"runtime_env already has worker_process_setup_hook={hook!r}: Ray runs one hook a job; call "
+            f"{RAY_SETUP_HOOK}() from yours instead"
+        )
     env["worker_process_setup_hook"] = RAY_SETUP_HOOK
     env["env_vars"] = {**{k: os.environ.get(k, v) for k, v in OPENRLHF_ENV_VARS.items()}, **env.get("env_vars", {})}
     return env

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import runpy
 import sys
-from typing import List, Optional
 
 ENTRY_POINT = "openrlhf.cli.train_ppo_ray"
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(arg in ("-h", "--help") for arg in argv):
         print(__doc__.strip() + "\n\nOpenRLHF's options follow.\n", flush=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import types
 import warnings
-from typing import Optional
 
 import torch
 from packaging.version import Version
@@ -30,8 +29,16 @@ except ImportError as err:  # the trl extra is optional
     raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
 
 from ..entropy_control import AdaptiveEntropy
-from ..heads import (FusedHeadError, evaluating, fused_head, head_weights, last_hidden_states, logit_rounding,
-                     probe_ids, router_aux_loss)
+from ..heads import (
+    FusedHeadError,
+    evaluating,
+    fused_head,
+    head_weights,
+    last_hidden_states,
+    logit_rounding,
+    probe_ids,
+    router_aux_loss,
+)
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, selective_log_softmax_and_entropy
 from ..objective import per_token_terms
 from ..options import LOSS_TYPE_REGISTRY, LOSS_TYPES, GRPOOptions
@@ -46,16 +53,26 @@ OLDEST_TRL = (1, 10)
 def check_trl_version(version: str) -> None:
     """ImportError naming ``version`` when TRL is older than ``OLDEST_TRL``."""
     if Version(version).release < OLDEST_TRL:
-        raise ImportError(f"grpo_kernels.integration.trl matches TRL >= {'.'.join(map(str, OLDEST_TRL))}, got "
-                          f"trl {version}: pip install 'trl>={'.'.join(map(str, OLDEST_TRL))}'")
+        raise ImportError(
+            f"grpo_kernels.integration.trl matches TRL >= {'.'.join(map(str, OLDEST_TRL))}, got "
+            f"trl {version}: pip install 'trl>={'.'.join(map(str, OLDEST_TRL))}'"
+        )
 
 
 check_trl_version(trl.__version__)
 
 # the batch's inputs besides the ids and the mask that TRL 1.16 passes to a model's forward (vision-language
 # models, token types): both paths pass them on, the fused one to the backbone, which merges the images
-MODEL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "image_position_ids",
-                    "spatial_shapes", "token_type_ids", "mm_token_type_ids")
+MODEL_INPUT_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "image_sizes",
+    "image_position_ids",
+    "spatial_shapes",
+    "token_type_ids",
+    "mm_token_type_ids",
+)
 
 
 def unsupported_options(trainer) -> list:
@@ -65,14 +82,16 @@ def unsupported_options(trainer) -> list:
     if trainer.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={trainer.loss_type!r} (supported: {list(LOSS_TYPES)})")
     if getattr(args, "use_adaptive_entropy", False) and getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
-        problems.append("use_adaptive_entropy with top_entropy_quantile < 1 (the controller would need the "
-                        "entropy over the high-entropy tokens, which the loss does not report)")
+        problems.append(
+            "use_adaptive_entropy with top_entropy_quantile < 1 (the controller would need the "
+            "entropy over the high-entropy tokens, which the loss does not report)"
+        )
     if getattr(args, "context_parallel_size", 1) not in (None, 1):
         problems.append("context parallelism")
     return problems
 
 
-def trl_head_difference(model: torch.nn.Module, temperature: float) -> Optional[str]:
+def trl_head_difference(model: torch.nn.Module, temperature: float) -> str | None:
     """Why the fused head TRL patched onto ``model`` (``model(..., labels=, fused_lm_head=True)``) gives other
     log-probs than the model's own forward (None where they agree within rounding): TRL 1.16 reads a soft-cap
     from ``final_logit_softcapping`` only (RecurrentGemma names it ``logits_soft_cap``, xLSTM
@@ -84,7 +103,7 @@ def trl_head_difference(model: torch.nn.Module, temperature: float) -> Optional[
         scaled = logits.float() / temperature
         own = torch.log_softmax(scaled, -1).gather(-1, ids[:, 1:, None])[..., 0]
         theirs = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True).log_probs.float()
-    difference = float((own - theirs[:, -own.shape[1]:]).abs().max())
+    difference = float((own - theirs[:, -own.shape[1] :]).abs().max())
     if difference <= logit_rounding(scaled, logits.dtype):
         return None
     return f"TRL's fused head differs from {type(model).__name__}'s own log-probs by {difference:.3g}"
@@ -103,32 +122,39 @@ def exact_trl_head(model: torch.nn.Module, temperature: float) -> bool:
 
     trl_forward = model.forward
 
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                **kwargs):
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         if not fused_lm_head:
-            return trl_forward(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
-                               **kwargs)
+            return trl_forward(
+                *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
+            )
         kwargs["use_cache"] = False
         out = trl_forward(*args, **kwargs)  # the model's own forward: its logits, transformed as it does
         logits, labels = (out.logits[:, :-1], labels[:, 1:]) if shift_labels is None else (out.logits, shift_labels)
         mask = labels != -100
-        log_probs, entropy = selective_log_softmax_and_entropy(logits, labels.clamp(min=0), temperature,
-                                                               check_ids=False)
+        log_probs, entropy = selective_log_softmax_and_entropy(
+            logits, labels.clamp(min=0), temperature, check_ids=False
+        )
         log_probs, entropy = log_probs.masked_fill(~mask, 0), entropy.masked_fill(~mask, 0)
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
-                                   label_mask=mask, aux_loss=getattr(out, "aux_loss", None))
+        return FusedCausalLMOutput(
+            loss=-log_probs.sum() / count,
+            log_probs=log_probs,
+            entropy=entropy,
+            label_mask=mask,
+            aux_loss=getattr(out, "aux_loss", None),
+        )
 
     model.forward = types.MethodType(forward, model)
-    warnings.warn(f"{reason}: GRPOKernelsTrainer computes the old and reference log-probs from the model's logits",
-                  stacklevel=3)
+    warnings.warn(
+        f"{reason}: GRPOKernelsTrainer computes the old and reference log-probs from the model's logits", stacklevel=3
+    )
     return True
 
 
 class GRPOKernelsTrainer(GRPOTrainer):
     """TRL's GRPOTrainer whose loss is grpo-kernels' fused ``GRPOLoss``."""
 
-    def __init__(self, *args, fused_lm_head: Optional[bool] = None, **kwargs):
+    def __init__(self, *args, fused_lm_head: bool | None = None, **kwargs):
         """TRL's arguments, plus ``fused_lm_head``: compute the loss from the last hidden states and the
         lm_head weight (``FusedLinearGRPOLoss``), never materializing the [B, T + 1, V] logits, as stock TRL's
         own fused head does. None (the default): wherever the model's head allows it (``heads.fused_head``:
@@ -140,18 +166,23 @@ class GRPOKernelsTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         problems = unsupported_options(self)
         if problems:
-            raise ValueError("GRPOKernelsTrainer does not support " + "; ".join(problems)
-                             + ". Use TRL's GRPOTrainer for these.")
+            raise ValueError(
+                "GRPOKernelsTrainer does not support " + "; ".join(problems) + ". Use TRL's GRPOTrainer for these."
+            )
         # the probes run the model's forward outside DeepSpeed's engine: under ZeRO-3, on its gathered parameters
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        hazard = plugin is not None and torch.distributed.is_initialized() and zero3_gloo_hazard(
-            plugin.deepspeed_config, torch.distributed.get_backend())
+        hazard = (
+            plugin is not None
+            and torch.distributed.is_initialized()
+            and zero3_gloo_hazard(plugin.deepspeed_config, torch.distributed.get_backend())
+        )
         if hazard:
             warnings.warn(hazard, stacklevel=2)
         with whole_parameters(policy):
-            self.head_transform = self._fused_head_transform(required=fused_lm_head is True) \
-                if self.fused_lm_head else None
+            self.head_transform = (
+                self._fused_head_transform(required=fused_lm_head is True) if self.fused_lm_head else None
+            )
             # TRL's own fused head computes the old and reference log-probs: where it misreads a model's head, the
             # model's own logits answer instead
             exact_trl_head(policy, float(self.temperature))
@@ -161,18 +192,33 @@ class GRPOKernelsTrainer(GRPOTrainer):
         self._head_gathered = False  # under ZeRO-3, the head's parameters gathered in the policy's forward
         self.fused_lm_head = self.head_transform is not None  # resolved: what the probe allowed
         # the one TRL -> options mapping (GRPOOptions.from_trl_config), with the values the trainer resolved
-        options = GRPOOptions.from_trl_config(self.args, loss_type=self.loss_type, beta=float(self.beta),
-                                              epsilon=float(self.epsilon_low), epsilon_high=float(self.epsilon_high),
-                                              temperature=float(self.temperature),
-                                              importance_sampling_level=self.importance_sampling_level)
+        options = GRPOOptions.from_trl_config(
+            self.args,
+            loss_type=self.loss_type,
+            beta=float(self.beta),
+            epsilon=float(self.epsilon_low),
+            epsilon_high=float(self.epsilon_high),
+            temperature=float(self.temperature),
+            importance_sampling_level=self.importance_sampling_level,
+        )
         # From logits, the loss gets the model's [B, T + 1, V] output whole (drop_last_position): its
         # gradient is written at that shape, not copied into it by autograd's slice backward.
-        self.grpo_loss = (FusedLinearGRPOLoss(options=options.replace(**self.head_transform.options))
-                          if self.fused_lm_head else GRPOLoss(options=options, drop_last_position=True))
-        self._entropy_controller = AdaptiveEntropy(
-            coef=self.entropy_coef, target=self.args.entropy_target, coef_min=self.args.entropy_coef_min,
-            coef_max=self.args.entropy_coef_max, delta=self.args.entropy_coef_delta,
-        ) if getattr(self.args, "use_adaptive_entropy", False) else None
+        self.grpo_loss = (
+            FusedLinearGRPOLoss(options=options.replace(**self.head_transform.options))
+            if self.fused_lm_head
+            else GRPOLoss(options=options, drop_last_position=True)
+        )
+        self._entropy_controller = (
+            AdaptiveEntropy(
+                coef=self.entropy_coef,
+                target=self.args.entropy_target,
+                coef_min=self.args.entropy_coef_min,
+                coef_max=self.args.entropy_coef_max,
+                delta=self.args.entropy_coef_delta,
+            )
+            if getattr(self.args, "use_adaptive_entropy", False)
+            else None
+        )
 
     def _fused_head_transform(self, required: bool):
         """The policy's head transform for the fused lm_head (``heads.fused_head``, which probes the model's own
@@ -191,8 +237,10 @@ class GRPOKernelsTrainer(GRPOTrainer):
     def _sequence(inputs):
         """Prompt + completion ids and attention mask, as TRL's own forward builds them, and the batch's other
         model inputs (``MODEL_INPUT_KEYS``)."""
-        sequence = {"input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-                    "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)}
+        sequence = {
+            "input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+        }
         sequence.update({key: inputs[key] for key in MODEL_INPUT_KEYS if inputs.get(key) is not None})
         return sequence
 
@@ -207,7 +255,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
         with self.accelerator.autocast():
             outputs = model(**model_inputs)
         logits = outputs.logits
-        logits = logits if logits.shape[1] == T + 1 else logits[:, -(T + 1):]  # a model that ignored logits_to_keep
+        logits = logits if logits.shape[1] == T + 1 else logits[:, -(T + 1) :]  # a model that ignored logits_to_keep
         return logits, outputs.aux_loss if self.aux_loss_enabled else None
 
     def _fused_head_loss(self, model, inputs, mask, loss_inputs):
@@ -226,12 +274,19 @@ class GRPOKernelsTrainer(GRPOTrainer):
         def loss_in_forward(sequence):
             with self.accelerator.autocast():
                 outputs = last_hidden_states(base, **sequence, output_router_logits=bool(self.aux_loss_enabled))
-            hidden = outputs.last_hidden_state[:, -(T + 1):-1]  # the positions that predict the completion
+            hidden = outputs.last_hidden_state[:, -(T + 1) : -1]  # the positions that predict the completion
             weight, bias = head_weights(base, self.head_transform)
             # cast_lm_head_to_fp32: TRL runs the lm_head in fp32; so do the fused kernels, on fp32 operands
             dtype = torch.float32 if getattr(self.args, "cast_lm_head_to_fp32", False) else hidden.dtype
-            out = self.grpo_loss(hidden.to(dtype), weight.to(dtype), inputs["completion_ids"], mask,
-                                 inputs["advantages"], bias=None if bias is None else bias.to(dtype), **loss_inputs)
+            out = self.grpo_loss(
+                hidden.to(dtype),
+                weight.to(dtype),
+                inputs["completion_ids"],
+                mask,
+                inputs["advantages"],
+                bias=None if bias is None else bias.to(dtype),
+                **loss_inputs,
+            )
             aux_loss = router_aux_loss(base, outputs, sequence["attention_mask"]) if self.aux_loss_enabled else None
             return out.loss, out, aux_loss  # the losses at the top level: the wrappers' backward hooks attach there
 
@@ -263,10 +318,13 @@ class GRPOKernelsTrainer(GRPOTrainer):
             # loss_scale does that for the types it divides, the coefficient for the others
             accumulation = self.current_gradient_accumulation_steps if mode == "train" and not divided else 1
             self.grpo_loss.update(entropy_coef=applied / accumulation)
-        loss_inputs = dict(old_logps=inputs.get("old_per_token_logps"),
-                           ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-                           importance_weights=importance_weights, normalizer=normalizer,
-                           loss_scale=1.0 / self.current_gradient_accumulation_steps if divided else 1.0)
+        loss_inputs = dict(
+            old_logps=inputs.get("old_per_token_logps"),
+            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            importance_weights=importance_weights,
+            normalizer=normalizer,
+            loss_scale=1.0 / self.current_gradient_accumulation_steps if divided else 1.0,
+        )
         loss_inputs["sampling_logps"] = inputs.get("sampling_per_token_logps")  # the off-policy mask's sampler
         aux_loss = None
         if self.fused_lm_head:
@@ -285,7 +343,8 @@ class GRPOKernelsTrainer(GRPOTrainer):
         loss = out.loss
         if aux_loss is not None:  # MoE load balancing, scaled for accumulation as TRL scales it
             loss = loss + self.router_aux_loss_coef * aux_loss / (
-                self.current_gradient_accumulation_steps if mode == "train" else 1.0)
+                self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            )
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         return loss
 
@@ -310,21 +369,29 @@ class GRPOKernelsTrainer(GRPOTrainer):
         from the clip flags of the call's detached log-probs (O(B * T))."""
         if self._clip_options is None:
             self._clip_options = self.grpo_loss.options.replace(
-                beta=0.0, use_bias_correction_kl=False, compute_entropy=False, entropy_coef=0.0,
-                top_entropy_quantile=1.0, off_policy_mask_threshold=None)
+                beta=0.0,
+                use_bias_correction_kl=False,
+                compute_entropy=False,
+                entropy_coef=0.0,
+                top_entropy_quantile=1.0,
+                off_policy_mask_threshold=None,
+            )
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         fmask = mask.to(logps.dtype)
-        terms = per_token_terms(logps, fmask, advantages, inputs.get("old_per_token_logps"), None, None,
-                                self._clip_options)
+        terms = per_token_terms(
+            logps, fmask, advantages, inputs.get("old_per_token_logps"), None, None, self._clip_options
+        )
 
         def per_sequence(flags):
             if flags.shape[1] == 1:  # sequence level: one flag a row
                 return flags.float().squeeze(1)
             return (flags.float() * fmask).sum(-1) / fmask.sum(-1)
 
-        for name, flags, extreme in (("clip_ratio/low_min", terms.is_low_clipped, torch.min),
-                                     ("clip_ratio/high_max", terms.is_high_clipped, torch.max)):
+        for name, flags, extreme in (
+            ("clip_ratio/low_min", terms.is_low_clipped, torch.min),
+            ("clip_ratio/high_max", terms.is_high_clipped, torch.max),
+        ):
             gathered = self.accelerator.gather(per_sequence(flags))
             scored = gathered[~torch.isnan(gathered)]
             value = extreme(scored).item() if scored.numel() else float("nan")
@@ -341,8 +408,10 @@ class GRPOKernelsTrainer(GRPOTrainer):
                 continue
             # as objective.loss_metrics: clip flags are one per row at sequence level with per-row advantages
             per_row = inputs_advantages_per_row and (
-                name.startswith(("clip_ratio", "cispo")) and self.importance_sampling_level == "sequence"
-                or name.startswith("vespo/"))
+                name.startswith(("clip_ratio", "cispo"))
+                and self.importance_sampling_level == "sequence"
+                or name.startswith("vespo/")
+            )
             count = rows if per_row else tokens
             totals = self.accelerator.reduce(torch.stack([value * count.clamp(min=1.0), count]), reduction="sum")
             self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())

@@ -26,15 +26,14 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from ..options import GRPOOptions
 from . import fused_linear as FL
-from . import grpo
 from . import fused_linear_launch as lm_head_launch
-from . import launch, reduce, split_row
+from . import grpo, launch, reduce, split_row
 from .contracts import LossTokens, OnePassGradient, Sequences, TokenInputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,16 +77,24 @@ class Launch:
     label: str = ""
 
 
-_KERNELS = {grpo: ("grpo_forward_kernel", "logprob_backward_kernel", "scale_in_place_kernel"),
-            split_row: ("split_row_forward_kernel",), reduce: ("token_weights_kernel", "loss_metrics_kernel"),
-            FL: ("linear_grpo_forward_kernel", "linear_grpo_combine_kernel", "linear_dlogits_kernel", "matmul_kernel",
-                 "logits_tile_state_kernel")}
+_KERNELS = {
+    grpo: ("grpo_forward_kernel", "logprob_backward_kernel", "scale_in_place_kernel"),
+    split_row: ("split_row_forward_kernel",),
+    reduce: ("token_weights_kernel", "loss_metrics_kernel"),
+    FL: (
+        "linear_grpo_forward_kernel",
+        "linear_grpo_combine_kernel",
+        "linear_dlogits_kernel",
+        "matmul_kernel",
+        "logits_tile_state_kernel",
+    ),
+}
 
 
 @contextlib.contextmanager
 def recorded_launches():
     """Within the block the launchers record their launches instead of running them."""
-    launches: List[Launch] = []
+    launches: list[Launch] = []
 
     class Recorder:
         def __init__(self, fn):
@@ -144,14 +151,23 @@ def _logits_inputs(dtype, V, *, rows=ROWS, aligned=True):
     logits = full if aligned else full[:, :-1]
     n = rows
     f32 = lambda: torch.zeros(n)  # noqa: E731
-    return dict(logits=logits, ids=torch.zeros(1, rows, dtype=torch.int64), mask=torch.ones(n), adv=f32(),
-                old=f32(), ref=f32(), iw=torch.ones(n), weight=torch.full((n,), 1.0 / n))
+    return dict(
+        logits=logits,
+        ids=torch.zeros(1, rows, dtype=torch.int64),
+        mask=torch.ones(n),
+        adv=f32(),
+        old=f32(),
+        ref=f32(),
+        iw=torch.ones(n),
+        weight=torch.full((n,), 1.0 / n),
+    )
 
 
 LOSS_OPTIONS = {
     "ppo": GRPOOptions(),
-    "ppo+delta+dual_clip+clamps+k3+bias_kl": GRPOOptions(beta=0.04, delta=2.0, dual_clip=3.0, log_ratio_clamp=20.0,
-                                                         kl_clamp=10.0, use_bias_correction_kl=True),
+    "ppo+delta+dual_clip+clamps+k3+bias_kl": GRPOOptions(
+        beta=0.04, delta=2.0, dual_clip=3.0, log_ratio_clamp=20.0, kl_clamp=10.0, use_bias_correction_kl=True
+    ),
     "ppo+k1": GRPOOptions(beta=0.04, kl_estimator="k1"),
     "ppo+k2+kl_clamp": GRPOOptions(beta=0.04, kl_estimator="k2", kl_clamp=10.0),
     "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
@@ -159,87 +175,176 @@ LOSS_OPTIONS = {
 }
 
 
-def logits_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
+def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
     """(label, a call of the launchers) for every specialization of the logits kernels worth compiling."""
     for dtype_name, dtype in DTYPES.items():
         for V in VOCAB_SIZES:
+
             def calls(dtype=dtype, V=V, tag=f"{dtype_name} V={V}"):
                 x = _logits_inputs(dtype, V)
                 yield f"logprobs {tag}", lambda: launch.forward(x["logits"], x["ids"])
-                yield f"logprobs+entropy+mask {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], tokens=TokenInputs(mask=x["mask"]), compute_entropy=True)
+                yield (
+                    f"logprobs+entropy+mask {tag}",
+                    lambda: launch.forward(
+                        x["logits"], x["ids"], tokens=TokenInputs(mask=x["mask"]), compute_entropy=True
+                    ),
+                )
                 for name, opts in LOSS_OPTIONS.items():
-                    common = dict(kernel_loss=opts.kernel_loss, tokens=TokenInputs(x["mask"], x["adv"], x["old"],
-                                                                x["ref"] if opts.uses_kl else None, x["iw"]),
-                                  compute_entropy=True)
-                    yield f"{name}+old+iw one-pass {tag}", lambda c=common: launch.forward(
-                        x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **c)
+                    common = dict(
+                        kernel_loss=opts.kernel_loss,
+                        tokens=TokenInputs(x["mask"], x["adv"], x["old"], x["ref"] if opts.uses_kl else None, x["iw"]),
+                        compute_entropy=True,
+                    )
+                    yield (
+                        f"{name}+old+iw one-pass {tag}",
+                        lambda c=common: launch.forward(
+                            x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **c
+                        ),
+                    )
                     yield f"{name}+old+iw {tag}", lambda c=common: launch.forward(x["logits"], x["ids"], **c)
-                yield f"ppo+old+iw one-pass persistent {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
-                    tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]), compute_entropy=True,
-                    gradient=OnePassGradient(x["weight"]), config={"programs_per_sm": 2})
+                yield (
+                    f"ppo+old+iw one-pass persistent {tag}",
+                    lambda: launch.forward(
+                        x["logits"],
+                        x["ids"],
+                        kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
+                        tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
+                        compute_entropy=True,
+                        gradient=OnePassGradient(x["weight"]),
+                        config={"programs_per_sm": 2},
+                    ),
+                )
                 # the row loops' other settings (launch.loop_config): software-pipelined (the loads become
                 # 16-byte async copies through shared memory), and without the L2 eviction hints
                 for loops, setting in (("pipelined", {"loop_stages": 3}), ("no-l2-hints", {"l2_hints": False})):
-                    yield f"ppo+old+iw one-pass {loops} {tag}", lambda c=setting: launch.forward(
-                        x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
-                        tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
-                        compute_entropy=True, gradient=OnePassGradient(x["weight"]), config=c)
+                    yield (
+                        f"ppo+old+iw one-pass {loops} {tag}",
+                        lambda c=setting: launch.forward(
+                            x["logits"],
+                            x["ids"],
+                            kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
+                            tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
+                            compute_entropy=True,
+                            gradient=OnePassGradient(x["weight"]),
+                            config=c,
+                        ),
+                    )
                     yield f"logprobs {loops} {tag}", lambda c=setting: launch.forward(x["logits"], x["ids"], config=c)
-                    yield f"dlogits {loops} {tag}", lambda c=setting: launch.backward(
-                        x["logits"], x["ids"], x["adv"], x["adv"], 1.0, config=c)
-                yield f"ppo on-policy one-pass {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
-                    tokens=TokenInputs(x["mask"], x["adv"]),
-                    gradient=OnePassGradient(x["weight"]))
-                yield f"ppo+entropy-bonus one-pass {tag}", lambda: launch.forward(
-                    x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
-                    tokens=TokenInputs(x["mask"], x["adv"], x["old"]),
-                    compute_entropy=True, gradient=OnePassGradient(x["weight"], x["weight"]))
+                    yield (
+                        f"dlogits {loops} {tag}",
+                        lambda c=setting: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0, config=c),
+                    )
+                yield (
+                    f"ppo on-policy one-pass {tag}",
+                    lambda: launch.forward(
+                        x["logits"],
+                        x["ids"],
+                        kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
+                        tokens=TokenInputs(x["mask"], x["adv"]),
+                        gradient=OnePassGradient(x["weight"]),
+                    ),
+                )
+                yield (
+                    f"ppo+entropy-bonus one-pass {tag}",
+                    lambda: launch.forward(
+                        x["logits"],
+                        x["ids"],
+                        kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
+                        tokens=TokenInputs(x["mask"], x["adv"], x["old"]),
+                        compute_entropy=True,
+                        gradient=OnePassGradient(x["weight"], x["weight"]),
+                    ),
+                )
                 if V >= 32000:  # the split-row schedule (one cooperative launch: see record_all); at V = 151936,
                     # K = 64 is a block a chunk held in registers (38 chunks; bf16 and fp16), and K = 8 at V = 32000
                     for chunks, bonus in ((8, False), (4, True)) + (((64, False), (64, True)) if V > 32000 else ()):
                         name = "ppo+entropy-bonus" if bonus else "ppo+old+iw"
-                        yield f"{name} one-pass split-row K={chunks} {tag}", lambda k=chunks, e=bonus: _split_row(
-                            k, launch.forward, x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
-                            tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=None if e else x["iw"]),
-                            compute_entropy=True, gradient=OnePassGradient(x["weight"], x["weight"] if e else None))
+                        yield (
+                            f"{name} one-pass split-row K={chunks} {tag}",
+                            lambda k=chunks, e=bonus: _split_row(
+                                k,
+                                launch.forward,
+                                x["logits"],
+                                x["ids"],
+                                kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
+                                tokens=TokenInputs(
+                                    x["mask"], x["adv"], x["old"], importance_weights=None if e else x["iw"]
+                                ),
+                                compute_entropy=True,
+                                gradient=OnePassGradient(x["weight"], x["weight"] if e else None),
+                            ),
+                        )
                 if V == 32000 and dtype == torch.bfloat16:  # K = 1: the row held whole by a program of 16 warps
-                    yield f"ppo+old+iw one-pass split-row K=1 whole row {tag}", lambda: _split_row(
-                        1, launch.forward, x["logits"], x["ids"], kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
-                        tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
-                        compute_entropy=True, gradient=OnePassGradient(x["weight"]),
-                        config={"BLOCK_V": 32768, "num_warps": 16})
+                    yield (
+                        f"ppo+old+iw one-pass split-row K=1 whole row {tag}",
+                        lambda: _split_row(
+                            1,
+                            launch.forward,
+                            x["logits"],
+                            x["ids"],
+                            kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
+                            tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
+                            compute_entropy=True,
+                            gradient=OnePassGradient(x["weight"]),
+                            config={"BLOCK_V": 32768, "num_warps": 16},
+                        ),
+                    )
                 yield f"dlogits {tag}", lambda: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0)
                 if dtype != torch.float16:  # a soft-capped head (Gemma's): the cap is a specialization of its own
                     capped = GRPOOptions(logit_softcap=SOFTCAP)
-                    yield f"logprobs+entropy+mask softcap {tag}", lambda: launch.forward(
-                        x["logits"], x["ids"], tokens=TokenInputs(mask=x["mask"]), compute_entropy=True,
-                        softcap=SOFTCAP)
-                    yield f"ppo+old+iw one-pass softcap {tag}", lambda: launch.forward(
-                        x["logits"], x["ids"], kernel_loss=capped.kernel_loss,
-                        tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
-                        compute_entropy=True, gradient=OnePassGradient(x["weight"]))
-                    yield f"dlogits softcap {tag}", lambda: launch.backward(
-                        x["logits"], x["ids"], x["adv"], x["adv"], 1.0, softcap=SOFTCAP)
-                yield f"dlogits+entropy-bonus {tag}", lambda: launch.backward(
-                    x["logits"], x["ids"], x["adv"], x["adv"], 1.0, grad_entropy=x["weight"], entropy=x["adv"])
+                    yield (
+                        f"logprobs+entropy+mask softcap {tag}",
+                        lambda: launch.forward(
+                            x["logits"],
+                            x["ids"],
+                            tokens=TokenInputs(mask=x["mask"]),
+                            compute_entropy=True,
+                            softcap=SOFTCAP,
+                        ),
+                    )
+                    yield (
+                        f"ppo+old+iw one-pass softcap {tag}",
+                        lambda: launch.forward(
+                            x["logits"],
+                            x["ids"],
+                            kernel_loss=capped.kernel_loss,
+                            tokens=TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"]),
+                            compute_entropy=True,
+                            gradient=OnePassGradient(x["weight"]),
+                        ),
+                    )
+                    yield (
+                        f"dlogits softcap {tag}",
+                        lambda: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0, softcap=SOFTCAP),
+                    )
+                yield (
+                    f"dlogits+entropy-bonus {tag}",
+                    lambda: launch.backward(
+                        x["logits"], x["ids"], x["adv"], x["adv"], 1.0, grad_entropy=x["weight"], entropy=x["adv"]
+                    ),
+                )
                 odd = _logits_inputs(dtype, V, aligned=False)  # a model's logits[:, :-1] of an odd V: rows unaligned
                 if V % 2:
                     yield f"logprobs unaligned {tag}", lambda: launch.forward(odd["logits"], odd["ids"])
-                    yield f"dlogits unaligned {tag}", lambda: launch.backward(
-                        odd["logits"], odd["ids"], odd["adv"], odd["adv"], 1.0)
+                    yield (
+                        f"dlogits unaligned {tag}",
+                        lambda: launch.backward(odd["logits"], odd["ids"], odd["adv"], odd["adv"], 1.0),
+                    )
                 yield f"scale {tag}", lambda: launch.scale_in_place(x["logits"].reshape(-1), torch.ones(()))
+
             yield from calls()
     # long context: a row stride past 2^31 elements makes the JIT type it i64 (a kernel of its own)
     long_rows = (1 << 31) // 151936 + 1
     long = _logits_inputs(torch.bfloat16, 151936, rows=long_rows)
-    yield "logprobs+entropy+mask bf16 V=151936 long-context", lambda: launch.forward(
-        long["logits"], long["ids"], tokens=TokenInputs(mask=long["mask"]), compute_entropy=True)
+    yield (
+        "logprobs+entropy+mask bf16 V=151936 long-context",
+        lambda: launch.forward(
+            long["logits"], long["ids"], tokens=TokenInputs(mask=long["mask"]), compute_entropy=True
+        ),
+    )
 
 
-def tuned_launches(table: Optional[dict] = None) -> Iterator[Tuple[str, Callable[[], None]]]:
+def tuned_launches(table: dict | None = None) -> Iterator[tuple[str, Callable[[], None]]]:
     """The launches of every measured configuration in ``tuned.json`` (``table``: another such table), as a GPU of
     that architecture runs them: a "logits" entry's one-pass kernel (or its two-pass forward and backward), a
     "logprobs" entry's log-prob pass; each at its entry's vocabulary and dtype, its keys passed as the launch's
@@ -266,32 +371,57 @@ def tuned_launches(table: Optional[dict] = None) -> Iterator[Tuple[str, Callable
             tokens = TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"])
             loss = LOSS_OPTIONS["ppo"].kernel_loss
             if entry.get("one_pass", True) and not entry.get("split_row"):
-                yield f"ppo+old+iw one-pass {tag}", lambda x=x, c=config, t=tokens: launch.forward(
-                    x["logits"], x["ids"], kernel_loss=loss, tokens=t, compute_entropy=True,
-                    gradient=OnePassGradient(x["weight"]), config=c)
+                yield (
+                    f"ppo+old+iw one-pass {tag}",
+                    lambda x=x, c=config, t=tokens, loss=loss: launch.forward(
+                        x["logits"],
+                        x["ids"],
+                        kernel_loss=loss,
+                        tokens=t,
+                        compute_entropy=True,
+                        gradient=OnePassGradient(x["weight"]),
+                        config=c,
+                    ),
+                )
             elif not entry.get("split_row"):
-                yield f"ppo+old+iw {tag}", lambda x=x, c=config, t=tokens: launch.forward(
-                    x["logits"], x["ids"], kernel_loss=loss, tokens=t, compute_entropy=True, config=c)
-                yield f"dlogits {tag}", lambda x=x, c=config: launch.backward(
-                    x["logits"], x["ids"], x["adv"], x["adv"], 1.0, config=c)
+                yield (
+                    f"ppo+old+iw {tag}",
+                    lambda x=x, c=config, t=tokens, loss=loss: launch.forward(
+                        x["logits"], x["ids"], kernel_loss=loss, tokens=t, compute_entropy=True, config=c
+                    ),
+                )
+                yield (
+                    f"dlogits {tag}",
+                    lambda x=x, c=config: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0, config=c),
+                )
 
 
-def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
+def fused_linear_launches() -> Iterator[tuple[str, Callable[[], None]]]:
     """The lm_head kernels as the launchers call them, at H = 4096, V = 151936 (256 tokens: one chunk)."""
     N, H, V = 256, 4096, 151936
-    opts = {"logprobs": None, "ppo+old+iw+k3+bias_kl": GRPOOptions(beta=0.04, use_bias_correction_kl=True),
-            "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
-            "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04)}
+    opts = {
+        "logprobs": None,
+        "ppo+old+iw+k3+bias_kl": GRPOOptions(beta=0.04, use_bias_correction_kl=True),
+        "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
+        "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04),
+    }
+
     def calls(dtype_name, dtype):  # one frame per dtype, so that each call sees its own tensors
         hidden, weight = torch.empty(N, H, dtype=dtype), torch.empty(V, H, dtype=dtype)
         bias, ids, ones = torch.empty(V, dtype=dtype), torch.zeros(N, dtype=torch.int64), torch.ones(N)
         for name, o in opts.items():
-            per_token = dict(tokens=TokenInputs(mask=ones)) if o is None else dict(
-                kernel_loss=o.kernel_loss, tokens=TokenInputs(ones, ones, ones, ones, ones))
+            per_token = (
+                dict(tokens=TokenInputs(mask=ones))
+                if o is None
+                else dict(kernel_loss=o.kernel_loss, tokens=TokenInputs(ones, ones, ones, ones, ones))
+            )
             for with_bias in (False, True):
-                yield (f"forward {name} bias={with_bias} {dtype_name}",
-                       lambda b=with_bias, p=per_token: lm_head_launch.linear_forward(
-                           hidden, weight, bias if b else None, ids, compute_entropy=True, **p))
+                yield (
+                    f"forward {name} bias={with_bias} {dtype_name}",
+                    lambda b=with_bias, p=per_token: lm_head_launch.linear_forward(
+                        hidden, weight, bias if b else None, ids, compute_entropy=True, **p
+                    ),
+                )
 
             def split(p=per_token):
                 lm_head_launch.LINEAR_FORWARD_SPLITS = 4
@@ -299,32 +429,58 @@ def fused_linear_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
                     lm_head_launch.linear_forward(hidden, weight, None, ids, compute_entropy=True, **p)
                 finally:
                     lm_head_launch.LINEAR_FORWARD_SPLITS = None
+
             yield f"forward {name} split-v {dtype_name}", split
         for with_bias in (False, True):
-            yield (f"backward bias={with_bias} {dtype_name}",
-                   lambda b=with_bias: lm_head_launch.linear_backward(hidden, weight, bias if b else None, ids, ones,
-                                                                      ones, 1.0, True))
-        yield (f"forward logprobs softcap {dtype_name}", lambda: lm_head_launch.linear_forward(
-            hidden, weight, None, ids, compute_entropy=True, tokens=TokenInputs(mask=ones), softcap=SOFTCAP))
-        yield (f"backward softcap {dtype_name}", lambda: lm_head_launch.linear_backward(
-            hidden, weight, None, ids, ones, ones, 1.0, True, softcap=SOFTCAP))
-        yield (f"backward entropy-bonus {dtype_name}",
-               lambda: lm_head_launch.linear_backward(hidden, weight, None, ids, ones, ones, 1.0, True,
-                                                      grad_entropy=ones, entropy=ones))
+            yield (
+                f"backward bias={with_bias} {dtype_name}",
+                lambda b=with_bias: lm_head_launch.linear_backward(
+                    hidden, weight, bias if b else None, ids, ones, ones, 1.0, True
+                ),
+            )
+        yield (
+            f"forward logprobs softcap {dtype_name}",
+            lambda: lm_head_launch.linear_forward(
+                hidden, weight, None, ids, compute_entropy=True, tokens=TokenInputs(mask=ones), softcap=SOFTCAP
+            ),
+        )
+        yield (
+            f"backward softcap {dtype_name}",
+            lambda: lm_head_launch.linear_backward(hidden, weight, None, ids, ones, ones, 1.0, True, softcap=SOFTCAP),
+        )
+        yield (
+            f"backward entropy-bonus {dtype_name}",
+            lambda: lm_head_launch.linear_backward(
+                hidden, weight, None, ids, ones, ones, 1.0, True, grad_entropy=ones, entropy=ones
+            ),
+        )
         # the 3-product mode without a gradient: cuBLAS tiles (torch.mm runs here for real: H = 16 keeps it quick;
         # the tile kernel never reads H) folded by the tile-state kernel, then the combine kernel
         narrow, narrow_weight = torch.zeros(N, 16, dtype=dtype), torch.zeros(V, 16, dtype=dtype)
-        for name, o in (("ppo+old+iw+k3+bias_kl", opts["ppo+old+iw+k3+bias_kl"]),
-                        ("softcap", GRPOOptions(logit_softcap=SOFTCAP))):
-            yield (f"three-products no-grad {name} {dtype_name}", lambda o=o: lm_head_launch.linear_three_products(
-                narrow, narrow_weight, None, ids, kernel_loss=o.kernel_loss, tokens=TokenInputs(ones, ones, ones, ones,
-                                                                                                  ones),
-                compute_entropy=True, gradient=None, compute_weight_grad=False))
+        for name, o in (
+            ("ppo+old+iw+k3+bias_kl", opts["ppo+old+iw+k3+bias_kl"]),
+            ("softcap", GRPOOptions(logit_softcap=SOFTCAP)),
+        ):
+            yield (
+                f"three-products no-grad {name} {dtype_name}",
+                lambda o=o: lm_head_launch.linear_three_products(
+                    narrow,
+                    narrow_weight,
+                    None,
+                    ids,
+                    kernel_loss=o.kernel_loss,
+                    tokens=TokenInputs(ones, ones, ones, ones, ones),
+                    compute_entropy=True,
+                    gradient=None,
+                    compute_weight_grad=False,
+                ),
+            )
+
     yield from calls("bf16", torch.bfloat16)
     yield from calls("fp32", torch.float32)
 
 
-def reduce_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
+def reduce_launches() -> Iterator[tuple[str, Callable[[], None]]]:
     """A loss's launches around its logits kernel (``launch.loss_forward``: the token-weights and loss-metrics
     kernels) for each reduction, per-sequence and per-token inputs, a packed batch, tensor scales and normalizers,
     the entropy bonus, each policy term's metrics and the dropped position's gradient rows of each dtype."""
@@ -338,25 +494,59 @@ def reduce_launches() -> Iterator[Tuple[str, Callable[[], None]]]:
     cases = {  # name: (options, sequences, normalizer, loss scale, advantages, importance weights, bonus mask)
         "grpo adv-per-row": (GRPOOptions(), Sequences(S, T), None, 1.0, per_row, None, None),
         "dapo normalizer-tensor scale-tensor iw-per-row entropy-bonus": (
-            GRPOOptions(loss_type="dapo", beta=0.04, entropy_coef=0.01), Sequences(S, T), torch.ones(()),
-            torch.ones(()), x["adv"], per_row, None),
-        "bnpo packed bonus-mask": (GRPOOptions(loss_type="bnpo", entropy_coef=0.01), Sequences(S, T, cu_seqlens),
-                                   None, 0.5, per_row, x["iw"], x["mask"]),
-        "dr_grpo no-entropy": (GRPOOptions(loss_type="dr_grpo", max_completion_length=T, compute_entropy=False),
-                               Sequences(S, T), None, 1.0, per_row, None, None),
-        "cispo+k3": (GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0), Sequences(S, T), 100.0, 1.0,
-                     per_row, None, None),
+            GRPOOptions(loss_type="dapo", beta=0.04, entropy_coef=0.01),
+            Sequences(S, T),
+            torch.ones(()),
+            torch.ones(()),
+            x["adv"],
+            per_row,
+            None,
+        ),
+        "bnpo packed bonus-mask": (
+            GRPOOptions(loss_type="bnpo", entropy_coef=0.01),
+            Sequences(S, T, cu_seqlens),
+            None,
+            0.5,
+            per_row,
+            x["iw"],
+            x["mask"],
+        ),
+        "dr_grpo no-entropy": (
+            GRPOOptions(loss_type="dr_grpo", max_completion_length=T, compute_entropy=False),
+            Sequences(S, T),
+            None,
+            1.0,
+            per_row,
+            None,
+            None,
+        ),
+        "cispo+k3": (
+            GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
+            Sequences(S, T),
+            100.0,
+            1.0,
+            per_row,
+            None,
+            None,
+        ),
         "sapo": (GRPOOptions(loss_type="sapo"), Sequences(S, T), None, 1.0, per_row, None, None),
     }
     for dtype_name, dtype in DTYPES.items():
         logits = torch.empty(S, T + 1, V, dtype=dtype)
         ids = torch.zeros(S, T, dtype=torch.int64)
         for name, (opts, sequences, normalizer, scale, adv, iw, bonus) in cases.items():
-            loss_tokens = LossTokens(TokenInputs(x["mask"], adv, x["old"], x["ref"] if opts.uses_kl else None, iw),
-                                     sequences, kernel_reduction(opts, S, normalizer, scale, bonus))
+            loss_tokens = LossTokens(
+                TokenInputs(x["mask"], adv, x["old"], x["ref"] if opts.uses_kl else None, iw),
+                sequences,
+                kernel_reduction(opts, S, normalizer, scale, bonus),
+            )
             grad = torch.empty_like(logits)
-            yield f"loss {name} one-pass {dtype_name}", lambda o=opts, t=loss_tokens, g=grad: launch.loss_forward(
-                logits[:, :-1], ids, kernel_loss=o.kernel_loss, loss_tokens=t, gradient_out=g, dropped_gradient=g)
+            yield (
+                f"loss {name} one-pass {dtype_name}",
+                lambda o=opts, t=loss_tokens, g=grad, logits=logits, ids=ids: launch.loss_forward(
+                    logits[:, :-1], ids, kernel_loss=o.kernel_loss, loss_tokens=t, gradient_out=g, dropped_gradient=g
+                ),
+            )
 
 
 def _split_row(chunks: int, fn, *args, **kwargs):
@@ -365,14 +555,15 @@ def _split_row(chunks: int, fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def record_all() -> List[Launch]:
+def record_all() -> list[Launch]:
     """Every distinct launch of the representative calls, labelled by the first call that made it.
 
     The split-row kernel's launcher, given CPU tensors, makes the interpreter's two launches (publish;
     merge and write): what a GPU runs is the same arguments in one cooperative launch (PHASE 0)."""
-    found: Dict[tuple, Launch] = {}
-    for label, call in (list(logits_launches()) + list(tuned_launches()) + list(fused_linear_launches())
-                        + list(reduce_launches())):
+    found: dict[tuple, Launch] = {}
+    for label, call in (
+        list(logits_launches()) + list(tuned_launches()) + list(fused_linear_launches()) + list(reduce_launches())
+    ):
         with recorded_launches() as launches:
             call()
         for item in launches:
@@ -388,11 +579,18 @@ def record_all() -> List[Launch]:
 
 def _specialization_key(item: Launch) -> str:
     options, signature, constexprs, attrs = jit_specialization(item, 90)
-    return repr((sorted(signature.items()), sorted(constexprs.items()), sorted(attrs.items()),
-                 options.num_warps, options.num_stages))
+    return repr(
+        (
+            sorted(signature.items()),
+            sorted(constexprs.items()),
+            sorted(attrs.items()),
+            options.num_warps,
+            options.num_stages,
+        )
+    )
 
 
-def _resource_usage(cubin: bytes) -> Dict[str, int]:
+def _resource_usage(cubin: bytes) -> dict[str, int]:
     import triton
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -419,13 +617,15 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def sass_instructions(cubin: bytes) -> List[Tuple[int, str, str, bool]]:
+def sass_instructions(cubin: bytes) -> list[tuple[int, str, str, bool]]:
     """(address, opcode with modifiers, operands, predicated) of each SASS instruction."""
-    return [(int(m.group(1), 16), m.group(3), m.group(4).strip(), m.group(2) is not None)
-            for m in _SASS_LINE.finditer(_cuobjdump(cubin, "-sass"))]
+    return [
+        (int(m.group(1), 16), m.group(3), m.group(4).strip(), m.group(2) is not None)
+        for m in _SASS_LINE.finditer(_cuobjdump(cubin, "-sass"))
+    ]
 
 
-def hot_loops(cubin: bytes) -> List[Dict[str, int]]:
+def hot_loops(cubin: bytes) -> list[dict[str, int]]:
     """The innermost loops that stream full blocks of logits, with their instruction mix per pass.
 
     A loop is a backward branch (BRA to a lower address); its body is the instructions from the
@@ -434,8 +634,11 @@ def hot_loops(cubin: bytes) -> List[Dict[str, int]]:
     unpredicated; a loop of masked loads is a cold path (the entropy's -inf fallback).
     """
     code = [(address, opcode, operands) for address, opcode, operands, _ in sass_instructions(cubin)]
-    predicated_loads = {address for address, opcode, _, predicated in sass_instructions(cubin)
-                        if predicated and opcode.startswith("LDG")}
+    predicated_loads = {
+        address
+        for address, opcode, _, predicated in sass_instructions(cubin)
+        if predicated and opcode.startswith("LDG")
+    }
     loops = _loops(code)
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     result = []
@@ -447,7 +650,7 @@ def hot_loops(cubin: bytes) -> List[Dict[str, int]]:
     return result
 
 
-def held_chunk_loop(cubin: bytes) -> Dict[str, int]:
+def held_chunk_loop(cubin: bytes) -> dict[str, int]:
     """The split-row kernel's work-item loop when its chunk is held in registers (``HOLD_CHUNK``): there is no
     loop over the logits, so the item's loop is the hot one: the outermost loop that loads a 128-bit vector
     (any load, on rows not 16-byte aligned). Its body counts both chunk paths (a full block, and the row's short
@@ -456,13 +659,14 @@ def held_chunk_loop(cubin: bytes) -> Dict[str, int]:
     code = [(address, opcode, operands) for address, opcode, operands, _ in sass_instructions(cubin)]
     loading = []
     for load in ("LDG.E.128", "LDG"):
-        loading = loading or [(a, b) for a, b in _loops(code)
-                              if any(a <= address <= b and op.startswith(load) for address, op, _ in code)]
+        loading = loading or [
+            (a, b) for a, b in _loops(code) if any(a <= address <= b and op.startswith(load) for address, op, _ in code)
+        ]
     begin, end = max(loading, key=lambda loop: loop[1] - loop[0])
     return _instruction_mix([op for address, op, _ in code if begin <= address <= end and op != "NOP"])
 
 
-def _loops(code) -> List[Tuple[int, int]]:
+def _loops(code) -> list[tuple[int, int]]:
     """(first address, branch address) of each loop: a backward branch (BRA to a lower address)."""
     loops = []
     for address, opcode, operands in code:
@@ -472,31 +676,44 @@ def _loops(code) -> List[Tuple[int, int]]:
     return loops
 
 
-def _instruction_mix(body: List[str]) -> Dict[str, int]:
+def _instruction_mix(body: list[str]) -> dict[str, int]:
     # global loads: LDG, and LDGSTS (a pipelined loop's async copy to shared memory); LDGDEPBAR is its wait
     loads = [op for op in body if op.startswith("LDG") and not op.startswith("LDGDEPBAR")]
     widths = [re.search(r"\.(128|64|32|16)\b", op) for op in loads]
     stores = [op for op in body if op.startswith("STG")]
     # SASS spells the L2 eviction hints as modifiers: LDG.E.EL (evict_last), LDG.E.EF / STG.E.EF (evict_first; a
     # ".cs" streaming store is an STG.E.EF)
-    return {"instructions": len(body), "mufu": sum(op.startswith("MUFU") for op in body), "global_loads": len(loads),
-            "bytes_loaded": sum(int(m.group(1)) // 8 if m else 4 for m in widths),
-            "loads_128": sum(bool(m) and m.group(1) == "128" for m in widths),
-            "evict_last_loads": sum(".EL." in op + "." for op in loads),
-            "evict_first_loads": sum(".EF." in op + "." for op in loads),
-            "global_stores": len(stores), "evict_first_stores": sum(".EF." in op + "." for op in stores),
-            "shuffles": sum(op.startswith("SHFL") for op in body), "barriers": sum(op.startswith("BAR") for op in body)}
+    return {
+        "instructions": len(body),
+        "mufu": sum(op.startswith("MUFU") for op in body),
+        "global_loads": len(loads),
+        "bytes_loaded": sum(int(m.group(1)) // 8 if m else 4 for m in widths),
+        "loads_128": sum(bool(m) and m.group(1) == "128" for m in widths),
+        "evict_last_loads": sum(".EL." in op + "." for op in loads),
+        "evict_first_loads": sum(".EF." in op + "." for op in loads),
+        "global_stores": len(stores),
+        "evict_first_stores": sum(".EF." in op + "." for op in stores),
+        "shuffles": sum(op.startswith("SHFL") for op in body),
+        "barriers": sum(op.startswith("BAR") for op in body),
+    }
 
 
-KERNEL_KINDS = {"grpo_forward_kernel": "forward", "logprob_backward_kernel": "backward",
-                "split_row_forward_kernel": "split-row",
-                "scale_in_place_kernel": "scale", "token_weights_kernel": "token-weights",
-                "loss_metrics_kernel": "loss-metrics",
-                "linear_grpo_forward_kernel": "forward", "linear_grpo_combine_kernel": "combine",
-                "linear_dlogits_kernel": "dlogits", "matmul_kernel": "matmul", "logits_tile_state_kernel": "tile-state"}
+KERNEL_KINDS = {
+    "grpo_forward_kernel": "forward",
+    "logprob_backward_kernel": "backward",
+    "split_row_forward_kernel": "split-row",
+    "scale_in_place_kernel": "scale",
+    "token_weights_kernel": "token-weights",
+    "loss_metrics_kernel": "loss-metrics",
+    "linear_grpo_forward_kernel": "forward",
+    "linear_grpo_combine_kernel": "combine",
+    "linear_dlogits_kernel": "dlogits",
+    "matmul_kernel": "matmul",
+    "logits_tile_state_kernel": "tile-state",
+}
 
 
-def _record(item: Launch, arch: int) -> Dict[str, object]:
+def _record(item: Launch, arch: int) -> dict[str, object]:
     compiled, options, signature = compile_launch(item, arch)
     _, _, constexprs, _ = jit_specialization(item, arch)
     name = item.kernel.fn.__name__
@@ -505,13 +722,18 @@ def _record(item: Launch, arch: int) -> Dict[str, object]:
     ptx = compiled.asm["ptx"]
     fused = item.kernel.fn.__module__.endswith("fused_linear")
     record = {
-        "kernel": KERNEL_KINDS[name], "specialization": ("fused-linear " if fused else "") + item.label,
+        "kernel": KERNEL_KINDS[name],
+        "specialization": ("fused-linear " if fused else "") + item.label,
         "dtype": item.label.split()[-1] if fused else next(d for d in DTYPES if f" {d} " in f" {item.label} "),
-        "arch": f"sm_{arch}", "BLOCK_V": named.get("BLOCK_V", named.get("BLOCK_N", named.get("BLOCK"))),
+        "arch": f"sm_{arch}",
+        "BLOCK_V": named.get("BLOCK_V", named.get("BLOCK_N", named.get("BLOCK"))),
         "row_align": named.get("ROW_ALIGN"),
-        "num_warps": options.num_warps, "num_stages": options.num_stages,
+        "num_warps": options.num_warps,
+        "num_stages": options.num_stages,
         "signature": {k: v for k, v in signature.items() if v != "constexpr"},
-        "registers": usage.get("REG"), "spill_bytes": usage["SPILL"], "local_bytes": usage.get("LOCAL", 0),
+        "registers": usage.get("REG"),
+        "spill_bytes": usage["SPILL"],
+        "local_bytes": usage.get("LOCAL", 0),
         **ptx_memory_facts(ptx),
         # tensor-core products (Hopper's wgmma, Ampere's mma.sync) and global-to-shared async copies
         "tensor_core_mma": len(re.findall(r"wgmma\.mma_async|mma\.sync", ptx)),
@@ -523,7 +745,8 @@ def _record(item: Launch, arch: int) -> Dict[str, object]:
         record["chunks"] = named["K"]
         record["held_chunk"] = held
         record["resident_programs_per_sm"] = launch.resident_programs_per_sm(
-            usage.get("REG"), options.num_warps, compiled.metadata.shared)
+            usage.get("REG"), options.num_warps, compiled.metadata.shared
+        )
     if not fused and name in ("grpo_forward_kernel", "logprob_backward_kernel", "split_row_forward_kernel"):
         logit_bytes = DTYPES[record["dtype"]].itemsize
         loops = [held_chunk_loop(compiled.asm["cubin"])] if held else hot_loops(compiled.asm["cubin"])
@@ -541,7 +764,7 @@ def _record(item: Launch, arch: int) -> Dict[str, object]:
     return record
 
 
-def ptx_memory_facts(ptx: str) -> Dict[str, int]:
+def ptx_memory_facts(ptx: str) -> dict[str, int]:
     """The global memory instructions of a kernel's PTX that the streaming kernels' design rests on:
     ``vector_loads_128``, 16-byte loads (``ld.global...v4.b32``, ``v2.b64``, whatever their cache modifiers) and
     16-byte async copies (``cp.async`` of 16 bytes: a pipelined loop's loads); ``evict_last_loads`` and
@@ -553,13 +776,14 @@ def ptx_memory_facts(ptx: str) -> Dict[str, int]:
         + len(re.findall(rf"ld\.global{modifiers}\.v2\.(?:b64|u64)", ptx))
         + len(re.findall(r"cp\.async\.c[ag]\.shared\.global[\w.:]*\s+\[[^]]*\],\s*\[[^]]*\],\s*(?:16|0x10)\b", ptx)),
         "evict_last_loads": len(re.findall(rf"ld\.global{modifiers}\.L1::evict_last{modifiers}\.L2::cache_hint", ptx)),
-        "evict_first_loads": len(re.findall(rf"ld\.global{modifiers}\.L1::evict_first{modifiers}\.L2::cache_hint",
-                                            ptx)),
+        "evict_first_loads": len(
+            re.findall(rf"ld\.global{modifiers}\.L1::evict_first{modifiers}\.L2::cache_hint", ptx)
+        ),
         "streaming_stores": len(re.findall(rf"st\.global\.cs{modifiers}", ptx)),
     }
 
 
-def roofline(record: Dict[str, object], gpu: Dict[str, float] = H200) -> Dict[str, float]:
+def roofline(record: dict[str, object], gpu: dict[str, float] = H200) -> dict[str, float]:
     """Static roofline of a streaming kernel from its SASS: at HBM speed under the byte model, which share of
     the GPU's issue slots and of its SFU (MUFU) throughput the hot loops need (over 1: that unit, not HBM,
     bounds the kernel)."""
@@ -568,12 +792,14 @@ def roofline(record: Dict[str, object], gpu: Dict[str, float] = H200) -> Dict[st
     logits_per_s = gpu["hbm_bytes_per_s"] / (reads_writes * record["logit_bytes"])
     issue = gpu["sms"] * gpu["issue_per_sm_cycle"] * gpu["ghz"] * 1e9
     mufu = gpu["sms"] * gpu["mufu_per_sm_cycle"] * gpu["ghz"] * 1e9
-    return {"logits_per_s_at_hbm": logits_per_s,
-            "issue_fraction": logits_per_s * record["instructions_per_logit"] / issue,
-            "mufu_fraction": logits_per_s * record["mufu_per_logit"] / mufu}
+    return {
+        "logits_per_s_at_hbm": logits_per_s,
+        "issue_fraction": logits_per_s * record["instructions_per_logit"] / issue,
+        "mufu_fraction": logits_per_s * record["mufu_per_logit"] / mufu,
+    }
 
 
-def budget_of(record: Dict[str, object]) -> Optional[float]:
+def budget_of(record: dict[str, object]) -> float | None:
     """The CI budget (instructions per logit) of a streaming kernel record, or None for the others."""
     vocab = re.search(r"V=(\d+)", record["specialization"])
     bonus = "entropy-bonus" in record["specialization"]
@@ -593,16 +819,17 @@ def budget_of(record: Dict[str, object]) -> Optional[float]:
     return budgets["backward"] if record["kernel"] == "backward" else budgets["forward"]
 
 
-_WORK: List[Tuple[Launch, int]] = []  # what the forked compile workers read (set before the pool forks)
+_WORK: list[tuple[Launch, int]] = []  # what the forked compile workers read (set before the pool forks)
 
 
-def _compile_one(index: int) -> Dict[str, object]:
+def _compile_one(index: int) -> dict[str, object]:
     item, arch = _WORK[index]
     return _record(item, arch)
 
 
-def compile_all(archs: Sequence[int] = (90,), jobs: Optional[int] = None,
-                only: Optional[str] = None) -> List[Dict[str, object]]:
+def compile_all(
+    archs: Sequence[int] = (90,), jobs: int | None = None, only: str | None = None
+) -> list[dict[str, object]]:
     """Compile every distinct recorded launch for each target (those whose label contains ``only``, where given);
     return one record per compiled kernel, in the order of ``archs`` then of the launches.
 
@@ -613,10 +840,13 @@ def compile_all(archs: Sequence[int] = (90,), jobs: Optional[int] = None,
     _WORK = [(item, arch) for arch in archs for item in items]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(_WORK)))
 
-    def reported(results: Iterator[Dict[str, object]]) -> Iterator[Dict[str, object]]:
+    def reported(results: Iterator[dict[str, object]]) -> Iterator[dict[str, object]]:
         for done, record in enumerate(results, 1):
-            print(f"aot: {done}/{len(_WORK)} {record['arch']} {record['kernel']} {record['specialization']}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"aot: {done}/{len(_WORK)} {record['arch']} {record['kernel']} {record['specialization']}",
+                file=sys.stderr,
+                flush=True,
+            )
             yield record
 
     if jobs == 1:
@@ -631,37 +861,45 @@ def compile_all(archs: Sequence[int] = (90,), jobs: Optional[int] = None,
     return records
 
 
-def summary(records: List[Dict[str, object]]) -> str:
+def summary(records: list[dict[str, object]]) -> str:
     """The hot loops of the streaming kernels, one line each, for the docs and CI logs."""
     lines = ["arch  dtype BLOCK_V warps regs instr/logit (per loop)  MUFU/logit issue% MUFU% budget  specialization"]
     for r in records:
         if "instructions_per_logit" not in r:
             continue
         loops = " + ".join(f"{loop['per_logit']:.1f}" for loop in r["hot_loops"])
-        lines.append(f"{r['arch']} {r['dtype']:5} {r['BLOCK_V']:7} {r['num_warps']:5} {r['registers']:4} "
-                     f"{r['instructions_per_logit']:5.1f} ({loops:>11}) {r['mufu_per_logit']:10.2f} "
-                     f"{100 * r['roofline']['issue_fraction']:6.0f} {100 * r['roofline']['mufu_fraction']:5.0f} "
-                     f"{r['budget'] if r['budget'] else '-':>6}  {r['specialization']}"
-                     + (" (chunk held)" if r.get("held_chunk") else ""))
+        lines.append(
+            f"{r['arch']} {r['dtype']:5} {r['BLOCK_V']:7} {r['num_warps']:5} {r['registers']:4} "
+            f"{r['instructions_per_logit']:5.1f} ({loops:>11}) {r['mufu_per_logit']:10.2f} "
+            f"{100 * r['roofline']['issue_fraction']:6.0f} {100 * r['roofline']['mufu_fraction']:5.0f} "
+            f"{r['budget'] if r['budget'] else '-':>6}  {r['specialization']}"
+            + (" (chunk held)" if r.get("held_chunk") else "")
+        )
     return "\n".join(lines)
 
 
-def signature_facts() -> Dict[str, object]:
+def signature_facts() -> dict[str, object]:
     """How the JIT types a typical launch and a long-context one (row stride past 2^31): for the tests."""
     facts = {}
     for name, rows in (("typical", 1024), ("long_context", (1 << 31) // 151936 + 1)):
         logits = torch.empty(1, rows, 151936, dtype=torch.bfloat16)
         with recorded_launches() as launches:
-            launch.forward(logits, torch.zeros(1, rows, dtype=torch.int64), tokens=TokenInputs(mask=torch.ones(rows)),
-                           compute_entropy=True)
+            launch.forward(
+                logits,
+                torch.zeros(1, rows, dtype=torch.int64),
+                tokens=TokenInputs(mask=torch.ones(rows)),
+                compute_entropy=True,
+            )
         (item,) = launches
         options, signature, constexprs, attrs = jit_specialization(item, 90)
         names = item.kernel.arg_names
         facts[name] = {
             "signature": {k: v for k, v in signature.items() if v != "constexpr"},
-            "divisible_by_16": sorted(names[path[0]] for path, attr in attrs.items()
-                                      if ["tt.divisibility", 16] in attr),
-            "num_warps": options.num_warps, "launcher_config": launch.logits_launch_config(logits),
+            "divisible_by_16": sorted(
+                names[path[0]] for path, attr in attrs.items() if ["tt.divisibility", 16] in attr
+            ),
+            "num_warps": options.num_warps,
+            "launcher_config": launch.logits_launch_config(logits),
             "constexprs": {names[path[0]]: value for path, value in constexprs.items()},
         }
     return facts
@@ -673,8 +911,12 @@ def main() -> None:
     parser.add_argument("--summary", action="store_true", help="print the hot-loop table instead of JSON")
     parser.add_argument("--signature-facts", action="store_true", help="print how the JIT types two launches")
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per core)")
-    parser.add_argument("--only", default=None, metavar="TEXT",
-                        help="compile only the specializations whose label contains TEXT (e.g. softcap)")
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="TEXT",
+        help="compile only the specializations whose label contains TEXT (e.g. softcap)",
+    )
     args = parser.parse_args()
     if args.signature_facts:
         print(json.dumps(signature_facts()))

@@ -8,7 +8,7 @@ imports nothing heavy, so ``import grpo_kernels`` and the CPU path work where Tr
 """
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,11 +18,14 @@ class TokenInputs(NamedTuple):
     importance weights. The loss kernels read them as contiguous fp32 [N] (the launchers' keywords of the same
     names); the torch loss math (``objective.loss_from_logps``) in the sequence layout."""
 
-    mask: Optional[Any] = None
-    advantages: Optional[Any] = None
-    old_logps: Optional[Any] = None
-    ref_logps: Optional[Any] = None
-    importance_weights: Optional[Any] = None
+    mask: Any | None = None
+    advantages: Any | None = None
+    old_logps: Any | None = None
+    ref_logps: Any | None = None
+    importance_weights: Any | None = None
+
+
+NO_TOKEN_INPUTS = TokenInputs()  # a launcher's default: no per-token input (immutable, shared)
 
 
 class OnePassGradient(NamedTuple):
@@ -32,14 +35,23 @@ class OnePassGradient(NamedTuple):
     a new one), or ``in_place`` to write over the logits themselves."""
 
     weight: Any
-    entropy_weight: Optional[Any] = None
-    out: Optional[Any] = None
+    entropy_weight: Any | None = None
+    out: Any | None = None
     in_place: bool = False
 
 
 # The loss kernels' run-time scalars, in the order of their ``loss_scalars`` tuple (grpo.token_loss_and_grad).
-LOSS_SCALARS = ("eps_low", "eps_high", "delta", "dual_clip", "beta", "log_ratio_clamp", "kl_clamp", "sapo_tau_pos",
-                "sapo_tau_neg")
+LOSS_SCALARS = (
+    "eps_low",
+    "eps_high",
+    "delta",
+    "dual_clip",
+    "beta",
+    "log_ratio_clamp",
+    "kl_clamp",
+    "sapo_tau_pos",
+    "sapo_tau_neg",
+)
 
 # LOSS_KIND values: which policy term the forward computes.
 LOSS_NONE = 0  # log-probs (and entropy) only: token_logprobs and the sequence-level path
@@ -81,7 +93,7 @@ class KernelLoss(NamedTuple):
     args: dict
     temperature: float
     kernel_temperature: float
-    kernel_softcap: Optional[float]
+    kernel_softcap: float | None
     compute_entropy: bool
     with_kl: bool
     clip_metrics: int
@@ -97,7 +109,7 @@ class KernelLoss(NamedTuple):
 NO_LOSS_ARGS = {"loss_scalars": (0.0,) * len(LOSS_SCALARS), "LOSS_KIND": LOSS_NONE, "KL_KIND": KL_K3, "LOSS_FLAGS": 0}
 
 
-@functools.lru_cache(maxsize=None)  # a successful import only (an ImportError is raised again each call)
+@functools.cache  # a successful import only (an ImportError is raised again each call)
 def _triton_module(name: str):
     try:
         import importlib
@@ -111,20 +123,20 @@ def _triton_module(name: str):
         ) from e
 
 
-@functools.lru_cache(maxsize=None)  # a module, asked on every call: a cache hit enters no Python
+@functools.cache  # a module, asked on every call: a cache hit enters no Python
 def launch_module():
     """``grpo_kernels.kernels.launch`` (the logits kernels' launchers), imported on first use: it needs
     triton, the CPU path does not."""
     return _triton_module("launch")
 
 
-@functools.lru_cache(maxsize=None)  # a module, asked on every call: a cache hit enters no Python
+@functools.cache  # a module, asked on every call: a cache hit enters no Python
 def lm_head_launch_module():
     """``grpo_kernels.kernels.fused_linear_launch`` (the fused lm_head's launchers), imported on first use."""
     return _triton_module("fused_linear_launch")
 
 
-@functools.lru_cache(maxsize=None)  # a module, asked on every call: a cache hit enters no Python
+@functools.cache  # a module, asked on every call: a cache hit enters no Python
 def reduce_launch_module():
     """``grpo_kernels.kernels.reduce_launch`` (the token-weights and loss-metrics launchers), imported on first use."""
     return _triton_module("reduce_launch")
@@ -148,7 +160,7 @@ class Sequences(NamedTuple):
 
     S: int
     T: int
-    cu_seqlens: Optional[Any] = None
+    cu_seqlens: Any | None = None
 
 
 class Reduction(NamedTuple):
@@ -162,17 +174,17 @@ class Reduction(NamedTuple):
     divisor: object
     loss_scale: object
     entropy_coef: float = 0.0
-    bonus_mask: Optional[Any] = None
+    bonus_mask: Any | None = None
     entropy_as_loss: bool = False
 
 
 class TokenWeights(NamedTuple):
     """What the token-weights kernel writes, fp32 [N], None where not asked for."""
 
-    advantages: Optional[Any]
-    importance_weights: Optional[Any]
-    weight: Optional[Any]  # each token's weight in the reduced, scaled loss
-    entropy_weight: Optional[Any]  # each token's dLoss/dH (the entropy bonus), or None without one
+    advantages: Any | None
+    importance_weights: Any | None
+    weight: Any | None  # each token's weight in the reduced, scaled loss
+    entropy_weight: Any | None  # each token's dLoss/dH (the entropy bonus), or None without one
 
 
 class LossTokens(NamedTuple):
@@ -189,8 +201,10 @@ def fp32_products(fn):
     """``fn`` with autocast off: its products are meant in fp32 (the lm_head's logits and gradients,
     accumulated in fp32), which an ambient bf16 / fp16 autocast would silently cast down. Both the torch path
     and the lm_head's launchers use it."""
+
     @functools.wraps(fn)
     def without_autocast(*args, **kwargs):
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
             return fn(*args, **kwargs)
+
     return without_autocast

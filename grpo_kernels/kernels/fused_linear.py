@@ -39,7 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grpo import LN2, LOG2E, C_LOSS_NONE, cap_slope, capped_logit, token_loss_and_grad
+from .grpo import C_LOSS_NONE, LN2, LOG2E, cap_slope, capped_logit, token_loss_and_grad
 from .logsumexp import finite_or_zero, merge_lse
 from .split_row import _chunk_state
 
@@ -50,9 +50,23 @@ LINEAR_RUNTIME_INTS = ["N"]
 
 
 @triton.jit
-def _logits_tile(h_block, w_block, b_ptr, n_left, v0, V, H, inv_temperature, softcap,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _logits_tile(
+    h_block,
+    w_block,
+    b_ptr,
+    n_left,
+    v0,
+    V,
+    H,
+    inv_temperature,
+    softcap,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """x = cap(h @ W^T + b) / tau as fp32 [BLOCK_N, BLOCK_V] for one tile; out-of-range columns are -inf.
 
     ``h_block`` and ``w_block`` point at the tile's first row of h and of W (int64 scalars);
@@ -78,10 +92,29 @@ def _logits_tile(h_block, w_block, b_ptr, n_left, v0, V, H, inv_temperature, sof
 
 @triton.jit
 def _finish_tokens(
-    rows, active, running_max, sum_exp, sum_exp_x, target_x, N,
-    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
+    rows,
+    active,
+    running_max,
+    sum_exp,
+    sum_exp_x,
+    target_x,
+    N,
+    mask_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    iw_ptr,
+    logp_out,
+    entropy_out,
+    lse_out,
+    loss_out,
+    dloss_out,
+    kl_out,
+    flags_out,
+    loss_scalars,
+    LOSS_KIND: tl.constexpr,
+    KL_KIND: tl.constexpr,
+    LOSS_FLAGS: tl.constexpr,
 ):
     """From a token block's log-sum-exp state: store lse, logp, entropy, then the per-token loss terms."""
     COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
@@ -107,8 +140,16 @@ def _finish_tokens(
         if iw_ptr is not None:
             iw = tl.load(iw_ptr + rows, mask=active, other=0.0)
         loss, dloss, kl, flags = token_loss_and_grad(
-            logp, tl.load(adv_ptr + rows, mask=active, other=0.0), old, ref, iw, loss_scalars,
-            LOSS_KIND, KL_KIND, LOSS_FLAGS)
+            logp,
+            tl.load(adv_ptr + rows, mask=active, other=0.0),
+            old,
+            ref,
+            iw,
+            loss_scalars,
+            LOSS_KIND,
+            KL_KIND,
+            LOSS_FLAGS,
+        )
         if kl_out is not None:
             tl.store(kl_out + rows, tl.where(active, kl, 0.0), mask=in_rows)
         tl.store(loss_out + rows, tl.where(active, loss, 0.0), mask=in_rows)
@@ -128,13 +169,38 @@ def _active_rows(rows, N, mask_ptr):
 
 @triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)
 def linear_grpo_forward_kernel(
-    h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, v_per_split, partials_ptr,
-    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-    inv_temperature, softcap, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    ids_ptr,
+    N,
+    V,
+    H,
+    v_per_split,
+    partials_ptr,
+    mask_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    iw_ptr,
+    logp_out,
+    entropy_out,
+    lse_out,
+    loss_out,
+    dloss_out,
+    kl_out,
+    flags_out,
+    inv_temperature,
+    softcap,
+    loss_scalars,
+    LOSS_KIND: tl.constexpr,
+    KL_KIND: tl.constexpr,
+    LOSS_FLAGS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """Grid (token blocks, vocabulary splits). With ``partials_ptr`` None one split covers V and the program
     finishes its tokens; else (SPLIT_V) it stores its split's (max, sum exp, sum exp * x, target x) in
@@ -160,15 +226,31 @@ def linear_grpo_forward_kernel(
     v_end = tl.minimum(v_start + v_per_split, V)
     if tl.max(active.to(tl.int32), axis=0) > 0:  # a block of padding costs no products
         for v0 in range(v_start, v_end, BLOCK_V):
-            x = _logits_tile(h_block, w_ptr + v0 * stride_w, b_ptr, n_left, v0, V, H, inv_temperature, softcap,
-                             HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST)  # [BLOCK_N, BLOCK_V]
+            x = _logits_tile(
+                h_block,
+                w_ptr + v0 * stride_w,
+                b_ptr,
+                n_left,
+                v0,
+                V,
+                H,
+                inv_temperature,
+                softcap,
+                HAS_BIAS,
+                BLOCK_N,
+                BLOCK_V,
+                BLOCK_H,
+                DOT_PRECISION,
+                UPCAST,
+            )  # [BLOCK_N, BLOCK_V]
             cols = v0 + tl.arange(0, BLOCK_V)
             target_x += tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), axis=1)
             new_max = tl.maximum(running_max, tl.max(x, axis=1))
             e = tl.exp(x - finite_or_zero(new_max)[:, None])  # the tile, already at the running max
             tile_x = tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=1) if COMPUTE_ENTROPY else sum_exp_x
-            running_max, sum_exp, sum_exp_x = merge_lse(running_max, sum_exp, sum_exp_x, new_max, tl.sum(e, axis=1),
-                                                        tile_x, COMPUTE_ENTROPY, BASE2=False)
+            running_max, sum_exp, sum_exp_x = merge_lse(
+                running_max, sum_exp, sum_exp_x, new_max, tl.sum(e, axis=1), tile_x, COMPUTE_ENTROPY, BASE2=False
+            )
     if SPLIT_V:
         stride_split = tl.num_programs(1).to(tl.int64) * N
         out = partials_ptr + split.to(tl.int64) * N + rows
@@ -179,19 +261,53 @@ def linear_grpo_forward_kernel(
         tl.store(out + 3 * stride_split, target_x, mask=in_rows)
     else:
         _finish_tokens(
-            rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-            logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out, loss_scalars,
-            LOSS_KIND, KL_KIND, LOSS_FLAGS,
+            rows,
+            active,
+            running_max,
+            sum_exp,
+            sum_exp_x,
+            target_x,
+            N,
+            mask_ptr,
+            adv_ptr,
+            old_ptr,
+            ref_ptr,
+            iw_ptr,
+            logp_out,
+            entropy_out,
+            lse_out,
+            loss_out,
+            dloss_out,
+            kl_out,
+            flags_out,
+            loss_scalars,
+            LOSS_KIND,
+            KL_KIND,
+            LOSS_FLAGS,
         )
 
 
 @triton.jit(do_not_specialize=["N", "splits"])
 def linear_grpo_combine_kernel(
-    partials_ptr, N, splits,
-    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
+    partials_ptr,
+    N,
+    splits,
+    mask_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    iw_ptr,
+    logp_out,
+    entropy_out,
+    lse_out,
+    loss_out,
+    dloss_out,
+    kl_out,
+    flags_out,
     loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
+    LOSS_KIND: tl.constexpr,
+    KL_KIND: tl.constexpr,
+    LOSS_FLAGS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Merge the vocabulary splits' log-sum-exp states of a token block, then finish its tokens."""
@@ -208,20 +324,58 @@ def linear_grpo_combine_kernel(
         part = partials_ptr + tl.cast(split, tl.int64) * N + rows
         part_x = tl.load(part + 2 * stride_split, mask=in_rows, other=0.0) if COMPUTE_ENTROPY else sum_exp_x
         running_max, sum_exp, sum_exp_x = merge_lse(
-            running_max, sum_exp, sum_exp_x, tl.load(part, mask=in_rows, other=float("-inf")),
-            tl.load(part + stride_split, mask=in_rows, other=0.0), part_x, COMPUTE_ENTROPY, BASE2=False)
+            running_max,
+            sum_exp,
+            sum_exp_x,
+            tl.load(part, mask=in_rows, other=float("-inf")),
+            tl.load(part + stride_split, mask=in_rows, other=0.0),
+            part_x,
+            COMPUTE_ENTROPY,
+            BASE2=False,
+        )
         target_x += tl.load(part + 3 * stride_split, mask=in_rows, other=0.0)  # 0 outside the target's split
     _finish_tokens(
-        rows, active, running_max, sum_exp, sum_exp_x, target_x, N, mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-        logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out, loss_scalars,
-        LOSS_KIND, KL_KIND, LOSS_FLAGS,
+        rows,
+        active,
+        running_max,
+        sum_exp,
+        sum_exp_x,
+        target_x,
+        N,
+        mask_ptr,
+        adv_ptr,
+        old_ptr,
+        ref_ptr,
+        iw_ptr,
+        logp_out,
+        entropy_out,
+        lse_out,
+        loss_out,
+        dloss_out,
+        kl_out,
+        flags_out,
+        loss_scalars,
+        LOSS_KIND,
+        KL_KIND,
+        LOSS_FLAGS,
     )
 
 
 @triton.jit(do_not_specialize=["stride_n", "V", "v0", "state_stride"])
 def logits_tile_state_kernel(
-    logits_ptr, stride_n, ids_ptr, mask_ptr, V, v0, states_ptr, state_stride, inv_temperature, softcap,
-    COMPUTE_ENTROPY: tl.constexpr, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    stride_n,
+    ids_ptr,
+    mask_ptr,
+    V,
+    v0,
+    states_ptr,
+    state_stride,
+    inv_temperature,
+    softcap,
+    COMPUTE_ENTROPY: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """One program a token of a vocabulary tile of logits (``logits_ptr``: [chunk, V] rows ``stride_n`` apart, the
     tile's columns v0 .. v0 + V of the vocabulary): the token's log-sum-exp state over the tile in natural units
@@ -238,8 +392,7 @@ def logits_tile_state_kernel(
     target_x = 0.0
     if active:
         row_ptr = logits_ptr + tl.multiple_of(pid * stride_n, ROW_ALIGN)
-        max2, sum_exp, sum_x2 = _chunk_state(row_ptr, 0, V, inv_temperature * LOG2E, softcap, BLOCK_V,
-                                             COMPUTE_ENTROPY)
+        max2, sum_exp, sum_x2 = _chunk_state(row_ptr, 0, V, inv_temperature * LOG2E, softcap, BLOCK_V, COMPUTE_ENTROPY)
         tile_max = max2 * LN2  # base 2 to natural: 2^(x2 - max2) is exp(x - max), and x2 ln 2 is x
         sum_exp_x = sum_x2 * LN2
         local = tl.load(ids_ptr + pid).to(tl.int64) - v0
@@ -254,8 +407,24 @@ def logits_tile_state_kernel(
 
 @triton.jit(do_not_specialize=LINEAR_RUNTIME_INTS)
 def linear_dlogits_kernel(
-    h_ptr, w_ptr, b_ptr, ids_ptr, N, V, H, lse_ptr, g_ptr, dx_ptr, inv_temperature, softcap, grad_entropy_ptr,
-    entropy_ptr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    ids_ptr,
+    N,
+    V,
+    H,
+    lse_ptr,
+    g_ptr,
+    dx_ptr,
+    inv_temperature,
+    softcap,
+    grad_entropy_ptr,
+    entropy_ptr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """dx [N, V] (row stride V) = g * (onehot - softmax(x)) / tau, x recomputed, times the soft-cap's chain factor
@@ -293,8 +462,23 @@ def linear_dlogits_kernel(
     if tl.max(live.to(tl.int32), axis=0) > 0:
         lse = tl.load(lse_ptr + first + r, mask=in_rows, other=0.0)
         target = tl.load(ids_ptr + first + r, mask=in_rows, other=-1).to(tl.int32)
-        x = _logits_tile(h_ptr + first * H, w_ptr + v0 * H, b_ptr, n_left, v0, V, H, inv_temperature, softcap,
-                         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PRECISION, UPCAST)
+        x = _logits_tile(
+            h_ptr + first * H,
+            w_ptr + v0 * H,
+            b_ptr,
+            n_left,
+            v0,
+            V,
+            H,
+            inv_temperature,
+            softcap,
+            HAS_BIAS,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_H,
+            DOT_PRECISION,
+            UPCAST,
+        )
         p = tl.exp(x - lse[:, None])  # 0 in out-of-range columns (x = -inf)
         onehot = tl.where((v0 + c)[None, :] == target[:, None], 1.0, 0.0)
         dx = (g * inv_temperature)[:, None] * (onehot - p)
@@ -312,9 +496,23 @@ def linear_dlogits_kernel(
 
 @triton.jit(do_not_specialize=["M", "K"])  # the chunk's token count is M or K; strides of 1 specialize
 def matmul_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-    ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    ACCUMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """c [M, N] (fp32, contiguous) = (c if ACCUMULATE else 0) + a [M, K] @ b [K, N], fp32 accumulation.
 

@@ -8,23 +8,20 @@ the host functions of ``grpo_kernels.from_hidden_states`` call these.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
-
 import torch
 import triton
 
 from . import fused_linear as FL
-from . import tuned
 from . import launch as logits_launch  # the 3-product mode runs the logits kernels on each chunk
-from .contracts import KernelLoss, OnePassGradient, TokenInputs, fp32_products
+from . import tuned
+from .contracts import NO_TOKEN_INPUTS, KernelLoss, OnePassGradient, TokenInputs, fp32_products
 from .launch import ForwardResult, allocate_outputs, loss_args, loss_pointer_args, resolved_head
 
 
 def default_lm_head_mode(hidden: torch.Tensor, vocab_size: int) -> str:
-    """"recompute" unless the device sweep measured the 3-product mode faster for this GPU and vocabulary."""
+    """ "recompute" unless the device sweep measured the 3-product mode faster for this GPU and vocabulary."""
     entry = tuned.fused_linear_entry(hidden.device, hidden.dtype, vocab_size)
     return "recompute" if entry is None else entry.get("mode", "recompute")
-
 
 
 # The 3-product mode's workspace with a gradient, [chunk, V] in the input dtype (whole rows: the one-pass kernel
@@ -42,7 +39,7 @@ LINEAR_TILED_WORKSPACE_BYTES = 256 << 20
 MIN_VOCAB_TILE = 4096
 
 
-def linear_block_config(dtype: torch.dtype) -> Dict[str, Dict[str, object]]:
+def linear_block_config(dtype: torch.dtype) -> dict[str, dict[str, object]]:
     """Tiles of the fused lm_head kernels, per kernel: "logits" (forward and dlogits) and "matmul".
 
     logits: 64 x 128 output tiles over 64-wide H slices, 8 warps: a [64, 128] fp32 tile is
@@ -55,8 +52,14 @@ def linear_block_config(dtype: torch.dtype) -> Dict[str, Dict[str, object]]:
     precision = "ieee" if dtype == torch.float32 else "tf32"
     return {
         "logits": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "DOT_PRECISION": precision},
-        "matmul": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32 if dtype == torch.float32 else 64, "GROUP_M": 8,
-                   "num_warps": 8, "DOT_PRECISION": precision},
+        "matmul": {
+            "BLOCK_M": 128,
+            "BLOCK_N": 128,
+            "BLOCK_K": 32 if dtype == torch.float32 else 64,
+            "GROUP_M": 8,
+            "num_warps": 8,
+            "DOT_PRECISION": precision,
+        },
     }
 
 
@@ -69,11 +72,10 @@ def _interpreted_bf16(dtype) -> bool:
     """True under TRITON_INTERPRET with bf16 inputs, where tl.dot operands must be upcast (see fused_linear.py)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-
     return dtype == torch.bfloat16 and isinstance(FL.linear_grpo_forward_kernel, InterpretedFunction)
 
 
-def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) -> Dict[str, object]:
+def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) -> dict[str, object]:
     """The lm_head logits tiles: ``override`` (the sweep), else the measured winner, else the defaults."""
     cfg = dict(linear_block_config(dtype)["logits"])
     entry = None if device is None else tuned.fused_linear_entry(device, dtype, V)
@@ -92,15 +94,15 @@ def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) ->
 def linear_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
     ids: torch.Tensor,
     *,
-    kernel_loss: Optional[KernelLoss] = None,
-    temperature: Optional[float] = None,
-    softcap: Optional[float] = None,
-    tokens: TokenInputs = TokenInputs(),
+    kernel_loss: KernelLoss | None = None,
+    temperature: float | None = None,
+    softcap: float | None = None,
+    tokens: TokenInputs = NO_TOKEN_INPUTS,
     compute_entropy: bool = False,
-    config: Optional[Dict[str, int]] = None,
+    config: dict[str, int] | None = None,
 ) -> ForwardResult:
     """The forward kernel on cap(hidden [N, H] @ weight[V, H]^T + bias) / temperature (``launch.resolved_head``),
     logits never stored.
@@ -121,19 +123,34 @@ def linear_forward(
     splits, v_per_split = linear_vocab_splits(blocks_n, V, cfg["BLOCK_V"], hidden.device)
     partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32) if splits > 1 else None
     FL.linear_grpo_forward_kernel[(blocks_n, splits)](
-        h_ptr=hidden, w_ptr=weight, b_ptr=bias, ids_ptr=ids, N=N, V=V, H=H, v_per_split=v_per_split,
-        partials_ptr=partials, inv_temperature=1.0 / temperature, softcap=softcap, **per_token, **cfg,
+        h_ptr=hidden,
+        w_ptr=weight,
+        b_ptr=bias,
+        ids_ptr=ids,
+        N=N,
+        V=V,
+        H=H,
+        v_per_split=v_per_split,
+        partials_ptr=partials,
+        inv_temperature=1.0 / temperature,
+        softcap=softcap,
+        **per_token,
+        **cfg,
     )
     if splits > 1:
         FL.linear_grpo_combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
-            partials_ptr=partials, N=N, splits=splits, **per_token, BLOCK_N=COMBINE_BLOCK,
+            partials_ptr=partials,
+            N=N,
+            splits=splits,
+            **per_token,
+            BLOCK_N=COMBINE_BLOCK,
         )
     return out
 
 
 # Vocabulary splits of the lm_head forward: None picks them from the GPU's size (below);
 # tests set a number to run the split path in the interpreter.
-LINEAR_FORWARD_SPLITS: Optional[int] = None
+LINEAR_FORWARD_SPLITS: int | None = None
 COMBINE_BLOCK = 128
 
 
@@ -157,11 +174,12 @@ def linear_vocab_splits(blocks_n: int, V: int, block_v: int, device) -> tuple:
     return splits, tiles_per_split * block_v
 
 
-def workspace_tiles(N: int, V: int, element_size: int, budget: Optional[int] = None) -> tuple:
-    """(tokens, columns) of a [tokens, columns] workspace tile within ``budget`` bytes (``LINEAR_TILED_WORKSPACE_BYTES``):
-    whole rows of all N tokens where they fit; else all N tokens over vocabulary tiles as wide as fit, down to
-    ``MIN_VOCAB_TILE`` columns (one pass over the weight); else tiles of ``MIN_VOCAB_TILE`` columns (or V) over
-    chunks of tokens. Columns are a multiple of 64 (16-byte aligned rows in any dtype) unless they are V."""
+def workspace_tiles(N: int, V: int, element_size: int, budget: int | None = None) -> tuple:
+    """(tokens, columns) of a [tokens, columns] workspace tile within ``budget`` bytes
+    (``LINEAR_TILED_WORKSPACE_BYTES``): whole rows of all N tokens where they fit; else all N tokens over vocabulary
+    tiles as wide as fit, down to ``MIN_VOCAB_TILE`` columns (one pass over the weight); else tiles of
+    ``MIN_VOCAB_TILE`` columns (or V) over chunks of tokens. Columns are a multiple of 64 (16-byte aligned rows in
+    any dtype) unless they are V."""
     budget = LINEAR_TILED_WORKSPACE_BYTES if budget is None else budget
     N = max(N, 1)
     if N * V * element_size <= budget:
@@ -187,20 +205,35 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: boo
     N = b.shape[1]
     cfg = dict(linear_block_config(a.dtype)["matmul"])
     upcast = _interpreted_bf16(a.dtype)
-    blocks = {"BLOCK_M": _shrink(cfg["BLOCK_M"], M), "BLOCK_N": _shrink(cfg["BLOCK_N"], N),
-              "BLOCK_K": _shrink(cfg["BLOCK_K"], K_)}
+    blocks = {
+        "BLOCK_M": _shrink(cfg["BLOCK_M"], M),
+        "BLOCK_N": _shrink(cfg["BLOCK_N"], N),
+        "BLOCK_K": _shrink(cfg["BLOCK_K"], K_),
+    }
     grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"]),)
     FL.matmul_kernel[grid](
-        a_ptr=a, b_ptr=b, c_ptr=out, M=M, N=N, K=K_, stride_am=a.stride(0), stride_ak=a.stride(1),
-        stride_bk=b.stride(0), stride_bn=b.stride(1),
-        ACCUMULATE=accumulate, DOT_PRECISION="ieee" if upcast else cfg["DOT_PRECISION"], UPCAST=upcast,
-        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], **blocks,
+        a_ptr=a,
+        b_ptr=b,
+        c_ptr=out,
+        M=M,
+        N=N,
+        K=K_,
+        stride_am=a.stride(0),
+        stride_ak=a.stride(1),
+        stride_bk=b.stride(0),
+        stride_bn=b.stride(1),
+        ACCUMULATE=accumulate,
+        DOT_PRECISION="ieee" if upcast else cfg["DOT_PRECISION"],
+        UPCAST=upcast,
+        GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"],
+        **blocks,
     )
 
 
 # cuBLAS products with fp32 output (torch's mm / addmm with out_dtype, CUDA), per op: None = not
 # tried yet; False = this torch lacks it, and the Triton product runs instead.
-_CUBLAS_FP32_OUT: Dict[str, Optional[bool]] = {"mm": None, "addmm": None}
+_CUBLAS_FP32_OUT: dict[str, bool | None] = {"mm": None, "addmm": None}
 
 
 def product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
@@ -262,8 +295,18 @@ def _tile_view(workspace: torch.Tensor, rows: int, columns: int) -> torch.Tensor
 
 
 @fp32_products
-def linear_three_products(hidden, weight, bias, ids, *, kernel_loss: KernelLoss, tokens: TokenInputs,
-                          compute_entropy: bool, gradient: Optional[OnePassGradient], compute_weight_grad: bool):
+def linear_three_products(
+    hidden,
+    weight,
+    bias,
+    ids,
+    *,
+    kernel_loss: KernelLoss,
+    tokens: TokenInputs,
+    compute_entropy: bool,
+    gradient: OnePassGradient | None,
+    compute_weight_grad: bool,
+):
     """The fused lm_head with 3 products instead of 4: loss terms and every gradient in one chunk loop.
 
     Each chunk's logits are computed once (``hidden @ weight.T + bias``, in the input dtype, into
@@ -293,9 +336,14 @@ def linear_three_products(hidden, weight, bias, ids, *, kernel_loss: KernelLoss,
         else:
             torch.addmm(bias, hidden[n], weight.T, out=x)
         chunk_gradient = OnePassGradient(gradient.weight[n], pick(gradient.entropy_weight, n), in_place=True)
-        r = logits_launch.forward(x.unsqueeze(0), ids[n].unsqueeze(0), kernel_loss=kernel_loss,
-                                  tokens=TokenInputs(*(pick(t, n) for t in tokens)), compute_entropy=compute_entropy,
-                                  gradient=chunk_gradient)
+        r = logits_launch.forward(
+            x.unsqueeze(0),
+            ids[n].unsqueeze(0),
+            kernel_loss=kernel_loss,
+            tokens=TokenInputs(*(pick(t, n) for t in tokens)),
+            compute_entropy=compute_entropy,
+            gradient=chunk_gradient,
+        )
         for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):
             if getattr(out, name) is not None:
                 getattr(out, name)[n] = getattr(r, name)
@@ -303,8 +351,9 @@ def linear_three_products(hidden, weight, bias, ids, *, kernel_loss: KernelLoss,
     return out, dh, dw, db
 
 
-def _three_products_forward(hidden, weight, bias, ids, out: ForwardResult, kernel_loss: KernelLoss,
-                            tokens: TokenInputs) -> ForwardResult:
+def _three_products_forward(
+    hidden, weight, bias, ids, out: ForwardResult, kernel_loss: KernelLoss, tokens: TokenInputs
+) -> ForwardResult:
     """The 3-product mode without a gradient, into ``out``: each [tokens, columns] tile of logits (``workspace_tiles``:
     at most ``LINEAR_TILED_WORKSPACE_BYTES``) by cuBLAS in the input dtype, as an unfused head rounds them; each
     token's log-sum-exp state over the tile and its target logit (``logits_tile_state_kernel``) into [4, tiles, N]
@@ -324,23 +373,48 @@ def _three_products_forward(hidden, weight, bias, ids, out: ForwardResult, kerne
             torch.addmm(bias[v0:v1], hidden[n], weight[v0:v1].T, out=x)
         config = logits_launch.logits_launch_config(x, kind="logprobs")  # each tile is read once
         FL.logits_tile_state_kernel[(n.stop - n.start,)](
-            logits_ptr=x, stride_n=x.stride(0), ids_ptr=ids[n], mask_ptr=None if mask is None else mask[n],
-            V=v1 - v0, v0=v0, states_ptr=partials[0, v0 // columns, n.start:], state_stride=splits * N,
-            inv_temperature=1.0 / kernel_loss.kernel_temperature, softcap=kernel_loss.kernel_softcap,
-            COMPUTE_ENTROPY=out.entropy is not None, ROW_ALIGN=logits_launch.row_alignment(x),
-            BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
+            logits_ptr=x,
+            stride_n=x.stride(0),
+            ids_ptr=ids[n],
+            mask_ptr=None if mask is None else mask[n],
+            V=v1 - v0,
+            v0=v0,
+            states_ptr=partials[0, v0 // columns, n.start :],
+            state_stride=splits * N,
+            inv_temperature=1.0 / kernel_loss.kernel_temperature,
+            softcap=kernel_loss.kernel_softcap,
+            COMPUTE_ENTROPY=out.entropy is not None,
+            ROW_ALIGN=logits_launch.row_alignment(x),
+            BLOCK_V=config["BLOCK_V"],
+            num_warps=config["num_warps"],
         )
     if N > 0:
         FL.linear_grpo_combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
-            partials_ptr=partials, N=N, splits=splits, **loss_pointer_args(out, tokens), **loss_args(kernel_loss),
+            partials_ptr=partials,
+            N=N,
+            splits=splits,
+            **loss_pointer_args(out, tokens),
+            **loss_args(kernel_loss),
             BLOCK_N=COMBINE_BLOCK,
         )
     return out
 
 
 @fp32_products
-def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compute_weight_grad: bool, config=None,
-                    grad_entropy=None, entropy=None, softcap: Optional[float] = None):
+def linear_backward(
+    hidden,
+    weight,
+    bias,
+    ids,
+    lse,
+    g,
+    temperature: float,
+    compute_weight_grad: bool,
+    config=None,
+    grad_entropy=None,
+    entropy=None,
+    softcap: float | None = None,
+):
     """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N])
     and, when the loss uses the entropy, h = dLoss/dH (``grad_entropy``) with the forward's ``entropy``; the logits
     are cap(hidden @ weight^T + bias) / temperature (``launch.resolved_head``).
@@ -361,12 +435,30 @@ def linear_backward(hidden, weight, bias, ids, lse, g, temperature: float, compu
         dx = _tile_view(workspace, rows, width)
         grid = (triton.cdiv(rows, cfg["BLOCK_N"]) * triton.cdiv(width, cfg["BLOCK_V"]),)
         FL.linear_dlogits_kernel[grid](
-            h_ptr=hidden[n], w_ptr=weight[v0:v1], b_ptr=None if bias is None else bias[v0:v1],
-            ids_ptr=ids[n] if v0 == 0 else ids[n] - v0, N=rows, V=width, H=H, lse_ptr=lse[n], g_ptr=g[n], dx_ptr=dx,
-            inv_temperature=1.0 / temperature, softcap=None if softcap is None else float(softcap),
+            h_ptr=hidden[n],
+            w_ptr=weight[v0:v1],
+            b_ptr=None if bias is None else bias[v0:v1],
+            ids_ptr=ids[n] if v0 == 0 else ids[n] - v0,
+            N=rows,
+            V=width,
+            H=H,
+            lse_ptr=lse[n],
+            g_ptr=g[n],
+            dx_ptr=dx,
+            inv_temperature=1.0 / temperature,
+            softcap=None if softcap is None else float(softcap),
             grad_entropy_ptr=None if grad_entropy is None else grad_entropy[n],
-            entropy_ptr=None if grad_entropy is None else entropy[n], **cfg,
+            entropy_ptr=None if grad_entropy is None else entropy[n],
+            **cfg,
         )
-        _add_chunk_gradients(dx, weight[v0:v1], hidden[n], dh[n], None if dw is None else dw[v0:v1],
-                             None if db is None else db[v0:v1], first=n.start == 0, first_tile=v0 == 0)
+        _add_chunk_gradients(
+            dx,
+            weight[v0:v1],
+            hidden[n],
+            dh[n],
+            None if dw is None else dw[v0:v1],
+            None if db is None else db[v0:v1],
+            first=n.start == 0,
+            first_tile=v0 == 0,
+        )
     return dh, dw, db

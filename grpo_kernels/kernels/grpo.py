@@ -37,10 +37,23 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 # The host's values and the flag bits, named in one place (triton-free, for the front end).
-from .contracts import (FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, KL_K1, KL_K2, KL_K3, LOSS_CISPO,  # noqa: E402,F401
-                        LOSS_FLAG_BIAS_CORRECTION_KL, LOSS_FLAG_DELTA, LOSS_FLAG_DUAL_CLIP, LOSS_FLAG_KL_CLAMP,
-                        LOSS_FLAG_LOG_RATIO_CLAMP, LOSS_NONE, LOSS_PPO_CLIP, LOSS_SAPO)
-from .logsumexp import rescale_lse  # noqa: E402
+from .contracts import (  # noqa: E402,F401
+    FLAG_HIGH_CLIPPED,
+    FLAG_LOW_CLIPPED,
+    KL_K1,
+    KL_K2,
+    KL_K3,
+    LOSS_CISPO,
+    LOSS_FLAG_BIAS_CORRECTION_KL,
+    LOSS_FLAG_DELTA,
+    LOSS_FLAG_DUAL_CLIP,
+    LOSS_FLAG_KL_CLAMP,
+    LOSS_FLAG_LOG_RATIO_CLAMP,
+    LOSS_NONE,
+    LOSS_PPO_CLIP,
+    LOSS_SAPO,
+)
+from .logsumexp import rescale_lse
 
 # The same contracts as the kernels read them: Triton takes module globals only as constexprs.
 C_LOSS_NONE = tl.constexpr(LOSS_NONE)
@@ -171,8 +184,16 @@ def _lse_finish(m, s, t, COMPUTE_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def _online_logsumexp(row_ptr, V, inv_temperature, softcap, BLOCK_V: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
-                      LOOP_STAGES: tl.constexpr, EVICTION: tl.constexpr):
+def _online_logsumexp(
+    row_ptr,
+    V,
+    inv_temperature,
+    softcap,
+    BLOCK_V: tl.constexpr,
+    COMPUTE_ENTROPY: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    EVICTION: tl.constexpr,
+):
     """One pass over a row: log-sum-exp of x = cap(logits) / tau (natural log) and the entropy of softmax(x).
 
     Full blocks load without a mask (so aligned rows get 128-bit vector loads); the remainder, if any, is one
@@ -244,8 +265,13 @@ def _min_with_grad(a, da, b, db):
 
 @triton.jit
 def _kl_with_grad(
-    logp, ref, log_ratio_clamp, kl_clamp,
-    KL_KIND: tl.constexpr, HAS_LOG_RATIO_CLAMP: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
+    logp,
+    ref,
+    log_ratio_clamp,
+    kl_clamp,
+    KL_KIND: tl.constexpr,
+    HAS_LOG_RATIO_CLAMP: tl.constexpr,
+    HAS_KL_CLAMP: tl.constexpr,
 ):
     """Per-token KL estimate and its derivative with respect to logp."""
     if KL_KIND == C_KL_K3:  # exp(x) - x - 1 with x = ref - logp
@@ -272,8 +298,15 @@ def _kl_with_grad(
 
 @triton.jit
 def token_loss_and_grad(
-    logp, adv, old, ref, iw, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
+    logp,
+    adv,
+    old,
+    ref,
+    iw,
+    loss_scalars,
+    LOSS_KIND: tl.constexpr,
+    KL_KIND: tl.constexpr,
+    LOSS_FLAGS: tl.constexpr,
 ):
     """The per-token loss of one loss_type, its derivative with respect to logp, the KL and the clip flags.
 
@@ -360,8 +393,16 @@ def token_loss_and_grad(
 
 @triton.jit
 def token_loss_at(
-    row, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
+    row,
+    logp,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    iw_ptr,
+    loss_scalars,
+    LOSS_KIND: tl.constexpr,
+    KL_KIND: tl.constexpr,
+    LOSS_FLAGS: tl.constexpr,
 ):
     """``token_loss_and_grad`` of one token of the logits kernels (``row`` a scalar index), its per-token inputs
     read where their pointers are not None."""
@@ -374,8 +415,7 @@ def token_loss_at(
         ref = tl.load(ref_ptr + row)
     if iw_ptr is not None:
         iw = tl.load(iw_ptr + row)
-    return token_loss_and_grad(logp, tl.load(adv_ptr + row), old, ref, iw, loss_scalars,
-                               LOSS_KIND, KL_KIND, LOSS_FLAGS)
+    return token_loss_and_grad(logp, tl.load(adv_ptr + row), old, ref, iw, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS)
 
 
 @triton.jit
@@ -391,14 +431,39 @@ def store_loss_terms(row, active, loss, dloss, kl, flags, loss_out, dloss_out, k
 @triton.jit
 def _forward_token(
     pid,
-    logits_ptr, stride_b, stride_t, ids_ptr, T, V,
-    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-    grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
-    inv_temperature, softcap, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, L2_HINTS: tl.constexpr,
+    logits_ptr,
+    stride_b,
+    stride_t,
+    ids_ptr,
+    T,
+    V,
+    mask_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    iw_ptr,
+    logp_out,
+    entropy_out,
+    lse_out,
+    loss_out,
+    dloss_out,
+    kl_out,
+    flags_out,
+    grad_weight_ptr,
+    grad_logits_ptr,
+    grad_stride_b,
+    grad_stride_t,
+    entropy_grad_ptr,
+    inv_temperature,
+    softcap,
+    loss_scalars,
+    LOSS_KIND: tl.constexpr,
+    KL_KIND: tl.constexpr,
+    LOSS_FLAGS: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    L2_HINTS: tl.constexpr,
 ):
     """Everything the forward does for one token (row ``pid``): see ``grpo_forward_kernel``."""
     HAS_MASK: tl.constexpr = mask_ptr is not None
@@ -414,8 +479,9 @@ def _forward_token(
     row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
     target = tl.load(ids_ptr + pid).to(tl.int64)
     if active:
-        lse, entropy = _online_logsumexp(row_ptr, V, inv_temperature, softcap, BLOCK_V, COMPUTE_ENTROPY, LOOP_STAGES,
-                                         FIRST_READ)
+        lse, entropy = _online_logsumexp(
+            row_ptr, V, inv_temperature, softcap, BLOCK_V, COMPUTE_ENTROPY, LOOP_STAGES, FIRST_READ
+        )
         logp = capped_logit(tl.load(row_ptr + target), softcap) * inv_temperature - lse
     else:
         lse = 0.0
@@ -427,8 +493,9 @@ def _forward_token(
         tl.store(entropy_out + pid, entropy)
 
     if LOSS_KIND != C_LOSS_NONE:
-        loss, dloss, kl, flags = token_loss_at(pid, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars,
-                                               LOSS_KIND, KL_KIND, LOSS_FLAGS)
+        loss, dloss, kl, flags = token_loss_at(
+            pid, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS
+        )
         store_loss_terms(pid, active, loss, dloss, kl, flags, loss_out, dloss_out, kl_out, flags_out)
         if WRITE_GRAD:
             # One pass: the reduction's weight of this token is known up front, so dLoss/dlogp
@@ -438,19 +505,61 @@ def _forward_token(
             if HAS_ENTROPY_GRAD:  # the entropy bonus: dLoss/dH of this token, known up front like g
                 h = tl.where(active, tl.load(entropy_grad_ptr + pid), 0.0)
             out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
-            _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, softcap, h, entropy, BLOCK_V,
-                                HAS_ENTROPY_GRAD, LOOP_STAGES, L2_HINTS)
+            _write_row_gradient(
+                row_ptr,
+                out_ptr,
+                V,
+                lse,
+                target,
+                g,
+                inv_temperature,
+                softcap,
+                h,
+                entropy,
+                BLOCK_V,
+                HAS_ENTROPY_GRAD,
+                LOOP_STAGES,
+                L2_HINTS,
+            )
+
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def grpo_forward_kernel(
-    logits_ptr, stride_b, stride_t, ids_ptr, T, V, N,
-    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-    grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
-    inv_temperature, softcap, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, PERSISTENT: tl.constexpr,
-    LOOP_STAGES: tl.constexpr, L2_HINTS: tl.constexpr,
+    logits_ptr,
+    stride_b,
+    stride_t,
+    ids_ptr,
+    T,
+    V,
+    N,
+    mask_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    iw_ptr,
+    logp_out,
+    entropy_out,
+    lse_out,
+    loss_out,
+    dloss_out,
+    kl_out,
+    flags_out,
+    grad_weight_ptr,
+    grad_logits_ptr,
+    grad_stride_b,
+    grad_stride_t,
+    entropy_grad_ptr,
+    inv_temperature,
+    softcap,
+    loss_scalars,
+    LOSS_KIND: tl.constexpr,
+    KL_KIND: tl.constexpr,
+    LOSS_FLAGS: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    L2_HINTS: tl.constexpr,
 ):
     """One token per program on a grid of N programs; or, PERSISTENT, a grid of a few programs per SM,
     each taking every num_programs-th token, so that the rows in flight (and being re-read by the
@@ -473,26 +582,97 @@ def grpo_forward_kernel(
     if PERSISTENT:
         for row in range(tl.program_id(0), N, tl.num_programs(0)):
             _forward_token(
-                tl.cast(row, tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr, old_ptr,
-                ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-                grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-                softcap, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS, ROW_ALIGN, BLOCK_V, LOOP_STAGES,
+                tl.cast(row, tl.int64),
+                logits_ptr,
+                stride_b,
+                stride_t,
+                ids_ptr,
+                T,
+                V,
+                mask_ptr,
+                adv_ptr,
+                old_ptr,
+                ref_ptr,
+                iw_ptr,
+                logp_out,
+                entropy_out,
+                lse_out,
+                loss_out,
+                dloss_out,
+                kl_out,
+                flags_out,
+                grad_weight_ptr,
+                grad_logits_ptr,
+                grad_stride_b,
+                grad_stride_t,
+                entropy_grad_ptr,
+                inv_temperature,
+                softcap,
+                loss_scalars,
+                LOSS_KIND,
+                KL_KIND,
+                LOSS_FLAGS,
+                ROW_ALIGN,
+                BLOCK_V,
+                LOOP_STAGES,
                 L2_HINTS,
             )
     else:
         _forward_token(
-            tl.program_id(0).to(tl.int64), logits_ptr, stride_b, stride_t, ids_ptr, T, V, mask_ptr, adv_ptr,
-            old_ptr, ref_ptr, iw_ptr, logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-            grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr, inv_temperature,
-            softcap, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS, ROW_ALIGN, BLOCK_V, LOOP_STAGES,
+            tl.program_id(0).to(tl.int64),
+            logits_ptr,
+            stride_b,
+            stride_t,
+            ids_ptr,
+            T,
+            V,
+            mask_ptr,
+            adv_ptr,
+            old_ptr,
+            ref_ptr,
+            iw_ptr,
+            logp_out,
+            entropy_out,
+            lse_out,
+            loss_out,
+            dloss_out,
+            kl_out,
+            flags_out,
+            grad_weight_ptr,
+            grad_logits_ptr,
+            grad_stride_b,
+            grad_stride_t,
+            entropy_grad_ptr,
+            inv_temperature,
+            softcap,
+            loss_scalars,
+            LOSS_KIND,
+            KL_KIND,
+            LOSS_FLAGS,
+            ROW_ALIGN,
+            BLOCK_V,
+            LOOP_STAGES,
             L2_HINTS,
         )
 
 
 @triton.jit
-def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, softcap, h, entropy,
-                        BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, LOOP_STAGES: tl.constexpr,
-                        L2_HINTS: tl.constexpr):
+def _write_row_gradient(
+    row_ptr,
+    out_ptr,
+    V,
+    lse,
+    target,
+    g,
+    inv_temperature,
+    softcap,
+    h,
+    entropy,
+    BLOCK_V: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    L2_HINTS: tl.constexpr,
+):
     """out = g * (onehot(target) - softmax(row / tau)) / tau over one row; a zero row, unread, if g == 0.
 
     The loop writes -g / tau * p for every column, one exp2 and one multiply a logit; the target's
@@ -535,14 +715,21 @@ def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, so
         for start in tl.range(0, full_end, BLOCK_V, num_stages=LOOP_STAGES):
             x2 = base2_logit(tl.load(row_ptr + start + cols, eviction_policy=READ), c, softcap)
             d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
-            tl.store(out_ptr + start + cols, chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype),
-                     cache_modifier=WRITE)
+            tl.store(
+                out_ptr + start + cols,
+                chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype),
+                cache_modifier=WRITE,
+            )
         if full_end < V:
             in_row = full_end + cols < V
             x2 = base2_logit(tl.load(row_ptr + full_end + cols, mask=in_row, other=float("-inf")), c, softcap)
             d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
-            tl.store(out_ptr + full_end + cols, chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype),
-                     mask=in_row, cache_modifier=WRITE)
+            tl.store(
+                out_ptr + full_end + cols,
+                chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype),
+                mask=in_row,
+                cache_modifier=WRITE,
+            )
         tl.debug_barrier()
         at_target = g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)
         tl.store(out_ptr + target, chained(at_target, x2_target, c, softcap).to(out_dtype))
@@ -555,23 +742,44 @@ def _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, so
         p_target = tl.exp2(x2_target - lse2)
         for start in tl.range(0, full_end, BLOCK_V, num_stages=LOOP_STAGES):
             x2 = base2_logit(tl.load(row_ptr + start + cols, eviction_policy=READ), c, softcap)
-            tl.store(out_ptr + start + cols, chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype),
-                     cache_modifier=WRITE)
+            tl.store(
+                out_ptr + start + cols,
+                chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype),
+                cache_modifier=WRITE,
+            )
         if full_end < V:
             in_row = full_end + cols < V
             x2 = base2_logit(tl.load(row_ptr + full_end + cols, mask=in_row, other=float("-inf")), c, softcap)
-            tl.store(out_ptr + full_end + cols, chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype),
-                     mask=in_row, cache_modifier=WRITE)
+            tl.store(
+                out_ptr + full_end + cols,
+                chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype),
+                mask=in_row,
+                cache_modifier=WRITE,
+            )
         tl.debug_barrier()
         tl.store(out_ptr + target, chained(g * inv_temperature * (1.0 - p_target), x2_target, c, softcap).to(out_dtype))
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def logprob_backward_kernel(
-    logits_ptr, stride_b, stride_t, ids_ptr, T, V,
-    grad_logp_ptr, lse_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t,
-    grad_entropy_ptr, entropy_ptr,
-    inv_temperature, softcap, ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    logits_ptr,
+    stride_b,
+    stride_t,
+    ids_ptr,
+    T,
+    V,
+    grad_logp_ptr,
+    lse_ptr,
+    grad_logits_ptr,
+    grad_stride_b,
+    grad_stride_t,
+    grad_entropy_ptr,
+    entropy_ptr,
+    inv_temperature,
+    softcap,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
     L2_HINTS: tl.constexpr,
 ):
     """dlogits = g * (onehot - p) / tau (+ dLoss/dH times dH/dlogits with ``grad_entropy_ptr`` and
@@ -590,8 +798,22 @@ def logprob_backward_kernel(
     out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
     lse = tl.load(lse_ptr + pid)
     target = tl.load(ids_ptr + pid).to(tl.int64)
-    _write_row_gradient(row_ptr, out_ptr, V, lse, target, g, inv_temperature, softcap, h, entropy, BLOCK_V,
-                        HAS_ENTROPY_GRAD, LOOP_STAGES, L2_HINTS)
+    _write_row_gradient(
+        row_ptr,
+        out_ptr,
+        V,
+        lse,
+        target,
+        g,
+        inv_temperature,
+        softcap,
+        h,
+        entropy,
+        BLOCK_V,
+        HAS_ENTROPY_GRAD,
+        LOOP_STAGES,
+        L2_HINTS,
+    )
 
 
 @triton.jit(do_not_specialize=["numel"])

@@ -11,19 +11,18 @@ import contextlib
 import dataclasses
 import functools
 import warnings
-from typing import Dict, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
 from packaging.version import Version
 
-from . import grpo
-from . import tuned
-from .contracts import NO_LOSS_ARGS, KernelLoss, LossTokens, OnePassGradient, TokenInputs, TokenWeights
+from . import grpo, tuned
+from .contracts import NO_LOSS_ARGS, NO_TOKEN_INPUTS, KernelLoss, LossTokens, OnePassGradient, TokenInputs, TokenWeights
 from .reduce_launch import fp32_rows, loss_metrics, rows_needed, weighted_tokens
 
 
-def block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
+def block_config(vocab_size: int, element_size: int) -> dict[str, int]:
     """``_block_config`` (a new dict each call: callers update it)."""
     return dict(_block_config(vocab_size, element_size))
 
@@ -43,7 +42,7 @@ def l2_programs_per_sm(l2_bytes: int, sms: int, row_bytes: int, fraction: float 
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of two ints, called on every launch
-def _block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
+def _block_config(vocab_size: int, element_size: int) -> dict[str, int]:
     """Block size over the vocabulary and warp count, from V and the logit width.
 
     Why: one program streams one row, so each loop iteration must keep enough bytes in
@@ -62,8 +61,9 @@ def _block_config(vocab_size: int, element_size: int) -> Dict[str, int]:
     return {"BLOCK_V": block, "num_warps": num_warps}
 
 
-def logits_launch_config(logits: torch.Tensor, override: Optional[Dict[str, int]] = None,
-                         kind: str = "logits") -> Dict[str, int]:
+def logits_launch_config(
+    logits: torch.Tensor, override: dict[str, int] | None = None, kind: str = "logits"
+) -> dict[str, int]:
     """BLOCK_V, num_warps, loop_stages, l2_hints (and num_stages, programs_per_sm, split_row where set) of a
     logits-kernel launch; a new dict (the caller pops from it).
 
@@ -79,7 +79,7 @@ def logits_launch_config(logits: torch.Tensor, override: Optional[Dict[str, int]
     return config
 
 
-_MEASURED_CONFIGS: Dict[tuple, tuple] = {}  # (V, element size, device, dtype, kind) -> (read with, config)
+_MEASURED_CONFIGS: dict[tuple, tuple] = {}  # (V, element size, device, dtype, kind) -> (read with, config)
 
 
 def _measured_config(logits: torch.Tensor, kind: str) -> dict:
@@ -106,7 +106,7 @@ class LoopConfig(NamedTuple):
     hints: bool
 
 
-def loop_config(config: Dict[str, int]) -> LoopConfig:
+def loop_config(config: dict[str, int]) -> LoopConfig:
     """The row loops' settings from a launch config (``logits_launch_config``), popping its own keys."""
     return LoopConfig(int(config.pop("loop_stages", None) or 1), bool(config.pop("l2_hints", True)))
 
@@ -117,14 +117,14 @@ def default_one_pass(logits: torch.Tensor) -> bool:
     return True if entry is None else bool(entry.get("one_pass", True))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: Optional[int]) -> int:
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
     """The streaming multiprocessors of a CUDA device (its index; None: the current one), asked once."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(device_index: Optional[int]) -> int:
+@functools.cache
+def _l2_bytes(device_index: int | None) -> int:
     """The L2 cache of a CUDA device in bytes, asked once (a torch without the property: an H100's 50 MiB)."""
     return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0) or CPU_L2_BYTES)
 
@@ -154,17 +154,17 @@ def _forward_grid(N: int, device, programs_per_sm, row_bytes: int = 0):
 @dataclasses.dataclass
 class ForwardResult:
     logp: torch.Tensor  # fp32 [N]
-    entropy: Optional[torch.Tensor]  # fp32 [N] or None
+    entropy: torch.Tensor | None  # fp32 [N] or None
     lse: torch.Tensor  # fp32 [N], saved for the backward
-    loss: Optional[torch.Tensor]  # fp32 [N] per-token loss (None when LOSS_KIND == 0)
-    dloss_dlogp: Optional[torch.Tensor]  # fp32 [N]
-    kl: Optional[torch.Tensor]  # fp32 [N] or None
-    flags: Optional[torch.Tensor]  # int8 [N]
-    grad_logits: Optional[torch.Tensor] = None  # [B, T, V] in the logits' dtype (one-pass mode)
-    split_row_error: Optional[torch.Tensor] = None  # int32 [1], 1 if a split-row wait timed out (a GPU launch)
+    loss: torch.Tensor | None  # fp32 [N] per-token loss (None when LOSS_KIND == 0)
+    dloss_dlogp: torch.Tensor | None  # fp32 [N]
+    kl: torch.Tensor | None  # fp32 [N] or None
+    flags: torch.Tensor | None  # int8 [N]
+    grad_logits: torch.Tensor | None = None  # [B, T, V] in the logits' dtype (one-pass mode)
+    split_row_error: torch.Tensor | None = None  # int32 [1], 1 if a split-row wait timed out (a GPU launch)
 
 
-def loss_kind(kernel_loss: Optional[KernelLoss]) -> int:
+def loss_kind(kernel_loss: KernelLoss | None) -> int:
     """The forward kernels' LOSS_KIND of a launch: LOSS_NONE without a loss (log-probs only)."""
     return grpo.LOSS_NONE if kernel_loss is None else kernel_loss.kind
 
@@ -185,7 +185,7 @@ def row_alignment(*tensors: torch.Tensor) -> int:
     return 16 // size
 
 
-def resolved_head(kernel_loss: Optional[KernelLoss], temperature: Optional[float], softcap: Optional[float]) -> tuple:
+def resolved_head(kernel_loss: KernelLoss | None, temperature: float | None, softcap: float | None) -> tuple:
     """(temperature, softcap) of a launch: the kernels compute log softmax(cap(x) / temperature) of the raw logits x,
     cap(x) = softcap * tanh(x / softcap) (softcap None: no cap). From one source: the loss when there is one
     (``KernelLoss.kernel_temperature`` and ``kernel_softcap``, the head's scale folded in; a ``temperature``
@@ -194,28 +194,33 @@ def resolved_head(kernel_loss: Optional[KernelLoss], temperature: Optional[float
     if kernel_loss is None:
         return (1.0 if temperature is None else float(temperature)), (None if softcap is None else float(softcap))
     if temperature is not None and float(temperature) != kernel_loss.temperature:
-        raise ValueError(f"temperature={temperature!r} disagrees with the options' "
-                         f"temperature={kernel_loss.temperature!r}: pass it once, in the options")
+        raise ValueError(
+            f"temperature={temperature!r} disagrees with the options' "
+            f"temperature={kernel_loss.temperature!r}: pass it once, in the options"
+        )
     if softcap is not None:
-        raise ValueError(f"softcap={softcap!r} beside options: the options carry the head's soft-cap "
-                         "(logit_softcap, logit_scale)")
+        raise ValueError(
+            f"softcap={softcap!r} beside options: the options carry the head's soft-cap (logit_softcap, logit_scale)"
+        )
     return kernel_loss.kernel_temperature, kernel_loss.kernel_softcap
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _output_names(with_loss: bool, with_kl: bool, compute_entropy: bool) -> tuple:
-    wanted = dict(logp=True, entropy=compute_entropy, lse=True, loss=with_loss, dloss_dlogp=with_loss,
-                  kl=with_loss and with_kl)
+    wanted = dict(
+        logp=True, entropy=compute_entropy, lse=True, loss=with_loss, dloss_dlogp=with_loss, kl=with_loss and with_kl
+    )
     return tuple(name for name, on in wanted.items() if on)
 
 
-def output_names(kernel_loss: Optional[KernelLoss], compute_entropy: bool) -> tuple:
+def output_names(kernel_loss: KernelLoss | None, compute_entropy: bool) -> tuple:
     """The fp32 [N] outputs a forward launch writes (``ForwardResult``'s names, in its order)."""
     return _output_names(kernel_loss is not None, kernel_loss is not None and kernel_loss.with_kl, compute_entropy)
 
 
-def allocate_outputs(N: int, device, kernel_loss: Optional[KernelLoss], compute_entropy: bool,
-                     rows: Optional[tuple] = None) -> ForwardResult:
+def allocate_outputs(
+    N: int, device, kernel_loss: KernelLoss | None, compute_entropy: bool, rows: tuple | None = None
+) -> ForwardResult:
     """The fp32 [N] outputs of a forward kernel (int8 flags); None where the loss asks for none. The fp32
     ones are rows of one buffer (``reduce_launch.fp32_rows``), or the given ``rows`` (one per ``output_names``)."""
     names = output_names(kernel_loss, compute_entropy)
@@ -225,25 +230,43 @@ def allocate_outputs(N: int, device, kernel_loss: Optional[KernelLoss], compute_
 def _outputs(names: tuple, rows: tuple, N: int, device) -> ForwardResult:
     """``ForwardResult`` of the fp32 rows named ``names`` (``output_names``), with int8 flags where there is a
     loss."""
-    named = dict(zip(names, rows))
+    named = dict(zip(names, rows, strict=True))
     with_loss = "loss" in named
-    return ForwardResult(named["logp"], named.get("entropy"), named["lse"], named.get("loss"),
-                         named.get("dloss_dlogp"), named.get("kl"),
-                         torch.empty(N, device=device, dtype=torch.int8) if with_loss else None)
+    return ForwardResult(
+        named["logp"],
+        named.get("entropy"),
+        named["lse"],
+        named.get("loss"),
+        named.get("dloss_dlogp"),
+        named.get("kl"),
+        torch.empty(N, device=device, dtype=torch.int8) if with_loss else None,
+    )
 
 
-def loss_pointer_args(out: ForwardResult, tokens: TokenInputs) -> Dict[str, Optional[torch.Tensor]]:
+def loss_pointer_args(out: ForwardResult, tokens: TokenInputs) -> dict[str, torch.Tensor | None]:
     """The per-token inputs and outputs as the forward kernels' keyword arguments, None where absent: the
     kernels derive from that what they read and write. Without a loss (``out.loss`` None) only the mask is
     read; the reference log-probs only where the loss has a KL term (``out.kl``)."""
-    return dict(zip(_POINTER_NAMES, loss_pointers(out, tokens)))
+    return dict(zip(_POINTER_NAMES, loss_pointers(out, tokens), strict=True))
 
 
-_POINTER_NAMES = ("mask_ptr", "adv_ptr", "old_ptr", "ref_ptr", "iw_ptr", "logp_out", "entropy_out", "lse_out",
-                  "loss_out", "dloss_out", "kl_out", "flags_out")
+_POINTER_NAMES = (
+    "mask_ptr",
+    "adv_ptr",
+    "old_ptr",
+    "ref_ptr",
+    "iw_ptr",
+    "logp_out",
+    "entropy_out",
+    "lse_out",
+    "loss_out",
+    "dloss_out",
+    "kl_out",
+    "flags_out",
+)
 
 
-def loss_args(kernel_loss: Optional[KernelLoss]) -> Dict[str, object]:
+def loss_args(kernel_loss: KernelLoss | None) -> dict[str, object]:
     """The loss kernels' arguments that come from the options alone (``KernelLoss.args``: the run-time scalars and
     the constexprs), or the placeholders of a launch without a loss."""
     return NO_LOSS_ARGS if kernel_loss is None else kernel_loss.args
@@ -253,13 +276,13 @@ def forward(
     logits: torch.Tensor,
     ids: torch.Tensor,
     *,
-    kernel_loss: Optional[KernelLoss] = None,
-    temperature: Optional[float] = None,
-    softcap: Optional[float] = None,
-    tokens: TokenInputs = TokenInputs(),
+    kernel_loss: KernelLoss | None = None,
+    temperature: float | None = None,
+    softcap: float | None = None,
+    tokens: TokenInputs = NO_TOKEN_INPUTS,
     compute_entropy: bool = False,
-    gradient: Optional[OnePassGradient] = None,
-    config: Optional[Dict[str, int]] = None,
+    gradient: OnePassGradient | None = None,
+    config: dict[str, int] | None = None,
 ) -> ForwardResult:
     """Run the forward kernel on log softmax(cap(logits) / temperature) (``resolved_head``).
 
@@ -291,9 +314,9 @@ def loss_forward(
     *,
     kernel_loss: KernelLoss,
     loss_tokens: LossTokens,
-    gradient_out: Optional[torch.Tensor] = None,
-    dropped_gradient: Optional[torch.Tensor] = None,
-    config: Optional[Dict[str, int]] = None,
+    gradient_out: torch.Tensor | None = None,
+    dropped_gradient: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> LossForward:
     """A loss's launches over logits [B, T, V]: the token-weights kernel (each token's inputs and weight),
     the forward kernel (with ``gradient_out``, a [B, T, V] tensor with a unit last stride, or any tensor whose
@@ -303,20 +326,52 @@ def loss_forward(
     N, device, t, reduction = ids.numel(), logits.device, loss_tokens.tokens, loss_tokens.reduction
     names = _output_names(True, kernel_loss.with_kl, kernel_loss.compute_entropy)  # (output_names of a loss)
     outputs = len(names)
-    rows = fp32_rows(outputs + rows_needed(t.advantages, t.importance_weights, reduction), N, device,
-                     ids.shape)  # (as the ids where that is free)
+    rows = fp32_rows(
+        outputs + rows_needed(t.advantages, t.importance_weights, reduction), N, device, ids.shape
+    )  # (as the ids where that is free)
     tokens, weights = weighted_tokens(loss_tokens, dropped_gradient=dropped_gradient, out=rows[outputs:])
-    gradient = None if gradient_out is None else OnePassGradient(weights.weight, weights.entropy_weight,
-                                                                 out=gradient_out)
-    result = _run_forward(logits, ids, _outputs(names, rows, N, device), kernel_loss, kernel_loss.kernel_temperature,
-                          kernel_loss.kernel_softcap, tokens, kernel_loss.compute_entropy, gradient, config)
-    return LossForward(result, weights, *loss_metrics(t.mask, kernel_loss, loss=result.loss, entropy=result.entropy,
-                                                      kl=result.kl, flags=result.flags, weights=weights))
+    gradient = (
+        None if gradient_out is None else OnePassGradient(weights.weight, weights.entropy_weight, out=gradient_out)
+    )
+    result = _run_forward(
+        logits,
+        ids,
+        _outputs(names, rows, N, device),
+        kernel_loss,
+        kernel_loss.kernel_temperature,
+        kernel_loss.kernel_softcap,
+        tokens,
+        kernel_loss.compute_entropy,
+        gradient,
+        config,
+    )
+    return LossForward(
+        result,
+        weights,
+        *loss_metrics(
+            t.mask,
+            kernel_loss,
+            loss=result.loss,
+            entropy=result.entropy,
+            kl=result.kl,
+            flags=result.flags,
+            weights=weights,
+        ),
+    )
 
 
-def _run_forward(logits, ids, out: ForwardResult, kernel_loss: Optional[KernelLoss], temperature: float,
-                 softcap: Optional[float], tokens: TokenInputs, compute_entropy: bool,
-                 gradient: Optional[OnePassGradient], config) -> ForwardResult:
+def _run_forward(
+    logits,
+    ids,
+    out: ForwardResult,
+    kernel_loss: KernelLoss | None,
+    temperature: float,
+    softcap: float | None,
+    tokens: TokenInputs,
+    compute_entropy: bool,
+    gradient: OnePassGradient | None,
+    config,
+) -> ForwardResult:
     """The forward kernel's launch (or the split-row kernel's) into ``out``."""
     (B, T), V = ids.shape, logits.shape[-1]
     N = B * T
@@ -326,31 +381,60 @@ def _run_forward(logits, ids, out: ForwardResult, kernel_loss: Optional[KernelLo
     grad = grad_weight = entropy_grad = None
     grad_stride_b = grad_stride_t = 0
     if write_grad:
-        grad = logits if gradient.in_place else gradient.out if gradient.out is not None else torch.empty(
-            (B, T, V), device=logits.device, dtype=logits.dtype)
-        grad_weight, entropy_grad, grad_stride_b, grad_stride_t = (gradient.weight, gradient.entropy_weight,
-                                                                   grad.stride(0), grad.stride(1))
+        grad = (
+            logits
+            if gradient.in_place
+            else gradient.out
+            if gradient.out is not None
+            else torch.empty((B, T, V), device=logits.device, dtype=logits.dtype)
+        )
+        grad_weight, entropy_grad, grad_stride_b, grad_stride_t = (
+            gradient.weight,
+            gradient.entropy_weight,
+            grad.stride(0),
+            grad.stride(1),
+        )
     out.grad_logits = grad
     pointers = loss_pointers(out, tokens)
     loss = NO_LOSS_ARGS if kernel_loss is None else kernel_loss.args
     launch_config = logits_launch_config(logits, config, "logprobs" if kernel_loss is None else "logits")
     # positional, in the kernel's signature order (grpo.grpo_forward_kernel): Triton's launcher takes a keyword
     # argument at about ten times a positional one's host time, and this launch has 33
-    args = (logits, logits.stride(0), logits.stride(1), ids, T, V, N,
-            *pointers,
-            grad_weight, grad, grad_stride_b, grad_stride_t, entropy_grad,
-            1.0 / temperature, softcap, loss["loss_scalars"],
-            loss["LOSS_KIND"], loss["KL_KIND"], loss["LOSS_FLAGS"],
-            row_alignment(logits, grad) if write_grad else row_alignment(logits))
+    args = (
+        logits,
+        logits.stride(0),
+        logits.stride(1),
+        ids,
+        T,
+        V,
+        N,
+        *pointers,
+        grad_weight,
+        grad,
+        grad_stride_b,
+        grad_stride_t,
+        entropy_grad,
+        1.0 / temperature,
+        softcap,
+        loss["loss_scalars"],
+        loss["LOSS_KIND"],
+        loss["KL_KIND"],
+        loss["LOSS_FLAGS"],
+        row_alignment(logits, grad) if write_grad else row_alignment(logits),
+    )
     chunks = launch_config.pop("split_row", None) or SPLIT_ROW_CHUNKS
     if write_grad and not gradient.in_place and chunks:
-        kwargs = dict(zip(grpo.grpo_forward_kernel.arg_names, args))
+        # the leading parameters, by name (the constexprs after them come as keywords)
+        kwargs = dict(zip(grpo.grpo_forward_kernel.arg_names, args, strict=False))
         ran, out.split_row_error = _split_row_forward(logits, kwargs, launch_config, int(chunks))
         if ran:
             return out
     programs_per_sm = launch_config.pop("programs_per_sm", None)
-    grid, persistent = ((N,), False) if not programs_per_sm else _forward_grid(
-        N, logits.device, programs_per_sm, V * logits.element_size())
+    grid, persistent = (
+        ((N,), False)
+        if not programs_per_sm
+        else _forward_grid(N, logits.device, programs_per_sm, V * logits.element_size())
+    )
     loops = loop_config(launch_config)
     if N > 0:
         grpo.grpo_forward_kernel[grid](*args, launch_config.pop("BLOCK_V"), persistent, *loops, **launch_config)
@@ -366,10 +450,23 @@ def loss_pointers(out: ForwardResult, tokens: TokenInputs) -> tuple:
     if tokens.advantages is None:
         raise ValueError("advantages=None: a loss launch needs each token's advantage (fp32 [N])")
     if out.kl is not None and tokens.ref_logps is None:
-        raise ValueError("ref_logps=None: the options have a KL term (beta != 0), which needs the reference "
-                         "log-probs (fp32 [N])")
-    return (tokens.mask, tokens.advantages, tokens.old_logps, tokens.ref_logps if out.kl is not None else None,
-            tokens.importance_weights, out.logp, out.entropy, out.lse, out.loss, out.dloss_dlogp, out.kl, out.flags)
+        raise ValueError(
+            "ref_logps=None: the options have a KL term (beta != 0), which needs the reference log-probs (fp32 [N])"
+        )
+    return (
+        tokens.mask,
+        tokens.advantages,
+        tokens.old_logps,
+        tokens.ref_logps if out.kl is not None else None,
+        tokens.importance_weights,
+        out.logp,
+        out.entropy,
+        out.lse,
+        out.loss,
+        out.dloss_dlogp,
+        out.kl,
+        out.flags,
+    )
 
 
 def backward(
@@ -379,12 +476,12 @@ def backward(
     grad_logp: torch.Tensor,
     temperature: float,
     *,
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     in_place: bool = False,
-    config: Optional[Dict[str, int]] = None,
-    out: Optional[torch.Tensor] = None,
-    grad_entropy: Optional[torch.Tensor] = None,
-    entropy: Optional[torch.Tensor] = None,
+    config: dict[str, int] | None = None,
+    out: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dlogits [B, T, V] in the logits' dtype from g = dLoss/dlogp (fp32 [N]), of log softmax(cap(logits) /
     temperature) (``resolved_head``: ``softcap`` None, no cap).
@@ -395,8 +492,13 @@ def backward(
     entropy's gradient in the same pass.
     """
     (B, T), V = ids.shape, logits.shape[-1]
-    grad = logits if in_place else out if out is not None else torch.empty(
-        (B, T, V), device=logits.device, dtype=logits.dtype)
+    grad = (
+        logits
+        if in_place
+        else out
+        if out is not None
+        else torch.empty((B, T, V), device=logits.device, dtype=logits.dtype)
+    )
     launch_config = logits_launch_config(logits, config)
     # the forward's schedules (a persistent grid, split rows); the backward reads each row once, a program a row
     launch_config.pop("programs_per_sm", None)
@@ -405,25 +507,39 @@ def backward(
     if B * T > 0:
         with_entropy = grad_entropy is not None
         grpo.logprob_backward_kernel[(B * T,)](
-            logits_ptr=logits, stride_b=logits.stride(0), stride_t=logits.stride(1), ids_ptr=ids, T=T, V=V,
-            grad_logp_ptr=grad_logp, lse_ptr=lse, grad_logits_ptr=grad, grad_stride_b=grad.stride(0),
-            grad_stride_t=grad.stride(1), grad_entropy_ptr=grad_entropy if with_entropy else None,
-            entropy_ptr=entropy if with_entropy else None, inv_temperature=1.0 / temperature, softcap=softcap,
-            ROW_ALIGN=row_alignment(logits, grad), LOOP_STAGES=loops.stages, L2_HINTS=loops.hints, **launch_config,
+            logits_ptr=logits,
+            stride_b=logits.stride(0),
+            stride_t=logits.stride(1),
+            ids_ptr=ids,
+            T=T,
+            V=V,
+            grad_logp_ptr=grad_logp,
+            lse_ptr=lse,
+            grad_logits_ptr=grad,
+            grad_stride_b=grad.stride(0),
+            grad_stride_t=grad.stride(1),
+            grad_entropy_ptr=grad_entropy if with_entropy else None,
+            entropy_ptr=entropy if with_entropy else None,
+            inv_temperature=1.0 / temperature,
+            softcap=softcap,
+            ROW_ALIGN=row_alignment(logits, grad),
+            LOOP_STAGES=loops.stages,
+            L2_HINTS=loops.hints,
+            **launch_config,
         )
     return grad
 
 
 # The split-row schedule (kernels/split_row.py): None keeps the one-program-per-row kernel unless the device
 # sweep measured a K for this GPU and vocabulary (tuned.json's "split_row"); tests set a K to run it.
-SPLIT_ROW_CHUNKS: Optional[int] = None
-SPLIT_ROW_BLOCK: Optional[int] = None  # a BLOCK_V for the split-row kernel alone (tests: a chunk of several blocks)
+SPLIT_ROW_CHUNKS: int | None = None
+SPLIT_ROW_BLOCK: int | None = None  # a BLOCK_V for the split-row kernel alone (tests: a chunk of several blocks)
 SPLIT_ROW_MAX_SPIN = 1 << 22  # a wait's bound in reads of the counter (a cooperative launch never reaches it)
-_RESIDENT_PROGRAMS: Dict[tuple, int] = {}
+_RESIDENT_PROGRAMS: dict[tuple, int] = {}
 
 
 @contextlib.contextmanager
-def split_row_schedule(chunks: Optional[int], block_v: Optional[int] = None):
+def split_row_schedule(chunks: int | None, block_v: int | None = None):
     """Within the block the one-pass loss runs on the split-row kernel with each row over ``chunks``
     programs (None: the measured default), with blocks of ``block_v`` logits where given; for tests,
     benchmarks and the AOT report."""
@@ -453,8 +569,15 @@ def split_row_chunks(V: int, block_v: int, chunks: int) -> SplitRowChunks:
     return SplitRowChunks(triton.cdiv(blocks, chunk_blocks), chunk_blocks * block_v, chunk_blocks == 1)
 
 
-def resident_programs_per_sm(registers: int, num_warps: int, shared_bytes: int, *, regs_per_sm: int = 65536,
-                             threads_per_sm: int = 2048, shared_per_sm: int = 228 * 1024) -> int:
+def resident_programs_per_sm(
+    registers: int,
+    num_warps: int,
+    shared_bytes: int,
+    *,
+    regs_per_sm: int = 65536,
+    threads_per_sm: int = 2048,
+    shared_per_sm: int = 228 * 1024,
+) -> int:
     """How many programs of a compiled kernel one SM holds at once, from its registers a thread, its warps
     and its shared memory (the defaults: sm_90's limits). Registers are allocated per warp in units of
     256, as the occupancy calculator does."""
@@ -471,8 +594,13 @@ def resident_programs(compiled, device, num_warps: int) -> int:
     compiled._init_handles()  # loads the binary: n_regs is known from then on (Triton 3.2 to 3.9)
     props = torch.cuda.get_device_properties(device)
     return props.multi_processor_count * resident_programs_per_sm(
-        compiled.n_regs, num_warps, compiled.metadata.shared, regs_per_sm=props.regs_per_multiprocessor,
-        threads_per_sm=props.max_threads_per_multi_processor, shared_per_sm=props.shared_memory_per_multiprocessor)
+        compiled.n_regs,
+        num_warps,
+        compiled.metadata.shared,
+        regs_per_sm=props.regs_per_multiprocessor,
+        threads_per_sm=props.max_threads_per_multi_processor,
+        shared_per_sm=props.shared_memory_per_multiprocessor,
+    )
 
 
 def split_row_grid(resident: int, N: int, K: int) -> int:
@@ -481,8 +609,10 @@ def split_row_grid(resident: int, N: int, K: int) -> int:
     programs, all resident: the wait always returns)."""
     programs = min(resident, N * K) // K * K
     if programs < K:
-        raise RuntimeError(f"the split-row kernel fits {resident} programs on this GPU, fewer than its K = {K} "
-                           "siblings of a row; use a smaller split_row")
+        raise RuntimeError(
+            f"the split-row kernel fits {resident} programs on this GPU, fewer than its K = {K} "
+            "siblings of a row; use a smaller split_row"
+        )
     return programs
 
 
@@ -498,19 +628,27 @@ def _split_row_forward(logits: torch.Tensor, kwargs: dict, launch_config: dict, 
         return True, None
     # 3.3's interpreter lacks what the atomics build on
     if not logits.is_cuda and Version(triton.__version__).release < (3, 4):
-        raise RuntimeError(f"the split-row schedule in Triton's interpreter needs triton >= 3.4, got "
-                           f"{triton.__version__} ('InterpreterBuilder' object has no attribute 'get_int1_ty'): "
-                           "upgrade triton, or leave split_row unset on CPU tensors")
+        raise RuntimeError(
+            f"the split-row schedule in Triton's interpreter needs triton >= 3.4, got "
+            f"{triton.__version__} ('InterpreterBuilder' object has no attribute 'get_int1_ty'): "
+            "upgrade triton, or leave split_row unset on CPU tensors"
+        )
     if SPLIT_ROW_BLOCK:
         launch_config = {**launch_config, **block_config(SPLIT_ROW_BLOCK, logits.element_size())}
     K, chunk_len, held = split_row_chunks(V, launch_config["BLOCK_V"], chunks)
     error = torch.zeros(1, device=logits.device, dtype=torch.int32)
     kwargs = dict(
-        kwargs, state_ptr=torch.empty(N, K, split_row.STATE_WIDTH, device=logits.device, dtype=torch.float32),
-        counter_ptr=torch.zeros(N, device=logits.device, dtype=torch.int32), error_ptr=error,
-        chunk_blocks=chunk_len // launch_config["BLOCK_V"], K=K, K_LANES=triton.next_power_of_2(K),
-        HOLD_CHUNK=held, MAX_SPIN=SPLIT_ROW_MAX_SPIN,
-        BLOCK_V=launch_config["BLOCK_V"], num_warps=launch_config["num_warps"],
+        kwargs,
+        state_ptr=torch.empty(N, K, split_row.STATE_WIDTH, device=logits.device, dtype=torch.float32),
+        counter_ptr=torch.zeros(N, device=logits.device, dtype=torch.int32),
+        error_ptr=error,
+        chunk_blocks=chunk_len // launch_config["BLOCK_V"],
+        K=K,
+        K_LANES=triton.next_power_of_2(K),
+        HOLD_CHUNK=held,
+        MAX_SPIN=SPLIT_ROW_MAX_SPIN,
+        BLOCK_V=launch_config["BLOCK_V"],
+        num_warps=launch_config["num_warps"],
         **({"num_stages": launch_config["num_stages"]} if "num_stages" in launch_config else {}),
     )
     kernel = split_row.split_row_forward_kernel
@@ -518,9 +656,14 @@ def _split_row_forward(logits: torch.Tensor, kwargs: dict, launch_config: dict, 
         kernel[(N * K,)](**kwargs, PHASE=1)
         kernel[(N * K,)](**kwargs, PHASE=2)
         return True, None
-    key = (logits.device.index, logits.dtype, launch_config["num_warps"], launch_config.get("num_stages"),
-           tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int)) and k.isupper())),
-           tuple(sorted(k for k, v in kwargs.items() if v is None)))  # None tensors specialize the kernel too
+    key = (
+        logits.device.index,
+        logits.dtype,
+        launch_config["num_warps"],
+        launch_config.get("num_stages"),
+        tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int)) and k.isupper())),
+        tuple(sorted(k for k, v in kwargs.items() if v is None)),
+    )  # None tensors specialize the kernel too
     try:
         if key not in _RESIDENT_PROGRAMS:
             compiled = kernel.warmup(**kwargs, PHASE=0, grid=(K,), launch_cooperative_grid=True)
@@ -528,12 +671,14 @@ def _split_row_forward(logits: torch.Tensor, kwargs: dict, launch_config: dict, 
         programs = split_row_grid(_RESIDENT_PROGRAMS[key], N, K)
         kernel[(programs,)](**kwargs, PHASE=0, launch_cooperative_grid=True)
     except RuntimeError as refused:  # the driver refused the cooperative launch: today's schedule runs instead
-        warnings.warn(f"the split-row kernel's cooperative launch was refused ({refused}); the one-pass kernel "
-                      "runs instead", RuntimeWarning)
+        warnings.warn(
+            f"the split-row kernel's cooperative launch was refused ({refused}); the one-pass kernel runs instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         _RESIDENT_PROGRAMS[key] = 0
         return False, None
     return True, error
-
 
 
 SCALE_BLOCK = 4096

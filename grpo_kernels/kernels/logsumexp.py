@@ -38,8 +38,9 @@ def rescale_lse(state_max, sum_exp, sum_exp_x, to_max, COMPUTE_ENTROPY: tl.const
 
 
 @triton.jit
-def merge_lse(running_max, sum_exp, sum_exp_x, part_max, part_sum, part_sum_x,
-              COMPUTE_ENTROPY: tl.constexpr, BASE2: tl.constexpr):
+def merge_lse(
+    running_max, sum_exp, sum_exp_x, part_max, part_sum, part_sum_x, COMPUTE_ENTROPY: tl.constexpr, BASE2: tl.constexpr
+):
     """Fold a part's state into the running one, elementwise: returns (max, sum exp, sum exp x)."""
     new_max = tl.maximum(running_max, part_max)
     offset = finite_or_zero(new_max)

@@ -55,16 +55,47 @@ def _copy_per_token(src_ptr, dst_ptr, s, index, inside, PER_ROW: tl.constexpr):
     tl.store(dst_ptr + index, value, mask=inside)
 
 
-@triton.jit(do_not_specialize=["T", "S", "N", "divisor", "loss_scale", "entropy_coef", "dropped_stride_b",
-                               "dropped_stride_t", "V"])
+@triton.jit(
+    do_not_specialize=[
+        "T",
+        "S",
+        "N",
+        "divisor",
+        "loss_scale",
+        "entropy_coef",
+        "dropped_stride_b",
+        "dropped_stride_t",
+        "V",
+    ]
+)
 def token_weights_kernel(
-    mask_ptr, cu_seqlens_ptr, T, S, N,
-    adv_ptr, adv_out, iw_ptr, iw_out,
-    weight_out, divisor, divisor_ptr, loss_scale, loss_scale_ptr,
-    entropy_weight_out, bonus_mask_ptr, entropy_coef,
-    dropped_ptr, dropped_stride_b, dropped_stride_t, V,
-    DIVISOR: tl.constexpr, ADV_PER_ROW: tl.constexpr, IW_PER_ROW: tl.constexpr, ENTROPY_AS_LOSS: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+    mask_ptr,
+    cu_seqlens_ptr,
+    T,
+    S,
+    N,
+    adv_ptr,
+    adv_out,
+    iw_ptr,
+    iw_out,
+    weight_out,
+    divisor,
+    divisor_ptr,
+    loss_scale,
+    loss_scale_ptr,
+    entropy_weight_out,
+    bonus_mask_ptr,
+    entropy_coef,
+    dropped_ptr,
+    dropped_stride_b,
+    dropped_stride_t,
+    V,
+    DIVISOR: tl.constexpr,
+    ADV_PER_ROW: tl.constexpr,
+    IW_PER_ROW: tl.constexpr,
+    ENTROPY_AS_LOSS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Sequence ``program_id`` of the token layout (mask fp32 [N]): what a loss launch reads besides the logits.
 
@@ -139,9 +170,18 @@ def token_weights_kernel(
 
 @triton.jit(do_not_specialize=["N"])
 def loss_metrics_kernel(
-    mask_ptr, N, loss_ptr, weight_ptr, entropy_ptr, entropy_weight_ptr, kl_ptr, flags_ptr,
-    loss_out, metrics_out,
-    CLIP_METRICS: tl.constexpr, BLOCK: tl.constexpr,
+    mask_ptr,
+    N,
+    loss_ptr,
+    weight_ptr,
+    entropy_ptr,
+    entropy_weight_ptr,
+    kl_ptr,
+    flags_ptr,
+    loss_out,
+    metrics_out,
+    CLIP_METRICS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """The reduced loss and the metrics of a loss launch's per-token results (fp32 [N], flags int8 [N]).
 
@@ -166,11 +206,11 @@ def loss_metrics_kernel(
         inside = index < N
         m = tl.load(mask_ptr + index, mask=inside, other=0.0)
         count += m
-        loss += tl.load(loss_ptr + index, mask=inside, other=0.0) * tl.load(weight_ptr + index, mask=inside,
-                                                                           other=0.0)
+        loss += tl.load(loss_ptr + index, mask=inside, other=0.0) * tl.load(weight_ptr + index, mask=inside, other=0.0)
         if entropy_weight_ptr is not None:
             loss += tl.load(entropy_ptr + index, mask=inside, other=0.0) * tl.load(
-                entropy_weight_ptr + index, mask=inside, other=0.0)
+                entropy_weight_ptr + index, mask=inside, other=0.0
+            )
         if HAS_KL:
             kl += tl.load(kl_ptr + index, mask=inside, other=0.0) * m
         if HAS_ENTROPY:

@@ -7,20 +7,26 @@ with plain tensors.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 
 from . import reduce
-from .contracts import (CLIP_METRICS_NONE, DIVISOR_GIVEN, KernelLoss, LossTokens, Reduction,
-                        Sequences, TokenInputs, TokenWeights)
+from .contracts import (
+    CLIP_METRICS_NONE,
+    DIVISOR_GIVEN,
+    KernelLoss,
+    LossTokens,
+    Reduction,
+    Sequences,
+    TokenInputs,
+    TokenWeights,
+)
 
 TOKEN_BLOCK = 1024  # the token-weights kernel's tokens per iteration (4 warps: 8 a thread)
 ZERO_BLOCK = 1024  # its vocabulary entries per iteration when it zeroes a dropped position's gradient row
 METRICS_BLOCK = 2048  # the loss-metrics kernel's tokens per iteration (8 warps: 8 a thread per array)
 
 
-def _per_row(name: str, t: Optional[torch.Tensor], S: int, N: int) -> Tuple[Optional[torch.Tensor], bool]:
+def _per_row(name: str, t: torch.Tensor | None, S: int, N: int) -> tuple[torch.Tensor | None, bool]:
     """(the tensor as the kernel reads it, whether it holds one value a sequence): per token ([N] elements,
     as a contiguous [N]) or per sequence ([S] elements)."""
     if t is None:
@@ -33,7 +39,7 @@ def _per_row(name: str, t: Optional[torch.Tensor], S: int, N: int) -> Tuple[Opti
     return (t if t.is_contiguous() else t.reshape(-1).contiguous()), numel != N
 
 
-def fp32_rows(count: int, N: int, device, shape: Optional[tuple] = None) -> tuple:
+def fp32_rows(count: int, N: int, device, shape: tuple | None = None) -> tuple:
     """``count`` fp32 [N] tensors as rows of one buffer (one allocation, not ``count``: host time at small N), each
     16-byte aligned whatever N is, as a tensor of its own would be: the JIT specializes pointers on their 16-byte
     alignment, so an N-dependent one would compile other kernels as T changes. With ``shape`` (N elements: the
@@ -45,15 +51,19 @@ def fp32_rows(count: int, N: int, device, shape: Optional[tuple] = None) -> tupl
     return torch.empty(count, padded, device=device, dtype=torch.float32)[:, :N].unbind()
 
 
-def rows_needed(advantages, importance_weights, reduction: Optional[Reduction]) -> int:
+def rows_needed(advantages, importance_weights, reduction: Reduction | None) -> int:
     """How many fp32 [N] rows ``token_weights`` writes (for a caller that allocates them: ``out=``): advantages
     and importance weights per token where given, each token's weight with a reduction, its entropy-bonus weight
     with a coefficient."""
-    return ((advantages is not None) + (importance_weights is not None) + (reduction is not None)
-            + (reduction is not None and reduction.entropy_coef != 0.0))
+    return (
+        (advantages is not None)
+        + (importance_weights is not None)
+        + (reduction is not None)
+        + (reduction is not None and reduction.entropy_coef != 0.0)
+    )
 
 
-def _scalar(value, device) -> Tuple[float, Optional[torch.Tensor]]:
+def _scalar(value, device) -> tuple[float, torch.Tensor | None]:
     """(a run-time float, a one-element tensor to read instead or None) of a number or 0-d tensor (a loss scale,
     a normalizer) for a kernel on ``device``: a tensor there is read by the kernel (no host sync); a CPU tensor
     with CUDA tensors (torch accepts a CPU 0-d tensor in their arithmetic) is read here, which needs no GPU
@@ -72,12 +82,12 @@ def _scalar(value, device) -> Tuple[float, Optional[torch.Tensor]]:
 def token_weights(
     mask: torch.Tensor,
     sequences: Sequences,
-    reduction: Optional[Reduction],
+    reduction: Reduction | None,
     *,
-    advantages: Optional[torch.Tensor] = None,
-    importance_weights: Optional[torch.Tensor] = None,
-    dropped_gradient: Optional[torch.Tensor] = None,
-    out: Optional[tuple] = None,
+    advantages: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
+    dropped_gradient: torch.Tensor | None = None,
+    out: tuple | None = None,
 ) -> TokenWeights:
     """The per-token inputs and weights of a loss launch, from the mask (fp32, N elements, contiguous).
 
@@ -89,8 +99,9 @@ def token_weights(
     return weighted_tokens(LossTokens(tokens, sequences, reduction), dropped_gradient=dropped_gradient, out=out)[1]
 
 
-def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch.Tensor] = None,
-                    out: Optional[tuple] = None) -> Tuple[TokenInputs, TokenWeights]:
+def weighted_tokens(
+    loss_tokens: LossTokens, *, dropped_gradient: torch.Tensor | None = None, out: tuple | None = None
+) -> tuple[TokenInputs, TokenWeights]:
     """The token-weights kernel on a loss launch's ``LossTokens`` (see ``token_weights``): (its per-token inputs
     as the loss kernels read them, advantages and importance weights written per token; the ``TokenWeights``).
     Written for host time: it runs on every loss call."""
@@ -98,8 +109,9 @@ def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch
     mask = t.mask
     N = mask.numel()
     adv, adv_per_row = (None, False) if t.advantages is None else _per_row("advantages", t.advantages, S, N)
-    iw, iw_per_row = ((None, False) if t.importance_weights is None else
-                      _per_row("importance_weights", t.importance_weights, S, N))
+    iw, iw_per_row = (
+        (None, False) if t.importance_weights is None else _per_row("importance_weights", t.importance_weights, S, N)
+    )
     with_bonus = r is not None and r.entropy_coef != 0.0
     rows = iter(out if out is not None else fp32_rows(rows_needed(adv, iw, r), N, mask.device))
     adv_out = None if adv is None else next(rows)
@@ -107,8 +119,9 @@ def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch
     weight_out = None if r is None else next(rows)
     entropy_weight_out = next(rows) if with_bonus else None
     weights = TokenWeights(adv_out, iw_out, weight_out, entropy_weight_out)
-    tokens = TokenInputs(mask=mask, advantages=adv_out, old_logps=t.old_logps, ref_logps=t.ref_logps,
-                         importance_weights=iw_out)  # advantages and importance weights written per token
+    tokens = TokenInputs(
+        mask=mask, advantages=adv_out, old_logps=t.old_logps, ref_logps=t.ref_logps, importance_weights=iw_out
+    )  # advantages and importance weights written per token
     if N == 0:  # no token: empty outputs, and a dropped position zeroed on the host
         if dropped_gradient is not None:
             dropped_gradient[:, -1].zero_()
@@ -122,28 +135,50 @@ def weighted_tokens(loss_tokens: LossTokens, *, dropped_gradient: Optional[torch
     dropped = dropped_gradient is not None
     # positional, in the kernel's signature order (reduce.token_weights_kernel): host time (see launch._run_forward)
     reduce.token_weights_kernel[(S,)](
-        mask, cu_seqlens, T, S, N,
-        adv, adv_out, iw, iw_out,
-        weight_out, divisor, divisor_ptr, scale, scale_ptr,
-        entropy_weight_out, None if r is None else r.bonus_mask, 0.0 if r is None else r.entropy_coef,
-        dropped_gradient, dropped_gradient.stride(0) if dropped else 0, dropped_gradient.stride(1) if dropped else 0,
+        mask,
+        cu_seqlens,
+        T,
+        S,
+        N,
+        adv,
+        adv_out,
+        iw,
+        iw_out,
+        weight_out,
+        divisor,
+        divisor_ptr,
+        scale,
+        scale_ptr,
+        entropy_weight_out,
+        None if r is None else r.bonus_mask,
+        0.0 if r is None else r.entropy_coef,
+        dropped_gradient,
+        dropped_gradient.stride(0) if dropped else 0,
+        dropped_gradient.stride(1) if dropped else 0,
         dropped_gradient.shape[-1] if dropped else 0,
-        DIVISOR_GIVEN if r is None else r.divisor_kind, adv_per_row, iw_per_row, r is not None and r.entropy_as_loss,
-        TOKEN_BLOCK, ZERO_BLOCK,
+        DIVISOR_GIVEN if r is None else r.divisor_kind,
+        adv_per_row,
+        iw_per_row,
+        r is not None and r.entropy_as_loss,
+        TOKEN_BLOCK,
+        ZERO_BLOCK,
         num_warps=4,
     )
     return tokens, weights
 
 
-def reduced(mask: torch.Tensor, kernel_loss: KernelLoss, result,
-            weights: TokenWeights) -> Tuple[torch.Tensor, torch.Tensor]:
+def reduced(
+    mask: torch.Tensor, kernel_loss: KernelLoss, result, weights: TokenWeights
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``loss_metrics`` of a forward launch's result (``launch.ForwardResult``): (the loss, the metrics)."""
-    return loss_metrics(mask, kernel_loss, loss=result.loss, entropy=result.entropy, kl=result.kl, flags=result.flags,
-                        weights=weights)
+    return loss_metrics(
+        mask, kernel_loss, loss=result.loss, entropy=result.entropy, kl=result.kl, flags=result.flags, weights=weights
+    )
 
 
-def loss_metrics(mask: torch.Tensor, kernel_loss: KernelLoss, *, loss, entropy, kl, flags,
-                 weights: TokenWeights) -> Tuple[torch.Tensor, torch.Tensor]:
+def loss_metrics(
+    mask: torch.Tensor, kernel_loss: KernelLoss, *, loss, entropy, kl, flags, weights: TokenWeights
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the reduced loss, 0-d fp32; the metrics, fp32 [k]: the KL where ``kl`` is given, the entropy where
     ``entropy`` is, then the loss type's clip metrics; ``objective.metric_names`` names them) of a loss launch's
     per-token results (fp32 [N], None where absent; ``flags`` int8 [N]) and its token weights."""
@@ -157,8 +192,18 @@ def loss_metrics(mask: torch.Tensor, kernel_loss: KernelLoss, *, loss, entropy, 
         return loss_out, metrics
     # positional, in the kernel's signature order (reduce.loss_metrics_kernel): host time (see launch._run_forward)
     reduce.loss_metrics_kernel[(1,)](
-        mask, N, loss, weights.weight, entropy, weights.entropy_weight, kl,
-        flags if clip != CLIP_METRICS_NONE else None, loss_out, metrics if count else None, clip, METRICS_BLOCK,
+        mask,
+        N,
+        loss,
+        weights.weight,
+        entropy,
+        weights.entropy_weight,
+        kl,
+        flags if clip != CLIP_METRICS_NONE else None,
+        loss_out,
+        metrics if count else None,
+        clip,
+        METRICS_BLOCK,
         num_warps=8,
     )
     return loss_out, metrics

@@ -38,8 +38,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grpo import (FLOOR, LN2, LOG2E, NAN, RUNTIME_INTS, _lse_fold, _row_pointer, base2_logit, capped_logit, chained,
-                   padded_base2_logit, store_loss_terms, token_loss_at)
+from .grpo import (
+    FLOOR,
+    LN2,
+    LOG2E,
+    NAN,
+    RUNTIME_INTS,
+    _lse_fold,
+    _row_pointer,
+    base2_logit,
+    capped_logit,
+    chained,
+    padded_base2_logit,
+    store_loss_terms,
+    token_loss_at,
+)
 from .logsumexp import rescale_lse
 
 # the scratch's floats per (row, chunk): max, sum, entropy sum (base 2), one pad for 16-byte rows
@@ -64,8 +77,9 @@ def _chunk_state(row_ptr, c0, c1, c, softcap, BLOCK_V: tl.constexpr, COMPUTE_ENT
         m, s, t = _lse_fold(high, m, s, t, COMPUTE_ENTROPY)
     for start in range(full_end, c1, HALF):  # the row's remainder (the last chunk only)
         in_chunk = start + cols < c1
-        x2 = padded_base2_logit(tl.load(row_ptr + start + cols, mask=in_chunk, other=float("-inf")), in_chunk, c,
-                                softcap)
+        x2 = padded_base2_logit(
+            tl.load(row_ptr + start + cols, mask=in_chunk, other=float("-inf")), in_chunk, c, softcap
+        )
         m, s, t_folded = _lse_fold(x2, m, s, t, COMPUTE_ENTROPY)
         t = tl.where(in_chunk, t_folded, t)
     chunk_max = tl.max(m, axis=0)
@@ -87,8 +101,9 @@ def _chunk_sum_x2(row_ptr, c0, c1, c, softcap, chunk_max, BLOCK_V: tl.constexpr)
     acc = tl.zeros([BLOCK_V], tl.float32)
     for start in range(c0, c1, BLOCK_V):
         in_chunk = start + cols < c1
-        x2 = padded_base2_logit(tl.load(row_ptr + start + cols, mask=in_chunk, other=float("-inf")), in_chunk, c,
-                                softcap)
+        x2 = padded_base2_logit(
+            tl.load(row_ptr + start + cols, mask=in_chunk, other=float("-inf")), in_chunk, c, softcap
+        )
         e = tl.exp2(x2 - chunk_max)
         acc += tl.where(e > 0.0, e * x2, 0.0)
     return tl.sum(acc, axis=0)
@@ -109,8 +124,9 @@ def _merged_state(state_row, K: tl.constexpr, K_LANES: tl.constexpr, COMPUTE_ENT
     lse2 = row_max + tl.log2(sum_exp)
     entropy = 0.0
     if COMPUTE_ENTROPY:
-        sum_x = tl.sum(tl.load(state_row + k * C_STATE_WIDTH + 2, mask=published, other=0.0,
-                               cache_modifier=".cg") * scale, axis=0)
+        sum_x = tl.sum(
+            tl.load(state_row + k * C_STATE_WIDTH + 2, mask=published, other=0.0, cache_modifier=".cg") * scale, axis=0
+        )
         entropy = LN2 * (lse2 - sum_x / sum_exp)
     return lse2 * LN2, entropy
 
@@ -153,8 +169,24 @@ def _held_row(sum_exp, sum_x, row_max, COMPUTE_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def _write_held_gradient(x2, e, chunk_max, out_ptr, c0, n, lse, target, target_logit, g, inv_temperature, softcap,
-                         h, entropy, BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+def _write_held_gradient(
+    x2,
+    e,
+    chunk_max,
+    out_ptr,
+    c0,
+    n,
+    lse,
+    target,
+    target_logit,
+    g,
+    inv_temperature,
+    softcap,
+    h,
+    entropy,
+    BLOCK_V: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+):
     """``_write_chunk_gradient`` from a held chunk (``_held_state``'s x2 and e): the same values, each logit's
     probability p = e 2^(max - lse) (a multiply, not an exp2); the target's own value (its capped logit passed
     in) stored after the block, where the target lies in the chunk, so that no logit pays a comparison with it."""
@@ -178,8 +210,9 @@ def _write_held_gradient(x2, e, chunk_max, out_ptr, c0, n, lse, target, target_l
         at_target = chained(g * inv_temperature + tl.exp2(d_target) * (a * d_target + b), target_logit * c, c, softcap)
     else:
         grad = chained(e * (-g * inv_temperature * to_p), x2, c, softcap).to(out_dtype)
-        at_target = chained(g * inv_temperature * (1.0 - tl.exp2(target_logit * c - lse2)), target_logit * c, c,
-                            softcap)
+        at_target = chained(
+            g * inv_temperature * (1.0 - tl.exp2(target_logit * c - lse2)), target_logit * c, c, softcap
+        )
     if n == BLOCK_V:
         tl.store(out_ptr + c0 + cols, grad)
     else:
@@ -204,8 +237,21 @@ def _wait_for_siblings(counter, K: tl.constexpr, error_ptr, MAX_SPIN: tl.constex
 
 
 @triton.jit
-def _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, softcap, h, entropy,
-                          BLOCK_V: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr):
+def _write_chunk_gradient(
+    row_ptr,
+    out_ptr,
+    c0,
+    c1,
+    lse,
+    target,
+    g,
+    inv_temperature,
+    softcap,
+    h,
+    entropy,
+    BLOCK_V: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+):
     """``grpo._write_row_gradient`` over columns [c0, c1) of the row: -g / tau p (plus the entropy term),
     and the target's +g / tau where the target lies in the chunk, times the soft-cap's chain factor where there
     is one; zeros, unread, if g (and h) are 0.
@@ -241,8 +287,11 @@ def _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperat
             in_chunk = full_end + cols < c1
             x2 = base2_logit(tl.load(row_ptr + full_end + cols, mask=in_chunk, other=float("-inf")), c, softcap)
             d = tl.maximum(x2 - lse2, FLOOR, propagate_nan=NAN)
-            tl.store(out_ptr + full_end + cols, chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype),
-                     mask=in_chunk)
+            tl.store(
+                out_ptr + full_end + cols,
+                chained(tl.exp2(d) * (a * d + b), x2, c, softcap).to(out_dtype),
+                mask=in_chunk,
+            )
         tl.debug_barrier()
         if owns_target:
             at_target = g * inv_temperature + tl.exp2(d_target) * (a * d_target + b)
@@ -259,25 +308,61 @@ def _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperat
         if full_end < c1:
             in_chunk = full_end + cols < c1
             x2 = base2_logit(tl.load(row_ptr + full_end + cols, mask=in_chunk, other=float("-inf")), c, softcap)
-            tl.store(out_ptr + full_end + cols, chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype),
-                     mask=in_chunk)
+            tl.store(
+                out_ptr + full_end + cols,
+                chained(minus_g * tl.exp2(x2 - lse2), x2, c, softcap).to(out_dtype),
+                mask=in_chunk,
+            )
         tl.debug_barrier()
         if owns_target:
-            tl.store(out_ptr + target,
-                     chained(g * inv_temperature * (1.0 - p_target), x2_target, c, softcap).to(out_dtype))
+            tl.store(
+                out_ptr + target, chained(g * inv_temperature * (1.0 - p_target), x2_target, c, softcap).to(out_dtype)
+            )
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS + ["chunk_blocks"])
 def split_row_forward_kernel(
-    logits_ptr, stride_b, stride_t, ids_ptr, T, V, N,
-    mask_ptr, adv_ptr, old_ptr, ref_ptr, iw_ptr,
-    logp_out, entropy_out, lse_out, loss_out, dloss_out, kl_out, flags_out,
-    grad_weight_ptr, grad_logits_ptr, grad_stride_b, grad_stride_t, entropy_grad_ptr,
-    state_ptr, counter_ptr, error_ptr, chunk_blocks,
-    inv_temperature, softcap, loss_scalars,
-    LOSS_KIND: tl.constexpr, KL_KIND: tl.constexpr, LOSS_FLAGS: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr, K_LANES: tl.constexpr,
-    HOLD_CHUNK: tl.constexpr, PHASE: tl.constexpr, MAX_SPIN: tl.constexpr,
+    logits_ptr,
+    stride_b,
+    stride_t,
+    ids_ptr,
+    T,
+    V,
+    N,
+    mask_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    iw_ptr,
+    logp_out,
+    entropy_out,
+    lse_out,
+    loss_out,
+    dloss_out,
+    kl_out,
+    flags_out,
+    grad_weight_ptr,
+    grad_logits_ptr,
+    grad_stride_b,
+    grad_stride_t,
+    entropy_grad_ptr,
+    state_ptr,
+    counter_ptr,
+    error_ptr,
+    chunk_blocks,
+    inv_temperature,
+    softcap,
+    loss_scalars,
+    LOSS_KIND: tl.constexpr,
+    KL_KIND: tl.constexpr,
+    LOSS_FLAGS: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    K: tl.constexpr,
+    K_LANES: tl.constexpr,
+    HOLD_CHUNK: tl.constexpr,
+    PHASE: tl.constexpr,
+    MAX_SPIN: tl.constexpr,
 ):
     """The one-pass loss (every output of ``grpo.grpo_forward_kernel`` with its one-pass gradient) with each
     row split over K sibling programs: see the module's docstring. PHASE 0: the cooperative launch (publish,
@@ -303,8 +388,9 @@ def split_row_forward_kernel(
         row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t, ROW_ALIGN)
         state_row = state_ptr + row * (K * C_STATE_WIDTH)
         if HOLD_CHUNK:  # loaded once, before the wait (the interpreter's second launch, PHASE 2, loads it again)
-            x2, e, held_max, held_sum, held_sum_x = _held_state(_held_chunk(row_ptr, c0, c1 - c0, active, BLOCK_V),
-                                                                c1 - c0, c, softcap, BLOCK_V, COMPUTE_ENTROPY)
+            x2, e, held_max, held_sum, held_sum_x = _held_state(
+                _held_chunk(row_ptr, c0, c1 - c0, active, BLOCK_V), c1 - c0, c, softcap, BLOCK_V, COMPUTE_ENTROPY
+            )
         if not WHOLE_ROW:
             if active & (PHASE != 2):
                 if HOLD_CHUNK:
@@ -334,8 +420,9 @@ def split_row_forward_kernel(
                 entropy = 0.0
                 target_logit = 0.0
                 logp = 0.0
-            loss, dloss, kl, flags = token_loss_at(row, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars,
-                                                   LOSS_KIND, KL_KIND, LOSS_FLAGS)
+            loss, dloss, kl, flags = token_loss_at(
+                row, logp, adv_ptr, old_ptr, ref_ptr, iw_ptr, loss_scalars, LOSS_KIND, KL_KIND, LOSS_FLAGS
+            )
             if chunk == 0:
                 tl.store(logp_out + row, logp)
                 tl.store(lse_out + row, lse)
@@ -347,8 +434,37 @@ def split_row_forward_kernel(
             if HAS_ENTROPY_GRAD:
                 h = tl.where(active, tl.load(entropy_grad_ptr + row), 0.0)
             if HOLD_CHUNK:
-                _write_held_gradient(x2, e, held_max, out_ptr, c0, c1 - c0, lse, target, target_logit, g,
-                                     inv_temperature, softcap, h, entropy, BLOCK_V, HAS_ENTROPY_GRAD)
+                _write_held_gradient(
+                    x2,
+                    e,
+                    held_max,
+                    out_ptr,
+                    c0,
+                    c1 - c0,
+                    lse,
+                    target,
+                    target_logit,
+                    g,
+                    inv_temperature,
+                    softcap,
+                    h,
+                    entropy,
+                    BLOCK_V,
+                    HAS_ENTROPY_GRAD,
+                )
             else:
-                _write_chunk_gradient(row_ptr, out_ptr, c0, c1, lse, target, g, inv_temperature, softcap, h, entropy,
-                                      BLOCK_V, HAS_ENTROPY_GRAD)
+                _write_chunk_gradient(
+                    row_ptr,
+                    out_ptr,
+                    c0,
+                    c1,
+                    lse,
+                    target,
+                    g,
+                    inv_temperature,
+                    softcap,
+                    h,
+                    entropy,
+                    BLOCK_V,
+                    HAS_ENTROPY_GRAD,
+                )

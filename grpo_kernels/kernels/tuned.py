@@ -35,7 +35,6 @@ import functools
 import json
 import math
 import pathlib
-from typing import Dict, Optional
 
 import torch
 
@@ -45,22 +44,22 @@ LOGPROBS_KEYS = ("BLOCK_V", "num_warps", "num_stages", "loop_stages", "l2_hints"
 FUSED_LINEAR_KEYS = ("BLOCK_N", "BLOCK_V", "BLOCK_H", "num_warps", "num_stages")
 
 
-@functools.lru_cache(maxsize=None)
-def table() -> Dict[str, list]:
+@functools.cache
+def table() -> dict[str, list]:
     with open(TABLE_PATH) as f:
         return json.load(f)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def arch_of(device_index: int) -> str:
     major, minor = torch.cuda.get_device_capability(device_index)
     return f"sm_{major}{minor}"
 
 
-_FOUND: Dict[tuple, tuple] = {}  # (table id, kind, device index, dtype, V) -> (that table, its entry or None)
+_FOUND: dict[tuple, tuple] = {}  # (table id, kind, device index, dtype, V) -> (that table, its entry or None)
 
 
-def _nearest(kind: str, device: torch.device, dtype: torch.dtype, V: int) -> Optional[dict]:
+def _nearest(kind: str, device: torch.device, dtype: torch.dtype, V: int) -> dict | None:
     """The entry of this kind, device architecture and dtype whose V is nearest in ratio, or None. Asked on every
     launch, so each answer is kept, by the table it came from (a table read again after ``table.cache_clear()``
     is another object: its answers are found anew; the old table is kept with its answers, so its id is never
@@ -78,12 +77,12 @@ def _nearest(kind: str, device: torch.device, dtype: torch.dtype, V: int) -> Opt
     return found[1]
 
 
-def logits_entry(device: torch.device, dtype: torch.dtype, V: int, kind: str = "logits") -> Optional[dict]:
+def logits_entry(device: torch.device, dtype: torch.dtype, V: int, kind: str = "logits") -> dict | None:
     """The measured logits-kernel entry of this kind ("logits": the loss's launches; "logprobs": a log-prob pass)
     for this launch, or None."""
     return _nearest(kind, device, dtype, V)
 
 
-def fused_linear_entry(device: torch.device, dtype: torch.dtype, V: int) -> Optional[dict]:
+def fused_linear_entry(device: torch.device, dtype: torch.dtype, V: int) -> dict | None:
     """The measured lm_head tile entry for this launch, or None."""
     return _nearest("fused_linear", device, dtype, V)

@@ -8,7 +8,6 @@ import json
 import os
 import sys
 import time
-from typing import List, Optional, Tuple
 
 import torch
 
@@ -48,74 +47,126 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--eval-size", type=int, default=300, help="held-out prompts to score")
     p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seeds the model, the data and the sampling")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of this process (default: torch's, every core it may use)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of this process (default: torch's, every core it may use)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-kernels", description="GRPO training on the grpo-kernels loss")
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train with GRPO (default: the built-in task from scratch)",
-                       description="Train with GRPO on the grpo-kernels loss (default: the built-in task, "
-                                   "\"which number is bigger?\", from a tiny model built from scratch).",
-                       epilog=TRAIN_EPILOG, formatter_class=_Formatter)
+    t = sub.add_parser(
+        "train",
+        help="train with GRPO (default: the built-in task from scratch)",
+        description="Train with GRPO on the grpo-kernels loss (default: the built-in task, "
+        '"which number is bigger?", from a tiny model built from scratch).',
+        epilog=TRAIN_EPILOG,
+        formatter_class=_Formatter,
+    )
     _add_common(t)
-    t.add_argument("--model", default=None,
-                   help="a local Hugging Face causal LM folder (default: the built-in tiny model, warm-up first)")
+    t.add_argument(
+        "--model",
+        default=None,
+        help="a local Hugging Face causal LM folder (default: the built-in tiny model, warm-up first)",
+    )
     t.add_argument("--group-size", type=int, default=DEFAULTS.group_size, help="completions sampled per prompt (G)")
     t.add_argument("--prompts-per-step", type=int, default=DEFAULTS.prompts_per_step, help="prompts a GRPO step")
-    t.add_argument("--steps", type=int, default=DEFAULTS.steps,
-                   help="GRPO steps (the built-in model's warm-up runs before step 1: see below)")
+    t.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULTS.steps,
+        help="GRPO steps (the built-in model's warm-up runs before step 1: see below)",
+    )
     t.add_argument("--lr", type=float, default=DEFAULTS.learning_rate, help="GRPO learning rate")
-    t.add_argument("--beta", type=float, default=DEFAULTS.beta,
-                   help="KL coefficient (a frozen reference copy when > 0)")
+    t.add_argument(
+        "--beta", type=float, default=DEFAULTS.beta, help="KL coefficient (a frozen reference copy when > 0)"
+    )
     t.add_argument("--epsilon", type=float, default=DEFAULTS.epsilon, help="the ratio's clip range, below 1")
-    t.add_argument("--epsilon-high", type=float, default=DEFAULTS.epsilon_high,
-                   help="the clip range above 1 (clip-higher, DAPO)")
+    t.add_argument(
+        "--epsilon-high", type=float, default=DEFAULTS.epsilon_high, help="the clip range above 1 (clip-higher, DAPO)"
+    )
     t.add_argument("--loss-type", default=DEFAULTS.loss_type, help="a GRPOLoss loss_type")
     t.add_argument("--num-iterations", type=int, default=DEFAULTS.num_iterations, help="mu: updates per batch")
-    t.add_argument("--process-rollouts", type=int, default=0,
-                   help="process supervision: label every token-step with N completions sampled from its prefix, "
-                        "once a distinct prefix (0: outcome)")
-    t.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=DEFAULTS.dynamic_sampling,
-                   help="DAPO's dynamic sampling: drop groups whose rewards are all equal, sample more prompts")
-    t.add_argument("--max-sampling-rounds", type=int, default=DEFAULTS.max_sampling_rounds,
-                   help="with --dynamic-sampling: at most this many batches of prompts a step")
+    t.add_argument(
+        "--process-rollouts",
+        type=int,
+        default=0,
+        help="process supervision: label every token-step with N completions sampled from its prefix, "
+        "once a distinct prefix (0: outcome)",
+    )
+    t.add_argument(
+        "--dynamic-sampling",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS.dynamic_sampling,
+        help="DAPO's dynamic sampling: drop groups whose rewards are all equal, sample more prompts",
+    )
+    t.add_argument(
+        "--max-sampling-rounds",
+        type=int,
+        default=DEFAULTS.max_sampling_rounds,
+        help="with --dynamic-sampling: at most this many batches of prompts a step",
+    )
     t.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help="sampling temperature")
     t.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens, help="a completion's length cap")
-    t.add_argument("--fused-lm-head", action="store_true",
-                   help="loss from hidden states and the lm_head weight: no [B, T, V] logits in the update")
+    t.add_argument(
+        "--fused-lm-head",
+        action="store_true",
+        help="loss from hidden states and the lm_head weight: no [B, T, V] logits in the update",
+    )
     t.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient (TRL's entropy_coef)")
-    t.add_argument("--adaptive-entropy", action="store_true",
-                   help="TRL's adaptive controller: move --entropy-coef toward --entropy-target each step")
-    t.add_argument("--entropy-target", type=float, default=DEFAULTS.entropy_target,
-                   help="--adaptive-entropy's target entropy")
-    t.add_argument("--warmup-steps", type=int, default=None,
-                   help=f"the built-in model's format warm-up: at most this many supervised steps of 32 examples, "
-                        f"ending earlier once the sampled answers are well-formed (default: {compare.WARMUP_STEPS}, "
-                        f"or {compare.WARMUP_STEPS // DEFAULTS.steps} x --steps below {DEFAULTS.steps} steps)")
-    t.add_argument("--warmup-large-batch-steps", type=int, default=None,
-                   help=f"if --warmup-steps ends below the format target: a second stage of up to this many steps "
-                        f"of {compare.WARMUP_LARGE_BATCH_SIZE} examples (default: a third of --warmup-steps; "
-                        f"none below {DEFAULTS.steps} --steps; 0: none)")
+    t.add_argument(
+        "--adaptive-entropy",
+        action="store_true",
+        help="TRL's adaptive controller: move --entropy-coef toward --entropy-target each step",
+    )
+    t.add_argument(
+        "--entropy-target", type=float, default=DEFAULTS.entropy_target, help="--adaptive-entropy's target entropy"
+    )
+    t.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help=f"the built-in model's format warm-up: at most this many supervised steps of 32 examples, "
+        f"ending earlier once the sampled answers are well-formed (default: {compare.WARMUP_STEPS}, "
+        f"or {compare.WARMUP_STEPS // DEFAULTS.steps} x --steps below {DEFAULTS.steps} steps)",
+    )
+    t.add_argument(
+        "--warmup-large-batch-steps",
+        type=int,
+        default=None,
+        help=f"if --warmup-steps ends below the format target: a second stage of up to this many steps "
+        f"of {compare.WARMUP_LARGE_BATCH_SIZE} examples (default: a third of --warmup-steps; "
+        f"none below {DEFAULTS.steps} --steps; 0: none)",
+    )
     t.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every, help="GRPO steps between evaluations")
     t.add_argument("--save-every", type=int, default=50, help="GRPO steps between checkpoints (0: the last only)")
-    t.add_argument("--output-dir", default="runs/grpo",
-                   help="train.log, metrics.jsonl, curves.png, checkpoint-N/")
+    t.add_argument("--output-dir", default="runs/grpo", help="train.log, metrics.jsonl, curves.png, checkpoint-N/")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
-    t.add_argument("--no-progress", action="store_true",
-                   help="no progress bars (warm-up, GRPO steps, evaluation, checkpoint writes)")
-    s = sub.add_parser("seeds", help="one training command over several seeds: the spread of its results",
-                       description="Run `grpo-kernels train` once per seed and print the min / median / max "
-                                   "held-out accuracy, the largest drop from a run's best evaluation, the "
-                                   "zero-std share and the time. Training options go after `--`.")
+    t.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (warm-up, GRPO steps, evaluation, checkpoint writes)",
+    )
+    s = sub.add_parser(
+        "seeds",
+        help="one training command over several seeds: the spread of its results",
+        description="Run `grpo-kernels train` once per seed and print the min / median / max "
+        "held-out accuracy, the largest drop from a run's best evaluation, the "
+        "zero-std share and the time. Training options go after `--`.",
+    )
     s.add_argument("--seeds", type=int, default=5, help="how many seeds (default: 5)")
     s.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, first-seed + 1, ... (default: 0)")
     s.add_argument("--jobs", type=int, default=1, help="runs at a time, sharing the cores (default: 1)")
     s.add_argument("--output-dir", default="runs/seeds", help="seed-N/ per run and seeds.json (default: runs/seeds)")
-    s.add_argument("--script", default=None,
-                   help="a Python script to run instead of `grpo-kernels train` (e.g. examples/reward_model_grpo.py); "
-                        "it takes --seed and --output-dir and writes metrics.jsonl there")
+    s.add_argument(
+        "--script",
+        default=None,
+        help="a Python script to run instead of `grpo-kernels train` (e.g. examples/reward_model_grpo.py); "
+        "it takes --seed and --output-dir and writes metrics.jsonl there",
+    )
     s.add_argument("train_args", nargs=argparse.REMAINDER, help="options for `grpo-kernels train`, after --")
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint", formatter_class=_Formatter)
     e.add_argument("checkpoint", help="a checkpoint-N folder")
@@ -124,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def warmup_plan(steps: int, warmup_steps: Optional[int], large_batch_steps: Optional[int]) -> Tuple[int, int, bool]:
+def warmup_plan(steps: int, warmup_steps: int | None, large_batch_steps: int | None) -> tuple[int, int, bool]:
     """(first stage's cap, large-batch stage's cap, whether a short run scaled them down) of the built-in model's
     warm-up: the caps given, else the recipe's (``compare.WARMUP_STEPS`` and a third of it), or for a run shorter
     than the recipe's ``RECIPE["steps"]`` GRPO steps a first cap of ``WARMUP_STEPS / RECIPE["steps"]`` a step
@@ -133,8 +184,11 @@ def warmup_plan(steps: int, warmup_steps: Optional[int], large_batch_steps: Opti
     short = steps < DEFAULTS.steps
     scaled = short and warmup_steps is None
     if warmup_steps is None:
-        warmup_steps = compare.WARMUP_STEPS if not short else max(
-            compare.WARMUP_CHECK_EVERY, compare.WARMUP_STEPS * steps // DEFAULTS.steps)
+        warmup_steps = (
+            compare.WARMUP_STEPS
+            if not short
+            else max(compare.WARMUP_CHECK_EVERY, compare.WARMUP_STEPS * steps // DEFAULTS.steps)
+        )
     if large_batch_steps is None:
         large_batch_steps = 0 if short else warmup_steps // 3
     return warmup_steps, large_batch_steps, scaled
@@ -145,7 +199,7 @@ class RunLog:
     the warm-up's result, each GRPO step, each evaluation, warnings, the summary), written from the first moment
     and flushed a line at a time, so that the folder says what the run is doing while it runs."""
 
-    def __init__(self, path: Optional[str]):
+    def __init__(self, path: str | None):
         self.path = path
         self.started = time.time()
         if path is not None:
@@ -189,12 +243,12 @@ def _maybe_init_distributed(device: str) -> None:
             torch.cuda.set_device(device)
 
 
-def plot_curves(records: List[dict], path: str) -> None:
+def plot_curves(records: list[dict], path: str) -> None:
     """``curves.png`` of a run's metrics records (``curves_figure``)."""
     curves_figure(records).savefig(path, dpi=100, bbox_inches="tight")
 
 
-def curves_figure(records: List[dict]):
+def curves_figure(records: list[dict]):
     """Three panels over the GRPO steps (integer ticks), each with a title, axis labels and its legend outside the
     plot: reward and accuracy (the held-out evaluations as marked, labelled points: a short run has two); the loss,
     the KL to the reference and the entropy (each on its own scale: the loss near 0, the KL in hundredths); the
@@ -212,11 +266,23 @@ def curves_figure(records: List[dict]):
     top.plot(steps, [r["reward"] for r in train], label="reward (sampled)", alpha=0.7)
     top.plot(steps, [r["accuracy"] for r in train], label="accuracy (sampled)", alpha=0.7)
     if evals:
-        top.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o--", color="black", ms=7,
-                 label="held-out accuracy (greedy)")
+        top.plot(
+            [r["step"] for r in evals],
+            [r["eval_accuracy"] for r in evals],
+            "o--",
+            color="black",
+            ms=7,
+            label="held-out accuracy (greedy)",
+        )
         for r in evals:
-            top.annotate(f"{r['eval_accuracy']:.0%}", (r["step"], r["eval_accuracy"]), textcoords="offset points",
-                         xytext=(0, 8), ha="center", fontsize=8)
+            top.annotate(
+                f"{r['eval_accuracy']:.0%}",
+                (r["step"], r["eval_accuracy"]),
+                textcoords="offset points",
+                xytext=(0, 8),
+                ha="center",
+                fontsize=8,
+            )
     top.set_title("Reward and accuracy")
     top.set_ylabel("share / reward")
     top.set_ylim(-0.02, 1.3)
@@ -227,25 +293,36 @@ def curves_figure(records: List[dict]):
     middle.set_ylabel("loss")
     if any("kl" in r for r in train):
         kl_axis = middle.twinx()
-        lines += kl_axis.plot(steps, [r.get("kl", float("nan")) for r in train], label="KL to the reference",
-                              color="tab:red")
+        lines += kl_axis.plot(
+            steps, [r.get("kl", float("nan")) for r in train], label="KL to the reference", color="tab:red"
+        )
         kl_axis.set_ylabel("KL", color="tab:red")
     if any("entropy" in r for r in train):
         entropy_axis = middle.twinx()
         entropy_axis.spines["right"].set_position(("axes", 1.12))
-        lines += entropy_axis.plot(steps, [r.get("entropy", float("nan")) for r in train], label="entropy",
-                                   color="tab:green")
+        lines += entropy_axis.plot(
+            steps, [r.get("entropy", float("nan")) for r in train], label="entropy", color="tab:green"
+        )
         entropy_axis.set_ylabel("entropy (nats)", color="tab:green")
     middle.set_title("Loss, KL and entropy (each on its own axis)")
     middle.legend(lines, [line.get_label() for line in lines], loc="upper left", bbox_to_anchor=(1.25, 1.0))
 
     if any("malformed" in r for r in train):
-        bottom.plot([r["step"] for r in train if "malformed" in r], [r["malformed"] for r in train if "malformed" in r],
-                    label="malformed (sampled)", alpha=0.7)
+        bottom.plot(
+            [r["step"] for r in train if "malformed" in r],
+            [r["malformed"] for r in train if "malformed" in r],
+            label="malformed (sampled)",
+            alpha=0.7,
+        )
     if any("eval_malformed" in r for r in evals):
         marked = [r for r in evals if "eval_malformed" in r]
-        bottom.plot([r["step"] for r in marked], [r["eval_malformed"] for r in marked], "s--", color="black",
-                    label="malformed (held-out)")
+        bottom.plot(
+            [r["step"] for r in marked],
+            [r["eval_malformed"] for r in marked],
+            "s--",
+            color="black",
+            label="malformed (held-out)",
+        )
     bottom.set_title("Malformed answers (not one of the prompt's numbers)")
     bottom.set_ylabel("share")
     bottom.set_xlabel("GRPO step")
@@ -257,10 +334,14 @@ def curves_figure(records: List[dict]):
         if axis.get_legend_handles_labels()[0]:
             axis.legend(loc="upper left", bbox_to_anchor=(1.25, 1.0))  # beside the middle panel's right axes
     if warm is not None:
-        fig.text(0.01, 0.005, f"before step 1: the format warm-up, {warm['warmup_steps']} + "
-                              f"{warm.get('warmup_large_batch_steps', 0)} steps, {warm['warmup_well_formed']:.0%} of "
-                              f"sampled answers well-formed" + (" (below its target)" if warm.get(
-                                  "warmup_below_target") else ""), fontsize=8)
+        fig.text(
+            0.01,
+            0.005,
+            f"before step 1: the format warm-up, {warm['warmup_steps']} + "
+            f"{warm.get('warmup_large_batch_steps', 0)} steps, {warm['warmup_well_formed']:.0%} of "
+            f"sampled answers well-formed" + (" (below its target)" if warm.get("warmup_below_target") else ""),
+            fontsize=8,
+        )
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     return fig
 
@@ -291,8 +372,10 @@ def _train(args) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
     run_log = RunLog(os.path.join(args.output_dir, "train.log") if rank == 0 else None)
     run_log.line(f"grpo-kernels train {' '.join(sys.argv[2:]) if sys.argv[1:2] == ['train'] else ''}".rstrip())
-    run_log.line(f"device {device}, {torch.get_num_threads()} CPU threads (OMP_WAIT_POLICY="
-                 f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}), output {os.path.abspath(args.output_dir)}")
+    run_log.line(
+        f"device {device}, {torch.get_num_threads()} CPU threads (OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}), output {os.path.abspath(args.output_dir)}"
+    )
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     resume_from = latest_checkpoint(args.output_dir) if args.resume else None
     if args.resume and resume_from is None:
@@ -307,42 +390,73 @@ def _train(args) -> dict:
     else:
         tokenizer = task.build_tokenizer()
         model = task.build_model(tokenizer, seed=args.seed).to(device)
-        warmup_steps, large_batch_steps, scaled = warmup_plan(args.steps, args.warmup_steps,
-                                                              args.warmup_large_batch_steps)
-        run_log.line(f"phase 1/{phases}: format warm-up, up to {warmup_steps} steps of 32 examples"
-                     + (f" then up to {large_batch_steps} of {compare.WARMUP_LARGE_BATCH_SIZE}" if large_batch_steps
-                        else "") + f", until {compare.WARMUP_FORMAT_TARGET:.0%} of sampled answers are well-formed",
-                     also_stderr=args.no_progress)
-        warmup_record = task.warmup(model, tokenizer, steps=warmup_steps, seed=args.seed, device=device,
-                                    progress=rank == 0 and not args.no_progress, temperature=args.temperature,
-                                    max_new_tokens=args.max_new_tokens, large_batch_steps=large_batch_steps,
-                                    phase=f"phase 1/{phases} ")
+        warmup_steps, large_batch_steps, scaled = warmup_plan(
+            args.steps, args.warmup_steps, args.warmup_large_batch_steps
+        )
+        run_log.line(
+            f"phase 1/{phases}: format warm-up, up to {warmup_steps} steps of 32 examples"
+            + (f" then up to {large_batch_steps} of {compare.WARMUP_LARGE_BATCH_SIZE}" if large_batch_steps else "")
+            + f", until {compare.WARMUP_FORMAT_TARGET:.0%} of sampled answers are well-formed",
+            also_stderr=args.no_progress,
+        )
+        warmup_record = task.warmup(
+            model,
+            tokenizer,
+            steps=warmup_steps,
+            seed=args.seed,
+            device=device,
+            progress=rank == 0 and not args.no_progress,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            large_batch_steps=large_batch_steps,
+            phase=f"phase 1/{phases} ",
+        )
         well_formed = warmup_record["warmup_well_formed"]
-        run_log.line(f"warm-up: {warmup_record['warmup_steps']} + {warmup_record['warmup_large_batch_steps']} steps "
-                     f"in {warmup_record['warmup_seconds']} s, {well_formed:.0%} of sampled answers well-formed")
+        run_log.line(
+            f"warm-up: {warmup_record['warmup_steps']} + {warmup_record['warmup_large_batch_steps']} steps "
+            f"in {warmup_record['warmup_seconds']} s, {well_formed:.0%} of sampled answers well-formed"
+        )
         if not well_formed >= compare.WARMUP_FORMAT_TARGET:
-            why = (f"this is a short run (--steps {args.steps} < the recipe's {DEFAULTS.steps}): its warm-up was "
-                   f"capped at {warmup_steps} steps (the recipe's: {_CAP}, then up to {_CAP // 3} larger ones)"
-                   if scaled else
-                   f"its caps ({warmup_steps} and {large_batch_steps} steps) came first")
-            warnings.append(f"the format warm-up ended at {well_formed:.0%} well-formed answers, below its "
-                            f"{compare.WARMUP_FORMAT_TARGET:.0%} target: {why}. GRPO starts from a model that often "
-                            f"answers malformed; expect less held-out accuracy than the recipe's (README). For the "
-                            f"recipe, leave --steps and the warm-up options at their defaults.")
+            why = (
+                f"this is a short run (--steps {args.steps} < the recipe's {DEFAULTS.steps}): its warm-up was "
+                f"capped at {warmup_steps} steps (the recipe's: {_CAP}, then up to {_CAP // 3} larger ones)"
+                if scaled
+                else f"its caps ({warmup_steps} and {large_batch_steps} steps) came first"
+            )
+            warnings.append(
+                f"the format warm-up ended at {well_formed:.0%} well-formed answers, below its "
+                f"{compare.WARMUP_FORMAT_TARGET:.0%} target: {why}. GRPO starts from a model that often "
+                f"answers malformed; expect less held-out accuracy than the recipe's (README). For the "
+                f"recipe, leave --steps and the warm-up options at their defaults."
+            )
     for warning in warnings:
         run_log.line(f"WARNING: {warning}", also_stderr=True)
     config = TrainerConfig(
-        group_size=args.group_size, prompts_per_step=args.prompts_per_step, steps=args.steps,
-        learning_rate=args.lr, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-        loss_type=args.loss_type, num_iterations=args.num_iterations, process_rollouts=args.process_rollouts,
-        fused_lm_head=args.fused_lm_head, entropy_coef=args.entropy_coef, adaptive_entropy=args.adaptive_entropy,
-        entropy_target=args.entropy_target, dynamic_sampling=args.dynamic_sampling,
-        max_sampling_rounds=args.max_sampling_rounds, temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, eval_every=args.eval_every,
-        save_every=args.save_every, output_dir=args.output_dir,
+        group_size=args.group_size,
+        prompts_per_step=args.prompts_per_step,
+        steps=args.steps,
+        learning_rate=args.lr,
+        beta=args.beta,
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high,
+        loss_type=args.loss_type,
+        num_iterations=args.num_iterations,
+        process_rollouts=args.process_rollouts,
+        fused_lm_head=args.fused_lm_head,
+        entropy_coef=args.entropy_coef,
+        adaptive_entropy=args.adaptive_entropy,
+        entropy_target=args.entropy_target,
+        dynamic_sampling=args.dynamic_sampling,
+        max_sampling_rounds=args.max_sampling_rounds,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        output_dir=args.output_dir,
     )
     reward_funcs, weights = task.reward_functions()
-    records: List[dict] = []
+    records: list[dict] = []
     if resume_from is None and rank == 0 and os.path.exists(metrics_path):
         os.remove(metrics_path)
 
@@ -351,37 +465,51 @@ def _train(args) -> dict:
         if rank == 0:
             append_jsonl(metrics_path, record)
         if "eval_accuracy" in record:
-            run_log.line(f"evaluation at step {record['step']}: held-out accuracy {record['eval_accuracy']:.1%}"
-                         + (f", malformed {record['eval_malformed']:.1%}" if "eval_malformed" in record else ""))
+            run_log.line(
+                f"evaluation at step {record['step']}: held-out accuracy {record['eval_accuracy']:.1%}"
+                + (f", malformed {record['eval_malformed']:.1%}" if "eval_malformed" in record else "")
+            )
 
     if warmup_record is not None:  # the format warm-up: its steps, the well-formed share it ended at, its time
         log({"step": 0, **warmup_record, **({"warmup_below_target": True} if warnings else {})})
 
-    trainer = GRPOTrainer(model, tokenizer, reward_funcs, task.make_rows(20000, held_out=False, seed=args.seed),
-                          config, reward_weights=weights, eval_rows=task.make_rows(args.eval_size, held_out=True,
-                                                                                    seed=1234),
-                          device=device, log=log, format_reward=task.format_reward())
+    trainer = GRPOTrainer(
+        model,
+        tokenizer,
+        reward_funcs,
+        task.make_rows(20000, held_out=False, seed=args.seed),
+        config,
+        reward_weights=weights,
+        eval_rows=task.make_rows(args.eval_size, held_out=True, seed=1234),
+        device=device,
+        log=log,
+        format_reward=task.format_reward(),
+    )
     if resume_from is not None:
         trainer.load_state(resume_from)
         records.extend(restart_log(metrics_path, trainer.step, config.steps, write=rank == 0))
-    run_log.line(f"phase {phases}/{phases}: GRPO, steps {trainer.step + 1} to {config.steps} "
-                 f"({config.prompts_per_step} prompts x {config.group_size} completions a step), evaluation every "
-                 f"{config.eval_every}",
-                 also_stderr=args.no_progress)
+    run_log.line(
+        f"phase {phases}/{phases}: GRPO, steps {trainer.step + 1} to {config.steps} "
+        f"({config.prompts_per_step} prompts x {config.group_size} completions a step), evaluation every "
+        f"{config.eval_every}",
+        also_stderr=args.no_progress,
+    )
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=config.steps, initial=trainer.step, desc=f"phase {phases}/{phases} GRPO", unit="step",
-                   file=sys.stderr)
+        bar = tqdm(
+            total=config.steps, initial=trainer.step, desc=f"phase {phases}/{phases} GRPO", unit="step", file=sys.stderr
+        )
 
     def on_step(record: dict) -> None:
-        run_log.line(f"step {record['step']}: reward {record['reward']:.3f}, accuracy {record['accuracy']:.3f}, "
-                     f"kl {record['kl']:.4f}, loss {record['loss']:.4f}")
+        run_log.line(
+            f"step {record['step']}: reward {record['reward']:.3f}, accuracy {record['accuracy']:.3f}, "
+            f"kl {record['kl']:.4f}, loss {record['loss']:.4f}"
+        )
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}",
-                            kl=f"{record['kl']:.3f}")
+            bar.set_postfix(reward=f"{record['reward']:.2f}", acc=f"{record['accuracy']:.2f}", kl=f"{record['kl']:.3f}")
 
     try:
         trainer.train(on_step=on_step, progress=not args.no_progress)
@@ -390,17 +518,21 @@ def _train(args) -> dict:
             bar.close()
     checkpoint = trainer.save_checkpoint()
     evals = [r for r in records if "eval_accuracy" in r]
-    summary = {"first_eval_accuracy": evals[0]["eval_accuracy"] if evals else None,
-               "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
-               "steps": trainer.step, "seconds": round(time.time() - started, 1), "checkpoint": checkpoint,
-               "warnings": warnings}
+    summary = {
+        "first_eval_accuracy": evals[0]["eval_accuracy"] if evals else None,
+        "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+        "steps": trainer.step,
+        "seconds": round(time.time() - started, 1),
+        "checkpoint": checkpoint,
+        "warnings": warnings,
+    }
     if rank == 0:
         plot_curves(records, os.path.join(args.output_dir, "curves.png"))
     run_log.line(f"done: {json.dumps(summary)}")
     return summary
 
 
-def restart_log(metrics_path: str, step: int, steps: int, write: bool = True) -> List[dict]:
+def restart_log(metrics_path: str, step: int, steps: int, write: bool = True) -> list[dict]:
     """The log of a run resumed at ``step``, as the uninterrupted run wrote it up to its checkpoint: the rows of
     steps after it (written by the killed run before it died) move to ``metrics.dropped.jsonl``, and so does a final
     evaluation at ``step`` = ``steps`` (written after the checkpoint; the resumed run evaluates again). The rows
@@ -412,10 +544,10 @@ def restart_log(metrics_path: str, step: int, steps: int, write: bool = True) ->
     keep = [r.get("step", 0) <= step for r in rows]
     if step >= steps and rows and rows[-1].get("step") == step and "eval_accuracy" in rows[-1]:
         keep[-1] = False  # the last evaluation of a finished run follows its checkpoint
-    kept = [r for r, k in zip(rows, keep) if k]
+    kept = [r for r, k in zip(rows, keep, strict=True) if k]
     if write and not all(keep):
         side = os.path.join(os.path.dirname(metrics_path), "metrics.dropped.jsonl")
-        for record in (r for r, k in zip(rows, keep) if not k):
+        for record in (r for r, k in zip(rows, keep, strict=True) if not k):
             append_jsonl(side, record)
         tmp = metrics_path + ".tmp"
         open(tmp, "w").close()
@@ -431,10 +563,21 @@ def evaluate(args) -> dict:
     task = get_task(args.task)
     config = TrainerConfig(max_new_tokens=args.max_new_tokens, output_dir=args.checkpoint)
     reward_funcs, _ = task.reward_functions()
-    trainer = GRPOTrainer(model, tokenizer, reward_funcs, [], config,
-                          eval_rows=task.make_rows(args.eval_size, held_out=True, seed=1234), device=device)
-    result = {"checkpoint": args.checkpoint, "task": args.task, "eval_size": args.eval_size,
-              "eval_accuracy": trainer.evaluate(progress=True)}
+    trainer = GRPOTrainer(
+        model,
+        tokenizer,
+        reward_funcs,
+        [],
+        config,
+        eval_rows=task.make_rows(args.eval_size, held_out=True, seed=1234),
+        device=device,
+    )
+    result = {
+        "checkpoint": args.checkpoint,
+        "task": args.task,
+        "eval_size": args.eval_size,
+        "eval_accuracy": trainer.evaluate(progress=True),
+    }
     print(json.dumps(result))
     return result
 
@@ -443,8 +586,13 @@ def seeds(args) -> dict:
     from .seeds import format_summary, run_seeds
 
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    result = run_seeds(range(args.first_seed, args.first_seed + args.seeds), args.output_dir, train_args,
-                       jobs=args.jobs, script=args.script)
+    result = run_seeds(
+        range(args.first_seed, args.first_seed + args.seeds),
+        args.output_dir,
+        train_args,
+        jobs=args.jobs,
+        script=args.script,
+    )
     print(format_summary(result))
     return result
 
@@ -463,11 +611,15 @@ def _with_passive_openmp() -> None:
     os.execv(sys.executable, [sys.executable, "-m", "grpo_kernels.training.cli", *sys.argv[1:]])
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """The ``grpo-kernels`` command. With ``argv`` None (a command line) the long-running commands run with passive
     OpenMP waits (``_with_passive_openmp``); a caller passing ``argv`` keeps its own process as it is."""
-    if argv is None and sys.argv[1:2] in (["train"], ["seeds"], ["eval"]) and "-h" not in sys.argv \
-            and "--help" not in sys.argv:
+    if (
+        argv is None
+        and sys.argv[1:2] in (["train"], ["seeds"], ["eval"])
+        and "-h" not in sys.argv
+        and "--help" not in sys.argv
+    ):
         _with_passive_openmp()
     args = build_parser().parse_args(argv)
     try:

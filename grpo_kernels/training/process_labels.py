@@ -9,7 +9,7 @@ and ``step_end`` inputs of ``grpo_kernels.advantages.process_advantages``.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,11 +17,11 @@ from .rewards import _same
 
 
 def step_labels(
-    step_answers: Sequence[Sequence[Optional[str]]],
+    step_answers: Sequence[Sequence[str | None]],
     gold: str,
     *,
-    equal: Optional[Callable[[str, str], bool]] = None,
-) -> Tuple[List[int], List[float]]:
+    equal: Callable[[str, str], bool] | None = None,
+) -> tuple[list[int], list[float]]:
     """Hard and soft labels, one per step.
 
     ``step_answers[i]`` holds the final answers of the N completions sampled from step i
@@ -41,23 +41,24 @@ def step_labels(
 
 def labels_to_step_rewards(
     labels: Sequence[Sequence[float]], step_ends: Sequence[Sequence[int]], *, device=None
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-completion step labels and step end indices -> ``(step_rewards [B, K], step_end [B, K])``.
 
     K is the largest number of steps; shorter completions are padded with NaN rewards (and
     end index 0, which ``process_advantages`` ignores where the reward is NaN).
     """
     if len(labels) != len(step_ends):
-        raise ValueError(f"labels and step_ends must have one entry per completion, got {len(labels)} and "
-                         f"{len(step_ends)}")
+        raise ValueError(
+            f"labels and step_ends must have one entry per completion, got {len(labels)} and {len(step_ends)}"
+        )
     K = max((len(x) for x in labels), default=0)
     rewards = torch.full((len(labels), K), float("nan"), device=device)
     ends = torch.zeros((len(labels), K), dtype=torch.long, device=device)
-    for b, (row_labels, row_ends) in enumerate(zip(labels, step_ends)):
+    for b, (row_labels, row_ends) in enumerate(zip(labels, step_ends, strict=True)):
         if len(row_labels) != len(row_ends):
             raise ValueError(f"completion {b}: {len(row_labels)} labels but {len(row_ends)} step ends")
         if list(row_ends) != sorted(row_ends):
             raise ValueError(f"completion {b}: step ends must increase, got {list(row_ends)}")
-        rewards[b, :len(row_labels)] = torch.tensor([float(x) for x in row_labels])
-        ends[b, :len(row_ends)] = torch.tensor(list(row_ends), dtype=torch.long)
+        rewards[b, : len(row_labels)] = torch.tensor([float(x) for x in row_labels])
+        ends[b, : len(row_ends)] = torch.tensor(list(row_ends), dtype=torch.long)
     return rewards, ends

@@ -9,7 +9,7 @@ TRL) can use it instead of a rule verifier.
 from __future__ import annotations
 
 import random
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -19,13 +19,25 @@ from .trainer import left_padded_positions
 
 def _scores(model, tokenizer, texts: Sequence[str], device: str) -> torch.Tensor:
     enc = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    return model(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
-                 position_ids=left_padded_positions(enc.attention_mask)).logits[:, 0]
+    return model(
+        input_ids=enc.input_ids,
+        attention_mask=enc.attention_mask,
+        position_ids=left_padded_positions(enc.attention_mask),
+    ).logits[:, 0]
 
 
-def train_reward_model(model, tokenizer, pairs: List[Dict[str, str]], *, steps: int, batch_size: int = 64,
-                       lr: float = 2e-3, seed: int = 0, device: str = "cpu",
-                       center_rewards_coefficient: Optional[float] = 0.01) -> List[float]:
+def train_reward_model(
+    model,
+    tokenizer,
+    pairs: list[dict[str, str]],
+    *,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    seed: int = 0,
+    device: str = "cpu",
+    center_rewards_coefficient: float | None = 0.01,
+) -> list[float]:
     """Bradley-Terry training on pairs {"prompt", "chosen", "rejected"}; returns the loss per step.
 
     ``center_rewards_coefficient`` (TRL's RewardConfig option, at TRL's recommended 0.01; None: off) holds the
@@ -50,7 +62,7 @@ def train_reward_model(model, tokenizer, pairs: List[Dict[str, str]], *, steps: 
 
 
 @torch.no_grad()
-def preference_accuracy(model, tokenizer, pairs: List[Dict[str, str]], device: str = "cpu") -> float:
+def preference_accuracy(model, tokenizer, pairs: list[dict[str, str]], device: str = "cpu") -> float:
     """Share of pairs whose chosen completion scores above the rejected one."""
     model.eval()
     chosen = _scores(model, tokenizer, [p["prompt"] + p["chosen"] for p in pairs], device)
@@ -71,11 +83,11 @@ class RewardModelReward:
         self.__name__ = "reward_model"
 
     @torch.no_grad()
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **_) -> List[float]:
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **_) -> list[float]:
         self.model.eval()
-        texts = [p + c for p, c in zip(prompts, completions)]
+        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
         scores = []
         for i in range(0, len(texts), self.batch_size):
-            batch = texts[i:i + self.batch_size]
+            batch = texts[i : i + self.batch_size]
             scores.extend(torch.sigmoid(_scores(self.model, self.tokenizer, batch, self.device)).tolist())
         return scores

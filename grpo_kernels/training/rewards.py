@@ -15,19 +15,19 @@ advantage then ignores it, as TRL does). They can be passed to TRL's GRPOTrainer
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)$")
 _FORMAT_ONE_NUMBER = r"^\s*[+-]?(\d+\.?\d*|\.\d+)\s*$"
 
 
-def parse_number(text: str) -> Optional[float]:
+def parse_number(text: str) -> float | None:
     """'0.50', '.5', ' 9.9 ', '1,000', '$3' -> float; anything that is not one plain number -> None."""
     text = text.strip().replace(",", "").lstrip("$")
     return float(text) if _NUMBER.match(text) else None
 
 
-def extract_boxed(text: str) -> Optional[str]:
+def extract_boxed(text: str) -> str | None:
     """The content of the last \\boxed{...} in ``text``, with nested braces; None if there is none."""
     start = text.rfind("\\boxed")
     if start < 0:
@@ -42,7 +42,7 @@ def extract_boxed(text: str) -> Optional[str]:
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1:j]
+                return text[i + 1 : j]
     return None  # unbalanced braces: no answer
 
 
@@ -53,7 +53,7 @@ def _normalize_text(text: str) -> str:
     return re.sub(r"\s+", "", text).rstrip(".").lower()
 
 
-def _fraction(text: str) -> Optional[float]:
+def _fraction(text: str) -> float | None:
     m = re.fullmatch(r"\\frac\{([^{}]+)\}\{([^{}]+)\}|([+-]?\d+)/(\d+)", text)
     if not m:
         return None
@@ -62,7 +62,7 @@ def _fraction(text: str) -> Optional[float]:
     return None if a is None or b in (None, 0.0) else a / b
 
 
-def _as_number(text: str) -> Optional[float]:
+def _as_number(text: str) -> float | None:
     value = parse_number(text)
     return value if value is not None else _fraction(_normalize_text(text))
 
@@ -74,11 +74,12 @@ def _same(answer: str, gold: str, tolerance: float) -> bool:
     return _normalize_text(answer) == _normalize_text(gold)
 
 
-def numeric_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], *,
-                  tolerance: float = 1e-9, **_) -> List[Optional[float]]:
+def numeric_match(
+    prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], *, tolerance: float = 1e-9, **_
+) -> list[float | None]:
     """1.0 if the completion is the gold number (relative ``tolerance``), 0.0 if not; None without gold."""
-    scores: List[Optional[float]] = []
-    for completion, gold in zip(completions, answer):
+    scores: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
         target = None if gold is None else _as_number(str(gold))
         if target is None:
             scores.append(None)
@@ -88,12 +89,13 @@ def numeric_match(prompts: Sequence[str], completions: Sequence[str], answer: Se
     return scores
 
 
-def boxed_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], *,
-                tolerance: float = 1e-9, **_) -> List[Optional[float]]:
+def boxed_match(
+    prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], *, tolerance: float = 1e-9, **_
+) -> list[float | None]:
     """1.0 if the last \\boxed{} answer equals the gold answer (numbers, fractions or text), 0.0 if
     not or if there is no boxed answer; None without gold."""
-    scores: List[Optional[float]] = []
-    for completion, gold in zip(completions, answer):
+    scores: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
         if gold is None:
             scores.append(None)
             continue
@@ -103,8 +105,9 @@ def boxed_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequ
     return scores
 
 
-def format_reward(prompts: Sequence[str], completions: Sequence[str], *, pattern: str = _FORMAT_ONE_NUMBER,
-                  **_) -> List[float]:
+def format_reward(
+    prompts: Sequence[str], completions: Sequence[str], *, pattern: str = _FORMAT_ONE_NUMBER, **_
+) -> list[float]:
     """1.0 if the whole completion matches ``pattern`` (default: one plain number), else 0.0."""
     regex = re.compile(pattern, re.S)
     return [1.0 if regex.fullmatch(c) else 0.0 for c in completions]

@@ -19,13 +19,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence
 
 LAST_STEPS = 10  # the zero-std share at the end: the mean over this many last steps
 
 
-def run_summary(metrics_path: str) -> Dict[str, float]:
+def run_summary(metrics_path: str) -> dict[str, float]:
     """One run's figures from its ``metrics.jsonl``."""
     with open(metrics_path) as f:
         records = [json.loads(line) for line in f if line.strip()]
@@ -46,7 +46,7 @@ def run_summary(metrics_path: str) -> Dict[str, float]:
     }
 
 
-def spread(values: Sequence[float]) -> Dict[str, float]:
+def spread(values: Sequence[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
@@ -54,7 +54,7 @@ RUN_RECORD = "run.json"  # in seed-N/: the finished run's summary and the comman
 CONSOLE_LOG = "console.log"  # in seed-N/: what the run printed (its own train.log is beside it)
 
 
-def _read_json(path: str) -> Optional[Dict]:
+def _read_json(path: str) -> dict | None:
     try:
         with open(path) as f:
             return json.load(f)
@@ -62,8 +62,9 @@ def _read_json(path: str) -> Optional[Dict]:
         return None
 
 
-def _train_one(seed: int, output_dir: str, train_args: Sequence[str], threads: int,
-               script: Optional[str]) -> Dict[str, float]:
+def _train_one(
+    seed: int, output_dir: str, train_args: Sequence[str], threads: int, script: str | None
+) -> dict[str, float]:
     """One seed's run and its summary. A sweep that was killed and started again with the same command reuses
     a seed's finished run (its ``run.json``) and resumes an unfinished ``grpo-kernels train`` run from its last
     checkpoint (``--resume``): no seed runs twice, none is counted twice."""
@@ -77,24 +78,38 @@ def _train_one(seed: int, output_dir: str, train_args: Sequence[str], threads: i
     if finished is not None and finished.get("command") == command:
         return {**finished["summary"], "reused": True}
     started_before = _read_json(os.path.join(run_dir, "attempt.json"))
-    resume = (script is None and started_before is not None and started_before.get("command") == command
-              and latest_checkpoint(run_dir) is not None)
+    resume = (
+        script is None
+        and started_before is not None
+        and started_before.get("command") == command
+        and latest_checkpoint(run_dir) is not None
+    )
     with open(os.path.join(run_dir, "attempt.json"), "w") as f:
         json.dump({"command": command}, f)
     # each run its share of the cores, its OpenMP threads waiting passively (a spinning pool slowed a run sharing 2
     # cores with one busy process 4x, 1.9x once passive)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-               OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+        OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+    )
     started = time.time()
     with open(os.path.join(run_dir, CONSOLE_LOG), "a" if resume else "w") as log:
-        done = subprocess.run([sys.executable, *command, *(["--resume"] if resume else [])], stdout=log,
-                              stderr=subprocess.STDOUT, env=env)
+        done = subprocess.run(
+            [sys.executable, *command, *(["--resume"] if resume else [])], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
     if done.returncode != 0:
-        raise RuntimeError(f"seed {seed}: `{' '.join(command)}` exited with {done.returncode}; "
-                           f"see {os.path.join(run_dir, CONSOLE_LOG)} and train.log there")
-    summary = {"seed": seed, **run_summary(os.path.join(run_dir, "metrics.jsonl")),
-               "seconds": round(time.time() - started, 1),  # (a resumed run's: since the resume)
-               **({"resumed": True} if resume else {})}
+        raise RuntimeError(
+            f"seed {seed}: `{' '.join(command)}` exited with {done.returncode}; "
+            f"see {os.path.join(run_dir, CONSOLE_LOG)} and train.log there"
+        )
+    summary = {
+        "seed": seed,
+        **run_summary(os.path.join(run_dir, "metrics.jsonl")),
+        "seconds": round(time.time() - started, 1),  # (a resumed run's: since the resume)
+        **({"resumed": True} if resume else {}),
+    }
     tmp = os.path.join(run_dir, RUN_RECORD + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"command": command, "summary": summary}, f)
@@ -102,8 +117,9 @@ def _train_one(seed: int, output_dir: str, train_args: Sequence[str], threads: i
     return summary
 
 
-def run_seeds(seeds: Sequence[int], output_dir: str, train_args: Sequence[str], jobs: int = 1,
-              script: Optional[str] = None) -> Dict:
+def run_seeds(
+    seeds: Sequence[int], output_dir: str, train_args: Sequence[str], jobs: int = 1, script: str | None = None
+) -> dict:
     """Train once per seed (``jobs`` at a time) and summarize; writes ``output_dir/seeds.json``.
 
     ``script``: a Python script to run instead of ``grpo-kernels train`` (the reward-model example), which
@@ -118,15 +134,18 @@ def run_seeds(seeds: Sequence[int], output_dir: str, train_args: Sequence[str], 
     os.makedirs(output_dir, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // min(jobs, len(seeds)))
     started = time.time()
-    runs: List[Dict] = []
+    runs: list[dict] = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for run in pool.map(lambda s: _train_one(s, output_dir, train_args, threads, script), seeds):
             runs.append(run)
             print(format_run(run), flush=True)
     finals = [r["final_eval_accuracy"] for r in runs]
     result = {
-        "command": script or "grpo-kernels train", "train_args": list(train_args), "jobs": jobs,
-        "threads_per_run": threads, "runs": runs,
+        "command": script or "grpo-kernels train",
+        "train_args": list(train_args),
+        "jobs": jobs,
+        "threads_per_run": threads,
+        "runs": runs,
         "final_eval_accuracy": spread(finals),
         "first_eval_accuracy": spread([r["first_eval_accuracy"] for r in runs]),
         "largest_drop_from_best": max(r["drop_from_best"] for r in runs),
@@ -139,22 +158,26 @@ def run_seeds(seeds: Sequence[int], output_dir: str, train_args: Sequence[str], 
     return result
 
 
-def format_run(run: Dict) -> str:
-    return (f"seed {run['seed']}: {100 * run['first_eval_accuracy']:.1f} % -> {100 * run['final_eval_accuracy']:.1f} %"
-            f" (best {100 * run['best_eval_accuracy']:.1f} %), zero-std share at the end "
-            f"{100 * run['final_zero_std_groups']:.0f} %, {run['seconds']:.0f} s")
+def format_run(run: dict) -> str:
+    return (
+        f"seed {run['seed']}: {100 * run['first_eval_accuracy']:.1f} % -> {100 * run['final_eval_accuracy']:.1f} %"
+        f" (best {100 * run['best_eval_accuracy']:.1f} %), zero-std share at the end "
+        f"{100 * run['final_zero_std_groups']:.0f} %, {run['seconds']:.0f} s"
+    )
 
 
-def format_summary(result: Dict) -> str:
+def format_summary(result: dict) -> str:
     pct = lambda d: f"{100 * d['min']:.1f} / {100 * d['median']:.1f} / {100 * d['max']:.1f} %"  # noqa: E731
     secs = result["seconds_per_run"]
-    return "\n".join([
-        f"{len(result['runs'])} seeds, min / median / max:",
-        f"  held-out accuracy at step 0   {pct(result['first_eval_accuracy'])}",
-        f"  held-out accuracy at the end  {pct(result['final_eval_accuracy'])}",
-        f"  largest drop from a seed's best evaluation  {100 * result['largest_drop_from_best']:.1f} points",
-        f"  zero-std share, last {LAST_STEPS} steps  {pct(result['final_zero_std_groups'])}",
-        f"  time per run  {secs['min']:.0f} / {secs['median']:.0f} / {secs['max']:.0f} s "
-        f"({result['jobs']} at a time, {result['threads_per_run']} threads each; "
-        f"{result['wall_seconds']:.0f} s in all)",
-    ])
+    return "\n".join(
+        [
+            f"{len(result['runs'])} seeds, min / median / max:",
+            f"  held-out accuracy at step 0   {pct(result['first_eval_accuracy'])}",
+            f"  held-out accuracy at the end  {pct(result['final_eval_accuracy'])}",
+            f"  largest drop from a seed's best evaluation  {100 * result['largest_drop_from_best']:.1f} points",
+            f"  zero-std share, last {LAST_STEPS} steps  {pct(result['final_zero_std_groups'])}",
+            f"  time per run  {secs['min']:.0f} / {secs['median']:.0f} / {secs['max']:.0f} s "
+            f"({result['jobs']} at a time, {result['threads_per_run']} threads each; "
+            f"{result['wall_seconds']:.0f} s in all)",
+        ]
+    )

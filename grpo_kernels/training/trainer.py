@@ -21,21 +21,21 @@ import random
 import shutil
 import sys
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import __version__
 from ..advantages import group_advantages, process_advantages
-from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
-from ..heads import fused_head, head_weights
-from ..wrapped import inside_forward
 from ..entropy_control import AdaptiveEntropy
+from ..heads import fused_head, head_weights
+from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
 from ..options import LOSS_TYPE_REGISTRY
+from ..wrapped import inside_forward
 from .process_labels import labels_to_step_rewards
 
-RewardFunction = Callable[..., List[Optional[float]]]
+RewardFunction = Callable[..., list[float | None]]
 
 
 @dataclasses.dataclass
@@ -46,7 +46,7 @@ class TrainerConfig:
     learning_rate: float = 1e-3
     beta: float = 0.0
     epsilon: float = 0.2
-    epsilon_high: Optional[float] = None
+    epsilon_high: float | None = None
     loss_type: str = "grpo"
     num_iterations: int = 1  # mu: updates per generation batch (1 uses the on-policy shortcut)
     # 0: outcome supervision (one reward per completion). N > 0: process supervision with
@@ -80,22 +80,35 @@ class TrainerConfig:
 
     def __post_init__(self):
         if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages compare completions of one prompt), "
-                             f"got {self.group_size}")
+            raise ValueError(
+                f"group_size must be >= 2 (advantages compare completions of one prompt), got {self.group_size}"
+            )
         if self.prompts_per_step < 1 or self.steps < 0 or self.num_iterations < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"prompts_per_step, num_iterations and max_new_tokens must be >= 1 and steps >= 0, "
-                             f"got {self.prompts_per_step}, {self.num_iterations}, {self.max_new_tokens}, {self.steps}")
+            raise ValueError(
+                f"prompts_per_step, num_iterations and max_new_tokens must be >= 1 and steps >= 0, "
+                f"got {self.prompts_per_step}, {self.num_iterations}, {self.max_new_tokens}, {self.steps}"
+            )
         if self.max_sampling_rounds < 1:
-            raise ValueError(f"max_sampling_rounds must be >= 1 (batches of prompts a step may sample), "
-                             f"got {self.max_sampling_rounds}")
+            raise ValueError(
+                f"max_sampling_rounds must be >= 1 (batches of prompts a step may sample), "
+                f"got {self.max_sampling_rounds}"
+            )
 
 
 # The recipe of `grpo-kernels train` and the examples on the built-in task, chosen by its spread over seeds
 # (docs/trainer.md): the KL term keeps the warmed-up model's copying of the
 # chosen number while the choice moves, and dynamic sampling fills each update with groups that carry
 # signal. TrainerConfig's own defaults stay plain GRPO.
-RECIPE = dict(group_size=8, prompts_per_step=32, steps=200, learning_rate=5e-4, beta=0.04, epsilon_high=0.28,
-              dynamic_sampling=True, eval_every=25)
+RECIPE = dict(
+    group_size=8,
+    prompts_per_step=32,
+    steps=200,
+    learning_rate=5e-4,
+    beta=0.04,
+    epsilon_high=0.28,
+    dynamic_sampling=True,
+    eval_every=25,
+)
 
 
 def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -103,7 +116,7 @@ def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def reward_columns(rows: List[Dict]) -> Dict[str, list]:
+def reward_columns(rows: list[dict]) -> dict[str, list]:
     """The rows' fields other than "prompt", one list each: the keyword arguments of a TRL reward function."""
     return {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
 
@@ -151,18 +164,30 @@ class Rollout:
     advantages: torch.Tensor  # [B], or [B, T] with process supervision
     rewards: torch.Tensor  # [B, K], NaN where a reward function returned None
     zero_std: torch.Tensor  # [groups] bool: the groups whose rewards are all equal (no signal)
-    rows: List[Dict]  # [B]: the dataset row of each completion
+    rows: list[dict]  # [B]: the dataset row of each completion
 
-    def groups(self, keep: torch.Tensor) -> "Rollout":
+    def groups(self, keep: torch.Tensor) -> Rollout:
         """The rollout of the groups ``keep`` [groups] (bool) selects, in order."""
         rows_kept = keep.repeat_interleave(self.completion_ids.shape[0] // keep.shape[0])
         index = rows_kept.nonzero().squeeze(1)
-        return Rollout(*(t[index.to(t.device)] for t in (self.prompt_ids, self.prompt_mask, self.completion_ids,
-                                                         self.completion_mask, self.advantages, self.rewards)),
-                       self.zero_std[keep], [self.rows[i] for i in index.tolist()])
+        return Rollout(
+            *(
+                t[index.to(t.device)]
+                for t in (
+                    self.prompt_ids,
+                    self.prompt_mask,
+                    self.completion_ids,
+                    self.completion_mask,
+                    self.advantages,
+                    self.rewards,
+                )
+            ),
+            self.zero_std[keep],
+            [self.rows[i] for i in index.tolist()],
+        )
 
     @staticmethod
-    def concat(parts: Sequence["Rollout"], pad_token_id: int) -> "Rollout":
+    def concat(parts: Sequence[Rollout], pad_token_id: int) -> Rollout:
         """One rollout of several rounds' groups: prompts re-padded on the left, completions on the right."""
         if len(parts) == 1:
             return parts[0]
@@ -170,14 +195,18 @@ class Rollout:
         T = max(p.completion_ids.shape[1] for p in parts)
         cat = lambda tensors, width, value, left: torch.cat([_pad_to(t, width, value, left) for t in tensors])  # noqa: E731
         per_token_advantages = parts[0].advantages.dim() == 2
-        return Rollout(cat([p.prompt_ids for p in parts], P, pad_token_id, True),
-                       cat([p.prompt_mask for p in parts], P, 0, True),
-                       cat([p.completion_ids for p in parts], T, pad_token_id, False),
-                       cat([p.completion_mask for p in parts], T, 0, False),
-                       cat([p.advantages for p in parts], T, 0.0, False) if per_token_advantages
-                       else torch.cat([p.advantages for p in parts]),
-                       torch.cat([p.rewards for p in parts]), torch.cat([p.zero_std for p in parts]),
-                       [row for p in parts for row in p.rows])
+        return Rollout(
+            cat([p.prompt_ids for p in parts], P, pad_token_id, True),
+            cat([p.prompt_mask for p in parts], P, 0, True),
+            cat([p.completion_ids for p in parts], T, pad_token_id, False),
+            cat([p.completion_mask for p in parts], T, 0, False),
+            cat([p.advantages for p in parts], T, 0.0, False)
+            if per_token_advantages
+            else torch.cat([p.advantages for p in parts]),
+            torch.cat([p.rewards for p in parts]),
+            torch.cat([p.zero_std for p in parts]),
+            [row for p in parts for row in p.rows],
+        )
 
 
 @dataclasses.dataclass
@@ -211,11 +240,21 @@ class GRPOTrainer:
     (optional) says whether a completion is well-formed: the malformed shares are logged beside the accuracy.
     """
 
-    def __init__(self, model, tokenizer, reward_funcs: Sequence[RewardFunction], train_rows: List[Dict],
-                 config: TrainerConfig, *, reward_weights: Optional[Sequence[float]] = None,
-                 eval_rows: Optional[List[Dict]] = None, eval_reward: Optional[RewardFunction] = None,
-                 device: str = "cpu", log: Optional[Callable[[Dict], None]] = None,
-                 format_reward: Optional[RewardFunction] = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        reward_funcs: Sequence[RewardFunction],
+        train_rows: list[dict],
+        config: TrainerConfig,
+        *,
+        reward_weights: Sequence[float] | None = None,
+        eval_rows: list[dict] | None = None,
+        eval_reward: RewardFunction | None = None,
+        device: str = "cpu",
+        log: Callable[[dict], None] | None = None,
+        format_reward: RewardFunction | None = None,
+    ):
         if not reward_funcs:
             raise ValueError("reward_funcs must hold at least one reward function, got none")
         rank, size = world()
@@ -234,18 +273,35 @@ class GRPOTrainer:
         if config.beta > 0:  # a frozen copy of the starting policy (a resumed run loads the run's own: load_state)
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self._reference_saved = False  # written with this run's first checkpoint
-        loss_options = dict(loss_type=config.loss_type, beta=config.beta, epsilon=config.epsilon,
-                            epsilon_high=config.epsilon_high, temperature=config.temperature,
-                            max_completion_length=config.max_new_tokens, entropy_coef=config.entropy_coef)
-        self.entropy_control = AdaptiveEntropy(
-            coef=config.entropy_coef, target=config.entropy_target, coef_min=config.entropy_coef_min,
-            coef_max=config.entropy_coef_max, delta=config.entropy_coef_delta) if config.adaptive_entropy else None
+        loss_options = dict(
+            loss_type=config.loss_type,
+            beta=config.beta,
+            epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high,
+            temperature=config.temperature,
+            max_completion_length=config.max_new_tokens,
+            entropy_coef=config.entropy_coef,
+        )
+        self.entropy_control = (
+            AdaptiveEntropy(
+                coef=config.entropy_coef,
+                target=config.entropy_target,
+                coef_min=config.entropy_coef_min,
+                coef_max=config.entropy_coef_max,
+                delta=config.entropy_coef_delta,
+            )
+            if config.adaptive_entropy
+            else None
+        )
         # from logits, the loss takes the model's [B, T + 1, V] output whole (see _logits)
         # the fused lm_head applies the model's head transform, checked once on a probe of its forward
         # (grpo_kernels.heads.fused_head: a FusedHeadError names a model it cannot reproduce)
         self.head_transform = fused_head(model) if config.fused_lm_head else None
-        self.loss_fn = (FusedLinearGRPOLoss(**loss_options, **self.head_transform.options) if config.fused_lm_head
-                        else GRPOLoss(drop_last_position=True, **loss_options))
+        self.loss_fn = (
+            FusedLinearGRPOLoss(**loss_options, **self.head_transform.options)
+            if config.fused_lm_head
+            else GRPOLoss(drop_last_position=True, **loss_options)
+        )
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
         self.step = 0
         self.rng = random.Random(config.seed * 1000 + rank)
@@ -253,7 +309,7 @@ class GRPOTrainer:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
 
     # ----- generation and scoring -------------------------------------------------------
-    def _encode_prompts(self, prompts: List[str]):
+    def _encode_prompts(self, prompts: list[str]):
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         width = enc.input_ids.shape[1]
         if self.max_positions is not None and width + self.config.max_new_tokens > self.max_positions:
@@ -264,7 +320,7 @@ class GRPOTrainer:
         return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
 
     @torch.no_grad()
-    def generate(self, prompts: List[str], *, greedy: bool = False, samples_per_prompt: int = 1):
+    def generate(self, prompts: list[str], *, greedy: bool = False, samples_per_prompt: int = 1):
         """Prompt ids and mask [B, P] and completion ids and mask [B, T] (1 up to and including the first
         EOS), B = len(prompts) x samples_per_prompt, each prompt's samples consecutive.
 
@@ -273,15 +329,23 @@ class GRPOTrainer:
         it (the same distribution; the prefill is most of the work when completions are short)."""
         prompt_ids, prompt_mask = self._encode_prompts(prompts)
         self.model.eval()
-        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=self.config.temperature,
-                                                              top_k=0, top_p=1.0)
+        sampling = (
+            dict(do_sample=False)
+            if greedy
+            else dict(do_sample=True, temperature=self.config.temperature, top_k=0, top_p=1.0)
+        )
         sampling.update(self._shared_prefill(prompt_ids, prompt_mask, samples_per_prompt))
         prompt_ids = prompt_ids.repeat_interleave(samples_per_prompt, 0)
         prompt_mask = prompt_mask.repeat_interleave(samples_per_prompt, 0)
-        out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                  max_new_tokens=self.config.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                                  eos_token_id=self.tokenizer.eos_token_id, **sampling)
-        completion_ids = out[:, prompt_ids.shape[1]:]
+        out = self.model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=self.config.max_new_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            **sampling,
+        )
+        completion_ids = out[:, prompt_ids.shape[1] :]
         is_eos = completion_ids == self.tokenizer.eos_token_id
         first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), completion_ids.shape[1])
         positions = torch.arange(completion_ids.shape[1], device=self.device)
@@ -289,7 +353,7 @@ class GRPOTrainer:
         completion_ids = torch.where(completion_mask.bool(), completion_ids, self.tokenizer.pad_token_id)
         return prompt_ids, prompt_mask, completion_ids, completion_mask
 
-    def _shared_prefill(self, prompt_ids, prompt_mask, samples: int) -> Dict:
+    def _shared_prefill(self, prompt_ids, prompt_mask, samples: int) -> dict:
         """``generate``'s keyword for a cache of the prompts but their last token, repeated ``samples``
         times; none where there is nothing to share or the model's cache cannot be repeated."""
         # transformers 5 names the argument "cache", earlier versions "past_key_values"
@@ -298,15 +362,20 @@ class GRPOTrainer:
         if samples == 1 or prompt_ids.shape[1] < 2 or name not in forward_params:
             return {}
         prefix_mask = prompt_mask[:, :-1]
-        prefix = self.model(input_ids=prompt_ids[:, :-1], attention_mask=prefix_mask,
-                            position_ids=left_padded_positions(prefix_mask), use_cache=True, logits_to_keep=1)
+        prefix = self.model(
+            input_ids=prompt_ids[:, :-1],
+            attention_mask=prefix_mask,
+            position_ids=left_padded_positions(prefix_mask),
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache = prefix[name] if name in prefix else None
         if not hasattr(cache, "batch_repeat_interleave") or not _keys_and_values_only(cache):
             return {}
         cache.batch_repeat_interleave(samples)
         return {name: cache}
 
-    def score(self, rows: List[Dict], completions: List[str]) -> torch.Tensor:
+    def score(self, rows: list[dict], completions: list[str]) -> torch.Tensor:
         """Rewards [B, K]: one column per reward function, NaN where it returned None."""
         columns = reward_columns(rows)
         prompts = [row["prompt"] for row in rows]
@@ -319,8 +388,9 @@ class GRPOTrainer:
                 raise RuntimeError(f"reward function {name} raised {type(err).__name__}: {err}") from err
             if values is None or len(values) != len(completions):
                 got = "None" if values is None else f"{len(values)} scores"
-                raise ValueError(f"reward function {name} must return one score per completion "
-                                 f"({len(completions)}), got {got}")
+                raise ValueError(
+                    f"reward function {name} must return one score per completion ({len(completions)}), got {got}"
+                )
             scores.append([float("nan") if v is None else float(v) for v in values])
         return torch.tensor(scores, dtype=torch.float32).T
 
@@ -329,8 +399,12 @@ class GRPOTrainer:
         """``module`` run on prompt + completion (bf16 autocast on CUDA); its output and the prompt width."""
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(self.device).startswith("cuda")):
-            out = module(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=attention_mask,
-                         position_ids=left_padded_positions(attention_mask), **kwargs)
+            out = module(
+                input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                attention_mask=attention_mask,
+                position_ids=left_padded_positions(attention_mask),
+                **kwargs,
+            )
         return out, prompt_ids.shape[1]
 
     def _logits(self, model, *inputs):
@@ -339,7 +413,7 @@ class GRPOTrainer:
         computes only these (``logits_to_keep``)."""
         T = inputs[2].shape[1]
         out, _ = self._completion_outputs(model, *inputs, logits_to_keep=T + 1)
-        return out.logits if out.logits.shape[1] == T + 1 else out.logits[:, -(T + 1):]
+        return out.logits if out.logits.shape[1] == T + 1 else out.logits[:, -(T + 1) :]
 
     def sample_groups(self) -> Rollout:
         """Sample this rank's share of ``prompts_per_step`` prompts, G completions each, score them,
@@ -348,12 +422,21 @@ class GRPOTrainer:
         rows = [self.rng.choice(self.train_rows) for _ in range(config.prompts_per_step // size)]
         grouped = [row for row in rows for _ in range(config.group_size)]
         prompt_ids, prompt_mask, completion_ids, completion_mask = self.generate(
-            [r["prompt"] for r in rows], samples_per_prompt=config.group_size)
+            [r["prompt"] for r in rows], samples_per_prompt=config.group_size
+        )
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         rewards = self.score(grouped, completions)
         adv = group_advantages(rewards, config.group_size, weights=self.reward_weights)
-        return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, adv.advantages.to(self.device),
-                       rewards, adv.zero_std_groups.cpu(), grouped)
+        return Rollout(
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            adv.advantages.to(self.device),
+            rewards,
+            adv.zero_std_groups.cpu(),
+            grouped,
+        )
 
     def rollout(self) -> Rollout:
         """The groups this step trains on (``sample_step().update``)."""
@@ -386,7 +469,7 @@ class GRPOTrainer:
         return StepBatch(update, Rollout.concat(sampled, self.tokenizer.pad_token_id))
 
     @torch.no_grad()
-    def step_labels(self, grouped: List[Dict], completion_ids: torch.Tensor, completion_mask: torch.Tensor):
+    def step_labels(self, grouped: list[dict], completion_ids: torch.Tensor, completion_mask: torch.Tensor):
         """MATH-SHEPHERD soft labels for every token-step: sample completions from each prefix, verify them.
 
         A label is a function of the prefix alone (and its dataset row), so completions of one row that share a
@@ -401,10 +484,10 @@ class GRPOTrainer:
         N, B = self.config.process_rollouts, completion_ids.shape[0]
         lengths = completion_mask.sum(1).tolist()
         eos = self.tokenizer.eos_token_id
-        steps_of: Dict[tuple, List[tuple]] = {}  # (row's id, prefix text, ends with EOS) -> its (completion, step)s
+        steps_of: dict[tuple, list[tuple]] = {}  # (row's id, prefix text, ends with EOS) -> its (completion, step)s
         for b in range(B):
             for j in range(lengths[b]):
-                text = self.tokenizer.decode(completion_ids[b, :j + 1], skip_special_tokens=True)
+                text = self.tokenizer.decode(completion_ids[b, : j + 1], skip_special_tokens=True)
                 finished = int(completion_ids[b, j]) == eos
                 steps_of.setdefault((id(grouped[b]), text, finished), []).append((b, j))
         labels = [[float("nan")] * lengths[b] for b in range(B)]
@@ -420,23 +503,26 @@ class GRPOTrainer:
             for b, j in steps_of[key]:
                 labels[b][j] = label
 
-        for key, score in zip(finished, verify(finished, [text for _, text, _ in finished]) if finished else []):
+        for key, score in zip(
+            finished, verify(finished, [text for _, text, _ in finished]) if finished else [], strict=True
+        ):
             assign(key, float(score or 0.0))
         if open_prefixes:
             repeated = [key for key in open_prefixes for _ in range(N)]
-            _, _, cont_ids, _ = self.generate([row_of(key)["prompt"] + key[1] for key in open_prefixes],
-                                              samples_per_prompt=N)
+            _, _, cont_ids, _ = self.generate(
+                [row_of(key)["prompt"] + key[1] for key in open_prefixes], samples_per_prompt=N
+            )
             continuations = self.tokenizer.batch_decode(cont_ids, skip_special_tokens=True)
-            scores = verify(repeated, [key[1] + c for key, c in zip(repeated, continuations)])
+            scores = verify(repeated, [key[1] + c for key, c in zip(repeated, continuations, strict=True)])
             for i, key in enumerate(open_prefixes):
-                assign(key, sum(float(s or 0.0) for s in scores[i * N:(i + 1) * N]) / N)
+                assign(key, sum(float(s or 0.0) for s in scores[i * N : (i + 1) * N]) / N)
         step_ends = [list(range(n)) for n in lengths]
         return labels_to_step_rewards(labels, step_ends, device=self.device)
 
     def _hidden_states(self, model, *inputs):
         """Last hidden states [B, T, H] whose lm_head logits predict the completion tokens."""
         out, width = self._completion_outputs(model.get_decoder(), *inputs)
-        return out.last_hidden_state[:, width - 1: -1]
+        return out.last_hidden_state[:, width - 1 : -1]
 
     def accumulate_gradients(self, r: Rollout, old_logps=None, ref_logps=None):
         """One backward of GRPOLoss on this rank's rollout, gradients averaged over ranks.
@@ -459,18 +545,27 @@ class GRPOTrainer:
         if self.entropy_control is not None:  # this step applies the coefficient the last step left
             self.loss_fn.update(entropy_coef=self.entropy_control.applied_coef())
         if self.config.fused_lm_head:
+
             def loss_in_forward(*batch):  # the model's forward, through its own call (grpo_kernels.wrapped)
                 hidden = self._hidden_states(self.model, *batch)
                 weight, bias = head_weights(self.model, self.head_transform)  # a LoRA adapter folded in
-                out = self.loss_fn(hidden, weight.to(hidden.dtype), r.completion_ids, r.completion_mask,
-                                   r.advantages, bias=None if bias is None else bias.to(hidden.dtype), **per_token)
+                out = self.loss_fn(
+                    hidden,
+                    weight.to(hidden.dtype),
+                    r.completion_ids,
+                    r.completion_mask,
+                    r.advantages,
+                    bias=None if bias is None else bias.to(hidden.dtype),
+                    **per_token,
+                )
                 return out.loss, out
 
             loss, out = inside_forward(self.model, loss_in_forward, *inputs)
             out = dataclasses.replace(out, loss=loss)  # the wrapper's returned loss: its backward hooks attach to it
         else:
-            out = self.loss_fn(self._logits(self.model, *inputs), r.completion_ids, r.completion_mask,
-                               r.advantages, **per_token)
+            out = self.loss_fn(
+                self._logits(self.model, *inputs), r.completion_ids, r.completion_mask, r.advantages, **per_token
+            )
         loss = out.loss
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -480,7 +575,7 @@ class GRPOTrainer:
             self.entropy_control.end_window(all_reduce_sum)
         return loss.detach(), out.metrics
 
-    def train_step(self) -> Dict[str, float]:
+    def train_step(self) -> dict[str, float]:
         config, size = self.config, world()[1]
         batch = self.sample_step()
         r = batch.update
@@ -488,11 +583,13 @@ class GRPOTrainer:
         old_logps = ref_logps = None
         with torch.no_grad():
             if config.num_iterations > 1:  # mu = 1 uses the on-policy shortcut (old_logps=None)
-                old_logps = token_logprobs(self._logits(self.model, *inputs), r.completion_ids, config.temperature,
-                                           drop_last_position=True)
+                old_logps = token_logprobs(
+                    self._logits(self.model, *inputs), r.completion_ids, config.temperature, drop_last_position=True
+                )
             if self.ref_model is not None:
-                ref_logps = token_logprobs(self._logits(self.ref_model, *inputs), r.completion_ids,
-                                           config.temperature, drop_last_position=True)
+                ref_logps = token_logprobs(
+                    self._logits(self.ref_model, *inputs), r.completion_ids, config.temperature, drop_last_position=True
+                )
         self.model.train()
         for _ in range(config.num_iterations):
             loss, metrics = self.accumulate_gradients(r, old_logps, ref_logps)
@@ -507,16 +604,28 @@ class GRPOTrainer:
         loss_metrics = {name: value.detach().float().cpu() for name, value in sorted(metrics.items())}
         loss_metrics.setdefault("kl", torch.tensor(0.0))
         if self._format_column is not None:  # the sampled answers' malformed share, beside the accuracy
-            loss_metrics = {"malformed": 1.0 - s.rewards[:, self._format_column].nan_to_num(0.0).mean(),
-                            **loss_metrics}
-        stats = torch.stack([s.rewards.nan_to_num(0.0).mul(weights).sum(1).mean(),
-                             s.rewards[:, 0].nan_to_num(0.0).mean(), s.zero_std.float().mean(),
-                             s.completion_mask.sum().float().cpu() / s.completion_mask.shape[0], loss.cpu(),
-                             *loss_metrics.values()])
+            loss_metrics = {"malformed": 1.0 - s.rewards[:, self._format_column].nan_to_num(0.0).mean(), **loss_metrics}
+        stats = torch.stack(
+            [
+                s.rewards.nan_to_num(0.0).mul(weights).sum(1).mean(),
+                s.rewards[:, 0].nan_to_num(0.0).mean(),
+                s.zero_std.float().mean(),
+                s.completion_mask.sum().float().cpu() / s.completion_mask.shape[0],
+                loss.cpu(),
+                *loss_metrics.values(),
+            ]
+        )
         reward, accuracy, zero_std, length, loss_value, *metric_values = (all_reduce_sum(stats) / size).tolist()
-        record = {"step": self.step, "reward": reward, "accuracy": accuracy, "loss": loss_value,
-                  "zero_std_groups": zero_std, "completion_length": length, "grad_norm": float(grad_norm),
-                  **dict(zip(loss_metrics, metric_values))}
+        record = {
+            "step": self.step,
+            "reward": reward,
+            "accuracy": accuracy,
+            "loss": loss_value,
+            "zero_std_groups": zero_std,
+            "completion_length": length,
+            "grad_norm": float(grad_norm),
+            **dict(zip(loss_metrics, metric_values, strict=True)),
+        }
         if config.dynamic_sampling:  # over all ranks
             groups = all_reduce_sum(torch.tensor([s.zero_std.shape[0], int((~r.zero_std).sum())])).tolist()
             record.update(groups_sampled=groups[0], groups_kept=groups[1])
@@ -524,7 +633,7 @@ class GRPOTrainer:
             record.update(entropy_coef=self.entropy_control.coef, entropy=self.entropy_control.last_world_entropy)
         return record
 
-    def _weights(self, rewards: torch.Tensor) -> List[float]:
+    def _weights(self, rewards: torch.Tensor) -> list[float]:
         return list(self.reward_weights) if self.reward_weights is not None else [1.0] * rewards.shape[1]
 
     def _average_gradients(self) -> None:
@@ -547,25 +656,26 @@ class GRPOTrainer:
         correct = well_formed = 0.0
         batches = range(0, len(self.eval_rows), batch_size)
         for i in tqdm(batches, desc="evaluation", unit="batch", disable=not progress, file=sys.stderr, leave=False):
-            rows = self.eval_rows[i:i + batch_size]
+            rows = self.eval_rows[i : i + batch_size]
             _, _, completion_ids, _ = self.generate([r["prompt"] for r in rows], greedy=True)
             completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             prompts, columns = [r["prompt"] for r in rows], reward_columns(rows)
             correct += sum(float(s or 0.0) for s in self.eval_reward(prompts, completions, **columns))
             if self.format_reward is not None:
                 well_formed += sum(float(s or 0.0) for s in self.format_reward(prompts, completions, **columns))
-        self.last_eval_malformed = (1.0 - well_formed / len(self.eval_rows) if self.format_reward is not None
-                                    else float("nan"))
+        self.last_eval_malformed = (
+            1.0 - well_formed / len(self.eval_rows) if self.format_reward is not None else float("nan")
+        )
         return correct / len(self.eval_rows)
 
-    def _evaluation(self, progress: bool) -> Dict[str, float]:
+    def _evaluation(self, progress: bool) -> dict[str, float]:
         """The held-out row of the log: the greedy accuracy, and the malformed share with ``format_reward``."""
         record = {"step": self.step, "eval_accuracy": self.evaluate(progress=progress)}
         if self.format_reward is not None:
             record["eval_malformed"] = self.last_eval_malformed
         return record
 
-    def save_checkpoint(self, extra: Optional[Dict] = None) -> str:
+    def save_checkpoint(self, extra: dict | None = None) -> str:
         """Write checkpoint-STEP atomically (a temporary folder renamed at the end): the weights, the optimizer,
         every random generator the run draws from, the feature state (adaptive entropy) and the config. The
         reference model (beta > 0) is written once a run, beside the checkpoints (``REFERENCE_DIR``), before the
@@ -574,13 +684,22 @@ class GRPOTrainer:
         if world()[0] != 0:
             return final
         if self.ref_model is not None and not self._reference_saved:
-            save_atomically(os.path.join(self.config.output_dir, REFERENCE_DIR),
-                             lambda tmp: (self.ref_model.save_pretrained(tmp), self.tokenizer.save_pretrained(tmp)))
+            save_atomically(
+                os.path.join(self.config.output_dir, REFERENCE_DIR),
+                lambda tmp: (self.ref_model.save_pretrained(tmp), self.tokenizer.save_pretrained(tmp)),
+            )
             self._reference_saved = True
-        state = {"format": CHECKPOINT_FORMAT, "version": __version__, "step": self.step,
-                 "optimizer": self.optimizer.state_dict(), "rng": self.rng.getstate(),
-                 "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(self.config),
-                 "reference": REFERENCE_DIR if self.ref_model is not None else None, **(extra or {})}
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "version": __version__,
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "rng": self.rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "config": dataclasses.asdict(self.config),
+            "reference": REFERENCE_DIR if self.ref_model is not None else None,
+            **(extra or {}),
+        }
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         if self.entropy_control is not None:
@@ -601,8 +720,11 @@ class GRPOTrainer:
         state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
         refused, noted = resume_differences(state, self.config, self.ref_model is not None)
         if refused:
-            raise ValueError(f"cannot resume from {checkpoint} as the same run: " + "; ".join(refused)
-                             + ". Resume with the checkpoint's settings, or start a new run in another output dir")
+            raise ValueError(
+                f"cannot resume from {checkpoint} as the same run: "
+                + "; ".join(refused)
+                + ". Resume with the checkpoint's settings, or start a new run in another output dir"
+            )
         for note in noted:
             warnings.warn(f"resuming from {checkpoint}: {note}", stacklevel=2)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -619,15 +741,17 @@ class GRPOTrainer:
     def _load_reference(self, path: str) -> None:
         """The run's reference model (the policy it started from), not the checkpoint's policy."""
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"the run's reference model {path!r} is missing: resuming would anchor the KL "
-                                    "to another model. Start the run again")
+            raise FileNotFoundError(
+                f"the run's reference model {path!r} is missing: resuming would anchor the KL "
+                "to another model. Start the run again"
+            )
         from transformers import AutoModelForCausalLM
 
         weights = AutoModelForCausalLM.from_pretrained(path).state_dict()
         self.ref_model.load_state_dict(weights)
         self._reference_saved = True
 
-    def train(self, on_step: Optional[Callable[[Dict], None]] = None, progress: bool = False) -> List[Dict]:
+    def train(self, on_step: Callable[[dict], None] | None = None, progress: bool = False) -> list[dict]:
         """Run to ``config.steps``: evaluate first and at the end, save every ``save_every``.
 
         ``progress`` shows a bar for each evaluation (the caller shows the steps'), on rank 0.
@@ -642,8 +766,12 @@ class GRPOTrainer:
             emit(record)
             if on_step is not None:
                 on_step(record)
-            if self.eval_rows and self.config.eval_every and self.step % self.config.eval_every == 0 \
-                    and self.step < self.config.steps:
+            if (
+                self.eval_rows
+                and self.config.eval_every
+                and self.step % self.config.eval_every == 0
+                and self.step < self.config.steps
+            ):
                 emit(self._evaluation(show))
             if self.config.save_every and self.step % self.config.save_every == 0:
                 self.save_checkpoint()
@@ -659,14 +787,16 @@ REFERENCE_DIR = "reference"  # beside the checkpoints: the run's reference model
 NUMBER_NEUTRAL_FIELDS = ("steps", "eval_every", "save_every", "output_dir")
 
 
-def resume_differences(state: Dict, config: "TrainerConfig", uses_reference: bool) -> tuple:
+def resume_differences(state: dict, config: TrainerConfig, uses_reference: bool) -> tuple:
     """(why a resume from ``state`` cannot continue the same run, what differs harmlessly): a checkpoint of an
     older format (no reference model, where the run needs one), config fields that change the numbers."""
     refused, noted = [], []
     if state.get("format", 1) < CHECKPOINT_FORMAT:
         if uses_reference:
-            refused.append("the checkpoint was written by an older grpo-kernels, which did not save the reference "
-                           "model: the KL would be taken to the checkpoint's policy")
+            refused.append(
+                "the checkpoint was written by an older grpo-kernels, which did not save the reference "
+                "model: the KL would be taken to the checkpoint's policy"
+            )
         else:
             noted.append("the checkpoint was written by an older grpo-kernels (no format number)")
     saved, now = state.get("config", {}), dataclasses.asdict(config)
@@ -693,16 +823,20 @@ def save_atomically(final: str, write: Callable[[str], object]) -> None:
         os.replace(tmp, final)
 
 
-def latest_checkpoint(output_dir: str) -> Optional[str]:
+def latest_checkpoint(output_dir: str) -> str | None:
     """The checkpoint-N folder with the largest N in output_dir (temporary folders ignored)."""
     if not os.path.isdir(output_dir):
         return None
-    steps = [int(name.split("-")[1]) for name in os.listdir(output_dir)
-             if name.startswith("checkpoint-") and name.split("-")[1].isdigit()]
+    steps = [
+        int(name.split("-")[1])
+        for name in os.listdir(output_dir)
+        if name.startswith("checkpoint-") and name.split("-")[1].isdigit()
+    ]
     return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
 
 
-def append_jsonl(path: str, record: Dict) -> None:
+def append_jsonl(path: str, record: dict) -> None:
     with open(path, "a") as f:
-        f.write(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v)
-                            for k, v in record.items()}) + "\n")
+        f.write(
+            json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}) + "\n"
+        )
