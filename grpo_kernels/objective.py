@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional
 
 import torch
 
-from .kernels.contracts import (CLIP_METRICS_CISPO, CLIP_METRICS_PPO, DIVISOR_GIVEN, DIVISOR_ROW, DIVISOR_TOTAL,
-                                Reduction)
 from . import torch_path
+from .families import FAMILY_TERMS
+from .kernels.contracts import (
+    CLIP_METRICS_CISPO,
+    CLIP_METRICS_PPO,
+    DIVISOR_GIVEN,
+    DIVISOR_ROW,
+    DIVISOR_TOTAL,
+    Reduction,
+)
 from .options import GRPOOptions
 
 
@@ -39,7 +45,7 @@ class GRPOLossOutput:
     """
 
     loss: torch.Tensor
-    metrics: Dict[str, torch.Tensor]
+    metrics: dict[str, torch.Tensor]
     per_token_logps: torch.Tensor
 
 
@@ -48,14 +54,15 @@ class PerTokenTerms:
     """Per-token results of the loss math, before the reduction."""
 
     per_token_loss: torch.Tensor  # [B, T]: policy term * importance weight + beta * KL
-    per_token_kl: Optional[torch.Tensor]  # [B, T] or None when beta == 0
-    is_low_clipped: Optional[torch.Tensor]  # bool [B, T] ([B, 1] at sequence level)
-    is_high_clipped: Optional[torch.Tensor]  # for cispo: TRL's cispo-clipped flag
-    vespo_phi: Optional[torch.Tensor] = None  # vespo: the detached sequence weight phi(w), [B, 1]
+    per_token_kl: torch.Tensor | None  # [B, T] or None when beta == 0
+    is_low_clipped: torch.Tensor | None  # bool [B, T] ([B, 1] at sequence level)
+    is_high_clipped: torch.Tensor | None  # for cispo: TRL's cispo-clipped flag
+    vespo_phi: torch.Tensor | None = None  # vespo: the detached sequence weight phi(w), [B, 1]
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                               softcap: Optional[float] = None):
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, softcap: float | None = None
+):
     """log softmax(cap(logits) / temperature)[ids] and the entropy of that distribution, in fp32 (cap: the head's
     soft-cap, ``torch_path.capped``; temperature and softcap as the kernels take them, ``GRPOOptions.kernel_*``)."""
     logps_all = torch.log_softmax(torch_path.capped(logits.float(), softcap)[0] / temperature, dim=-1)  # [B, T, V]
@@ -65,7 +72,7 @@ def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperat
     return lp, entropy
 
 
-def as_row_column(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def as_row_column(x: torch.Tensor | None) -> torch.Tensor | None:
     """[B] -> [B, 1] so per-row values broadcast over T; [B, 1] and [B, T] pass through."""
     if x is None or x.dim() == 2:
         return x
@@ -92,18 +99,19 @@ def per_token_terms(
     lp: torch.Tensor,
     mask: torch.Tensor,
     advantages: torch.Tensor,
-    old_logps: Optional[torch.Tensor],
-    ref_logps: Optional[torch.Tensor],
-    importance_weights: Optional[torch.Tensor],
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    importance_weights: torch.Tensor | None,
     opts: GRPOOptions,
-    policy_mask: Optional[torch.Tensor] = None,
+    policy_mask: torch.Tensor | None = None,
 ) -> PerTokenTerms:
     """The per-token loss of every loss_type, in TRL's order of operations.
 
     ``mask`` is float [B, T]; ``advantages`` and ``importance_weights`` are [B, 1] or [B, T].
     ``policy_mask`` (TRL's off-policy and high-entropy masks, ``policy_masks``) multiplies the
     policy term, never the KL. For vespo the importance weights enter its sequence weight phi(w),
-    as in TRL, instead of multiplying the policy term.
+    as in TRL, instead of multiplying the policy term; for gmpo, the row's geometric mean of them
+    multiplies the row's term (verl's ``geo_mean``).
     """
     old = lp.detach() if old_logps is None else old_logps  # on-policy: ratio is 1, gradient flows
     log_ratio = lp - old
@@ -132,13 +140,15 @@ def per_token_terms(
     if term == "sequence_weight":  # vespo: phi(w) detached: the gradient is phi * A * grad log pi
         phi = vespo_weights(A, log_ratio, mask, importance_weights, opts)
         policy = -phi * A * lp
-    elif term == "capped_ratio":  # cispo
-        capped = torch.clamp(coef_1, max=opts.eps_high).detach()
+    elif term == "capped_ratio":  # cispo (with cispo_ratio_min, bounded below too: verl's)
+        capped = torch.clamp(coef_1, min=opts.cispo_ratio_min, max=opts.eps_high).detach()
         policy = torch.where(capped == 0, 0.0, -capped * A * lp)  # at lp = -inf: the limit 0, not 0 * -inf
         is_high = (coef_1 > opts.eps_high) & (A > 0)
     elif term == "soft_gate":  # sapo
         tau = torch.where(A > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
         policy = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
+    elif term in FAMILY_TERMS:  # DPPO, GPG, GMPO, DRO, Clip-Cov, KL-Cov: ``families``
+        policy, is_low, is_high = FAMILY_TERMS[term](lp, old, log_ratio, coef_1, A, mask, importance_weights, opts)
     else:  # "ppo_clip"
         coef_2 = torch.clamp(coef_1, 1 - opts.epsilon, 1 + opts.eps_high)
         if opts.delta is not None:
@@ -151,8 +161,8 @@ def per_token_terms(
 
     if policy_mask is not None:
         policy = policy * policy_mask
-    # rollout correction: the policy term only (vespo's weights are in its w)
-    if importance_weights is not None and term != "sequence_weight":
+    # rollout correction: the policy term only (vespo's weights are in its w, gmpo's in its row's term)
+    if importance_weights is not None and term not in ("sequence_weight", "geometric_mean"):
         policy = policy * importance_weights
     per_token_loss = policy if per_token_kl is None else policy + opts.beta * per_token_kl
     per_token_loss = per_token_loss.expand_as(lp)  # sequence-level without KL is [B, 1]
@@ -160,8 +170,13 @@ def per_token_terms(
 
 
 @torch.no_grad()
-def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
-                  importance_weights: Optional[torch.Tensor], opts: GRPOOptions) -> torch.Tensor:
+def vespo_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    importance_weights: torch.Tensor | None,
+    opts: GRPOOptions,
+) -> torch.Tensor:
     """VESPO's gamma weight phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1), detached, in TRL's log-space
     form and clamps: w is the row's summed token log-ratio (each clamped to +-20), plus the summed log
     rollout importance weight (clamped to [log 1e-8, 20]), the sum clamped to [log 1e-8, 20]; k and
@@ -208,8 +223,9 @@ def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) ->
     return mask / B  # "rows"
 
 
-def kernel_reduction(opts: GRPOOptions, S: int, normalizer, loss_scale,
-                     bonus_mask: Optional[torch.Tensor] = None) -> Reduction:
+def kernel_reduction(
+    opts: GRPOOptions, S: int, normalizer, loss_scale, bonus_mask: torch.Tensor | None = None
+) -> Reduction:
     """``reduction_weights`` (times ``loss_scale``) as the token-weights kernel computes them
     (``kernels/reduce.py``), over S sequences.
 
@@ -228,8 +244,9 @@ def kernel_reduction(opts: GRPOOptions, S: int, normalizer, loss_scale,
         divisor = normalizer
     else:  # a number (0 divides as 1 where the kernel is launched: no token is active then)
         divisor = float(normalizer)
-    return Reduction(divisor_kind, divisor, loss_scale, float(opts.entropy_coef), bonus_mask,
-                     opts.entropy_reduction == "loss")
+    return Reduction(
+        divisor_kind, divisor, loss_scale, float(opts.entropy_coef), bonus_mask, opts.entropy_reduction == "loss"
+    )
 
 
 def _nonzero(normalizer):
@@ -240,9 +257,7 @@ def _nonzero(normalizer):
     return normalizer if normalizer != 0 else 1
 
 
-def reduce_loss(
-    per_token_loss: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, normalizer=None
-) -> torch.Tensor:
+def reduce_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, normalizer=None) -> torch.Tensor:
     """TRL's reduction of the per-token loss to the scalar loss."""
     return (per_token_loss * reduction_weights(mask, opts, normalizer)).sum()
 
@@ -257,15 +272,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, per_row: bool = False) -> t
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def clip_metric_values(opts: GRPOOptions, low: Optional[torch.Tensor], high: torch.Tensor) -> Dict[str, torch.Tensor]:
+def clip_metric_values(opts: GRPOOptions, low: torch.Tensor | None, high: torch.Tensor) -> dict[str, torch.Tensor]:
     """TRL's clip metrics of a loss type, by name, as the 0 / 1 values their means are taken of, from the
     per-token (or per-row) low- and high-clipped indicators: the PPO-clip types log low, high and either
     (the region); cispo its capped share. The one place the kernel paths' metrics take their names too."""
     names, kind = opts.loss.clip_metrics, opts.loss.clip_metrics_kind  # the kind the loss-metrics kernel reads too
     if kind == CLIP_METRICS_PPO:
-        return dict(zip(names, (low, high, torch.maximum(low, high))))
+        return dict(zip(names, (low, high, torch.maximum(low, high)), strict=True))
     if kind == CLIP_METRICS_CISPO:
-        return dict(zip(names, (high,)))
+        return dict(zip(names, (high,), strict=True))
     return {}
 
 
@@ -276,8 +291,8 @@ def metric_names(opts: GRPOOptions, has_kl: bool, has_entropy: bool) -> tuple:
 
 
 def loss_metrics(
-    terms: PerTokenTerms, entropy: Optional[torch.Tensor], mask: torch.Tensor, opts: GRPOOptions
-) -> Dict[str, torch.Tensor]:
+    terms: PerTokenTerms, entropy: torch.Tensor | None, mask: torch.Tensor, opts: GRPOOptions
+) -> dict[str, torch.Tensor]:
     """TRL's logged metrics, as detached 0-d tensors."""
     metrics = {}
     # The clip flags are one per row at sequence level, unless per-token advantages make them per token
@@ -304,12 +319,12 @@ def grpo_loss_eager(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
-    old_logps: Optional[torch.Tensor] = None,
-    ref_logps: Optional[torch.Tensor] = None,
-    importance_weights: Optional[torch.Tensor] = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
     normalizer=None,
-    options: Optional[GRPOOptions] = None,
-    sampling_logps: Optional[torch.Tensor] = None,
+    options: GRPOOptions | None = None,
+    sampling_logps: torch.Tensor | None = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The whole GRPO loss from logits [B, T, V] the way an eager trainer computes it: the fp32
@@ -323,8 +338,9 @@ def grpo_loss_eager(
     importance_weights = as_row_column(None if importance_weights is None else importance_weights.float())
     bonus_mask = policy_mask = None
     if opts.masks_tokens:
-        policy_mask, entropy_mask = policy_masks(lp, entropy, mask, advantages.float(),
-                                                 old_logps if sampling_logps is None else sampling_logps, opts)
+        policy_mask, entropy_mask = policy_masks(
+            lp, entropy, mask, advantages.float(), old_logps if sampling_logps is None else sampling_logps, opts
+        )
         bonus_mask = None if entropy_mask is None else mask * entropy_mask
     terms = per_token_terms(
         lp,
@@ -359,7 +375,7 @@ def _gathered_across_processes(values: torch.Tensor) -> torch.Tensor:
     padded[: values.numel()] = values
     pieces = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(pieces, padded)
-    return torch.cat([p[: int(c.item())] for p, c in zip(pieces, counts)])
+    return torch.cat([p[: int(c.item())] for p, c in zip(pieces, counts, strict=True)])
 
 
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
@@ -373,8 +389,13 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptio
     return ((entropy.detach() * mask >= threshold) & active).float()
 
 
-def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampling_logps: Optional[torch.Tensor],
-                    mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
+def off_policy_mask(
+    advantages: torch.Tensor,
+    logp: torch.Tensor,
+    sampling_logps: torch.Tensor | None,
+    mask: torch.Tensor,
+    opts: GRPOOptions,
+) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence mask, as TRL computes it: keep a row if its advantage is
     >= 0 or its mean KL(sampler || current) = mean(sampling_logps - logp) over active tokens is at
     most the threshold; a NaN sampling log-prob (unscored) counts as no evidence. Float [B, 1] or [B, T]."""
@@ -384,13 +405,27 @@ def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampling_logps
     return ((as_row_column(advantages) >= 0) | (mean_kl <= opts.off_policy_mask_threshold)).float()
 
 
-def policy_masks(logp: torch.Tensor, entropy: Optional[torch.Tensor], mask: torch.Tensor, advantages: torch.Tensor,
-                 sampling_logps: Optional[torch.Tensor], opts: GRPOOptions):
+def policy_masks(
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    sampling_logps: torch.Tensor | None,
+    opts: GRPOOptions,
+):
     """(the mask multiplying the policy term, the high-entropy mask or None): TRL multiplies the
     policy term by both masks (never the KL); the entropy bonus acts on the high-entropy tokens."""
     entropy_mask = high_entropy_mask(entropy, mask, opts) if opts.top_entropy_quantile < 1.0 else None
-    masks = [m for m in (entropy_mask, off_policy_mask(advantages, logp, sampling_logps, mask, opts)
-                         if opts.off_policy_mask_threshold is not None else None) if m is not None]
+    masks = [
+        m
+        for m in (
+            entropy_mask,
+            off_policy_mask(advantages, logp, sampling_logps, mask, opts)
+            if opts.off_policy_mask_threshold is not None
+            else None,
+        )
+        if m is not None
+    ]
     policy = masks[0] if len(masks) == 1 else masks[0] * masks[1]
     return policy, entropy_mask
 
@@ -413,8 +448,9 @@ def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions, loss_mask=None,
 def entropy_divisor(mask: torch.Tensor, opts: GRPOOptions, loss_mask=None, normalizer=None):
     """What the entropy bonus divides its sum by (``entropy_bonus``)."""
     if opts.entropy_reduction == "loss":
-        return active_token_count(mask if loss_mask is None else loss_mask) if normalizer is None else _nonzero(
-            normalizer)
+        return (
+            active_token_count(mask if loss_mask is None else loss_mask) if normalizer is None else _nonzero(normalizer)
+        )
     return mask.sum().clamp(min=1.0)
 
 
@@ -438,7 +474,7 @@ def reduced_loss(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale
     return scaled(loss, loss_scale)
 
 
-def neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: float) -> Optional[torch.Tensor]:
+def neutral_at_masked(t: torch.Tensor | None, active: torch.Tensor, fill: float) -> torch.Tensor | None:
     """A detached fp32 per-token input with ``fill`` wherever no token counts.
 
     [B, T] inputs are replaced at masked tokens, per-row ([B] / [B, 1]) inputs on rows with
@@ -452,8 +488,9 @@ def neutral_at_masked(t: Optional[torch.Tensor], active: torch.Tensor, fill: flo
     return torch.where(where, t, fill)
 
 
-def loss_from_logps(logp, entropy, per_token, normalizer, opts: GRPOOptions, loss_scale=1.0, bonus_mask=None,
-                    policy_mask=None) -> GRPOLossOutput:
+def loss_from_logps(
+    logp, entropy, per_token, normalizer, opts: GRPOOptions, loss_scale=1.0, bonus_mask=None, policy_mask=None
+) -> GRPOLossOutput:
     """The O(B * T) part on differentiable log-probs of the sequence layout: per-token terms, reduction,
     metrics. ``per_token``: a ``kernels.contracts.TokenInputs`` in the sequence layout (its mask required).
 
@@ -463,9 +500,14 @@ def loss_from_logps(logp, entropy, per_token, normalizer, opts: GRPOOptions, los
     mask = per_token.mask
     active = mask != 0
     terms = per_token_terms(
-        logp, mask, neutral_at_masked(per_token.advantages, active, 0.0),
-        neutral_at_masked(per_token.old_logps, active, 0.0), neutral_at_masked(per_token.ref_logps, active, 0.0),
-        neutral_at_masked(per_token.importance_weights, active, 1.0), opts, policy_mask,
+        logp,
+        mask,
+        neutral_at_masked(per_token.advantages, active, 0.0),
+        neutral_at_masked(per_token.old_logps, active, 0.0),
+        neutral_at_masked(per_token.ref_logps, active, 0.0),
+        neutral_at_masked(per_token.importance_weights, active, 1.0),
+        opts,
+        policy_mask,
     )
     loss = reduced_loss(terms.per_token_loss, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
     return GRPOLossOutput(loss, loss_metrics(terms, entropy, mask, opts), logp.detach())

@@ -13,10 +13,9 @@ import dataclasses
 import difflib
 import functools
 import math
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 from .kernels import contracts
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +25,14 @@ class LossType:
 
     ``policy_term``: the per-token policy term (``objective.per_token_terms``): "ppo_clip" (PPO's clipped ratio),
     "capped_ratio" (CISPO: the detached ratio, capped, times log pi), "soft_gate" (SAPO: a sigmoid gate of the
-    ratio), "sequence_weight" (VESPO: a detached weight of the row's ratio, times log pi). Its own names, never
-    a loss type's, so that a branch on the term reads as one.
+    ratio), "sequence_weight" (VESPO: a detached weight of the row's ratio, times log pi), "tv_trust_region" and
+    "kl_trust_region" (DPPO: the detached ratio times log pi, on the tokens whose probability moved less than the
+    threshold, by the binary total-variation or KL divergence), "log_prob" (GPG / REINFORCE: log pi times the
+    advantage), "geometric_mean" (GMPO: the row's geometric mean of the sign-clipped token ratios),
+    "log_ratio_penalty" (DRO: log pi times the advantage less a quadratic penalty on the log-ratio),
+    "covariance_clip" and "covariance_kl" (Clip-Cov, KL-Cov: PPO's ratio, with the tokens of the largest
+    advantage x log-prob covariance left out, or penalized by their |log-ratio|). Its own names, never a loss
+    type's, so that a branch on the term reads as one.
     ``reduction``: TRL's (``objective.reduction_weights``): "row_token_mean" (each row's token mean, then the mean
     over rows), "batch_token_mean" (over the local batch's tokens), "constant" (B x max_completion_length),
     "token_count" (the ``normalizer``: global active tokens / processes), "rows" (over B).
@@ -36,7 +41,8 @@ class LossType:
     ``kernel_term``: the loss kernels' LOSS_KIND for the policy term (``kernels.contracts.LOSS_*``), None where its
     loss math runs in torch on the kernels' log-probs (vespo's sequence weight). ``clip_metrics_kind``: which clip
     metrics the loss-metrics kernel computes (``kernels.contracts.CLIP_METRICS_*``, in ``clip_metrics``' order).
-    docs/extending.md lists what else a new loss type needs.
+    ``levels``: the ``importance_sampling_level`` values it takes (the ones that make their ratio from each
+    token's own log-ratio take "token" alone). docs/extending.md lists what else a new loss type needs.
     """
 
     name: str
@@ -44,8 +50,9 @@ class LossType:
     reduction: str
     clip_metrics: tuple
     divided_by_accumulation: bool
-    kernel_term: Optional[int]
+    kernel_term: int | None
     clip_metrics_kind: int
+    levels: tuple = ("token", "sequence", "sequence_token")
 
     @property
     def takes_normalizer(self) -> bool:
@@ -60,24 +67,58 @@ class LossType:
 
 
 _PPO_CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-_PPO_CLIP = dict(policy_term="ppo_clip", clip_metrics=_PPO_CLIP_METRICS, kernel_term=contracts.LOSS_PPO_CLIP,
-                 clip_metrics_kind=contracts.CLIP_METRICS_PPO)
-LOSS_TYPE_REGISTRY = {t.name: t for t in (
-    LossType("grpo", reduction="row_token_mean", divided_by_accumulation=True, **_PPO_CLIP),
-    LossType("bnpo", reduction="batch_token_mean", divided_by_accumulation=True, **_PPO_CLIP),
-    LossType("dr_grpo", reduction="constant", divided_by_accumulation=True, **_PPO_CLIP),
-    LossType("dapo", reduction="token_count", divided_by_accumulation=False, **_PPO_CLIP),
-    LossType("luspo", reduction="rows", divided_by_accumulation=True, **_PPO_CLIP),
-    LossType("cispo", "capped_ratio", "token_count", ("cispo_clip_ratio",), False, contracts.LOSS_CISPO,
-             contracts.CLIP_METRICS_CISPO),
-    LossType("sapo", "soft_gate", "row_token_mean", (), True, contracts.LOSS_SAPO, contracts.CLIP_METRICS_NONE),
-    LossType("vespo", "sequence_weight", "token_count", (), False, None, contracts.CLIP_METRICS_NONE),
-)}
+_PPO_CLIP = dict(
+    policy_term="ppo_clip",
+    clip_metrics=_PPO_CLIP_METRICS,
+    kernel_term=contracts.LOSS_PPO_CLIP,
+    clip_metrics_kind=contracts.CLIP_METRICS_PPO,
+)
+TOKEN, ONE_FLAG = ("token",), contracts.CLIP_METRICS_CISPO
+LOSS_TYPE_REGISTRY = {
+    t.name: t
+    for t in (
+        LossType("grpo", reduction="row_token_mean", divided_by_accumulation=True, **_PPO_CLIP),
+        LossType("bnpo", reduction="batch_token_mean", divided_by_accumulation=True, **_PPO_CLIP),
+        LossType("dr_grpo", reduction="constant", divided_by_accumulation=True, **_PPO_CLIP),
+        LossType("dapo", reduction="token_count", divided_by_accumulation=False, **_PPO_CLIP),
+        LossType("luspo", reduction="rows", divided_by_accumulation=True, **_PPO_CLIP),
+        LossType(
+            "cispo",
+            "capped_ratio",
+            "token_count",
+            ("cispo_clip_ratio",),
+            False,
+            contracts.LOSS_CISPO,
+            contracts.CLIP_METRICS_CISPO,
+        ),
+        LossType("sapo", "soft_gate", "row_token_mean", (), True, contracts.LOSS_SAPO, contracts.CLIP_METRICS_NONE),
+        LossType("vespo", "sequence_weight", "token_count", (), False, None, contracts.CLIP_METRICS_NONE, TOKEN),
+        # the loss math of these runs in torch on the kernels' log-probs (no kernel_term); one flag a token where
+        # they log one (CLIP_METRICS_CISPO's kind: the high flag, under the registry's name)
+        LossType("dppo_tv", "tv_trust_region", "token_count", ("dppo/masked_mean",), False, None, ONE_FLAG, TOKEN),
+        LossType("dppo_kl", "kl_trust_region", "token_count", ("dppo/masked_mean",), False, None, ONE_FLAG, TOKEN),
+        LossType("gpg", "log_prob", "token_count", (), False, None, contracts.CLIP_METRICS_NONE, TOKEN),
+        LossType(
+            "gmpo", "geometric_mean", "row_token_mean", _PPO_CLIP_METRICS, True, None, contracts.CLIP_METRICS_PPO, TOKEN
+        ),
+        LossType("dro", "log_ratio_penalty", "token_count", (), False, None, contracts.CLIP_METRICS_NONE, TOKEN),
+        LossType(
+            "clip_cov", "covariance_clip", "token_count", ("clip_cov/selected_mean",), False, None, ONE_FLAG, TOKEN
+        ),
+        LossType("kl_cov", "covariance_kl", "token_count", ("kl_cov/selected_mean",), False, None, ONE_FLAG, TOKEN),
+    )
+}
 LOSS_TYPES = tuple(LOSS_TYPE_REGISTRY)
 PPO_CLIP_LOSS_TYPES = tuple(n for n, t in LOSS_TYPE_REGISTRY.items() if t.policy_term == "ppo_clip")
+# delta: TRL's cap on the PPO-clip types' unclipped ratio, and DPPO's cap on its (detached) ratio
+DELTA_LOSS_TYPES = PPO_CLIP_LOSS_TYPES + tuple(
+    n for n, t in LOSS_TYPE_REGISTRY.items() if t.policy_term in ("tv_trust_region", "kl_trust_region")
+)
 # The loss types whose reduction divides by a token count (the ``normalizer``: global active tokens)
 TOKEN_COUNT_LOSS_TYPES = tuple(n for n, t in LOSS_TYPE_REGISTRY.items() if t.takes_normalizer)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
+# Where Clip-Cov and KL-Cov pick their tokens: over every process's batch, or each call's own (verl's, per micro-batch)
+COVARIANCE_SELECTIONS = ("batch", "micro_batch")
 KL_ESTIMATORS = ("k3", "k1", "k2")
 # How the entropy bonus is divided: "token_mean", TRL's mean over its tokens; "loss", as the loss is (a token-count
 # loss type's normalizer: OpenRLHF's aggregate_loss of the entropy with its global batch_num_tokens and dp_size)
@@ -99,20 +140,31 @@ PRESETS = {
     # ratio's log clamped to +-20, the KL loss's estimator k1, every estimate clamped to +-10 (k3's log-ratio at -10
     # from below first: the +-20 clamp gives the same numbers), dual-clip only when set, the entropy loss
     # (--actor.entropy_coef) aggregated as the policy loss is (aggregate_loss with the same batch info)
-    "openrlhf": dict(loss_type="dapo", kl_estimator="k1", log_ratio_clamp=20.0, kl_clamp=10.0,
-                     entropy_reduction="loss"),
+    "openrlhf": dict(
+        loss_type="dapo", kl_estimator="k1", log_ratio_clamp=20.0, kl_clamp=10.0, entropy_reduction="loss"
+    ),
 }
 # What a preset's trainer computes with one reduction: the loss types and ratio levels it can be, and what to use
 # for the rest (the trainer's other aggregations leave empty rows out of their mean, and OpenRLHF's KL loss is a
 # token mean whatever the policy's aggregation: neither is one of our reductions).
 PRESET_LIMITS = {
-    "verl": dict(loss_types=("dapo",), levels=("token",), instead=(
-        "verl's other loss_agg_modes and its 'gspo' loss_mode: grpo_kernels.integration.verl (its policy losses take "
-        "every loss_agg_mode, kl_loss its KL loss)")),
-    "openrlhf": dict(loss_types=("dapo",), levels=("token",), instead=(
-        "--actor.loss_agg_mode seq-mean-token-mean and --actor.policy_loss_type gspo: "
-        "grpo_kernels.integration.openrlhf (PolicyLoss, compute_approx_kl and aggregate_loss, OpenRLHF's own "
-        "signatures)")),
+    "verl": dict(
+        loss_types=("dapo",),
+        levels=("token",),
+        instead=(
+            "verl's other loss_agg_modes and its 'gspo' loss_mode: grpo_kernels.integration.verl (its policy losses "
+            "take every loss_agg_mode, kl_loss its KL loss)"
+        ),
+    ),
+    "openrlhf": dict(
+        loss_types=("dapo",),
+        levels=("token",),
+        instead=(
+            "--actor.loss_agg_mode seq-mean-token-mean and --actor.policy_loss_type gspo: "
+            "grpo_kernels.integration.openrlhf (PolicyLoss, compute_approx_kl and aggregate_loss, OpenRLHF's own "
+            "signatures)"
+        ),
+    ),
 }
 # The matching advantage conventions: keywords of grpo_kernels.advantages.group_advantages.
 ADVANTAGE_PRESETS = {
@@ -145,42 +197,51 @@ class GRPOOptions:
     loss_type: str = "grpo"
     beta: float = 0.0
     epsilon: float = 0.2
-    epsilon_high: Optional[float] = None
-    delta: Optional[float] = None
-    dual_clip: Optional[float] = None
+    epsilon_high: float | None = None
+    delta: float | None = None
+    dual_clip: float | None = None
     importance_sampling_level: str = "token"
     temperature: float = 1.0
-    max_completion_length: Optional[int] = None
+    max_completion_length: int | None = None
     use_bias_correction_kl: bool = False
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     kl_estimator: str = "k3"
-    log_ratio_clamp: Optional[float] = None
-    kl_clamp: Optional[float] = None
+    log_ratio_clamp: float | None = None
+    kl_clamp: float | None = None
     compute_entropy: bool = True
     entropy_coef: float = 0.0
     entropy_reduction: str = "token_mean"
     top_entropy_quantile: float = 1.0
-    off_policy_mask_threshold: Optional[float] = None
+    off_policy_mask_threshold: float | None = None
     vespo_k_pos: float = 2.0
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    # Clip-Cov / KL-Cov (the entropy mechanism's losses, verl's names and defaults) and where they select tokens
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    kl_cov_coef: float = 1.0
+    covariance_selection: str = "batch"
+    dro_beta: float | None = None
+    cispo_ratio_min: float | None = None
     # the model's head output transform (grpo_kernels.heads): logits = cap(logit_scale * raw) / temperature
     logit_scale: float = 1.0
-    logit_softcap: Optional[float] = None
+    logit_softcap: float | None = None
 
     # Facts derived from the fields (``_derive_facts``), kept as plain attributes: asked on every call
     loss: ClassVar[LossType]
     eps_high: ClassVar[float]
     uses_kl: ClassVar[bool]
     kernel_temperature: ClassVar[float]
-    kernel_softcap: ClassVar[Optional[float]]
+    kernel_softcap: ClassVar[float | None]
     sequence_level: ClassVar[bool]
     loss_in_kernel: ClassVar[bool]
     masks_tokens: ClassVar[bool]
     fused_metric_names: ClassVar[tuple]
-    kernel_loss: ClassVar[Optional[contracts.KernelLoss]]
+    kernel_loss: ClassVar[contracts.KernelLoss | None]
 
     def __post_init__(self) -> None:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -205,10 +266,10 @@ class GRPOOptions:
                 f"dual_clip applies to the PPO-clip loss types {list(PPO_CLIP_LOSS_TYPES)}, "
                 f"not to loss_type={self.loss_type!r}"
             )
-        if self.delta is not None and self.loss_type not in PPO_CLIP_LOSS_TYPES:
+        if self.delta is not None and self.loss_type not in DELTA_LOSS_TYPES:
             raise ValueError(
-                f"delta applies to the PPO-clip loss types {list(PPO_CLIP_LOSS_TYPES)}, "
-                f"not to loss_type={self.loss_type!r}"
+                f"delta applies to the loss types {list(DELTA_LOSS_TYPES)} (the PPO-clip ones, and DPPO's cap on its "
+                f"ratio), not to loss_type={self.loss_type!r}"
             )
         if self.loss_type == "dr_grpo":
             if self.max_completion_length is None:
@@ -221,24 +282,47 @@ class GRPOOptions:
         _check_choice("entropy_reduction", self.entropy_reduction, ENTROPY_REDUCTIONS)
         if self.entropy_reduction == "loss" and LOSS_TYPE_REGISTRY[self.loss_type].reduction != "token_count":
             counted = [t.name for t in LOSS_TYPE_REGISTRY.values() if t.reduction == "token_count"]
-            raise ValueError(f"entropy_reduction='loss' divides the entropy bonus as a token-count loss is: it needs "
-                             f"loss_type in {counted}, got loss_type={self.loss_type!r}")
+            raise ValueError(
+                f"entropy_reduction='loss' divides the entropy bonus as a token-count loss is: it needs "
+                f"loss_type in {counted}, got loss_type={self.loss_type!r}"
+            )
         _check_number("top_entropy_quantile", self.top_entropy_quantile)
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in [0, 1] (1 keeps every token), got "
-                             f"{self.top_entropy_quantile!r}")
+            raise ValueError(
+                f"top_entropy_quantile must be in [0, 1] (1 keeps every token), got {self.top_entropy_quantile!r}"
+            )
         if self.top_entropy_quantile < 1.0 and not self.compute_entropy:
-            raise ValueError("top_entropy_quantile < 1 masks tokens by their entropy: "
-                             "compute_entropy=False turns it off")
+            raise ValueError(
+                "top_entropy_quantile < 1 masks tokens by their entropy: compute_entropy=False turns it off"
+            )
         _check_number("off_policy_mask_threshold", self.off_policy_mask_threshold, optional=True)
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             _check_number(name, getattr(self, name))
-        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
-            raise ValueError("loss_type='vespo' computes its own sequence weight from the token log-ratios: use "
-                             f"importance_sampling_level='token', got {self.importance_sampling_level!r}")
+        levels = LOSS_TYPE_REGISTRY[self.loss_type].levels
+        if self.importance_sampling_level not in levels:
+            raise ValueError(
+                f"loss_type={self.loss_type!r} makes its own ratio from the token log-ratios: use "
+                f"importance_sampling_level in {list(levels)}, got {self.importance_sampling_level!r}"
+            )
+        _check_choice("covariance_selection", self.covariance_selection, COVARIANCE_SELECTIONS)
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            _check_number(name, getattr(self, name), positive=True)
+        _check_number("clip_cov_lb", self.clip_cov_lb)
+        _check_number("clip_cov_ub", self.clip_cov_ub)
+        _check_number("kl_cov_coef", self.kl_cov_coef, non_negative=True)
+        _check_number("dro_beta", self.dro_beta, positive=True, optional=True)
+        _check_number("cispo_ratio_min", self.cispo_ratio_min, non_negative=True, optional=True)
+        if self.cispo_ratio_min is not None and LOSS_TYPE_REGISTRY[self.loss_type].policy_term != "capped_ratio":
+            raise ValueError(
+                f"cispo_ratio_min bounds CISPO's ratio from below: it needs loss_type='cispo', got "
+                f"loss_type={self.loss_type!r}"
+            )
+        if self.loss_type == "dro" and self.dro_beta is None:
+            raise ValueError("loss_type='dro' needs dro_beta (its log-ratio penalty's coefficient, > 0), got None")
         if self.entropy_coef != 0.0 and not self.compute_entropy:
-            raise ValueError(f"entropy_coef={self.entropy_coef!r} needs the entropy: "
-                             "compute_entropy=False turns it off")
+            raise ValueError(
+                f"entropy_coef={self.entropy_coef!r} needs the entropy: compute_entropy=False turns it off"
+            )
         _check_number("logit_scale", self.logit_scale, positive=True)
         _check_number("logit_softcap", self.logit_softcap, positive=True, optional=True)
         if self.use_bias_correction_kl and self.beta == 0:
@@ -259,8 +343,8 @@ class GRPOOptions:
           logit_softcap / logit_scale (the scale folded in); None without a cap.
         - ``sequence_level``: the ratio needs the whole row's log-probs (GSPO and GSPO-token): the two-pass path.
         - ``loss_in_kernel``: the kernels compute this loss's per-token terms (token-level ratios, a per-token
-          formula); otherwise the kernels give log-probs and the loss math runs on them in torch (GSPO's sequence
-          ratios, VESPO's sequence weights).
+          formula, no ``cispo_ratio_min``); otherwise the kernels give log-probs and the loss math runs on them
+          in torch (GSPO's sequence ratios, VESPO's sequence weights, the families of ``families.py``).
         - ``masks_tokens``: a policy-term mask that needs this pass's log-probs or entropies before the loss
           (TRL's high-entropy mask, DeepSeek-V3.2's off-policy sequence mask): one more read of the logits.
         - ``kernel_loss``: these options as the loss kernels' launchers take them (``kernels.contracts.KernelLoss``),
@@ -271,21 +355,26 @@ class GRPOOptions:
         loss = LOSS_TYPE_REGISTRY[self.loss_type]
         sequence_level = self.importance_sampling_level in ("sequence", "sequence_token")
         facts = dict(
-            loss=loss, eps_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
-            uses_kl=self.beta != 0.0, kernel_temperature=self.temperature / self.logit_scale,
+            loss=loss,
+            eps_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+            uses_kl=self.beta != 0.0,
+            kernel_temperature=self.temperature / self.logit_scale,
             kernel_softcap=None if self.logit_softcap is None else self.logit_softcap / self.logit_scale,
-            sequence_level=sequence_level, loss_in_kernel=not sequence_level and loss.kernel_term is not None,
+            sequence_level=sequence_level,
+            # the kernels' CISPO caps the ratio from above only: a lower bound runs the loss math in torch
+            loss_in_kernel=not sequence_level and loss.kernel_term is not None and self.cispo_ratio_min is None,
             masks_tokens=self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None,
-            fused_metric_names=("kl",) * (self.beta != 0.0) + ("entropy",) * self.compute_entropy + loss.clip_metrics)
+            fused_metric_names=("kl",) * (self.beta != 0.0) + ("entropy",) * self.compute_entropy + loss.clip_metrics,
+        )
         for name, value in facts.items():
             object.__setattr__(self, name, value)  # (frozen: __setattr__ refuses)
         object.__setattr__(self, "kernel_loss", None if loss.kernel_term is None else _kernel_loss(self))
 
-    def replace(self, **changes) -> "GRPOOptions":
+    def replace(self, **changes) -> GRPOOptions:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_preset(cls, preset: str, **overrides) -> "GRPOOptions":
+    def from_preset(cls, preset: str, **overrides) -> GRPOOptions:
         """A trainer's loss at its defaults ("trl", "verl", "openrlhf"), with ``overrides`` on top. A ``loss_type``
         or ``importance_sampling_level`` whose loss that trainer computes otherwise than one of our reductions is
         refused, naming what to use instead (``PRESET_LIMITS``)."""
@@ -296,8 +385,10 @@ class GRPOOptions:
             for name, allowed in (("loss_type", limits["loss_types"]), ("importance_sampling_level", limits["levels"])):
                 value = options.get(name, getattr(cls, name))
                 if value not in allowed:
-                    raise ValueError(f"preset={preset!r} takes {name} in {list(allowed)}, got {value!r}: {preset} "
-                                     f"reduces that loss otherwise than any loss_type here. For {limits['instead']}")
+                    raise ValueError(
+                        f"preset={preset!r} takes {name} in {list(allowed)}, got {value!r}: {preset} "
+                        f"reduces that loss otherwise than any loss_type here. For {limits['instead']}"
+                    )
         if preset == "verl" and options["kl_estimator"] != "k3" and "kl_clamp" not in overrides:
             options["kl_clamp"] = None  # verl clamps only its k3 ("low_var_kl")
         if preset == "trl" and "use_bias_correction_kl" not in overrides:
@@ -306,15 +397,18 @@ class GRPOOptions:
         return cls(**options)
 
     @classmethod
-    def from_trl_config(cls, config, **overrides) -> "GRPOOptions":
+    def from_trl_config(cls, config, **overrides) -> GRPOOptions:
         """The loss options of a TRL ``GRPOConfig`` (or any object with its attribute names)."""
         # an override (a trainer's resolved value) wins over the config, also in the fields derived below
         get = lambda name, default=None: overrides.get(name, getattr(config, name, default))  # noqa: E731
         loss_type = get("loss_type", "dapo")
         beta = float(get("beta", 0.0))
         options = dict(
-            loss_type=loss_type, beta=beta, epsilon=float(get("epsilon", 0.2)),
-            epsilon_high=get("epsilon_high"), delta=get("delta") if loss_type in PPO_CLIP_LOSS_TYPES else None,
+            loss_type=loss_type,
+            beta=beta,
+            epsilon=float(get("epsilon", 0.2)),
+            epsilon_high=get("epsilon_high"),
+            delta=get("delta") if loss_type in PPO_CLIP_LOSS_TYPES else None,
             importance_sampling_level=get("importance_sampling_level", "token"),
             temperature=float(get("temperature", 1.0)),
             max_completion_length=get("max_completion_length") if loss_type == "dr_grpo" else None,
@@ -323,8 +417,10 @@ class GRPOOptions:
             sapo_temperature_neg=float(get("sapo_temperature_neg", 1.05)),
             entropy_coef=float(get("entropy_coef", 0.0) or 0.0),
             top_entropy_quantile=float(get("top_entropy_quantile", 1.0)),
-            vespo_k_pos=float(get("vespo_k_pos", 2.0)), vespo_lambda_pos=float(get("vespo_lambda_pos", 3.0)),
-            vespo_k_neg=float(get("vespo_k_neg", 3.0)), vespo_lambda_neg=float(get("vespo_lambda_neg", 2.0)),
+            vespo_k_pos=float(get("vespo_k_pos", 2.0)),
+            vespo_lambda_pos=float(get("vespo_lambda_pos", 3.0)),
+            vespo_k_neg=float(get("vespo_k_neg", 3.0)),
+            vespo_lambda_neg=float(get("vespo_lambda_neg", 2.0)),
             off_policy_mask_threshold=get("off_policy_mask_threshold"),
             kl_estimator=PRESETS["trl"]["kl_estimator"],
         )
@@ -335,16 +431,46 @@ _KL_KINDS = {"k3": contracts.KL_K3, "k1": contracts.KL_K1, "k2": contracts.KL_K2
 
 # Other trainers' names for our options (an unknown option names ours: ``check_option_names``)
 OPTION_ALIASES = {
-    "clip_eps": "epsilon", "clip_eps_low": "epsilon", "eps_clip": "epsilon", "eps_low": "epsilon",
-    "epsilon_low": "epsilon", "clip_ratio": "epsilon", "clip_ratio_low": "epsilon", "cliprange": "epsilon",
-    "clip_range": "epsilon", "clip_eps_high": "epsilon_high", "eps_high": "epsilon_high",
-    "clip_ratio_high": "epsilon_high", "clip_ratio_c": "dual_clip", "kl_coef": "beta", "init_kl_coef": "beta",
-    "kl_beta": "beta", "kl_ctl": "beta", "entropy_coeff": "entropy_coef", "kl_penalty": "kl_estimator",
-    "kl_loss_type": "kl_estimator", "loss_agg_mode": "loss_type", "max_response_length": "max_completion_length",
+    "clip_eps": "epsilon",
+    "clip_eps_low": "epsilon",
+    "eps_clip": "epsilon",
+    "eps_low": "epsilon",
+    "epsilon_low": "epsilon",
+    "clip_ratio": "epsilon",
+    "clip_ratio_low": "epsilon",
+    "cliprange": "epsilon",
+    "clip_range": "epsilon",
+    "clip_eps_high": "epsilon_high",
+    "eps_high": "epsilon_high",
+    "clip_ratio_high": "epsilon_high",
+    "clip_ratio_c": "dual_clip",
+    "kl_coef": "beta",
+    "init_kl_coef": "beta",
+    "kl_beta": "beta",
+    "kl_ctl": "beta",
+    "entropy_coeff": "entropy_coef",
+    "kl_penalty": "kl_estimator",
+    "kl_loss_type": "kl_estimator",
+    "loss_agg_mode": "loss_type",
+    "max_response_length": "max_completion_length",
+    "ppo_kl_coef": "kl_cov_coef",
+    "loss_mode": "loss_type",
 }
 # The loss functions' and Modules' call keywords, which an unknown option may have meant (option_docs' lists)
-CALL_KEYWORDS = ("backend", "in_place_backward", "one_pass", "check_ids", "drop_last_position", "preset", "options",
-                 "loss_scale", "cu_seqlens", "vocab_parallel_group", "vocab_start_index", "lm_head_mode")
+CALL_KEYWORDS = (
+    "backend",
+    "in_place_backward",
+    "one_pass",
+    "check_ids",
+    "drop_last_position",
+    "preset",
+    "options",
+    "loss_scale",
+    "cu_seqlens",
+    "vocab_parallel_group",
+    "vocab_start_index",
+    "lm_head_mode",
+)
 
 
 def check_option_names(names) -> None:
@@ -360,11 +486,12 @@ def check_option_names(names) -> None:
         else:
             close = difflib.get_close_matches(name, fields + CALL_KEYWORDS, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else "."
-        raise TypeError(f"unknown option {name!r}{hint} The options are GRPOOptions' fields (the README's options "
-                        "table)")
+        raise TypeError(
+            f"unknown option {name!r}{hint} The options are GRPOOptions' fields (the README's options table)"
+        )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _option_fields() -> tuple:
     return tuple(f.name for f in dataclasses.fields(GRPOOptions))
 
@@ -372,11 +499,13 @@ def _option_fields() -> tuple:
 def _checked_init(generated):
     """GRPOOptions' generated ``__init__`` behind ``check_option_names``: every way of making options (keywords to
     ``GRPOLoss``, ``grpo_loss``, ``from_preset``, ``GRPOOptions`` itself) names an unknown option's fix."""
+
     @functools.wraps(generated)
     def __init__(self, *args, **kwargs):
         if not kwargs.keys() <= _FIELD_SET:
             check_option_names(kwargs)
         generated(self, *args, **kwargs)
+
     return __init__
 
 
@@ -389,16 +518,36 @@ def _kernel_loss(o: GRPOOptions) -> contracts.KernelLoss:
     order: a value that changes between steps is never a constexpr) and the compile-time ``LOSS_FLAGS`` (a
     feature's presence only, one ``contracts.LOSS_FLAG_*`` bit each)."""
     zero_if_none = lambda v: 0.0 if v is None else float(v)  # noqa: E731
-    scalars = dict(eps_low=float(o.epsilon), eps_high=float(o.eps_high), delta=zero_if_none(o.delta),
-                   dual_clip=zero_if_none(o.dual_clip), beta=float(o.beta),
-                   log_ratio_clamp=zero_if_none(o.log_ratio_clamp), kl_clamp=zero_if_none(o.kl_clamp),
-                   sapo_tau_pos=float(o.sapo_temperature_pos), sapo_tau_neg=float(o.sapo_temperature_neg))
-    args = {"loss_scalars": tuple(scalars[name] for name in contracts.LOSS_SCALARS),
-            "LOSS_KIND": o.loss.kernel_term, "KL_KIND": _KL_KINDS[o.kl_estimator],
-            "LOSS_FLAGS": (contracts.LOSS_FLAG_DELTA * (o.delta is not None)
-                           | contracts.LOSS_FLAG_DUAL_CLIP * (o.dual_clip is not None)
-                           | contracts.LOSS_FLAG_LOG_RATIO_CLAMP * (o.log_ratio_clamp is not None)
-                           | contracts.LOSS_FLAG_KL_CLAMP * (o.kl_clamp is not None)
-                           | contracts.LOSS_FLAG_BIAS_CORRECTION_KL * bool(o.use_bias_correction_kl))}
-    return contracts.KernelLoss(args, o.temperature, o.kernel_temperature, o.kernel_softcap, o.compute_entropy,
-                                o.uses_kl, o.loss.clip_metrics_kind, len(o.loss.clip_metrics))
+    scalars = dict(
+        eps_low=float(o.epsilon),
+        eps_high=float(o.eps_high),
+        delta=zero_if_none(o.delta),
+        dual_clip=zero_if_none(o.dual_clip),
+        beta=float(o.beta),
+        log_ratio_clamp=zero_if_none(o.log_ratio_clamp),
+        kl_clamp=zero_if_none(o.kl_clamp),
+        sapo_tau_pos=float(o.sapo_temperature_pos),
+        sapo_tau_neg=float(o.sapo_temperature_neg),
+    )
+    args = {
+        "loss_scalars": tuple(scalars[name] for name in contracts.LOSS_SCALARS),
+        "LOSS_KIND": o.loss.kernel_term,
+        "KL_KIND": _KL_KINDS[o.kl_estimator],
+        "LOSS_FLAGS": (
+            contracts.LOSS_FLAG_DELTA * (o.delta is not None)
+            | contracts.LOSS_FLAG_DUAL_CLIP * (o.dual_clip is not None)
+            | contracts.LOSS_FLAG_LOG_RATIO_CLAMP * (o.log_ratio_clamp is not None)
+            | contracts.LOSS_FLAG_KL_CLAMP * (o.kl_clamp is not None)
+            | contracts.LOSS_FLAG_BIAS_CORRECTION_KL * bool(o.use_bias_correction_kl)
+        ),
+    }
+    return contracts.KernelLoss(
+        args,
+        o.temperature,
+        o.kernel_temperature,
+        o.kernel_softcap,
+        o.compute_entropy,
+        o.uses_kl,
+        o.loss.clip_metrics_kind,
+        len(o.loss.clip_metrics),
+    )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional
 
 import torch
 
@@ -23,7 +22,7 @@ from .objective import GRPOLossOutput  # the result's container only, no math
 from .options import GRPOOptions
 
 
-def head_output(logits: torch.Tensor, logit_scale: float = 1.0, logit_softcap: Optional[float] = None):
+def head_output(logits: torch.Tensor, logit_scale: float = 1.0, logit_softcap: float | None = None):
     """What a model's head makes of its raw outputs, as Gemma, Cohere, Granite... write it: times the scale,
     then soft-capped, cap * tanh(x / cap) (no cap when None)."""
     x = logits * logit_scale
@@ -32,8 +31,13 @@ def head_output(logits: torch.Tensor, logit_scale: float = 1.0, logit_softcap: O
     return x
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                               logit_scale: float = 1.0, logit_softcap: Optional[float] = None):
+def token_logprobs_and_entropy(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+):
     """log softmax(head_output(logits) / temperature) at ``ids``, and the entropy -sum p log p of that
     distribution."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -57,12 +61,12 @@ class _Sequence:
     entropy: torch.Tensor
     advantage: torch.Tensor
     old: torch.Tensor
-    ref: Optional[torch.Tensor]
-    rollout_weight: Optional[torch.Tensor]
-    sampling: Optional[torch.Tensor]
+    ref: torch.Tensor | None
+    rollout_weight: torch.Tensor | None
+    sampling: torch.Tensor | None
 
 
-def _row_value(t: Optional[torch.Tensor], i: int, active: torch.Tensor, dtype) -> Optional[torch.Tensor]:
+def _row_value(t: torch.Tensor | None, i: int, active: torch.Tensor, dtype) -> torch.Tensor | None:
     """Row i of a per-row ([B], [B, 1]) or per-token ([B, T]) input, at the row's active tokens."""
     if t is None:
         return None
@@ -78,14 +82,18 @@ def _sequences(lp, entropy, mask, advantages, old_logps, ref_logps, importance_w
         active = mask[i] != 0
         row_lp = lp[i][active]
         old = _row_value(old_logps, i, active, dtype)
-        rows.append(_Sequence(
-            m=mask[i][active].to(dtype), lp=row_lp, entropy=entropy[i][active],
-            advantage=_row_value(advantages, i, active, dtype),
-            old=row_lp.detach() if old is None else old,  # on-policy: the ratio is 1, its gradient flows
-            ref=_row_value(ref_logps, i, active, dtype),
-            rollout_weight=_row_value(importance_weights, i, active, dtype),
-            sampling=_row_value(sampling_logps, i, active, dtype),
-        ))
+        rows.append(
+            _Sequence(
+                m=mask[i][active].to(dtype),
+                lp=row_lp,
+                entropy=entropy[i][active],
+                advantage=_row_value(advantages, i, active, dtype),
+                old=row_lp.detach() if old is None else old,  # on-policy: the ratio is 1, its gradient flows
+                ref=_row_value(ref_logps, i, active, dtype),
+                rollout_weight=_row_value(importance_weights, i, active, dtype),
+                sampling=_row_value(sampling_logps, i, active, dtype),
+            )
+        )
     return rows
 
 
@@ -94,7 +102,7 @@ def _weighted_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return (x * m).sum() / torch.clamp(m.sum(), min=1.0)
 
 
-def _clamp(x: torch.Tensor, bound: Optional[float]) -> torch.Tensor:
+def _clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
     return x if bound is None else torch.clamp(x, -bound, bound)
 
 
@@ -128,15 +136,16 @@ def _vespo_phi(seq: _Sequence, opts: GRPOOptions) -> torch.Tensor:
 @dataclasses.dataclass
 class _RowLoss:
     per_token: torch.Tensor  # the row's per-token loss (policy + beta * KL), over its active tokens
-    kl: Optional[torch.Tensor]
-    low_clipped: Optional[torch.Tensor]  # bool, per token or one per row
-    high_clipped: Optional[torch.Tensor]
-    phi: Optional[torch.Tensor]
+    kl: torch.Tensor | None
+    low_clipped: torch.Tensor | None  # bool, per token or one per row
+    high_clipped: torch.Tensor | None
+    phi: torch.Tensor | None
 
 
-def _row_loss(seq: _Sequence, keep: torch.Tensor, opts: GRPOOptions) -> _RowLoss:
+def _row_loss(seq: _Sequence, keep: torch.Tensor, opts: GRPOOptions, chosen: torch.Tensor | None) -> _RowLoss:
     """A row's per-token loss in TRL's order: the ratio, the policy term of its loss type (times the
-    policy masks ``keep`` and the rollout weight), plus beta times the KL."""
+    policy masks ``keep`` and the rollout weight), plus beta times the KL. ``chosen``: Clip-Cov's and KL-Cov's
+    tokens of this row (``_covariance_choice``)."""
     A = seq.advantage
     log_ratio = seq.lp - seq.old
     level = opts.importance_sampling_level
@@ -149,11 +158,45 @@ def _row_loss(seq: _Sequence, keep: torch.Tensor, opts: GRPOOptions) -> _RowLoss
     r = torch.exp(_clamp(log_r, opts.log_ratio_clamp))
 
     low = high = phi = None
+    weighted_inside = False  # the rollout weight already folded into the term (vespo's w, gmpo's row mean)
     if opts.loss_type == "vespo":
         phi = _vespo_phi(seq, opts)
         policy = -phi * A * seq.lp
+        weighted_inside = True
+    elif opts.loss_type in ("dppo_tv", "dppo_kl"):
+        p, p_old = torch.exp(seq.lp.detach()), torch.exp(seq.old)
+        rose = p > p_old
+        if opts.loss_type == "dppo_tv":  # |p - p_old| past the threshold, on the advantage's side
+            outside = torch.where(A > 0, p - p_old > opts.eps_high, p_old - p > opts.epsilon)
+        else:  # KL(Bern(p_old) || Bern(p)), with verl's 1e-8 inside the complement's log
+            kl = p_old * (seq.old - seq.lp.detach()) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+            outside = torch.where(A > 0, (kl > opts.eps_high) & rose, (kl > opts.epsilon) & (p < p_old))
+        weight = (r if opts.delta is None else torch.clamp(r, max=opts.delta)).detach()
+        policy = torch.where(outside | (weight == 0), torch.zeros_like(seq.lp), -A * weight * seq.lp)
+        high = outside
+    elif opts.loss_type == "gpg":
+        policy = -A * seq.lp
+    elif opts.loss_type == "dro":
+        policy = -A * seq.lp + opts.dro_beta / 2 * (seq.lp - seq.old) ** 2
+    elif opts.loss_type == "gmpo":  # one value for the row: the geometric mean of its sign-clipped token ratios
+        bounded = torch.clamp(log_ratio, -opts.epsilon, opts.eps_high)
+        # on A's side: for A > 0 the smaller log-ratio, for A < 0 the larger, for A = 0 none
+        kept = torch.where(A > 0, torch.minimum(log_ratio, bounded), torch.maximum(log_ratio, bounded))
+        kept = torch.where(A == 0, torch.zeros_like(kept), kept)
+        policy = -_weighted_mean(A, seq.m) * torch.exp(_weighted_mean(kept, seq.m))
+        if seq.rollout_weight is not None:
+            policy = policy * torch.exp(_weighted_mean(torch.log(seq.rollout_weight), seq.m))
+        weighted_inside = True
+        low, high = (log_ratio != bounded) & (A < 0), (log_ratio != bounded) & (A > 0)
+    elif opts.loss_type == "clip_cov":
+        plain, bounded = -A * r, -A * torch.clamp(r, 1 - opts.epsilon, 1 + opts.eps_high)
+        policy = torch.where(chosen, torch.zeros_like(seq.lp), torch.maximum(plain, bounded))
+        high = chosen
+    elif opts.loss_type == "kl_cov":
+        policy = -A * r + torch.where(chosen, opts.kl_cov_coef * torch.abs(log_ratio), torch.zeros_like(seq.lp))
+        high = chosen
     elif opts.loss_type == "cispo":
-        cap = torch.clamp(r, max=opts.eps_high).detach()
+        cap = torch.clamp(r, min=opts.cispo_ratio_min, max=opts.eps_high).detach()
         policy = torch.where(cap == 0, torch.zeros_like(seq.lp), -cap * A * seq.lp)
         high = (r > opts.eps_high) & (A > 0)
     elif opts.loss_type == "sapo":
@@ -169,7 +212,7 @@ def _row_loss(seq: _Sequence, keep: torch.Tensor, opts: GRPOOptions) -> _RowLoss
         high = (unclipped > 1 + opts.eps_high) & (A > 0)
 
     policy = policy * keep
-    if seq.rollout_weight is not None and opts.loss_type != "vespo":
+    if seq.rollout_weight is not None and not weighted_inside:
         policy = policy * seq.rollout_weight
     kl = None
     per_token = policy.expand_as(seq.lp)
@@ -181,17 +224,17 @@ def _row_loss(seq: _Sequence, keep: torch.Tensor, opts: GRPOOptions) -> _RowLoss
     return _RowLoss(per_token, kl, low, high, phi)
 
 
-def _token_weight_denominator(seq: _Sequence, rows: List[_Sequence], opts: GRPOOptions, normalizer):
+def _token_weight_denominator(seq: _Sequence, rows: list[_Sequence], opts: GRPOOptions, normalizer):
     """The loss is sum over rows and active tokens of per_token * m / this."""
     B = len(rows)
     all_tokens = torch.clamp(sum(s.m.sum() for s in rows), min=1.0)
-    if opts.loss_type in ("grpo", "sapo"):  # each row's token mean, then the mean over rows
+    if opts.loss_type in ("grpo", "sapo", "gmpo"):  # each row's token mean, then the mean over rows
         return B * torch.clamp(seq.m.sum(), min=1.0)
     if opts.loss_type == "bnpo":
         return all_tokens
     if opts.loss_type == "dr_grpo":
         return B * opts.max_completion_length
-    if opts.loss_type in ("dapo", "cispo", "vespo"):
+    if opts.loss_type in ("dapo", "cispo", "vespo", "dppo_tv", "dppo_kl", "gpg", "dro", "clip_cov", "kl_cov"):
         if normalizer is None:
             return all_tokens
         # 0 is a valid normalizer only with no active token, where every numerator is 0: the loss is 0
@@ -210,7 +253,7 @@ def _all_processes(values: torch.Tensor) -> torch.Tensor:
     return torch.cat(gathered).to(values.device)
 
 
-def _policy_keep(rows: List[_Sequence], opts: GRPOOptions) -> tuple:
+def _policy_keep(rows: list[_Sequence], opts: GRPOOptions) -> tuple:
     """Each row's policy-term mask (the high-entropy and off-policy masks multiplied), and the
     high-entropy mask alone (the entropy bonus's tokens) or None."""
     entropy_keep = [None] * len(rows)
@@ -222,7 +265,7 @@ def _policy_keep(rows: List[_Sequence], opts: GRPOOptions) -> tuple:
             threshold = torch.quantile(entropies, 1.0 - opts.top_entropy_quantile)
             entropy_keep = [(s.entropy.detach() * s.m >= threshold).to(s.m.dtype) for s in rows]
     keep = []
-    for s, e in zip(rows, entropy_keep):
+    for s, e in zip(rows, entropy_keep, strict=True):
         k = torch.ones_like(s.m) if e is None else e
         if opts.off_policy_mask_threshold is not None:
             sampler = s.old if s.sampling is None else s.sampling  # the old log-probs, else this pass's own
@@ -233,33 +276,103 @@ def _policy_keep(rows: List[_Sequence], opts: GRPOOptions) -> tuple:
     return keep, None if entropy_keep[0] is None else entropy_keep
 
 
-def _metric_mean(values: List[torch.Tensor], rows: List[_Sequence]) -> torch.Tensor:
+def _metric_mean(values: list[torch.Tensor], rows: list[_Sequence]) -> torch.Tensor:
     """TRL's metric mean: over all rows for a per-row value (one per row, even a row without active
     tokens), else over active tokens weighted by the mask."""
     if all(v.dim() == 0 for v in values):
         return torch.stack(values).mean()
-    total = sum((v * s.m).sum() for v, s in zip(values, rows))
+    total = sum((v * s.m).sum() for v, s in zip(values, rows, strict=True))
     return total / torch.clamp(sum(s.m.sum() for s in rows), min=1.0)
 
 
-def _metrics(losses: List[_RowLoss], rows: List[_Sequence], opts: GRPOOptions) -> Dict[str, torch.Tensor]:
+def _metrics(losses: list[_RowLoss], rows: list[_Sequence], opts: GRPOOptions) -> dict[str, torch.Tensor]:
     metrics = {}
     if opts.beta != 0.0:
         metrics["kl"] = _metric_mean([x.kl.detach() for x in losses], rows)
     if opts.compute_entropy:
         metrics["entropy"] = _metric_mean([s.entropy.detach() for s in rows], rows)
-    if opts.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        low = [x.low_clipped.to(s.m.dtype) for x, s in zip(losses, rows)]
-        high = [x.high_clipped.to(s.m.dtype) for x, s in zip(losses, rows)]
+    if opts.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "gmpo"):
+        low = [x.low_clipped.to(s.m.dtype) for x, s in zip(losses, rows, strict=True)]
+        high = [x.high_clipped.to(s.m.dtype) for x, s in zip(losses, rows, strict=True)]
         metrics["clip_ratio/low_mean"] = _metric_mean(low, rows)
         metrics["clip_ratio/high_mean"] = _metric_mean(high, rows)
-        metrics["clip_ratio/region_mean"] = _metric_mean([torch.maximum(a, b) for a, b in zip(low, high)], rows)
+        metrics["clip_ratio/region_mean"] = _metric_mean(
+            [torch.maximum(a, b) for a, b in zip(low, high, strict=True)], rows
+        )
     elif opts.loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = _metric_mean([x.high_clipped.to(s.m.dtype) for x, s in zip(losses, rows)],
-                                                   rows)
+        metrics["cispo_clip_ratio"] = _metric_mean(
+            [x.high_clipped.to(s.m.dtype) for x, s in zip(losses, rows, strict=True)], rows
+        )
     elif opts.loss_type == "vespo":
         metrics["vespo/phi_seq_mean"] = _metric_mean([x.phi for x in losses], rows)
+    else:
+        name = {
+            "dppo_tv": "dppo/masked_mean",
+            "dppo_kl": "dppo/masked_mean",
+            "clip_cov": "clip_cov/selected_mean",
+            "kl_cov": "kl_cov/selected_mean",
+        }.get(opts.loss_type)
+        if name is not None:
+            metrics[name] = _metric_mean(
+                [x.high_clipped.to(s.m.dtype) for x, s in zip(losses, rows, strict=True)], rows
+            )
     return metrics
+
+
+def _covariance_choice(rows: list[_Sequence], opts: GRPOOptions) -> list[torch.Tensor | None]:
+    """Clip-Cov's and KL-Cov's chosen tokens, a bool vector a row over its active tokens (None for the other loss
+    types), chosen over every process's rows (``covariance_selection="batch"``) or this call's.
+
+    The covariance is (A - mean A)(log pi - mean log pi) over the active tokens: Clip-Cov's means weighted by the
+    mask (verl's masked mean, with its 1e-8), KL-Cov's plain. Clip-Cov draws ``clip_cov_ratio`` of the mask's
+    total (at least one) at random among the tokens whose covariance is in (lb, ub) and whose ratio PPO leaves
+    unclipped: ``torch.randperm`` over them in row order, the first ones. KL-Cov takes the ``kl_cov_ratio`` of the
+    active tokens (at least one) with the largest covariance (``torch.topk``)."""
+    if opts.loss_type not in ("clip_cov", "kl_cov"):
+        return [None] * len(rows)
+    across = opts.covariance_selection == "batch"
+    gather = _all_processes if across else (lambda values: values)
+    A = [(s.advantage.detach() * torch.ones_like(s.m)) for s in rows]
+    lp = [s.lp.detach() for s in rows]
+    flat_A, flat_lp, flat_m = (gather(torch.cat(x)) for x in (A, lp, [s.m for s in rows]))
+    if opts.loss_type == "clip_cov":
+        mean_A = (flat_A * flat_m).sum() / (flat_m.sum() + 1e-8)
+        mean_lp = (flat_lp * flat_m).sum() / (flat_m.sum() + 1e-8)
+        eligible = []
+        for s, a, x in zip(rows, A, lp, strict=True):
+            r = torch.exp(_clamp(x - s.old, opts.log_ratio_clamp))
+            unclipped = -a * r >= -a * torch.clamp(r, 1 - opts.epsilon, 1 + opts.eps_high)
+            cov = (a - mean_A) * (x - mean_lp)
+            eligible.append((cov > opts.clip_cov_lb) & (cov < opts.clip_cov_ub) & unclipped)
+        count = max(int(opts.clip_cov_ratio * float(flat_m.sum())), 1)
+        flags = gather(torch.cat(eligible).to(torch.uint8))
+        positions = torch.nonzero(flags).flatten()
+        picked = torch.zeros_like(flags, dtype=torch.bool)
+        if positions.numel():
+            picked[positions[torch.randperm(positions.numel())[: min(count, positions.numel())]]] = True
+    else:
+        cov = (flat_A - flat_A.mean()) * (flat_lp - flat_lp.mean())
+        count = max(1, int(flat_A.numel() * opts.kl_cov_ratio))
+        picked = torch.zeros(cov.numel(), dtype=torch.bool)
+        if cov.numel():
+            picked[torch.topk(cov, min(count, cov.numel())).indices] = True
+    start = _this_process_offset(sum(s.m.numel() for s in rows)) if across else 0
+    chosen = []
+    for s in rows:
+        chosen.append(picked[start : start + s.m.numel()].to(s.m.device))
+        start += s.m.numel()
+    return chosen
+
+
+def _this_process_offset(count: int) -> int:
+    """How many tokens the processes before this one hold (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, count)
+    return sum(counts[: dist.get_rank()])
 
 
 def grpo_loss_reference(
@@ -267,12 +380,12 @@ def grpo_loss_reference(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
-    old_logps: Optional[torch.Tensor] = None,
-    ref_logps: Optional[torch.Tensor] = None,
-    importance_weights: Optional[torch.Tensor] = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
     normalizer=None,
-    options: Optional[GRPOOptions] = None,
-    sampling_logps: Optional[torch.Tensor] = None,
+    options: GRPOOptions | None = None,
+    sampling_logps: torch.Tensor | None = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss of logits [B, T, V] for completion ids [B, T], the specification. With ``logit_scale`` or
@@ -284,22 +397,27 @@ def grpo_loss_reference(
     ``sampling_logps`` for the off-policy mask (default: the old log-probs, else this pass's own).
     """
     opts = options if options is not None else GRPOOptions(**option_kwargs)
-    lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.temperature, opts.logit_scale,
-                                             opts.logit_softcap)
+    lp, entropy = token_logprobs_and_entropy(
+        logits, completion_ids, opts.temperature, opts.logit_scale, opts.logit_softcap
+    )
     dtype = lp.dtype
-    rows = _sequences(lp, entropy, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-                      sampling_logps, dtype)
+    rows = _sequences(
+        lp, entropy, completion_mask, advantages, old_logps, ref_logps, importance_weights, sampling_logps, dtype
+    )
     keep, entropy_keep = _policy_keep(rows, opts)
-    losses = [_row_loss(s, k, opts) for s, k in zip(rows, keep)]
+    chosen = _covariance_choice(rows, opts)
+    losses = [_row_loss(s, k, opts, c) for s, k, c in zip(rows, keep, chosen, strict=True)]
 
     loss = torch.zeros((), dtype=dtype, device=lp.device)
-    for seq, row in zip(rows, losses):
+    for seq, row in zip(rows, losses, strict=True):
         loss = loss + (row.per_token * seq.m).sum() / _token_weight_denominator(seq, rows, opts, normalizer)
     metrics = _metrics(losses, rows, opts)
     if opts.entropy_coef != 0.0:  # TRL's bonus: the mean entropy over the (high-entropy) active tokens
         metrics["policy_loss"] = loss.detach()  # TRL logs the loss before its bonus
-        bonus_m = [s.m for s in rows] if entropy_keep is None else [s.m * e for s, e in zip(rows, entropy_keep)]
-        total = sum((s.entropy * m).sum() for s, m in zip(rows, bonus_m))
+        bonus_m = (
+            [s.m for s in rows] if entropy_keep is None else [s.m * e for s, e in zip(rows, entropy_keep, strict=True)]
+        )
+        total = sum((s.entropy * m).sum() for s, m in zip(rows, bonus_m, strict=True))
         if opts.entropy_reduction == "loss":  # divided as the (token-count) loss is: OpenRLHF's entropy loss
             divisor = _token_weight_denominator(rows[0], rows, opts, normalizer)
         else:

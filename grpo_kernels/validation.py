@@ -8,7 +8,7 @@ import math
 import torch
 
 from .kernels.contracts import launch_module
-from .options import BACKENDS, GRPOOptions
+from .options import BACKENDS, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the torch path only
 
@@ -29,13 +29,17 @@ def check_not_sharded(name: str, t, local_hint: str) -> None:
         raise TypeError(
             f"{name} is a DTensor (placements {tuple(t.placements)} over a mesh of {t.device_mesh.size()} ranks); the "
             f"loss reads plain tensors. Under FSDP2, compute the loss inside the wrapped model's forward, where the "
-            f"parameters are gathered, or pass {name}.full_tensor(); {local_hint}")
+            f"parameters are gathered, or pass {name}.full_tensor(); {local_hint}"
+        )
 
 
 def check_logits(logits) -> None:
     if logits.__class__ is not torch.Tensor:  # (a plain tensor is not a DTensor: host time)
-        check_not_sharded("logits", logits, "logits sharded over the vocabulary are logits.to_local() with "
-                          "vocab_parallel_group=<their process group>")
+        check_not_sharded(
+            "logits",
+            logits,
+            "logits sharded over the vocabulary are logits.to_local() with vocab_parallel_group=<their process group>",
+        )
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor [B, T, V], got {type(logits).__name__}")
     if logits.dim() != 3:
@@ -46,8 +50,9 @@ def check_logits(logits) -> None:
         raise ValueError(f"logits must have a vocabulary dimension V >= 1, got shape {tuple(logits.shape)}")
 
 
-_INTEGER_DTYPES = frozenset(getattr(torch, name) for name in ("int64", "int32", "int16", "int8", "uint8")
-                            if hasattr(torch, name))  # (the common ids' dtypes, answered by one lookup: host time)
+_INTEGER_DTYPES = frozenset(
+    getattr(torch, name) for name in ("int64", "int32", "int16", "int8", "uint8") if hasattr(torch, name)
+)  # (the common ids' dtypes, answered by one lookup: host time)
 
 
 def check_one_position_more(ids, shape, what: str = "logits") -> None:
@@ -56,10 +61,16 @@ def check_one_position_more(ids, shape, what: str = "logits") -> None:
     per-token input is found to disagree with the logits' T."""
     B, T = shape[0], shape[1]
     if isinstance(ids, torch.Tensor) and ids.dim() == 2 and tuple(ids.shape) == (B, T - 1):
-        fix = ("pass drop_last_position=True (its gradient written at the logits' shape, the last position's 0), or "
-               "logits[:, :-1]" if what == "logits" else f"pass {what}[:, :-1]")
-        raise ValueError(f"{what} [B, T + 1, ...] = {(B, T)} hold one position more than completion_ids [B, T] = "
-                         f"{tuple(ids.shape)}: a model's whole output, whose last position predicts nothing; {fix}")
+        fix = (
+            "pass drop_last_position=True (its gradient written at the logits' shape, the last position's 0), or "
+            "logits[:, :-1]"
+            if what == "logits"
+            else f"pass {what}[:, :-1]"
+        )
+        raise ValueError(
+            f"{what} [B, T + 1, ...] = {(B, T)} hold one position more than completion_ids [B, T] = "
+            f"{tuple(ids.shape)}: a model's whole output, whose last position predicts nothing; {fix}"
+        )
 
 
 def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normalizer=None) -> None:
@@ -70,8 +81,9 @@ def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normali
     B, T, V = shape
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"completion_ids must be a torch.Tensor [B, T], got {type(ids).__name__}")
-    if ids.dtype not in _INTEGER_DTYPES and (ids.dtype.is_floating_point or ids.dtype.is_complex or
-                                             ids.dtype == torch.bool):
+    if ids.dtype not in _INTEGER_DTYPES and (
+        ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool
+    ):
         raise TypeError(f"completion_ids must be an integer tensor, got {ids.dtype}")
     if ids.shape != (B, T):
         check_one_position_more(ids, shape)
@@ -116,9 +128,11 @@ def _check_mask_range(low: float, high: float) -> None:
     inf would be taken as a weight, silently."""
     if math.isnan(low) or low < 0 or high == float("inf"):
         got = "a NaN" if math.isnan(low) else f"values from {low:g} to {high:g}"
-        raise ValueError(f"completion_mask must be finite and >= 0 (1 counts a token, 0 masks it, another value "
-                         f"weights it), got {got}: a -1 or another padding marker must become 0 (e.g. "
-                         f"(mask == 1).float())")
+        raise ValueError(
+            f"completion_mask must be finite and >= 0 (1 counts a token, 0 masks it, another value "
+            f"weights it), got {got}: a -1 or another padding marker must become 0 (e.g. "
+            f"(mask == 1).float())"
+        )
 
 
 def _assert_in_graph(checked: torch.Tensor, V: int, mask, normalizer) -> None:
@@ -126,15 +140,17 @@ def _assert_in_graph(checked: torch.Tensor, V: int, mask, normalizer) -> None:
     no host sync, no graph break) that fail the step when an active id is outside [0, V) or a tensor
     normalizer is neither a positive finite count nor 0 over a batch with no active token."""
     if checked.numel():
-        torch._assert_async(((checked >= 0) & (checked < V)).all(),
-                            f"completion_ids must lie in [0, V) = [0, {V}) at active positions")
+        torch._assert_async(
+            ((checked >= 0) & (checked < V)).all(), f"completion_ids must lie in [0, V) = [0, {V}) at active positions"
+        )
     if mask is not None:
         torch._assert_async(((mask >= 0) & (mask < float("inf"))).all(), "completion_mask must be finite and >= 0")
     if isinstance(normalizer, torch.Tensor):
         value = normalizer.detach().reshape(())
         valid = (torch.isfinite(value) & (value > 0)) | ((value == 0) & (_active_tokens(mask, checked) == 0))
-        torch._assert_async(valid, "normalizer must be a positive, finite token count (or 0 for a batch with no "
-                            "active token)")
+        torch._assert_async(
+            valid, "normalizer must be a positive, finite token count (or 0 for a batch with no active token)"
+        )
 
 
 def _active_tokens(mask, like: torch.Tensor) -> torch.Tensor:
@@ -150,8 +166,10 @@ def _check_normalizer_value(value, active_tokens) -> None:
         return
     if not (math.isfinite(value) and value > 0):
         zero = "" if active is None else f"; 0 is accepted only for a batch with no active token, this one has {active}"
-        raise ValueError(f"normalizer must be a positive, finite token count, got {value!r} (TRL clamps its "
-                         f"num_items_in_batch to at least 1 before dividing by the process count; do the same){zero}")
+        raise ValueError(
+            f"normalizer must be a positive, finite token count, got {value!r} (TRL clamps its "
+            f"num_items_in_batch to at least 1 before dividing by the process count; do the same){zero}"
+        )
 
 
 def check_per_token(name: str, t, shape, device, *, allow_row: bool, allow_bool=False, allow_int=False):
@@ -159,13 +177,20 @@ def check_per_token(name: str, t, shape, device, *, allow_row: bool, allow_bool=
     if t is None:
         return
     B, T = shape[0], shape[1]
-    if t.__class__ is torch.Tensor and t.dtype.is_floating_point and t.device == device and (
-            t.shape == (B, T) or (allow_row and (t.shape == (B,) or t.shape == (B, 1)))):
+    if (
+        t.__class__ is torch.Tensor
+        and t.dtype.is_floating_point
+        and t.device == device
+        and (t.shape == (B, T) or (allow_row and (t.shape == (B,) or t.shape == (B, 1))))
+    ):
         return  # the common cases, accepted by every rule below (host time)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    ok_dtype = t.dtype.is_floating_point or (allow_bool and t.dtype == torch.bool) or (
-        allow_int and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool)
+    ok_dtype = (
+        t.dtype.is_floating_point
+        or (allow_bool and t.dtype == torch.bool)
+        or (allow_int and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool)
+    )
     if not ok_dtype:
         wanted = "a floating-point" + (", integer or bool" if allow_int else "")
         raise TypeError(f"{name} must be {wanted} tensor, got {t.dtype}")
@@ -177,8 +202,18 @@ def check_per_token(name: str, t, shape, device, *, allow_row: bool, allow_bool=
 
 
 def check_inputs(
-    shape, device, completion_ids, completion_mask, advantages, old_logps, ref_logps, importance_weights,
-    normalizer, opts: GRPOOptions, check_ids: bool = True, what: str = "logits",
+    shape,
+    device,
+    completion_ids,
+    completion_mask,
+    advantages,
+    old_logps,
+    ref_logps,
+    importance_weights,
+    normalizer,
+    opts: GRPOOptions,
+    check_ids: bool = True,
+    what: str = "logits",
 ) -> None:
     """Every per-call tensor of a loss call against the logits' ``shape`` (B, T, V) and ``device`` (the logits
     themselves, or the hidden states and head, are their input form's to check; ``what`` names them)."""
@@ -187,8 +222,7 @@ def check_inputs(
         raise ValueError("completion_mask is required ([B, T], 1 where a completion token counts), got None")
     if advantages is None:
         raise ValueError("advantages is required ([B] or [B, T]), got None")
-    check_per_token("completion_mask", completion_mask, shape, device, allow_row=False, allow_bool=True,
-                    allow_int=True)
+    check_per_token("completion_mask", completion_mask, shape, device, allow_row=False, allow_bool=True, allow_int=True)
     check_per_token("advantages", advantages, shape, device, allow_row=True)
     if old_logps is not None:
         check_per_token("old_logps", old_logps, shape, device, allow_row=False)
@@ -201,7 +235,8 @@ def check_inputs(
     if normalizer is not None:
         if not opts.loss.takes_normalizer:
             raise ValueError(
-                f"normalizer is the dapo / cispo / vespo token count; loss_type={opts.loss_type!r} does not use it"
+                f"normalizer is the token count of loss_type in {list(TOKEN_COUNT_LOSS_TYPES)}; "
+                f"loss_type={opts.loss_type!r} does not use it"
             )
         if isinstance(normalizer, torch.Tensor):
             if normalizer.numel() != 1:
@@ -225,8 +260,10 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     if backend != "triton":
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if logits.dtype == torch.float64:
-        raise TypeError("backend='triton' takes float32, bfloat16 or float16; float64 runs on backend='torch' "
-                        "(for gradcheck), or cast to float32")
+        raise TypeError(
+            "backend='triton' takes float32, bfloat16 or float16; float64 runs on backend='torch' "
+            "(for gradcheck), or cast to float32"
+        )
     compiling = torch.compiler.is_compiling()
     if not compiling:  # (a graph's ops import it when they run)
         launch_module()  # a clear ImportError where triton is absent
@@ -242,7 +279,7 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     return backend
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check_interpreter_versions() -> None:
     """Refuse, with the versions, a Triton interpreter that cannot run the kernels: before triton 3.7 it turns
     a kernel's scalar into a NumPy array that NumPy 2.4 refuses to convert (``only 0-dimensional arrays can be
@@ -252,9 +289,11 @@ def check_interpreter_versions() -> None:
     from packaging.version import Version
 
     if Version(triton.__version__).release < (3, 7) and Version(numpy.__version__).release >= (2, 4):
-        raise RuntimeError(f"Triton's interpreter (TRITON_INTERPRET=1) before triton 3.7 fails with numpy >= 2.4; "
-                           f"got triton {triton.__version__} and numpy {numpy.__version__}: install "
-                           "'numpy<2.4' or triton >= 3.7, or use backend='torch' on CPU tensors")
+        raise RuntimeError(
+            f"Triton's interpreter (TRITON_INTERPRET=1) before triton 3.7 fails with numpy >= 2.4; "
+            f"got triton {triton.__version__} and numpy {numpy.__version__}: install "
+            "'numpy<2.4' or triton >= 3.7, or use backend='torch' on CPU tensors"
+        )
 
 
 def triton_available() -> bool:
@@ -265,7 +304,7 @@ def triton_available() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)  # fixed when triton is imported
+@functools.cache  # fixed when triton is imported
 def interpreter_enabled() -> bool:
     """True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -302,8 +341,10 @@ def checked_drop_last_position(drop_last_position, logits, completion_ids) -> bo
         T = completion_ids.shape[-1] if isinstance(completion_ids, torch.Tensor) and completion_ids.dim() == 2 else None
         if T is None or logits.shape[1] != T + 1:
             got = tuple(completion_ids.shape) if isinstance(completion_ids, torch.Tensor) else None
-            raise ValueError(f"drop_last_position=True needs logits [B, T + 1, V] for completion_ids [B, T], got "
-                             f"logits {tuple(logits.shape)} and completion_ids {got}")
+            raise ValueError(
+                f"drop_last_position=True needs logits [B, T + 1, V] for completion_ids [B, T], got "
+                f"logits {tuple(logits.shape)} and completion_ids {got}"
+            )
     return drop_last_position
 
 
@@ -313,20 +354,29 @@ def checked_loss_scale(loss_scale):
         return loss_scale
     if isinstance(loss_scale, torch.Tensor):
         if loss_scale.numel() != 1 or not loss_scale.dtype.is_floating_point:
-            raise ValueError(f"loss_scale must be a number or a one-element float tensor, got shape "
-                             f"{tuple(loss_scale.shape)} and dtype {loss_scale.dtype}")
+            raise ValueError(
+                f"loss_scale must be a number or a one-element float tensor, got shape "
+                f"{tuple(loss_scale.shape)} and dtype {loss_scale.dtype}"
+            )
         return loss_scale.detach().reshape(())
     # a comparison, not math.isfinite: torch.compile(dynamic=True) traces floats as symbols, which it refuses
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not -math.inf < loss_scale < math.inf:
-        raise ValueError(f"loss_scale must be a finite number (e.g. 1 / gradient-accumulation steps), got "
-                         f"{loss_scale!r}")
+    if (
+        isinstance(loss_scale, bool)
+        or not isinstance(loss_scale, (int, float))
+        or not -math.inf < loss_scale < math.inf
+    ):
+        raise ValueError(
+            f"loss_scale must be a finite number (e.g. 1 / gradient-accumulation steps), got {loss_scale!r}"
+        )
     return float(loss_scale)
 
 
 def check_linear_inputs(hidden_states, weight, bias) -> None:
     """Hidden states [B, T, H], the lm_head weight [V, H] and bias [V] of the fused lm_head."""
-    shard_hint = ("a weight sharded over the vocabulary (Shard(0), a column-parallel head) is weight.to_local() with "
-                  "vocab_parallel_group=<its process group>")
+    shard_hint = (
+        "a weight sharded over the vocabulary (Shard(0), a column-parallel head) is weight.to_local() with "
+        "vocab_parallel_group=<its process group>"
+    )
     for name, t in (("hidden_states", hidden_states), ("weight", weight), ("bias", bias)):
         check_not_sharded(name, t, shard_hint)
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
@@ -339,8 +389,11 @@ def check_linear_inputs(hidden_states, weight, bias) -> None:
         if t.dtype not in LOGIT_DTYPES:
             raise TypeError(f"{name} must be float32, bfloat16, float16 or float64 (the torch path), got {t.dtype}")
     if weight.dtype != hidden_states.dtype or weight.device != hidden_states.device:
-        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden_states "
-                         f"({hidden_states.dtype}, {hidden_states.device})")
+        raise ValueError(
+            f"weight ({weight.dtype}, {weight.device}) must match hidden_states "
+            f"({hidden_states.dtype}, {hidden_states.device})"
+        )
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.device != weight.device):
-        raise ValueError(f"bias must be [V] = ({weight.shape[0]},) on {weight.device}, got {tuple(bias.shape)} "
-                         f"on {bias.device}")
+        raise ValueError(
+            f"bias must be [V] = ({weight.shape[0]},) on {weight.device}, got {tuple(bias.shape)} on {bias.device}"
+        )

@@ -8,6 +8,9 @@ from grpo_kernels.options import LOSS_TYPE_REGISTRY, LOSS_TYPES, PPO_CLIP_LOSS_T
 # The tests parametrize over the registry: a new loss type is tested everywhere by its entry alone.
 # Those whose per-token terms run in the loss kernels (vespo's sequence weight runs in torch on their log-probs):
 KERNEL_LOSS_TYPES = tuple(name for name, t in LOSS_TYPE_REGISTRY.items() if t.kernel_term is not None)
+# TRL 1.16's loss types (tests/test_integration_tables.py holds this to TRL's GRPOConfig): what the tests of TRL's
+# semantics draw from; the other trainers' families have tests/test_families.py and the adapters' tests
+TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 
 try:
     import triton
@@ -25,13 +28,28 @@ def assert_close(name, expected, actual, *, atol, rtol):
     diff = (expected - actual).abs()
     rel = diff / expected.abs().clamp(min=1e-12)
     torch.testing.assert_close(
-        actual, expected, atol=atol, rtol=rtol,
+        actual,
+        expected,
+        atol=atol,
+        rtol=rtol,
         msg=lambda m: f"{name}: max abs err {diff.max():.3e}, max rel err {rel.max():.3e}\n{m}",
     )
 
 
-def make_batch(B=3, T=5, V=1003, *, dtype=torch.float32, device="cpu", seed=0, per_token_adv=False,
-               off_policy=True, clip_spread=0.4, strided=False, temperature=1.0):
+def make_batch(
+    B=3,
+    T=5,
+    V=1003,
+    *,
+    dtype=torch.float32,
+    device="cpu",
+    seed=0,
+    per_token_adv=False,
+    off_policy=True,
+    clip_spread=0.4,
+    strided=False,
+    temperature=1.0,
+):
     """Inputs with a partly masked row, a fully masked row and ratios on both sides of the clip range."""
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(B, T + 1, V, generator=g) * 2.0
@@ -39,7 +57,7 @@ def make_batch(B=3, T=5, V=1003, *, dtype=torch.float32, device="cpu", seed=0, p
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = torch.ones(B, T)
     if B > 1:
-        mask[0, T // 2 + 1:] = 0  # a partly masked row
+        mask[0, T // 2 + 1 :] = 0  # a partly masked row
     if B > 2:
         mask[-1] = 0  # a fully masked row
     true_lp = torch.log_softmax(logits.float() / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
@@ -48,8 +66,14 @@ def make_batch(B=3, T=5, V=1003, *, dtype=torch.float32, device="cpu", seed=0, p
     adv = torch.randn((B, T) if per_token_adv else (B,), generator=g)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     logits = logits.to(device=device, dtype=dtype) if not strided else full.to(device=device, dtype=dtype)[:, :-1]
-    return dict(logits=logits, completion_ids=to(ids), completion_mask=to(mask), advantages=to(adv),
-                old_logps=to(old), ref_logps=to(ref))
+    return dict(
+        logits=logits,
+        completion_ids=to(ids),
+        completion_mask=to(mask),
+        advantages=to(adv),
+        old_logps=to(old),
+        ref_logps=to(ref),
+    )
 
 
 # Option combinations every fast path is checked on (keys in BATCH_KEYS shape the batch).
@@ -70,8 +94,9 @@ OPTION_CASES = {
     "cispo_per_token_adv": dict(loss_type="cispo", epsilon_high=1.05, per_token_adv=True, beta=0.04),
     # per-token advantages make the sequence level's clip flags per token: their metrics are token means (TRL)
     "sequence_level_per_token_adv": dict(importance_sampling_level="sequence", per_token_adv=True, beta=0.04),
-    "cispo_sequence_per_token_adv": dict(loss_type="cispo", epsilon_high=1.05, importance_sampling_level="sequence",
-                                         per_token_adv=True),
+    "cispo_sequence_per_token_adv": dict(
+        loss_type="cispo", epsilon_high=1.05, importance_sampling_level="sequence", per_token_adv=True
+    ),
     "no_entropy": dict(compute_entropy=False, beta=0.04),
     "strided_logits_view": dict(strided=True, beta=0.04),
     "strided_sequence_level": dict(strided=True, importance_sampling_level="sequence"),
@@ -84,13 +109,14 @@ OPTION_CASES = {
 BATCH_KEYS = ("B", "T", "V", "per_token_adv", "clip_spread", "strided", "temperature")
 
 
-def check_lm_head_against_reference(hidden, weight, inputs, *, backend, lm_head_mode, options, fp64=False,
-                                    tol=dict(atol=2e-6, rtol=1e-5)):
+def check_lm_head_against_reference(hidden, weight, inputs, *, backend, lm_head_mode, options, fp64=False, tol=None):
     """fused_linear_grpo_loss against the reference on materialized logits (in fp64 with ``fp64``): the loss,
-    d hidden, d weight and every metric."""
+    d hidden, d weight and every metric (``tol``: assert_close's, fp32's by default)."""
     from grpo_kernels import fused_linear_grpo_loss, grpo_loss_reference
 
-    up = (lambda t: t.double()) if fp64 else (lambda t: t)  # noqa: E731
+    tol = dict(atol=2e-6, rtol=1e-5) if tol is None else tol
+
+    up = (lambda t: t.double()) if fp64 else (lambda t: t)
     h, w = up(hidden.clone()).requires_grad_(), up(weight.clone()).requires_grad_()
     ref_inputs = {k: (up(v) if v.is_floating_point() and k != "completion_mask" else v) for k, v in inputs.items()}
     expected = grpo_loss_reference(h @ w.T, **ref_inputs, **options)

@@ -8,8 +8,15 @@ import pytest
 import torch
 from helpers import assert_close, make_batch
 
-from grpo_kernels import FusedLinearGRPOLoss, GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference, token_logprobs
-from grpo_kernels import reference
+from grpo_kernels import (
+    FusedLinearGRPOLoss,
+    GRPOLoss,
+    GRPOOptions,
+    grpo_loss,
+    grpo_loss_reference,
+    reference,
+    token_logprobs,
+)
 from grpo_kernels.kernels import grpo as K
 
 BACKENDS = ["torch", "triton"]
@@ -65,8 +72,9 @@ def test_in_place_backward_gives_the_same_parameter_gradients(device, backend, l
     for in_place in (False, True):
         head.zero_grad()
         logits = head(hidden)
-        out = grpo_loss(logits, **batch, beta=0.04, importance_sampling_level=level, backend=backend,
-                        in_place_backward=in_place)
+        out = grpo_loss(
+            logits, **batch, beta=0.04, importance_sampling_level=level, backend=backend, in_place_backward=in_place
+        )
         out.loss.backward()
         grads.append(head.proj.weight.grad.clone())
         if in_place:  # the logits' storage now holds dlogits
@@ -99,45 +107,175 @@ def _bad(batch, **changes):
 
 
 BAD_INPUTS = {
-    "logits 2-d": (lambda b: _bad(b, logits=b["logits"][0]), ValueError, r"logits must be \[B, T, V\] \(3 dims\), got shape \(5, 1003\)"),
-    "logits int": (lambda b: _bad(b, logits=b["logits"].long()), TypeError, r"logits must be float32, bfloat16, float16 or float64 \(the torch path\), got torch.int64"),
-    "ids shape": (lambda b: _bad(b, completion_ids=b["completion_ids"][:, :3]), ValueError, r"completion_ids must be \[B, T\] = \(3, 5\) to match logits \[B, T, V\], got \(3, 3\)"),
-    "ids float": (lambda b: _bad(b, completion_ids=b["completion_ids"].float()), TypeError, "completion_ids must be an integer tensor, got torch.float32"),
-    "ids too large": (lambda b: _bad(b, completion_ids=b["completion_ids"].clone().fill_(1003)), ValueError, r"completion_ids must lie in \[0, V\) = \[0, 1003\) at active positions, got a token id 1003"),
-    "ids negative": (lambda b: _bad(b, completion_ids=b["completion_ids"].clone().fill_(-100)), ValueError, "got a token id -100"),
-    "mask shape": (lambda b: _bad(b, completion_mask=b["completion_mask"][:, :2]), ValueError, r"completion_mask must have shape \(3, 5\), got \(3, 2\)"),
+    "logits 2-d": (
+        lambda b: _bad(b, logits=b["logits"][0]),
+        ValueError,
+        r"logits must be \[B, T, V\] \(3 dims\), got shape \(5, 1003\)",
+    ),
+    "logits int": (
+        lambda b: _bad(b, logits=b["logits"].long()),
+        TypeError,
+        r"logits must be float32, bfloat16, float16 or float64 \(the torch path\), got torch.int64",
+    ),
+    "ids shape": (
+        lambda b: _bad(b, completion_ids=b["completion_ids"][:, :3]),
+        ValueError,
+        r"completion_ids must be \[B, T\] = \(3, 5\) to match logits \[B, T, V\], got \(3, 3\)",
+    ),
+    "ids float": (
+        lambda b: _bad(b, completion_ids=b["completion_ids"].float()),
+        TypeError,
+        "completion_ids must be an integer tensor, got torch.float32",
+    ),
+    "ids too large": (
+        lambda b: _bad(b, completion_ids=b["completion_ids"].clone().fill_(1003)),
+        ValueError,
+        r"completion_ids must lie in \[0, V\) = \[0, 1003\) at active positions, got a token id 1003",
+    ),
+    "ids negative": (
+        lambda b: _bad(b, completion_ids=b["completion_ids"].clone().fill_(-100)),
+        ValueError,
+        "got a token id -100",
+    ),
+    "mask shape": (
+        lambda b: _bad(b, completion_mask=b["completion_mask"][:, :2]),
+        ValueError,
+        r"completion_mask must have shape \(3, 5\), got \(3, 2\)",
+    ),
     "mask missing": (lambda b: _bad(b, completion_mask=None), ValueError, "completion_mask is required"),
-    "advantages shape": (lambda b: _bad(b, advantages=torch.zeros(4)), ValueError, r"advantages must have shape \(3, 5\) or \(3,\) or \(3, 1\), got \(4,\)"),
-    "advantages int": (lambda b: _bad(b, advantages=torch.zeros(3, dtype=torch.long)), TypeError, "advantages must be a floating-point tensor, got torch.int64"),
-    "old_logps shape": (lambda b: _bad(b, old_logps=torch.zeros(3)), ValueError, r"old_logps must have shape \(3, 5\), got \(3,\)"),
-    "importance_weights shape": (lambda b: _bad(b, importance_weights=torch.ones(2, 5)), ValueError, r"importance_weights must have shape \(3, 5\) or \(3,\) or \(3, 1\), got \(2, 5\)"),
-    "beta without ref": (lambda b: _bad(b, ref_logps=None, beta=0.04), ValueError, r"beta=0.04 > 0 needs ref_logps \[B, T\]"),
-    "normalizer for grpo": (lambda b: _bad(b, normalizer=10.0), ValueError, "normalizer is the dapo / cispo / vespo token count; loss_type='grpo' does not use it"),
-    "normalizer zero": (lambda b: _bad(b, normalizer=0, loss_type="dapo"), ValueError, "normalizer must be a positive, finite token count, got 0"),
-    "normalizer tensor zero": (lambda b: _bad(b, normalizer=torch.tensor(0.0), loss_type="dapo"), ValueError, r"normalizer must be a positive, finite token count, got 0.0 \(TRL clamps"),
-    "normalizer tensor negative": (lambda b: _bad(b, normalizer=torch.tensor(-4.0), loss_type="cispo"), ValueError, "normalizer must be a positive, finite token count, got -4.0"),
-    "normalizer inf": (lambda b: _bad(b, normalizer=float("inf"), loss_type="dapo"), ValueError, "normalizer must be a positive, finite token count, got inf"),
-    "normalizer tensor nan": (lambda b: _bad(b, normalizer=torch.tensor(float("nan")), loss_type="dapo"), ValueError, "normalizer must be a positive, finite token count, got nan"),
-    "normalizer string": (lambda b: _bad(b, normalizer="10", loss_type="dapo"), ValueError, "normalizer must be a positive number"),
-    "unknown loss_type": (lambda b: _bad(b, loss_type="ppo"), ValueError, r"loss_type must be one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'cispo', 'sapo', 'vespo'\], got 'ppo'"),
-    "unknown level": (lambda b: _bad(b, importance_sampling_level="seq"), ValueError, "importance_sampling_level must be one of"),
+    "advantages shape": (
+        lambda b: _bad(b, advantages=torch.zeros(4)),
+        ValueError,
+        r"advantages must have shape \(3, 5\) or \(3,\) or \(3, 1\), got \(4,\)",
+    ),
+    "advantages int": (
+        lambda b: _bad(b, advantages=torch.zeros(3, dtype=torch.long)),
+        TypeError,
+        "advantages must be a floating-point tensor, got torch.int64",
+    ),
+    "old_logps shape": (
+        lambda b: _bad(b, old_logps=torch.zeros(3)),
+        ValueError,
+        r"old_logps must have shape \(3, 5\), got \(3,\)",
+    ),
+    "importance_weights shape": (
+        lambda b: _bad(b, importance_weights=torch.ones(2, 5)),
+        ValueError,
+        r"importance_weights must have shape \(3, 5\) or \(3,\) or \(3, 1\), got \(2, 5\)",
+    ),
+    "beta without ref": (
+        lambda b: _bad(b, ref_logps=None, beta=0.04),
+        ValueError,
+        r"beta=0.04 > 0 needs ref_logps \[B, T\]",
+    ),
+    "normalizer for grpo": (
+        lambda b: _bad(b, normalizer=10.0),
+        ValueError,
+        "normalizer is the token count of loss_type in ['dapo', 'cispo', 'vespo', 'dppo_tv', 'dppo_kl', 'gpg', 'dro', "
+        "'clip_cov', 'kl_cov']; loss_type='grpo' does not use it",
+    ),
+    "normalizer zero": (
+        lambda b: _bad(b, normalizer=0, loss_type="dapo"),
+        ValueError,
+        "normalizer must be a positive, finite token count, got 0",
+    ),
+    "normalizer tensor zero": (
+        lambda b: _bad(b, normalizer=torch.tensor(0.0), loss_type="dapo"),
+        ValueError,
+        r"normalizer must be a positive, finite token count, got 0.0 \(TRL clamps",
+    ),
+    "normalizer tensor negative": (
+        lambda b: _bad(b, normalizer=torch.tensor(-4.0), loss_type="cispo"),
+        ValueError,
+        "normalizer must be a positive, finite token count, got -4.0",
+    ),
+    "normalizer inf": (
+        lambda b: _bad(b, normalizer=float("inf"), loss_type="dapo"),
+        ValueError,
+        "normalizer must be a positive, finite token count, got inf",
+    ),
+    "normalizer tensor nan": (
+        lambda b: _bad(b, normalizer=torch.tensor(float("nan")), loss_type="dapo"),
+        ValueError,
+        "normalizer must be a positive, finite token count, got nan",
+    ),
+    "normalizer string": (
+        lambda b: _bad(b, normalizer="10", loss_type="dapo"),
+        ValueError,
+        "normalizer must be a positive number",
+    ),
+    "unknown loss_type": (
+        lambda b: _bad(b, loss_type="ppo"),
+        ValueError,
+        r"loss_type must be one of \['grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'cispo', 'sapo', 'vespo', 'dppo_tv', "
+        r"'dppo_kl', 'gpg', 'gmpo', 'dro', 'clip_cov', 'kl_cov'\], got 'ppo'",
+    ),
+    "unknown level": (
+        lambda b: _bad(b, importance_sampling_level="seq"),
+        ValueError,
+        "importance_sampling_level must be one of",
+    ),
     "unknown kl": (lambda b: _bad(b, kl_estimator="k4"), ValueError, "kl_estimator must be one of"),
-    "dr_grpo without length": (lambda b: _bad(b, loss_type="dr_grpo"), ValueError, "loss_type='dr_grpo' needs max_completion_length"),
+    "dr_grpo without length": (
+        lambda b: _bad(b, loss_type="dr_grpo"),
+        ValueError,
+        "loss_type='dr_grpo' needs max_completion_length",
+    ),
     "negative beta": (lambda b: _bad(b, beta=-0.1), ValueError, "beta must be >= 0, got -0.1"),
     "zero temperature": (lambda b: _bad(b, temperature=0.0), ValueError, "temperature must be > 0, got 0.0"),
     "dual clip below one": (lambda b: _bad(b, dual_clip=0.5), ValueError, "dual_clip must be > 1"),
-    "dual clip with sapo": (lambda b: _bad(b, dual_clip=3.0, loss_type="sapo"), ValueError, "dual_clip applies to the PPO-clip loss types"),
-    "bias kl without kl": (lambda b: _bad(b, use_bias_correction_kl=True), ValueError, "use_bias_correction_kl=True multiplies the KL term, but beta=0"),
-    "unknown backend": (lambda b: _bad(b, backend="cuda"), ValueError, r"backend must be one of \['auto', 'triton', 'torch'\], got 'cuda'"),
+    "dual clip with sapo": (
+        lambda b: _bad(b, dual_clip=3.0, loss_type="sapo"),
+        ValueError,
+        "dual_clip applies to the PPO-clip loss types",
+    ),
+    "bias kl without kl": (
+        lambda b: _bad(b, use_bias_correction_kl=True),
+        ValueError,
+        "use_bias_correction_kl=True multiplies the KL term, but beta=0",
+    ),
+    "unknown backend": (
+        lambda b: _bad(b, backend="cuda"),
+        ValueError,
+        r"backend must be one of \['auto', 'triton', 'torch'\], got 'cuda'",
+    ),
     # what a new user gets wrong first, each error naming the fix
-    "logits one position more": (lambda b: _bad(b, logits=torch.cat([b["logits"], b["logits"][:, :1]], 1)), ValueError, r"logits \[B, T \+ 1, \.\.\.\] = \(3, 6\) hold one position more than completion_ids \[B, T\] = \(3, 5\): a model's whole output, whose last position predicts nothing; pass drop_last_position=True"),
-    "mask negative": (lambda b: _bad(b, completion_mask=b["completion_mask"] * 2 - 1), ValueError, r"completion_mask must be finite and >= 0 \(1 counts a token, 0 masks it, another value weights it\), got values from -1 to 1: a -1 or another padding marker must become 0"),
-    "mask inf": (lambda b: _bad(b, completion_mask=b["completion_mask"].masked_fill(b["completion_mask"] == 1, float("inf"))), ValueError, r"completion_mask must be finite and >= 0.*got values from 0 to inf"),
+    "logits one position more": (
+        lambda b: _bad(b, logits=torch.cat([b["logits"], b["logits"][:, :1]], 1)),
+        ValueError,
+        r"logits \[B, T \+ 1, \.\.\.\] = \(3, 6\) hold one position more than completion_ids \[B, T\] = \(3, 5\): a model's whole output, whose last position predicts nothing; pass drop_last_position=True",
+    ),
+    "mask negative": (
+        lambda b: _bad(b, completion_mask=b["completion_mask"] * 2 - 1),
+        ValueError,
+        r"completion_mask must be finite and >= 0 \(1 counts a token, 0 masks it, another value weights it\), got values from -1 to 1: a -1 or another padding marker must become 0",
+    ),
+    "mask inf": (
+        lambda b: _bad(b, completion_mask=b["completion_mask"].masked_fill(b["completion_mask"] == 1, float("inf"))),
+        ValueError,
+        r"completion_mask must be finite and >= 0.*got values from 0 to inf",
+    ),
     # a weight above 1 is a weight (TRL's per_token_loss * mask), as the randomized tests draw it: not refused
-    "mask nan": (lambda b: _bad(b, completion_mask=torch.full_like(b["completion_mask"], float("nan"))), ValueError, r"completion_mask must be finite and >= 0.*got a NaN"),
-    "vocabulary strided": (lambda b: _bad(b, logits=torch.cat([b["logits"], b["logits"]], -1)[..., ::2]), ValueError, r"logits need a unit last stride, got strides \(10030, 2006, 2\) \(backend='torch'\); views that slice B or T are fine, a transposed or strided vocabulary is not \(call .contiguous\(\)\)"),
-    "another trainer's option name": (lambda b: _bad(b, clip_eps=0.2), TypeError, r"unknown option 'clip_eps'; did you mean 'epsilon' \(another trainer's name for it\)\?"),
-    "misspelt option": (lambda b: _bad(b, epsilom=0.2), TypeError, r"unknown option 'epsilom'; did you mean 'epsilon'\?"),
+    "mask nan": (
+        lambda b: _bad(b, completion_mask=torch.full_like(b["completion_mask"], float("nan"))),
+        ValueError,
+        r"completion_mask must be finite and >= 0.*got a NaN",
+    ),
+    "vocabulary strided": (
+        lambda b: _bad(b, logits=torch.cat([b["logits"], b["logits"]], -1)[..., ::2]),
+        ValueError,
+        r"logits need a unit last stride, got strides \(10030, 2006, 2\) \(backend='torch'\); views that slice B or T are fine, a transposed or strided vocabulary is not \(call .contiguous\(\)\)",
+    ),
+    "another trainer's option name": (
+        lambda b: _bad(b, clip_eps=0.2),
+        TypeError,
+        r"unknown option 'clip_eps'; did you mean 'epsilon' \(another trainer's name for it\)\?",
+    ),
+    "misspelt option": (
+        lambda b: _bad(b, epsilom=0.2),
+        TypeError,
+        r"unknown option 'epsilom'; did you mean 'epsilon'\?",
+    ),
 }
 
 
@@ -203,9 +341,23 @@ def test_per_step_values_are_runtime_arguments():
         for name in ("T", "V", "N", "stride_b", "stride_t", "inv_temperature", "grad_stride_b", "grad_stride_t"):
             assert name not in constexprs
         # feature flags, block sizes and the launch schedule (fixed by the configuration, not the step)
-        assert constexprs <= {"LOSS_KIND", "HAS_OLD", "HAS_KL", "KL_KIND", "LOSS_FLAGS", "HAS_IW", "HAS_MASK",
-                              "COMPUTE_ENTROPY", "WRITE_GRAD", "ROW_ALIGN", "BLOCK_V", "PERSISTENT",
-                              "HAS_ENTROPY_GRAD", "LOOP_STAGES", "L2_HINTS"}
+        assert constexprs <= {
+            "LOSS_KIND",
+            "HAS_OLD",
+            "HAS_KL",
+            "KL_KIND",
+            "LOSS_FLAGS",
+            "HAS_IW",
+            "HAS_MASK",
+            "COMPUTE_ENTROPY",
+            "WRITE_GRAD",
+            "ROW_ALIGN",
+            "BLOCK_V",
+            "PERSISTENT",
+            "HAS_ENTROPY_GRAD",
+            "LOOP_STAGES",
+            "L2_HINTS",
+        }
     assert set(K.RUNTIME_INTS) == {"T", "V", "N", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"}
     for name in ("grpo_forward_kernel", "logprob_backward_kernel"):
         assert re.search(rf"@triton\.jit\(do_not_specialize=RUNTIME_INTS\)\ndef {name}", source), name
@@ -222,8 +374,14 @@ def test_grpo_loss_under_torch_compile(loss_type):
     loss_fn = GRPOLoss(**options)
 
     def step(logits):
-        out = loss_fn(logits, batch["completion_ids"], batch["completion_mask"], batch["advantages"],
-                      batch["old_logps"], batch["ref_logps"])
+        out = loss_fn(
+            logits,
+            batch["completion_ids"],
+            batch["completion_mask"],
+            batch["advantages"],
+            batch["old_logps"],
+            batch["ref_logps"],
+        )
         return out.loss * 2.0
 
     compiled = torch.compile(step, fullgraph=True)
@@ -231,8 +389,9 @@ def test_grpo_loss_under_torch_compile(loss_type):
     loss = compiled(logits)
     loss.backward()
     expected_logits = batch["logits"].clone().requires_grad_()
-    expected = grpo_loss_reference(expected_logits, **{k: v for k, v in batch.items() if k != "logits"},
-                                   **options).loss * 2.0
+    expected = (
+        grpo_loss_reference(expected_logits, **{k: v for k, v in batch.items() if k != "logits"}, **options).loss * 2.0
+    )
     expected.backward()
     assert_close("loss", expected, loss, atol=1e-6, rtol=1e-5)
     assert_close("dlogits", expected_logits.grad, logits.grad, atol=1e-5, rtol=1e-5)
@@ -242,6 +401,7 @@ def _graph_counting_backend(counts):
     def backend(gm, example_inputs):
         counts.append(gm)
         return gm.forward
+
     return backend
 
 
@@ -259,8 +419,11 @@ def test_a_torch_compiled_step_does_not_recompile_per_completion_length(backend,
         pytest.skip("CPU tensors run the Triton path only in its interpreter (TRITON_INTERPRET=1)")
     torch._dynamo.reset()
     H, V, B = 16, 50, 3
-    loss_fn = (FusedLinearGRPOLoss(beta=0.04, loss_type="dapo", backend=backend) if fused
-               else GRPOLoss(beta=0.04, loss_type="dapo", drop_last_position=True, backend=backend))
+    loss_fn = (
+        FusedLinearGRPOLoss(beta=0.04, loss_type="dapo", backend=backend)
+        if fused
+        else GRPOLoss(beta=0.04, loss_type="dapo", drop_last_position=True, backend=backend)
+    )
 
     def step(x, w, ids, mask, adv, ref):
         extra = (x, w) if fused else (x,)
@@ -327,8 +490,11 @@ def test_a_torch_compiled_step_asserts_the_ids_range_on_the_device():
     torch._dynamo.reset()
     batch = make_batch(seed=2)
     loss_fn = GRPOLoss()
-    compiled = torch.compile(lambda logits, ids, mask: loss_fn(logits, ids, mask, batch["advantages"]).loss,
-                             fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(
+        lambda logits, ids, mask: loss_fn(logits, ids, mask, batch["advantages"]).loss,
+        fullgraph=True,
+        backend="aot_eager",
+    )
     ids, mask = batch["completion_ids"].clone(), batch["completion_mask"].clone()
     V = batch["logits"].shape[-1]
     mask[0, -1] = 0
@@ -364,18 +530,41 @@ def test_presets_and_trl_config():
     from grpo_kernels.advantages import group_advantages
 
     verl = GRPOLoss(preset="verl", beta=0.001).options
-    assert (verl.dual_clip, verl.log_ratio_clamp, verl.kl_estimator, verl.kl_clamp, verl.beta) == (3.0, 20.0, "k3",
-                                                                                                    10.0, 0.001)
+    assert (verl.dual_clip, verl.log_ratio_clamp, verl.kl_estimator, verl.kl_clamp, verl.beta) == (
+        3.0,
+        20.0,
+        "k3",
+        10.0,
+        0.001,
+    )
     assert GRPOLoss(preset="openrlhf").options.kl_estimator == "k1"
     with pytest.raises(ValueError, match="preset must be one of"):
         GRPOLoss(preset="deepspeed")
-    config = GRPOConfig(output_dir="/tmp/unused", loss_type="dr_grpo", beta=0.04, epsilon=0.1, epsilon_high=0.3,
-                        temperature=0.7, max_completion_length=64, importance_sampling_level="sequence",
-                        use_bias_correction_kl=True, report_to="none", use_cpu=True, bf16=False)
+    config = GRPOConfig(
+        output_dir="/tmp/unused",
+        loss_type="dr_grpo",
+        beta=0.04,
+        epsilon=0.1,
+        epsilon_high=0.3,
+        temperature=0.7,
+        max_completion_length=64,
+        importance_sampling_level="sequence",
+        use_bias_correction_kl=True,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+    )
     opts = GRPOLoss.from_trl_config(config, backend="torch").options
-    assert opts == GRPOOptions(loss_type="dr_grpo", beta=0.04, epsilon=0.1, epsilon_high=0.3, temperature=0.7,
-                               max_completion_length=64, importance_sampling_level="sequence",
-                               use_bias_correction_kl=True)
+    assert opts == GRPOOptions(
+        loss_type="dr_grpo",
+        beta=0.04,
+        epsilon=0.1,
+        epsilon_high=0.3,
+        temperature=0.7,
+        max_completion_length=64,
+        importance_sampling_level="sequence",
+        use_bias_correction_kl=True,
+    )
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
     trl_adv = group_advantages(rewards, 2, preset="trl").advantages
     groups = rewards.view(2, 2)
@@ -390,13 +579,17 @@ def test_the_launchers_take_the_temperature_from_one_source():
 
     logits, ids = torch.randn(1, 2, 50), torch.randint(0, 50, (1, 2))
     opts = GRPOOptions(temperature=0.7)
-    assert launch.resolved_head(opts.kernel_loss, None, None) == (0.7, None) and launch.resolved_head(None, None, None) == (1.0, None)
+    assert launch.resolved_head(opts.kernel_loss, None, None) == (0.7, None) and launch.resolved_head(
+        None, None, None
+    ) == (1.0, None)
     capped = GRPOOptions(temperature=0.7, logit_scale=2.0, logit_softcap=30.0)
     assert launch.resolved_head(capped.kernel_loss, None, None) == (0.35, 15.0)
     with pytest.raises(ValueError, match="softcap=5.0 beside options"):
         launch.resolved_head(capped.kernel_loss, None, 5.0)
     with pytest.raises(ValueError, match="temperature=0.9 disagrees with the options' temperature=0.7"):
-        launch.forward(logits, ids, kernel_loss=opts.kernel_loss, temperature=0.9, tokens=TokenInputs(advantages=torch.zeros(2)))
+        launch.forward(
+            logits, ids, kernel_loss=opts.kernel_loss, temperature=0.9, tokens=TokenInputs(advantages=torch.zeros(2))
+        )
 
 
 def test_the_specification_is_imported_by_no_loss_path():
@@ -413,9 +606,13 @@ def test_the_specification_is_imported_by_no_loss_path():
         if path.name == "__init__.py" and path.parent == package:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [f"{node.module}.{a.name}" if node.module else a.name for a in node.names]
-                     if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [f"{node.module}.{a.name}" if node.module else a.name for a in node.names]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(n.split(".")[-1] == "reference" or ".reference." in f".{n}." for n in names):
                 importers.append(str(path.relative_to(package)))
     assert importers == [], f"production modules import the specification: {importers}"

@@ -21,8 +21,11 @@ PATHS = [("torch", None), ("triton", True), ("triton", False)]
 def _fp64_reference(batch, **options):
     """(loss, d loss / d logits) of the reference, computed in fp64 from the same values."""
     logits = batch["logits"].detach().double().requires_grad_()
-    up = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "completion_mask" else v)
-          for k, v in batch.items() if k != "logits"}
+    up = {
+        k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "completion_mask" else v)
+        for k, v in batch.items()
+        if k != "logits"
+    }
     out = grpo_loss_reference(logits, **up, **options)
     out.loss.backward()
     return out.loss.detach(), logits.grad
@@ -30,8 +33,9 @@ def _fp64_reference(batch, **options):
 
 def _ours(batch, backend, one_pass, **kwargs):
     logits = batch["logits"].detach().clone().requires_grad_()
-    out = grpo_loss(logits, **{k: v for k, v in batch.items() if k != "logits"}, backend=backend,
-                    one_pass=one_pass, **kwargs)
+    out = grpo_loss(
+        logits, **{k: v for k, v in batch.items() if k != "logits"}, backend=backend, one_pass=one_pass, **kwargs
+    )
     out.loss.backward()
     return out, logits.grad
 
@@ -41,8 +45,14 @@ def _ours(batch, backend, one_pass, **kwargs):
 @pytest.mark.parametrize("backend, one_pass", PATHS)
 def test_entropy_bonus_matches_the_fp64_reference(device, backend, one_pass, loss_type, level):
     batch = make_batch(device=device, seed=21, V=1003)
-    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, temperature=0.8,
-                   entropy_coef=0.05, **({"epsilon_high": 1.1} if loss_type == "cispo" else {}))
+    options = dict(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=0.04,
+        temperature=0.8,
+        entropy_coef=0.05,
+        **({"epsilon_high": 1.1} if loss_type == "cispo" else {}),
+    )
     expected_loss, expected_grad = _fp64_reference(batch, **options)
     out, grad = _ours(batch, backend, one_pass, **options)
     assert_close("loss", expected_loss, out.loss, **TOL)
@@ -60,8 +70,12 @@ def test_an_entropy_bonus_divided_as_the_loss_is_matches_the_fp64_reference(devi
     out, grad = _ours(dict(batch, normalizer=normalizer), backend, one_pass, **options)
     assert_close("loss", expected_loss, out.loss, **TOL)
     assert_close("dlogits", expected_grad, grad, **TOL)
-    with pytest.raises(ValueError, match=r"entropy_reduction='loss' .* loss_type in \['dapo', 'cispo', 'vespo'\], "
-                                         r"got loss_type='grpo'"):
+    with pytest.raises(
+        ValueError,
+        match=r"entropy_reduction='loss' .* loss_type in \['dapo', 'cispo', 'vespo', 'dppo_tv', 'dppo_kl', 'gpg', "
+        r"'dro', 'clip_cov', 'kl_cov'\], "
+        r"got loss_type='grpo'",
+    ):
         GRPOOptions(loss_type="grpo", entropy_coef=0.05, entropy_reduction="loss")
 
 
@@ -103,8 +117,15 @@ def test_entropy_bonus_in_place_and_with_the_full_logits(device, backend, one_pa
     B, T, V = batch["logits"].shape
     leaf = torch.cat([batch["logits"], torch.randn(B, 1, V, device=device)], 1).requires_grad_()
     given = leaf * 1.0  # in place overwrites the tensor it is given: a model output, not a leaf
-    out = grpo_loss(given, **{k: v for k, v in batch.items() if k != "logits"}, backend=backend, one_pass=one_pass,
-                    in_place_backward=True, drop_last_position=True, **options)
+    out = grpo_loss(
+        given,
+        **{k: v for k, v in batch.items() if k != "logits"},
+        backend=backend,
+        one_pass=one_pass,
+        in_place_backward=True,
+        drop_last_position=True,
+        **options,
+    )
     out.loss.backward()
     assert_close("loss", expected_loss, out.loss, **TOL)
     assert_close("dlogits", expected_grad, leaf.grad[:, :-1], **TOL)
@@ -119,7 +140,7 @@ def test_entropy_bonus_on_bf16_logits(device, backend, one_pass):
     out, grad = _ours(batch, backend, one_pass, entropy_coef=0.1, beta=0.04)
     assert grad.dtype == torch.bfloat16
     assert_close("loss", expected_loss, out.loss, **TOL)
-    assert_close("dlogits", expected_grad.to(torch.bfloat16), grad, atol=1e-7, rtol=2 ** -7)
+    assert_close("dlogits", expected_grad.to(torch.bfloat16), grad, atol=1e-7, rtol=2**-7)
 
 
 def test_entropy_coef_needs_the_entropy():
@@ -129,8 +150,9 @@ def test_entropy_coef_needs_the_entropy():
         GRPOOptions(entropy_coef=float("nan"))
 
 
-@pytest.mark.parametrize("backend, lm_head_mode",
-                         [("torch", None), ("triton", "recompute"), ("triton", "three_products")])
+@pytest.mark.parametrize(
+    "backend, lm_head_mode", [("torch", None), ("triton", "recompute"), ("triton", "three_products")]
+)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_entropy_bonus_from_hidden_states(device, backend, lm_head_mode, level):
     """The lm_head paths: the recomputing dlogits kernel, the 3-product mode (the one-pass logits kernel
@@ -141,8 +163,9 @@ def test_entropy_bonus_from_hidden_states(device, backend, lm_head_mode, level):
     batch = make_batch(device=device, seed=28, V=333)
     inputs = {k: v for k, v in batch.items() if k != "logits"}
     options = dict(entropy_coef=0.2, beta=0.04, temperature=0.8, importance_sampling_level=level)
-    check_lm_head_against_reference(hidden, weight, inputs, backend=backend, lm_head_mode=lm_head_mode,
-                                    options=options, fp64=True, tol=TOL)
+    check_lm_head_against_reference(
+        hidden, weight, inputs, backend=backend, lm_head_mode=lm_head_mode, options=options, fp64=True, tol=TOL
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -174,17 +197,26 @@ def test_token_entropy_and_the_pair_are_differentiable(device, backend):
     assert_close("d (both) / d logits", g_both, grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("masks", [{}, {"top_entropy_quantile": 0.5}, {"off_policy_mask_threshold": 0.1}],
-                         ids=["no mask", "high-entropy", "off-policy"])
+@pytest.mark.parametrize(
+    "masks",
+    [{}, {"top_entropy_quantile": 0.5}, {"off_policy_mask_threshold": 0.1}],
+    ids=["no mask", "high-entropy", "off-policy"],
+)
 @pytest.mark.parametrize("backend, one_pass", PATHS)
 def test_policy_loss_metric_is_the_loss_before_the_bonus(device, backend, one_pass, masks):
     """TRL's ``policy_loss`` (logged with the bonus on): the reduced loss before the bonus and before loss_scale,
     the reference's, on every path; with the high-entropy mask the bonus's entropy is its tokens' mean."""
     batch = make_batch(device=device, seed=24, V=517)
     options = dict(loss_type="grpo", beta=0.04, entropy_coef=0.2, **masks)
-    expected = grpo_loss_reference(batch["logits"].double(), **{
-        k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "completion_mask" else v)
-        for k, v in batch.items() if k != "logits"}, **options)
+    expected = grpo_loss_reference(
+        batch["logits"].double(),
+        **{
+            k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "completion_mask" else v)
+            for k, v in batch.items()
+            if k != "logits"
+        },
+        **options,
+    )
     out, _ = _ours(batch, backend, one_pass, loss_scale=0.25, **options)
     assert_close("policy_loss", expected.metrics["policy_loss"], out.metrics["policy_loss"], **TOL)
     assert float(expected.metrics["policy_loss"] - expected.loss) > 1e-3, "the bonus moved the loss"

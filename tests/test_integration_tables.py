@@ -6,6 +6,7 @@ import pathlib
 import re
 
 import pytest
+from helpers import TRL_LOSS_TYPES
 
 from grpo_kernels.integration import openrlhf
 from grpo_kernels.options import LOSS_TYPES
@@ -41,6 +42,7 @@ def test_trl_table():
     trl_loss_types = re.findall(r"'(\w+)'", supported)
     rows = table("TRL")
     assert trl_loss_types and set(trl_loss_types) <= set(LOSS_TYPES), "TRL has a loss type we lack: add its row"
+    assert set(trl_loss_types) == set(TRL_LOSS_TYPES), "tests/helpers.py's TRL_LOSS_TYPES are TRL's"
     for name in trl_loss_types:
         assert rows[f'`loss_type="{name}"`'] == "ours", name
 
@@ -50,24 +52,29 @@ def test_verl_table():
     from grpo_kernels.integration import verl
 
     verl.register()
-    ours = {"grpo_kernels": "vanilla", "grpo_kernels_gspo": "gspo"}
     rows = table("verl")
-    for mode in sorted(set(core_algos.POLICY_LOSS_REGISTRY) - set(ours)):
-        expected = f"ours, as `{dict(map(reversed, ours.items()))[mode]}`" if mode in ours.values() else \
-            "our kernels only"
-        assert rows[f"`{mode}`"] == expected, mode
+    modes = sorted(m for m in core_algos.POLICY_LOSS_REGISTRY if not m.startswith("grpo_kernels"))
+    assert len(modes) == 12, modes
+    for mode in modes:  # each is ours (tests/test_verl_integration.py holds it to verl's)
+        assert rows[f"`{mode}`"].startswith(f"ours, as `grpo_kernels_{mode}`"), mode
+        assert core_algos.get_policy_loss_fn(f"grpo_kernels_{mode}") is verl.POLICY_LOSSES[mode]
     assert core_algos.get_policy_loss_fn("grpo_kernels") is verl.vanilla_policy_loss
 
 
 def test_openrlhf_table():
     rows = table("OpenRLHF")
-    choices = ([f"--actor.policy_loss_type {t}" for t in openrlhf.POLICY_LOSS_TYPES]
-               + [f"--algo.advantage.is_correction_level {v}" for v in openrlhf.IS_CORRECTION_LEVELS if v != "off"]
-               + [f"--algo.advantage.is_correction_mode {v}" for v in openrlhf.IS_CORRECTION_MODES]
-               + [f"--algo.advantage.is_correction_gating {v}" for v in openrlhf.IS_CORRECTION_GATINGS]
-               + [f"--algo.kl.estimator {v}" for v in openrlhf.KL_ESTIMATORS]
-               + ["--actor.loss_agg_mode token-mean", "--actor.loss_agg_mode seq-mean-token-mean",
-                  "--algo.kl.unbiased_gradient"])
+    choices = (
+        [f"--actor.policy_loss_type {t}" for t in openrlhf.POLICY_LOSS_TYPES]
+        + [f"--algo.advantage.is_correction_level {v}" for v in openrlhf.IS_CORRECTION_LEVELS if v != "off"]
+        + [f"--algo.advantage.is_correction_mode {v}" for v in openrlhf.IS_CORRECTION_MODES]
+        + [f"--algo.advantage.is_correction_gating {v}" for v in openrlhf.IS_CORRECTION_GATINGS]
+        + [f"--algo.kl.estimator {v}" for v in openrlhf.KL_ESTIMATORS]
+        + [
+            "--actor.loss_agg_mode token-mean",
+            "--actor.loss_agg_mode seq-mean-token-mean",
+            "--algo.kl.unbiased_gradient",
+        ]
+    )
     for choice in choices:
         assert rows[f"`{choice}`"] == "ours", choice
     assert len([r for r in rows.values() if r == "ours"]) == len(choices) + 1  # and the clip options' row

@@ -15,10 +15,18 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import BATCH_KEYS, KERNEL_LOSS_TYPES, LOSS_TYPES, OPTION_CASES, assert_close, make_batch, split_row
+from helpers import (
+    BATCH_KEYS,
+    KERNEL_LOSS_TYPES,
+    LOSS_TYPE_REGISTRY,
+    LOSS_TYPES,
+    OPTION_CASES,
+    assert_close,
+    make_batch,
+    split_row,
+)
 
-from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference
-from grpo_kernels import torch_path
+from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference, torch_path
 from grpo_kernels.objective import grpo_loss_eager
 
 # "triton" is the default one-pass kernel at token level (two-pass at sequence level);
@@ -26,7 +34,11 @@ from grpo_kernels.objective import grpo_loss_eager
 # one-pass loss on the split-row kernel (each row over at most 4 programs, 256-logit blocks: at V = 1003 a block
 # a chunk held in registers, at V = 4999 chunks of 5 blocks read again from L2; kernels/split_row.py).
 BACKENDS = ["torch", "triton", "triton-two-pass", "triton-split-row"]
-LOSS_TYPE_DEFAULTS = {"dr_grpo": dict(max_completion_length=8), "cispo": dict(epsilon_high=1.1)}
+LOSS_TYPE_DEFAULTS = {
+    "dr_grpo": dict(max_completion_length=8),
+    "cispo": dict(epsilon_high=1.1),
+    "dro": dict(dro_beta=0.3),
+}
 FP32_TOL = dict(atol=1e-6, rtol=1e-5)
 
 
@@ -54,8 +66,9 @@ def check_against_reference(backend, batch, *, grad_tol=FP32_TOL, loss_tol=FP32_
     assert_close("dlogits", expected_grad, actual_grad, **grad_tol)
     assert actual_grad.dtype == batch["logits"].dtype
     active = batch["completion_mask"] != 0
-    assert_close("per_token_logps", expected.per_token_logps[active], actual.per_token_logps[active],
-                 atol=1e-5, rtol=1e-5)
+    assert_close(
+        "per_token_logps", expected.per_token_logps[active], actual.per_token_logps[active], atol=1e-5, rtol=1e-5
+    )
     assert sorted(expected.metrics) == sorted(actual.metrics)
     for name in expected.metrics:
         assert actual.metrics[name].dim() == 0
@@ -70,19 +83,37 @@ def check_against_reference(backend, batch, *, grad_tol=FP32_TOL, loss_tol=FP32_
 @pytest.mark.parametrize("off_policy", [True, False])
 def test_every_loss_type_matches_reference(device, backend, loss_type, level, beta, off_policy):
     batch = make_batch(device=device, off_policy=off_policy, seed=zlib.crc32(f"{loss_type}/{level}".encode()) % 1000)
-    check_against_reference(backend, batch, loss_type=loss_type, importance_sampling_level=level, beta=beta,
-                            **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+    check_against_reference(
+        backend,
+        batch,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        **LOSS_TYPE_DEFAULTS.get(loss_type, {}),
+    )
 
 
-@pytest.mark.parametrize("loss_type,level", [  # vespo is defined at token level only
-    (loss_type, level) for loss_type in LOSS_TYPES
-    for level in ["token", "sequence"] if (loss_type, level) != ("vespo", "sequence")])
+@pytest.mark.parametrize(
+    "loss_type,level",
+    [  # the levels each takes (vespo and the families make their own ratio from the token log-ratios)
+        (loss_type, level)
+        for loss_type in LOSS_TYPES
+        for level in ["token", "sequence"]
+        if level in LOSS_TYPE_REGISTRY[loss_type].levels
+    ],
+)
 def test_eager_loss_matches_reference(device, loss_type, level):
     """The benchmarks' eager baseline (the materialized log-softmax, then the production math of
     grpo_kernels/objective.py) against the independent specification."""
     batch = make_batch(device=device, seed=zlib.crc32(f"eager/{loss_type}/{level}".encode()) % 1000, per_token_adv=True)
-    check_against_reference("eager", batch, loss_type=loss_type, importance_sampling_level=level, beta=0.04,
-                            **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+    check_against_reference(
+        "eager",
+        batch,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=0.04,
+        **LOSS_TYPE_DEFAULTS.get(loss_type, {}),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["eager"])
@@ -101,8 +132,9 @@ def test_importance_weights_scale_policy_term_only(device, backend, shape, level
     batch = make_batch(device=device, seed=3)
     B, T = batch["completion_ids"].shape
     weights = {"row": torch.rand(B) + 0.5, "column": torch.rand(B, 1) + 0.5, "token": torch.rand(B, T) + 0.5}[shape]
-    check_against_reference(backend, batch, importance_weights=weights.to(device), beta=0.1,
-                            importance_sampling_level=level)
+    check_against_reference(
+        backend, batch, importance_weights=weights.to(device), beta=0.1, importance_sampling_level=level
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -134,8 +166,15 @@ def test_half_precision_logits(device, backend, dtype, level):
     """16-bit logits: values in fp32 from the same 16-bit inputs; the gradient is rounded to the dtype."""
     batch = make_batch(device=device, dtype=dtype, seed=11, V=2053)
     eps = torch.finfo(dtype).eps
-    check_against_reference(backend, batch, beta=0.04, temperature=0.9, importance_sampling_level=level,
-                            grad_tol=dict(atol=1e-5, rtol=2 * eps), loss_tol=dict(atol=1e-5, rtol=1e-4))
+    check_against_reference(
+        backend,
+        batch,
+        beta=0.04,
+        temperature=0.9,
+        importance_sampling_level=level,
+        grad_tol=dict(atol=1e-5, rtol=2 * eps),
+        loss_tol=dict(atol=1e-5, rtol=1e-4),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -144,8 +183,14 @@ def test_half_precision_logits(device, backend, dtype, level):
 def test_fully_masked_batch_is_finite_with_zero_gradient(device, backend, loss_type, level):
     batch = make_batch(device=device, seed=6)
     batch["completion_mask"] = torch.zeros_like(batch["completion_mask"])
-    out, grad = _run(backend, batch, loss_type=loss_type, importance_sampling_level=level, beta=0.04,
-                     **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
+    out, grad = _run(
+        backend,
+        batch,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=0.04,
+        **LOSS_TYPE_DEFAULTS.get(loss_type, {}),
+    )
     assert torch.isfinite(out.loss) and out.loss.item() == 0.0
     assert torch.count_nonzero(grad) == 0
     assert all(torch.isfinite(v) for v in out.metrics.values())
@@ -253,12 +298,18 @@ def _launch_with_config(device, one_pass, config, V=1003):
     opts = GRPOOptions(beta=0.04)
     B, T = 3, 5
     flat = lambda t: t.reshape(-1).float().contiguous()  # noqa: E731
-    tokens = TokenInputs(mask=flat(batch["completion_mask"]), advantages=flat(batch["advantages"][:, None].expand(B, T)),
-                         old_logps=flat(batch["old_logps"]), ref_logps=flat(batch["ref_logps"]))
+    tokens = TokenInputs(
+        mask=flat(batch["completion_mask"]),
+        advantages=flat(batch["advantages"][:, None].expand(B, T)),
+        old_logps=flat(batch["old_logps"]),
+        ref_logps=flat(batch["ref_logps"]),
+    )
     gradient = OnePassGradient(torch.full((B * T,), 0.1, device=batch["logits"].device)) if one_pass else None
     common = dict(kernel_loss=opts.kernel_loss, temperature=1.0, tokens=tokens, compute_entropy=True, gradient=gradient)
-    return (launch.forward(batch["logits"], batch["completion_ids"], **common),
-            launch.forward(batch["logits"], batch["completion_ids"], config=config, **common))
+    return (
+        launch.forward(batch["logits"], batch["completion_ids"], **common),
+        launch.forward(batch["logits"], batch["completion_ids"], config=config, **common),
+    )
 
 
 RESULT_NAMES = ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags", "grad_logits")
@@ -277,8 +328,16 @@ def test_persistent_schedule_matches_one_program_per_token(device, programs_per_
             assert torch.equal(expected, actual), name
 
 
-@pytest.mark.parametrize("config", [{"loop_stages": 3}, {"l2_hints": False}, {"l2_hints": True},
-                                   {"loop_stages": 2, "l2_hints": True, "programs_per_sm": "l2"}], ids=str)
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"loop_stages": 3},
+        {"l2_hints": False},
+        {"l2_hints": True},
+        {"loop_stages": 2, "l2_hints": True, "programs_per_sm": "l2"},
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_pipelining_and_l2_hints_change_no_value(device, config, one_pass):
     """The row loops' software pipelining and L2 eviction hints are scheduling only: every output is bit for bit
@@ -297,8 +356,9 @@ def test_pipelining_and_l2_hints_change_no_value(device, config, one_pass):
     assert torch.equal(plain, launch.backward(batch["logits"], batch["completion_ids"], r.lse, g, 1.0, config=config))
 
 
-@pytest.mark.parametrize("V, config", [(1003, {"BLOCK_V": 256, "num_warps": 8}), (5000, {"BLOCK_V": 1024,
-                                                                                        "num_warps": 16})], ids=str)
+@pytest.mark.parametrize(
+    "V, config", [(1003, {"BLOCK_V": 256, "num_warps": 8}), (5000, {"BLOCK_V": 1024, "num_warps": 16})], ids=str
+)
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_a_block_over_many_warps_matches_the_default(device, V, config, one_pass):
     """Each block is loaded whole (every thread's logits contiguous: 128-bit loads at any warp count) and folded as
@@ -315,8 +375,10 @@ def _entropy_slow_path_poisoned(row_ptr, V, c, softcap, lse2, BLOCK_V: tl.conste
     return float("nan")
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="replaces a @triton.jit helper by name, which only the interpreter resolves at call time")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="replaces a @triton.jit helper by name, which only the interpreter resolves at call time",
+)
 @pytest.mark.parametrize("V, block_v", [(1003, None), (5000, 1024), (5000, 4096), (4096, 1024)])
 def test_entropy_takes_the_one_pass_path_when_v_is_not_a_block_multiple(monkeypatch, V, block_v):
     """The entropy's slow path (a second read of the row) is only for rows holding a -inf logit.

@@ -8,13 +8,19 @@ level and path. Packs hold sequences of very different lengths, an empty one, an
 
 import pytest
 import torch
-from helpers import LOSS_TYPES, assert_close
+from helpers import LOSS_TYPE_REGISTRY, LOSS_TYPES, assert_close
 
 from grpo_kernels import GRPOLoss, grpo_loss, token_logprobs
 
 TOL = dict(atol=2e-6, rtol=1e-5)
 PATHS = [("torch", None), ("triton", True), ("triton", False)]
-LOSS_DEFAULTS = {"dr_grpo": dict(max_completion_length=9), "cispo": dict(epsilon_high=1.2)}
+LOSS_DEFAULTS = {
+    "dr_grpo": dict(max_completion_length=9),
+    "cispo": dict(epsilon_high=1.2),
+    "dro": dict(dro_beta=0.3),
+    "clip_cov": dict(clip_cov_ratio=0.25, clip_cov_lb=-2.0, clip_cov_ub=2.0),
+    "kl_cov": dict(kl_cov_ratio=0.25),
+}
 
 
 def _pack(lengths, V=301, seed=0, per_token_adv=False, device="cpu"):
@@ -24,10 +30,14 @@ def _pack(lengths, V=301, seed=0, per_token_adv=False, device="cpu"):
     mask = (torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float()
     if S > 2 and lengths[0] > 3:
         mask[0, 1] = 0  # a masked token inside a sequence too (a tool-output token, say)
-    padded = dict(logits=2 * torch.randn(S, T, V, generator=g), completion_ids=torch.randint(0, V, (S, T), generator=g),
-                  completion_mask=mask, advantages=torch.randn((S, T) if per_token_adv else (S,), generator=g),
-                  old_logps=-5 + 0.5 * torch.randn(S, T, generator=g),
-                  ref_logps=-5 + 0.5 * torch.randn(S, T, generator=g))
+    padded = dict(
+        logits=2 * torch.randn(S, T, V, generator=g),
+        completion_ids=torch.randint(0, V, (S, T), generator=g),
+        completion_mask=mask,
+        advantages=torch.randn((S, T) if per_token_adv else (S,), generator=g),
+        old_logps=-5 + 0.5 * torch.randn(S, T, generator=g),
+        ref_logps=-5 + 0.5 * torch.randn(S, T, generator=g),
+    )
     valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
     # old and reference log-probs near the current ones: ratios on both sides of the clip range, VESPO's weight alive
     lp = torch.log_softmax(padded["logits"] / 0.9, -1).gather(-1, padded["completion_ids"].unsqueeze(-1))[..., 0]
@@ -41,8 +51,9 @@ def _pack(lengths, V=301, seed=0, per_token_adv=False, device="cpu"):
 
 def _run(inputs, backend, one_pass, **kwargs):
     logits = inputs["logits"].detach().clone().requires_grad_()
-    out = grpo_loss(logits, **{k: v for k, v in inputs.items() if k != "logits"}, backend=backend, one_pass=one_pass,
-                    **kwargs)
+    out = grpo_loss(
+        logits, **{k: v for k, v in inputs.items() if k != "logits"}, backend=backend, one_pass=one_pass, **kwargs
+    )
     out.loss.backward()
     return out, logits.grad
 
@@ -59,19 +70,27 @@ def _assert_same(padded_run, packed_run, valid, mask):
         assert_close(name, value, out.metrics[name], **TOL)
 
 
-# vespo makes its own sequence weight from token-level ratios: its options refuse the other levels
-CASES = [(loss_type, level) for loss_type in LOSS_TYPES
-         for level in ("token", "sequence", "sequence_token") if loss_type != "vespo" or level == "token"]
+# each at the levels it takes (vespo and the families make their own ratio from the token log-ratios)
+CASES = [(loss_type, level) for loss_type in LOSS_TYPES for level in LOSS_TYPE_REGISTRY[loss_type].levels]
 
 
 @pytest.mark.parametrize("loss_type, level", CASES)
 @pytest.mark.parametrize("backend, one_pass", PATHS)
 def test_packed_equals_padded(device, backend, one_pass, loss_type, level):
     padded, packed, cu, valid = _pack([5, 1, 0, 9, 3], seed=len(loss_type), device=device)
-    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, temperature=0.9,
-                   **LOSS_DEFAULTS.get(loss_type, {}))
-    _assert_same(_run(padded, backend, one_pass, **options),
-                 _run(packed, backend, one_pass, cu_seqlens=cu, **options), valid, padded["completion_mask"])
+    options = dict(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=0.04,
+        temperature=0.9,
+        **LOSS_DEFAULTS.get(loss_type, {}),
+    )
+    torch.manual_seed(0)  # Clip-Cov's draw: from the same generator state in both layouts
+    padded_out = _run(padded, backend, one_pass, **options)
+    torch.manual_seed(0)
+    _assert_same(
+        padded_out, _run(packed, backend, one_pass, cu_seqlens=cu, **options), valid, padded["completion_mask"]
+    )
 
 
 @pytest.mark.parametrize("backend, one_pass", PATHS)
@@ -97,19 +116,26 @@ def test_a_pack_of_one_sequence_and_the_module(device, backend, one_pass):
     assert_close("loss", expected.loss, out.loss, **TOL)
     lp = token_logprobs(packed["logits"], packed["completion_ids"], 0.8, backend=backend, cu_seqlens=cu)
     assert lp.shape == (7,)
-    assert_close("token_logprobs", token_logprobs(padded["logits"], padded["completion_ids"], 0.8, backend=backend)[0],
-                 lp, **TOL)
+    assert_close(
+        "token_logprobs", token_logprobs(padded["logits"], padded["completion_ids"], 0.8, backend=backend)[0], lp, **TOL
+    )
 
 
 def test_bad_packs_are_named():
     _, packed, cu, _ = _pack([3, 2], seed=5)
-    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, never decrease and end at the packed token "
-                                         r"count 5, got \[0, 3, 4\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"cu_seqlens must start at 0, never decrease and end at the packed token "
+        r"count 5, got \[0, 3, 4\]",
+    ):
         grpo_loss(**packed, cu_seqlens=torch.tensor([0, 3, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens must be an int32 / int64 tensor"):
         grpo_loss(**packed, cu_seqlens=cu.float())
-    with pytest.raises(ValueError, match=r"old_logps of a packed batch must be \[total\] or \[1, total\] with "
-                                         r"total = 5, got \(4,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"old_logps of a packed batch must be \[total\] or \[1, total\] with "
+        r"total = 5, got \(4,\)",
+    ):
         grpo_loss(**{**packed, "old_logps": packed["old_logps"][:4]}, cu_seqlens=cu)
     with pytest.raises(ValueError, match=r"advantages \(per token; or per sequence \[S\] = \[2\]\)"):
         grpo_loss(**{**packed, "advantages": torch.zeros(3)}, cu_seqlens=cu)
@@ -117,10 +143,13 @@ def test_bad_packs_are_named():
         grpo_loss(**packed, cu_seqlens=cu, drop_last_position=True)
 
 
-@pytest.mark.parametrize("loss_type, level", [("grpo", "token"), ("dr_grpo", "sequence"), ("luspo", "token"),
-                                              ("vespo", "token"), ("sapo", "sequence_token")])
-@pytest.mark.parametrize("backend, lm_head_mode", [("torch", None), ("triton", "recompute"),
-                                                   ("triton", "three_products")])
+@pytest.mark.parametrize(
+    "loss_type, level",
+    [("grpo", "token"), ("dr_grpo", "sequence"), ("luspo", "token"), ("vespo", "token"), ("sapo", "sequence_token")],
+)
+@pytest.mark.parametrize(
+    "backend, lm_head_mode", [("torch", None), ("triton", "recompute"), ("triton", "three_products")]
+)
 def test_packed_hidden_states_equal_padded(device, backend, lm_head_mode, loss_type, level):
     """The fused lm_head on a packed batch: hidden states [total, H], the same loss and d hidden, d weight."""
     from grpo_kernels import fused_linear_grpo_loss
@@ -129,13 +158,25 @@ def test_packed_hidden_states_equal_padded(device, backend, lm_head_mode, loss_t
     g = torch.Generator().manual_seed(8)
     hidden = torch.randn(*valid.shape, 24, generator=g).to(device)
     weight = (0.4 * torch.randn(257, 24, generator=g)).to(device)
-    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.05,
-                   **LOSS_DEFAULTS.get(loss_type, {}))
+    options = dict(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=0.04,
+        entropy_coef=0.05,
+        **LOSS_DEFAULTS.get(loss_type, {}),
+    )
     runs = []
     for inputs, h, extra in ((padded, hidden, {}), (packed, hidden[valid], {"cu_seqlens": cu})):
         h, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = fused_linear_grpo_loss(h, w, **{k: v for k, v in inputs.items() if k != "logits"}, backend=backend,
-                                     lm_head_mode=lm_head_mode, **options, **extra)
+        out = fused_linear_grpo_loss(
+            h,
+            w,
+            **{k: v for k, v in inputs.items() if k != "logits"},
+            backend=backend,
+            lm_head_mode=lm_head_mode,
+            **options,
+            **extra,
+        )
         out.loss.backward()
         runs.append((out, h.grad, w.grad))
     (expected, dh_expected, dw_expected), (out, dh, dw) = runs

@@ -13,19 +13,18 @@ import random
 
 import pytest
 import torch
-from helpers import LOSS_TYPES, PPO_CLIP_LOSS_TYPES, assert_close
+from helpers import LOSS_TYPE_REGISTRY, PPO_CLIP_LOSS_TYPES, TRL_LOSS_TYPES, assert_close
 
 from grpo_kernels import grpo_loss, grpo_loss_reference
 from grpo_kernels.objective import grpo_loss_eager
-
 
 
 def _draw(seed: int):
     """(options, inputs, logits) of one random case."""
     rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
     B, T, V = rnd.randint(1, 5), rnd.randint(1, 7), rnd.choice([7, 50, 300])
-    loss_type = rnd.choice(LOSS_TYPES)
-    level = "token" if loss_type == "vespo" else rnd.choice(["token", "sequence", "sequence_token"])
+    loss_type = rnd.choice(TRL_LOSS_TYPES)
+    level = rnd.choice(LOSS_TYPE_REGISTRY[loss_type].levels)
     opts = dict(loss_type=loss_type, importance_sampling_level=level, temperature=rnd.choice([1.0, 0.7, 1.3]))
     if loss_type == "dr_grpo":
         opts["max_completion_length"] = rnd.randint(T, T + 3)
@@ -63,8 +62,11 @@ def _draw(seed: int):
         mask[0] = 0  # a fully masked row
     lp = torch.log_softmax(logits / opts["temperature"], -1).gather(-1, ids[..., None])[..., 0]
     near = lambda: lp + 0.3 * torch.randn(B, T, generator=g)  # noqa: E731 - ratios on both sides of the clips
-    inputs = dict(completion_ids=ids, completion_mask=mask,
-                  advantages=torch.randn((B, T) if rnd.random() < 0.3 else (B,), generator=g))
+    inputs = dict(
+        completion_ids=ids,
+        completion_mask=mask,
+        advantages=torch.randn((B, T) if rnd.random() < 0.3 else (B,), generator=g),
+    )
     if rnd.random() < 0.7:
         inputs["old_logps"] = near()
     if opts.get("beta"):

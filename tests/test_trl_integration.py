@@ -8,18 +8,18 @@ from gloo_ranks import run_ranks
 
 pytest.importorskip("trl", reason="the trl extra is not installed (pip install 'grpo-kernels[trl]')")
 
-from datasets import Dataset  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from datasets import Dataset
+from helpers import LOSS_TYPE_REGISTRY, TRL_LOSS_TYPES
+from trl import GRPOConfig, GRPOTrainer
 
-from grpo_kernels.integration.trl import GRPOKernelsTrainer  # noqa: E402
-from grpo_kernels.training.tasks import compare  # noqa: E402
-from helpers import LOSS_TYPES  # noqa: E402
+from grpo_kernels.integration.trl import GRPOKernelsTrainer
+from grpo_kernels.training.tasks import compare
 
 B, G, T = 4, 2, 6
 
 
 def exact_answer(prompts, completions, answer, **_):
-    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,27 @@ def dataset():
 
 
 def _trainer(cls, model_dir, dataset, tmp_path, fused_lm_head=None, **config):
-    args = GRPOConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=B, num_generations=G,
-                      max_completion_length=T, report_to="none", use_cpu=True, logging_steps=1, max_steps=2, bf16=False,
-                      **config)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / cls.__name__),
+        per_device_train_batch_size=B,
+        num_generations=G,
+        max_completion_length=T,
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        max_steps=2,
+        bf16=False,
+        **config,
+    )
     extra = {} if fused_lm_head is None else {"fused_lm_head": fused_lm_head}
-    return cls(model=model_dir, reward_funcs=exact_answer, args=args, train_dataset=dataset,
-               processing_class=compare.build_tokenizer(), **extra)
+    return cls(
+        model=model_dir,
+        reward_funcs=exact_answer,
+        args=args,
+        train_dataset=dataset,
+        processing_class=compare.build_tokenizer(),
+        **extra,
+    )
 
 
 def _batch(trainer, off_policy: bool, beta: float):
@@ -53,9 +68,14 @@ def _batch(trainer, off_policy: bool, beta: float):
     completion_ids = torch.randint(3, 20, (B, T), generator=g)
     lengths = torch.tensor([6, 2, 4, 1])
     completion_mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).long()
-    batch = {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "completion_ids": completion_ids,
-             "completion_mask": completion_mask, "advantages": torch.randn(B, generator=g),
-             "num_items_in_batch": completion_mask.sum() * 2.0}
+    batch = {
+        "prompt_ids": enc.input_ids,
+        "prompt_mask": enc.attention_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(B, generator=g),
+        "num_items_in_batch": completion_mask.sum() * 2.0,
+    }
     base = -3.0 + 0.1 * torch.randn(B, T, generator=g)
     if off_policy:
         batch["old_per_token_logps"] = base + 0.5 * torch.randn(B, T, generator=g)
@@ -78,15 +98,19 @@ def assert_same_as_trl(stock, ours, batch, accumulation=1):
     expected_loss, expected_grads, expected_metrics = _loss_and_grads(stock, batch, accumulation)
     loss, grads, metrics = _loss_and_grads(ours, batch, accumulation)
     torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
-    for e, a in zip(expected_grads, grads):
+    for e, a in zip(expected_grads, grads, strict=True):
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
     assert_same_metrics(expected_metrics, metrics)
     return expected_metrics, metrics
 
 
-CASES = [(lt, level, beta, acc) for lt in LOSS_TYPES
-         for level in ("token", "sequence") for beta, acc in ((0.0, 1), (0.04, 2))
-         if lt != "vespo" or level == "token"]  # vespo makes its own sequence weight from token ratios
+CASES = [
+    (lt, level, beta, acc)
+    for lt in TRL_LOSS_TYPES
+    for level in ("token", "sequence")
+    for beta, acc in ((0.0, 1), (0.04, 2))
+    if level in LOSS_TYPE_REGISTRY[lt].levels
+]  # vespo makes its own sequence weight from token ratios
 
 
 # the default (the fused lm_head) on every case, the logits path on the token level's
@@ -94,11 +118,18 @@ PATH_CASES = [(*case, None) for case in CASES] + [(*case, False) for case in CAS
 
 
 @pytest.mark.parametrize("loss_type, level, beta, accumulation, fused_lm_head", PATH_CASES)
-def test_same_loss_gradients_and_metrics_as_trl(model_dir, dataset, tmp_path, loss_type, level, beta, accumulation,
-                                                fused_lm_head):
-    config = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, temperature=0.9,
-                  gradient_accumulation_steps=accumulation, epsilon_high=5.0 if loss_type == "cispo" else 0.28,
-                  use_bias_correction_kl=beta > 0 and level == "token")
+def test_same_loss_gradients_and_metrics_as_trl(
+    model_dir, dataset, tmp_path, loss_type, level, beta, accumulation, fused_lm_head
+):
+    config = dict(
+        loss_type=loss_type,
+        beta=beta,
+        importance_sampling_level=level,
+        temperature=0.9,
+        gradient_accumulation_steps=accumulation,
+        epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+        use_bias_correction_kl=beta > 0 and level == "token",
+    )
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
     ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=fused_lm_head, **config)
     assert ours.fused_lm_head is (fused_lm_head is None)
@@ -108,9 +139,20 @@ def test_same_loss_gradients_and_metrics_as_trl(model_dir, dataset, tmp_path, lo
 def assert_same_metrics(expected_metrics, metrics):
     """Every metric stock TRL logged from the loss, under its name, with its value (TRL's own bookkeeping, such as
     the step time and the token count, is left out)."""
-    loss_metrics = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                    "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean",
-                    "policy_loss", "entropy_coef", "aux_loss")
+    loss_metrics = (
+        "kl",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+        "cispo_clip_ratio",
+        "vespo/phi_seq_mean",
+        "policy_loss",
+        "entropy_coef",
+        "aux_loss",
+    )
     assert {k for k in expected_metrics if k in loss_metrics} == {k for k in metrics if k in loss_metrics}
     for key in loss_metrics:
         if key in expected_metrics:
@@ -124,34 +166,52 @@ def test_on_policy_batch_matches_trl(model_dir, dataset, tmp_path):
     assert_same_as_trl(stock, ours, batch)
 
 
-@pytest.mark.parametrize("loss_type, level, accumulation", [("grpo", "token", 2), ("dapo", "token", 2),
-                                                         ("cispo", "token", 1), ("grpo", "sequence", 2)])
+@pytest.mark.parametrize(
+    "loss_type, level, accumulation",
+    [("grpo", "token", 2), ("dapo", "token", 2), ("cispo", "token", 1), ("grpo", "sequence", 2)],
+)
 @pytest.mark.parametrize("fused_lm_head", [False, True])
 def test_entropy_bonus_matches_trl(model_dir, dataset, tmp_path, loss_type, level, accumulation, fused_lm_head):
     """TRL's static entropy bonus (entropy_coef): loss - coef * mean entropy, divided by the accumulation
     steps in training whatever the loss type; from logits and from hidden states."""
-    config = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level, temperature=0.9,
-                  gradient_accumulation_steps=accumulation, epsilon_high=5.0 if loss_type == "cispo" else 0.28,
-                  entropy_coef=0.05)
+    config = dict(
+        loss_type=loss_type,
+        beta=0.04,
+        importance_sampling_level=level,
+        temperature=0.9,
+        gradient_accumulation_steps=accumulation,
+        epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+        entropy_coef=0.05,
+    )
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
     ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=fused_lm_head, **config)
     assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=0.04), accumulation)
 
 
-@pytest.mark.parametrize("loss_type, level, masks", [
-    ("grpo", "token", dict(top_entropy_quantile=0.5)),
-    ("dapo", "token", dict(off_policy_mask_threshold=0.05)),
-    ("grpo", "sequence", dict(top_entropy_quantile=0.7, off_policy_mask_threshold=0.05, entropy_coef=0.05)),
-    ("cispo", "token", dict(top_entropy_quantile=0.6, entropy_coef=0.05)),
-])
+@pytest.mark.parametrize(
+    "loss_type, level, masks",
+    [
+        ("grpo", "token", dict(top_entropy_quantile=0.5)),
+        ("dapo", "token", dict(off_policy_mask_threshold=0.05)),
+        ("grpo", "sequence", dict(top_entropy_quantile=0.7, off_policy_mask_threshold=0.05, entropy_coef=0.05)),
+        ("cispo", "token", dict(top_entropy_quantile=0.6, entropy_coef=0.05)),
+    ],
+)
 @pytest.mark.parametrize("with_sampler", [False, True])
 @pytest.mark.parametrize("fused_lm_head", [False, True])
 def test_policy_masks_match_trl(model_dir, dataset, tmp_path, loss_type, level, masks, with_sampler, fused_lm_head):
     """TRL's top-entropy mask and off-policy sequence mask (from the sampler's log-probs when the
     batch has them, a NaN among them counting as no evidence; else from the old log-probs), from
     logits and from hidden states."""
-    config = dict(loss_type=loss_type, beta=0.04, importance_sampling_level=level, temperature=0.9,
-                  gradient_accumulation_steps=2, epsilon_high=5.0 if loss_type == "cispo" else 0.28, **masks)
+    config = dict(
+        loss_type=loss_type,
+        beta=0.04,
+        importance_sampling_level=level,
+        temperature=0.9,
+        gradient_accumulation_steps=2,
+        epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+        **masks,
+    )
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
     ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=fused_lm_head, **config)
     batch = _batch(stock, off_policy=True, beta=0.04)
@@ -167,8 +227,16 @@ def test_adaptive_entropy_follows_trl_step_by_step(model_dir, dataset, tmp_path,
     """TRL's adaptive rule: the first window is gated off (no measurement yet), each optimizer-step
     boundary moves the coefficient up (entropy at or below the target) or down, and the next window
     applies it; the loss, gradients and controller state match stock TRL after every step."""
-    config = dict(loss_type="grpo", beta=0.04, use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=target,
-                  entropy_coef_delta=0.05, entropy_coef_min=0.02, entropy_coef_max=0.3)
+    config = dict(
+        loss_type="grpo",
+        beta=0.04,
+        use_adaptive_entropy=True,
+        entropy_coef=0.1,
+        entropy_target=target,
+        entropy_coef_delta=0.05,
+        entropy_coef_min=0.02,
+        entropy_coef_max=0.3,
+    )
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
     ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, **config)
     batch = _batch(stock, off_policy=True, beta=0.04)
@@ -187,11 +255,22 @@ def moe_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-mixtral")
     tokenizer = compare.build_tokenizer()
     torch.manual_seed(2)
-    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=4, num_local_experts=2, num_experts_per_tok=1,
-                           max_position_embeddings=64, router_aux_loss_coef=0.02, output_router_logits=False,
-                           pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                           eos_token_id=tokenizer.eos_token_id)
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        max_position_embeddings=64,
+        router_aux_loss_coef=0.02,
+        output_router_logits=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     MixtralForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -212,8 +291,15 @@ def test_moe_router_auxiliary_loss_matches_trl(moe_dir, dataset, tmp_path, fused
 
 def test_cast_lm_head_to_fp32_runs_the_fused_lm_head_in_fp32(model_dir, dataset, tmp_path, monkeypatch):
     """With TRL's cast_lm_head_to_fp32, the fused loss gets fp32 hidden states and weight (bf16 model)."""
-    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=True, cast_lm_head_to_fp32=True,
-                    model_init_kwargs={"dtype": torch.bfloat16})
+    ours = _trainer(
+        GRPOKernelsTrainer,
+        model_dir,
+        dataset,
+        tmp_path,
+        fused_lm_head=True,
+        cast_lm_head_to_fp32=True,
+        model_init_kwargs={"dtype": torch.bfloat16},
+    )
     seen = []
     original = ours.grpo_loss.forward
 
@@ -278,7 +364,7 @@ def _trl_rank(rank, world, model_dir, loss_type):
     assert trainer.accelerator.num_processes == world
     batch = _batch(trainer, off_policy=True, beta=0.0)
     half = B // world
-    local = {k: (v[rank * half:(rank + 1) * half] if v.dim() > 0 else v) for k, v in batch.items()}
+    local = {k: (v[rank * half : (rank + 1) * half] if v.dim() > 0 else v) for k, v in batch.items()}
     # stock TRL on the same two processes: the same local loss and gradients, the same gathered metrics
     # (clip_ratio/low_min and high_max over both ranks' sequences)
     assert_same_as_trl(stock, trainer, local)
@@ -297,7 +383,7 @@ def test_two_processes_match_one_process_on_the_trl_path(model_dir, dataset, tmp
     single = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, loss_type=loss_type)
     _, expected, _ = _loss_and_grads(single, _batch(single, off_policy=True, beta=0.0), 1)
     for grads in per_rank:
-        for e, a in zip(expected, grads):
+        for e, a in zip(expected, grads, strict=True):
             torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
 
 
@@ -305,10 +391,24 @@ def test_two_processes_match_one_process_on_the_trl_path(model_dir, dataset, tmp
 def test_fused_lm_head_option_matches_trl(model_dir, dataset, tmp_path, loss_type):
     config = dict(loss_type=loss_type, beta=0.04, **({"epsilon_high": 5.0} if loss_type == "cispo" else {}))
     stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
-    args = GRPOConfig(output_dir=str(tmp_path / "fused"), per_device_train_batch_size=B, num_generations=G,
-                      max_completion_length=T, report_to="none", use_cpu=True, bf16=False, **config)
-    ours = GRPOKernelsTrainer(model=model_dir, reward_funcs=exact_answer, args=args, train_dataset=dataset,
-                              processing_class=compare.build_tokenizer(), fused_lm_head=True)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "fused"),
+        per_device_train_batch_size=B,
+        num_generations=G,
+        max_completion_length=T,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        **config,
+    )
+    ours = GRPOKernelsTrainer(
+        model=model_dir,
+        reward_funcs=exact_answer,
+        args=args,
+        train_dataset=dataset,
+        processing_class=compare.build_tokenizer(),
+        fused_lm_head=True,
+    )
     batch = _batch(stock, off_policy=True, beta=0.04)
     assert_same_as_trl(stock, ours, batch)
 
@@ -341,13 +441,30 @@ def _ddp_train_rank(rank, world, model_dir):
 
     results = {}
     for fused in (False, True):
-        args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=B, num_generations=G,
-                          max_completion_length=T, report_to="none", use_cpu=True, logging_steps=1, max_steps=1,
-                          bf16=False, beta=0.04, seed=7, save_strategy="no")
+        args = GRPOConfig(
+            output_dir=tempfile.mkdtemp(),
+            per_device_train_batch_size=B,
+            num_generations=G,
+            max_completion_length=T,
+            report_to="none",
+            use_cpu=True,
+            logging_steps=1,
+            max_steps=1,
+            bf16=False,
+            beta=0.04,
+            seed=7,
+            save_strategy="no",
+        )
         callback = GradientsAtStep()
-        trainer = GRPOKernelsTrainer(model=model_dir, reward_funcs=_varied_reward, args=args, train_dataset=dataset,
-                                     processing_class=compare.build_tokenizer(), fused_lm_head=fused,
-                                     callbacks=[callback])
+        trainer = GRPOKernelsTrainer(
+            model=model_dir,
+            reward_funcs=_varied_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=compare.build_tokenizer(),
+            fused_lm_head=fused,
+            callbacks=[callback],
+        )
         trainer.train()
         assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
         loss = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
@@ -362,7 +479,7 @@ def test_fused_lm_head_trains_under_ddp_as_accelerate_launches_it(model_dir):
         (loss, grads), (fused_loss, fused_grads) = results[False], results[True]
         assert sum(float(g.abs().sum()) for g in grads) > 0, "a zero gradient would make the comparison vacuous"
         assert fused_loss == pytest.approx(loss, rel=1e-4, abs=1e-6)
-        for e, a in zip(grads, fused_grads):
+        for e, a in zip(grads, fused_grads, strict=True):
             torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
 
 
@@ -375,10 +492,12 @@ def _fsdp2_adapter_rank(rank, world, model_dir):
 
     rows = compare.make_rows(16, held_out=False, seed=0)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
-    reference = _trainer(GRPOKernelsTrainer, model_dir, dataset, pathlib.Path(tempfile.mkdtemp()),
-                         fused_lm_head=False, beta=0.04)
-    sharded = _trainer(GRPOKernelsTrainer, model_dir, dataset, pathlib.Path(tempfile.mkdtemp()),
-                       fused_lm_head=True, beta=0.04)
+    reference = _trainer(
+        GRPOKernelsTrainer, model_dir, dataset, pathlib.Path(tempfile.mkdtemp()), fused_lm_head=False, beta=0.04
+    )
+    sharded = _trainer(
+        GRPOKernelsTrainer, model_dir, dataset, pathlib.Path(tempfile.mkdtemp()), fused_lm_head=True, beta=0.04
+    )
     batch = _batch(reference, off_policy=True, beta=0.04)  # the same batch on both ranks
     expected_loss, expected_grads, _ = _loss_and_grads(reference, batch, 1)
     for layer in sharded.model.model.layers:
@@ -396,5 +515,5 @@ def test_fused_lm_head_under_fsdp2_through_the_adapter(model_dir):
     for loss, expected_loss, grads, expected_grads in run_ranks(_fsdp2_adapter_rank, 2, model_dir, timeout=600):
         torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
         assert len(grads) == len(expected_grads)
-        for e, a in zip(expected_grads, grads):
+        for e, a in zip(expected_grads, grads, strict=True):
             torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)

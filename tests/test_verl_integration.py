@@ -6,8 +6,9 @@ import sys
 import pytest
 import torch
 
-core_algos = pytest.importorskip("verl.trainer.ppo.core_algos",
-                                 reason="verl is not installed (pip install --no-deps verl; pip install '.[verl]')")
+core_algos = pytest.importorskip(
+    "verl.trainer.ppo.core_algos", reason="verl is not installed (pip install --no-deps verl; pip install '.[verl]')"
+)
 
 from verl.workers.config import ActorConfig  # noqa: E402
 
@@ -27,8 +28,15 @@ def _inputs(seed=0, spread=0.6):
 
 
 def _config(**kw):
-    return ActorConfig(strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
-                       clip_ratio_low=0.2, clip_ratio_high=0.28, **kw)
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=2,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        **kw,
+    )
 
 
 def _compare(ours_fn, verl_fn, mode, config, weights=None, seed=0):
@@ -110,8 +118,10 @@ def test_patched_entropy_matches_verl_with_its_gradient():
     expected = torch_functional.entropy_from_logits(logits)
     (g_expected,) = torch.autograd.grad((expected * weights).sum(), logits)
     chunked = torch_functional.entropy_from_logits_with_chunking(logits.detach(), chunk_size=4)
-    originals = {n: getattr(torch_functional, n) for n in ("logprobs_from_logits", "entropy_from_logits",
-                                                           "entropy_from_logits_with_chunking")}
+    originals = {
+        n: getattr(torch_functional, n)
+        for n in ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
+    }
     try:
         adapter.patch_logprobs()
         assert torch_functional.entropy_from_logits is not originals["entropy_from_logits"]
@@ -138,8 +148,10 @@ def test_enable_module_registers_and_patches():
 
     from verl.utils import torch_functional
 
-    originals = {n: getattr(torch_functional, n) for n in ("logprobs_from_logits", "entropy_from_logits",
-                                                           "entropy_from_logits_with_chunking")}
+    originals = {
+        n: getattr(torch_functional, n)
+        for n in ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
+    }
     try:
         importlib.import_module("grpo_kernels.integration.enable")
         assert core_algos.get_policy_loss_fn("grpo_kernels") is adapter.vanilla_policy_loss
@@ -170,9 +182,16 @@ def test_verls_ray_worker_imports_external_lib_and_calls_our_names(tmp_path):
     model = tmp_path / "model"  # a tiny model directory: verl's model config reads its config and tokenizer
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(model)
-    LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=1, architectures=["LlamaForCausalLM"]).save_pretrained(model)
-    script = '''
+    LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(model)
+    script = """
 import json, os, sys
 import ray
 
@@ -192,13 +211,142 @@ found["driver imported grpo_kernels"] = any(name.startswith("grpo_kernels") for 
 found["driver pid"] = os.getpid()
 ray.shutdown()
 print(json.dumps(found))
-'''
-    run = subprocess.run([sys.executable, "-c", script, str(model), config.actor_rollout_ref.model.external_lib,
-                          config.actor_rollout_ref.actor.policy_loss.loss_mode], capture_output=True, text=True,
-                         timeout=900, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+"""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            str(model),
+            config.actor_rollout_ref.model.external_lib,
+            config.actor_rollout_ref.actor.policy_loss.loss_mode,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert found["pid"] != found["driver pid"] and not found["driver imported grpo_kernels"]
-    assert found["fsdp_engine.logprobs_from_logits"] == \
-        "grpo_kernels.integration.verl.patch_logprobs.<locals>.logprobs_from_logits"
+    assert (
+        found["fsdp_engine.logprobs_from_logits"]
+        == "grpo_kernels.integration.verl.patch_logprobs.<locals>.logprobs_from_logits"
+    )
     assert found["policy loss"] == "grpo_kernels.integration.verl.vanilla_policy_loss"
+
+
+# ---- verl 0.9's whole policy-loss registry, mode by mode -----------------------------------------------------------
+
+BYPASS_PRESETS = (
+    "bypass_ppo_clip",
+    "bypass_ppo_clip_k3_rs",
+    "bypass_pg_is",
+    "bypass_pg_token_icepop",
+    "bypass_pg_geo_rs_token_tis",
+)
+
+
+def _mode_inputs(seed, spread=0.5):
+    """Log-probs spread over (0, 1) in probability, so that DPPO's trust regions (which compare probabilities)
+    bind on some tokens and not others; a fully masked row."""
+    g = torch.Generator().manual_seed(seed)
+    log_prob = (-(0.1 + 1.2 * torch.rand(B, T, generator=g))).requires_grad_()
+    old = torch.clamp(log_prob + spread * torch.randn(B, T, generator=g), max=-1e-3).detach()
+    adv = torch.randn(B, T, generator=g) * 2
+    mask = (torch.rand(B, T, generator=g) > 0.25).float()
+    mask[-1] = 0
+    return log_prob, old, adv, mask
+
+
+def _mode_config(mode, wide, **kw):
+    """A verl ActorConfig for ``mode``: dro's beta, bypass_mode's rollout correction; ``wide``: Clip-Cov / KL-Cov
+    choosing a third of the tokens (verl's defaults choose one token of these few)."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.workers.config.actor import PolicyLossConfig
+
+    loss = dict(loss_mode=mode, dro_beta=0.3)
+    if wide:
+        loss.update(clip_cov_ratio=0.3, clip_cov_lb=-3.0, clip_cov_ub=3.0, kl_cov_ratio=0.3, ppo_kl_coef=0.5)
+    if mode == "bypass_mode":
+        loss["rollout_correction"] = getattr(RolloutCorrectionConfig, kw.pop("preset"))()
+    return _config(policy_loss=PolicyLossConfig(**loss), tau_pos=1.0, tau_neg=1.5, **kw)
+
+
+def _compare_mode(mode, agg, config, weights=None, seed=0, spread=0.5):
+    """Our ``grpo_kernels_<mode>`` against verl's ``<mode>``: the loss, d loss / d log_prob, and every metric (the
+    same keys). The random draws (Clip-Cov's) start from the same state of torch's default generator."""
+    adapter.register()
+    lp, old, adv, mask = _mode_inputs(seed, spread)
+    lp2 = lp.detach().clone().requires_grad_()
+    torch.manual_seed(1234)
+    expected, expected_metrics = core_algos.get_policy_loss_fn(mode)(old, lp, adv, mask, agg, config, weights)
+    torch.manual_seed(1234)
+    actual, metrics = core_algos.get_policy_loss_fn(f"grpo_kernels_{mode}")(old, lp2, adv, mask, agg, config, weights)
+    (g_expected,) = torch.autograd.grad(expected, lp)
+    (g_actual,) = torch.autograd.grad(actual, lp2)
+    assert torch.isfinite(expected), "a comparison of NaN with NaN"
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(g_actual, g_expected, atol=1e-7, rtol=1e-5)
+    assert set(metrics) == set(expected_metrics), set(metrics) ^ set(expected_metrics)
+    for key, value in expected_metrics.items():
+        assert metrics[key] == pytest.approx(float(value), abs=1e-6), key
+    return expected_metrics
+
+
+def test_every_verl_mode_is_registered_as_ours():
+    adapter.register()
+    verl_modes = {m for m in core_algos.POLICY_LOSS_REGISTRY if not m.startswith("grpo_kernels")}
+    assert verl_modes == set(adapter.POLICY_LOSSES), verl_modes ^ set(adapter.POLICY_LOSSES)
+    for mode, fn in adapter.POLICY_LOSSES.items():
+        assert core_algos.get_policy_loss_fn(f"grpo_kernels_{mode}") is fn
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("agg", adapter.AGG_MODES)
+@pytest.mark.parametrize("mode", [m for m in adapter.POLICY_LOSSES if m != "bypass_mode"])
+def test_every_mode_matches_verl(mode, agg, weighted):
+    weights = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) + 0.5 if weighted else None
+    for wide in (False, True):
+        _compare_mode(mode, agg, _mode_config(mode, wide), weights, seed=3)
+
+
+@pytest.mark.parametrize("mode", [m for m in adapter.POLICY_LOSSES if m != "bypass_mode"])
+def test_every_mode_honours_global_batch_info(mode):
+    info = {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 9}
+    for agg in adapter.AGG_MODES:
+        _compare_mode(mode, agg, _mode_config(mode, True, global_batch_info=info), seed=4)
+
+
+def test_the_modes_comparisons_bind():
+    """The inputs above exercise what each mode's options select: DPPO's regions leave tokens out on both sides,
+    Clip-Cov and KL-Cov choose several tokens, GMPO and CISPO clip."""
+    seen = {
+        mode: _compare_mode(mode, "token-mean", _mode_config(mode, True), seed=3)
+        for mode in ("dppo_tv", "dppo_kl", "clip_cov", "geo_mean", "cispo")
+    }
+    assert 0 < seen["dppo_tv"]["actor/pg_clipfrac"] < 1 and 0 < seen["dppo_kl"]["actor/pg_clipfrac"] < 1
+    assert seen["clip_cov"]["actor/pg_clipfrac"] > 0.1
+    assert seen["geo_mean"]["actor/pg_clipfrac"] > 0 and seen["geo_mean"]["actor/pg_clipfrac_lower"] > 0
+    assert seen["cispo"]["actor/pg_clipfrac"] > 0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("preset", BYPASS_PRESETS)
+def test_bypass_mode_matches_verl(preset, agg):
+    # a rollout close to the trained policy (verl's rejection thresholds keep some of its tokens)
+    config = _mode_config("bypass_mode", False, preset=preset)
+    metrics = _compare_mode("bypass_mode", agg, config, seed=5, spread=0.02)
+    assert any(key.startswith("rollout_") for key in metrics), "the rollout correction's metrics"
+
+
+def test_modes_refuse_what_verl_refuses():
+    from verl.workers.config.actor import PolicyLossConfig
+
+    adapter.register()
+    lp, old, adv, mask = _mode_inputs(0)
+    config = _config(policy_loss=PolicyLossConfig(loss_mode="dro"))  # dro_beta unset
+    with pytest.raises(ValueError, match="dro_beta"):
+        adapter.dro_policy_loss(old, lp, adv, mask, "token-mean", config)
+    with pytest.raises(ValueError, match="config"):
+        adapter.gpg_policy_loss(old, lp, adv, mask, "token-mean", None)

@@ -9,18 +9,25 @@ of all-reduced elements does not change with V.
 import pytest
 import torch
 from gloo_ranks import run_ranks
+from helpers import LOSS_TYPE_REGISTRY, TRL_LOSS_TYPES
 
 from grpo_kernels import grpo_loss
-from helpers import LOSS_TYPES
 
 B, T = 3, 5
 TOL = dict(atol=2e-6, rtol=1e-5)
-CASES = [dict(loss_type=loss_type, importance_sampling_level=level, beta=beta, temperature=0.9,
-              **({"max_completion_length": 8} if loss_type == "dr_grpo" else {}),
-              **({"epsilon_high": 1.2} if loss_type == "cispo" else {}))
-         for loss_type in LOSS_TYPES
-         for level, beta in (("token", 0.04), ("sequence", 0.0))
-         if loss_type != "vespo" or level == "token"]
+CASES = [
+    dict(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=beta,
+        temperature=0.9,
+        **({"max_completion_length": 8} if loss_type == "dr_grpo" else {}),
+        **({"epsilon_high": 1.2} if loss_type == "cispo" else {}),
+    )
+    for loss_type in TRL_LOSS_TYPES + ("gmpo",)  # one of the families: their loss math is the torch path's
+    for level, beta in (("token", 0.04), ("sequence", 0.0))
+    if level in LOSS_TYPE_REGISTRY[loss_type].levels
+]
 CASES += [dict(beta=0.04, entropy_coef=0.1, top_entropy_quantile=0.6, off_policy_mask_threshold=0.05)]
 CASES += [dict(beta=0.04, entropy_coef=0.1, logit_scale=0.5, logit_softcap=1.5)]  # a head's raw outputs, capped
 
@@ -33,9 +40,14 @@ def _batch(V: int, seed: int = 0):
     logits, ids = 2 * torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
     # old and reference log-probs near the current ones: ratios on both sides of the clip range, VESPO's weight alive
     lp = torch.log_softmax(logits / 0.9, -1).gather(-1, ids.unsqueeze(-1))[..., 0]
-    return dict(logits=logits, completion_ids=ids, completion_mask=mask, advantages=torch.randn(B, generator=g),
-                old_logps=lp + 0.2 * torch.randn(B, T, generator=g),
-                ref_logps=lp + 0.2 * torch.randn(B, T, generator=g))
+    return dict(
+        logits=logits,
+        completion_ids=ids,
+        completion_mask=mask,
+        advantages=torch.randn(B, generator=g),
+        old_logps=lp + 0.2 * torch.randn(B, T, generator=g),
+        ref_logps=lp + 0.2 * torch.randn(B, T, generator=g),
+    )
 
 
 def _run(batch, logits, **kwargs):
@@ -49,7 +61,7 @@ def _rank_cases(rank: int, world: int, backend: str, V: int):
     import torch.distributed as dist
 
     batch, part = _batch(V), V // world
-    mine = batch["logits"][..., rank * part:(rank + 1) * part]
+    mine = batch["logits"][..., rank * part : (rank + 1) * part]
     return [_run(batch, mine, backend=backend, vocab_parallel_group=dist.group.WORLD, **case) for case in CASES]
 
 
@@ -63,15 +75,23 @@ def test_sharded_vocabulary_equals_the_unsharded_loss(world, backend):
         for rank, results in enumerate(per_rank):
             r_loss, r_logps, r_metrics, r_grad = results[i]
             where = f"case {case}, rank {rank}"
-            torch.testing.assert_close(r_loss, loss, **TOL, msg=lambda m: f"{where}: loss\n{m}")
+            torch.testing.assert_close(r_loss, loss, **TOL, msg=lambda m, where=where: f"{where}: loss\n{m}")
             active = batch["completion_mask"] != 0
-            torch.testing.assert_close(r_logps[active], logps[active], **TOL, msg=lambda m: f"{where}: logps\n{m}")
+            torch.testing.assert_close(
+                r_logps[active], logps[active], **TOL, msg=lambda m, where=where: f"{where}: logps\n{m}"
+            )
             assert set(r_metrics) == set(metrics), where
             for name in metrics:
-                torch.testing.assert_close(r_metrics[name], metrics[name], **TOL, msg=lambda m: f"{where}: {name}\n{m}")
+                torch.testing.assert_close(
+                    r_metrics[name], metrics[name], **TOL, msg=lambda m, where=where, name=name: f"{where}: {name}\n{m}"
+                )
             part = V // world
-            torch.testing.assert_close(r_grad, grad[..., rank * part:(rank + 1) * part], **TOL,
-                                       msg=lambda m: f"{where}: gradient slice\n{m}")
+            torch.testing.assert_close(
+                r_grad,
+                grad[..., rank * part : (rank + 1) * part],
+                **TOL,
+                msg=lambda m, where=where: f"{where}: gradient slice\n{m}",
+            )
 
 
 def _rank_all_reduced_elements(rank: int, world: int, V: int):
@@ -87,8 +107,13 @@ def _rank_all_reduced_elements(rank: int, world: int, V: int):
     dist.all_reduce = counting
     try:
         batch, part = _batch(V), V // world
-        _run(batch, batch["logits"][..., rank * part:(rank + 1) * part], backend="torch",
-             vocab_parallel_group=dist.group.WORLD, beta=0.04)
+        _run(
+            batch,
+            batch["logits"][..., rank * part : (rank + 1) * part],
+            backend="torch",
+            vocab_parallel_group=dist.group.WORLD,
+            beta=0.04,
+        )
     finally:
         dist.all_reduce = original
     return sum(counted)
@@ -105,8 +130,15 @@ def _rank_uneven(rank: int, world: int):
     V, cut = 90, 61  # rank 0 holds ids [0, 61), rank 1 [61, 90): not Megatron's equal partitions
     batch = _batch(V, seed=2)
     start, stop = (0, cut) if rank == 0 else (cut, V)
-    return _run(batch, batch["logits"][..., start:stop], backend="torch", vocab_parallel_group=dist.group.WORLD,
-                vocab_start_index=start, beta=0.04, entropy_coef=0.1)
+    return _run(
+        batch,
+        batch["logits"][..., start:stop],
+        backend="torch",
+        vocab_parallel_group=dist.group.WORLD,
+        vocab_start_index=start,
+        beta=0.04,
+        entropy_coef=0.1,
+    )
 
 
 def test_an_explicit_vocab_start_index():
@@ -128,8 +160,15 @@ def _rank_packed(rank: int, world: int):
     valid = torch.arange(T).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
     packed = {k: (v[valid] if v.dim() >= 2 else v) for k, v in batch.items()}
     cu = torch.tensor([0, 5, 7, 7], dtype=torch.int32)
-    return _run(packed, packed["logits"][..., rank * part:(rank + 1) * part], backend="torch",
-                vocab_parallel_group=dist.group.WORLD, cu_seqlens=cu, beta=0.04, importance_sampling_level="sequence")
+    return _run(
+        packed,
+        packed["logits"][..., rank * part : (rank + 1) * part],
+        backend="torch",
+        vocab_parallel_group=dist.group.WORLD,
+        cu_seqlens=cu,
+        beta=0.04,
+        importance_sampling_level="sequence",
+    )
 
 
 def test_a_packed_batch_on_a_sharded_vocabulary():
@@ -140,7 +179,7 @@ def test_a_packed_batch_on_a_sharded_vocabulary():
     loss, _, _, grad = _run(batch, batch["logits"], backend="torch", beta=0.04, importance_sampling_level="sequence")
     for rank, (r_loss, _, _, r_grad) in enumerate(per_rank):
         torch.testing.assert_close(r_loss, loss, **TOL)
-        torch.testing.assert_close(r_grad, grad[valid][..., rank * 40:(rank + 1) * 40], **TOL)
+        torch.testing.assert_close(r_grad, grad[valid][..., rank * 40 : (rank + 1) * 40], **TOL)
 
 
 def _lm_head_shard_run(rank: int, world: int, backend: str, options: dict, packed: bool = False):
@@ -160,10 +199,11 @@ def _lm_head_shard_run(rank: int, world: int, backend: str, options: dict, packe
         extra["cu_seqlens"] = torch.tensor([0, 3, 8, 8], dtype=torch.int32)
     part = weight.shape[0] // world
     h = hidden.clone().requires_grad_()
-    w = weight[rank * part:(rank + 1) * part].clone().requires_grad_()
-    b = bias[rank * part:(rank + 1) * part].clone().requires_grad_()
-    out = fused_linear_grpo_loss(h, w, **inputs, bias=b, backend=backend, vocab_parallel_group=dist.group.WORLD,
-                                 **options, **extra)
+    w = weight[rank * part : (rank + 1) * part].clone().requires_grad_()
+    b = bias[rank * part : (rank + 1) * part].clone().requires_grad_()
+    out = fused_linear_grpo_loss(
+        h, w, **inputs, bias=b, backend=backend, vocab_parallel_group=dist.group.WORLD, **options, **extra
+    )
     out.loss.backward()
     return out.loss.detach(), {k: v.detach() for k, v in out.metrics.items()}, h.grad, w.grad, b.grad
 
@@ -183,8 +223,11 @@ def _rank_lm_head_packed(rank: int, world: int):
 def _lm_head_inputs(V: int = 96, H: int = 12):
     """Old and reference log-probs near this head's own, so that every term (VESPO's weight too) is alive."""
     g = torch.Generator().manual_seed(9)
-    hidden, weight, bias = torch.randn(B, T, H, generator=g), 0.5 * torch.randn(V, H, generator=g), \
-        0.1 * torch.randn(V, generator=g)
+    hidden, weight, bias = (
+        torch.randn(B, T, H, generator=g),
+        0.5 * torch.randn(V, H, generator=g),
+        0.1 * torch.randn(V, generator=g),
+    )
     batch = _batch(V, seed=9)
     lp = torch.log_softmax(hidden @ weight.T + bias, -1).gather(-1, batch["completion_ids"].unsqueeze(-1))[..., 0]
     batch["old_logps"] = lp + 0.05 * torch.randn(B, T, generator=g)
@@ -192,11 +235,14 @@ def _lm_head_inputs(V: int = 96, H: int = 12):
     return hidden, weight, bias, batch
 
 
-@pytest.mark.parametrize("backend, options", [
-    ("torch", dict(beta=0.04, entropy_coef=0.1)),
-    ("triton", dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence")),
-    ("torch", dict(loss_type="vespo", top_entropy_quantile=0.5)),
-])
+@pytest.mark.parametrize(
+    "backend, options",
+    [
+        ("torch", dict(beta=0.04, entropy_coef=0.1)),
+        ("triton", dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence")),
+        ("torch", dict(loss_type="vespo", top_entropy_quantile=0.5)),
+    ],
+)
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_sharded_lm_head_equals_the_unsharded_loss(backend, options, world):
     per_rank = run_ranks(_rank_lm_head_shard, world, backend, options, timeout=300)
@@ -223,8 +269,13 @@ def _rank_token_logprobs(rank: int, world: int):
     from grpo_kernels import token_logprobs
 
     batch = _batch(64, seed=4)
-    return token_logprobs(batch["logits"][..., rank * 32:(rank + 1) * 32], batch["completion_ids"], 0.8,
-                          return_entropy=True, vocab_parallel_group=dist.group.WORLD)
+    return token_logprobs(
+        batch["logits"][..., rank * 32 : (rank + 1) * 32],
+        batch["completion_ids"],
+        0.8,
+        return_entropy=True,
+        vocab_parallel_group=dist.group.WORLD,
+    )
 
 
 def test_token_logprobs_on_a_sharded_vocabulary():
@@ -256,12 +307,20 @@ def test_a_sharded_lm_head_for_every_loss_type():
         for rank, results in enumerate(per_rank):
             loss, metrics, r_dh, r_dw, r_db = results[i]
             rows = slice(rank * 48, (rank + 1) * 48)
-            torch.testing.assert_close(loss, expected.loss, **TOL, msg=lambda m: f"{case}: loss\n{m}")
+            torch.testing.assert_close(loss, expected.loss, **TOL, msg=lambda m, case=case: f"{case}: loss\n{m}")
             for name, value in expected.metrics.items():
-                torch.testing.assert_close(metrics[name], value, **TOL, msg=lambda m: f"{case}: {name}\n{m}")
-            torch.testing.assert_close(r_dh, dh, atol=1e-5, rtol=1e-5, msg=lambda m: f"{case}: d hidden\n{m}")
-            torch.testing.assert_close(r_dw, dw[rows], atol=1e-5, rtol=1e-5, msg=lambda m: f"{case}: d weight\n{m}")
-            torch.testing.assert_close(r_db, db[rows], atol=1e-5, rtol=1e-5, msg=lambda m: f"{case}: d bias\n{m}")
+                torch.testing.assert_close(
+                    metrics[name], value, **TOL, msg=lambda m, case=case, name=name: f"{case}: {name}\n{m}"
+                )
+            torch.testing.assert_close(
+                r_dh, dh, atol=1e-5, rtol=1e-5, msg=lambda m, case=case: f"{case}: d hidden\n{m}"
+            )
+            torch.testing.assert_close(
+                r_dw, dw[rows], atol=1e-5, rtol=1e-5, msg=lambda m, case=case: f"{case}: d weight\n{m}"
+            )
+            torch.testing.assert_close(
+                r_db, db[rows], atol=1e-5, rtol=1e-5, msg=lambda m, case=case: f"{case}: d bias\n{m}"
+            )
 
 
 def test_a_packed_batch_on_a_sharded_lm_head():
@@ -272,7 +331,7 @@ def test_a_packed_batch_on_a_sharded_lm_head():
     for rank, (loss, _, r_dh, r_dw, _) in enumerate(per_rank):
         torch.testing.assert_close(loss, expected.loss, **TOL)
         torch.testing.assert_close(r_dh, dh[rows.bool()], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(r_dw, dw[rank * 48:(rank + 1) * 48], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r_dw, dw[rank * 48 : (rank + 1) * 48], atol=1e-5, rtol=1e-5)
 
 
 def _rank_linear_token_logprobs(rank: int, world: int, backend: str):
@@ -283,8 +342,16 @@ def _rank_linear_token_logprobs(rank: int, world: int, backend: str):
     hidden, weight, bias, batch = _lm_head_inputs()
     part = weight.shape[0] // world
     rows = slice(rank * part, (rank + 1) * part)
-    return linear_token_logprobs(hidden, weight[rows], batch["completion_ids"], bias[rows], 0.8, return_entropy=True,
-                                 backend=backend, vocab_parallel_group=dist.group.WORLD)
+    return linear_token_logprobs(
+        hidden,
+        weight[rows],
+        batch["completion_ids"],
+        bias[rows],
+        0.8,
+        return_entropy=True,
+        backend=backend,
+        vocab_parallel_group=dist.group.WORLD,
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

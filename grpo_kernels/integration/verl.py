@@ -4,16 +4,11 @@ verl's actor computes per-token log-probs from the logits (``logprobs_from_logit
 calls the policy loss named by ``actor_rollout_ref.actor.policy_loss.loss_mode`` on those
 log-probs. Both halves can be ours:
 
-- ``register()`` adds two policy losses to verl's registry, computed with this package's
-  per-token terms and reproducing verl 0.9's own numbers (values and gradients):
-
-  - ``"grpo_kernels"``: verl's "vanilla" PPO-clip with dual-clip (c = ``clip_ratio_c``, 3 by
-    default) and the +-20 log-ratio clamp;
-  - ``"grpo_kernels_gspo"``: verl's "gspo" (sequence-level ratio with verl's per-token
-    stop-gradient form, log-ratio capped at 10, no dual-clip);
-
-  both with every ``loss_agg_mode`` (token-mean, token-sum, seq-mean-token-sum,
-  seq-mean-token-mean, seq-mean-token-sum-norm) and the rollout correction weights.
+- ``register()`` adds ``"grpo_kernels_<mode>"`` to verl's registry for each of verl 0.9's 12 policy-loss
+  modes (``POLICY_LOSSES``; ``"grpo_kernels"`` is vanilla too), computed with this package's per-token terms
+  and reproducing verl's own numbers (the loss, its gradient, the metrics), with every ``loss_agg_mode``
+  (token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm), verl's
+  ``global_batch_info`` and the rollout correction weights.
 - ``patch_logprobs()`` replaces verl's ``logprobs_from_logits`` and entropy functions with our fused
   kernel (``selective_log_softmax``, ``token_entropy``): no fp32 [N, V] log-softmax, the gradient in
   the logits' dtype; with megatron-core installed, also the Megatron backend's vocabulary-parallel
@@ -23,13 +18,13 @@ log-probs. Both halves can be ours:
 
 Turning it on in a verl run: put ``grpo_kernels.integration.enable`` in verl's
 ``external_lib`` setting (importing that module calls ``register()`` and ``patch_logprobs()``),
-and set ``actor_rollout_ref.actor.policy_loss.loss_mode=grpo_kernels`` (or
-``grpo_kernels_gspo``). See ``grpo_kernels/integration/README.md``.
+and set ``actor_rollout_ref.actor.policy_loss.loss_mode=grpo_kernels_<mode>``. See
+``grpo_kernels/integration/README.md``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 
@@ -45,9 +40,15 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / (mask.sum() + 1e-8)  # verl_F.masked_mean's convention
 
 
-def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str, dp_size: int = 1,
-              batch_num_tokens: Optional[Any] = None, global_batch_size: Optional[Any] = None,
-              loss_scale_factor: Optional[Any] = None) -> torch.Tensor:
+def aggregate(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: Any | None = None,
+    global_batch_size: Any | None = None,
+    loss_scale_factor: Any | None = None,
+) -> torch.Tensor:
     """verl's ``agg_loss``: the loss is invariant to the data-parallel split (its ``global_batch_info``)."""
     if loss_agg_mode not in AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {list(AGG_MODES)}, got {loss_agg_mode!r}")
@@ -82,19 +83,32 @@ def _clip_bounds(config) -> tuple:
     return low, high
 
 
-def _batch_info(config) -> Dict[str, Any]:
+def _batch_info(config) -> dict[str, Any]:
     return dict(getattr(config, "global_batch_info", None) or {})
 
 
-def vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
-                        config=None, rollout_is_weights=None):
+def vanilla_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """verl's "vanilla" policy loss on our per-token terms: PPO-clip, dual-clip, +-20 log-ratio clamp."""
     if config is None:
         raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios")
     low, high = _clip_bounds(config)
     dual_clip = config.get("clip_ratio_c", 3.0) if hasattr(config, "get") else getattr(config, "clip_ratio_c", 3.0)
-    opts = GRPOOptions(loss_type="grpo", epsilon=low, epsilon_high=high, dual_clip=dual_clip, log_ratio_clamp=20.0,
-                       compute_entropy=False)
+    opts = GRPOOptions(
+        loss_type="grpo",
+        epsilon=low,
+        epsilon_high=high,
+        dual_clip=dual_clip,
+        log_ratio_clamp=20.0,
+        compute_entropy=False,
+    )
     mask = response_mask.to(log_prob.dtype)
     terms = per_token_terms(log_prob, mask, advantages, old_log_prob, None, rollout_is_weights, opts)
     loss = aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config))
@@ -105,14 +119,23 @@ def vanilla_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_
         plain = -advantages * ratio
         bounded = torch.maximum(plain, -advantages * torch.clamp(ratio, 1 - low, 1 + high))
         lower = ((bounded > -advantages * dual_clip) & (advantages < 0)).to(mask.dtype)
-        metrics = {"actor/pg_clipfrac": _masked_mean(clipped, mask).item(),
-                   "actor/ppo_kl": _masked_mean(-log_ratio, mask).item(),
-                   "actor/pg_clipfrac_lower": _masked_mean(lower, mask).item()}
+        metrics = {
+            "actor/pg_clipfrac": _masked_mean(clipped, mask).item(),
+            "actor/ppo_kl": _masked_mean(-log_ratio, mask).item(),
+            "actor/pg_clipfrac_lower": _masked_mean(lower, mask).item(),
+        }
     return loss, metrics
 
 
-def gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "seq-mean-token-mean",
-                     config=None, rollout_is_weights=None):
+def gspo_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """verl's "gspo": GSPO-token (sequence ratio as value, per-token gradient), PPO-clip, no dual-clip.
 
     verl caps the log-weight at 10 from above only; ours clamps it to [-10, 10]. The two differ
@@ -121,25 +144,358 @@ def gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
     if config is None:
         raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios")
     low, high = _clip_bounds(config)
-    opts = GRPOOptions(loss_type="grpo", epsilon=low, epsilon_high=high, importance_sampling_level="sequence_token",
-                       log_ratio_clamp=10.0, compute_entropy=False)
+    opts = GRPOOptions(
+        loss_type="grpo",
+        epsilon=low,
+        epsilon_high=high,
+        importance_sampling_level="sequence_token",
+        log_ratio_clamp=10.0,
+        compute_entropy=False,
+    )
     mask = response_mask.to(log_prob.dtype)
     terms = per_token_terms(log_prob, mask, advantages, old_log_prob, None, rollout_is_weights, opts)
     loss = aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config))
     with torch.no_grad():
         clipped = (terms.is_low_clipped | terms.is_high_clipped).to(mask.dtype)
-        metrics = {"actor/pg_clipfrac": _masked_mean(clipped, mask).item(),
-                   "actor/ppo_kl": _masked_mean(-(log_prob - old_log_prob), mask).item(),
-                   "actor/pg_clipfrac_lower": 0.0}
+        metrics = {
+            "actor/pg_clipfrac": _masked_mean(clipped, mask).item(),
+            "actor/ppo_kl": _masked_mean(-(log_prob - old_log_prob), mask).item(),
+            "actor/pg_clipfrac_lower": 0.0,
+        }
     return loss, metrics
 
 
-def kl_loss(log_prob, ref_log_prob, response_mask, kl_penalty: str = "low_var_kl",
-            loss_agg_mode: str = "token-mean", **global_batch_info) -> torch.Tensor:
+def _required(config) -> None:
+    if config is None:
+        raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios and the loss's settings")
+
+
+def _setting(config, name: str, default):
+    """``config.<name>`` (verl's ActorConfig, a dataclass with ``get``, or any object), ``default`` where unset."""
+    value = config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
+    return default if value is None else value
+
+
+def _loss_setting(config, name: str, default):
+    """``config.policy_loss.<name>`` (verl's PolicyLossConfig), ``default`` where unset or None."""
+    policy_loss = getattr(config, "policy_loss", None)
+    value = None if policy_loss is None else getattr(policy_loss, name, None)
+    return default if value is None else value
+
+
+def _terms(opts: GRPOOptions, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights):
+    """(the float mask, our per-token terms) of verl's inputs."""
+    mask = response_mask.to(log_prob.dtype)
+    return mask, per_token_terms(log_prob, mask, advantages, old_log_prob, None, rollout_is_weights, opts)
+
+
+def _ppo_kl(log_prob, old_log_prob, mask, clamp: float | None = 20.0) -> float:
+    """verl's ``actor/ppo_kl``: the masked mean of -(log pi - log pi_old), clamped where verl clamps it."""
+    log_ratio = log_prob.detach() - old_log_prob
+    if clamp is not None:
+        log_ratio = torch.clamp(log_ratio, -clamp, clamp)
+    return _masked_mean(-log_ratio, mask).item()
+
+
+def _dppo(loss_type: str, verl_name: str):
+    def policy_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode: str = "token-mean",
+        config=None,
+        rollout_is_weights=None,
+    ):
+        _required(config)
+        low, high = _clip_bounds(config)
+        cap = _setting(config, "clip_ratio_c", 20.0)
+        opts = GRPOOptions(
+            loss_type=loss_type, epsilon=low, epsilon_high=high, delta=cap, log_ratio_clamp=20.0, compute_entropy=False
+        )
+        mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+        loss = aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config))
+        with torch.no_grad():
+            inside = (~terms.is_high_clipped).to(mask.dtype)
+            ratio = torch.exp(torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0))
+            metrics = {
+                "actor/pg_clipfrac": _masked_mean(1 - inside, mask).item(),
+                "actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask),
+                "actor/pg_clipfrac_lower": _masked_mean((ratio > cap).to(mask.dtype) * inside, mask).item(),
+            }
+        return loss, metrics
+
+    policy_loss.__name__ = policy_loss.__qualname__ = f"{verl_name}_policy_loss"
+    policy_loss.__doc__ = (
+        f"verl's {verl_name!r} (DPPO, binary {'TV' if loss_type == 'dppo_tv' else 'KL'} trust region) on our "
+        "per-token terms: the thresholds clip_ratio_low / clip_ratio_high, the ratio capped at clip_ratio_c, +-20 "
+        "log-ratio clamp."
+    )
+    return policy_loss
+
+
+dppo_tv_policy_loss = _dppo("dppo_tv", "dppo_tv")
+dppo_kl_policy_loss = _dppo("dppo_kl", "dppo_kl")
+
+
+def sapo_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
+    """verl's "sapo": the soft gate 4 / tau sigmoid(tau (r - 1)) (tau_pos for A > 0, tau_neg else), +-20 log-ratio
+    clamp, reduced as seq-mean-token-mean whatever ``loss_agg_mode`` says (as verl does)."""
+    _required(config)
+    opts = GRPOOptions(
+        loss_type="sapo",
+        sapo_temperature_pos=float(config.tau_pos),
+        sapo_temperature_neg=float(config.tau_neg),
+        log_ratio_clamp=20.0,
+        compute_entropy=False,
+    )
+    mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    loss = aggregate(terms.per_token_loss, mask, "seq-mean-token-mean", **_batch_info(config))
+    metrics = {
+        "actor/pg_clipfrac": 0.0,
+        "actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask),
+        "actor/pg_clipfrac_lower": 0.0,
+    }
+    return loss, metrics
+
+
+def gpg_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
+    """verl's "gpg": -A log pi (no ratio), no metrics."""
+    _required(config)
+    opts = GRPOOptions(loss_type="gpg", compute_entropy=False)
+    mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    return aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config)), {}
+
+
+def clip_cov_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
+    """verl's "clip_cov": PPO's clipped ratio (no log-ratio clamp), with policy_loss.clip_cov_ratio of the micro-batch's
+    tokens left out, drawn (torch's default generator, as verl draws) among the unclipped ones whose advantage x
+    log-prob covariance is in (clip_cov_lb, clip_cov_ub)."""
+    _required(config)
+    low, high = _clip_bounds(config)
+    opts = GRPOOptions(
+        loss_type="clip_cov",
+        epsilon=low,
+        epsilon_high=high,
+        clip_cov_ratio=float(_loss_setting(config, "clip_cov_ratio", 0.0002)),
+        clip_cov_lb=float(_loss_setting(config, "clip_cov_lb", 1.0)),
+        clip_cov_ub=float(_loss_setting(config, "clip_cov_ub", 5.0)),
+        covariance_selection="micro_batch",
+        compute_entropy=False,
+    )
+    mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    loss = aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config))
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(terms.is_high_clipped.to(mask.dtype), mask).item(),
+        "actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask, clamp=None),
+    }
+    return loss, metrics
+
+
+def kl_cov_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
+    """verl's "kl_cov": -A r (no clip, no clamp), plus policy_loss.ppo_kl_coef |log-ratio| on the
+    policy_loss.kl_cov_ratio of the micro-batch's tokens with the largest advantage x log-prob covariance."""
+    _required(config)
+    opts = GRPOOptions(
+        loss_type="kl_cov",
+        kl_cov_ratio=float(_loss_setting(config, "kl_cov_ratio", 0.0002)),
+        kl_cov_coef=float(_loss_setting(config, "ppo_kl_coef", 1.0)),
+        covariance_selection="micro_batch",
+        compute_entropy=False,
+    )
+    mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    loss = aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config))
+    absolute = torch.abs(log_prob.detach() - old_log_prob)
+    return loss, {"actor/ppo_kl": _masked_mean(absolute, mask).item()}
+
+
+def geo_mean_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
+    """verl's "geo_mean" (GMPO): each row's -A exp(mean of its sign-clipped log-ratios), the plain mean over the
+    rows whatever ``loss_agg_mode`` and the global batch info say (as verl does); the rollout weights enter as each
+    row's geometric mean of them."""
+    _required(config)
+    low, high = _clip_bounds(config)
+    opts = GRPOOptions(loss_type="gmpo", epsilon=low, epsilon_high=high, compute_entropy=False)
+    mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    loss = terms.per_token_loss[:, 0].mean()  # one value a row, repeated over its positions
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(terms.is_high_clipped.to(mask.dtype), mask).item(),
+        "actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask, clamp=None),
+        "actor/pg_clipfrac_lower": _masked_mean(terms.is_low_clipped.to(mask.dtype), mask).item(),
+    }
+    return loss, metrics
+
+
+def dro_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
+    """verl's "dro": -(A log pi - policy_loss.dro_beta (log pi - log pi_old)^2 / 2)."""
+    _required(config)
+    opts = GRPOOptions(loss_type="dro", dro_beta=_loss_setting(config, "dro_beta", None), compute_entropy=False)
+    mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    loss = aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config))
+    return loss, {"actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask, clamp=None)}
+
+
+def cispo_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
+    """verl's "cispo": -sg(clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)) A log pi, +-20 log-ratio clamp (TRL's
+    cispo caps the ratio from above only: ``cispo_ratio_min`` is the lower bound)."""
+    _required(config)
+    low, high = _clip_bounds(config)
+    opts = GRPOOptions(
+        loss_type="cispo",
+        epsilon_high=1 + high,
+        cispo_ratio_min=1 - low,
+        log_ratio_clamp=20.0,
+        compute_entropy=False,
+    )
+    mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    loss = aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config))
+    with torch.no_grad():
+        ratio = torch.exp(torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0))
+        moved = (ratio != torch.clamp(ratio, 1 - low, 1 + high)).to(mask.dtype)
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(moved, mask).item(),
+        "actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask),
+        "actor/pg_clipfrac_lower": 0.0,
+    }
+    return loss, metrics
+
+
+def bypass_mode_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
+    """verl's "bypass_mode" (old log-probs = the rollout's): the rollout correction's weights, rejection mask and
+    metrics from verl's own ``compute_rollout_correction_and_rejection_mask`` (policy_loss.rollout_correction),
+    then our loss: "ppo_clip" (verl's vanilla on the rejection mask, no weights) or "reinforce" (-w A log pi)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    _required(config)
+    policy_loss = getattr(config, "policy_loss", None)
+    correction = policy_loss.get("rollout_correction", None) if policy_loss is not None else None
+    if correction is None:
+        raise ValueError(
+            "loss_mode 'bypass_mode' needs policy_loss.rollout_correction (verl's RolloutCorrectionConfig), got None"
+        )
+    with torch.no_grad():
+        weights, effective_mask, correction_metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=log_prob,
+            rollout_log_prob=old_log_prob,
+            response_mask=response_mask,
+            rollout_is=correction.get("rollout_is", None),
+            rollout_is_threshold=correction.get("rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=correction.get("rollout_is_batch_normalize", False),
+            rollout_rs=correction.get("rollout_rs", None),
+            rollout_rs_threshold=correction.get("rollout_rs_threshold", None),
+        )
+    loss_type = correction.get("loss_type", "ppo_clip")
+    if loss_type == "reinforce":
+        opts = GRPOOptions(loss_type="gpg", compute_entropy=False)
+        is_weights = weights.batch["rollout_is_weights"] if weights else None
+        mask, terms = _terms(opts, old_log_prob, log_prob, advantages, effective_mask, is_weights)
+        loss = aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config))
+        metrics = {"actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask, clamp=None)}
+    elif loss_type == "ppo_clip":  # the ratio to the rollout policy is the correction: no weights on top
+        loss, metrics = vanilla_policy_loss(
+            old_log_prob, log_prob, advantages, effective_mask, loss_agg_mode, config, None
+        )
+    else:
+        raise ValueError(f"rollout_correction.loss_type must be 'reinforce' or 'ppo_clip', got {loss_type!r}")
+    metrics.update(correction_metrics)
+    return loss, metrics
+
+
+# verl 0.9's policy-loss registry, mode by mode: register() adds each as "grpo_kernels_<mode>"
+POLICY_LOSSES = {
+    "vanilla": vanilla_policy_loss,
+    "gspo": gspo_policy_loss,
+    "cispo": cispo_policy_loss,
+    "sapo": sapo_policy_loss,
+    "gpg": gpg_policy_loss,
+    "geo_mean": geo_mean_policy_loss,
+    "clip_cov": clip_cov_policy_loss,
+    "kl_cov": kl_cov_policy_loss,
+    "dppo_tv": dppo_tv_policy_loss,
+    "dppo_kl": dppo_kl_policy_loss,
+    "dro": dro_policy_loss,
+    "bypass_mode": bypass_mode_policy_loss,
+}
+
+
+def kl_loss(
+    log_prob,
+    ref_log_prob,
+    response_mask,
+    kl_penalty: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+    **global_batch_info,
+) -> torch.Tensor:
     """verl's actor KL loss: ``agg_loss(kl_penalty(logp, ref), mask)`` with verl's clamps (k3: +-20 in, +-10 out)."""
     if kl_penalty not in VERL_KL:
-        raise ValueError(f"kl_penalty must be one of {sorted(VERL_KL)}, got {kl_penalty!r} ('abs' and 'full' "
-                         "are not implemented here)")
+        raise ValueError(
+            f"kl_penalty must be one of {sorted(VERL_KL)}, got {kl_penalty!r} ('abs' and 'full' "
+            "are not implemented here)"
+        )
     estimator = VERL_KL[kl_penalty]
     clamps = dict(log_ratio_clamp=20.0, kl_clamp=10.0) if estimator == "k3" else {}
     kl = kl_term(log_prob, ref_log_prob, GRPOOptions(kl_estimator=estimator, **clamps))
@@ -147,11 +503,13 @@ def kl_loss(log_prob, ref_log_prob, response_mask, kl_penalty: str = "low_var_kl
 
 
 def register() -> None:
-    """Add "grpo_kernels" and "grpo_kernels_gspo" to verl's policy-loss registry."""
+    """Add ours to verl's policy-loss registry: "grpo_kernels_<mode>" for each of verl's modes (``POLICY_LOSSES``),
+    and "grpo_kernels" (vanilla, the first name)."""
     from verl.trainer.ppo import core_algos
 
     core_algos.register_policy_loss("grpo_kernels")(vanilla_policy_loss)
-    core_algos.register_policy_loss("grpo_kernels_gspo")(gspo_policy_loss)
+    for mode, policy_loss in POLICY_LOSSES.items():
+        core_algos.register_policy_loss(f"grpo_kernels_{mode}")(policy_loss)
 
 
 def patch_logprobs() -> None:
@@ -180,9 +538,14 @@ def patch_logprobs() -> None:
     def entropy_from_logits_with_chunking(logits, chunk_size: int = 2048):  # no chunks needed: no [N, V] temporary
         return token_entropy(logits)
 
-    replace_everywhere(torch_functional, {"logprobs_from_logits": logprobs_from_logits,
-                                           "entropy_from_logits": entropy_from_logits,
-                                           "entropy_from_logits_with_chunking": entropy_from_logits_with_chunking})
+    replace_everywhere(
+        torch_functional,
+        {
+            "logprobs_from_logits": logprobs_from_logits,
+            "entropy_from_logits": entropy_from_logits,
+            "entropy_from_logits_with_chunking": entropy_from_logits_with_chunking,
+        },
+    )
     try:
         from megatron.core import parallel_state
         from verl.utils.megatron import tensor_parallel
@@ -200,6 +563,11 @@ def patch_logprobs() -> None:
     def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size: int = 2048):
         return vocab_parallel_entropy(vocab_parallel_logits)
 
-    replace_everywhere(tensor_parallel, {"vocab_parallel_log_probs_from_logits": vocab_parallel_log_probs_from_logits,
-                                          "vocab_parallel_entropy": vocab_parallel_entropy,
-                                          "vocab_parallel_entropy_with_chunking": vocab_parallel_entropy_with_chunking})
+    replace_everywhere(
+        tensor_parallel,
+        {
+            "vocab_parallel_log_probs_from_logits": vocab_parallel_log_probs_from_logits,
+            "vocab_parallel_entropy": vocab_parallel_entropy,
+            "vocab_parallel_entropy_with_chunking": vocab_parallel_entropy_with_chunking,
+        },
+    )
