@@ -228,9 +228,9 @@ def allocate_outputs(
 
 
 def _outputs(names: tuple, rows: tuple, N: int, device) -> ForwardResult:
-    """``ForwardResult`` of the fp32 rows named ``names`` (``output_names``), with int8 flags where there is a
-    loss."""
-    named = dict(zip(names, rows, strict=True))
+    """``ForwardResult`` of the fp32 rows named ``names`` (``output_names``; ``rows`` may hold more, for others),
+    with int8 flags where there is a loss."""
+    named = dict(zip(names, rows[: len(names)], strict=True))
     with_loss = "loss" in named
     return ForwardResult(
         named["logp"],
