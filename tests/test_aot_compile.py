@@ -1,4 +1,5 @@
-"""Every kernel specialization compiles ahead of time for sm_90 and sm_80, on the CPU.
+"""Every kernel specialization compiles ahead of time for sm_90 and sm_80, and every kernel and tuned configuration for
+AMD's gfx942 (MI300) and gfx90a (MI250), on the CPU.
 
 What the interpreter forgives, the compiler does not: this catches compile errors,
 register spills, lost vectorization and hot loops that would be issue-bound before a GPU
@@ -76,6 +77,29 @@ def test_the_watch_fails_a_stalled_process_and_waits_for_a_slow_one():
 @pytest.fixture(scope="module")
 def records():
     return _aot("--arch", "90", "80")
+
+
+@pytest.fixture(scope="module")
+def amd_records():
+    return _aot("--arch", *aot.AMD_ARCHS)
+
+
+def test_every_kernel_and_tuned_configuration_compiles_for_amd(amd_records, records):
+    """ROCm's compile of every kernel (each kernel kind the NVIDIA targets compile) with every loss option and
+    schedule, and every tuned configuration, for gfx942 and gfx90a: a kernel that cannot build for ROCm fails here.
+    None spills to scratch memory (a scalar register spilled to a vector register's lane is not a memory spill,
+    and is reported)."""
+    assert {r["arch"] for r in amd_records} == set(aot.AMD_ARCHS)
+    for arch in aot.AMD_ARCHS:
+        mine = [r for r in amd_records if r["arch"] == arch]
+        assert {r["kernel"] for r in mine} == {r["kernel"] for r in records}, arch
+        tuned = {r["specialization"] for r in records if " tuned " in f" {r['specialization']} "}
+        assert tuned and tuned <= {r["specialization"] for r in mine}, arch
+    scratch = [(r["arch"], r["specialization"], r["scratch_bytes"]) for r in amd_records if r["scratch_bytes"]]
+    assert not scratch, f"spilled to scratch memory: {scratch}"
+    for r in amd_records:
+        if r["spilled_registers"]:
+            print(f"{r['arch']} {r['specialization']}: {r['spilled_registers']} registers spilled to registers")
 
 
 def test_every_specialization_compiles_without_spills(records):

@@ -9,6 +9,9 @@ Each distinct specialization is compiled for the target with the ptxas in the tr
 wheel's cuobjdump reads registers, spills and the SASS. For the streaming logits kernels the SASS of
 each hot loop (an innermost loop that loads the logits) gives instructions, MUFU operations (exp2,
 log2) and bytes loaded per logit, and from them a static roofline against the H200 (``roofline``).
+``--arch gfx942 gfx90a`` compiles for AMD's MI300 and MI250 with the ROCm backend in the triton wheel
+(``amd_launches``: every kernel and loss option at one dtype and vocabulary, the tuned configurations), read for
+registers, spills and scratch from the AMDGCN kernel descriptor (no hot-loop analysis: that is NVIDIA's SASS).
 It must run without TRITON_INTERPRET (the interpreter has nothing to compile).
 tests/test_aot_compile.py runs it in a subprocess and checks the budgets.
 """
@@ -116,33 +119,48 @@ def recorded_launches():
             setattr(module, name, fn)
 
 
-def jit_binder(fn, arch: int):
-    """(the binder Triton's JIT makes for a kernel (a ``JITFunction``) on sm_<arch>, that target's backend): what
-    ``JITFunction.run`` calls on every launch to specialize the arguments, before the cache key and the driver."""
+# AMD targets: MI300 (gfx942) and MI250 (gfx90a), compiled for the kernels and tuned configurations that
+# ``amd_launches`` picks (the ROCm backend in the triton wheel: LLVM's AMDGPU code generator and linker)
+AMD_ARCHS = ("gfx942", "gfx90a")
+
+
+def gpu_target(arch):
+    """Triton's target for ``arch``: sm_<arch> for a number (90, "80"; warps of 32), an AMD target for a gfx name
+    ("gfx942"; wavefronts of 64)."""
     from triton.backends.compiler import GPUTarget
+
+    text = str(arch)
+    if text.startswith("gfx"):
+        return GPUTarget("hip", text, 64)
+    return GPUTarget("cuda", int(text), 32)
+
+
+def jit_binder(fn, arch):
+    """(the binder Triton's JIT makes for a kernel (a ``JITFunction``) on ``arch`` (``gpu_target``), that target's
+    backend): what ``JITFunction.run`` calls on every launch to specialize the arguments, before the cache key and
+    the driver."""
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    backend = make_backend(GPUTarget("cuda", arch, 32))
+    backend = make_backend(gpu_target(arch))
     return create_function_from_signature(fn.signature, fn.params, backend), backend
 
 
-def jit_specialization(launch_: Launch, arch: int):
-    """What Triton's JIT would compile for this launch on sm_<arch>: (signature, constexprs, attrs, options)."""
+def jit_specialization(launch_: Launch, arch):
+    """What Triton's JIT would compile for this launch on ``arch``: (signature, constexprs, attrs, options)."""
     fn = launch_.kernel
     binder, backend = jit_binder(fn, arch)
     bound_args, specialization, options = binder(*launch_.args, **launch_.kwargs)
     return fn._pack_args(backend, launch_.kwargs, bound_args, specialization, options)
 
 
-def compile_launch(launch_: Launch, arch: int):
+def compile_launch(launch_: Launch, arch):
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     options, signature, constexprs, attrs = jit_specialization(launch_, arch)
     src = ASTSource(launch_.kernel, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options.__dict__), options, signature
+    return triton.compile(src, target=gpu_target(arch), options=options.__dict__), options, signature
 
 
 def _logits_inputs(dtype, V, *, rows=ROWS, aligned=True):
@@ -713,7 +731,57 @@ KERNEL_KINDS = {
 }
 
 
-def _record(item: Launch, arch: int) -> dict[str, object]:
+def amd_launches(items: list[Launch]) -> list[Launch]:
+    """What the AMD targets compile: every kernel with every loss option and schedule at bf16 and V = 32000 (the
+    row loops, split rows, the soft-cap, the entropy bonus), the fused lm_head's kernels in bf16, the loss
+    reductions' launches in fp32, the tuned configurations, and the first specialization of any kernel none of
+    these reached (one dtype each: the other dtypes change the loads, which the NVIDIA compiles cover)."""
+    chosen = [
+        item
+        for item in items
+        if "bf16 V=32000" in item.label
+        or " tuned " in f" {item.label} "
+        or (item.kernel.fn.__module__.endswith("fused_linear") and item.label.endswith(" bf16"))
+        or (item.label.startswith("loss ") and item.label.endswith(" fp32"))
+    ]
+    reached = {item.kernel.fn.__name__ for item in chosen}
+    for item in items:
+        if item.kernel.fn.__name__ not in reached:
+            chosen.append(item)
+            reached.add(item.kernel.fn.__name__)
+    return chosen
+
+
+def _amd_record(item: Launch, arch: str) -> dict[str, object]:
+    """What the ROCm compile says of a specialization: vector and scalar registers, registers spilled, scratch
+    (private segment) and shared (LDS) bytes, from the kernel descriptor in the AMDGCN assembly."""
+    compiled, options, signature = compile_launch(item, arch)
+    amdgcn = compiled.asm["amdgcn"]
+
+    def metadata(key: str) -> int:
+        found = re.search(rf"\.{key}:\s+(\d+)", amdgcn)
+        return int(found.group(1)) if found else 0
+
+    fused = item.kernel.fn.__module__.endswith("fused_linear")
+    return {
+        "kernel": KERNEL_KINDS[item.kernel.fn.__name__],
+        "specialization": ("fused-linear " if fused else "") + item.label,
+        "dtype": item.label.split()[-1] if fused else next(d for d in DTYPES if f" {d} " in f" {item.label} "),
+        "arch": arch,
+        "num_warps": options.num_warps,
+        "registers": metadata("vgpr_count"),
+        "scalar_registers": metadata("sgpr_count"),
+        "spilled_registers": metadata("vgpr_spill_count") + metadata("sgpr_spill_count"),
+        "scratch_bytes": metadata("private_segment_fixed_size"),
+        "shared_bytes": compiled.metadata.shared,
+        "code_bytes": len(compiled.asm["hsaco"]),
+    }
+
+
+def _record(item: Launch, arch) -> dict[str, object]:
+    if str(arch).startswith("gfx"):
+        return _amd_record(item, str(arch))
+    arch = int(arch)
     compiled, options, signature = compile_launch(item, arch)
     _, _, constexprs, _ = jit_specialization(item, arch)
     name = item.kernel.fn.__name__
@@ -828,16 +896,18 @@ def _compile_one(index: int) -> dict[str, object]:
 
 
 def compile_all(
-    archs: Sequence[int] = (90,), jobs: int | None = None, only: str | None = None
+    archs: Sequence[int | str] = (90,), jobs: int | None = None, only: str | None = None
 ) -> list[dict[str, object]]:
-    """Compile every distinct recorded launch for each target (those whose label contains ``only``, where given);
-    return one record per compiled kernel, in the order of ``archs`` then of the launches.
+    """Compile every distinct recorded launch for each target (those whose label contains ``only``, where given;
+    for an AMD target, ``amd_launches`` of them); return one record per compiled kernel, in the order of ``archs``
+    then of the launches.
 
     The compiles are independent, so they run in ``jobs`` forked processes (default: one per core); each
     finished one prints a progress line on stderr (the test's stall guard reads it)."""
     global _WORK
     items = [item for item in record_all() if only is None or only in item.label]
-    _WORK = [(item, arch) for arch in archs for item in items]
+    amd = amd_launches(items)
+    _WORK = [(item, arch) for arch in archs for item in (amd if str(arch).startswith("gfx") else items)]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(_WORK)))
 
     def reported(results: Iterator[dict[str, object]]) -> Iterator[dict[str, object]]:
@@ -907,7 +977,12 @@ def signature_facts() -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
+    parser.add_argument(
+        "--arch",
+        nargs="+",
+        default=["90", "80"],
+        help="targets: 90, 80 (NVIDIA sm_90 / sm_80), gfx942, gfx90a (AMD MI300 / MI250: amd_launches' subset)",
+    )
     parser.add_argument("--summary", action="store_true", help="print the hot-loop table instead of JSON")
     parser.add_argument("--signature-facts", action="store_true", help="print how the JIT types two launches")
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per core)")
@@ -922,7 +997,8 @@ def main() -> None:
         print(json.dumps(signature_facts()))
         return
     records = compile_all(args.arch, jobs=args.jobs, only=args.only)
-    print(summary(records) if args.summary else json.dumps(records))
+    nvidia = [r for r in records if r["arch"].startswith("sm_")]
+    print(summary(nvidia) if args.summary else json.dumps(records))
 
 
 if __name__ == "__main__":
