@@ -112,11 +112,13 @@ FIRST_TESTS=()
 if [ -n "${GRPO_SUITE_TESTS:-}" ]; then
     eval "TESTS=($GRPO_SUITE_TESTS)"  # pytest arguments as a shell would split them (quotes for -k)
 elif [ "$MODE" = gpu ]; then
-    # first what changed last (the read-once schedule, pipelining, the eviction hints, 128-bit loads over many
-    # warps, the lm_head's tiled workspaces), then the kernels' tests (the torch-path cases and torch.compile did
-    # not fit in the time), the reduction kernels' own last (the loss tests above run them too)
-    FIRST_TESTS=(tests/test_loss.py tests/test_fused_linear.py
-                 -k "persistent or pipelining or many_warps or bounded or without_gradient or three_products_mode_matches")
+    # first what changed last (batch invariance on the compiled default schedules, the read-once schedule,
+    # pipelining, the eviction hints, 128-bit loads over many warps, the lm_head's tiled workspaces), then the
+    # kernels' tests (the torch-path cases and torch.compile did not fit in the time), the reduction kernels' own
+    # last (the loss tests above run them too)
+    FIRST="invariant or on_policy or persistent or pipelining or many_warps or bounded or without_gradient"
+    FIRST_TESTS=(tests/test_batch_invariance.py tests/test_loss.py tests/test_fused_linear.py
+                 -k "$FIRST or three_products_mode_matches")
     TESTS=(tests/test_cuda_graph.py tests/test_split_row.py tests/test_loss.py tests/test_fused_linear.py
            tests/test_reliability.py tests/test_lean_backward.py tests/test_api.py tests/test_family.py
            tests/test_liger_parity.py tests/test_drop_last_position.py tests/test_entropy_bonus.py

@@ -41,6 +41,20 @@ from .options import GRPOOptions
 from .validation import check_linear_inputs
 
 LM_HEAD_MODES = ("recompute", "three_products")
+# The head's products: "input", in the operands' own dtype (16-bit on the tensor cores, fp32 accumulation); "fp32",
+# hidden states, weight and bias cast to fp32 first (exact fp32 products: TRL's cast_lm_head_to_fp32, a rollout
+# engine's fp32 head), the gradients coming back in their own dtypes
+HEAD_PRECISIONS = ("input", "fp32")
+
+
+def head_operands(hidden_states, weight, bias, head_precision: str) -> tuple:
+    """(hidden states, weight, bias) in the head's precision (``HEAD_PRECISIONS``)."""
+    if head_precision not in HEAD_PRECISIONS:
+        raise ValueError(f"head_precision must be one of {list(HEAD_PRECISIONS)}, got {head_precision!r}")
+    if head_precision == "input":
+        return hidden_states, weight, bias
+    upcast = lambda t: t.float() if isinstance(t, torch.Tensor) else t  # noqa: E731 (a bad input is checked later)
+    return upcast(hidden_states), upcast(weight), upcast(bias)
 
 
 # ---- The input form ----------------------------------------------------------------------------------------------
@@ -59,7 +73,9 @@ class HiddenStatesSource:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         lm_head_mode: str | None = None,
+        head_precision: str = "input",
     ):
+        hidden_states, weight, bias = head_operands(hidden_states, weight, bias, head_precision)
         self.tensor, self.weight, self.bias, self.lm_head_mode = hidden_states, weight, bias, lm_head_mode
         self._flat, self._flat_with_grad = None, False
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .from_hidden_states import LM_HEAD_MODES, HiddenStatesSource
+from .from_hidden_states import HEAD_PRECISIONS, LM_HEAD_MODES, HiddenStatesSource
 from .from_logits import LogitsSource
 from .inputs import LossInputs, loss_tokens, options_from, prepare_inputs, prepare_logprob_inputs
 from .kernels.contracts import TokenInputs
@@ -124,6 +124,7 @@ def fused_linear_grpo_loss(
     cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
+    head_precision: str = "input",
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
@@ -141,8 +142,13 @@ def fused_linear_grpo_loss(
     once by cuBLAS, turned into dlogits in place by the one-pass kernel, both gradient products
     in the same loop; the backward only scales). Both keep one [chunk, V] workspace. None, the
     default, takes the device sweep's measured choice (``kernels/tuned.json``), else "recompute".
+
+    ``head_precision``: "input" (the default) computes the head's products in the operands' dtype (16-bit on the
+    tensor cores, fp32 accumulation); "fp32" casts hidden states, weight and bias to fp32 first (exact fp32
+    products, as TRL's ``cast_lm_head_to_fp32`` and a rollout engine's fp32 head), the gradients coming back in
+    their own dtypes.
     """
-    source = HiddenStatesSource(hidden_states, weight, bias, lm_head_mode)
+    source = HiddenStatesSource(hidden_states, weight, bias, lm_head_mode, head_precision)
     return compute_loss(
         prepare_inputs(
             source,
@@ -240,31 +246,69 @@ def linear_token_logprobs(
     vocab_start_index: int | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    head_precision: str = "input",
 ):
     """``token_logprobs`` of ``hidden_states @ weight.T + bias`` without the [N, V] logits: the old and reference
     log-probs of a fused lm_head user (the lm_head forward kernel, a tile of logits at a time; the torch
     path a chunk of tokens at a time). hidden_states [B, T, H] (any leading dims [..., H]; a packed
     batch's [total, H] with ``cu_seqlens``), weight [V, H] (with ``vocab_parallel_group``: this rank's
-    shard [V / P, H], the ids global), bias [V] or None. No gradient. ``weight`` must be the head's effective
-    weight (an adapter on the head: ``grpo_kernels.wrapped.output_layer``), and ``logit_scale`` / ``logit_softcap``
-    its output transform (a model's: ``grpo_kernels.heads.head_transform(model).options``)."""
-    source = HiddenStatesSource(hidden_states, weight, bias)
-    return _pair(
-        compute_logprobs(
-            source,
-            ids,
-            temperature,
-            return_entropy,
-            backend=backend,
-            check_ids=check_ids,
-            cu_seqlens=cu_seqlens,
-            vocab_parallel_group=vocab_parallel_group,
-            vocab_start_index=vocab_start_index,
-            logit_scale=logit_scale,
-            logit_softcap=logit_softcap,
-        ),
-        return_entropy,
-    )
+    shard [V / P, H], the ids global), bias [V] or None. No gradient (``linear_selective_log_softmax`` and
+    ``linear_selective_log_softmax_and_entropy`` have one). ``weight`` must be the head's effective weight (an
+    adapter on the head: ``grpo_kernels.wrapped.output_layer``), and ``logit_scale`` / ``logit_softcap`` its output
+    transform (a model's: ``grpo_kernels.heads.head_transform(model).options``); ``head_precision`` as in
+    ``fused_linear_grpo_loss``."""
+    return _linear_logprobs(**locals())
+
+
+def linear_selective_log_softmax(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    *,
+    backend: str = "auto",
+    check_ids: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    vocab_parallel_group=None,
+    vocab_start_index: int | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+    head_precision: str = "input",
+) -> torch.Tensor:
+    """Differentiable log softmax(cap(hidden_states @ weight.T + bias) / temperature)[ids] in fp32, the fused head as
+    an op: the gradient reaches ``hidden_states``, ``weight`` (unless it does not require one: a frozen head) and
+    ``bias`` in their dtypes, and no [N, V] tensor is ever held (the backward recomputes the logits a tile at a
+    time). For a trainer that computes its own loss on log-probs (verl's ``use_fused_kernels``, NeMo-RL, SkyRL).
+    The arguments are ``linear_token_logprobs``'s."""
+    return _linear_logprobs(**locals(), return_entropy=False)
+
+
+def linear_selective_log_softmax_and_entropy(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    *,
+    backend: str = "auto",
+    check_ids: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    vocab_parallel_group=None,
+    vocab_start_index: int | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+    head_precision: str = "input",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear_selective_log_softmax(...), the entropy of the same distribution)``, both fp32 and differentiable
+    (an entropy bonus's gradient, dH/dz = -p (log p + H), runs in the same backward), from one pass of the head."""
+    return _linear_logprobs(**locals(), return_entropy=True)
+
+
+def _linear_logprobs(hidden_states, weight, ids, bias, temperature, return_entropy, *, head_precision, **settings):
+    """The one body of the hidden-states log-prob family: the head in its precision, then ``compute_logprobs``."""
+    source = HiddenStatesSource(hidden_states, weight, bias, head_precision=head_precision)
+    return _pair(compute_logprobs(source, ids, temperature, return_entropy, **settings), return_entropy)
 
 
 def selective_log_softmax(
@@ -540,7 +584,7 @@ class _LossModule(nn.Module):
     def from_trl_config(cls, config, **kwargs):
         """This Module with a TRL ``GRPOConfig``'s loss options (TRL's conventions); the Module's own keywords
         (``backend``, ...) pass through."""
-        own = set(LOGITS_KEYWORDS) | {"lm_head_mode", "vocab_parallel_group", "vocab_start_index"}
+        own = set(LOGITS_KEYWORDS) | {"lm_head_mode", "head_precision", "vocab_parallel_group", "vocab_start_index"}
         module_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
         return cls(options=GRPOOptions.from_trl_config(config, **kwargs), **module_kwargs)
 
@@ -682,8 +726,8 @@ class FusedLinearGRPOLoss(_LossModule):
     Same options and outputs as ``GRPOLoss``; call with
     ``(hidden_states [B, T, H], weight [V, H], completion_ids, completion_mask, advantages,
     old_logps=None, ref_logps=None, importance_weights=None, normalizer=None, bias=None,
-    loss_scale=1.0, sampling_logps=None, cu_seqlens=None)``. ``lm_head_mode``, the effective weight with an
-    adapter on the head, wrapped models: see ``fused_linear_grpo_loss``.
+    loss_scale=1.0, sampling_logps=None, cu_seqlens=None)``. ``lm_head_mode``, ``head_precision``, the effective
+    weight with an adapter on the head, wrapped models: see ``fused_linear_grpo_loss``.
     """
 
     KEYWORDS = HIDDEN_STATES_KEYWORDS
@@ -694,6 +738,7 @@ class FusedLinearGRPOLoss(_LossModule):
         backend: str = "auto",
         check_ids: bool = True,
         lm_head_mode: str | None = None,
+        head_precision: str = "input",
         options: GRPOOptions | None = None,
         preset: str | None = None,
         vocab_parallel_group=None,
@@ -719,6 +764,9 @@ class FusedLinearGRPOLoss(_LossModule):
         if lm_head_mode is not None and lm_head_mode not in LM_HEAD_MODES:
             raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
         self.lm_head_mode = lm_head_mode
+        if head_precision not in HEAD_PRECISIONS:
+            raise ValueError(f"head_precision must be one of {list(HEAD_PRECISIONS)}, got {head_precision!r}")
+        self.head_precision = head_precision
 
     def forward(
         self,
@@ -736,7 +784,7 @@ class FusedLinearGRPOLoss(_LossModule):
         sampling_logps=None,
         cu_seqlens=None,
     ) -> GRPOLossOutput:
-        source = HiddenStatesSource(hidden_states, weight, bias, self.lm_head_mode)
+        source = HiddenStatesSource(hidden_states, weight, bias, self.lm_head_mode, self.head_precision)
         return self._loss(
             source,
             completion_ids,

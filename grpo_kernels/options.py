@@ -470,6 +470,7 @@ CALL_KEYWORDS = (
     "vocab_parallel_group",
     "vocab_start_index",
     "lm_head_mode",
+    "head_precision",
 )
 
 

@@ -21,6 +21,7 @@ from grpo_kernels import (
     token_entropy,
     token_logprobs,
 )
+from grpo_kernels.families import FAMILY_TERMS
 from grpo_kernels.from_logits import LogitsSource
 from grpo_kernels.inputs import prepare_inputs
 from grpo_kernels.option_docs import option_names, options_table, undocumented_fields
@@ -239,11 +240,15 @@ def test_the_loss_type_registry_covers_every_loss_type():
         )
         # TRL divides exactly the losses not normalized by a global token count by the accumulation steps
         assert entry.divided_by_accumulation == (entry.reduction != "token_count")
-        assert entry.policy_term in ("ppo_clip", "capped_ratio", "soft_gate", "sequence_weight")
-        # the kernels compute every term but the sequence weight (vespo's loss math runs in torch on their log-probs)
-        assert (entry.kernel_term is None) == (entry.policy_term == "sequence_weight")
-        assert GRPOOptions(loss_type=name, max_completion_length=8).loss_in_kernel == (entry.kernel_term is not None)
-        assert GRPOOptions(loss_type=name, max_completion_length=8).loss is entry
+        in_torch = ("sequence_weight", *FAMILY_TERMS)
+        assert entry.policy_term in ("ppo_clip", "capped_ratio", "soft_gate", *in_torch)
+        # the kernels compute every term but vespo's sequence weight and the families' (their loss math runs in
+        # torch on the kernels' log-probs)
+        assert (entry.kernel_term is None) == (entry.policy_term in in_torch)
+        options = GRPOOptions(loss_type=name, max_completion_length=8, dro_beta=0.1)
+        assert options.loss_in_kernel == (entry.kernel_term is not None)
+        assert options.loss is entry
+        assert set(entry.levels) <= {"token", "sequence", "sequence_token"} and "token" in entry.levels
 
 
 def _rank_dtensor_errors(rank: int, world: int):

@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from grpo_kernels import heads, linear_token_logprobs
+from grpo_kernels import heads, linear_selective_log_softmax_and_entropy, linear_token_logprobs
 from grpo_kernels.training.tasks import compare
 
 TOKENIZER = compare.build_tokenizer()
@@ -157,6 +157,50 @@ def test_linear_token_logprobs_are_the_models_own(model_type):
         weight, bias = heads.head_weights(model, transform)
         got = linear_token_logprobs(hidden, weight, ids[:, 1:], bias, 0.9, backend="torch", **transform.options)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_the_fused_head_op_is_the_models_own_head_with_its_gradients(model_type):
+    """The fused head as a differentiable op (``linear_selective_log_softmax_and_entropy``) on a family's hidden states
+    and effective head weight: the log-probs and entropy of the model's own logits, and their gradients in the
+    hidden states and the weight (through the head's transform: soft-cap, scales) equal autograd of the model's
+    own head (the last layers' output through its lm_head)."""
+    model = tiny_model(model_type).eval()
+    transform = heads.fused_head(model)
+    ids = torch.randint(3, len(TOKENIZER), (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = heads.last_hidden_states(model, ids).last_hidden_state
+    weights = torch.randn(2, 6, generator=torch.Generator().manual_seed(2))  # a loss's weights on both outputs
+
+    def head_grads(fn):
+        h = hidden.detach().clone().requires_grad_()
+        model.zero_grad()
+        logp, entropy = fn(h)
+        ((logp + 0.3 * entropy) * weights).sum().backward()
+        weight = model.get_output_embeddings().weight
+        return logp.detach(), entropy.detach(), h.grad, weight.grad.clone()
+
+    def models_own(h):  # the model's own forward, its backbone's output replaced by h (same values): its head on h
+        def substitute(module, args, kwargs, output):
+            output.last_hidden_state = h
+            return output
+
+        hook = heads.backbone(model).register_forward_hook(substitute, with_kwargs=True)
+        try:
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / 0.9
+        finally:
+            hook.remove()
+        log_p = torch.log_softmax(logits, -1)
+        return log_p.gather(-1, ids[:, 1:, None])[..., 0], -(log_p.exp() * log_p).sum(-1)
+
+    def ours(h):
+        weight, bias = heads.head_weights(model, transform)
+        return linear_selective_log_softmax_and_entropy(h[:, :-1], weight, ids[:, 1:], bias, 0.9, **transform.options)
+
+    for expected, got, name in zip(
+        head_grads(models_own), head_grads(ours), ("logp", "entropy", "dh", "dw"), strict=True
+    ):
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ---- the TRL adapter against stock TRL, family by family --------------------------------------------------------

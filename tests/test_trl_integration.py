@@ -289,27 +289,14 @@ def test_moe_router_auxiliary_loss_matches_trl(moe_dir, dataset, tmp_path, fused
     assert metrics["aux_loss"] == pytest.approx(expected_metrics["aux_loss"], rel=1e-5)
 
 
-def test_cast_lm_head_to_fp32_runs_the_fused_lm_head_in_fp32(model_dir, dataset, tmp_path, monkeypatch):
-    """With TRL's cast_lm_head_to_fp32, the fused loss gets fp32 hidden states and weight (bf16 model)."""
-    ours = _trainer(
-        GRPOKernelsTrainer,
-        model_dir,
-        dataset,
-        tmp_path,
-        fused_lm_head=True,
-        cast_lm_head_to_fp32=True,
-        model_init_kwargs={"dtype": torch.bfloat16},
-    )
-    seen = []
-    original = ours.grpo_loss.forward
-
-    def spy(hidden, weight, *args, **kwargs):
-        seen.append((hidden.dtype, weight.dtype))
-        return original(hidden, weight, *args, **kwargs)
-
-    monkeypatch.setattr(ours.grpo_loss, "forward", spy)
-    _loss_and_grads(ours, _batch(ours, off_policy=True, beta=0.0), 1)
-    assert seen == [(torch.float32, torch.float32)]
+def test_cast_lm_head_to_fp32_is_the_fused_heads_fp32_precision(model_dir, dataset, tmp_path):
+    """With TRL's cast_lm_head_to_fp32 on a bf16 model, the fused lm_head computes in fp32 (head_precision
+    "fp32") and equals stock TRL, whose head runs in fp32 too: the loss, every gradient and the metrics."""
+    config = dict(cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": torch.bfloat16})
+    stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=True, **config)
+    assert ours.grpo_loss.head_precision == "fp32"
+    assert_same_as_trl(stock, ours, _batch(stock, off_policy=True, beta=0.0), 1)
 
 
 def test_unsupported_trl_options_raise(model_dir, dataset, tmp_path):

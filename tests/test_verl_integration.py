@@ -350,3 +350,66 @@ def test_modes_refuse_what_verl_refuses():
         adapter.dro_policy_loss(old, lp, adv, mask, "token-mean", config)
     with pytest.raises(ValueError, match="config"):
         adapter.gpg_policy_loss(old, lp, adv, mask, "token-mean", None)
+
+
+# ---- verl's fused-kernel path (use_fused_kernels=True) on our fused head op -----------------------------------------
+
+
+@pytest.mark.parametrize("fused_kernels_backend", ["torch", "triton"])
+def test_verls_fused_kernel_forward_runs_our_op_and_equals_its_logits_path(fused_kernels_backend):
+    """verl's model patch for ``use_fused_kernels`` (``patch_forward_with_backends``: the model's forward returns
+    log-probs and entropy from the hidden states through verl's FusedLinearForPPO or linear_cross_entropy) runs our
+    fused head op after ``patch_logprobs()``, and equals verl's logits path (``logprobs_from_logits`` and
+    ``entropy_from_logits`` of the unpatched model's logits): the values, and every parameter's gradient of a loss
+    on both."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+    from verl.utils import torch_functional
+    from verl.utils.experimental import torch_functional as experimental
+    from verl.utils.kernel import linear_cross_entropy as fused_module
+
+    saved = {
+        name: getattr(torch_functional, name)
+        for name in ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
+    }
+    saved_fused = experimental.FusedLinearForPPO, fused_module.linear_cross_entropy
+    plain_logprobs, plain_entropy = saved["logprobs_from_logits"], saved["entropy_from_logits"]
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 97, (2, 9))
+    weights = torch.randn(2, 9)
+
+    def loss_and_grads(log_probs, entropy):
+        model.zero_grad()
+        ((log_probs + 0.1 * entropy) * weights).sum().backward()
+        return log_probs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
+
+    logits = model(input_ids=ids).logits / 0.8
+    rolled = torch.roll(ids, shifts=-1, dims=-1)
+    expected = loss_and_grads(plain_logprobs(logits, rolled), plain_entropy(logits))
+    original_forward = type(model).forward
+    try:
+        adapter.patch_logprobs()
+        assert experimental.FusedLinearForPPO is adapter.FusedLinearForPPO
+        assert fused_module.linear_cross_entropy is adapter.linear_cross_entropy
+        patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend=fused_kernels_backend)
+        out = model(input_ids=ids, temperature=0.8, return_dict=True)
+        got = loss_and_grads(out.log_probs.reshape(2, 9), out.entropy.reshape(2, 9))
+    finally:
+        type(model).forward = original_forward
+        for name, fn in saved.items():
+            setattr(torch_functional, name, fn)
+        experimental.FusedLinearForPPO, fused_module.linear_cross_entropy = saved_fused
+    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
+    for e, a in zip(expected[2], got[2], strict=True):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)

@@ -203,8 +203,10 @@ class GRPOKernelsTrainer(GRPOTrainer):
         )
         # From logits, the loss gets the model's [B, T + 1, V] output whole (drop_last_position): its
         # gradient is written at that shape, not copied into it by autograd's slice backward.
+        # cast_lm_head_to_fp32: TRL computes the head in fp32 (hidden states and weight cast): head_precision "fp32"
+        head_precision = "fp32" if getattr(self.args, "cast_lm_head_to_fp32", False) else "input"
         self.grpo_loss = (
-            FusedLinearGRPOLoss(options=options.replace(**self.head_transform.options))
+            FusedLinearGRPOLoss(options=options.replace(**self.head_transform.options), head_precision=head_precision)
             if self.fused_lm_head
             else GRPOLoss(options=options, drop_last_position=True)
         )
@@ -276,16 +278,8 @@ class GRPOKernelsTrainer(GRPOTrainer):
                 outputs = last_hidden_states(base, **sequence, output_router_logits=bool(self.aux_loss_enabled))
             hidden = outputs.last_hidden_state[:, -(T + 1) : -1]  # the positions that predict the completion
             weight, bias = head_weights(base, self.head_transform)
-            # cast_lm_head_to_fp32: TRL runs the lm_head in fp32; so do the fused kernels, on fp32 operands
-            dtype = torch.float32 if getattr(self.args, "cast_lm_head_to_fp32", False) else hidden.dtype
             out = self.grpo_loss(
-                hidden.to(dtype),
-                weight.to(dtype),
-                inputs["completion_ids"],
-                mask,
-                inputs["advantages"],
-                bias=None if bias is None else bias.to(dtype),
-                **loss_inputs,
+                hidden, weight, inputs["completion_ids"], mask, inputs["advantages"], bias=bias, **loss_inputs
             )
             aux_loss = router_aux_loss(base, outputs, sequence["attention_mask"]) if self.aux_loss_enabled else None
             return out.loss, out, aux_loss  # the losses at the top level: the wrappers' backward hooks attach there

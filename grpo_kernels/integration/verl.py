@@ -197,7 +197,7 @@ def _ppo_kl(log_prob, old_log_prob, mask, clamp: float | None = 20.0) -> float:
     return _masked_mean(-log_ratio, mask).item()
 
 
-def _dppo(loss_type: str, verl_name: str):
+def _dppo(loss_type: str, verl_name: str, divergence: str):
     def policy_loss(
         old_log_prob,
         log_prob,
@@ -227,15 +227,15 @@ def _dppo(loss_type: str, verl_name: str):
 
     policy_loss.__name__ = policy_loss.__qualname__ = f"{verl_name}_policy_loss"
     policy_loss.__doc__ = (
-        f"verl's {verl_name!r} (DPPO, binary {'TV' if loss_type == 'dppo_tv' else 'KL'} trust region) on our "
+        f"verl's {verl_name!r} (DPPO, binary {divergence} trust region) on our "
         "per-token terms: the thresholds clip_ratio_low / clip_ratio_high, the ratio capped at clip_ratio_c, +-20 "
         "log-ratio clamp."
     )
     return policy_loss
 
 
-dppo_tv_policy_loss = _dppo("dppo_tv", "dppo_tv")
-dppo_kl_policy_loss = _dppo("dppo_kl", "dppo_kl")
+dppo_tv_policy_loss = _dppo("dppo_tv", "dppo_tv", "TV")
+dppo_kl_policy_loss = _dppo("dppo_kl", "dppo_kl", "KL")
 
 
 def sapo_policy_loss(
@@ -546,6 +546,7 @@ def patch_logprobs() -> None:
             "entropy_from_logits_with_chunking": entropy_from_logits_with_chunking,
         },
     )
+    patch_fused_kernels()
     try:
         from megatron.core import parallel_state
         from verl.utils.megatron import tensor_parallel
@@ -571,3 +572,51 @@ def patch_logprobs() -> None:
             "vocab_parallel_entropy_with_chunking": vocab_parallel_entropy_with_chunking,
         },
     )
+
+
+class FusedLinearForPPO(torch.nn.Module):
+    """verl's ``FusedLinearForPPO`` (its fused head for ``use_fused_kernels`` with the "torch" / "liger" backends) on
+    our fused head op: the same constructor and ``forward(hidden_states, vocab_weights, input_ids, temperature)``
+    -> (log-probs, entropy), fp32, differentiable in the hidden states and the weight, no [N, V] tensor kept."""
+
+    def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
+        super().__init__()
+        self.chunk_size, self.impl_backend = chunk_size, impl_backend
+
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
+        from ..loss import linear_selective_log_softmax_and_entropy
+
+        return linear_selective_log_softmax_and_entropy(
+            hidden_states, vocab_weights, input_ids.long(), None, float(temperature)
+        )
+
+
+def linear_cross_entropy(
+    hidden, weight, labels, temperature: float = 1.0, reduction: str = "none", dist_process_group=None
+):
+    """verl's ``linear_cross_entropy`` (its fused head for ``use_fused_kernels`` with the "triton" backend, and the
+    Megatron engine's over its tensor-parallel group: ``weight`` this rank's vocabulary shard) on our fused head op:
+    (log-probs, entropy) per token, flat [N] as verl returns them, fp32, differentiable."""
+    from ..loss import linear_selective_log_softmax_and_entropy
+
+    if reduction != "none":
+        raise ValueError(f"linear_cross_entropy: reduction must be 'none' (per-token values), got {reduction!r}")
+    return linear_selective_log_softmax_and_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1).long(),
+        None,
+        float(temperature),
+        vocab_parallel_group=dist_process_group,
+    )
+
+
+def patch_fused_kernels() -> None:
+    """verl's fused-kernel path (``use_fused_kernels=True``: log-probs and entropy straight from the hidden states
+    and the head weight, the logits never made) on our fused head op, in every module that holds verl's by name:
+    ``FusedLinearForPPO`` and ``linear_cross_entropy`` (``patch_logprobs`` calls this)."""
+    from verl.utils.experimental import torch_functional as experimental
+    from verl.utils.kernel import linear_cross_entropy as fused_module
+
+    replace_everywhere(experimental, {"FusedLinearForPPO": FusedLinearForPPO})
+    replace_everywhere(fused_module, {"linear_cross_entropy": linear_cross_entropy})
