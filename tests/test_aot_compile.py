@@ -1,5 +1,5 @@
-"""Every kernel specialization compiles ahead of time for sm_90 and sm_80, and every kernel and tuned configuration for
-AMD's gfx942 (MI300) and gfx90a (MI250), on the CPU.
+"""Every kernel specialization compiles ahead of time for sm_90, and every kernel, loss option, schedule and tuned
+configuration (``aot.representative_launches``) for sm_80 and AMD's gfx942 (MI300) and gfx90a (MI250), on the CPU.
 
 What the interpreter forgives, the compiler does not: this catches compile errors,
 register spills, lost vectorization and hot loops that would be issue-bound before a GPU

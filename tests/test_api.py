@@ -171,8 +171,8 @@ BAD_INPUTS = {
     "normalizer for grpo": (
         lambda b: _bad(b, normalizer=10.0),
         ValueError,
-        "normalizer is the token count of loss_type in ['dapo', 'cispo', 'vespo', 'dppo_tv', 'dppo_kl', 'gpg', 'dro', "
-        "'clip_cov', 'kl_cov']; loss_type='grpo' does not use it",
+        r"normalizer is the token count of loss_type in \['dapo', 'cispo', 'vespo', 'dppo_tv', 'dppo_kl', 'gpg', 'dro', "
+        r"'clip_cov', 'kl_cov'\]; loss_type='grpo' does not use it",
     ),
     "normalizer zero": (
         lambda b: _bad(b, normalizer=0, loss_type="dapo"),

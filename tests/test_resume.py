@@ -1,7 +1,8 @@
 """A run killed (SIGKILL) after a checkpoint and resumed is the run that was never interrupted: the same
 metrics rows (each step once), evaluations and final weights, for the default recipe, process supervision and
-adaptive entropy; a kill during a checkpoint's write leaves the previous checkpoint usable; a resume that
-could not be exact is refused by name."""
+adaptive entropy; a kill during a checkpoint's write leaves the previous checkpoint usable; a run stopped by SIGTERM
+with no periodic checkpoint leaves one at the step reached and resumes exactly; a truncated checkpoint is skipped by
+name; a resume that could not be exact is refused by name."""
 
 import dataclasses
 import json
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from grpo_kernels.training.cli import restart_log
-from grpo_kernels.training.trainer import CHECKPOINT_FORMAT, TrainerConfig, resume_differences
+from grpo_kernels.training.trainer import CHECKPOINT_FORMAT, TrainerConfig, checkpoint_damage, resume_differences
 
 # tiny: 6 steps of 4 prompts x 4 completions after a short warm-up, a checkpoint every 2 steps
 RUN = [
@@ -211,3 +212,56 @@ def test_a_restarted_seeds_sweep_reuses_finished_seeds(tmp_path):
     assert result["final_eval_accuracy"]["max"] == pytest.approx(0.6)
     run_seeds([0, 1], str(out), ["--lr", "2"], script=str(script))  # another command: nothing reused
     assert calls.read_text().split() == ["0", "1", "1", "0", "1"]
+
+
+def test_sigterm_writes_a_checkpoint_at_the_step_reached_and_the_resume_is_the_uninterrupted_run(
+    uninterrupted, tmp_path
+):
+    """With no periodic checkpoint (--save-every 0: a setting that changes no number), SIGTERM during step 3 or
+    later: the step finishes, its checkpoint is written (intact by its manifest), train.log says why, the exit code
+    is 128 + 15; --resume then ends as the run that was never stopped (its rows, evaluations and final weights)."""
+    proc = subprocess.Popen(
+        _command(tmp_path, ["--save-every", "0"]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 1800
+        while time.monotonic() < deadline:
+            if (tmp_path / "metrics.jsonl").exists() and any(
+                r.get("step", 0) >= 3 and "reward" in r for r in _rows(tmp_path)
+            ):
+                break
+            assert proc.poll() is None, "the run ended before the signal"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    step = max(r["step"] for r in _rows(tmp_path) if "reward" in r)
+    assert 3 <= step < 6, "stopped too late: the run had finished"
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == [f"checkpoint-{step}"]
+    assert checkpoint_damage(str(tmp_path / f"checkpoint-{step}")) is None
+    assert f"stopped by SIGTERM at step {step}" in (tmp_path / "train.log").read_text()
+    _run(tmp_path, ["--save-every", "0", "--resume"])
+    assert_same_run(tmp_path, uninterrupted["default"])
+
+
+def test_resume_skips_a_truncated_checkpoint_and_ends_as_the_uninterrupted_run(uninterrupted, tmp_path):
+    """The last checkpoint's weights cut short (a full disk, an interrupted copy): --resume names the file, goes on
+    from the previous intact checkpoint and ends as the run that was never damaged; with every checkpoint damaged
+    it stops saying what to do."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted["default"], run)
+    weights = run / "checkpoint-6" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    done = subprocess.run(_command(run, ["--resume"]), capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "skipping a damaged checkpoint" in done.stderr
+    assert "checkpoint-6/model.safetensors has 1000 bytes" in done.stderr
+    assert "resuming from" in (run / "train.log").read_text()
+    assert_same_run(run, uninterrupted["default"])
+    for folder in run.glob("checkpoint-*"):
+        (folder / "trainer_state.pt").write_bytes(b"")
+    done = subprocess.run(_command(run, ["--resume"]), capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "every checkpoint in" in done.stderr and "is damaged" in done.stderr

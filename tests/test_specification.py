@@ -24,7 +24,8 @@ def _draw(seed: int):
     rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
     B, T, V = rnd.randint(1, 5), rnd.randint(1, 7), rnd.choice([7, 50, 300])
     loss_type = rnd.choice(TRL_LOSS_TYPES)
-    level = rnd.choice(LOSS_TYPE_REGISTRY[loss_type].levels)
+    levels = LOSS_TYPE_REGISTRY[loss_type].levels
+    level = levels[0] if len(levels) == 1 else rnd.choice(levels)  # (one level draws nothing: the seeds' cases)
     opts = dict(loss_type=loss_type, importance_sampling_level=level, temperature=rnd.choice([1.0, 0.7, 1.3]))
     if loss_type == "dr_grpo":
         opts["max_completion_length"] = rnd.randint(T, T + 3)

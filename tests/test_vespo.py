@@ -88,8 +88,8 @@ def test_vespo_from_hidden_states(device, backend):
 def test_vespo_needs_token_level_ratios():
     with pytest.raises(
         ValueError,
-        match="loss_type='vespo' computes its own sequence weight from the token "
-        "log-ratios: use importance_sampling_level='token', got 'sequence'",
+        match=r"loss_type='vespo' makes its own ratio from the token log-ratios: use importance_sampling_level in "
+        r"\['token'\], got 'sequence'",
     ):
         GRPOOptions(loss_type="vespo", importance_sampling_level="sequence")
     with pytest.raises(TypeError, match="vespo_k_pos must be a finite number, got inf"):

@@ -47,9 +47,10 @@ def linear_block_config(dtype: torch.dtype) -> dict[str, dict[str, object]]:
     matmul: 128 x 128 tiles over 64-wide (16-bit) or 32-wide (fp32) K slices, 8 warps, in
     groups of 8 row blocks. tests/test_aot_compile.py checks every one for spills. fp32
     inputs use exact ("ieee") products so that fp32 matches the reference; 16-bit inputs
-    the tensor cores.
+    the tensor cores, whatever the precision says (it names how fp32 operands are multiplied): "ieee" there
+    too, the one value every backend takes (AMD's gfx90a has no "tf32", and refuses it).
     """
-    precision = "ieee" if dtype == torch.float32 else "tf32"
+    precision = "ieee"
     return {
         "logits": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_H": 64, "num_warps": 8, "DOT_PRECISION": precision},
         "matmul": {

@@ -12,7 +12,17 @@ import time
 import torch
 
 from .tasks import TASKS, compare, get_task
-from .trainer import RECIPE, GRPOTrainer, TrainerConfig, append_jsonl, latest_checkpoint, world
+from .trainer import (
+    NONFINITE_REWARDS,
+    RECIPE,
+    GRPOTrainer,
+    Preempted,
+    TrainerConfig,
+    append_jsonl,
+    latest_checkpoint,
+    latest_intact_checkpoint,
+    world,
+)
 
 DEFAULTS = TrainerConfig(**RECIPE)  # the built-in task's recipe
 
@@ -142,9 +152,33 @@ def build_parser() -> argparse.ArgumentParser:
         f"none below {DEFAULTS.steps} --steps; 0: none)",
     )
     t.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every, help="GRPO steps between evaluations")
-    t.add_argument("--save-every", type=int, default=50, help="GRPO steps between checkpoints (0: the last only)")
+    t.add_argument(
+        "--save-every",
+        type=int,
+        default=50,
+        help="GRPO steps between checkpoints (0: the last only); SIGTERM or Ctrl-C also writes one, at the step "
+        "reached, and exits with 128 + the signal",
+    )
     t.add_argument("--output-dir", default="runs/grpo", help="train.log, metrics.jsonl, curves.png, checkpoint-N/")
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    t.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest intact checkpoint in --output-dir (each checked against its manifest; a "
+        "damaged one is named and skipped)",
+    )
+    t.add_argument(
+        "--nonfinite-rewards",
+        choices=NONFINITE_REWARDS,
+        default="refuse",
+        help="a reward of +-inf: refuse (stop, naming the reward function and the completion) or drop_group "
+        "(warn; the group gets no advantage). NaN / None is a reward function's 'not applicable'",
+    )
+    t.add_argument(
+        "--max-nonfinite-steps",
+        type=int,
+        default=3,
+        help="a non-finite loss or gradient norm skips the optimizer step; this many in a row stop the run",
+    )
     t.add_argument(
         "--no-progress",
         action="store_true",
@@ -228,7 +262,8 @@ def _load_pretrained(path: str):
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--model / checkpoint path {path!r} is not a folder with a saved model")
-    model = AutoModelForCausalLM.from_pretrained(path)
+    # safetensors only: a pickled weights file (pytorch_model.bin) in a downloaded or altered folder could run code
+    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -377,9 +412,19 @@ def _train(args) -> dict:
         f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}), output {os.path.abspath(args.output_dir)}"
     )
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    resume_from = latest_checkpoint(args.output_dir) if args.resume else None
-    if args.resume and resume_from is None:
-        raise FileNotFoundError(f"--resume: no checkpoint-N folder in {args.output_dir!r}")
+    resume_from = None
+    if args.resume:
+        if latest_checkpoint(args.output_dir) is None:
+            raise FileNotFoundError(f"--resume: no checkpoint-N folder in {args.output_dir!r}")
+        resume_from = latest_intact_checkpoint(
+            args.output_dir, warn=lambda message: run_log.line(f"WARNING: --resume: {message}", also_stderr=True)
+        )
+        if resume_from is None:
+            raise FileNotFoundError(
+                f"--resume: every checkpoint in {args.output_dir!r} is damaged (the warnings above name each file): "
+                "restore one from a copy, or start the run again in a new output dir"
+            )
+        run_log.line(f"resuming from {resume_from}")
     started = time.time()
     warmup_record, warnings = None, []
     phases = 2 if resume_from is None and args.model is None else 1
@@ -454,6 +499,8 @@ def _train(args) -> dict:
         eval_every=args.eval_every,
         save_every=args.save_every,
         output_dir=args.output_dir,
+        nonfinite_rewards=args.nonfinite_rewards,
+        max_nonfinite_steps=args.max_nonfinite_steps,
     )
     reward_funcs, weights = task.reward_functions()
     records: list[dict] = []
@@ -506,6 +553,11 @@ def _train(args) -> dict:
         run_log.line(
             f"step {record['step']}: reward {record['reward']:.3f}, accuracy {record['accuracy']:.3f}, "
             f"kl {record['kl']:.4f}, loss {record['loss']:.4f}"
+            + (
+                f" (WARNING: {record['skipped_updates']} optimizer step(s) skipped: a non-finite loss or gradient norm)"
+                if record.get("skipped_updates")
+                else ""
+            )
         )
         if bar is not None:
             bar.update(1)
@@ -513,6 +565,9 @@ def _train(args) -> dict:
 
     try:
         trainer.train(on_step=on_step, progress=not args.no_progress)
+    except Preempted as stop:  # a scheduler's SIGTERM or a Ctrl-C: the step finished, its checkpoint written
+        run_log.line(str(stop), also_stderr=True)
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -624,6 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         {"train": train, "eval": evaluate, "seeds": seeds}[args.command](args)
+    except Preempted as stop:  # stopped by a signal at a step boundary: 128 + the signal, as a shell reports it
+        return stop.exit_code
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -11,15 +11,20 @@ the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import hashlib
 import inspect
 import json
 import math
 import os
+import pickle
 import random
 import shutil
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -36,6 +41,9 @@ from ..wrapped import inside_forward
 from .process_labels import labels_to_step_rewards
 
 RewardFunction = Callable[..., list[float | None]]
+
+
+NONFINITE_REWARDS = ("refuse", "drop_group")
 
 
 @dataclasses.dataclass
@@ -73,12 +81,23 @@ class TrainerConfig:
     temperature: float = 1.0
     max_new_tokens: int = 8
     max_grad_norm: float = 1.0
+    # a reward of +-inf (NaN or None is a reward function's "not applicable"): "refuse" stops the run naming the
+    # function and the completion; "drop_group" warns and gives that completion's group no advantage
+    nonfinite_rewards: str = "refuse"
+    # a non-finite loss or gradient norm skips the optimizer step (logged); this many in a row stop the run
+    max_nonfinite_steps: int = 3
     seed: int = 0
     eval_every: int = 20
     save_every: int = 50
     output_dir: str = "runs/grpo"
 
     def __post_init__(self):
+        if self.nonfinite_rewards not in NONFINITE_REWARDS:
+            raise ValueError(
+                f"nonfinite_rewards must be one of {list(NONFINITE_REWARDS)}, got {self.nonfinite_rewards!r}"
+            )
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}")
         if self.group_size < 2:
             raise ValueError(
                 f"group_size must be >= 2 (advantages compare completions of one prompt), got {self.group_size}"
@@ -142,6 +161,48 @@ def all_ranks_min(value: int) -> int:
     t = torch.tensor([value])
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def all_ranks_max(value: int) -> int:
+    """The largest of every rank's ``value`` (the value itself outside torchrun)."""
+    return -all_ranks_min(-value)
+
+
+class Preempted(Exception):
+    """The run was asked to stop (SIGTERM: a scheduler's notice; SIGINT: Ctrl-C) and stopped at the end of the
+    step it was in, its checkpoint written at that step. ``exit_code``: 128 + the signal, as a shell reports it."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} at step {step}: checkpoint {checkpoint} written; "
+            "--resume continues the run exactly"
+        )
+
+
+@contextlib.contextmanager
+def stop_requests(signals=(signal.SIGTERM, signal.SIGINT)):
+    """A list that SIGTERM and SIGINT append their number to while inside (the previous handlers come back after):
+    the loop stops at the next step boundary. A second signal while stopping abandons the run at once
+    (KeyboardInterrupt, no checkpoint). Outside the main thread (where Python takes no handler) the list stays
+    empty."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handle(signum, frame):
+        received.append(signum)
+        if len(received) > 1:
+            raise KeyboardInterrupt(f"a second {signal.Signals(signum).name} while stopping: abandoned")
+
+    previous = {s: signal.signal(s, handle) for s in signals}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _pad_to(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
@@ -304,6 +365,7 @@ class GRPOTrainer:
         )
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
         self.step = 0
+        self._nonfinite_in_a_row = 0  # steps in a row whose optimizer step a non-finite loss or norm skipped
         self.rng = random.Random(config.seed * 1000 + rank)
         self.log = log or (lambda record: None)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -391,7 +453,22 @@ class GRPOTrainer:
                 raise ValueError(
                     f"reward function {name} must return one score per completion ({len(completions)}), got {got}"
                 )
-            scores.append([float("nan") if v is None else float(v) for v in values])
+            column = [float("nan") if v is None else float(v) for v in values]
+            infinite = [i for i, v in enumerate(column) if math.isinf(v)]
+            if infinite and self.config.nonfinite_rewards == "refuse":
+                i = infinite[0]
+                raise ValueError(
+                    f"reward function {name} returned {column[i]} for completion {i} ({completions[i][:80]!r}) of "
+                    f"prompt {prompts[i][:80]!r}: a reward must be finite (None or NaN: not applicable); with "
+                    "nonfinite_rewards='drop_group' (--nonfinite-rewards drop_group) such a group is dropped instead"
+                )
+            if infinite:
+                warnings.warn(
+                    f"reward function {name} returned a non-finite reward for {len(infinite)} completion(s) (the "
+                    f"first: {completions[infinite[0]][:80]!r}): their groups get no advantage this step",
+                    stacklevel=2,
+                )
+            scores.append(column)
         return torch.tensor(scores, dtype=torch.float32).T
 
     # ----- the update ------------------------------------------------------------------
@@ -426,15 +503,23 @@ class GRPOTrainer:
         )
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         rewards = self.score(grouped, completions)
+        # a group with an infinite reward (nonfinite_rewards="drop_group") takes no part: its rewards read as not
+        # applicable, its advantages 0 and it counts as a group without signal (dynamic sampling drops it)
+        dropped = torch.isinf(rewards).any(-1).view(-1, config.group_size).any(-1)
+        if dropped.any():
+            rewards = torch.where(dropped.repeat_interleave(config.group_size)[:, None], float("nan"), rewards)
         adv = group_advantages(rewards, config.group_size, weights=self.reward_weights)
+        advantages = torch.where(
+            dropped.repeat_interleave(config.group_size).to(adv.advantages.device), 0.0, adv.advantages
+        )
         return Rollout(
             prompt_ids,
             prompt_mask,
             completion_ids,
             completion_mask,
-            adv.advantages.to(self.device),
+            advantages.to(self.device),
             rewards,
-            adv.zero_std_groups.cpu(),
+            (adv.zero_std_groups.cpu() | dropped),
             grouped,
         )
 
@@ -591,11 +676,24 @@ class GRPOTrainer:
                     self._logits(self.ref_model, *inputs), r.completion_ids, config.temperature, drop_last_position=True
                 )
         self.model.train()
+        skipped = 0
         for _ in range(config.num_iterations):
             loss, metrics = self.accumulate_gradients(r, old_logps, ref_logps)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
-            self.optimizer.step()
+            # a non-finite loss or gradient norm on any rank: no rank steps (the weights stay finite)
+            if all_ranks_max(int(not (torch.isfinite(loss).all() and torch.isfinite(grad_norm)))):
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+            else:
+                self.optimizer.step()
         self.step += 1
+        self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if skipped else 0
+        if self._nonfinite_in_a_row >= config.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"step {self.step}: a non-finite loss or gradient norm {self._nonfinite_in_a_row} steps in a row "
+                f"(max_nonfinite_steps={config.max_nonfinite_steps}); the optimizer skipped them, the weights are "
+                "those of the last finite step. Look for a reward or input that makes the loss non-finite"
+            )
 
         # reward, accuracy, zero-std share and length of everything sampled; the loss's metrics (KL,
         # entropy, clip ratios) of the update; all averaged over ranks
@@ -626,6 +724,8 @@ class GRPOTrainer:
             "grad_norm": float(grad_norm),
             **dict(zip(loss_metrics, metric_values, strict=True)),
         }
+        if skipped:  # the optimizer steps this step skipped for a non-finite loss or gradient norm
+            record["skipped_updates"] = skipped
         if config.dynamic_sampling:  # over all ranks
             groups = all_reduce_sum(torch.tensor([s.zero_std.shape[0], int((~r.zero_std).sum())])).tolist()
             record.update(groups_sampled=groups[0], groups_kept=groups[1])
@@ -709,6 +809,7 @@ class GRPOTrainer:
             self.model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+            write_manifest(tmp)
 
         save_atomically(final, write)
         return final
@@ -716,8 +817,9 @@ class GRPOTrainer:
     def load_state(self, checkpoint: str) -> None:
         """Everything a step depends on from a checkpoint (the policy's weights are loaded with the model): the
         optimizer, the step, the random generators, the adaptive-entropy state and the reference model. A resume
-        that could not continue the run exactly is refused, naming what differs (``resume_differences``)."""
-        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        that could not continue the run exactly is refused, naming what differs (``resume_differences``). The state
+        is read without running code (``read_trainer_state``)."""
+        state = read_trainer_state(checkpoint)
         refused, noted = resume_differences(state, self.config, self.ref_model is not None)
         if refused:
             raise ValueError(
@@ -761,27 +863,35 @@ class GRPOTrainer:
         show = progress and world()[0] == 0
         if self.step == 0 and self.eval_rows:
             emit(self._evaluation(show))
-        while self.step < self.config.steps:
-            record = self.train_step()
-            emit(record)
-            if on_step is not None:
-                on_step(record)
-            if (
-                self.eval_rows
-                and self.config.eval_every
-                and self.step % self.config.eval_every == 0
-                and self.step < self.config.steps
-            ):
-                emit(self._evaluation(show))
-            if self.config.save_every and self.step % self.config.save_every == 0:
-                self.save_checkpoint()
+        with stop_requests() as received:
+            while self.step < self.config.steps:
+                record = self.train_step()
+                emit(record)
+                if on_step is not None:
+                    on_step(record)
+                if (
+                    self.eval_rows
+                    and self.config.eval_every
+                    and self.step % self.config.eval_every == 0
+                    and self.step < self.config.steps
+                ):
+                    emit(self._evaluation(show))
+                saved = None
+                if self.config.save_every and self.step % self.config.save_every == 0:
+                    saved = self.save_checkpoint()
+                # every rank stops at the same step: a rank that got the signal tells the others
+                signum = all_ranks_max(received[0] if received else 0)
+                if signum and self.step < self.config.steps:  # (on the last step the run finishes as it would)
+                    raise Preempted(signum, self.step, saved or self.save_checkpoint())
         if self.eval_rows and not (records and "eval_accuracy" in records[-1] and records[-1]["step"] == self.step):
             emit(self._evaluation(show))
         return records
 
 
-# What a checkpoint holds (``save_checkpoint``): 2 added the reference model, the CUDA generators and this number.
-CHECKPOINT_FORMAT = 2
+# What a checkpoint holds (``save_checkpoint``): 2 added the reference model, the CUDA generators and this number;
+# 3 the manifest of its files (sizes, SHA-256)
+CHECKPOINT_FORMAT = 3
+REFERENCE_FORMAT, MANIFEST_FORMAT = 2, 3  # the formats that first wrote the reference model, the manifest
 REFERENCE_DIR = "reference"  # beside the checkpoints: the run's reference model, written once
 # Config fields that change no number of the resumed steps: another value continues the run as it was
 NUMBER_NEUTRAL_FIELDS = ("steps", "eval_every", "save_every", "output_dir")
@@ -791,7 +901,7 @@ def resume_differences(state: dict, config: TrainerConfig, uses_reference: bool)
     """(why a resume from ``state`` cannot continue the same run, what differs harmlessly): a checkpoint of an
     older format (no reference model, where the run needs one), config fields that change the numbers."""
     refused, noted = [], []
-    if state.get("format", 1) < CHECKPOINT_FORMAT:
+    if state.get("format", 1) < REFERENCE_FORMAT:
         if uses_reference:
             refused.append(
                 "the checkpoint was written by an older grpo-kernels, which did not save the reference "
@@ -808,11 +918,13 @@ def resume_differences(state: dict, config: TrainerConfig, uses_reference: bool)
 
 
 def save_atomically(final: str, write: Callable[[str], object]) -> None:
-    """``write(tmp)`` into ``final + ".tmp"``, then one rename: a kill during the write leaves the previous
-    ``final`` (or none) and a temporary folder that every reader ignores."""
+    """``write(tmp)`` into ``final + ".tmp"``, every file and the folder synced to disk, then one rename (and the
+    parent synced): a kill or a power loss during the write leaves the previous ``final`` (or none) and a temporary
+    folder that every reader ignores, never a renamed folder whose files are not on disk yet."""
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
+    _fsync_tree(tmp)
     if os.path.isdir(final):  # a rename cannot replace a non-empty folder: move the old one aside first
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -821,18 +933,117 @@ def save_atomically(final: str, write: Callable[[str], object]) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    _fsync(os.path.dirname(os.path.abspath(final)))
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The checkpoint-N folder with the largest N in output_dir (temporary folders ignored)."""
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: str) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
+
+
+MANIFEST = "manifest.json"  # a checkpoint's files with their sizes and SHA-256, written last
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: str) -> None:
+    """``manifest.json`` in ``folder``: every other file's size and SHA-256 (``checkpoint_damage`` checks them)."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, folder)
+            if relative != MANIFEST:
+                files[relative] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1, sort_keys=True)
+
+
+def checkpoint_damage(checkpoint: str) -> str | None:
+    """What is wrong with ``checkpoint`` (a file missing, cut short or changed since its manifest was written, or no
+    manifest), naming the file; None for an intact one."""
+    path = os.path.join(checkpoint, MANIFEST)
+    if not os.path.exists(path):
+        try:  # a checkpoint written before manifests (format 2) cannot be verified: it is taken as it is
+            if read_trainer_state(checkpoint).get("format", 1) < MANIFEST_FORMAT:
+                return None
+        except (OSError, RuntimeError, ValueError, EOFError) as err:
+            return f"{checkpoint}/trainer_state.pt is unreadable ({str(err).splitlines()[0]})"
+        return f"{checkpoint} has no {MANIFEST}, which its format writes"
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return f"{checkpoint}/{MANIFEST} is unreadable ({err})"
+    for relative, expected in sorted(files.items()):
+        file = os.path.join(checkpoint, relative)
+        if not os.path.exists(file):
+            return f"{checkpoint} lacks {relative}"
+        size = os.path.getsize(file)
+        if size != expected["bytes"]:
+            return f"{checkpoint}/{relative} has {size} bytes, its manifest says {expected['bytes']} (cut short?)"
+        if _sha256(file) != expected["sha256"]:
+            return f"{checkpoint}/{relative} differs from the file its manifest describes (SHA-256)"
+    return None
+
+
+def read_trainer_state(checkpoint: str) -> dict:
+    """A checkpoint's ``trainer_state.pt``, loaded with ``weights_only=True``: tensors, numbers, strings and
+    containers of them, never an object whose unpickling runs code. A state that would need more is refused,
+    naming the file."""
+    path = os.path.join(checkpoint, "trainer_state.pt")
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{path} holds objects that only running code could rebuild (not a grpo-kernels checkpoint, or an "
+            f"altered one); refused: loading it could run anything. ({str(err).splitlines()[0]})"
+        ) from None
+
+
+def _checkpoints(output_dir: str) -> list[str]:
+    """The checkpoint-N folders in output_dir, newest (largest N) first; temporary folders ignored."""
     if not os.path.isdir(output_dir):
-        return None
+        return []
     steps = [
         int(name.split("-")[1])
         for name in os.listdir(output_dir)
         if name.startswith("checkpoint-") and name.split("-")[1].isdigit()
     ]
-    return os.path.join(output_dir, f"checkpoint-{max(steps)}") if steps else None
+    return [os.path.join(output_dir, f"checkpoint-{step}") for step in sorted(steps, reverse=True)]
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The checkpoint-N folder with the largest N in output_dir (temporary folders ignored)."""
+    found = _checkpoints(output_dir)
+    return found[0] if found else None
+
+
+def latest_intact_checkpoint(output_dir: str, warn: Callable[[str], None] = print) -> str | None:
+    """The newest checkpoint whose files match its manifest (``checkpoint_damage``); each damaged newer one is
+    named through ``warn`` and skipped. None if there is none intact."""
+    for checkpoint in _checkpoints(output_dir):
+        damage = checkpoint_damage(checkpoint)
+        if damage is None:
+            return checkpoint
+        warn(f"skipping a damaged checkpoint: {damage}")
+    return None
 
 
 def append_jsonl(path: str, record: dict) -> None:
