@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from .data import load_reward_function, read_rows, trainer_rows
 from .tasks import TASKS, compare, get_task
 from .trainer import (
     NONFINITE_REWARDS,
@@ -82,6 +83,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a local Hugging Face causal LM folder (default: the built-in tiny model, warm-up first)",
     )
+    t.add_argument(
+        "--data",
+        default=None,
+        metavar="JSONL",
+        help='your prompts instead of the built-in task: one JSON object a line with a "prompt" (text, or chat '
+        "messages rendered by the tokenizer's chat template) and any columns the reward functions read; needs "
+        "--model and --reward",
+    )
+    t.add_argument(
+        "--eval-data",
+        default=None,
+        metavar="JSONL",
+        help="held-out rows of --data's form, evaluated "
+        "greedily by the first --reward (default with --data: no evaluation)",
+    )
+    t.add_argument(
+        "--reward",
+        action="append",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="a reward function with TRL's signature, f(prompts, completions, **columns) -> scores (a module in the "
+        "working directory or on the path, or path/to/file.py:function); repeat for several",
+    )
+    t.add_argument("--reward-weights", type=float, nargs="+", default=None, help="one weight per --reward")
     t.add_argument("--group-size", type=int, default=DEFAULTS.group_size, help="completions sampled per prompt (G)")
     t.add_argument("--prompts-per-step", type=int, default=DEFAULTS.prompts_per_step, help="prompts a GRPO step")
     t.add_argument(
@@ -392,7 +417,24 @@ def train(args) -> dict:
     return summary
 
 
+def _check_data_options(args) -> None:
+    """--data's companions, before anything loads: --model and --reward with it, weights one a reward."""
+    if args.data is None:
+        if args.reward or args.eval_data or args.reward_weights:
+            raise ValueError("--reward, --eval-data and --reward-weights go with --data (your own prompts)")
+        return
+    if args.model is None:
+        raise ValueError("--data needs --model: a local model folder to train (the built-in model knows only its task)")
+    if not args.reward:
+        raise ValueError("--data needs at least one --reward module:function")
+    if args.reward_weights is not None and len(args.reward_weights) != len(args.reward):
+        raise ValueError(
+            f"--reward-weights: one weight per --reward ({len(args.reward)}), got {len(args.reward_weights)}"
+        )
+
+
 def _train(args) -> dict:
+    _check_data_options(args)
     device = _device(args.device)
     _maybe_init_distributed(device)
     rank, _ = world()
@@ -502,7 +544,22 @@ def _train(args) -> dict:
         nonfinite_rewards=args.nonfinite_rewards,
         max_nonfinite_steps=args.max_nonfinite_steps,
     )
-    reward_funcs, weights = task.reward_functions()
+    if args.data is not None:  # the user's rows and reward functions (training.data)
+        reward_funcs, weights = [load_reward_function(spec) for spec in args.reward], args.reward_weights
+        positions = getattr(model.config, "max_position_embeddings", None)
+        train_rows = trainer_rows(read_rows(args.data), tokenizer, positions, args.max_new_tokens, "--data")
+        eval_rows = (
+            trainer_rows(
+                read_rows(args.eval_data, "--eval-data"), tokenizer, positions, args.max_new_tokens, "--eval-data"
+            )
+            if args.eval_data
+            else []
+        )
+        format_reward = None
+    else:
+        reward_funcs, weights = task.reward_functions()
+        train_rows = task.make_rows(20000, held_out=False, seed=args.seed)
+        eval_rows, format_reward = task.make_rows(args.eval_size, held_out=True, seed=1234), task.format_reward()
     records: list[dict] = []
     if resume_from is None and rank == 0 and os.path.exists(metrics_path):
         os.remove(metrics_path)
@@ -524,13 +581,13 @@ def _train(args) -> dict:
         model,
         tokenizer,
         reward_funcs,
-        task.make_rows(20000, held_out=False, seed=args.seed),
+        train_rows,
         config,
         reward_weights=weights,
-        eval_rows=task.make_rows(args.eval_size, held_out=True, seed=1234),
+        eval_rows=eval_rows,
         device=device,
         log=log,
-        format_reward=task.format_reward(),
+        format_reward=format_reward,
     )
     if resume_from is not None:
         trainer.load_state(resume_from)
