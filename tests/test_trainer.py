@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+import statistics
 
 import pytest
 import torch
@@ -538,7 +539,7 @@ def test_seeds_command_reports_the_spread(tmp_path, capsys):
         assert run["drop_from_best"] == pytest.approx(max(evals) - evals[-1])
     finals = sorted(r["final_eval_accuracy"] for r in result["runs"])
     assert result["final_eval_accuracy"] == {"min": finals[0], "median": sum(finals) / 2, "max": finals[1]}
-    assert "2 seeds, min / median / max" in printed and "seed 3:" in printed
+    assert "2 seeds:" in printed and "min / median / max:" in printed and "seed 3:" in printed
     for seed in (3, 4):  # what each run printed, beside its own train.log, its OpenMP threads waiting passively
         run_dir = os.path.join(out, f"seed-{seed}")
         assert os.path.exists(os.path.join(run_dir, seeds.CONSOLE_LOG))
@@ -584,3 +585,43 @@ def test_fused_lm_head_applies_the_models_head_transform(model_type):
         grads.append([p.grad.clone() for p in family[0].parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+
+
+def test_seeds_report_the_mean_with_its_interval_sample_efficiency_time_and_memory(tmp_path):
+    """Three seeds of a stand-in training script: the final held-out accuracy as mean +- its 95 % interval (Student's
+    t with 2 degrees of freedom, 4.303), the completions and tokens each sampled before first reaching the target
+    (a seed that never does is counted apart), the time and the peak memory each wrote, and the band plot."""
+    from grpo_kernels.training.seeds import format_summary, run_seeds
+
+    script = tmp_path / "fake_train.py"
+    script.write_text(
+        "import argparse, json, os\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--seed', type=int); p.add_argument('--output-dir')\n"
+        "a = p.parse_args()\n"
+        "final = {0: 0.9, 1: 0.95, 2: 0.7}[a.seed]\n"
+        "rows = [{'step': 0, 'eval_accuracy': 0.5}]\n"
+        "for step in (1, 2, 3):\n"
+        "    rows.append({'step': step, 'reward': 0.5, 'zero_std_groups': 0.0, 'completions_sampled': 10,\n"
+        "                 'tokens_sampled': 40 + a.seed})\n"
+        "    rows.append({'step': step, 'eval_accuracy': 0.5 if step < 3 - (a.seed == 1) else final})\n"
+        "open(os.path.join(a.output_dir, 'metrics.jsonl'), 'w').write(''.join(json.dumps(r) + '\\n' for r in rows))\n"
+        "json.dump({'peak_rss_mib': 100.0 + a.seed}, open(os.path.join(a.output_dir, 'summary.json'), 'w'))\n"
+    )
+    result = run_seeds([0, 1, 2], str(tmp_path / "sweep"), [], script=str(script), target=0.9)
+    finals = [0.9, 0.95, 0.7]
+    mean = sum(finals) / 3
+    half = 4.303 * statistics.stdev(finals) / 3**0.5
+    interval = result["final_eval_accuracy_mean"]
+    assert interval["mean"] == pytest.approx(mean) and interval["half_width"] == pytest.approx(half)
+    assert interval["low"] == pytest.approx(mean - half) and interval["n"] == 3
+    # seed 0 reaches 0.9 at its step-3 evaluation (after 3 steps: 30 completions, 120 tokens), seed 1 at step 2
+    # (20 completions, 2 x 41 tokens), seed 2 never
+    assert [r["completions_to_target"] for r in result["runs"]] == [30, 20, None]
+    assert [r["tokens_to_target"] for r in result["runs"]] == [120, 82, None]
+    assert result["reached_target"] == 2 and result["completions_to_target"]["median"] == 25
+    assert result["peak_rss_mib"] == {"min": 100.0, "median": 101.0, "max": 102.0}
+    assert (tmp_path / "sweep" / "curves.png").stat().st_size > 0
+    text = format_summary(result)
+    assert f"{100 * mean:.1f} % +- {100 * half:.1f} (95 % CI over 3 seeds)" in text
+    assert "to 90 % held-out accuracy  median 25 completions / 101 tokens sampled (2 of 3 seeds got there)" in text
+    assert "peak memory per run (resident)  100 / 101 / 102 MiB" in text

@@ -226,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Python script to run instead of `grpo-kernels train` (e.g. examples/reward_model_grpo.py); "
         "it takes --seed and --output-dir and writes metrics.jsonl there",
     )
+    s.add_argument(
+        "--target",
+        type=float,
+        default=0.9,
+        help="sample efficiency: completions and tokens sampled before the held-out accuracy first reaches this",
+    )
     s.add_argument("train_args", nargs=argparse.REMAINDER, help="options for `grpo-kernels train`, after --")
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint", formatter_class=_Formatter)
     e.add_argument("checkpoint", help="a checkpoint-N folder")
@@ -415,6 +421,17 @@ def train(args) -> dict:
     if world()[0] == 0:
         print(json.dumps(summary), file=stdout, flush=True)
     return summary
+
+
+def peak_memory(device: str) -> dict[str, float]:
+    """This process's peak resident memory (MiB; Linux reports ru_maxrss in KiB) and, on a GPU, the peak of torch's
+    allocated CUDA memory (MiB)."""
+    import resource
+
+    peaks = {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        peaks["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return peaks
 
 
 def _check_data_options(args) -> None:
@@ -635,11 +652,14 @@ def _train(args) -> dict:
         "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
         "steps": trainer.step,
         "seconds": round(time.time() - started, 1),
+        **peak_memory(device),
         "checkpoint": checkpoint,
         "warnings": warnings,
     }
     if rank == 0:
         plot_curves(records, os.path.join(args.output_dir, "curves.png"))
+        with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f)
     run_log.line(f"done: {json.dumps(summary)}")
     return summary
 
@@ -704,6 +724,7 @@ def seeds(args) -> dict:
         train_args,
         jobs=args.jobs,
         script=args.script,
+        target=args.target,
     )
     print(format_summary(result))
     return result

@@ -23,12 +23,69 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 LAST_STEPS = 10  # the zero-std share at the end: the mean over this many last steps
+TARGET_ACCURACY = 0.9  # sample efficiency: what a run sampled before its held-out accuracy first reached this
+# Student's t, the 97.5 % quantile by degrees of freedom (a two-sided 95 % interval of a mean over n seeds takes n - 1)
+T_975 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    11: 2.201,
+    12: 2.179,
+    13: 2.160,
+    14: 2.145,
+    15: 2.131,
+    16: 2.120,
+    17: 2.110,
+    18: 2.101,
+    19: 2.093,
+    20: 2.086,
+    25: 2.060,
+    30: 2.042,
+    40: 2.021,
+    60: 2.000,
+    120: 1.980,
+}
 
 
-def run_summary(metrics_path: str) -> dict[str, float]:
-    """One run's figures from its ``metrics.jsonl``."""
+def mean_ci95(values: Sequence[float]) -> dict[str, float] | None:
+    """The mean over seeds with its 95 % confidence interval (Student's t with n - 1 degrees of freedom, the largest
+    tabled at or below it; an interval of one seed is unknown): {"mean", "low", "high", "half_width", "n"}."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    n, mean = len(values), statistics.fmean(values)
+    if n == 1:
+        return {"mean": mean, "low": None, "high": None, "half_width": None, "n": 1}
+    t = T_975[max(df for df in T_975 if df <= n - 1)]
+    half = t * statistics.stdev(values) / n**0.5
+    return {"mean": mean, "low": mean - half, "high": mean + half, "half_width": half, "n": n}
+
+
+def sampled_to_target(records: list[dict], target: float) -> dict[str, int | None]:
+    """The completions and tokens a run sampled in its GRPO steps before its held-out accuracy first reached
+    ``target`` (None where it never did; 0 where it started there)."""
+    completions = tokens = 0
+    for record in records:
+        if "eval_accuracy" in record and record["eval_accuracy"] >= target:
+            return {"completions_to_target": completions, "tokens_to_target": tokens}
+        completions += record.get("completions_sampled", 0)
+        tokens += record.get("tokens_sampled", 0)
+    return {"completions_to_target": None, "tokens_to_target": None}
+
+
+def run_summary(metrics_path: str, target: float = TARGET_ACCURACY) -> dict[str, float]:
+    """One run's figures from its ``metrics.jsonl`` (and its ``summary.json``, where the run wrote one: its peak
+    memory)."""
     with open(metrics_path) as f:
         records = [json.loads(line) for line in f if line.strip()]
+    written = _read_json(os.path.join(os.path.dirname(metrics_path), "summary.json")) or {}
     evals = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]
     steps = [r for r in records if "reward" in r]
     tail = steps[-LAST_STEPS:]
@@ -43,6 +100,10 @@ def run_summary(metrics_path: str) -> dict[str, float]:
         "drop_from_best": max(evals) - evals[-1] if evals else None,
         "final_zero_std_groups": sum(r["zero_std_groups"] for r in tail) / len(tail) if tail else None,
         "steps": steps[-1]["step"] if steps else 0,
+        "completions_sampled": sum(r.get("completions_sampled", 0) for r in steps),
+        "tokens_sampled": sum(r.get("tokens_sampled", 0) for r in steps),
+        **sampled_to_target(records, target),
+        **{k: written[k] for k in ("peak_rss_mib", "peak_cuda_mib") if k in written},
     }
 
 
@@ -63,7 +124,12 @@ def _read_json(path: str) -> dict | None:
 
 
 def _train_one(
-    seed: int, output_dir: str, train_args: Sequence[str], threads: int, script: str | None
+    seed: int,
+    output_dir: str,
+    train_args: Sequence[str],
+    threads: int,
+    script: str | None,
+    target: float = TARGET_ACCURACY,
 ) -> dict[str, float]:
     """One seed's run and its summary. A sweep that was killed and started again with the same command reuses
     a seed's finished run (its ``run.json``) and resumes an unfinished ``grpo-kernels train`` run from its last
@@ -75,8 +141,9 @@ def _train_one(
     program = [script] if script else ["-m", "grpo_kernels", "train", "--no-progress"]
     command = [*program, *train_args, "--seed", str(seed), "--output-dir", run_dir]
     finished = _read_json(os.path.join(run_dir, RUN_RECORD))
-    if finished is not None and finished.get("command") == command:
-        return {**finished["summary"], "reused": True}
+    if finished is not None and finished.get("command") == command:  # (its figures again: another target, say)
+        summary = {**finished["summary"], **run_summary(os.path.join(run_dir, "metrics.jsonl"), target)}
+        return {**summary, "reused": True}
     started_before = _read_json(os.path.join(run_dir, "attempt.json"))
     resume = (
         script is None
@@ -106,7 +173,7 @@ def _train_one(
         )
     summary = {
         "seed": seed,
-        **run_summary(os.path.join(run_dir, "metrics.jsonl")),
+        **run_summary(os.path.join(run_dir, "metrics.jsonl"), target),
         "seconds": round(time.time() - started, 1),  # (a resumed run's: since the resume)
         **({"resumed": True} if resume else {}),
     }
@@ -118,9 +185,19 @@ def _train_one(
 
 
 def run_seeds(
-    seeds: Sequence[int], output_dir: str, train_args: Sequence[str], jobs: int = 1, script: str | None = None
+    seeds: Sequence[int],
+    output_dir: str,
+    train_args: Sequence[str],
+    jobs: int = 1,
+    script: str | None = None,
+    target: float = TARGET_ACCURACY,
 ) -> dict:
-    """Train once per seed (``jobs`` at a time) and summarize; writes ``output_dir/seeds.json``.
+    """Train once per seed (``jobs`` at a time) and summarize; writes ``output_dir/seeds.json`` and
+    ``output_dir/curves.png`` (every seed's held-out accuracy and reward, the band across seeds).
+
+    Reported apart, as the GRPO guide asks: the final held-out accuracy as its mean over seeds with a 95 %
+    confidence interval (and the min / median / max), sample efficiency (completions and tokens sampled before
+    the held-out accuracy first reached ``target``), wall-clock time and peak memory per run.
 
     ``script``: a Python script to run instead of ``grpo-kernels train`` (the reward-model example), which
     takes ``--seed`` and ``--output-dir`` and writes the trainer's ``metrics.jsonl`` there."""
@@ -136,7 +213,7 @@ def run_seeds(
     started = time.time()
     runs: list[dict] = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for run in pool.map(lambda s: _train_one(s, output_dir, train_args, threads, script), seeds):
+        for run in pool.map(lambda s: _train_one(s, output_dir, train_args, threads, script, target), seeds):
             runs.append(run)
             print(format_run(run), flush=True)
     finals = [r["final_eval_accuracy"] for r in runs]
@@ -147,7 +224,14 @@ def run_seeds(
         "threads_per_run": threads,
         "runs": runs,
         "final_eval_accuracy": spread(finals),
+        "final_eval_accuracy_mean": mean_ci95(finals),
         "first_eval_accuracy": spread([r["first_eval_accuracy"] for r in runs]),
+        "target_accuracy": target,
+        "reached_target": sum(r["completions_to_target"] is not None for r in runs),
+        "completions_to_target": _spread_of_known([r["completions_to_target"] for r in runs]),
+        "tokens_to_target": _spread_of_known([r["tokens_to_target"] for r in runs]),
+        "peak_rss_mib": _spread_of_known([r.get("peak_rss_mib") for r in runs]),
+        "peak_cuda_mib": _spread_of_known([r.get("peak_cuda_mib") for r in runs]),
         "largest_drop_from_best": max(r["drop_from_best"] for r in runs),
         "final_zero_std_groups": spread([r["final_zero_std_groups"] for r in runs]),
         "seconds_per_run": spread([r["seconds"] for r in runs]),
@@ -155,7 +239,48 @@ def run_seeds(
     }
     with open(os.path.join(output_dir, "seeds.json"), "w") as f:
         json.dump(result, f, indent=1)
+    plot_band(
+        [os.path.join(output_dir, f"seed-{r['seed']}", "metrics.jsonl") for r in runs],
+        os.path.join(output_dir, "curves.png"),
+    )
     return result
+
+
+def _spread_of_known(values: Sequence[float | None]) -> dict[str, float] | None:
+    known = [v for v in values if v is not None]
+    return spread(known) if known else None
+
+
+def plot_band(metrics_paths: Sequence[str], path: str) -> None:
+    """``curves.png`` of a sweep: each seed's held-out accuracy and reward (thin lines), their mean (bold) and the
+    band from the lowest to the highest seed at each step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {"eval_accuracy": {}, "reward": {}}
+    for metrics_path in metrics_paths:
+        with open(metrics_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        for key, by_seed in series.items():
+            by_seed[metrics_path] = {r["step"]: r[key] for r in records if key in r and r[key] is not None}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, (key, by_seed) in zip(axes, series.items(), strict=True):
+        steps = sorted({s for points in by_seed.values() for s in points})
+        for points in by_seed.values():
+            axis.plot(sorted(points), [points[s] for s in sorted(points)], color="0.7", linewidth=0.8)
+        shared = [s for s in steps if all(s in points for points in by_seed.values())]
+        if shared:
+            at = [[points[s] for points in by_seed.values()] for s in shared]
+            axis.fill_between(shared, [min(v) for v in at], [max(v) for v in at], alpha=0.25, label="min to max")
+            axis.plot(shared, [statistics.fmean(v) for v in at], linewidth=2, label=f"mean of {len(by_seed)} seeds")
+        axis.set_title("held-out accuracy" if key == "eval_accuracy" else "reward of the sampled completions")
+        axis.set_xlabel("GRPO step")
+        axis.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def format_run(run: dict) -> str:
@@ -169,9 +294,28 @@ def format_run(run: dict) -> str:
 def format_summary(result: dict) -> str:
     pct = lambda d: f"{100 * d['min']:.1f} / {100 * d['median']:.1f} / {100 * d['max']:.1f} %"  # noqa: E731
     secs = result["seconds_per_run"]
+    mean = result["final_eval_accuracy_mean"]
+    interval = (
+        f"{100 * mean['mean']:.1f} % +- {100 * mean['half_width']:.1f} (95 % CI over {mean['n']} seeds)"
+        if mean and mean["half_width"] is not None
+        else "one seed: no interval"
+    )
+    target, reached = result["target_accuracy"], result["reached_target"]
+    to_target = result["completions_to_target"]
+    tokens = result["tokens_to_target"]
+    efficiency = (
+        f"median {to_target['median']:.0f} completions / {tokens['median']:.0f} tokens sampled "
+        f"({reached} of {len(result['runs'])} seeds got there)"
+        if to_target
+        else f"no seed reached it in {len(result['runs'])}"
+    )
+    memory = result["peak_rss_mib"]
     return "\n".join(
         [
-            f"{len(result['runs'])} seeds, min / median / max:",
+            f"{len(result['runs'])} seeds:",
+            f"  held-out accuracy at the end  {interval}",
+            f"  sample efficiency, to {100 * target:.0f} % held-out accuracy  {efficiency}",
+            "  min / median / max:",
             f"  held-out accuracy at step 0   {pct(result['first_eval_accuracy'])}",
             f"  held-out accuracy at the end  {pct(result['final_eval_accuracy'])}",
             f"  largest drop from a seed's best evaluation  {100 * result['largest_drop_from_best']:.1f} points",
@@ -179,5 +323,18 @@ def format_summary(result: dict) -> str:
             f"  time per run  {secs['min']:.0f} / {secs['median']:.0f} / {secs['max']:.0f} s "
             f"({result['jobs']} at a time, {result['threads_per_run']} threads each; "
             f"{result['wall_seconds']:.0f} s in all)",
+            *(
+                [
+                    f"  peak memory per run (resident)  {memory['min']:.0f} / {memory['median']:.0f} / "
+                    f"{memory['max']:.0f} MiB"
+                ]
+                if memory
+                else []
+            ),
+            *(
+                [f"  peak CUDA memory per run  {result['peak_cuda_mib']['median']:.0f} MiB (median)"]
+                if result["peak_cuda_mib"]
+                else []
+            ),
         ]
     )

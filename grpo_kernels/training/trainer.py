@@ -714,8 +714,12 @@ class GRPOTrainer:
             ]
         )
         reward, accuracy, zero_std, length, loss_value, *metric_values = (all_reduce_sum(stats) / size).tolist()
+        # what this step sampled over every rank (sample efficiency: ``training.seeds`` counts them to a target)
+        sampled = all_reduce_sum(torch.tensor([s.completion_mask.shape[0], int(s.completion_mask.sum())])).tolist()
         record = {
             "step": self.step,
+            "completions_sampled": sampled[0],
+            "tokens_sampled": sampled[1],
             "reward": reward,
             "accuracy": accuracy,
             "loss": loss_value,
