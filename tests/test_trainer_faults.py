@@ -161,3 +161,16 @@ def test_the_preempted_exit_code_and_message():
     assert stop.exit_code == 143
     assert str(stop).startswith("stopped by SIGTERM at step 7: checkpoint runs/x/checkpoint-7 written")
     assert trainer_module.Preempted(signal.SIGINT, 1, "c").exit_code == 130
+
+
+def _stop_rank(rank, world):
+    """What each rank's loop reads at a step boundary when only rank 0 received SIGTERM."""
+    return trainer_module.all_ranks_max(int(signal.SIGTERM) if rank == 0 else 0)
+
+
+def test_every_rank_stops_at_the_same_step():
+    """Under torchrun a signal may reach one rank first: at the step boundary every rank reads the largest signal
+    any rank received (``all_ranks_max``), so all stop and checkpoint at the same step."""
+    from gloo_ranks import run_ranks
+
+    assert run_ranks(_stop_rank, 2) == [int(signal.SIGTERM)] * 2
