@@ -70,7 +70,7 @@ def test_global_batch_info_is_honoured():
         _compare(adapter.vanilla_policy_loss, core_algos.compute_policy_loss_vanilla, mode, config)
 
 
-@pytest.mark.parametrize("kl_penalty", ["low_var_kl", "kl", "mse", "k3"])
+@pytest.mark.parametrize("kl_penalty", ["low_var_kl", "kl", "mse", "k3", "low_var_kl+", "k3+", "kl+", "k1+", "mse+"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_kl_loss_matches_verl(kl_penalty, mode):
     lp, ref, _, mask = _inputs(2, spread=8.0)  # wide enough for verl's clamps to bind

@@ -490,15 +490,22 @@ def kl_loss(
     loss_agg_mode: str = "token-mean",
     **global_batch_info,
 ) -> torch.Tensor:
-    """verl's actor KL loss: ``agg_loss(kl_penalty(logp, ref), mask)`` with verl's clamps (k3: +-20 in, +-10 out)."""
-    if kl_penalty not in VERL_KL:
+    """verl's actor KL loss: ``agg_loss(kl_penalty(logp, ref), mask)`` with verl's clamps (k3: +-20 in, +-10 out). A
+    "+" suffix (``k3+``, ``low_var_kl+``, ``k1+``) is verl's straight-through form: the estimate's value with the k2
+    estimator's gradient, (log pi - log pi_ref), which is the KL's own."""
+    straight_through = kl_penalty.endswith("+")
+    base = kl_penalty[:-1] if straight_through else kl_penalty
+    if base not in VERL_KL:
         raise ValueError(
-            f"kl_penalty must be one of {sorted(VERL_KL)}, got {kl_penalty!r} ('abs' and 'full' "
-            "are not implemented here)"
+            f"kl_penalty must be one of {sorted(VERL_KL)} (each with an optional '+'), got {kl_penalty!r} ('abs' "
+            "and 'full' are not implemented here)"
         )
-    estimator = VERL_KL[kl_penalty]
+    estimator = VERL_KL[base]
     clamps = dict(log_ratio_clamp=20.0, kl_clamp=10.0) if estimator == "k3" else {}
     kl = kl_term(log_prob, ref_log_prob, GRPOOptions(kl_estimator=estimator, **clamps))
+    if straight_through and estimator != "k2":
+        k2 = 0.5 * (log_prob - ref_log_prob).square()
+        kl = k2 - k2.detach() + kl.detach()
     return aggregate(kl, response_mask, loss_agg_mode, **global_batch_info)
 
 
