@@ -41,9 +41,10 @@ from .options import GRPOOptions
 from .validation import check_linear_inputs
 
 LM_HEAD_MODES = ("recompute", "three_products")
-# The head's products: "input", in the operands' own dtype (16-bit on the tensor cores, fp32 accumulation); "fp32",
-# hidden states, weight and bias cast to fp32 first (exact fp32 products: TRL's cast_lm_head_to_fp32, a rollout
-# engine's fp32 head), the gradients coming back in their own dtypes
+# The head's precision: "input", as an unfused head in the operands' own dtype (16-bit on the tensor cores, fp32
+# accumulation, the logits rounded once to that dtype: the kernels' ROUND_LOGITS, torch_path._chunk_logits);
+# "fp32", hidden states, weight and bias cast to fp32 first (exact fp32 products and logits: TRL's
+# cast_lm_head_to_fp32, a rollout engine's fp32 head), the gradients coming back in their own dtypes
 HEAD_PRECISIONS = ("input", "fp32")
 
 

@@ -143,10 +143,10 @@ def fused_linear_grpo_loss(
     in the same loop; the backward only scales). Both keep one [chunk, V] workspace. None, the
     default, takes the device sweep's measured choice (``kernels/tuned.json``), else "recompute".
 
-    ``head_precision``: "input" (the default) computes the head's products in the operands' dtype (16-bit on the
-    tensor cores, fp32 accumulation); "fp32" casts hidden states, weight and bias to fp32 first (exact fp32
-    products, as TRL's ``cast_lm_head_to_fp32`` and a rollout engine's fp32 head), the gradients coming back in
-    their own dtypes.
+    ``head_precision``: "input" (the default) computes the logits as an unfused head in the operands' dtype does
+    (16-bit operands on the tensor cores, fp32 accumulation, the logits rounded once to that dtype), in every mode
+    and backend; "fp32" casts hidden states, weight and bias to fp32 first (exact fp32 products and fp32 logits, as
+    TRL's ``cast_lm_head_to_fp32`` and a rollout engine's fp32 head), the gradients coming back in their dtypes.
     """
     source = HiddenStatesSource(hidden_states, weight, bias, lm_head_mode, head_precision)
     return compute_loss(

@@ -207,11 +207,15 @@ def linear_chunk_rows(V: int) -> int:
 
 
 def _chunk_logits(hidden_chunk, weight, bias, inv_temperature, softcap):
-    """(cap(hidden @ weight^T + bias) / tau, d cap / dx or None) of one chunk of tokens, [chunk, V]."""
+    """(cap(hidden @ weight^T + bias) / tau, d cap / dx or None) of one chunk of tokens, [chunk, V]. 16-bit inputs'
+    hidden @ weight^T + bias is rounded to their dtype first, as an unfused head in that dtype computes its logits
+    (the products themselves in fp32, as the kernels' are)."""
     dtype = compute_dtype(hidden_chunk)
     x = hidden_chunk.to(dtype) @ weight.to(dtype).T
     if bias is not None:
         x += bias.to(dtype)
+    if hidden_chunk.dtype in (torch.bfloat16, torch.float16):
+        x = x.to(hidden_chunk.dtype).to(dtype)
     x, slope = capped(x, softcap)
     return x * inv_temperature, slope
 

@@ -192,6 +192,8 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         spurious = torch.where(owned, 0.0, g / ctx.temperature)  # [N]
         if ctx.softcap is not None:
             x0 = hidden.float() @ weight[0].float() + (0.0 if bias is None else bias[0].float())
+            if hidden.dtype in (torch.bfloat16, torch.float16):  # the head's logits are rounded to 16 bits first
+                x0 = x0.to(hidden.dtype).float()
             spurious = spurious * capped(x0, ctx.softcap)[1]
         dh -= spurious.unsqueeze(1) * weight[0].float()
         if dw is not None:

@@ -159,3 +159,24 @@ def test_a_vocabulary_parallel_head_is_the_whole_one():
         _check(whole[:3], (logp, entropy, dh))
         assert_close("d weight shard", whole[3][rows], dw, **FP32)
         assert_close("d bias shard", whole[4][rows], db, **FP32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_head_precision_input_is_the_unfused_head_in_its_dtype(backend, dtype):
+    """16-bit hidden states and weight at the default precision ("input"): the unfused head in that dtype (its
+    logits accumulated in fp32 and rounded to the dtype), on every mode. The values sit on a coarse grid, so every
+    sum is exact whatever its order and each path rounds the same logits (tests/test_fused_linear.py says why)."""
+    hidden, weight, bias, ids, loss_weights = _inputs(seed=6)
+    hidden, weight, bias = ((t * k).round().clamp(-12, 12) / k for t, k in ((hidden, 4), (weight, 8), (bias, 8)))
+    inputs = (hidden.to(dtype), weight.to(dtype), bias.to(dtype), ids, loss_weights)
+    expected = _grads(_unfused(), *inputs)  # torch's head in the dtype: rounded logits
+    assert expected[0].dtype == torch.float32
+    actual = _grads(_ours(backend=backend), *inputs)
+    _check(expected[:2], actual[:2], tol=dict(atol=1e-5, rtol=1e-5))
+    ulp = torch.finfo(dtype).eps
+    for name, e, a in zip(("d hidden", "d weight", "d bias"), expected[2:], actual[2:], strict=True):
+        assert_close(name, e.float(), a.float(), atol=2 * ulp * e.float().abs().max().item(), rtol=2 * ulp)
+    if dtype == torch.bfloat16:  # (fp16's 11 bits hold these sums exactly: nothing to round there)
+        unrounded = _grads(_unfused(precision_dtype=torch.float32), *inputs)
+        assert (unrounded[0] - actual[0]).abs().max() > 1e-3, "nothing was rounded: the test would not tell"

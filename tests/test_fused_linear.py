@@ -56,8 +56,12 @@ def fused(backend):
     return lambda h, w, b, batch, options: fused_linear_grpo_loss(h, w, **batch, bias=b, backend=backend, **options)
 
 
-def materialized(h, w, b, batch, options):
+def materialized(h, w, b, batch, options, round_to=None):
+    """The reference on the materialized logits; ``round_to`` a 16-bit dtype: the logits rounded to it first, as an
+    unfused head in that dtype computes them (the fused head's default, ``head_precision="input"``)."""
     logits = h @ w.T if b is None else h @ w.T + b
+    if round_to in (torch.bfloat16, torch.float16):
+        logits = logits.to(round_to).to(logits.dtype)
     return grpo_loss_reference(logits, **batch, **options)
 
 
@@ -67,9 +71,11 @@ def three_products(h, w, b, batch, options):
 
 def check(backend, batch, hidden, weight, bias, tol=None, freeze_weight=False, path=None, **options):
     tol = dict(atol=1e-5, rtol=1e-5) if tol is None else tol
-    # the expected values: fp32 math on the same (possibly 16-bit) values, gradients cast back
+    # the expected values: fp32 math on the same (possibly 16-bit) values, the logits rounded to a 16-bit input's
+    # dtype as an unfused head's are, gradients cast back
     up = lambda t: None if t is None else t.float()  # noqa: E731
-    expected = _run(materialized, batch, up(hidden), up(weight), up(bias), freeze_weight, **options)
+    unfused = lambda h, w, b, batch, options: materialized(h, w, b, batch, options, round_to=hidden.dtype)  # noqa: E731
+    expected = _run(unfused, batch, up(hidden), up(weight), up(bias), freeze_weight, **options)
     expected = expected[:1] + tuple(None if e is None else e.to(hidden.dtype) for e in expected[1:])
     actual = _run(path or fused(backend), batch, hidden, weight, bias, freeze_weight, **options)
     assert_close("loss", expected[0].loss, actual[0].loss, **tol)
@@ -252,14 +258,23 @@ def test_frozen_weight_gets_no_gradient(device, backend):
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 1.6e-2), (torch.float16, 4e-3)], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", ["odd", "blocks"])
 def test_half_precision(device, backend, dtype, tol, shape):
-    """16-bit inputs against fp32 math on the same values. The gradients are rounded to the input
-    dtype, and the Triton path feeds dtype-rounded dlogits to its products, so the tolerance is
-    4 ulps of the dtype (2^-6 bf16, 2^-8 fp16) relative to the largest gradient entry; the logits
-    themselves are accumulated in fp32. "blocks": several token blocks, H slices and V tiles."""
+    """16-bit inputs against fp32 math on the same values, the logits rounded to the dtype as an unfused head in
+    that dtype rounds them (accumulated in fp32, rounded once). The gradients are rounded to the input dtype, and
+    the Triton path feeds dtype-rounded dlogits to its products, so the tolerance is 4 ulps of the dtype (2^-6
+    bf16, 2^-8 fp16) relative to the largest gradient entry. "blocks": several token blocks, H slices and V
+    tiles."""
     if shape == "odd":
         batch, hidden, weight, bias = _inputs(device, dtype=dtype, seed=3)
     else:
         batch, hidden, weight, bias = _block_spanning_inputs(device, dtype)
+    # values on a coarse grid (hidden states in quarters, the head in eighths): every product and partial sum is
+    # exact in fp32 whatever the order of accumulation, so each path rounds the same logits to the dtype (with
+    # arbitrary values an order-dependent last bit may put a logit on the other side of a rounding boundary, one
+    # ulp of the dtype apart, on the unfused head as on ours)
+    hidden, weight, bias = (
+        (t.float() * k).round().clamp(-12, 12) / k for t, k in ((hidden, 4), (weight, 8), (bias, 8))
+    )
+    hidden, weight, bias = (t.to(dtype) for t in (hidden, weight, bias))
     check(backend, batch, hidden, weight, bias, tol=dict(atol=tol, rtol=tol), beta=0.04)
 
 

@@ -66,8 +66,11 @@ def _logits_tile(
     BLOCK_H: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROUND_LOGITS: tl.constexpr,
 ):
-    """x = cap(h @ W^T + b) / tau as fp32 [BLOCK_N, BLOCK_V] for one tile; out-of-range columns are -inf.
+    """x = cap(h @ W^T + b) / tau as fp32 [BLOCK_N, BLOCK_V] for one tile; out-of-range columns are -inf. With
+    ``ROUND_LOGITS`` (16-bit inputs) h @ W^T + b is rounded to the inputs' dtype first, as an unfused head in that
+    dtype computes its logits (fp32 accumulation, one rounding), before the cap and the temperature.
 
     ``h_block`` and ``w_block`` point at the tile's first row of h and of W (int64 scalars);
     offsets inside the tile are int32, which halves the registers of the pointer tensors.
@@ -87,6 +90,8 @@ def _logits_tile(
         acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + v0 + c, mask=in_v, other=0.0).to(tl.float32)[None, :]
+    if ROUND_LOGITS:
+        acc = acc.to(w_block.dtype.element_ty).to(tl.float32)
     return tl.where(in_v[None, :], capped_logit(acc, softcap) * inv_temperature, float("-inf"))
 
 
@@ -198,6 +203,7 @@ def linear_grpo_forward_kernel(
     LOSS_FLAGS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROUND_LOGITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -242,6 +248,7 @@ def linear_grpo_forward_kernel(
                 BLOCK_H,
                 DOT_PRECISION,
                 UPCAST,
+                ROUND_LOGITS,
             )  # [BLOCK_N, BLOCK_V]
             cols = v0 + tl.arange(0, BLOCK_V)
             target_x += tl.sum(tl.where(cols[None, :] == target[:, None], x, 0.0), axis=1)
@@ -423,6 +430,7 @@ def linear_dlogits_kernel(
     entropy_ptr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    ROUND_LOGITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -478,6 +486,7 @@ def linear_dlogits_kernel(
             BLOCK_H,
             DOT_PRECISION,
             UPCAST,
+            ROUND_LOGITS,
         )
         p = tl.exp(x - lse[:, None])  # 0 in out-of-range columns (x = -inf)
         onehot = tl.where((v0 + c)[None, :] == target[:, None], 1.0, 0.0)

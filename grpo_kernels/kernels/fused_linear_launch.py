@@ -84,6 +84,9 @@ def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) ->
         if source:
             cfg.update({k: source[k] for k in tuned.FUSED_LINEAR_KEYS if source.get(k) is not None})
     cfg["UPCAST"] = _interpreted_bf16(dtype)
+    # 16-bit inputs: the logits rounded to their dtype, as an unfused head computes them (the 3-product mode's
+    # cuBLAS logits are; fp32 inputs, head_precision="fp32" among them, have nothing to round)
+    cfg["ROUND_LOGITS"] = dtype in (torch.bfloat16, torch.float16)
     if cfg["UPCAST"]:
         cfg["DOT_PRECISION"] = "ieee"
     for key, extent in (("BLOCK_N", N), ("BLOCK_V", V), ("BLOCK_H", H)):
