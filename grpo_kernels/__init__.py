@@ -16,12 +16,16 @@ from .loss import (
 from .objective import GRPOLossOutput
 from .options import GRPOOptions
 from .reference import grpo_loss_reference
+from .rollout_correction import OpenRLHFCorrection, TRLImportanceSampling, VerlRolloutCorrection
 
 __all__ = [
     "FusedLinearGRPOLoss",
     "GRPOLoss",
     "GRPOLossOutput",
     "GRPOOptions",
+    "OpenRLHFCorrection",
+    "TRLImportanceSampling",
+    "VerlRolloutCorrection",
     "fused_linear_grpo_loss",
     "grpo_loss",
     "grpo_loss_reference",

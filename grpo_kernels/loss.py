@@ -65,7 +65,8 @@ def grpo_loss(
     the padded layout for the same sequences.
 
     ``sampling_logps`` [B, T] (the sampler's log-probs, e.g. vLLM's) feed the off-policy mask
-    (``off_policy_mask_threshold``); without them it uses ``old_logps``, as TRL does.
+    (``off_policy_mask_threshold``; without them it uses ``old_logps``, as TRL does) and the
+    ``rollout_correction`` (``rollout_correction.py``: verl's, TRL's or OpenRLHF's weights and rejections).
 
     With ``drop_last_position=True``, ``logits`` is [B, T + 1, V], as a causal LM returns them
     with ``logits_to_keep = T + 1``: the last position predicts no completion token, is never
@@ -437,10 +438,17 @@ def compute_loss(inputs: LossInputs) -> GRPOLossOutput:
     """The loss of a prepared call, on its source: the fused loss kernels where they apply, else the loss math
     in torch on the source's differentiable log-probs."""
     opts, source = inputs.options, inputs.source
-    policy = first_pass = None
-    if opts.masks_tokens:  # the masks need this call's log-probs / entropies first: one more read of the logits
+    policy = first_pass = correction = None
+    correcting = opts.rollout_correction is not None
+    if correcting:
+        check_correction_inputs(inputs)
+    needs_current = correcting and (inputs.old_logps is None or opts.rollout_correction.against_current())
+    if opts.masks_tokens or needs_current:  # this call's log-probs / entropies first: one more read of the logits
         with torch.no_grad():
             first_pass = source.logprobs(inputs, opts.top_entropy_quantile < 1.0)
+    if correcting:  # the correction's weights and rejections, then the masks on top of them
+        inputs, correction = with_rollout_correction(inputs, first_pass)
+    if opts.masks_tokens:
         policy = with_policy_masks(inputs, first_pass)
     # inside a torch.compile graph the Triton path runs its log-prob kernels as custom ops (ops.py) and the
     # O(B * T) loss math as graph code: the fused loss kernels are not custom ops yet
@@ -464,6 +472,8 @@ def compute_loss(inputs: LossInputs) -> GRPOLossOutput:
         )
     if opts.entropy_coef != 0.0:
         out.metrics["policy_loss"] = policy_loss_before_bonus(inputs, out, policy, first_pass)
+    if correction is not None:
+        out.metrics.update(correction.metrics)
     return out
 
 
@@ -546,6 +556,58 @@ def with_policy_masks(inputs: LossInputs, first_pass) -> PolicyTerms:
     if importance_weights is not None:
         policy_mask = importance_weights.detach().float() * policy_mask
     return PolicyTerms(policy_mask.expand_as(mask_seq), None, bonus_mask)
+
+
+def check_correction_inputs(inputs: LossInputs) -> None:
+    """A corrected call's inputs: the sampler's log-probs, no weights of the caller's own, and in bypass mode no
+    old log-probs (the sampler's are the old ones)."""
+    correction = inputs.options.rollout_correction
+    if inputs.sampling_logps is None:
+        raise ValueError(
+            f"rollout_correction={correction!r} needs sampling_logps (the rollout engine's log-probs, shaped as the "
+            "ids), got None"
+        )
+    if inputs.importance_weights is not None:
+        raise ValueError(
+            "importance_weights and rollout_correction both weight the policy term: pass importance_weights=None "
+            "(the correction computes them from sampling_logps), or rollout_correction=None"
+        )
+    if correction.old_is_sampler() and inputs.old_logps is not None:
+        raise ValueError(
+            "rollout_correction in bypass mode takes sampling_logps as the old log-probs: pass old_logps=None, "
+            "got a tensor"
+        )
+
+
+def with_rollout_correction(inputs: LossInputs, first_pass) -> tuple[LossInputs, object]:
+    """The call with its rollout correction applied (``rollout_correction.py``): the weights as its importance
+    weights, the rejected tokens out of its mask, in bypass mode the sampler's log-probs as the old ones; and the
+    correction (its metrics). Computed in the sequence layout from detached fp32 log-probs: the old ones, or this
+    call's own (``first_pass``, token layout) where there are none or the correction compares the current
+    policy."""
+    correction, L = inputs.options.rollout_correction, inputs.layout
+    sampling = L.seq(inputs.sampling_logps).detach().float()
+    if inputs.old_logps is None or correction.against_current():
+        old = L.seq(first_pass[0])
+    else:
+        old = L.seq(inputs.old_logps)
+    mask_seq = inputs.mask_seq if inputs.mask_seq is not None else torch.ones_like(sampling)
+    with torch.no_grad():
+        result = correction.compute(old.detach().float(), sampling, mask_seq)
+
+    def token_layout(t):  # a [S, T_max] result of a packed call as its tokens, one row [1, total]
+        if t is None or not L.packed or t.shape[-1] == 1:
+            return t
+        return L.from_seq(t).reshape(1, L.N)
+
+    mask = token_layout(result.mask).contiguous()
+    inputs = inputs._replace(
+        mask=mask,
+        mask_seq=result.mask if L.packed else mask,
+        importance_weights=token_layout(result.weights),
+        old_logps=inputs.sampling_logps if correction.old_is_sampler() else inputs.old_logps,
+    )
+    return inputs, result
 
 
 # ---- The Modules -----------------------------------------------------------------------------------------------

@@ -132,6 +132,26 @@ LOSS_OPTION_DOCS = (
         ),
     ),
     (
+        ("rollout_correction",),
+        "None",
+        (
+            "the train / rollout mismatch correction, computed in the call from `sampling_logps` (the rollout "
+            "engine's log-probs) against `old_logps` (else this call's own, detached): one of verl 0.9's "
+            "`RolloutCorrectionConfig` presets by name (`decoupled_token_is`, `decoupled_seq_is`, "
+            "`decoupled_token_icepop`, `decoupled_seq_is_rs`, `decoupled_geo_rs`, `decoupled_geo_rs_seq_tis`, "
+            "`decoupled_geo_rs_token_tis`, `decoupled_k3_rs`, `decoupled_k3_rs_seq_tis`, `decoupled_k3_rs_token_tis`,"
+            " `bypass_ppo_clip`, `bypass_ppo_clip_geo_rs`, `bypass_ppo_clip_k3_rs`, `disabled`) or config "
+            "(`VerlRolloutCorrection`: TIS / IcePop weights per token or sequence, batch-normalized across "
+            "processes, rejection by k1 / k2 / k3 per token or a sequence's sum, mean or max; metrics "
+            "`rollout_corr/...`, verl's names); TRL's `vllm_importance_sampling_mode` (`token_truncate`, `token_mask`"
+            ", `sequence_truncate`, `sequence_mask`; `TRLImportanceSampling` for its clip bounds; metrics "
+            "`sampling/...`); OpenRLHF's `is_correction_*` (`OpenRLHFCorrection`; metrics `is_filter_ratio`, "
+            "`vllm_kl`). The weights multiply the policy term; verl's rejections leave the loss's mask (its token "
+            "counts too), TRL's and OpenRLHF's get weight 0. verl's bypass REINFORCE presets are refused: the verl "
+            "adapter's `grpo_kernels_bypass_mode` runs them"
+        ),
+    ),
+    (
         ("entropy_coef",),
         "0.0",
         (

@@ -16,6 +16,7 @@ import math
 from typing import ClassVar
 
 from .kernels import contracts
+from .rollout_correction import as_rollout_correction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +228,8 @@ class GRPOOptions:
     covariance_selection: str = "batch"
     dro_beta: float | None = None
     cispo_ratio_min: float | None = None
+    # the train / rollout mismatch correction (grpo_kernels.rollout_correction): verl's presets or config, TRL's modes
+    rollout_correction: object = None
     # the model's head output transform (grpo_kernels.heads): logits = cap(logit_scale * raw) / temperature
     logit_scale: float = 1.0
     logit_softcap: float | None = None
@@ -323,6 +326,7 @@ class GRPOOptions:
             raise ValueError(
                 f"entropy_coef={self.entropy_coef!r} needs the entropy: compute_entropy=False turns it off"
             )
+        object.__setattr__(self, "rollout_correction", as_rollout_correction(self.rollout_correction))
         _check_number("logit_scale", self.logit_scale, positive=True)
         _check_number("logit_softcap", self.logit_softcap, positive=True, optional=True)
         if self.use_bias_correction_kl and self.beta == 0:

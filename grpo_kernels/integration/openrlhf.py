@@ -32,13 +32,14 @@ from torch import nn
 
 from ..objective import kl_term, per_token_terms
 from ..options import GRPOOptions
+from ..rollout_correction import OPENRLHF_GATINGS, OPENRLHF_LEVELS, OPENRLHF_MODES, OpenRLHFCorrection
 from . import replace_everywhere
 from .verl import aggregate
 
 POLICY_LOSS_TYPES = ("ppo", "gspo")
-IS_CORRECTION_LEVELS = ("off", "token", "seq")
-IS_CORRECTION_MODES = ("mask", "clip")
-IS_CORRECTION_GATINGS = ("ratio", "binary_kl", "tv")
+IS_CORRECTION_LEVELS = ("off", *OPENRLHF_LEVELS)
+IS_CORRECTION_MODES = OPENRLHF_MODES
+IS_CORRECTION_GATINGS = OPENRLHF_GATINGS
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # OpenRLHF's bounds: the PPO log-ratio before exp, every KL estimate, the unbiased gradient's importance weight
 LOG_RATIO_CLAMP = 20.0
@@ -88,47 +89,6 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def rollout_correction(
-    old_log_probs: torch.Tensor,
-    rollout_log_probs: torch.Tensor,
-    action_mask: torch.Tensor,
-    level: str,
-    mode: str,
-    gating: str,
-    threshold: Sequence[float],
-):
-    """OpenRLHF's train / rollout mismatch correction: (the per-token weight of the policy term [B, T], the
-    filtered share ``is_filter_ratio``, ``vllm_kl``). A gate reads a statistic per unit (a token, or a sequence's
-    mean) and drops (mask: the survivors keep their IS ratio pi_old / pi_rollout) or clamps (clip) the units
-    outside [low, high]. All detached: the weight carries no gradient."""
-    low, high = threshold
-    seq_level = level == "seq"
-    is_log_ratio = (old_log_probs - rollout_log_probs).detach()
-    token_is = is_log_ratio.exp()
-    if gating == "ratio":
-        stat = masked_mean(is_log_ratio, action_mask, dim=-1).unsqueeze(-1) if seq_level else is_log_ratio
-        stat = stat.exp()
-    else:
-        p = rollout_log_probs.detach().exp().clamp(1e-6, 1 - 1e-6)  # keeps the binary KL's logs finite
-        q = old_log_probs.detach().exp().clamp(1e-6, 1 - 1e-6)
-        if gating == "binary_kl":
-            stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
-        else:  # tv
-            stat = (p - q).abs()
-        if seq_level:
-            stat = masked_mean(stat, action_mask, dim=-1).unsqueeze(-1)
-    if mode == "clip":
-        weight = stat.clamp(min=low, max=high)
-        filtered = (stat < low) | (stat > high)
-    else:
-        keep = (stat >= low) & (stat <= high)
-        weight = torch.where(keep, token_is, 0.0)
-        filtered = ~keep
-    filter_ratio = filtered.float().mean() if seq_level else masked_mean(filtered.float(), action_mask)
-    vllm_kl = masked_mean(rollout_log_probs - old_log_probs, action_mask)
-    return weight.expand_as(old_log_probs), filter_ratio, vllm_kl
-
-
 class PolicyLoss(nn.Module):
     """OpenRLHF's ``PolicyLoss`` (same constructor and ``forward``, same five results) on this package's
     per-token terms."""
@@ -150,19 +110,15 @@ class PolicyLoss(nn.Module):
         _check_choice("is_correction_level", is_correction_level, IS_CORRECTION_LEVELS)
         _check_choice("is_correction_mode", is_correction_mode, IS_CORRECTION_MODES)
         _check_choice("is_correction_gating", is_correction_gating, IS_CORRECTION_GATINGS)
-        if is_correction_mode == "clip" and (is_correction_level == "seq" or is_correction_gating != "ratio"):
-            raise ValueError(
-                "is_correction_mode='clip' clamps a per-token ratio: it needs is_correction_level='token'"
-                f" and is_correction_gating='ratio', got {is_correction_level!r} and "
-                f"{is_correction_gating!r}"
+        # the correction's options, checked and computed in the core (rollout_correction.OpenRLHFCorrection), where
+        # a GRPOLoss call takes them too
+        self.correction = (
+            None
+            if is_correction_level == "off"
+            else OpenRLHFCorrection(
+                is_correction_level, is_correction_mode, is_correction_gating, tuple(is_correction_threshold)
             )
-        if len(is_correction_threshold) != 2:
-            raise ValueError(f"is_correction_threshold must be (low, high), got {tuple(is_correction_threshold)!r}")
-        if is_correction_gating != "ratio" and is_correction_level != "off" and is_correction_threshold[0] > 0:
-            raise ValueError(
-                f"is_correction_gating={is_correction_gating!r} bounds a divergence from above only: "
-                f"the threshold's low must be 0, got {tuple(is_correction_threshold)!r}"
-            )
+        )
         self.clip_eps_low, self.clip_eps_high, self.dual_clip = clip_eps_low, clip_eps_high, dual_clip
         self.policy_loss_type = policy_loss_type
         self.token_level_loss = token_level_loss and policy_loss_type != "gspo"  # GSPO: the per-sample mean
@@ -207,15 +163,9 @@ class PolicyLoss(nn.Module):
         old = rollout_log_probs if gspo and correcting else old_log_probs
         weight = vllm_kl = is_filter_ratio = None
         if correcting and not gspo:
-            weight, is_filter_ratio, vllm_kl = rollout_correction(
-                old_log_probs,
-                rollout_log_probs,
-                mask,
-                self.is_correction_level,
-                self.is_correction_mode,
-                self.is_correction_gating,
-                self.is_correction_threshold,
-            )
+            correction = self.correction.compute(old_log_probs.detach(), rollout_log_probs.detach(), mask)
+            weight = correction.weights
+            is_filter_ratio, vllm_kl = correction.metrics["is_filter_ratio"], correction.metrics["vllm_kl"]
         terms = per_token_terms(log_probs, mask, advantages, old.detach(), None, weight, self.options)
         loss = aggregate_loss(
             terms.per_token_loss, mask, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size
