@@ -423,6 +423,33 @@ def test_the_specification_applies_the_correction_as_the_fast_paths(correction, 
     _assert_metrics(expected.metrics, actual.metrics)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("correction", ["decoupled_seq_is_rs", "sequence_truncate", "bypass_ppo_clip_geo_rs"])
+def test_bf16_logits_are_the_specification_within_their_rounding(correction, backend):
+    """bf16 logits: the corrected loss and metrics as the fp32 specification on the same values, the bf16 gradient
+    within two of its ulps. (In bypass mode the rejection reads this call's log-probs: fp32 from the bf16 inputs on
+    both sides, so the same tokens are rejected.)"""
+    logits, ids, mask, adv, old, sampling = _logits_batch(seed=9)
+    bypass = correction.startswith("bypass")
+    if bypass:  # the sampler within the bypass thresholds on some rows
+        noise = ROW_SCALE[:, None] * torch.randn(mask.shape, generator=torch.Generator().manual_seed(4))
+        sampling = (_their_logps(logits.bfloat16().float(), ids, mask) + noise) * mask
+    options = GRPOOptions(loss_type="dapo", rollout_correction=correction)
+    inputs = dict(old_logps=None if bypass else old, sampling_logps=sampling, options=options)
+    half = logits.bfloat16().requires_grad_()
+    full = half.detach().float().requires_grad_()
+    expected = grpo_loss_reference(full, ids, mask, adv, **inputs)
+    actual = grpo_loss(half, ids, mask, adv, backend=backend, **inputs)
+    expected.loss.backward()
+    actual.loss.backward()
+    assert half.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(actual.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(half.grad.float(), full.grad, atol=1e-4, rtol=2 * 2**-8)
+    _assert_metrics(expected.metrics, actual.metrics)
+    if "rs" in correction:
+        assert 0 < float(actual.metrics["rollout_corr/rollout_rs_masked_fraction"]) < 1, "the rejection binds"
+
+
 # ---- the input forms and layouts -----------------------------------------------------------------------------------
 
 
