@@ -80,7 +80,11 @@ def as_row_column(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def kl_term(lp: torch.Tensor, ref: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate, before multiplying by beta."""
+    """Per-token KL(pi || pi_ref) estimate, before multiplying by beta. A "+" estimator (verl's straight-through
+    ``k3+``, ``k1+``) has the estimate's value and k2's gradient, log pi - log pi_ref, unclamped."""
+    if opts.kl_estimator.endswith("+"):
+        k2 = 0.5 * (lp - ref) ** 2
+        return k2 - k2.detach() + kl_term(lp, ref, opts.replace(kl_estimator=opts.kl_estimator[:-1])).detach()
     if opts.kl_estimator == "k3":
         x = ref - lp
         if opts.log_ratio_clamp is not None:

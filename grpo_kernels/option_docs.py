@@ -104,7 +104,11 @@ LOSS_OPTION_DOCS = (
     (
         ("kl_estimator",),
         '`"k3"`',
-        "`k3` = exp(r) - r - 1 with r = ref - logp (unbiased, >= 0); `k1` = logp - ref; `k2` = (logp - ref)^2 / 2",
+        (
+            "`k3` = exp(r) - r - 1 with r = ref - logp (unbiased, >= 0); `k1` = logp - ref; `k2` = (logp - ref)^2 / "
+            "2; `k3+`, `k1+`: verl's straight-through `low_var_kl+` / `k1+`, the estimate's value with k2's gradient "
+            "(logp - ref, unclamped)"
+        ),
     ),
     (
         ("log_ratio_clamp",),

@@ -120,7 +120,7 @@ TOKEN_COUNT_LOSS_TYPES = tuple(n for n, t in LOSS_TYPE_REGISTRY.items() if t.tak
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 # Where Clip-Cov and KL-Cov pick their tokens: over every process's batch, or each call's own (verl's, per micro-batch)
 COVARIANCE_SELECTIONS = ("batch", "micro_batch")
-KL_ESTIMATORS = ("k3", "k1", "k2")
+KL_ESTIMATORS = ("k3", "k1", "k2", "k3+", "k1+")  # "+": the value with k2's gradient (verl's straight-through)
 # How the entropy bonus is divided: "token_mean", TRL's mean over its tokens; "loss", as the loss is (a token-count
 # loss type's normalizer: OpenRLHF's aggregate_loss of the entropy with its global batch_num_tokens and dp_size)
 ENTROPY_REDUCTIONS = ("token_mean", "loss")
@@ -393,7 +393,7 @@ class GRPOOptions:
                         f"preset={preset!r} takes {name} in {list(allowed)}, got {value!r}: {preset} "
                         f"reduces that loss otherwise than any loss_type here. For {limits['instead']}"
                     )
-        if preset == "verl" and options["kl_estimator"] != "k3" and "kl_clamp" not in overrides:
+        if preset == "verl" and options["kl_estimator"].rstrip("+") != "k3" and "kl_clamp" not in overrides:
             options["kl_clamp"] = None  # verl clamps only its k3 ("low_var_kl")
         if preset == "trl" and "use_bias_correction_kl" not in overrides:
             # TRL 1.16's default (use_bias_correction_kl=True) multiplies its KL term by the ratio; no KL term, nothing
@@ -431,7 +431,13 @@ class GRPOOptions:
         return cls(**{**options, **overrides})
 
 
-_KL_KINDS = {"k3": contracts.KL_K3, "k1": contracts.KL_K1, "k2": contracts.KL_K2}
+_KL_KINDS = {
+    "k3": contracts.KL_K3,
+    "k1": contracts.KL_K1,
+    "k2": contracts.KL_K2,
+    "k3+": contracts.KL_K3,
+    "k1+": contracts.KL_K1,
+}
 
 # Other trainers' names for our options (an unknown option names ours: ``check_option_names``)
 OPTION_ALIASES = {
@@ -544,6 +550,7 @@ def _kernel_loss(o: GRPOOptions) -> contracts.KernelLoss:
             | contracts.LOSS_FLAG_LOG_RATIO_CLAMP * (o.log_ratio_clamp is not None)
             | contracts.LOSS_FLAG_KL_CLAMP * (o.kl_clamp is not None)
             | contracts.LOSS_FLAG_BIAS_CORRECTION_KL * bool(o.use_bias_correction_kl)
+            | contracts.LOSS_FLAG_KL_STRAIGHT_THROUGH * o.kl_estimator.endswith("+")
         ),
     }
     return contracts.KernelLoss(

@@ -107,15 +107,21 @@ def _clamp(x: torch.Tensor, bound: float | None) -> torch.Tensor:
 
 
 def _kl(seq: _Sequence, opts: GRPOOptions) -> torch.Tensor:
-    """The estimate of KL(pi || pi_ref) at each token, before beta."""
-    if opts.kl_estimator == "k3":
+    """The estimate of KL(pi || pi_ref) at each token, before beta; "k3+" / "k1+" (verl's straight-through): the
+    estimate's value with the gradient of (lp - ref)^2 / 2."""
+    estimator = opts.kl_estimator.rstrip("+")
+    if estimator == "k3":
         x = _clamp(seq.ref - seq.lp, opts.log_ratio_clamp)
         kl = torch.exp(x) - x - 1
-    elif opts.kl_estimator == "k1":
+    elif estimator == "k1":
         kl = seq.lp - seq.ref
     else:
         kl = (seq.lp - seq.ref) ** 2 / 2
-    return _clamp(kl, opts.kl_clamp)
+    kl = _clamp(kl, opts.kl_clamp)
+    if opts.kl_estimator.endswith("+"):
+        half_square = (seq.lp - seq.ref) ** 2 / 2
+        kl = kl.detach() + (half_square - half_square.detach())
+    return kl
 
 
 def _vespo_phi(seq: _Sequence, opts: GRPOOptions) -> torch.Tensor:

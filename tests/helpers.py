@@ -85,6 +85,8 @@ OPTION_CASES = {
     "kl_k1": dict(beta=0.1, kl_estimator="k1"),
     "kl_k2": dict(beta=0.1, kl_estimator="k2"),
     "kl_k3_clamped_verl": dict(beta=0.1, log_ratio_clamp=0.5, kl_clamp=0.02),
+    "kl_k3_straight_through_clamped": dict(beta=0.1, kl_estimator="k3+", log_ratio_clamp=0.5, kl_clamp=0.02),
+    "kl_k1_straight_through": dict(beta=0.1, kl_estimator="k1+"),
     "kl_k2_clamped": dict(beta=0.1, kl_estimator="k2", kl_clamp=0.01),
     "bias_corrected_kl": dict(beta=0.1, use_bias_correction_kl=True),
     "bias_corrected_kl_sequence": dict(beta=0.1, use_bias_correction_kl=True, importance_sampling_level="sequence"),

@@ -61,6 +61,8 @@ VERL_FLAGS = {  # (our overrides, verl's actor config and KL loss)
     "defaults": ({}, dict(), None),
     "low_var_kl": (dict(beta=0.01), dict(), "low_var_kl"),
     "k1 KL": (dict(beta=0.01, kl_estimator="k1"), dict(), "kl"),
+    "low_var_kl+": (dict(beta=0.01, kl_estimator="k3+"), dict(), "low_var_kl+"),
+    "k1+": (dict(beta=0.01, kl_estimator="k1+"), dict(), "k1+"),
     "k2 KL": (dict(beta=0.01, kl_estimator="k2"), dict(), "mse"),
     "clip-higher": (dict(epsilon=0.2, epsilon_high=0.28), dict(clip_ratio_low=0.2, clip_ratio_high=0.28), None),
     "dual-clip 10": (dict(dual_clip=10.0), dict(clip_ratio_c=10.0), None),

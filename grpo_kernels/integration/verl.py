@@ -502,10 +502,9 @@ def kl_loss(
         )
     estimator = VERL_KL[base]
     clamps = dict(log_ratio_clamp=20.0, kl_clamp=10.0) if estimator == "k3" else {}
+    if straight_through and estimator != "k2":  # k2's own gradient already: mse+ is mse
+        estimator += "+"
     kl = kl_term(log_prob, ref_log_prob, GRPOOptions(kl_estimator=estimator, **clamps))
-    if straight_through and estimator != "k2":
-        k2 = 0.5 * (log_prob - ref_log_prob).square()
-        kl = k2 - k2.detach() + kl.detach()
     return aggregate(kl, response_mask, loss_agg_mode, **global_batch_info)
 
 

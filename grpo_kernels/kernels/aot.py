@@ -192,7 +192,8 @@ LOSS_OPTIONS = {
     ),
     "ppo+k1": GRPOOptions(beta=0.04, kl_estimator="k1"),
     "ppo+k2+kl_clamp": GRPOOptions(beta=0.04, kl_estimator="k2", kl_clamp=10.0),
-    "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
+    # k3's straight-through form (verl's "k3+") here: one specialization fewer than a case of its own
+    "cispo+k3+": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0, kl_estimator="k3+"),
     "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04),
 }
 
@@ -424,7 +425,7 @@ def fused_linear_launches() -> Iterator[tuple[str, Callable[[], None]]]:
     opts = {
         "logprobs": None,
         "ppo+old+iw+k3+bias_kl": GRPOOptions(beta=0.04, use_bias_correction_kl=True),
-        "cispo+k3": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0),
+        "cispo+k3+": GRPOOptions(loss_type="cispo", beta=0.04, epsilon_high=5.0, kl_estimator="k3+"),
         "sapo+k3": GRPOOptions(loss_type="sapo", beta=0.04),
     }
 

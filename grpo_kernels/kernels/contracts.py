@@ -72,6 +72,7 @@ LOSS_FLAG_DUAL_CLIP = 2  # verl / OpenRLHF's bound on negative advantages' loss
 LOSS_FLAG_LOG_RATIO_CLAMP = 4  # clamp the log-ratio (and k3's exponent)
 LOSS_FLAG_KL_CLAMP = 8  # clamp the per-token KL
 LOSS_FLAG_BIAS_CORRECTION_KL = 16  # the KL term times the importance ratio
+LOSS_FLAG_KL_STRAIGHT_THROUGH = 32  # the KL estimate's value with k2's gradient, log pi - log pi_ref (verl's "k3+")
 
 # Bits of the int8 flags output, read by the clip-ratio metrics.
 FLAG_LOW_CLIPPED = 1

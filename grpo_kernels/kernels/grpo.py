@@ -48,6 +48,7 @@ from .contracts import (  # noqa: E402,F401
     LOSS_FLAG_DELTA,
     LOSS_FLAG_DUAL_CLIP,
     LOSS_FLAG_KL_CLAMP,
+    LOSS_FLAG_KL_STRAIGHT_THROUGH,
     LOSS_FLAG_LOG_RATIO_CLAMP,
     LOSS_NONE,
     LOSS_PPO_CLIP,
@@ -68,6 +69,7 @@ C_LOSS_FLAG_DUAL_CLIP = tl.constexpr(LOSS_FLAG_DUAL_CLIP)
 C_LOSS_FLAG_LOG_RATIO_CLAMP = tl.constexpr(LOSS_FLAG_LOG_RATIO_CLAMP)
 C_LOSS_FLAG_KL_CLAMP = tl.constexpr(LOSS_FLAG_KL_CLAMP)
 C_LOSS_FLAG_BIAS_CORRECTION_KL = tl.constexpr(LOSS_FLAG_BIAS_CORRECTION_KL)
+C_LOSS_FLAG_KL_STRAIGHT_THROUGH = tl.constexpr(LOSS_FLAG_KL_STRAIGHT_THROUGH)
 
 RUNTIME_INTS = ["T", "V", "N", "stride_b", "stride_t", "grad_stride_b", "grad_stride_t"]
 
@@ -328,6 +330,7 @@ def token_loss_and_grad(
     HAS_LOG_RATIO_CLAMP: tl.constexpr = (C_LOSS_FLAG_LOG_RATIO_CLAMP & LOSS_FLAGS) != 0
     HAS_KL_CLAMP: tl.constexpr = (C_LOSS_FLAG_KL_CLAMP & LOSS_FLAGS) != 0
     BIAS_CORRECTION_KL: tl.constexpr = (C_LOSS_FLAG_BIAS_CORRECTION_KL & LOSS_FLAGS) != 0
+    KL_STRAIGHT_THROUGH: tl.constexpr = (C_LOSS_FLAG_KL_STRAIGHT_THROUGH & LOSS_FLAGS) != 0
     HAS_OLD: tl.constexpr = old is not None
     HAS_KL: tl.constexpr = ref is not None
     HAS_IW: tl.constexpr = iw is not None
@@ -382,6 +385,8 @@ def token_loss_and_grad(
     kl = zero
     if HAS_KL:
         kl, dkl = _kl_with_grad(logp, ref, log_ratio_clamp, kl_clamp, KL_KIND, HAS_LOG_RATIO_CLAMP, HAS_KL_CLAMP)
+        if KL_STRAIGHT_THROUGH:  # the estimate's value, k2's gradient (the KL's own in expectation), unclamped
+            dkl = logp - ref
         if BIAS_CORRECTION_KL:  # KL * coef_1 (the ratio before delta's cap, as in TRL)
             coef_1_kl = tl.exp(log_ratio)
             dkl = dkl * coef_1_kl + kl * coef_1_kl * dlog_ratio
