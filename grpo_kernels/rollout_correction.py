@@ -93,11 +93,9 @@ class VerlRolloutCorrection:
                 "of this loss: use the verl adapter's loss_mode 'grpo_kernels_bypass_mode', or loss_type='ppo_clip'"
             )
         if self.rollout_is is not None:
-            is_threshold(self.rollout_is_threshold)  # checked once, here
+            is_threshold(self.rollout_is_threshold)  # a bad threshold is refused here, not at the first call
         if self.rollout_rs is not None:
             rs_thresholds(rs_options(self.rollout_rs), self.rollout_rs_threshold)
-        if self.rollout_is is None and self.rollout_rs is None and not self.bypass_mode:
-            pass  # verl's "metrics only": the diagnostics, no weight and no rejection
 
     @classmethod
     def from_preset(cls, name: str, **arguments) -> VerlRolloutCorrection:
