@@ -150,6 +150,28 @@ class VerlRolloutCorrection:
         )
 
 
+def _rejecting(rollout_is, rollout_rs, rs_default, **fixed):
+    """A preset that rejects by ``rollout_rs`` (threshold argument ``rs_threshold``), weighting at the level
+    ``rollout_is`` (argument ``is_threshold``, 2.0) or not at all (None)."""
+    if rollout_is is None:
+        return (
+            lambda rs_threshold: dict(
+                rollout_is=None, rollout_rs=rollout_rs, rollout_rs_threshold=rs_threshold, **fixed
+            ),
+            {"rs_threshold": rs_default},
+        )
+    return (
+        lambda is_threshold, rs_threshold: dict(
+            rollout_is=rollout_is,
+            rollout_is_threshold=is_threshold,
+            rollout_rs=rollout_rs,
+            rollout_rs_threshold=rs_threshold,
+            **fixed,
+        ),
+        {"is_threshold": 2.0, "rs_threshold": rs_default},
+    )
+
+
 def _verl_presets() -> dict:
     """verl 0.9.1's ``RolloutCorrectionConfig`` presets: name -> (fields from arguments, the arguments' defaults)."""
     geo, k3 = "0.999_1.001", 0.01
@@ -169,72 +191,16 @@ def _verl_presets() -> dict:
             ),
             {"threshold": 5.0, "threshold_lower": 0.5},
         ),
-        "decoupled_seq_is_rs": (
-            lambda is_threshold, rs_threshold: dict(
-                rollout_is="sequence",
-                rollout_is_threshold=is_threshold,
-                rollout_rs="seq_sum_k1",
-                rollout_rs_threshold=rs_threshold,
-            ),
-            {"is_threshold": 2.0, "rs_threshold": "0.5_2.0"},
-        ),
-        "decoupled_geo_rs": (
-            lambda rs_threshold: dict(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold),
-            {"rs_threshold": geo},
-        ),
-        "decoupled_geo_rs_seq_tis": (
-            lambda is_threshold, rs_threshold: dict(
-                rollout_is="sequence",
-                rollout_is_threshold=is_threshold,
-                rollout_rs="seq_mean_k1",
-                rollout_rs_threshold=rs_threshold,
-            ),
-            {"is_threshold": 2.0, "rs_threshold": geo},
-        ),
-        "decoupled_geo_rs_token_tis": (
-            lambda is_threshold, rs_threshold: dict(
-                rollout_is="token",
-                rollout_is_threshold=is_threshold,
-                rollout_rs="seq_mean_k1",
-                rollout_rs_threshold=rs_threshold,
-            ),
-            {"is_threshold": 2.0, "rs_threshold": geo},
-        ),
-        "decoupled_k3_rs": (
-            lambda rs_threshold: dict(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold),
-            {"rs_threshold": k3},
-        ),
-        "decoupled_k3_rs_seq_tis": (
-            lambda is_threshold, rs_threshold: dict(
-                rollout_is="sequence",
-                rollout_is_threshold=is_threshold,
-                rollout_rs="seq_mean_k3",
-                rollout_rs_threshold=rs_threshold,
-            ),
-            {"is_threshold": 2.0, "rs_threshold": k3},
-        ),
-        "decoupled_k3_rs_token_tis": (
-            lambda is_threshold, rs_threshold: dict(
-                rollout_is="token",
-                rollout_is_threshold=is_threshold,
-                rollout_rs="seq_mean_k3",
-                rollout_rs_threshold=rs_threshold,
-            ),
-            {"is_threshold": 2.0, "rs_threshold": k3},
-        ),
+        "decoupled_seq_is_rs": _rejecting("sequence", "seq_sum_k1", "0.5_2.0"),
+        "decoupled_geo_rs": _rejecting(None, "seq_mean_k1", geo),
+        "decoupled_geo_rs_seq_tis": _rejecting("sequence", "seq_mean_k1", geo),
+        "decoupled_geo_rs_token_tis": _rejecting("token", "seq_mean_k1", geo),
+        "decoupled_k3_rs": _rejecting(None, "seq_mean_k3", k3),
+        "decoupled_k3_rs_seq_tis": _rejecting("sequence", "seq_mean_k3", k3),
+        "decoupled_k3_rs_token_tis": _rejecting("token", "seq_mean_k3", k3),
         "bypass_ppo_clip": (lambda: dict(rollout_is=None, bypass_mode=True), {}),
-        "bypass_ppo_clip_geo_rs": (
-            lambda rs_threshold: dict(
-                rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True
-            ),
-            {"rs_threshold": geo},
-        ),
-        "bypass_ppo_clip_k3_rs": (
-            lambda rs_threshold: dict(
-                rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True
-            ),
-            {"rs_threshold": k3},
-        ),
+        "bypass_ppo_clip_geo_rs": _rejecting(None, "seq_mean_k1", geo, bypass_mode=True),
+        "bypass_ppo_clip_k3_rs": _rejecting(None, "seq_mean_k3", k3, bypass_mode=True),
     }
 
 
