@@ -33,6 +33,8 @@ from typing import ClassVar
 
 import torch
 
+from .families import _summed  # a sum over every process of torch.distributed's default group
+
 # verl's bound on a log-ratio before exp (``rollout_corr_helper.SAFETY_BOUND``)
 SAFETY_BOUND = 20.0
 _MEAN_EPS = 1e-8  # verl's masked mean adds it to the count
@@ -308,15 +310,10 @@ def _rows_stats(values, valid):
     return mean, std, values.masked_fill(~valid, float("-inf")).max(), values.masked_fill(~valid, float("inf")).min()
 
 
-def _distributed_mean(values, mask):
-    """verl's ``distributed_masked_mean``: the mean over every process's masked values (torch.distributed's default
-    group), or this process's where none is initialized."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    totals = torch.stack([(values * mask).sum(), mask.sum()])
-    dist.all_reduce(totals)
+def _batch_mean(values, mask):
+    """The mean of the masked values over every process (torch.distributed's default group; this process's alone
+    without one), as verl's batch normalization takes it (``distributed_masked_mean``)."""
+    totals = _summed(torch.stack([(values * mask).sum(), mask.sum()]), batch=True)
     return totals[0] / totals[1]
 
 
@@ -338,15 +335,11 @@ def _verl_weights(log_ratio, mask, level, threshold, batch_normalize):
     if lower is not None:
         metrics["rollout_is_oob_ratio"] = _masked_mean(((raw < lower) | (raw > upper)).float(), mask)
     weights = weights.detach()
-    if batch_normalize:
+    if batch_normalize:  # per token: over every token; per sequence: over the rows' weights, one a row with tokens
         if level == "token":
-            mean = _distributed_mean(weights, mask)
-            mean = _masked_mean(weights, mask) if mean is None else mean
+            mean = _batch_mean(weights, mask)
         else:
-            row_weights = _masked_mean(weights, mask, -1)
-            rows = (mask.sum(-1) > 0).to(weights.dtype)
-            mean = _distributed_mean(row_weights, rows)
-            mean = (row_weights * rows).sum() / rows.sum().clamp_min(_MEAN_EPS) if mean is None else mean
+            mean = _batch_mean(_masked_mean(weights, mask, -1), (mask.sum(-1) > 0).to(weights.dtype))
         usable = mean > _MEAN_EPS
         weights = torch.where(usable, weights / mean, weights)
         metrics["rollout_is_batch_norm_factor"] = torch.where(usable, mean, 1.0)
@@ -441,13 +434,14 @@ def _verl_rs_metrics(option, stat, mask, valid_rows, row_stat, upper, lower, two
     valid = valid_rows.float()
     count = valid.sum().clamp(min=1)
     any_row = valid_rows.any()
+    rows_high = ((rows > upper).float() * valid).sum() / count
+    rows_low = ((rows < lower).float() * valid).sum() / count if two_sided else None
     sequence_level = row_stat is not None
     metrics = {f"{prefix}_mean": _masked_mean(stat, mask)}
     if sequence_level:
         metrics[f"{prefix}_max"] = torch.where(any_row, rows_max, _masked_max(stat, mask))
         metrics[f"{prefix}_min"] = torch.where(any_row, rows_min, _masked_min(stat, mask))
-        high = ((rows > upper).float() * valid).sum() / count
-        low = ((rows < lower).float() * valid).sum() / count if two_sided else rows.new_zeros(())
+        high, low = rows_high, rows_low if two_sided else rows.new_zeros(())
     else:
         metrics[f"{prefix}_max"] = _masked_max(stat, mask)
         metrics[f"{prefix}_min"] = _masked_min(stat, mask)
@@ -466,9 +460,9 @@ def _verl_rs_metrics(option, stat, mask, valid_rows, row_stat, upper, lower, two
     metrics[f"{prefix}_seq_min"] = torch.where(any_row, rows_min, zero)
     deviation = rows.abs().masked_fill(~valid_rows, float("-inf")).max()
     metrics[f"{prefix}_seq_max_deviation"] = torch.where(any_row, deviation, zero)
-    metrics[f"{prefix}_seq_fraction_high"] = ((rows > upper).float() * valid).sum() / count
+    metrics[f"{prefix}_seq_fraction_high"] = rows_high
     if two_sided:
-        metrics[f"{prefix}_seq_fraction_low"] = ((rows < lower).float() * valid).sum() / count
+        metrics[f"{prefix}_seq_fraction_low"] = rows_low
     return metrics
 
 
