@@ -25,6 +25,7 @@ from .kernels.contracts import TokenInputs
 from .objective import GRPOLossOutput, entropy_divisor, loss_from_logps, policy_masks
 from .option_docs import HIDDEN_STATES_KEYWORDS, LOGITS_KEYWORDS, docstring_options
 from .options import BACKENDS, GRPOOptions
+from .rollout_correction import check_call, reads_current
 
 
 def grpo_loss(
@@ -441,8 +442,8 @@ def compute_loss(inputs: LossInputs) -> GRPOLossOutput:
     policy = first_pass = correction = None
     correcting = opts.rollout_correction is not None
     if correcting:
-        check_correction_inputs(inputs)
-    needs_current = correcting and (inputs.old_logps is None or opts.rollout_correction.against_current())
+        check_call(opts.rollout_correction, inputs.sampling_logps, inputs.importance_weights, inputs.old_logps)
+    needs_current = correcting and reads_current(opts.rollout_correction, inputs.old_logps)
     if opts.masks_tokens or needs_current:  # this call's log-probs / entropies first: one more read of the logits
         with torch.no_grad():
             first_pass = source.logprobs(inputs, opts.top_entropy_quantile < 1.0)
@@ -558,27 +559,6 @@ def with_policy_masks(inputs: LossInputs, first_pass) -> PolicyTerms:
     return PolicyTerms(policy_mask.expand_as(mask_seq), None, bonus_mask)
 
 
-def check_correction_inputs(inputs: LossInputs) -> None:
-    """A corrected call's inputs: the sampler's log-probs, no weights of the caller's own, and in bypass mode no
-    old log-probs (the sampler's are the old ones)."""
-    correction = inputs.options.rollout_correction
-    if inputs.sampling_logps is None:
-        raise ValueError(
-            f"rollout_correction={correction!r} needs sampling_logps (the rollout engine's log-probs, shaped as the "
-            "ids), got None"
-        )
-    if inputs.importance_weights is not None:
-        raise ValueError(
-            "importance_weights and rollout_correction both weight the policy term: pass importance_weights=None "
-            "(the correction computes them from sampling_logps), or rollout_correction=None"
-        )
-    if correction.old_is_sampler() and inputs.old_logps is not None:
-        raise ValueError(
-            "rollout_correction in bypass mode takes sampling_logps as the old log-probs: pass old_logps=None, "
-            "got a tensor"
-        )
-
-
 def with_rollout_correction(inputs: LossInputs, first_pass) -> tuple[LossInputs, object]:
     """The call with its rollout correction applied (``rollout_correction.py``): the weights as its importance
     weights, the rejected tokens out of its mask, in bypass mode the sampler's log-probs as the old ones; and the
@@ -587,7 +567,7 @@ def with_rollout_correction(inputs: LossInputs, first_pass) -> tuple[LossInputs,
     policy."""
     correction, L = inputs.options.rollout_correction, inputs.layout
     sampling = L.seq(inputs.sampling_logps).detach().float()
-    if inputs.old_logps is None or correction.against_current():
+    if reads_current(correction, inputs.old_logps):
         old = L.seq(first_pass[0])
     else:
         old = L.seq(inputs.old_logps)

@@ -20,6 +20,7 @@ import torch
 
 from .objective import GRPOLossOutput  # the result's container only, no math
 from .options import GRPOOptions
+from .rollout_correction import check_call, reads_current  # the correction's own checks, shared with the call
 
 
 def head_output(logits: torch.Tensor, logit_scale: float = 1.0, logit_softcap: float | None = None):
@@ -407,17 +408,14 @@ def grpo_loss_reference(
         logits, completion_ids, opts.temperature, opts.logit_scale, opts.logit_softcap
     )
     dtype = lp.dtype
-    correction = None
-    if opts.rollout_correction is not None:  # the trainers' own code is its oracle (tests/test_rollout_correction.py)
-        correction = opts.rollout_correction
-        if sampling_logps is None or importance_weights is not None:
-            raise ValueError("rollout_correction takes sampling_logps and no importance_weights")
-        mask = completion_mask.to(dtype)
-        sampled = sampling_logps.detach().to(dtype)
-        current = lp.detach() if old_logps is None or correction.against_current() else old_logps.to(dtype)
-        correction = correction.compute(current, sampled, mask)
-        completion_mask, importance_weights = correction.mask, correction.weights
-        old_logps = sampling_logps if opts.rollout_correction.old_is_sampler() else old_logps
+    corrected = None
+    correction = opts.rollout_correction
+    if correction is not None:  # the trainers' own code is its oracle (tests/test_rollout_correction.py)
+        check_call(correction, sampling_logps, importance_weights, old_logps)
+        old = lp.detach() if reads_current(correction, old_logps) else old_logps.to(dtype)
+        corrected = correction.compute(old, sampling_logps.detach().to(dtype), completion_mask.to(dtype))
+        completion_mask, importance_weights = corrected.mask, corrected.weights
+        old_logps = sampling_logps if correction.old_is_sampler() else old_logps
     rows = _sequences(
         lp, entropy, completion_mask, advantages, old_logps, ref_logps, importance_weights, sampling_logps, dtype
     )
@@ -440,6 +438,6 @@ def grpo_loss_reference(
         else:
             divisor = torch.clamp(sum(m.sum() for m in bonus_m), min=1.0)
         loss = loss - opts.entropy_coef * total / divisor
-    if correction is not None:
-        metrics.update(correction.metrics)
+    if corrected is not None:
+        metrics.update(corrected.metrics)
     return GRPOLossOutput(loss, metrics, lp.detach())

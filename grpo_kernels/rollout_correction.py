@@ -662,6 +662,35 @@ class OpenRLHFCorrection:
         return Correction(torch.where(mask.bool(), weight.expand_as(old), 0.0), mask, metrics)
 
 
+# ---- A corrected call ---------------------------------------------------------------------------------------------
+
+
+def check_call(correction, sampling_logps, importance_weights, old_logps) -> None:
+    """A corrected call's inputs (the loss call's and the specification's): the sampler's log-probs, no weights of
+    the caller's own, and in bypass mode no old log-probs (the sampler's are the old ones)."""
+    if sampling_logps is None:
+        raise ValueError(
+            f"rollout_correction={correction!r} needs sampling_logps (the rollout engine's log-probs, shaped as the "
+            "ids), got None"
+        )
+    if importance_weights is not None:
+        raise ValueError(
+            "importance_weights and rollout_correction both weight the policy term: pass importance_weights=None "
+            "(the correction computes them from sampling_logps), or rollout_correction=None"
+        )
+    if correction.old_is_sampler() and old_logps is not None:
+        raise ValueError(
+            "rollout_correction in bypass mode takes sampling_logps as the old log-probs: pass old_logps=None, "
+            "got a tensor"
+        )
+
+
+def reads_current(correction, old_logps) -> bool:
+    """Whether the correction compares this call's own log-probs (detached) with the sampler's: without old ones
+    (a single update on fresh samples), or in bypass mode."""
+    return old_logps is None or correction.against_current()
+
+
 # ---- The option's values ------------------------------------------------------------------------------------------
 
 

@@ -155,7 +155,7 @@ class PolicyLoss(nn.Module):
         log_probs, old_log_probs, advantages = log_probs.float(), old_log_probs.float(), advantages.float()
         rollout_log_probs = None if rollout_log_probs is None else rollout_log_probs.float()
         mask = action_mask.float()
-        correcting = self.is_correction_level != "off"
+        correcting = self.correction is not None
         if correcting and rollout_log_probs is None:
             raise ValueError(f"is_correction_level={self.is_correction_level!r} needs rollout_log_probs, got None")
         gspo = self.policy_loss_type == "gspo"
