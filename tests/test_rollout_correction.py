@@ -29,6 +29,9 @@ verl_helper = pytest.importorskip(
     "verl.trainer.ppo.rollout_corr_helper", reason="verl is not installed (pip install --no-deps verl)"
 )
 from verl.trainer.config.algorithm import RolloutCorrectionConfig  # noqa: E402
+from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.workers.config import ActorConfig  # noqa: E402
+from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
 
 LENGTHS = (1, 9, 4, 0, 7, 3, 9, 6)
 T, V = max(LENGTHS), 23
@@ -170,16 +173,16 @@ def _their_logps(logits, ids, mask):
     return torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None])[..., 0] * mask
 
 
-def _actor_config(**policy_loss):
-    from verl.workers.config import ActorConfig
-    from verl.workers.config.actor import PolicyLossConfig
-
+def _actor_config(tokens, **policy_loss):
+    """verl's actor config for our verl preset (symmetric clip 0.2), with one process's global batch of ``tokens``
+    active tokens (the corrected mask's, as verl's trainer counts them)."""
     return ActorConfig(
         strategy="fsdp",
         rollout_n=2,
         ppo_micro_batch_size_per_gpu=1,
         clip_ratio=0.2,
         policy_loss=PolicyLossConfig(**policy_loss),
+        global_batch_info=dict(dp_size=1, batch_num_tokens=float(tokens), global_batch_size=8.0),
     )
 
 
@@ -192,16 +195,12 @@ def test_decoupled_loss_is_verls(preset, backend):
     """verl's decoupled mode: its trainer corrects the batch (weights, rejected tokens out of the response mask),
     its actor runs compute_policy_loss_vanilla on it with the global token count of the corrected mask. Ours in
     one call with the verl preset: the loss, d logits and the correction's metrics."""
-    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
     logits, ids, mask, adv, old, sampling = _logits_batch()
     config = VerlRolloutCorrection.from_preset(preset)
     weights, new_mask, metrics = _verl(config, old, sampling, mask)
     new_mask = new_mask.float()
     assert 0 < new_mask.sum() < mask.sum() or "icepop" in preset, "the rejection binds"
-    actor = _actor_config()
-    object.__setattr__(
-        actor, "global_batch_info", dict(dp_size=1, batch_num_tokens=float(new_mask.sum()), global_batch_size=8.0)
-    )
+    actor = _actor_config(new_mask.sum())
     twin = logits.detach().clone().requires_grad_()
     logits.requires_grad_()
     expected, _ = core_algos.compute_policy_loss_vanilla(
@@ -222,21 +221,14 @@ def test_decoupled_loss_is_verls(preset, backend):
 def test_bypass_loss_is_verls(preset, backend):
     """verl's bypass mode: the sampler's log-probs are the old ones, the rejection compares the current policy
     with them; compute_policy_loss_bypass_mode, token-mean, against our call with old_logps=None."""
-    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
     logits, ids, mask, adv, old, _ = _logits_batch(seed=2)
     noise = ROW_SCALE[:, None] * torch.randn(mask.shape, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():  # a sampler near the current policy, nearer on some rows: verl's thresholds keep some
         sampling = (_their_logps(logits, ids, mask) + noise) * mask
     config = getattr(RolloutCorrectionConfig, preset)()
-    actor = _actor_config(loss_mode="bypass_mode", rollout_correction=config)
     lp = _their_logps(logits.requires_grad_(), ids, mask)
-    with torch.no_grad():
-        _, kept, _ = verl_helper.compute_rollout_correction_and_rejection_mask(
-            lp, sampling, mask, *(getattr(config, f) for f in VERL_FIELDS)
-        )
-    object.__setattr__(
-        actor, "global_batch_info", dict(dp_size=1, batch_num_tokens=float(kept.sum()), global_batch_size=8.0)
-    )
+    _, kept, _ = _verl(VerlRolloutCorrection.from_config(config), lp.detach(), sampling, mask)
+    actor = _actor_config(kept.sum(), loss_mode="bypass_mode", rollout_correction=config)
     if config.rollout_rs is not None:
         assert 0 < kept.sum() < mask.sum(), "the rejection binds"
     expected, metrics = core_algos.compute_policy_loss_bypass_mode(sampling, lp, adv, mask, "token-mean", actor)
