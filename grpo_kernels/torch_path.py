@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .kernels.contracts import fp32_products
+from .kernels.contracts import fp32_products, rounds_head_logits
 
 CHUNK_ELEMENTS = 1 << 21  # 8 MiB of fp32 per temporary
 
@@ -214,7 +214,7 @@ def _chunk_logits(hidden_chunk, weight, bias, inv_temperature, softcap):
     x = hidden_chunk.to(dtype) @ weight.to(dtype).T
     if bias is not None:
         x += bias.to(dtype)
-    if hidden_chunk.dtype in (torch.bfloat16, torch.float16):
+    if rounds_head_logits(hidden_chunk.dtype):
         x = x.to(hidden_chunk.dtype).to(dtype)
     x, slope = capped(x, softcap)
     return x * inv_temperature, slope

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .from_hidden_states import HiddenStatesSource, as_input_grads, flat_f32, linear_logprobs_bwd, linear_logprobs_fwd
 from .from_logits import LogitsSource, logprobs_bwd, logprobs_fwd
+from .kernels.contracts import rounds_head_logits
 from .torch_path import capped
 from .validation import check_token_ids
 
@@ -192,7 +193,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         spurious = torch.where(owned, 0.0, g / ctx.temperature)  # [N]
         if ctx.softcap is not None:
             x0 = hidden.float() @ weight[0].float() + (0.0 if bias is None else bias[0].float())
-            if hidden.dtype in (torch.bfloat16, torch.float16):  # the head's logits are rounded to 16 bits first
+            if rounds_head_logits(hidden.dtype):  # the head's logits are rounded to 16 bits first
                 x0 = x0.to(hidden.dtype).float()
             spurious = spurious * capped(x0, ctx.softcap)[1]
         dh -= spurious.unsqueeze(1) * weight[0].float()

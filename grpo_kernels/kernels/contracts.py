@@ -198,6 +198,13 @@ class LossTokens(NamedTuple):
     reduction: Reduction
 
 
+def rounds_head_logits(dtype: torch.dtype) -> bool:
+    """Whether the fused head rounds h @ W^T + b to its inputs' dtype before the cap and the temperature, as an
+    unfused head in that dtype computes its logits: 16-bit inputs (fp32 ones, head_precision="fp32" among them,
+    have nothing to round). The kernels' ROUND_LOGITS, the torch path's and the vocabulary-parallel head's."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
 def fp32_products(fn):
     """``fn`` with autocast off: its products are meant in fp32 (the lm_head's logits and gradients,
     accumulated in fp32), which an ambient bf16 / fp16 autocast would silently cast down. Both the torch path

@@ -14,7 +14,7 @@ import triton
 from . import fused_linear as FL
 from . import launch as logits_launch  # the 3-product mode runs the logits kernels on each chunk
 from . import tuned
-from .contracts import NO_TOKEN_INPUTS, KernelLoss, OnePassGradient, TokenInputs, fp32_products
+from .contracts import NO_TOKEN_INPUTS, KernelLoss, OnePassGradient, TokenInputs, fp32_products, rounds_head_logits
 from .launch import ForwardResult, allocate_outputs, loss_args, loss_pointer_args, resolved_head
 
 
@@ -84,9 +84,8 @@ def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) ->
         if source:
             cfg.update({k: source[k] for k in tuned.FUSED_LINEAR_KEYS if source.get(k) is not None})
     cfg["UPCAST"] = _interpreted_bf16(dtype)
-    # 16-bit inputs: the logits rounded to their dtype, as an unfused head computes them (the 3-product mode's
-    # cuBLAS logits are; fp32 inputs, head_precision="fp32" among them, have nothing to round)
-    cfg["ROUND_LOGITS"] = dtype in (torch.bfloat16, torch.float16)
+    # the logits rounded to 16-bit inputs' dtype, as an unfused head (and the 3-product mode's cuBLAS) computes them
+    cfg["ROUND_LOGITS"] = rounds_head_logits(dtype)
     if cfg["UPCAST"]:
         cfg["DOT_PRECISION"] = "ieee"
     for key, extent in (("BLOCK_N", N), ("BLOCK_V", V), ("BLOCK_H", H)):
