@@ -26,12 +26,13 @@ from typing import NamedTuple
 import torch
 
 from .kernels.contracts import LossTokens, Sequences, TokenInputs
-from .objective import GRPOLossOutput, as_row_column, kernel_reduction
+from .objective import GRPOLossOutput, as_row_column, kernel_reduction, prompt_divisors
 from .options import GRPOOptions
 from .validation import (
     check_inputs,
     check_logits,
     check_per_token,
+    check_prompt_ids,
     check_token_ids,
     checked_loss_scale,
     resolve_backend,
@@ -204,6 +205,7 @@ class LossInputs(NamedTuple):
     layout: SequenceLayout
     caller_shape: torch.Size | None  # a packed call's ids' shape, which its per-token log-probs take
     vocab_shard: VocabShard | None
+    prompt_ids: torch.Tensor | None = None  # [S], each sequence's prompt (aggregation="prompt_mean")
 
     def as_called(self, out: GRPOLossOutput, seq_layout: bool = False) -> GRPOLossOutput:
         """A packed call's output with its per-token log-probs in the token layout, shaped as its ids (from
@@ -228,7 +230,9 @@ def loss_tokens(inputs: LossInputs, importance_weights, bonus_mask) -> LossToken
         ref_logps=_fp32_tokens(inputs.ref_logps) if o.uses_kl else None,
         importance_weights=L.token_layout(importance_weights) if L.packed else importance_weights,
     )
-    return LossTokens(tokens, L.sequences, kernel_reduction(o, L.S, inputs.normalizer, inputs.loss_scale, bonus))
+    divisors = None if inputs.prompt_ids is None else prompt_divisors(inputs.mask_seq, inputs.prompt_ids)
+    reduction = kernel_reduction(o, L.S, inputs.normalizer, inputs.loss_scale, bonus, divisors)
+    return LossTokens(tokens, L.sequences, reduction)
 
 
 def _fp32_tokens(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -302,6 +306,7 @@ def prepare_inputs(
     cu_seqlens=None,
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
+    prompt_ids=None,
 ) -> LossInputs:
     """A loss call's ``LossInputs``, every input checked (see ``grpo_loss`` for the arguments). ``source`` is a
     ``from_logits.LogitsSource`` or a ``from_hidden_states.HiddenStatesSource``."""
@@ -348,6 +353,7 @@ def prepare_inputs(
     )
     if sampling is not None:
         check_per_token("sampling_logps", sampling, shape, device, allow_row=False)
+    check_prompt_ids(prompt_ids, layout.S if layout else shape[0], device, options, packed=layout is not None)
     backend = resolve_backend(backend, source.tensor)
     source.check_call(backend, sharded)
     if sharded:
@@ -376,6 +382,7 @@ def prepare_inputs(
         layout,
         caller_shape,
         shard,
+        prompt_ids,
     )
 
 

@@ -49,6 +49,7 @@ def grpo_loss(
     cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
+    prompt_ids: torch.Tensor | None = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
@@ -68,6 +69,11 @@ def grpo_loss(
     ``sampling_logps`` [B, T] (the sampler's log-probs, e.g. vLLM's) feed the off-policy mask
     (``off_policy_mask_threshold``; without them it uses ``old_logps``, as TRL does) and the
     ``rollout_correction`` (``rollout_correction.py``: verl's, TRL's or OpenRLHF's weights and rejections).
+
+    ``prompt_ids`` [B] (a packed call's [S]), integers: each sequence's prompt, for ``aggregation="prompt_mean"``
+    (SkyRL's prompt mean: each prompt's token mean, then the mean over the call's prompts). A prompt's sequences
+    belong in one call; a step whose prompts span several calls passes ``loss_scale`` = this call's prompts / the
+    step's (times the trainer's own scale) for the step's prompt mean.
 
     With ``drop_last_position=True``, ``logits`` is [B, T + 1, V], as a causal LM returns them
     with ``logits_to_keep = T + 1``: the last position predicts no completion token, is never
@@ -101,6 +107,7 @@ def grpo_loss(
             cu_seqlens=cu_seqlens,
             vocab_parallel_group=vocab_parallel_group,
             vocab_start_index=vocab_start_index,
+            prompt_ids=prompt_ids,
         )
     )
 
@@ -127,6 +134,7 @@ def fused_linear_grpo_loss(
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
     head_precision: str = "input",
+    prompt_ids: torch.Tensor | None = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
@@ -169,6 +177,7 @@ def fused_linear_grpo_loss(
             cu_seqlens=cu_seqlens,
             vocab_parallel_group=vocab_parallel_group,
             vocab_start_index=vocab_start_index,
+            prompt_ids=prompt_ids,
         )
     )
 
@@ -530,6 +539,7 @@ def loss_in_torch(inputs: LossInputs, logp, entropy, policy: PolicyTerms) -> GRP
         inputs.loss_scale,
         policy.bonus_mask,
         policy.policy_mask,
+        inputs.prompt_ids,
     )
     return inputs.as_called(out, seq_layout=True)
 
@@ -651,6 +661,7 @@ class _LossModule(nn.Module):
         loss_scale,
         sampling_logps,
         cu_seqlens,
+        prompt_ids,
     ) -> GRPOLossOutput:
         return compute_loss(
             prepare_inputs(
@@ -670,6 +681,7 @@ class _LossModule(nn.Module):
                 cu_seqlens=cu_seqlens,
                 vocab_parallel_group=self.vocab_parallel_group,
                 vocab_start_index=self.vocab_start_index,
+                prompt_ids=prompt_ids,
             )
         )
 
@@ -681,7 +693,7 @@ class GRPOLoss(_LossModule):
 
     Call: ``loss_fn(logits, completion_ids, completion_mask, advantages, old_logps=None,
     ref_logps=None, importance_weights=None, normalizer=None, loss_scale=1.0, sampling_logps=None,
-    cu_seqlens=None)``
+    cu_seqlens=None, prompt_ids=None)``
 
     - logits [B, T, V] (fp32 / bf16 / fp16; a view with unit last stride is read in place), or
       [B, T + 1, V] as the model returns them with ``drop_last_position=True`` (the last
@@ -691,6 +703,7 @@ class GRPOLoss(_LossModule):
     - advantages [B] or [B, T]; old_logps [B, T] or None (on-policy, ratio 1);
       ref_logps [B, T] when beta > 0; importance_weights [B], [B, 1] or [B, T]
     - normalizer: token count for dapo / cispo / vespo (default: local active tokens)
+    - prompt_ids [B] integers: each row's prompt, for ``aggregation="prompt_mean"``
 
     Returns ``GRPOLossOutput(loss, metrics, per_token_logps)``. Per-step values may change
     between calls (``loss_fn.update(beta=0.02)``) without recompiling a kernel.
@@ -738,6 +751,7 @@ class GRPOLoss(_LossModule):
         loss_scale=1.0,
         sampling_logps=None,
         cu_seqlens=None,
+        prompt_ids=None,
     ) -> GRPOLossOutput:
         source = LogitsSource(
             logits,
@@ -757,6 +771,7 @@ class GRPOLoss(_LossModule):
             loss_scale,
             sampling_logps,
             cu_seqlens,
+            prompt_ids,
         )
 
 
@@ -768,8 +783,8 @@ class FusedLinearGRPOLoss(_LossModule):
     Same options and outputs as ``GRPOLoss``; call with
     ``(hidden_states [B, T, H], weight [V, H], completion_ids, completion_mask, advantages,
     old_logps=None, ref_logps=None, importance_weights=None, normalizer=None, bias=None,
-    loss_scale=1.0, sampling_logps=None, cu_seqlens=None)``. ``lm_head_mode``, ``head_precision``, the effective
-    weight with an adapter on the head, wrapped models: see ``fused_linear_grpo_loss``.
+    loss_scale=1.0, sampling_logps=None, cu_seqlens=None, prompt_ids=None)``. ``lm_head_mode``, ``head_precision``,
+    the effective weight with an adapter on the head, wrapped models: see ``fused_linear_grpo_loss``.
     """
 
     KEYWORDS = HIDDEN_STATES_KEYWORDS
@@ -825,6 +840,7 @@ class FusedLinearGRPOLoss(_LossModule):
         loss_scale=1.0,
         sampling_logps=None,
         cu_seqlens=None,
+        prompt_ids=None,
     ) -> GRPOLossOutput:
         source = HiddenStatesSource(hidden_states, weight, bias, self.lm_head_mode, self.head_precision)
         return self._loss(
@@ -839,6 +855,7 @@ class FusedLinearGRPOLoss(_LossModule):
             loss_scale,
             sampling_logps,
             cu_seqlens,
+            prompt_ids,
         )
 
 

@@ -29,6 +29,7 @@ from .kernels.contracts import (
     CLIP_METRICS_PPO,
     DIVISOR_GIVEN,
     DIVISOR_ROW,
+    DIVISOR_SEQUENCE,
     DIVISOR_TOTAL,
     Reduction,
 )
@@ -206,7 +207,25 @@ def active_token_count(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum().clamp(min=1.0)
 
 
-def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) -> torch.Tensor:
+def prompt_divisors(mask: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
+    """What each sequence's tokens are divided by in the prompt mean (SkyRL's ``loss_reduction="prompt_mean"``), fp32
+    [S]: the call's number of prompts (distinct ``prompt_ids``) times the active tokens of the sequence's prompt, at
+    least 1. ``mask``: [S, T] (the sequence layout). On the device without a host sync (a sort, not ``unique``)."""
+    ids = prompt_ids.reshape(-1)
+    if ids.numel() == 0:
+        return torch.ones(0, device=mask.device, dtype=torch.float32)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    new_prompt = torch.ones_like(sorted_ids, dtype=torch.bool)
+    new_prompt[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    prompt = torch.cumsum(new_prompt, 0) - 1  # each sorted sequence's prompt, 0 to P - 1
+    row_tokens = mask.float().sum(-1)[order]
+    tokens = torch.zeros(ids.numel(), device=mask.device, dtype=torch.float32).index_add_(0, prompt, row_tokens)
+    divisors = torch.empty_like(row_tokens)
+    divisors[order] = (prompt[-1] + 1).float() * tokens[prompt].clamp(min=1.0)
+    return divisors
+
+
+def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None, prompt_ids=None) -> torch.Tensor:
     """Each token's weight in TRL's reductions (without TRL's division by gradient-accumulation steps).
 
     loss = sum over tokens of per_token_loss * weight, for every loss_type:
@@ -214,8 +233,11 @@ def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) ->
     - grpo, sapo: mean over rows of the row's token mean: M / (B * max(|o_i|, 1))
     - bnpo: M / max(sum M, 1);  dr_grpo: M / (B * max_completion_length)
     - dapo, cispo, vespo: M / normalizer (default: local active tokens, at least 1);  luspo: M / B
+    - any loss type with ``aggregation="prompt_mean"``: M / (prompts * max(its prompt's tokens, 1))
     """
-    B, reduction = mask.shape[0], opts.loss.reduction
+    B, reduction = mask.shape[0], opts.reduction
+    if reduction == "prompt_mean":
+        return mask / prompt_divisors(mask, prompt_ids).unsqueeze(-1)
     if reduction == "row_token_mean":
         return mask / (B * mask.sum(-1, keepdim=True).clamp(min=1.0))
     if reduction == "batch_token_mean":
@@ -228,15 +250,23 @@ def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None) ->
 
 
 def kernel_reduction(
-    opts: GRPOOptions, S: int, normalizer, loss_scale, bonus_mask: torch.Tensor | None = None
+    opts: GRPOOptions,
+    S: int,
+    normalizer,
+    loss_scale,
+    bonus_mask: torch.Tensor | None = None,
+    prompt_divisors: torch.Tensor | None = None,
 ) -> Reduction:
     """``reduction_weights`` (times ``loss_scale``) as the token-weights kernel computes them
     (``kernels/reduce.py``), over S sequences.
 
-    ``normalizer``: None, a number or a 0-d tensor (token_count); ``loss_scale``: a float or a 0-d tensor."""
-    kind = opts.loss.reduction
+    ``normalizer``: None, a number or a 0-d tensor (token_count); ``loss_scale``: a float or a 0-d tensor;
+    ``prompt_divisors``: the prompt mean's (``prompt_divisors``, fp32 [S])."""
+    kind = opts.reduction
     divisor_kind, divisor = DIVISOR_GIVEN, 1.0
-    if kind == "row_token_mean":
+    if kind == "prompt_mean":
+        divisor_kind, divisor = DIVISOR_SEQUENCE, prompt_divisors
+    elif kind == "row_token_mean":
         divisor_kind = DIVISOR_ROW
     elif kind == "batch_token_mean" or (kind == "token_count" and normalizer is None):
         divisor_kind = DIVISOR_TOTAL
@@ -261,9 +291,11 @@ def _nonzero(normalizer):
     return normalizer if normalizer != 0 else 1
 
 
-def reduce_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, normalizer=None) -> torch.Tensor:
-    """TRL's reduction of the per-token loss to the scalar loss."""
-    return (per_token_loss * reduction_weights(mask, opts, normalizer)).sum()
+def reduce_loss(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, normalizer=None, prompt_ids=None
+) -> torch.Tensor:
+    """TRL's reduction of the per-token loss to the scalar loss (or the prompt mean: ``reduction_weights``)."""
+    return (per_token_loss * reduction_weights(mask, opts, normalizer, prompt_ids)).sum()
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, per_row: bool = False) -> torch.Tensor:
@@ -329,13 +361,14 @@ def grpo_loss_eager(
     normalizer=None,
     options: GRPOOptions | None = None,
     sampling_logps: torch.Tensor | None = None,
+    prompt_ids: torch.Tensor | None = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The whole GRPO loss from logits [B, T, V] the way an eager trainer computes it: the fp32
     log-softmax materialized ([B, T, V]), then this module's math. The benchmarks' "eager" baseline.
 
     ``sampling_logps`` [B, T]: the sampler's log-probs, for the off-policy mask (default: the old
-    log-probs, else this pass's own, which keeps every row)."""
+    log-probs, else this pass's own, which keeps every row). ``prompt_ids`` [B]: the prompt mean's."""
     opts = options if options is not None else GRPOOptions(**option_kwargs)
     mask = completion_mask.float()
     lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.kernel_temperature, opts.kernel_softcap)
@@ -356,7 +389,7 @@ def grpo_loss_eager(
         opts,
         policy_mask,
     )
-    policy_loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer)
+    policy_loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer, prompt_ids)
     loss = policy_loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts, mask, normalizer)
     metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
     if opts.entropy_coef != 0.0:  # TRL logs the loss before its bonus
@@ -468,11 +501,13 @@ def scaled(x, loss_scale):
     return x if isinstance(loss_scale, float) and loss_scale == 1.0 else x * loss_scale
 
 
-def reduced_loss(per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale, entropy=None, bonus_mask=None):
-    """TRL's reduction of the per-token loss, less the entropy bonus (with ``entropy_coef``, over
+def reduced_loss(
+    per_token_loss, mask, opts: GRPOOptions, normalizer, loss_scale, entropy=None, bonus_mask=None, prompt_ids=None
+):
+    """TRL's reduction of the per-token loss (or the prompt mean), less the entropy bonus (with ``entropy_coef``, over
     ``bonus_mask``'s tokens), times ``loss_scale`` (an O(1) op whose backward only scales the
     O(B * T) per-token gradients)."""
-    loss = reduce_loss(per_token_loss, mask, opts, normalizer)
+    loss = reduce_loss(per_token_loss, mask, opts, normalizer, prompt_ids)
     if opts.entropy_coef != 0.0:
         loss = loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts, mask, normalizer)
     return scaled(loss, loss_scale)
@@ -493,10 +528,19 @@ def neutral_at_masked(t: torch.Tensor | None, active: torch.Tensor, fill: float)
 
 
 def loss_from_logps(
-    logp, entropy, per_token, normalizer, opts: GRPOOptions, loss_scale=1.0, bonus_mask=None, policy_mask=None
+    logp,
+    entropy,
+    per_token,
+    normalizer,
+    opts: GRPOOptions,
+    loss_scale=1.0,
+    bonus_mask=None,
+    policy_mask=None,
+    prompt_ids=None,
 ) -> GRPOLossOutput:
     """The O(B * T) part on differentiable log-probs of the sequence layout: per-token terms, reduction,
-    metrics. ``per_token``: a ``kernels.contracts.TokenInputs`` in the sequence layout (its mask required).
+    metrics. ``per_token``: a ``kernels.contracts.TokenInputs`` in the sequence layout (its mask required);
+    ``prompt_ids`` [S]: the prompt mean's.
 
     ``logp`` (and ``entropy``) are 0 at masked tokens; the per-token inputs get neutral
     values there (ratio 1, KL 0, advantage 0) and are detached: no gradient reaches them.
@@ -513,5 +557,5 @@ def loss_from_logps(
         opts,
         policy_mask,
     )
-    loss = reduced_loss(terms.per_token_loss, mask, opts, normalizer, loss_scale, entropy, bonus_mask)
+    loss = reduced_loss(terms.per_token_loss, mask, opts, normalizer, loss_scale, entropy, bonus_mask, prompt_ids)
     return GRPOLossOutput(loss, loss_metrics(terms, entropy, mask, opts), logp.detach())

@@ -95,6 +95,16 @@ LOSS_OPTION_DOCS = (
         ),
     ),
     (("max_completion_length",), "None", "`dr_grpo`'s constant normalizer (required there)"),
+    (
+        ("aggregation",),
+        '`"loss_type"`',
+        (
+            "how the per-token loss (KL term included) is reduced: `loss_type`, the loss type's own; `prompt_mean`, "
+            "SkyRL's `loss_reduction`: each prompt's token mean, then the mean over the call's prompts (the call's "
+            "`prompt_ids`; a token weighs 1 / (prompts x its prompt's active tokens)), for every loss type and "
+            "backend"
+        ),
+    ),
     (("use_bias_correction_kl",), "False", "KL term multiplied by the importance ratio (TRL)"),
     (
         ("sapo_temperature_pos", "sapo_temperature_neg"),

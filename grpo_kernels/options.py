@@ -124,6 +124,9 @@ KL_ESTIMATORS = ("k3", "k1", "k2", "k3+", "k1+")  # "+": the value with k2's gra
 # How the entropy bonus is divided: "token_mean", TRL's mean over its tokens; "loss", as the loss is (a token-count
 # loss type's normalizer: OpenRLHF's aggregate_loss of the entropy with its global batch_num_tokens and dp_size)
 ENTROPY_REDUCTIONS = ("token_mean", "loss")
+# How the per-token loss is reduced: "loss_type", the loss type's own reduction (``LossType.reduction``);
+# "prompt_mean", SkyRL's: each prompt's token mean, then the mean over the call's prompts (the call's ``prompt_ids``)
+AGGREGATIONS = ("loss_type", "prompt_mean")
 BACKENDS = ("auto", "triton", "torch")
 
 # Each trainer's loss at its own defaults (docs/loss-semantics.md, "Each trainer's conventions"), as GRPOOptions
@@ -228,6 +231,7 @@ class GRPOOptions:
     covariance_selection: str = "batch"
     dro_beta: float | None = None
     cispo_ratio_min: float | None = None
+    aggregation: str = "loss_type"
     # the train / rollout mismatch correction (grpo_kernels.rollout_correction): verl's presets or config, TRL's modes
     rollout_correction: object = None
     # the model's head output transform (grpo_kernels.heads): logits = cap(logit_scale * raw) / temperature
@@ -236,6 +240,8 @@ class GRPOOptions:
 
     # Facts derived from the fields (``_derive_facts``), kept as plain attributes: asked on every call
     loss: ClassVar[LossType]
+    reduction: ClassVar[str]
+    takes_normalizer: ClassVar[bool]
     eps_high: ClassVar[float]
     uses_kl: ClassVar[bool]
     kernel_temperature: ClassVar[float]
@@ -283,11 +289,17 @@ class GRPOOptions:
                 raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length!r}")
         _check_number("entropy_coef", self.entropy_coef)
         _check_choice("entropy_reduction", self.entropy_reduction, ENTROPY_REDUCTIONS)
+        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         if self.entropy_reduction == "loss" and LOSS_TYPE_REGISTRY[self.loss_type].reduction != "token_count":
             counted = [t.name for t in LOSS_TYPE_REGISTRY.values() if t.reduction == "token_count"]
             raise ValueError(
                 f"entropy_reduction='loss' divides the entropy bonus as a token-count loss is: it needs "
                 f"loss_type in {counted}, got loss_type={self.loss_type!r}"
+            )
+        if self.entropy_reduction == "loss" and self.aggregation != "loss_type":
+            raise ValueError(
+                f"entropy_reduction='loss' divides the entropy bonus by the loss type's token count: it needs "
+                f"aggregation='loss_type', got aggregation={self.aggregation!r}"
             )
         _check_number("top_entropy_quantile", self.top_entropy_quantile)
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
@@ -339,6 +351,9 @@ class GRPOOptions:
         see them.
 
         - ``loss``: this loss type's registry entry.
+        - ``reduction``: how the per-token loss is reduced (``objective.reduction_weights``): the loss type's own
+          (``LossType.reduction``), or "prompt_mean" (``aggregation``).
+        - ``takes_normalizer``: the reduction divides by the call's ``normalizer`` (a token-count loss type's own).
         - ``eps_high``: the upper clip (for cispo: the absolute cap on the ratio, as in TRL).
         - ``uses_kl``: the loss has a KL term (beta != 0).
         - ``kernel_temperature``: what the kernels divide the capped raw logits by: the head's scale folded in,
@@ -360,6 +375,8 @@ class GRPOOptions:
         sequence_level = self.importance_sampling_level in ("sequence", "sequence_token")
         facts = dict(
             loss=loss,
+            reduction=loss.reduction if self.aggregation == "loss_type" else self.aggregation,
+            takes_normalizer=loss.takes_normalizer and self.aggregation == "loss_type",
             eps_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
             uses_kl=self.beta != 0.0,
             kernel_temperature=self.temperature / self.logit_scale,
@@ -381,9 +398,15 @@ class GRPOOptions:
     def from_preset(cls, preset: str, **overrides) -> GRPOOptions:
         """A trainer's loss at its defaults ("trl", "verl", "openrlhf"), with ``overrides`` on top. A ``loss_type``
         or ``importance_sampling_level`` whose loss that trainer computes otherwise than one of our reductions is
-        refused, naming what to use instead (``PRESET_LIMITS``)."""
+        refused, naming what to use instead (``PRESET_LIMITS``), as is an ``aggregation`` other than the loss type's."""
         _check_choice("preset", preset, tuple(PRESETS))
         options = {**PRESETS[preset], **overrides}
+        if options.get("aggregation", "loss_type") != "loss_type":
+            raise ValueError(
+                f"preset={preset!r} reduces the loss as {preset}'s loss types do: aggregation must be 'loss_type', "
+                f"got {options['aggregation']!r} ({preset} has no prompt-level aggregation; use GRPOOptions without "
+                "a preset)"
+            )
         limits = PRESET_LIMITS.get(preset)
         if limits is not None:
             for name, allowed in (("loss_type", limits["loss_types"]), ("importance_sampling_level", limits["levels"])):
@@ -462,6 +485,7 @@ OPTION_ALIASES = {
     "kl_penalty": "kl_estimator",
     "kl_loss_type": "kl_estimator",
     "loss_agg_mode": "loss_type",
+    "loss_reduction": "aggregation",
     "max_response_length": "max_completion_length",
     "ppo_kl_coef": "kl_cov_coef",
     "loss_mode": "loss_type",
@@ -481,6 +505,7 @@ CALL_KEYWORDS = (
     "vocab_start_index",
     "lm_head_mode",
     "head_precision",
+    "prompt_ids",
 )
 
 

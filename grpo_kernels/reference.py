@@ -393,6 +393,7 @@ def grpo_loss_reference(
     normalizer=None,
     options: GRPOOptions | None = None,
     sampling_logps: torch.Tensor | None = None,
+    prompt_ids: torch.Tensor | None = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss of logits [B, T, V] for completion ids [B, T], the specification. With ``logit_scale`` or
@@ -401,7 +402,8 @@ def grpo_loss_reference(
     The arguments are ``grpo_loss``'s: ``completion_mask`` [B, T] (a fractional value weights the
     token), ``advantages`` [B] or [B, T], optional old / reference log-probs and rollout importance
     weights ([B] or [B, T]), the token-count ``normalizer`` of dapo / cispo / vespo, the options, and
-    ``sampling_logps`` for the off-policy mask (default: the old log-probs, else this pass's own).
+    ``sampling_logps`` for the off-policy mask (default: the old log-probs, else this pass's own), and
+    ``prompt_ids`` [B], each row's prompt, for ``aggregation="prompt_mean"``.
     """
     opts = options if options is not None else GRPOOptions(**option_kwargs)
     lp, entropy = token_logprobs_and_entropy(
@@ -423,9 +425,15 @@ def grpo_loss_reference(
     chosen = _covariance_choice(rows, opts)
     losses = [_row_loss(s, k, opts, c) for s, k, c in zip(rows, keep, chosen, strict=True)]
 
+    if opts.aggregation == "prompt_mean":  # SkyRL's: each prompt's token mean, then the mean over the prompts
+        prompt_of = [int(i) for i in prompt_ids]
+        tokens = {p: sum(s.m.sum() for s, q in zip(rows, prompt_of, strict=True) if q == p) for p in prompt_of}
+        denominators = [len(tokens) * torch.clamp(tokens[p], min=1.0) for p in prompt_of]
+    else:
+        denominators = [_token_weight_denominator(seq, rows, opts, normalizer) for seq in rows]
     loss = torch.zeros((), dtype=dtype, device=lp.device)
-    for seq, row in zip(rows, losses, strict=True):
-        loss = loss + (row.per_token * seq.m).sum() / _token_weight_denominator(seq, rows, opts, normalizer)
+    for seq, row, denominator in zip(rows, losses, denominators, strict=True):
+        loss = loss + (row.per_token * seq.m).sum() / denominator
     metrics = _metrics(losses, rows, opts)
     if opts.entropy_coef != 0.0:  # TRL's bonus: the mean entropy over the (high-entropy) active tokens
         metrics["policy_loss"] = loss.detach()  # TRL logs the loss before its bonus

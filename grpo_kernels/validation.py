@@ -233,7 +233,13 @@ def check_inputs(
     if opts.uses_kl and ref_logps is None:
         raise ValueError(f"beta={opts.beta} > 0 needs ref_logps [B, T] (the reference model's log-probs), got None")
     if normalizer is not None:
-        if not opts.loss.takes_normalizer:
+        if not opts.takes_normalizer:
+            if opts.loss.takes_normalizer:  # aggregation="prompt_mean" divides by the prompts instead
+                raise ValueError(
+                    f"normalizer is a token-count loss type's; aggregation={opts.aggregation!r} divides by the "
+                    "call's prompts and their tokens instead (a step whose prompts span calls: loss_scale = this "
+                    "call's prompts / the step's)"
+                )
             raise ValueError(
                 f"normalizer is the token count of loss_type in {list(TOKEN_COUNT_LOSS_TYPES)}; "
                 f"loss_type={opts.loss_type!r} does not use it"
@@ -248,6 +254,32 @@ def check_inputs(
         else:  # a Python number: checked at once (a host sync only to count the tokens behind a 0)
             _check_normalizer_value(normalizer, lambda: int(_active_tokens(completion_mask, completion_ids)))
     check_token_ids(completion_ids, shape, device, check_ids, mask=completion_mask, normalizer=normalizer)
+
+
+def check_prompt_ids(prompt_ids, S: int, device, opts: GRPOOptions, packed: bool) -> None:
+    """The call's ``prompt_ids``: each sequence's prompt (any integers; equal ids, one prompt), [S] on the
+    device, given exactly where ``aggregation="prompt_mean"`` reads them."""
+    rows = "sequences (cu_seqlens' S)" if packed else "rows (B)"
+    if opts.aggregation != "prompt_mean":
+        if prompt_ids is not None:
+            raise ValueError(
+                f"prompt_ids group the sequences for aggregation='prompt_mean'; aggregation={opts.aggregation!r} "
+                "does not read them (pass aggregation='prompt_mean', or no prompt_ids)"
+            )
+        return
+    if prompt_ids is None:
+        raise ValueError(
+            f"aggregation='prompt_mean' needs prompt_ids: an integer tensor [{S}] naming each of the {S} {rows}' "
+            "prompt, got None"
+        )
+    if not isinstance(prompt_ids, torch.Tensor):
+        raise TypeError(f"prompt_ids must be an integer torch.Tensor [{S}], got {type(prompt_ids).__name__}")
+    if prompt_ids.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"prompt_ids must hold integers (one id a prompt), got {_describe(prompt_ids)}")
+    if prompt_ids.dim() != 1 or prompt_ids.shape[0] != S:
+        raise ValueError(f"prompt_ids must be [{S}], one id for each of the {S} {rows}, got {_describe(prompt_ids)}")
+    if prompt_ids.device != device:
+        raise ValueError(f"prompt_ids must be on the logits' device {device}, got {_describe(prompt_ids)}")
 
 
 def resolve_backend(backend: str, logits: torch.Tensor) -> str:

@@ -25,3 +25,8 @@ python -c "import deepspeed" >/dev/null 2>&1 || { python -m pip install --quiet 
 ls .cache/wheels/openrlhf-0.11.2-*.whl >/dev/null 2>&1 || \
     python -m pip download --quiet --no-deps "openrlhf==0.11.2" -d .cache/wheels || \
     echo "setup.sh: could not download OpenRLHF's wheel; its parity tests will say so and skip" >&2
+# SkyRL's wheel (0.9 MB), whose prompt-mean reduction and PPO loss the tests run from its files (its package
+# imports Ray and its trainer's config at the top; tests/skyrl_code.py)
+ls .cache/wheels/skyrl-0.3.0-*.whl >/dev/null 2>&1 || \
+    python -m pip download --quiet --no-deps "skyrl==0.3.0" -d .cache/wheels || \
+    echo "setup.sh: could not download SkyRL's wheel; its parity tests will say so and skip" >&2

@@ -12,48 +12,20 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import pathlib
-import subprocess
 import sys
 import types
 import zipfile
 
 import pytest
+from peer_wheels import missing_wheel, peer_wheel
 
 VERSION = "0.11.2"
-WHEELS = pathlib.Path(
-    os.environ.get("GRPO_KERNELS_WHEELS", pathlib.Path(__file__).resolve().parents[1] / ".cache" / "wheels")
-)
 PACKAGE = "openrlhf_wheel_models"  # the name the two files are loaded under (never "openrlhf")
 
 
 def _wheel() -> pathlib.Path | None:
-    found = sorted(WHEELS.glob(f"openrlhf-{VERSION}-*.whl"))
-    if found:
-        return found[0]
-    WHEELS.mkdir(parents=True, exist_ok=True)
-    try:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--quiet",
-                "--no-deps",
-                f"openrlhf=={VERSION}",
-                "-d",
-                str(WHEELS),
-            ],
-            check=True,
-            timeout=300,
-            capture_output=True,
-        )
-    except (subprocess.SubprocessError, OSError):
-        return None
-    found = sorted(WHEELS.glob(f"openrlhf-{VERSION}-*.whl"))
-    return found[0] if found else None
+    return peer_wheel("openrlhf", VERSION)
 
 
 @functools.cache
@@ -94,10 +66,7 @@ def openrlhf_code():
     """(OpenRLHF's ``models.utils``, ``models.loss``) from the wheel, or a skip that says why there is none."""
     code = _load()
     if code is None:
-        pytest.skip(
-            f"OpenRLHF {VERSION}'s wheel is not in {WHEELS} and `pip download --no-deps openrlhf=={VERSION}` "
-            "could not fetch it (no registry): its loss code cannot be run here"
-        )
+        pytest.skip(missing_wheel("openrlhf", VERSION))
     return code.utils, code.loss
 
 

@@ -20,6 +20,7 @@ from grpo_kernels.objective import (
     kernel_reduction,
     masked_mean,
     metric_names,
+    prompt_divisors,
     reduction_weights,
 )
 
@@ -123,6 +124,27 @@ def test_a_packed_batch_takes_its_sequences_from_cu_seqlens(device, loss_type):
     expected = layout.from_seq(reduction_weights(layout.seq(mask), opts))
     _same(w.weight, expected)
     assert torch.equal(w.advantages, per_sequence[layout.sequence_of_token])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_prompt_mean_reads_each_sequences_divisor(device, packed):
+    """``aggregation="prompt_mean"``: each sequence's divisor (prompts x its prompt's tokens, fp32 [S]) read by its
+    program, padded and packed (sequences of 3, 0, 5, 1 and 4 tokens; prompts 9, 2, 9, 2 and 5, not sorted)."""
+    opts = GRPOOptions(aggregation="prompt_mean", entropy_coef=0.03)
+    prompt_ids = torch.tensor([9, 2, 9, 2, 5], device=device)
+    if packed:
+        cu_seqlens = torch.tensor([0, 3, 3, 8, 9, 13], dtype=torch.int32, device=device)
+        layout = SequenceLayout(1, 13, cu_seqlens)
+        mask = (torch.arange(13, device=device) % 4 != 1).float()
+        sequences, mask_seq = layout.sequences, layout.seq(mask)
+    else:
+        mask = _mask(5, 7, seed=2).to(device)
+        sequences, mask_seq = Sequences(5, 7), mask
+    divisors = prompt_divisors(mask_seq, prompt_ids)
+    w = reduce_launch.token_weights(mask, sequences, kernel_reduction(opts, 5, None, 0.5, None, divisors))
+    expected = reduction_weights(mask_seq, opts, prompt_ids=prompt_ids) * 0.5
+    _same(w.weight, layout.from_seq(expected) if packed else expected.view(-1))
+    _same(w.entropy_weight.view(-1), entropy_bonus_weights(mask, opts).view(-1) * 0.5)
 
 
 def test_the_dropped_position_is_zeroed_and_nothing_else_written(device):

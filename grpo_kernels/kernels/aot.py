@@ -505,8 +505,9 @@ def fused_linear_launches() -> Iterator[tuple[str, Callable[[], None]]]:
 
 def reduce_launches() -> Iterator[tuple[str, Callable[[], None]]]:
     """A loss's launches around its logits kernel (``launch.loss_forward``: the token-weights and loss-metrics
-    kernels) for each reduction, per-sequence and per-token inputs, a packed batch, tensor scales and normalizers,
-    the entropy bonus, each policy term's metrics and the dropped position's gradient rows of each dtype."""
+    kernels) for each reduction (the prompt mean's per-sequence divisors among them), per-sequence and per-token
+    inputs, a packed batch, tensor scales and normalizers, the entropy bonus, each policy term's metrics and the
+    dropped position's gradient rows of each dtype."""
     from ..objective import kernel_reduction
 
     rows, V = 1024, 151936
@@ -516,6 +517,7 @@ def reduce_launches() -> Iterator[tuple[str, Callable[[], None]]]:
     cu_seqlens = torch.arange(0, rows + 1, T, dtype=torch.int32)
     cases = {  # name: (options, sequences, normalizer, loss scale, advantages, importance weights, bonus mask)
         "grpo adv-per-row": (GRPOOptions(), Sequences(S, T), None, 1.0, per_row, None, None),
+        "grpo prompt-mean": (GRPOOptions(aggregation="prompt_mean"), Sequences(S, T), None, 1.0, per_row, None, None),
         "dapo normalizer-tensor scale-tensor iw-per-row entropy-bonus": (
             GRPOOptions(loss_type="dapo", beta=0.04, entropy_coef=0.01),
             Sequences(S, T),
@@ -561,7 +563,9 @@ def reduce_launches() -> Iterator[tuple[str, Callable[[], None]]]:
             loss_tokens = LossTokens(
                 TokenInputs(x["mask"], adv, x["old"], x["ref"] if opts.uses_kl else None, iw),
                 sequences,
-                kernel_reduction(opts, S, normalizer, scale, bonus),
+                kernel_reduction(
+                    opts, S, normalizer, scale, bonus, per_row if opts.reduction == "prompt_mean" else None
+                ),
             )
             grad = torch.empty_like(logits)
             yield (

@@ -148,6 +148,7 @@ def reduce_launch_module():
 DIVISOR_ROW = 0  # rows x the token's row's active count, at least 1 (row_token_mean: grpo, sapo)
 DIVISOR_TOTAL = 1  # the batch's active count, at least 1 (batch_token_mean; token_count without a normalizer)
 DIVISOR_GIVEN = 2  # a number the host knows (constant, rows, a number normalizer) or a 0-d tensor normalizer
+DIVISOR_SEQUENCE = 3  # one a sequence, fp32 [S] on the device (the prompt mean: prompts x the prompt's tokens)
 
 # CLIP_METRICS values of the loss-metrics kernel: which clip metrics a policy term logs (options.LossType)
 CLIP_METRICS_NONE = 0  # sapo
@@ -167,9 +168,10 @@ class Sequences(NamedTuple):
 class Reduction(NamedTuple):
     """How a loss reduces its per-token terms, as the token-weights kernel reads it (``objective.reduction_weights``
     times the loss scale; built by ``objective.kernel_reduction``): ``divisor_kind`` a ``DIVISOR_*``; ``divisor``
-    the number (or 0-d tensor) of DIVISOR_GIVEN; ``loss_scale`` a float or a 0-d tensor; ``entropy_coef`` the
-    entropy bonus's (0: none), over ``bonus_mask``'s tokens (fp32 [N]; None: the mask's), divided by their count,
-    or with ``entropy_as_loss`` by the loss's divisor (a token-count loss: OpenRLHF's entropy loss)."""
+    the number (or 0-d tensor) of DIVISOR_GIVEN, the fp32 [S] tensor of DIVISOR_SEQUENCE; ``loss_scale`` a float
+    or a 0-d tensor; ``entropy_coef`` the entropy bonus's (0: none), over ``bonus_mask``'s tokens (fp32 [N]; None:
+    the mask's), divided by their count, or with ``entropy_as_loss`` by the loss's divisor (a token-count loss:
+    OpenRLHF's entropy loss)."""
 
     divisor_kind: int
     divisor: object

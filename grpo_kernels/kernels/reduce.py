@@ -24,12 +24,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .contracts import CLIP_METRICS_NONE, CLIP_METRICS_PPO, DIVISOR_ROW, DIVISOR_TOTAL
+from .contracts import CLIP_METRICS_NONE, CLIP_METRICS_PPO, DIVISOR_ROW, DIVISOR_SEQUENCE, DIVISOR_TOTAL
 from .grpo import C_FLAG_HIGH, C_FLAG_LOW  # the clip flags' bits as the loss kernels write them
 
 # the contracts as the kernels read them (Triton takes module globals only as constexprs)
 C_DIVISOR_ROW = tl.constexpr(DIVISOR_ROW)
 C_DIVISOR_TOTAL = tl.constexpr(DIVISOR_TOTAL)
+C_DIVISOR_SEQUENCE = tl.constexpr(DIVISOR_SEQUENCE)
 C_CLIP_METRICS_NONE = tl.constexpr(CLIP_METRICS_NONE)
 C_CLIP_METRICS_PPO = tl.constexpr(CLIP_METRICS_PPO)
 
@@ -105,8 +106,9 @@ def token_weights_kernel(
       token [N], in any float dtype, written per token in fp32.
     - ``weight_out``: each token's weight in the reduced loss, times the loss scale (``loss_scale``, or the
       0-d tensor at ``loss_scale_ptr``): mask / divisor, the divisor by ``DIVISOR`` (``contracts.DIVISOR_*``):
-      S x the sequence's active count, the batch's active count (each at least 1), or ``divisor`` (the
-      0-d tensor at ``divisor_ptr``, where 0 divides as 1: no token is active then, every weight is 0).
+      S x the sequence's active count, the batch's active count (each at least 1), the sequence's own at
+      ``divisor_ptr`` [S] (the prompt mean's, at least 1), or ``divisor`` (the 0-d tensor at ``divisor_ptr``,
+      where 0 divides as 1: no token is active then, every weight is 0).
     - ``entropy_weight_out``: dLoss/dH of the entropy bonus, -entropy_coef x bonus mask / its count (at
       least 1; ENTROPY_AS_LOSS: / the loss's divisor, which needs ``weight_out``), times the loss scale; the bonus
       mask is ``bonus_mask_ptr`` [N], or the mask.
@@ -129,6 +131,8 @@ def token_weights_kernel(
             divided = S * tl.maximum(_sum(mask_ptr, start, end, BLOCK), 1.0)
         elif DIVISOR == C_DIVISOR_TOTAL:
             divided = tl.maximum(_sum(mask_ptr, 0, N, BLOCK), 1.0)
+        elif DIVISOR == C_DIVISOR_SEQUENCE:
+            divided = tl.load(divisor_ptr + s).to(tl.float32)
         elif divisor_ptr is not None:
             given = tl.load(divisor_ptr).to(tl.float32)
             divided = tl.where(given == 0.0, 1.0, given)

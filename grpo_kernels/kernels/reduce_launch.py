@@ -13,6 +13,7 @@ from . import reduce
 from .contracts import (
     CLIP_METRICS_NONE,
     DIVISOR_GIVEN,
+    DIVISOR_SEQUENCE,
     KernelLoss,
     LossTokens,
     Reduction,
@@ -128,7 +129,10 @@ def weighted_tokens(
         return tokens, weights
     divisor, divisor_ptr, scale, scale_ptr = 1.0, None, 1.0, None
     if r is not None:
-        divisor, divisor_ptr = _scalar(r.divisor, mask.device)
+        if r.divisor_kind == DIVISOR_SEQUENCE:  # one a sequence, fp32 [S], computed on the device
+            divisor_ptr = r.divisor
+        else:
+            divisor, divisor_ptr = _scalar(r.divisor, mask.device)
         scale, scale_ptr = _scalar(r.loss_scale, mask.device)
     divisor = divisor or 1.0  # a normalizer of 0 read on the host (the kernel does the same for a device tensor):
     # no token is active then (validation checks it), every weight is 0, and it divides as 1 so that they stay 0
