@@ -2,6 +2,7 @@
 
 import pathlib
 import sys
+import types
 
 import pytest
 import torch
@@ -413,3 +414,125 @@ def test_verls_fused_kernel_forward_runs_our_op_and_equals_its_logits_path(fused
     torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
     for e, a in zip(expected[2], got[2], strict=True):
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+
+
+VOCAB_PARALLEL_NAMES = (
+    "vocab_parallel_log_probs_from_logits",
+    "vocab_parallel_entropy",
+    "vocab_parallel_entropy_with_chunking",
+)
+
+
+def _megatron_tensor_parallel():
+    """verl's Megatron log-prob functions' module, which ``patch_logprobs`` patches too; None without megatron-core."""
+    try:
+        from verl.utils.megatron import tensor_parallel
+    except ImportError:
+        return None
+    return tensor_parallel
+
+
+@pytest.mark.parametrize(
+    "use_remove_padding,fused_kernels_backend", [(True, "torch"), (True, "triton"), (False, "torch")]
+)
+def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_logits_path(
+    monkeypatch, use_remove_padding, fused_kernels_backend
+):
+    """verl's actor step itself: ``FSDPEngineWithLMHead.forward_step`` (verl 0.9's FSDP engine: its
+    ``prepare_model_inputs``, the model's forward, ``prepare_model_outputs`` and a loss function on its nested
+    log-probs and entropy), run once with ``use_fused_kernels`` on our fused head op (after ``patch_logprobs()`` and
+    verl's ``patch_forward_with_backends``) and once on its logits path, packed (``use_remove_padding``) and padded:
+    the log-probs, the entropy and every parameter's gradient agree. The engine object holds what ``forward_step``
+    reads (its FSDP wrapping, process groups and device lookup are set-up this CPU test stands in for). Each
+    sequence's last position is left out: verl labels it with the next sequence's first token on its padded logits
+    path (a roll of the packed ids) and with its own row's first token on the padded fused path (its model forward
+    rolls each row), so verl's two paths differ there by construction; no loss reads that position."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+    from verl.utils import tensordict_utils as tu
+    from verl.utils import torch_functional
+    from verl.utils.experimental import torch_functional as experimental
+    from verl.utils.kernel import linear_cross_entropy as fused_module
+    from verl.workers.engine.fsdp import transformer_impl as engine_module
+
+    monkeypatch.setattr(engine_module, "get_device_id", lambda: "cpu")
+    monkeypatch.setattr(engine_module, "get_device_name", lambda: "cpu")
+    patched = {  # what patch_logprobs replaces, in every module holding it by name: each restored after the test
+        name: getattr(module, name)
+        for module, names in (
+            (torch_functional, ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")),
+            (experimental, ("FusedLinearForPPO",)),
+            (fused_module, ("linear_cross_entropy",)),
+            (_megatron_tensor_parallel(), VOCAB_PARALLEL_NAMES),
+        )
+        if module is not None
+        for name in names
+    }
+    for module in list(sys.modules.values()):
+        for name, original in patched.items():
+            if module is not None and getattr(module, name, None) is original:
+                monkeypatch.setattr(module, name, original)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    monkeypatch.setattr(type(model), "forward", type(model).forward)  # verl's patch replaces the class's forward
+    lengths = torch.tensor([5, 9, 3])
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 97, (int(n),), generator=g) for n in lengths]
+    weights = torch.randn(int(lengths.sum()), generator=g)
+    used = torch.ones(int(lengths.sum()), dtype=torch.bool)
+    used[lengths.cumsum(0) - 1] = False  # each sequence's last position (see above)
+
+    def engine():
+        e = object.__new__(engine_module.FSDPEngineWithLMHead)
+        e.module, e.pad_to_length, e.use_ulysses_sp, e.ulysses_device_mesh = model, False, False, None
+        e._autocast_dtype = torch.float32  # as FSDPEngine sets it from an fp32 mixed-precision config (no autocast)
+        e.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
+        e.compute_entropy_from_logits = torch_functional.entropy_from_logits
+        e.get_data_parallel_group = lambda: None
+        return e
+
+    def step(use_fused_kernels):
+        micro_batch = tu.get_tensordict(
+            {
+                "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+                "position_ids": torch.nested.as_nested_tensor([torch.arange(len(i)) for i in ids], layout=torch.jagged),
+            },
+            non_tensor_dict=dict(
+                temperature=0.8,
+                use_remove_padding=use_remove_padding,
+                use_fused_kernels=use_fused_kernels,
+                calculate_entropy=True,
+            ),
+        )
+
+        def loss_function(model_output, data, dp_group):
+            values = model_output["log_probs"].values() + 0.1 * model_output["entropy"].values()
+            return (values * weights * used).sum(), {}
+
+        model.zero_grad()
+        loss, output = engine_module.FSDPEngineWithLMHead.forward_step(
+            engine(), micro_batch, loss_function, forward_only=False
+        )
+        loss.backward()
+        out = output["model_output"]
+        return out["log_probs"].values(), out["entropy"].values(), [p.grad.clone() for p in model.parameters()]
+
+    expected = step(use_fused_kernels=False)
+    adapter.patch_logprobs()
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend=fused_kernels_backend)
+    assert fused_module.linear_cross_entropy is adapter.linear_cross_entropy
+    assert experimental.FusedLinearForPPO is adapter.FusedLinearForPPO
+    got = step(use_fused_kernels=True)
+    torch.testing.assert_close(got[0][used], expected[0][used], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
+    for e, a in zip(expected[2], got[2], strict=True):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4)
