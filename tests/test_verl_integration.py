@@ -319,6 +319,44 @@ def test_every_mode_honours_global_batch_info(mode):
         _compare_mode(mode, agg, _mode_config(mode, True, global_batch_info=info), seed=4)
 
 
+@pytest.mark.parametrize("mode", [m for m in adapter.POLICY_LOSSES if m != "bypass_mode"])
+def test_masked_positions_never_reach_a_mode(mode):
+    """NaN, inf and -inf at masked positions of every input (log-probs, old log-probs, advantages, weights): every
+    aggregation's loss, gradient and metrics are verl's on the same batch with finite values there (verl's own
+    sequence-level aggregations would carry the NaN), and the gradient there is 0. The KL loss likewise."""
+    adapter.register()
+    config = _mode_config(mode, True)
+    lp, old, adv, mask = _mode_inputs(seed=5)
+    weights = torch.rand(B, T, generator=torch.Generator().manual_seed(2)) + 0.5
+    junk = torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(B * T)[: B * T].view(B, T)
+    spoiled = [torch.where(mask.bool(), t.detach(), junk) for t in (lp, old, adv, weights)]
+    for agg in adapter.AGG_MODES:
+        finite = lp.detach().clone().requires_grad_()
+        torch.manual_seed(7)
+        expected, expected_metrics = core_algos.get_policy_loss_fn(mode)(old, finite, adv, mask, agg, config, weights)
+        (g_expected,) = torch.autograd.grad(expected, finite)
+        bad = spoiled[0].clone().requires_grad_()
+        torch.manual_seed(7)
+        actual, metrics = core_algos.get_policy_loss_fn(f"grpo_kernels_{mode}")(
+            spoiled[1], bad, spoiled[2], mask, agg, config, spoiled[3]
+        )
+        (g_actual,) = torch.autograd.grad(actual, bad)
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5, msg=agg)
+        torch.testing.assert_close(g_actual, g_expected * mask, atol=1e-7, rtol=1e-5, msg=agg)
+        for key, value in expected_metrics.items():
+            assert metrics[key] == pytest.approx(float(value), abs=1e-6), (agg, key)
+    for kl_penalty in ("low_var_kl", "kl", "mse"):
+        bad_lp = spoiled[0].clone().requires_grad_()
+        actual = adapter.kl_loss(bad_lp, spoiled[1], mask, kl_penalty, "seq-mean-token-mean")
+        finite = lp.detach().clone().requires_grad_()
+        kl = core_algos.kl_penalty(finite, old, kl_penalty)
+        expected = core_algos.agg_loss(kl, mask, "seq-mean-token-mean")
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+        actual.backward()
+        expected.backward()
+        torch.testing.assert_close(bad_lp.grad, finite.grad * mask, atol=1e-7, rtol=1e-5)
+
+
 def test_the_modes_comparisons_bind():
     """The inputs above exercise what each mode's options select: DPPO's regions leave tokens out on both sides,
     Clip-Cov and KL-Cov choose several tokens, GMPO and CISPO clip."""

@@ -24,6 +24,7 @@ and set ``actor_rollout_ref.actor.policy_loss.loss_mode=grpo_kernels_<mode>``. S
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -37,7 +38,40 @@ VERL_KL = {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1", "mse": "k2", 
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / (mask.sum() + 1e-8)  # verl_F.masked_mean's convention
+    """verl_F.masked_mean: a NaN where the mask is 0 never reaches the sum; divided by the mask's sum + 1e-8."""
+    return (torch.where(mask.bool(), x, 0.0) * mask).sum() / (mask.sum() + 1e-8)
+
+
+def _active_tokens_only(policy_loss):
+    """A policy loss that reads its inputs at active tokens only: whatever the masked positions of the log-probs,
+    advantages and weights hold (padding, a NaN, an inf) is replaced by a neutral value (log-probs 0, so a ratio of
+    1; advantage 0; weight 1) before the loss math, so it contributes exactly 0 to the loss, its gradient and the
+    metrics. (verl's own token-level aggregations mask such a NaN, its sequence-level ones carry it; on finite
+    inputs the two agree.)"""
+
+    @functools.wraps(policy_loss)
+    def on_active_tokens(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode: str = "token-mean",
+        config=None,
+        rollout_is_weights=None,
+    ):
+        active = response_mask.bool()
+        neutral = lambda t, fill: None if t is None else torch.where(active, t, fill)  # noqa: E731
+        return policy_loss(
+            neutral(old_log_prob, 0.0),
+            neutral(log_prob, 0.0),
+            neutral(advantages, 0.0),
+            response_mask,
+            loss_agg_mode,
+            config,
+            neutral(rollout_is_weights, 1.0),
+        )
+
+    return on_active_tokens
 
 
 def aggregate(
@@ -87,6 +121,7 @@ def _batch_info(config) -> dict[str, Any]:
     return dict(getattr(config, "global_batch_info", None) or {})
 
 
+@_active_tokens_only
 def vanilla_policy_loss(
     old_log_prob,
     log_prob,
@@ -127,6 +162,7 @@ def vanilla_policy_loss(
     return loss, metrics
 
 
+@_active_tokens_only
 def gspo_policy_loss(
     old_log_prob,
     log_prob,
@@ -198,6 +234,7 @@ def _ppo_kl(log_prob, old_log_prob, mask, clamp: float | None = 20.0) -> float:
 
 
 def _dppo(loss_type: str, verl_name: str, divergence: str):
+    @_active_tokens_only
     def policy_loss(
         old_log_prob,
         log_prob,
@@ -238,6 +275,7 @@ dppo_tv_policy_loss = _dppo("dppo_tv", "dppo_tv", "TV")
 dppo_kl_policy_loss = _dppo("dppo_kl", "dppo_kl", "KL")
 
 
+@_active_tokens_only
 def sapo_policy_loss(
     old_log_prob,
     log_prob,
@@ -267,6 +305,7 @@ def sapo_policy_loss(
     return loss, metrics
 
 
+@_active_tokens_only
 def gpg_policy_loss(
     old_log_prob,
     log_prob,
@@ -283,6 +322,7 @@ def gpg_policy_loss(
     return aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config)), {}
 
 
+@_active_tokens_only
 def clip_cov_policy_loss(
     old_log_prob,
     log_prob,
@@ -316,6 +356,7 @@ def clip_cov_policy_loss(
     return loss, metrics
 
 
+@_active_tokens_only
 def kl_cov_policy_loss(
     old_log_prob,
     log_prob,
@@ -341,6 +382,7 @@ def kl_cov_policy_loss(
     return loss, {"actor/ppo_kl": _masked_mean(absolute, mask).item()}
 
 
+@_active_tokens_only
 def geo_mean_policy_loss(
     old_log_prob,
     log_prob,
@@ -366,6 +408,7 @@ def geo_mean_policy_loss(
     return loss, metrics
 
 
+@_active_tokens_only
 def dro_policy_loss(
     old_log_prob,
     log_prob,
@@ -383,6 +426,7 @@ def dro_policy_loss(
     return loss, {"actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask, clamp=None)}
 
 
+@_active_tokens_only
 def cispo_policy_loss(
     old_log_prob,
     log_prob,
@@ -416,6 +460,7 @@ def cispo_policy_loss(
     return loss, metrics
 
 
+@_active_tokens_only
 def bypass_mode_policy_loss(
     old_log_prob,
     log_prob,
@@ -504,6 +549,8 @@ def kl_loss(
     clamps = dict(log_ratio_clamp=20.0, kl_clamp=10.0) if estimator == "k3" else {}
     if straight_through and estimator != "k2":  # k2's own gradient already: mse+ is mse
         estimator += "+"
+    active = response_mask.bool()  # masked positions read as log-probs of 0 (a KL of 0), whatever they hold
+    log_prob, ref_log_prob = torch.where(active, log_prob, 0.0), torch.where(active, ref_log_prob, 0.0)
     kl = kl_term(log_prob, ref_log_prob, GRPOOptions(kl_estimator=estimator, **clamps))
     return aggregate(kl, response_mask, loss_agg_mode, **global_batch_info)
 
