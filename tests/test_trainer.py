@@ -25,7 +25,8 @@ def _trainer(tiny, reward_funcs=None, **config):
     model, tokenizer = tiny
     rows = compare.make_rows(8, held_out=False, seed=0)
     funcs = reward_funcs or [numeric_match]
-    return GRPOTrainer(model, tokenizer, funcs, rows, TrainerConfig(group_size=2, prompts_per_step=2, **config))
+    config = dict(group_size=2, prompts_per_step=2) | config
+    return GRPOTrainer(model, tokenizer, funcs, rows, TrainerConfig(**config))
 
 
 def test_task_rows_are_verifiable_and_held_out_is_disjoint():
@@ -272,6 +273,28 @@ def test_fused_lm_head_option_gives_the_same_gradients(tiny):
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused head"])
+def test_the_prompt_mean_is_the_mean_of_each_groups_token_mean(tiny, fused):
+    """--aggregation prompt_mean: the update is the mean over the step's prompts of each prompt's token mean, which
+    is the mean of the updates on each group alone with bnpo (a batch token mean); and the flag reaches the run."""
+    model, _ = tiny
+    rollout = _trainer(tiny, prompts_per_step=3, max_new_tokens=12).rollout()
+    rollout.advantages = torch.randn(rollout.advantages.shape, generator=torch.Generator().manual_seed(0))
+    tokens = rollout.completion_mask.sum(-1).view(3, 2).sum(-1)
+    assert len(set(tokens.tolist())) > 1, f"groups of different token counts, got {tokens.tolist()}"
+    _trainer(tiny, aggregation="prompt_mean", fused_lm_head=fused).accumulate_gradients(rollout)
+    together = [p.grad.clone() for p in model.parameters()]
+    each = []
+    for g in range(3):
+        alone = rollout.groups(torch.arange(3) == g)
+        _trainer(tiny, loss_type="bnpo", fused_lm_head=fused).accumulate_gradients(alone)
+        each.append([p.grad.clone() for p in model.parameters()])
+    for name, got, *per_group in zip(dict(model.named_parameters()), together, *each, strict=True):
+        torch.testing.assert_close(got, sum(per_group) / 3, atol=1e-7, rtol=1e-5, msg=name)
+    args = cli.build_parser().parse_args(["train", "--aggregation", "prompt_mean"])
+    assert args.aggregation == "prompt_mean"
 
 
 def test_fused_lm_head_folds_in_a_lora_adapter_on_the_head(tiny):

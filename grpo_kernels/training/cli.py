@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from ..options import AGGREGATIONS
 from .data import load_reward_function, read_rows, trainer_rows
 from .tasks import TASKS, compare, get_task
 from .trainer import (
@@ -124,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--epsilon-high", type=float, default=DEFAULTS.epsilon_high, help="the clip range above 1 (clip-higher, DAPO)"
     )
     t.add_argument("--loss-type", default=DEFAULTS.loss_type, help="a GRPOLoss loss_type")
+    t.add_argument(
+        "--aggregation",
+        default=DEFAULTS.aggregation,
+        choices=AGGREGATIONS,
+        help="loss_type: the loss type's own reduction; prompt_mean: each prompt's token mean, then their mean",
+    )
     t.add_argument("--num-iterations", type=int, default=DEFAULTS.num_iterations, help="mu: updates per batch")
     t.add_argument(
         "--process-rollouts",
@@ -544,6 +551,7 @@ def _train(args) -> dict:
         epsilon=args.epsilon,
         epsilon_high=args.epsilon_high,
         loss_type=args.loss_type,
+        aggregation=args.aggregation,
         num_iterations=args.num_iterations,
         process_rollouts=args.process_rollouts,
         fused_lm_head=args.fused_lm_head,

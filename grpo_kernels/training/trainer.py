@@ -36,7 +36,6 @@ from ..advantages import group_advantages, process_advantages
 from ..entropy_control import AdaptiveEntropy
 from ..heads import fused_head, head_weights
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
-from ..options import LOSS_TYPE_REGISTRY
 from ..wrapped import inside_forward
 from .process_labels import labels_to_step_rewards
 
@@ -56,6 +55,8 @@ class TrainerConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None
     loss_type: str = "grpo"
+    # "prompt_mean": each prompt's token mean, then the mean over the step's prompts (GRPOOptions.aggregation)
+    aggregation: str = "loss_type"
     num_iterations: int = 1  # mu: updates per generation batch (1 uses the on-policy shortcut)
     # 0: outcome supervision (one reward per completion). N > 0: process supervision with
     # MATH-SHEPHERD labels: every completion token ends a step, labelled by N completions
@@ -336,6 +337,7 @@ class GRPOTrainer:
         self._reference_saved = False  # written with this run's first checkpoint
         loss_options = dict(
             loss_type=config.loss_type,
+            aggregation=config.aggregation,
             beta=config.beta,
             epsilon=config.epsilon,
             epsilon_high=config.epsilon_high,
@@ -620,13 +622,20 @@ class GRPOTrainer:
         size = world()[1]
         local_tokens = r.completion_mask.sum().float()
         global_tokens = all_reduce_sum(local_tokens).clamp(min=1.0)
-        loss_type = LOSS_TYPE_REGISTRY[self.config.loss_type]
-        normalizer = global_tokens / size if loss_type.takes_normalizer else None
+        options = self.loss_fn.options
+        normalizer = global_tokens / size if options.takes_normalizer else None
         inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
         # bnpo (a local token mean): a token mean over all ranks, not this rank's; declared up front as the
         # loss's scale, so that the one-pass kernel writes the gradient already scaled
-        scale = local_tokens.clamp(min=1.0) * size / global_tokens if loss_type.local_token_mean else 1.0
+        scale = local_tokens.clamp(min=1.0) * size / global_tokens if options.reduction == "batch_token_mean" else 1.0
         per_token = dict(old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer, loss_scale=scale)
+        if options.reduction == "prompt_mean":  # this rank's groups are its prompts; the mean over all ranks' prompts
+            groups = r.zero_std.numel()
+            local_prompts = torch.tensor(float(groups), device=self.device)
+            per_token["prompt_ids"] = torch.arange(groups, device=self.device).repeat_interleave(
+                r.completion_ids.shape[0] // max(groups, 1)
+            )
+            per_token["loss_scale"] = local_prompts * size / all_reduce_sum(local_prompts).clamp(min=1.0)
         if self.entropy_control is not None:  # this step applies the coefficient the last step left
             self.loss_fn.update(entropy_coef=self.entropy_control.applied_coef())
         if self.config.fused_lm_head:
