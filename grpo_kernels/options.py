@@ -60,12 +60,6 @@ class LossType:
         """Its reduction divides by the ``normalizer`` (a trainer's global active tokens / processes)."""
         return self.reduction == "token_count"
 
-    @property
-    def local_token_mean(self) -> bool:
-        """Its reduction divides by the local batch's active tokens (a data-parallel trainer that wants the
-        global batch's mean rescales it: ``training.trainer``)."""
-        return self.reduction == "batch_token_mean"
-
 
 _PPO_CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 _PPO_CLIP = dict(
