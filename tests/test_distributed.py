@@ -35,10 +35,16 @@ def _rollout(trainer, rows: slice) -> Rollout:
     )
 
 
-def _gradients(loss_type: str, rows: slice):
+def _gradients(loss_type: str, rows: slice, aggregation: str = "loss_type"):
     tokenizer = compare.build_tokenizer()
     model = compare.build_model(tokenizer, hidden_size=32, seed=0)
-    config = TrainerConfig(group_size=GROUP, prompts_per_step=ROWS // GROUP, loss_type=loss_type, max_new_tokens=6)
+    config = TrainerConfig(
+        group_size=GROUP,
+        prompts_per_step=ROWS // GROUP,
+        loss_type=loss_type,
+        aggregation=aggregation,
+        max_new_tokens=6,
+    )
     trainer = GRPOTrainer(model, tokenizer, [numeric_match], [{"prompt": "x", "answer": "1"}], config)
     loss, _ = trainer.accumulate_gradients(_rollout(trainer, rows))
     return [p.grad.clone() for p in model.parameters()]
@@ -54,5 +60,20 @@ def test_two_processes_match_one_process(loss_type):
     per_rank = run_ranks(_rank_gradients, 2, loss_type)
     single = _gradients(loss_type, slice(0, ROWS))
     for rank_grads in per_rank:  # the all-reduced gradients are the same on every rank
+        for d, s in zip(rank_grads, single, strict=True):
+            torch.testing.assert_close(d, s, atol=1e-6, rtol=1e-4)
+
+
+def _uneven_rank_gradients(rank: int, world: int):
+    """Rank 0 holds one prompt's group, rank 1 the other three (dynamic sampling can keep unequal shares)."""
+    return _gradients("grpo", slice(0, GROUP) if rank == 0 else slice(GROUP, ROWS), aggregation="prompt_mean")
+
+
+def test_the_prompt_mean_over_ranks_with_unequal_prompts_is_one_processs():
+    """--aggregation prompt_mean: each rank's loss scaled by its share of the step's prompts, so the averaged
+    gradients are the prompt mean over all of them, whatever each rank holds."""
+    per_rank = run_ranks(_uneven_rank_gradients, 2)
+    single = _gradients("grpo", slice(0, ROWS), aggregation="prompt_mean")
+    for rank_grads in per_rank:
         for d, s in zip(rank_grads, single, strict=True):
             torch.testing.assert_close(d, s, atol=1e-6, rtol=1e-4)
