@@ -49,8 +49,10 @@ def make_batch(
     clip_spread=0.4,
     strided=False,
     temperature=1.0,
+    prompts=None,
 ):
-    """Inputs with a partly masked row, a fully masked row and ratios on both sides of the clip range."""
+    """Inputs with a partly masked row, a fully masked row and ratios on both sides of the clip range; with
+    ``prompts``, each row's prompt (``prompt_ids``: rows 0, 2, ... the first prompt, interleaved)."""
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(B, T + 1, V, generator=g) * 2.0
     logits = full[:, :-1] if strided else full[:, :T].contiguous()
@@ -66,7 +68,7 @@ def make_batch(
     adv = torch.randn((B, T) if per_token_adv else (B,), generator=g)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     logits = logits.to(device=device, dtype=dtype) if not strided else full.to(device=device, dtype=dtype)[:, :-1]
-    return dict(
+    batch = dict(
         logits=logits,
         completion_ids=to(ids),
         completion_mask=to(mask),
@@ -74,6 +76,9 @@ def make_batch(
         old_logps=to(old),
         ref_logps=to(ref),
     )
+    if prompts is not None:
+        batch["prompt_ids"] = to(torch.arange(B) % prompts)
+    return batch
 
 
 # Option combinations every fast path is checked on (keys in BATCH_KEYS shape the batch).
@@ -107,8 +112,9 @@ OPTION_CASES = {
     "single_row": dict(B=1, T=7, loss_type="bnpo"),
     "gspo_token": dict(importance_sampling_level="sequence_token", beta=0.04, per_token_adv=True),
     "gspo_token_dapo": dict(importance_sampling_level="sequence_token", loss_type="dapo", log_ratio_clamp=0.2),
+    "prompt_mean": dict(aggregation="prompt_mean", prompts=2, B=4, beta=0.04),
 }
-BATCH_KEYS = ("B", "T", "V", "per_token_adv", "clip_spread", "strided", "temperature")
+BATCH_KEYS = ("B", "T", "V", "per_token_adv", "clip_spread", "strided", "temperature", "prompts")
 
 
 def check_lm_head_against_reference(hidden, weight, inputs, *, backend, lm_head_mode, options, fp64=False, tol=None):
