@@ -363,14 +363,17 @@ def test_per_step_values_are_runtime_arguments():
         assert re.search(rf"@triton\.jit\(do_not_specialize=RUNTIME_INTS\)\ndef {name}", source), name
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo", "grpo prompt_mean"])
 def test_grpo_loss_under_torch_compile(loss_type):
     """A training step calling GRPOLoss compiles as one graph (fullgraph=True, default options, inductor) on
     the CPU and matches the specification: the ids' range check runs as a device-side assertion inside the
-    graph and the torch path's chunk loops are custom ops (grpo_kernels/ops.py), so nothing breaks the graph."""
+    graph and the torch path's chunk loops are custom ops (grpo_kernels/ops.py), so nothing breaks the graph
+    (nor does the prompt mean's grouping of the rows: a sort, no host sync)."""
     torch._dynamo.reset()
-    batch = make_batch(seed=14)
+    loss_type, *aggregation = loss_type.split()
+    batch = make_batch(seed=14, B=4, prompts=2 if aggregation else None)
     options = dict(loss_type=loss_type, beta=0.04, max_completion_length=8 if loss_type == "dr_grpo" else None)
+    options |= dict(aggregation=aggregation[0]) if aggregation else {}
     loss_fn = GRPOLoss(**options)
 
     def step(logits):
@@ -381,6 +384,7 @@ def test_grpo_loss_under_torch_compile(loss_type):
             batch["advantages"],
             batch["old_logps"],
             batch["ref_logps"],
+            prompt_ids=batch.get("prompt_ids"),
         )
         return out.loss * 2.0
 
