@@ -102,7 +102,8 @@ LOSS_OPTION_DOCS = (
             "how the per-token loss (KL term included) is reduced: `loss_type`, the loss type's own; `prompt_mean`, "
             "SkyRL's `loss_reduction`: each prompt's token mean, then the mean over the call's prompts (the call's "
             "`prompt_ids`; a token weighs 1 / (prompts x its prompt's active tokens)), for every loss type and "
-            "backend"
+            "backend (SkyRL's KL loss is a sequence mean apart, and its Clip-Cov / KL-Cov choose tokens by the "
+            "scaled advantages: docs/loss-semantics.md)"
         ),
     ),
     (("use_bias_correction_kl",), "False", "KL term multiplied by the importance ratio (TRL)"),
