@@ -255,17 +255,17 @@ def kernel_reduction(
     normalizer,
     loss_scale,
     bonus_mask: torch.Tensor | None = None,
-    prompt_divisors: torch.Tensor | None = None,
+    sequence_divisors: torch.Tensor | None = None,
 ) -> Reduction:
     """``reduction_weights`` (times ``loss_scale``) as the token-weights kernel computes them
     (``kernels/reduce.py``), over S sequences.
 
     ``normalizer``: None, a number or a 0-d tensor (token_count); ``loss_scale``: a float or a 0-d tensor;
-    ``prompt_divisors``: the prompt mean's (``prompt_divisors``, fp32 [S])."""
+    ``sequence_divisors``: each sequence's divisor in the prompt mean (``prompt_divisors``, fp32 [S])."""
     kind = opts.reduction
     divisor_kind, divisor = DIVISOR_GIVEN, 1.0
     if kind == "prompt_mean":
-        divisor_kind, divisor = DIVISOR_SEQUENCE, prompt_divisors
+        divisor_kind, divisor = DIVISOR_SEQUENCE, sequence_divisors
     elif kind == "row_token_mean":
         divisor_kind = DIVISOR_ROW
     elif kind == "batch_token_mean" or (kind == "token_count" and normalizer is None):
