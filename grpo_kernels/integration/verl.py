@@ -42,6 +42,12 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (torch.where(mask.bool(), x, 0.0) * mask).sum() / (mask.sum() + 1e-8)
 
 
+def _at_active(t: torch.Tensor | None, active: torch.Tensor, fill: float) -> torch.Tensor | None:
+    """``t`` where a token counts, ``fill`` elsewhere (None stays None): a masked position's content never enters
+    the loss math. Differentiable at the active tokens."""
+    return None if t is None else torch.where(active, t, fill)
+
+
 def _active_tokens_only(policy_loss):
     """A policy loss that reads its inputs at active tokens only: whatever the masked positions of the log-probs,
     advantages and weights hold (padding, a NaN, an inf) is replaced by a neutral value (log-probs 0, so a ratio of
@@ -60,15 +66,14 @@ def _active_tokens_only(policy_loss):
         rollout_is_weights=None,
     ):
         active = response_mask.bool()
-        neutral = lambda t, fill: None if t is None else torch.where(active, t, fill)  # noqa: E731
         return policy_loss(
-            neutral(old_log_prob, 0.0),
-            neutral(log_prob, 0.0),
-            neutral(advantages, 0.0),
+            _at_active(old_log_prob, active, 0.0),
+            _at_active(log_prob, active, 0.0),
+            _at_active(advantages, active, 0.0),
             response_mask,
             loss_agg_mode,
             config,
-            neutral(rollout_is_weights, 1.0),
+            _at_active(rollout_is_weights, active, 1.0),
         )
 
     return on_active_tokens
@@ -550,7 +555,7 @@ def kl_loss(
     if straight_through and estimator != "k2":  # k2's own gradient already: mse+ is mse
         estimator += "+"
     active = response_mask.bool()  # masked positions read as log-probs of 0 (a KL of 0), whatever they hold
-    log_prob, ref_log_prob = torch.where(active, log_prob, 0.0), torch.where(active, ref_log_prob, 0.0)
+    log_prob, ref_log_prob = _at_active(log_prob, active, 0.0), _at_active(ref_log_prob, active, 0.0)
     kl = kl_term(log_prob, ref_log_prob, GRPOOptions(kl_estimator=estimator, **clamps))
     return aggregate(kl, response_mask, loss_agg_mode, **global_batch_info)
 
