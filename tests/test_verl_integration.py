@@ -394,66 +394,6 @@ def test_modes_refuse_what_verl_refuses():
 # ---- verl's fused-kernel path (use_fused_kernels=True) on our fused head op -----------------------------------------
 
 
-@pytest.mark.parametrize("fused_kernels_backend", ["torch", "triton"])
-def test_verls_fused_kernel_forward_runs_our_op_and_equals_its_logits_path(fused_kernels_backend):
-    """verl's model patch for ``use_fused_kernels`` (``patch_forward_with_backends``: the model's forward returns
-    log-probs and entropy from the hidden states through verl's FusedLinearForPPO or linear_cross_entropy) runs our
-    fused head op after ``patch_logprobs()``, and equals verl's logits path (``logprobs_from_logits`` and
-    ``entropy_from_logits`` of the unpatched model's logits): the values, and every parameter's gradient of a loss
-    on both."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from verl.models.transformers.monkey_patch import patch_forward_with_backends
-    from verl.utils import torch_functional
-    from verl.utils.experimental import torch_functional as experimental
-    from verl.utils.kernel import linear_cross_entropy as fused_module
-
-    saved = {
-        name: getattr(torch_functional, name)
-        for name in ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
-    }
-    saved_fused = experimental.FusedLinearForPPO, fused_module.linear_cross_entropy
-    plain_logprobs, plain_entropy = saved["logprobs_from_logits"], saved["entropy_from_logits"]
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
-    ids = torch.randint(0, 97, (2, 9))
-    weights = torch.randn(2, 9)
-
-    def loss_and_grads(log_probs, entropy):
-        model.zero_grad()
-        ((log_probs + 0.1 * entropy) * weights).sum().backward()
-        return log_probs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
-
-    logits = model(input_ids=ids).logits / 0.8
-    rolled = torch.roll(ids, shifts=-1, dims=-1)
-    expected = loss_and_grads(plain_logprobs(logits, rolled), plain_entropy(logits))
-    original_forward = type(model).forward
-    try:
-        adapter.patch_logprobs()
-        assert experimental.FusedLinearForPPO is adapter.FusedLinearForPPO
-        assert fused_module.linear_cross_entropy is adapter.linear_cross_entropy
-        patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend=fused_kernels_backend)
-        out = model(input_ids=ids, temperature=0.8, return_dict=True)
-        got = loss_and_grads(out.log_probs.reshape(2, 9), out.entropy.reshape(2, 9))
-    finally:
-        type(model).forward = original_forward
-        for name, fn in saved.items():
-            setattr(torch_functional, name, fn)
-        experimental.FusedLinearForPPO, fused_module.linear_cross_entropy = saved_fused
-    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
-    for e, a in zip(expected[2], got[2], strict=True):
-        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
-
-
 VOCAB_PARALLEL_NAMES = (
     "vocab_parallel_log_probs_from_logits",
     "vocab_parallel_entropy",
@@ -470,32 +410,16 @@ def _megatron_tensor_parallel():
     return tensor_parallel
 
 
-@pytest.mark.parametrize(
-    "use_remove_padding,fused_kernels_backend", [(True, "torch"), (True, "triton"), (False, "torch")]
-)
-def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_logits_path(
-    monkeypatch, use_remove_padding, fused_kernels_backend
-):
-    """verl's actor step itself: ``FSDPEngineWithLMHead.forward_step`` (verl 0.9's FSDP engine: its
-    ``prepare_model_inputs``, the model's forward, ``prepare_model_outputs`` and a loss function on its nested
-    log-probs and entropy), run once with ``use_fused_kernels`` on our fused head op (after ``patch_logprobs()`` and
-    verl's ``patch_forward_with_backends``) and once on its logits path, packed (``use_remove_padding``) and padded:
-    the log-probs, the entropy and every parameter's gradient agree. The engine object holds what ``forward_step``
-    reads (its FSDP wrapping, process groups and device lookup are set-up this CPU test stands in for). Each
-    sequence's last position is left out: verl labels it with the next sequence's first token on its padded logits
-    path (a roll of the packed ids) and with its own row's first token on the padded fused path (its model forward
-    rolls each row), so verl's two paths differ there by construction; no loss reads that position."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from verl.models.transformers.monkey_patch import patch_forward_with_backends
-    from verl.utils import tensordict_utils as tu
+@pytest.fixture
+def verl_patches_undone(monkeypatch):
+    """What ``patch_logprobs`` replaces, in every loaded module that holds it by name, and the class forward verl's
+    ``patch_forward_with_backends`` replaces (``tiny_llama``'s): each restored after the test."""
+    from transformers import LlamaForCausalLM
     from verl.utils import torch_functional
     from verl.utils.experimental import torch_functional as experimental
     from verl.utils.kernel import linear_cross_entropy as fused_module
-    from verl.workers.engine.fsdp import transformer_impl as engine_module
 
-    monkeypatch.setattr(engine_module, "get_device_id", lambda: "cpu")
-    monkeypatch.setattr(engine_module, "get_device_name", lambda: "cpu")
-    patched = {  # what patch_logprobs replaces, in every module holding it by name: each restored after the test
+    patched = {
         name: getattr(module, name)
         for module, names in (
             (torch_functional, ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")),
@@ -510,6 +434,14 @@ def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_lo
         for name, original in patched.items():
             if module is not None and getattr(module, name, None) is original:
                 monkeypatch.setattr(module, name, original)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", LlamaForCausalLM.forward)
+    return monkeypatch
+
+
+def _tiny_llama():
+    """A 2-layer Llama with an untied head over a vocabulary of 97, seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=97,
@@ -520,8 +452,71 @@ def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_lo
         num_key_value_heads=2,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
-    monkeypatch.setattr(type(model), "forward", type(model).forward)  # verl's patch replaces the class's forward
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("fused_kernels_backend", ["torch", "triton"])
+def test_verls_fused_kernel_forward_runs_our_op_and_equals_its_logits_path(verl_patches_undone, fused_kernels_backend):
+    """verl's model patch for ``use_fused_kernels`` (``patch_forward_with_backends``: the model's forward returns
+    log-probs and entropy from the hidden states through verl's FusedLinearForPPO or linear_cross_entropy) runs our
+    fused head op after ``patch_logprobs()``, and equals verl's logits path (``logprobs_from_logits`` and
+    ``entropy_from_logits`` of the unpatched model's logits): the values, and every parameter's gradient of a loss
+    on both."""
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+    from verl.utils import torch_functional
+    from verl.utils.experimental import torch_functional as experimental
+    from verl.utils.kernel import linear_cross_entropy as fused_module
+
+    plain_logprobs, plain_entropy = torch_functional.logprobs_from_logits, torch_functional.entropy_from_logits
+    model = _tiny_llama().eval()
+    ids = torch.randint(0, 97, (2, 9))
+    weights = torch.randn(2, 9)
+
+    def loss_and_grads(log_probs, entropy):
+        model.zero_grad()
+        ((log_probs + 0.1 * entropy) * weights).sum().backward()
+        return log_probs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
+
+    logits = model(input_ids=ids).logits / 0.8
+    rolled = torch.roll(ids, shifts=-1, dims=-1)
+    expected = loss_and_grads(plain_logprobs(logits, rolled), plain_entropy(logits))
+    adapter.patch_logprobs()
+    assert experimental.FusedLinearForPPO is adapter.FusedLinearForPPO
+    assert fused_module.linear_cross_entropy is adapter.linear_cross_entropy
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend=fused_kernels_backend)
+    out = model(input_ids=ids, temperature=0.8, return_dict=True)
+    got = loss_and_grads(out.log_probs.reshape(2, 9), out.entropy.reshape(2, 9))
+    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
+    for e, a in zip(expected[2], got[2], strict=True):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "use_remove_padding,fused_kernels_backend", [(True, "torch"), (True, "triton"), (False, "torch")]
+)
+def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_logits_path(
+    verl_patches_undone, use_remove_padding, fused_kernels_backend
+):
+    """verl's actor step itself: ``FSDPEngineWithLMHead.forward_step`` (verl 0.9's FSDP engine: its
+    ``prepare_model_inputs``, the model's forward, ``prepare_model_outputs`` and a loss function on its nested
+    log-probs and entropy), run once with ``use_fused_kernels`` on our fused head op (after ``patch_logprobs()`` and
+    verl's ``patch_forward_with_backends``) and once on its logits path, packed (``use_remove_padding``) and padded:
+    the log-probs, the entropy and every parameter's gradient agree. The engine object holds what ``forward_step``
+    reads (its FSDP wrapping, process groups and device lookup are set-up this CPU test stands in for). Each
+    sequence's last position is left out: verl labels it with the next sequence's first token on its padded logits
+    path (a roll of the packed ids) and with its own row's first token on the padded fused path (its model forward
+    rolls each row), so verl's two paths differ there by construction; no loss reads that position."""
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+    from verl.utils import tensordict_utils as tu
+    from verl.utils import torch_functional
+    from verl.utils.experimental import torch_functional as experimental
+    from verl.utils.kernel import linear_cross_entropy as fused_module
+    from verl.workers.engine.fsdp import transformer_impl as engine_module
+
+    verl_patches_undone.setattr(engine_module, "get_device_id", lambda: "cpu")
+    verl_patches_undone.setattr(engine_module, "get_device_name", lambda: "cpu")
+    model = _tiny_llama()
     lengths = torch.tensor([5, 9, 3])
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, 97, (int(n),), generator=g) for n in lengths]
