@@ -146,12 +146,12 @@ def _ours(one_pass: bool, level: str = "token", **options):
 
 def _ours_split_row(chunks: int):
     """Ours one-pass on the split-row kernel (each row over ``chunks`` programs: kernels/split_row.py)."""
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import split_row_launch
 
     plain = _ours(True)
 
     def run(inputs, logits):
-        with launch.split_row_schedule(chunks):
+        with split_row_launch.split_row_schedule(chunks):
             return plain(inputs, logits)
 
     return run

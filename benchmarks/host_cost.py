@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors on backend="triton": before triton is imported
 
@@ -175,7 +176,8 @@ def jit_binding_us(launched, iters: int, repeats: int) -> float:
     from triton import knobs
     from triton.runtime.jit import JITFunction, compute_cache_key
 
-    from grpo_kernels.kernels.aot import jit_binder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from aot import jit_binder
 
     # the options JITFunction.run adds to every call's keywords (the set differs between Triton versions)
     run_options = {"debug": False}

@@ -93,9 +93,9 @@ def schedule_of(row: dict) -> str:
     """Which schedule a sweep row (mode one_pass) runs: one of SCHEDULES, or "split_row_streamed" (not profiled)."""
     if not row.get("split_row"):
         return "one_pass_l2" if row.get("programs_per_sm") else "one_pass"
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import split_row_launch
 
-    held = launch.split_row_chunks(row["V"], row["BLOCK_V"], row["split_row"]).held
+    held = split_row_launch.split_row_chunks(row["V"], row["BLOCK_V"], row["split_row"]).held
     return "split_row_held" if held else "split_row_streamed"
 
 

@@ -118,9 +118,9 @@ def _packed():
 
 
 def _split_row():
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import split_row_launch
 
-    with launch.split_row_schedule(4, 256):
+    with split_row_launch.split_row_schedule(4, 256):
         _loss()
 
 

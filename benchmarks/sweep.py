@@ -47,7 +47,7 @@ if not ON_GPU:
 
 from grpo_kernels import GRPOOptions, objective  # noqa: E402
 from grpo_kernels.kernels import fused_linear_launch as lm_head_launch  # noqa: E402
-from grpo_kernels.kernels import launch, tuned  # noqa: E402
+from grpo_kernels.kernels import launch, split_row_launch, tuned  # noqa: E402
 from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs  # noqa: E402
 
 TEMPERATURE, BETA = 0.7, 0.04
@@ -329,7 +329,7 @@ def sweep_logits(shapes, results, budget_end, write, smoke, logprobs_seconds: fl
         schedules = {}  # a split-row candidate's schedule on this V -> the first candidate that runs it
         for i, candidate in enumerate(candidates):
             if candidate["split_row"]:
-                chunks = launch.split_row_chunks(V, candidate["BLOCK_V"], candidate["split_row"])
+                chunks = split_row_launch.split_row_chunks(V, candidate["BLOCK_V"], candidate["split_row"])
                 if chunks.K == 1 and not chunks.held:
                     results["logits"].append(
                         {

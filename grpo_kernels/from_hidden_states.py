@@ -15,8 +15,8 @@ Function; each Function's forward and backward are one host function each:
   runs in torch (sequence-level ratios, vespo, the torch backend, vocabulary parallelism) and for
   ``linear_token_logprobs``.
 
-On the Triton backend the host functions reach the launchers through ``kernels.contracts.lm_head_launch_module``
-(the one route; ``ops.py``'s custom ops take it too); on the torch backend the chunked torch path runs, inside a
+On the Triton backend the host functions call the launchers (``kernels.fused_linear_launch``, a plain import;
+``ops.py``'s custom ops call them too); on the torch backend the chunked torch path runs, inside a
 ``torch.compile`` graph the custom ops.
 """
 
@@ -35,7 +35,8 @@ from .from_logits import (
     signature_bound_once,
     weighted_dloss,
 )
-from .kernels.contracts import LossTokens, OnePassGradient, launch_module, lm_head_launch_module, reduce_launch_module
+from .kernels import fused_linear_launch, launch, reduce_launch
+from .kernels.contracts import LossTokens, OnePassGradient
 from .objective import GRPOLossOutput
 from .options import GRPOOptions
 from .validation import check_linear_inputs
@@ -148,7 +149,7 @@ class HiddenStatesSource:
         (``kernels/tuned.json``), else "recompute"."""
         mode = self.lm_head_mode
         if mode is None:
-            mode = lm_head_launch_module().default_lm_head_mode(self.tensor, self.weight.shape[0])
+            mode = fused_linear_launch.default_lm_head_mode(self.tensor, self.weight.shape[0])
         opts, flat, shape = inputs.options, self.flat(inputs), inputs.ids.shape
         wants_grad = torch.is_grad_enabled() and (self.tensor.requires_grad or self.weight.requires_grad)
         if mode == "three_products" and wants_grad:
@@ -183,9 +184,8 @@ def as_input_grads(ctx, grads, inputs) -> tuple:
 def linear_loss_fwd(hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions):
     """(loss, metrics vector, ``ForwardResult`` over the N tokens, ``TokenWeights``): the token-weights kernel,
     the lm_head forward kernel with the per-token loss, the loss-metrics kernel."""
-    reduce_launch = reduce_launch_module()
     tokens, weights = reduce_launch.weighted_tokens(loss_tokens)
-    r = lm_head_launch_module().linear_forward(
+    r = fused_linear_launch.linear_forward(
         hidden, weight, bias, ids, kernel_loss=opts.kernel_loss, tokens=tokens, compute_entropy=opts.compute_entropy
     )
     loss, metrics = reduce_launch.reduced(tokens.mask, opts.kernel_loss, r, weights)
@@ -276,10 +276,9 @@ def three_products_fwd(
     logits by cuBLAS, the one-pass logits kernel turning them into the loss terms and, in place, dlogits of the
     reduced loss (each token's weight from the token-weights kernel), both gradient products in the same loop.
     ``wants_weight`` None: no gradient at all (the three are None)."""
-    reduce_launch = reduce_launch_module()
     tokens, weights = reduce_launch.weighted_tokens(loss_tokens)
     gradient = None if wants_weight is None else OnePassGradient(weights.weight, weights.entropy_weight)
-    r, dh, dw, db = lm_head_launch_module().linear_three_products(
+    r, dh, dw, db = fused_linear_launch.linear_three_products(
         hidden,
         weight,
         bias,
@@ -297,7 +296,6 @@ def three_products_fwd(
 def three_products_bwd(gradients: tuple, grad_loss: torch.Tensor) -> list:
     """The forward's gradients times the incoming one, in place, the scale read on the device (fp32, small next
     to the logits; no host sync); None stays None."""
-    launch = launch_module()
     return [None if t is None else launch.scale_in_place(t, grad_loss.detach()) for t in gradients]
 
 
@@ -334,7 +332,7 @@ def linear_logprobs_fwd(
     chunk of tokens at a time: fp32 [N] (fp64 for fp64 inputs on the torch path)."""
     compiling = torch.compiler.is_compiling()  # one opaque op in the graph (ops.py)
     if backend == "triton" and not compiling:
-        r = lm_head_launch_module().linear_forward(
+        r = fused_linear_launch.linear_forward(
             hidden, weight, bias, ids, temperature=temperature, softcap=softcap, compute_entropy=compute_entropy
         )
         return LogprobResult(r.logp, r.entropy, r.lse)
@@ -364,7 +362,7 @@ def linear_logprobs_bwd(
     forward's entropy), the logits recomputed a chunk at a time."""
     compiling = torch.compiler.is_compiling()
     if backend == "triton" and not compiling:
-        return lm_head_launch_module().linear_backward(
+        return fused_linear_launch.linear_backward(
             hidden,
             weight,
             bias,

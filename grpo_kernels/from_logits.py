@@ -12,8 +12,8 @@ Function; each Function's forward and backward are one host function each, which
 - log-probs, ``TokenLogprobs`` (``logprobs_fwd`` / ``logprobs_bwd``): where the loss math runs in torch on them
   (sequence-level ratios, vespo, the torch backend, vocabulary parallelism) and for the log-prob family.
 
-The host functions take plain tensors. On the Triton backend they reach the launchers through
-``kernels.contracts.launch_module`` (the one route to them; ``ops.py``'s custom ops take it too); on the torch
+The host functions take plain tensors. On the Triton backend they call the launchers (``kernels.launch``, a plain
+import; ``ops.py``'s custom ops call them too); on the torch
 backend they run the chunked torch path (``torch_path``); inside a ``torch.compile`` graph, the custom ops.
 Every one computes log softmax(cap(x) / temperature) of the raw logits x, cap(x) = softcap * tanh(x / softcap)
 with a head's soft-cap, x itself with ``softcap`` None.
@@ -36,7 +36,8 @@ from typing import NamedTuple
 import torch
 
 from . import ops, torch_path
-from .kernels.contracts import LossTokens, TokenInputs, launch_module
+from .kernels import launch
+from .kernels.contracts import LossTokens, TokenInputs
 from .objective import GRPOLossOutput
 from .options import GRPOOptions
 from .validation import check_in_place, check_logits, checked_drop_last_position
@@ -135,7 +136,7 @@ class LogitsSource:
         the device sweep's measured choice for this GPU and vocabulary (``kernels/tuned.json``), else one-pass."""
         one_pass = self.one_pass
         if one_pass is None:
-            one_pass = launch_module().default_one_pass(self.tensor)
+            one_pass = launch.default_one_pass(self.tensor)
         if one_pass and not self.in_place_backward and self.tensor.requires_grad and torch.is_grad_enabled():
             loss, metrics, logp = OnePassLoss.apply(self.tensor, inputs, loss_tokens)
         else:
@@ -209,7 +210,7 @@ def one_pass_fwd(logits, ids, loss_tokens: LossTokens, opts: GRPOOptions, drop_l
     positions, in place of a [B, T, V] view; the token-weights kernel zeroes a dropped last position), the
     loss-metrics kernel."""
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    r = launch_module().loss_forward(
+    r = launch.loss_forward(
         logits,
         ids,
         kernel_loss=opts.kernel_loss,
@@ -223,7 +224,7 @@ def one_pass_fwd(logits, ids, loss_tokens: LossTokens, opts: GRPOOptions, drop_l
 def one_pass_bwd(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
     """The saved gradient times the incoming one, in place, the scale read on the device: no host sync, no
     second [B, T, V] tensor, and no pass over the gradient at all when grad_loss is 1 (a plain backward)."""
-    return launch_module().scale_in_place(grad, grad_loss)
+    return launch.scale_in_place(grad, grad_loss)
 
 
 class OnePassLoss(torch.autograd.Function):
@@ -258,7 +259,7 @@ class OnePassLoss(torch.autograd.Function):
 def two_pass_fwd(logits, ids, loss_tokens: LossTokens, opts: GRPOOptions):
     """The launches of ``one_pass_fwd`` without the gradient (``launch.LossForward``: the per-token results,
     dLoss/dlogp among them, the token weights, the loss and the metrics)."""
-    return launch_module().loss_forward(logits, ids, kernel_loss=opts.kernel_loss, loss_tokens=loss_tokens)
+    return launch.loss_forward(logits, ids, kernel_loss=opts.kernel_loss, loss_tokens=loss_tokens)
 
 
 def two_pass_bwd(
@@ -384,7 +385,7 @@ def logprobs_fwd(
                 aligned(logits, drop_last_position), ids, temperature, softcap, mask, compute_entropy
             )
             return LogprobResult(logp, ops.present(entropy, compute_entropy), lse)
-        r = launch_module().forward(
+        r = launch.forward(
             logits,
             ids,
             temperature=temperature,
@@ -442,7 +443,7 @@ def logprobs_bwd(
                 flat(entropy) if grad_entropy is not None else None,
             )
             return out
-        launch_module().backward(
+        launch.backward(
             logits,
             ids,
             lse.reshape(-1),

@@ -477,11 +477,6 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, 
     return opts.entropy_coef * (entropy * mask).sum() / entropy_divisor(mask, opts, loss_mask, normalizer)
 
 
-def entropy_bonus_weights(mask: torch.Tensor, opts: GRPOOptions, loss_mask=None, normalizer=None) -> torch.Tensor:
-    """dLoss/dH per token of ``- entropy_bonus``: -entropy_coef * M / its divisor (``entropy_divisor``)."""
-    return -opts.entropy_coef * mask / entropy_divisor(mask, opts, loss_mask, normalizer)
-
-
 def entropy_divisor(mask: torch.Tensor, opts: GRPOOptions, loss_mask=None, normalizer=None):
     """What the entropy bonus divides its sum by (``entropy_bonus``)."""
     if opts.entropy_reduction == "loss":

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 
 from . import torch_path
+from .kernels import fused_linear_launch, launch
+from .kernels.contracts import TokenInputs
 
 _NONE = (0,)  # the shape of an absent output
 
@@ -140,18 +142,6 @@ def _(hidden, weight, bias, ids, lse, g, temperature, softcap, compute_weight_gr
 # ----- the Triton path's log-prob kernels (launch.forward without a loss, launch.backward; the lm_head's) -----
 
 
-def _launch():
-    from .kernels.contracts import launch_module
-
-    return launch_module()
-
-
-def _lm_head_launch():
-    from .kernels.contracts import lm_head_launch_module
-
-    return lm_head_launch_module()
-
-
 def _unaliased(*outputs: Optional[Tensor]) -> Tuple[Tensor, ...]:
     """The launchers' [N] outputs are rows of one buffer (one allocation a call); an op's outputs may not alias
     each other, so each is its own tensor here (O(N), only inside a graph). None becomes the empty placeholder."""
@@ -169,9 +159,7 @@ def triton_logprobs(
     compute_entropy: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy or empty, lse), fp32 [N]: the forward kernel without a loss (``launch.forward``)."""
-    from .kernels.contracts import TokenInputs
-
-    r = _launch().forward(
+    r = launch.forward(
         logits,
         ids,
         temperature=temperature,
@@ -202,7 +190,7 @@ def triton_logprobs_backward(
     entropy: Optional[Tensor],
 ) -> None:
     """dlogits written into ``out`` ([B, T, V], a unit last stride): the backward kernel (``launch.backward``)."""
-    _launch().backward(
+    launch.backward(
         logits, ids, lse, grad_logp, temperature, softcap=softcap, out=out, grad_entropy=grad_entropy, entropy=entropy
     )
 
@@ -223,7 +211,7 @@ def triton_linear_logprobs(
     compute_entropy: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(lse, logp, entropy or empty), fp32 [N]: the lm_head forward kernel without a loss."""
-    r = _lm_head_launch().linear_forward(
+    r = fused_linear_launch.linear_forward(
         hidden, weight, bias, ids, temperature=temperature, softcap=softcap, compute_entropy=compute_entropy
     )
     return _unaliased(r.lse, r.logp, r.entropy)
@@ -251,7 +239,7 @@ def triton_linear_backward(
     entropy: Optional[Tensor],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d hidden, d weight or empty, d bias or empty), fp32: the lm_head's chunked backward."""
-    dh, dw, db = _lm_head_launch().linear_backward(
+    dh, dw, db = fused_linear_launch.linear_backward(
         hidden,
         weight,
         bias,

@@ -7,7 +7,6 @@ Each entry: (names, default as shown, meaning in Markdown).
 
 from __future__ import annotations
 
-import dataclasses
 import textwrap
 from collections.abc import Iterable
 
@@ -241,11 +240,3 @@ def docstring_options(keywords: tuple[str, ...]) -> str:
         f"{', '.join(option_names())}; plus {', '.join(f'``{k}``' for k in keywords)}."
     )
     return textwrap.fill(text, 96, subsequent_indent="    ")
-
-
-def undocumented_fields() -> tuple[str, ...]:
-    """GRPOOptions' fields the table does not list (none, by test)."""
-    from .options import GRPOOptions
-
-    documented = set(option_names())
-    return tuple(f.name for f in dataclasses.fields(GRPOOptions) if f.name not in documented)

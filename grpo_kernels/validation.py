@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .kernels.contracts import launch_module
+from .kernels import TritonMissing, launch
 from .options import BACKENDS, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the torch path only
@@ -298,7 +298,8 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
         )
     compiling = torch.compiler.is_compiling()
     if not compiling:  # (a graph's ops import it when they run)
-        launch_module()  # a clear ImportError where triton is absent
+        if launch.__class__ is TritonMissing:  # a clear ImportError where triton is absent
+            raise launch.error()
     if not logits.is_cuda:
         if not interpreter_enabled():
             raise ValueError(

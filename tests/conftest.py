@@ -6,6 +6,8 @@ On a machine with CUDA the kernels are compiled and run natively instead.
 
 import collections
 import os
+import sys
+from pathlib import Path
 
 # Torch's OpenMP threads wait passively: set before torch loads (OpenMP reads it once), so that a test run sharing
 # the machine with another busy process does not spin against it (the CLI does the same: training.cli)
@@ -20,6 +22,9 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the developer tools the tests run (tools/aot.py: the ahead-of-time compile), importable as top-level modules
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
 
 
 @pytest.fixture

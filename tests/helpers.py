@@ -144,8 +144,8 @@ def split_row(chunks: int = 4, block_v=256):
     (in the interpreter: its two launches, publish then merge), with blocks of ``block_v`` logits (None: the
     launcher's). The tests' small vocabularies need small blocks to have several: at V = 1003, 4 chunks of a
     256-logit block each, held in registers; at V = 4999, 4 chunks of 5 blocks, read again from L2."""
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import split_row_launch
 
     if not _INTERPRETER_RUNS_SPLIT_ROW:  # refused with a message there, which tests/test_versions.py checks
         pytest.skip("the split-row schedule's interpreter run needs triton >= 3.4 (here: the supported floor, 3.3)")
-    return launch.split_row_schedule(chunks, block_v)
+    return split_row_launch.split_row_schedule(chunks, block_v)

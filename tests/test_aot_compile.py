@@ -4,7 +4,7 @@ configuration (``aot.representative_launches``) for sm_80 and AMD's gfx942 (MI30
 What the interpreter forgives, the compiler does not: this catches compile errors,
 register spills, lost vectorization and hot loops that would be issue-bound before a GPU
 ever runs the code. The specializations are the launchers' own launches, typed by Triton's
-JIT binder (grpo_kernels/kernels/aot.py). The compile runs in a subprocess because the test
+JIT binder (tools/aot.py). The compile runs in a subprocess because the test
 session has TRITON_INTERPRET=1 set, over both cores (the tool forks a compile process a core), watched for
 progress rather than timed: a slow machine makes it slower, never red.
 """
@@ -17,11 +17,13 @@ import sys
 import tempfile
 import threading
 
+import aot
 import pytest
 import torch
+from aot import DTYPES
+from conftest import TOOLS
 
-from grpo_kernels.kernels import aot, launch
-from grpo_kernels.kernels.aot import DTYPES
+from grpo_kernels.kernels import launch, split_row_launch
 
 # No wall-clock limit on the whole compile (hundreds of specializations; a loaded 2-core machine can take many
 # times the usual): the guard is on progress. The tool prints a line a finished specialization, each a few seconds
@@ -60,7 +62,7 @@ def _run_watched(command, env, stall_s=STALL_S) -> str:
 def _aot(*args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    return json.loads(_run_watched([sys.executable, "-m", "grpo_kernels.kernels.aot", *args], env))
+    return json.loads(_run_watched([sys.executable, str(TOOLS / "aot.py"), *args], env))
 
 
 def test_the_watch_fails_a_stalled_process_and_waits_for_a_slow_one():
@@ -143,7 +145,7 @@ def test_the_split_row_kernel_compiles_as_one_cooperative_launch_that_fits_the_g
         resident = 132 * r["resident_programs_per_sm"]
         assert resident >= r["chunks"], r
         for N in (1, 7, 4096, 16384):
-            programs = launch.split_row_grid(resident, N, r["chunks"])
+            programs = split_row_launch.split_row_grid(resident, N, r["chunks"])
             assert programs % r["chunks"] == 0 and r["chunks"] <= programs <= min(resident, N * r["chunks"])
 
 

@@ -465,7 +465,8 @@ def test_the_lm_heads_workspaces_are_bounded_at_qwens_size():
     tiles' [4, 19, N] states: about 330 bytes a token), where it held 1 GiB of whole rows; the recomputing mode's
     backward the same beyond its three gradients; only the 3-product mode with a gradient, whose one-pass kernel
     needs whole rows, keeps its 1 GiB (``LINEAR_WORKSPACE_BYTES``)."""
-    from grpo_kernels.kernels import aot
+    import aot
+
     from grpo_kernels.kernels.contracts import OnePassGradient
 
     hidden, weight, ids, kernel_loss, tokens = _qwen_head_on_meta()

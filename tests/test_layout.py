@@ -11,8 +11,7 @@ import pytest
 from grpo_kernels.options import LOSS_TYPES
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "grpo_kernels"
-# The AOT report tool builds the launchers' calls from options, as a user of both tiers (not a kernel module).
-KERNEL_TIER = sorted(p for p in (PACKAGE / "kernels").glob("*.py") if p.name != "aot.py")
+KERNEL_TIER = sorted((PACKAGE / "kernels").glob("*.py"))
 # The registry, and the specification, which is written independently of it (by name, on purpose).
 NAMES_LOSS_TYPES = {PACKAGE / "options.py", PACKAGE / "reference.py"}
 
@@ -226,3 +225,19 @@ def test_the_cycle_check_finds_a_lazy_circle(tmp_path):
     (tmp_path / "c.py").write_text("from .a import b\n")
     graph = module_imports(tmp_path)
     assert graph["c"] == {"a"} and import_cycles(graph) == [["a", "b"]]
+
+
+def test_the_front_end_reaches_the_launchers_by_plain_imports():
+    """The front end's edge to the kernel tier is an import a reader (and go-to-definition) can follow: the
+    launcher modules themselves, not a name resolved at run time; where triton is absent they are stand-ins
+    (tests/test_without_triton.py)."""
+    from grpo_kernels import from_hidden_states, from_logits, ops
+    from grpo_kernels.kernels import fused_linear_launch, launch, reduce_launch
+
+    pytest.importorskip("triton")
+    assert from_logits.launch is launch and ops.launch is launch
+    assert from_hidden_states.fused_linear_launch is fused_linear_launch
+    assert from_hidden_states.reduce_launch is reduce_launch
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name != "training":  # (the trainer loads a user's reward function by its dotted name)
+            assert "import_module" not in path.read_text(), f"{path.name} imports a module by a name made at run time"

@@ -13,10 +13,10 @@ import torch
 from grpo_kernels import GRPOOptions
 from grpo_kernels.inputs import SequenceLayout
 from grpo_kernels.kernels import reduce_launch
-from grpo_kernels.kernels.contracts import FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, Sequences
+from grpo_kernels.kernels.contracts import FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, LossTokens, Sequences, TokenInputs
 from grpo_kernels.objective import (
     clip_metric_values,
-    entropy_bonus_weights,
+    entropy_divisor,
     kernel_reduction,
     masked_mean,
     metric_names,
@@ -33,6 +33,23 @@ LOSS_TYPES = {
     "cispo": dict(epsilon_high=1.1),
     "sapo": {},
 }
+
+
+def token_weights(
+    mask, sequences, reduction, *, advantages=None, importance_weights=None, dropped_gradient=None, out=None
+):
+    """The token-weights kernel's ``TokenWeights`` from the mask (fp32, N elements) and the per-token or per-sequence
+    advantages and importance weights (``reduce_launch.weighted_tokens`` on the ``LossTokens`` they make)."""
+    tokens = TokenInputs(mask=mask, advantages=advantages, importance_weights=importance_weights)
+    return reduce_launch.weighted_tokens(
+        LossTokens(tokens, sequences, reduction), dropped_gradient=dropped_gradient, out=out
+    )[1]
+
+
+def entropy_bonus_weights(mask, opts, loss_mask=None, normalizer=None):
+    """dLoss/dH per token of ``- objective.entropy_bonus``: -entropy_coef * M / its divisor (``entropy_divisor``), the
+    torch side of the token-weights kernel's entropy weight."""
+    return -opts.entropy_coef * mask / entropy_divisor(mask, opts, loss_mask, normalizer)
 
 
 def _same(actual, expected):
@@ -64,9 +81,7 @@ def test_token_weights_are_the_reductions_weights(device, loss_type, normalizer,
     scale = torch.tensor(0.5, device=device) if loss_scale == "tensor" else loss_scale
     opts = GRPOOptions(loss_type=loss_type, entropy_coef=0.03, **LOSS_TYPES[loss_type])
     advantages = torch.randn(B, device=device, dtype=torch.float64)  # any float dtype, written as fp32
-    w = reduce_launch.token_weights(
-        mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, scale), advantages=advantages
-    )
+    w = token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, scale), advantages=advantages)
     expected = reduction_weights(mask, opts, normalizer) * scale
     _same(w.weight.view(B, T), expected)
     _same(w.entropy_weight.view(B, T), entropy_bonus_weights(mask, opts) * scale)
@@ -85,7 +100,7 @@ def test_an_entropy_bonus_divided_as_the_loss_is(device, normalizer, bonus_token
     if normalizer == "tensor":
         normalizer = torch.tensor(23.0, device=device)
     opts = GRPOOptions(loss_type="dapo", entropy_coef=0.03, entropy_reduction="loss")
-    w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, 0.5, bonus))
+    w = token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, 0.5, bonus))
     expected = entropy_bonus_weights(mask if bonus is None else bonus, opts, mask, normalizer) * 0.5
     _same(w.entropy_weight.view(B, T), expected)
     _same(w.weight.view(B, T), reduction_weights(mask, opts, normalizer) * 0.5)
@@ -99,7 +114,7 @@ def test_fractional_masks_per_token_inputs_and_a_separate_bonus_mask(device):
     bonus = (mask * (torch.rand(B, T, device=device) > 0.5)).contiguous()
     opts = GRPOOptions(entropy_coef=0.1)
     adv, iw = torch.randn(B, T, device=device), torch.rand(B, 1, device=device, dtype=torch.bfloat16)
-    w = reduce_launch.token_weights(
+    w = token_weights(
         mask, Sequences(B, T), kernel_reduction(opts, B, None, 1.0, bonus), advantages=adv, importance_weights=iw
     )
     close = dict(atol=0, rtol=1e-5)  # sums of fractional masks, in another order
@@ -118,9 +133,7 @@ def test_a_packed_batch_takes_its_sequences_from_cu_seqlens(device, loss_type):
     layout = SequenceLayout(1, N, cu_seqlens)
     opts = GRPOOptions(loss_type=loss_type)
     per_sequence = torch.randn(S, device=device)
-    w = reduce_launch.token_weights(
-        mask, layout.sequences, kernel_reduction(opts, S, None, 1.0), advantages=per_sequence
-    )
+    w = token_weights(mask, layout.sequences, kernel_reduction(opts, S, None, 1.0), advantages=per_sequence)
     expected = layout.from_seq(reduction_weights(layout.seq(mask), opts))
     _same(w.weight, expected)
     assert torch.equal(w.advantages, per_sequence[layout.sequence_of_token])
@@ -141,7 +154,7 @@ def test_the_prompt_mean_reads_each_sequences_divisor(device, packed):
         mask = _mask(5, 7, seed=2).to(device)
         sequences, mask_seq = Sequences(5, 7), mask
     divisors = prompt_divisors(mask_seq, prompt_ids)
-    w = reduce_launch.token_weights(mask, sequences, kernel_reduction(opts, 5, None, 0.5, None, divisors))
+    w = token_weights(mask, sequences, kernel_reduction(opts, 5, None, 0.5, None, divisors))
     expected = reduction_weights(mask_seq, opts, prompt_ids=prompt_ids) * 0.5
     _same(w.weight, layout.from_seq(expected) if packed else expected.view(-1))
     _same(w.entropy_weight.view(-1), entropy_bonus_weights(mask, opts).view(-1) * 0.5)
@@ -151,7 +164,7 @@ def test_the_dropped_position_is_zeroed_and_nothing_else_written(device):
     B, T, V = 3, 4, 2500  # V over two of the kernel's zeroing blocks
     grad = torch.full((B, T + 1, V), 7.0, device=device, dtype=torch.bfloat16)
     mask = torch.ones(B, T, device=device)
-    reduce_launch.token_weights(
+    token_weights(
         mask,
         Sequences(B, T),
         kernel_reduction(GRPOOptions(), B, None, 1.0),
@@ -163,7 +176,7 @@ def test_the_dropped_position_is_zeroed_and_nothing_else_written(device):
 
 def test_no_token_gives_empty_weights_and_zeroes_the_dropped_position(device):
     grad = torch.ones(2, 1, 5, device=device)
-    w = reduce_launch.token_weights(
+    w = token_weights(
         torch.ones(2, 0, device=device),
         Sequences(2, 0),
         kernel_reduction(GRPOOptions(), 2, None, 1.0),
@@ -175,9 +188,7 @@ def test_no_token_gives_empty_weights_and_zeroes_the_dropped_position(device):
 
 def test_inputs_of_neither_a_token_nor_a_sequence_each_are_refused(device):
     with pytest.raises(ValueError, match="advantages must hold one value a token"):
-        reduce_launch.token_weights(
-            torch.ones(6, device=device), Sequences(2, 3), None, advantages=torch.ones(4, device=device)
-        )
+        token_weights(torch.ones(6, device=device), Sequences(2, 3), None, advantages=torch.ones(4, device=device))
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "cispo", "sapo"])
@@ -201,7 +212,7 @@ def test_loss_metrics_are_the_reduced_loss_and_trls_means(device, loss_type, wit
         entropy_coef=0.02 if with_bonus else 0.0,
         **LOSS_TYPES[loss_type],
     )
-    weights = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, None, 0.5))
+    weights = token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, None, 0.5))
     loss, metrics = reduce_launch.loss_metrics(
         mask,
         opts.kernel_loss,
@@ -229,7 +240,7 @@ def test_loss_metrics_are_the_reduced_loss_and_trls_means(device, loss_type, wit
 def test_loss_metrics_of_no_token_are_zero(device):
     opts = GRPOOptions(beta=0.04)
     empty = torch.empty(0, device=device)
-    weights = reduce_launch.token_weights(empty, Sequences(0, 0), kernel_reduction(opts, 0, None, 1.0))
+    weights = token_weights(empty, Sequences(0, 0), kernel_reduction(opts, 0, None, 1.0))
     loss, metrics = reduce_launch.loss_metrics(
         empty, opts.kernel_loss, loss=empty, entropy=empty, kl=empty, flags=empty.to(torch.int8), weights=weights
     )
@@ -250,5 +261,5 @@ def test_scalars_are_read_where_the_kernel_can_read_them(device):
         (torch.tensor(0.0), torch.tensor(0.5)),  # CPU tensors (on a GPU: read on the host)
         (torch.tensor(0.0, device=device), torch.tensor(0.5, device=device)),
     ):
-        w = reduce_launch.token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, scale))
+        w = token_weights(mask, Sequences(B, T), kernel_reduction(opts, B, normalizer, scale))
         _same(w.weight, 0.5 * mask.reshape(-1))  # divided as 1, as the torch reduction does

@@ -13,7 +13,7 @@ import torch
 from helpers import OPTION_CASES, assert_close, make_batch, split_row
 
 from grpo_kernels import grpo_loss, grpo_loss_reference
-from grpo_kernels.kernels import launch
+from grpo_kernels.kernels import launch, split_row_launch
 
 TOL = dict(atol=1e-6, rtol=1e-5)
 
@@ -100,15 +100,15 @@ def test_the_chunks_cover_the_row_in_whole_blocks():
         (1, 2, 4),
         (7, 2, 3),
     ]:
-        k, chunk_len, held = launch.split_row_chunks(V, block, chunks)
+        k, chunk_len, held = split_row_launch.split_row_chunks(V, block, chunks)
         assert held == (chunk_len == block)
         blocks = -(-V // block)
         assert chunk_len % block == 0 and k * chunk_len >= V > (k - 1) * chunk_len  # covered, the last not empty
         assert k <= chunks and (chunk_len == block or -(-blocks // (chunk_len // block - 1)) > chunks)
-    assert launch.split_row_chunks(151936, 4096, 8) == (8, 5 * 4096, False)  # 5 blocks of L2-read chunks
-    assert launch.split_row_chunks(151936, 4096, 16) == (13, 3 * 4096, False)  # not 16 chunks with 3 empty
-    assert launch.split_row_chunks(151936, 4096, 64) == (38, 4096, True)  # a block a chunk: held in registers
-    assert launch.split_row_chunks(32000, 4096, 8) == (8, 4096, True)
+    assert split_row_launch.split_row_chunks(151936, 4096, 8) == (8, 5 * 4096, False)  # 5 blocks of L2-read chunks
+    assert split_row_launch.split_row_chunks(151936, 4096, 16) == (13, 3 * 4096, False)  # not 16 chunks with 3 empty
+    assert split_row_launch.split_row_chunks(151936, 4096, 64) == (38, 4096, True)  # a block a chunk: held in registers
+    assert split_row_launch.split_row_chunks(32000, 4096, 8) == (8, 4096, True)
 
 
 @pytest.mark.parametrize(
@@ -199,10 +199,10 @@ def test_bf16_logits(device):
 
 def test_the_default_schedule_is_unchanged_until_measured(device, monkeypatch):
     """Without a K (tuned.json's "split_row", or SPLIT_ROW_CHUNKS) the one-pass loss keeps its kernel."""
-    assert launch.SPLIT_ROW_CHUNKS is None
+    assert split_row_launch.SPLIT_ROW_CHUNKS is None
     calls = []
-    real = launch._split_row_forward
-    monkeypatch.setattr(launch, "_split_row_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = split_row_launch.split_row_forward
+    monkeypatch.setattr(split_row_launch, "split_row_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     batch = make_batch(device=device, seed=1)
     grpo_loss(**batch, backend="triton", one_pass=True)
     assert not calls

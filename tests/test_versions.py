@@ -47,10 +47,10 @@ def test_the_split_row_interpreter_run_names_the_triton_it_needs(monkeypatch, fr
     monkeypatch.setattr(numpy, "__version__", "2.3.5")  # (with numpy >= 2.4 the interpreter check refuses first)
     batch = make_batch()
     batch["logits"].requires_grad_()  # the one-pass schedule writes the gradient in its forward
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import split_row_launch
 
     # the schedule itself, not tests/helpers.split_row, which skips where the real triton is older than 3.4
-    with launch.split_row_schedule(2, 256), pytest.raises(RuntimeError, match="needs triton >= 3.4"):
+    with split_row_launch.split_row_schedule(2, 256), pytest.raises(RuntimeError, match="needs triton >= 3.4"):
         grpo_loss(**batch, backend="triton", one_pass=True)
 
 

@@ -1,7 +1,8 @@
 """Host-kernel contracts that need no Triton: the values the host passes and the flag bits it reads back.
 
 The kernel tier (``kernels/``) imports nothing of the front end; the front end builds what it hands the
-launchers from these types (``GRPOOptions.kernel_loss``, ``TokenInputs``, ``LossTokens``).
+launchers from these types (``GRPOOptions.kernel_loss``, ``TokenInputs``, ``LossTokens``) and reaches the launchers
+through the package's plain imports (``grpo_kernels.kernels``).
 
 The kernels (``kernels/grpo.py``) and the front end (``loss.py``) share these names; this module
 imports nothing heavy, so ``import grpo_kernels`` and the CPU path work where Triton is absent.
@@ -100,47 +101,10 @@ class KernelLoss(NamedTuple):
     clip_metrics: int
     clip_metric_count: int
 
-    @property
-    def kind(self) -> int:
-        return self.args["LOSS_KIND"]
-
 
 # The loss arguments of a launch without a loss: never read (LOSS_KIND is LOSS_NONE), but the kernels' signature
 # takes them.
 NO_LOSS_ARGS = {"loss_scalars": (0.0,) * len(LOSS_SCALARS), "LOSS_KIND": LOSS_NONE, "KL_KIND": KL_K3, "LOSS_FLAGS": 0}
-
-
-@functools.cache  # a successful import only (an ImportError is raised again each call)
-def _triton_module(name: str):
-    try:
-        import importlib
-
-        return importlib.import_module(f"{__package__}.{name}")
-    except ImportError as e:
-        raise ImportError(
-            "the Triton backend needs the triton package (pip install triton: Linux, with a CUDA GPU, or "
-            "TRITON_INTERPRET=1 for its CPU interpreter); backend='torch' (the default for CPU tensors) "
-            f"works without it ({e})"
-        ) from e
-
-
-@functools.cache  # a module, asked on every call: a cache hit enters no Python
-def launch_module():
-    """``grpo_kernels.kernels.launch`` (the logits kernels' launchers), imported on first use: it needs
-    triton, the CPU path does not."""
-    return _triton_module("launch")
-
-
-@functools.cache  # a module, asked on every call: a cache hit enters no Python
-def lm_head_launch_module():
-    """``grpo_kernels.kernels.fused_linear_launch`` (the fused lm_head's launchers), imported on first use."""
-    return _triton_module("fused_linear_launch")
-
-
-@functools.cache  # a module, asked on every call: a cache hit enters no Python
-def reduce_launch_module():
-    """``grpo_kernels.kernels.reduce_launch`` (the token-weights and loss-metrics launchers), imported on first use."""
-    return _triton_module("reduce_launch")
 
 
 # DIVISOR values of the token-weights kernel (kernels/reduce.py): what each token's mask is divided by

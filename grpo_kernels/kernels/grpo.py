@@ -37,11 +37,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 # The host's values and the flag bits, named in one place (triton-free, for the front end).
-from .contracts import (  # noqa: E402,F401
+from .contracts import (
     FLAG_HIGH_CLIPPED,
     FLAG_LOW_CLIPPED,
     KL_K1,
-    KL_K2,
     KL_K3,
     LOSS_CISPO,
     LOSS_FLAG_BIAS_CORRECTION_KL,
@@ -52,7 +51,6 @@ from .contracts import (  # noqa: E402,F401
     LOSS_FLAG_LOG_RATIO_CLAMP,
     LOSS_NONE,
     LOSS_PPO_CLIP,
-    LOSS_SAPO,
 )
 from .logsumexp import rescale_lse
 

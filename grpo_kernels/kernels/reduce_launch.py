@@ -17,7 +17,6 @@ from .contracts import (
     KernelLoss,
     LossTokens,
     Reduction,
-    Sequences,
     TokenInputs,
     TokenWeights,
 )
@@ -53,7 +52,7 @@ def fp32_rows(count: int, N: int, device, shape: tuple | None = None) -> tuple:
 
 
 def rows_needed(advantages, importance_weights, reduction: Reduction | None) -> int:
-    """How many fp32 [N] rows ``token_weights`` writes (for a caller that allocates them: ``out=``): advantages
+    """How many fp32 [N] rows ``weighted_tokens`` writes (for a caller that allocates them: ``out=``): advantages
     and importance weights per token where given, each token's weight with a reduction, its entropy-bonus weight
     with a coefficient."""
     return (
@@ -80,32 +79,15 @@ def _scalar(value, device) -> tuple[float, torch.Tensor | None]:
     return 1.0, value.to(device)
 
 
-def token_weights(
-    mask: torch.Tensor,
-    sequences: Sequences,
-    reduction: Reduction | None,
-    *,
-    advantages: torch.Tensor | None = None,
-    importance_weights: torch.Tensor | None = None,
-    dropped_gradient: torch.Tensor | None = None,
-    out: tuple | None = None,
-) -> TokenWeights:
-    """The per-token inputs and weights of a loss launch, from the mask (fp32, N elements, contiguous).
-
-    ``advantages`` / ``importance_weights``: per token (N elements) or per sequence (S), any float dtype.
-    ``reduction`` None: no weights. ``dropped_gradient``: a [B, T + 1, V] gradient whose position T is zeroed
-    here (the logits pass writes the rest). ``out``: the fp32 [N] rows to write (``rows_needed`` of them),
-    else new ones."""
-    tokens = TokenInputs(mask=mask, advantages=advantages, importance_weights=importance_weights)
-    return weighted_tokens(LossTokens(tokens, sequences, reduction), dropped_gradient=dropped_gradient, out=out)[1]
-
-
 def weighted_tokens(
     loss_tokens: LossTokens, *, dropped_gradient: torch.Tensor | None = None, out: tuple | None = None
 ) -> tuple[TokenInputs, TokenWeights]:
-    """The token-weights kernel on a loss launch's ``LossTokens`` (see ``token_weights``): (its per-token inputs
-    as the loss kernels read them, advantages and importance weights written per token; the ``TokenWeights``).
-    Written for host time: it runs on every loss call."""
+    """The token-weights kernel on a loss launch's ``LossTokens``: (its per-token inputs as the loss kernels read them,
+    advantages and importance weights written per token; the ``TokenWeights``). The mask is fp32, N elements,
+    contiguous; advantages / importance weights per token (N elements) or per sequence (S), any float dtype; a
+    reduction of None writes no weights. ``dropped_gradient``: a [B, T + 1, V] gradient whose position T is zeroed
+    here (the logits pass writes the rest). ``out``: the fp32 [N] rows to write (``rows_needed`` of them), else new
+    ones. Written for host time: it runs on every loss call."""
     t, (S, T, cu_seqlens), r = loss_tokens
     mask = t.mask
     N = mask.numel()

@@ -1,7 +1,7 @@
 """Ahead-of-time compile of every kernel specialization for a GPU target, without a GPU.
 
-``python -m grpo_kernels.kernels.aot --arch 90`` runs the launchers (``kernels/launch.py`` and
-``kernels/fused_linear_launch.py``) on CPU tensors of representative shapes with every kernel
+``python tools/aot.py --arch 90`` runs the launchers (``grpo_kernels/kernels/launch.py`` and
+``fused_linear_launch.py``) on CPU tensors of representative shapes with every kernel
 replaced by a recorder, so that what gets compiled is exactly what the launchers pass: the same
 arguments, and from them, through Triton's own JIT binder, the same signature (i32 or i64 by value,
 as the JIT types integers), divisibility hints and constexprs the JIT would derive at that launch.
@@ -14,7 +14,8 @@ backend in the triton wheel) compile ``representative_launches``: every kernel, 
 configuration at one dtype and vocabulary. AMD's are read for registers, spills and scratch from the AMDGCN kernel
 descriptor (no hot-loop analysis: that is NVIDIA's SASS).
 It must run without TRITON_INTERPRET (the interpreter has nothing to compile).
-tests/test_aot_compile.py runs it in a subprocess and checks the budgets.
+tests/test_aot_compile.py runs it in a subprocess and checks the budgets. A developer tool beside the benchmarks, not a
+part of the package: it builds the launchers' calls from options, a user of both tiers.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..options import GRPOOptions
-from . import fused_linear as FL
-from . import fused_linear_launch as lm_head_launch
-from . import grpo, launch, reduce, split_row
-from .contracts import LossTokens, OnePassGradient, Sequences, TokenInputs
+from grpo_kernels.kernels import fused_linear as FL
+from grpo_kernels.kernels import fused_linear_launch as lm_head_launch
+from grpo_kernels.kernels import grpo, launch, reduce, split_row, split_row_launch
+from grpo_kernels.kernels.contracts import LossTokens, OnePassGradient, Sequences, TokenInputs
+from grpo_kernels.objective import kernel_reduction
+from grpo_kernels.options import GRPOOptions
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SOFTCAP = 30.0  # Gemma 2's final_logit_softcapping, for the capped specializations
@@ -374,7 +376,7 @@ def tuned_launches(table: dict | None = None) -> Iterator[tuple[str, Callable[[]
     config (an entry without "l2_hints" runs without them: ``launch.logits_launch_config``). Labelled "tuned".
     A CPU tensor never finds an entry (the lookup is by the GPU's architecture), so the other specializations are
     the heuristic's; these are what the device runs."""
-    from . import tuned
+    from grpo_kernels.kernels import tuned
 
     table = tuned.table() if table is None else table
     names = {str(dtype).replace("torch.", ""): (name, dtype) for name, dtype in DTYPES.items()}
@@ -508,7 +510,6 @@ def reduce_launches() -> Iterator[tuple[str, Callable[[], None]]]:
     kernels) for each reduction (the prompt mean's per-sequence divisors among them), per-sequence and per-token
     inputs, a packed batch, tensor scales and normalizers, the entropy bonus, each policy term's metrics and the
     dropped position's gradient rows of each dtype."""
-    from ..objective import kernel_reduction
 
     rows, V = 1024, 151936
     S, T = 8, rows // 8
@@ -578,7 +579,7 @@ def reduce_launches() -> Iterator[tuple[str, Callable[[], None]]]:
 
 def _split_row(chunks: int, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with the one-pass loss on the split-row kernel, K = ``chunks``."""
-    with launch.split_row_schedule(chunks):
+    with split_row_launch.split_row_schedule(chunks):
         return fn(*args, **kwargs)
 
 
@@ -823,7 +824,7 @@ def _record(item: Launch, arch) -> dict[str, object]:
     if name == "split_row_forward_kernel":  # a cooperative launch: every program resident at once
         record["chunks"] = named["K"]
         record["held_chunk"] = held
-        record["resident_programs_per_sm"] = launch.resident_programs_per_sm(
+        record["resident_programs_per_sm"] = split_row_launch.resident_programs_per_sm(
             usage.get("REG"), options.num_warps, compiled.metadata.shared
         )
     if not fused and name in ("grpo_forward_kernel", "logprob_backward_kernel", "split_row_forward_kernel"):
