@@ -120,7 +120,7 @@ elif [ "$MODE" = gpu ]; then
     FIRST_TESTS=(tests/test_batch_invariance.py tests/test_loss.py tests/test_fused_linear.py
                  -k "$FIRST or three_products_mode_matches")
     TESTS=(tests/test_cuda_graph.py tests/test_split_row.py tests/test_loss.py tests/test_fused_linear.py
-           tests/test_reliability.py tests/test_lean_backward.py tests/test_api.py tests/test_family.py
+           tests/test_reliability.py tests/test_lean_backward.py tests/test_api.py tests/test_methods.py
            tests/test_liger_parity.py tests/test_drop_last_position.py tests/test_entropy_bonus.py
            tests/test_policy_masks.py tests/test_packed.py tests/test_reduce.py -k "not torch")
 else

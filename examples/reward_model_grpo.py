@@ -5,7 +5,7 @@
 
 1. Preference pairs from the "Which is bigger?" task: chosen = the bigger number, rejected =
    the smaller one. A tiny Llama with a scalar head is fitted with the Bradley-Terry loss
-   (``grpo_kernels.family.reward_model_loss``) and TRL's centering term (0.01), which holds the
+   (``grpo_kernels.methods.reward_model_loss``) and TRL's centering term (0.01), which holds the
    scores near 0 so that their sigmoid, the reward, does not saturate; its held-out preference
    accuracy is printed.
 2. The thin trainer runs GRPO with the reward model's (bounded) score as the reward instead

@@ -1,5 +1,10 @@
 """grpo-kernels: fused Triton kernels for the GRPO loss, with a PyTorch front end."""
 
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
 from .loss import (
     FusedLinearGRPOLoss,
     GRPOLoss,
@@ -13,6 +18,7 @@ from .loss import (
     token_entropy,
     token_logprobs,
 )
+from .methods import dpo_loss, reward_model_loss, rft_loss, sft_loss
 from .objective import GRPOLossOutput
 from .options import GRPOOptions
 from .reference import grpo_loss_reference
@@ -26,15 +32,42 @@ __all__ = [
     "OpenRLHFCorrection",
     "TRLImportanceSampling",
     "VerlRolloutCorrection",
+    "dpo_loss",
     "fused_linear_grpo_loss",
     "grpo_loss",
     "grpo_loss_reference",
     "linear_selective_log_softmax",
     "linear_selective_log_softmax_and_entropy",
     "linear_token_logprobs",
+    "reward_model_loss",
+    "rft_loss",
     "selective_log_softmax",
     "selective_log_softmax_and_entropy",
+    "sft_loss",
     "token_entropy",
     "token_logprobs",
 ]
 __version__ = "0.1.0"
+
+# Modules renamed during 0.1: their old paths import until 0.2, with a DeprecationWarning (CHANGELOG.md)
+MOVED_MODULES = {"grpo_kernels.family": "grpo_kernels.methods", "grpo_kernels.families": "grpo_kernels.policy_terms"}
+
+
+class _MovedModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a renamed module's old path as its new module, warning where the importing code stands."""
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in MOVED_MODULES else None
+
+    def create_module(self, spec):
+        new = MOVED_MODULES[spec.name]
+        # (warn skips the import machinery's own frames: level 2 is the importing code's line)
+        warnings.warn(f"{spec.name} is now {new}; the old path is removed in 0.2", DeprecationWarning, stacklevel=2)
+        __import__(new)
+        return sys.modules[new]
+
+    def exec_module(self, module):
+        """The new module has run already."""
+
+
+sys.meta_path.append(_MovedModule())

@@ -39,20 +39,12 @@ from .kernels import fused_linear_launch, launch, reduce_launch
 from .kernels.contracts import LossTokens, OnePassGradient
 from .objective import GRPOLossOutput
 from .options import GRPOOptions
-from .validation import check_linear_inputs
-
-LM_HEAD_MODES = ("recompute", "three_products")
-# The head's precision: "input", as an unfused head in the operands' own dtype (16-bit on the tensor cores, fp32
-# accumulation, the logits rounded once to that dtype: the kernels' ROUND_LOGITS, torch_path._chunk_logits);
-# "fp32", hidden states, weight and bias cast to fp32 first (exact fp32 products and logits: TRL's
-# cast_lm_head_to_fp32, a rollout engine's fp32 head), the gradients coming back in their own dtypes
-HEAD_PRECISIONS = ("input", "fp32")
+from .validation import check_head_precision, check_linear_inputs, check_lm_head_mode
 
 
 def head_operands(hidden_states, weight, bias, head_precision: str) -> tuple:
-    """(hidden states, weight, bias) in the head's precision (``HEAD_PRECISIONS``)."""
-    if head_precision not in HEAD_PRECISIONS:
-        raise ValueError(f"head_precision must be one of {list(HEAD_PRECISIONS)}, got {head_precision!r}")
+    """(hidden states, weight, bias) in the head's precision (``validation.HEAD_PRECISIONS``)."""
+    check_head_precision(head_precision)
     if head_precision == "input":
         return hidden_states, weight, bias
     upcast = lambda t: t.float() if isinstance(t, torch.Tensor) else t  # noqa: E731 (a bad input is checked later)
@@ -68,6 +60,9 @@ class HiddenStatesSource:
     first)."""
 
     what = "hidden_states"
+    # inside a torch.compile graph its log-prob kernels run as custom ops (``ops.py``) and the loss math as graph
+    # code: its fused loss kernels are not custom ops
+    fused_in_graph = False
 
     def __init__(
         self,
@@ -99,8 +94,7 @@ class HiddenStatesSource:
 
     def check_call(self, backend: str, sharded: bool) -> None:
         """The mode, where the caller chose one (``fused_loss`` chooses it otherwise)."""
-        if self.lm_head_mode is not None and self.lm_head_mode not in LM_HEAD_MODES:
-            raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {self.lm_head_mode!r}")
+        check_lm_head_mode(self.lm_head_mode)
 
     def flat(self, inputs) -> tuple:
         """(hidden [N, H], weight, bias, ids [N]) as the kernels read them. Masked tokens are never read:

@@ -31,13 +31,13 @@ PyTorch's "modified by an inplace operation" error instead of silently reading t
 from __future__ import annotations
 
 import inspect
-from typing import NamedTuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import ops, torch_path
 from .kernels import launch
-from .kernels.contracts import LossTokens, TokenInputs
+from .kernels.contracts import KernelLoss, LossTokens, Reduction, Sequences, TokenInputs
 from .objective import GRPOLossOutput
 from .options import GRPOOptions
 from .validation import check_in_place, check_logits, checked_drop_last_position
@@ -57,6 +57,7 @@ class LogitsSource:
     check and read it; none keeps state for another."""
 
     what = "logits"
+    fused_in_graph = True  # inside a torch.compile graph its fused loss runs as custom ops (``graph_loss``)
     __slots__ = ("tensor", "drop_last_position", "in_place_backward", "one_pass")
 
     def __init__(
@@ -136,12 +137,21 @@ class LogitsSource:
         the device sweep's measured choice for this GPU and vocabulary (``kernels/tuned.json``), else one-pass."""
         one_pass = self.one_pass
         if one_pass is None:
-            one_pass = launch.default_one_pass(self.tensor)
-        if one_pass and not self.in_place_backward and self.tensor.requires_grad and torch.is_grad_enabled():
+            one_pass = default_one_pass(self.tensor)
+        one_pass = one_pass and not self.in_place_backward and self.tensor.requires_grad and torch.is_grad_enabled()
+        if torch.compiler.is_compiling():  # the same schedules as one opaque op each in the graph
+            loss, metrics, logp = graph_loss(self, inputs.ids.contiguous(), loss_tokens, inputs.options, one_pass)
+        elif one_pass:
             loss, metrics, logp = OnePassLoss.apply(self.tensor, inputs, loss_tokens)
         else:
             loss, metrics, logp = TwoPassLoss.apply(self.tensor, inputs, loss_tokens)
         return kernel_output(inputs.options, loss, metrics, logp)
+
+
+@torch.compiler.assume_constant_result  # (a graph reads the measured table once, as it is when traced)
+def default_one_pass(logits: torch.Tensor) -> bool:
+    """The device sweep's measured schedule for this GPU and vocabulary (``kernels/tuned.json``), else one-pass."""
+    return launch.default_one_pass(logits)
 
 
 def kernel_output(opts: GRPOOptions, loss, metrics, logp) -> GRPOLossOutput:
@@ -204,7 +214,7 @@ def weighted_dloss(grad_loss, weights, dloss_dlogp, entropy_weight):
 # ---- One-pass: dlogits written by the forward kernel -------------------------------------------------------------
 
 
-def one_pass_fwd(logits, ids, loss_tokens: LossTokens, opts: GRPOOptions, drop_last_position: bool) -> tuple:
+def one_pass_fwd(logits, ids, loss_tokens: LossTokens, kernel_loss: KernelLoss, drop_last_position: bool) -> tuple:
     """(loss, metrics vector, log-probs [N], the gradient at the logits' shape) of the one-pass launches: the
     token-weights kernel, the logits kernel writing dlogits of the reduced loss into the gradient (its first T
     positions, in place of a [B, T, V] view; the token-weights kernel zeroes a dropped last position), the
@@ -213,7 +223,7 @@ def one_pass_fwd(logits, ids, loss_tokens: LossTokens, opts: GRPOOptions, drop_l
     r = launch.loss_forward(
         logits,
         ids,
-        kernel_loss=opts.kernel_loss,
+        kernel_loss=kernel_loss,
         loss_tokens=loss_tokens,
         gradient_out=grad,
         dropped_gradient=grad if drop_last_position else None,
@@ -240,7 +250,7 @@ class OnePassLoss(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ids = inputs.ids.contiguous()
         loss, metrics, logp, grad = one_pass_fwd(
-            logits, ids, loss_tokens, inputs.options, inputs.source.drop_last_position
+            logits, ids, loss_tokens, inputs.options.kernel_loss, inputs.source.drop_last_position
         )
         ctx.save_for_backward(grad)
         return loss_outputs(ctx, loss, metrics, logp, ids.shape)
@@ -256,10 +266,10 @@ class OnePassLoss(torch.autograd.Function):
 # ---- Two-pass: the forward kernel's dLoss/dlogp, then the backward kernel ----------------------------------------
 
 
-def two_pass_fwd(logits, ids, loss_tokens: LossTokens, opts: GRPOOptions):
+def two_pass_fwd(logits, ids, loss_tokens: LossTokens, kernel_loss: KernelLoss):
     """The launches of ``one_pass_fwd`` without the gradient (``launch.LossForward``: the per-token results,
     dLoss/dlogp among them, the token weights, the loss and the metrics)."""
-    return launch.loss_forward(logits, ids, kernel_loss=opts.kernel_loss, loss_tokens=loss_tokens)
+    return launch.loss_forward(logits, ids, kernel_loss=kernel_loss, loss_tokens=loss_tokens)
 
 
 def two_pass_bwd(
@@ -306,7 +316,7 @@ class TwoPassLoss(torch.autograd.Function):
     def forward(ctx, logits, inputs, loss_tokens: LossTokens):
         ctx.set_materialize_grads(False)
         ids, opts, source = inputs.ids.contiguous(), inputs.options, inputs.source
-        r = two_pass_fwd(logits, ids, loss_tokens, opts)
+        r = two_pass_fwd(logits, ids, loss_tokens, opts.kernel_loss)
         ctx.save_for_backward(
             logits,
             ids,
@@ -362,6 +372,278 @@ def signature_bound_once(function_class):
     the call's arguments to it (``inspect.signature``) on every call, about as long as a small call's torch ops."""
     function_class.forward.__signature__ = inspect.signature(function_class.forward)
     return function_class
+
+
+# ---- Inside a torch.compile graph: the same two schedules as custom ops ------------------------------------------
+#
+# A graph cannot carry the options object or the call's NamedTuples into an opaque op, so each schedule is a
+# ``torch.library`` custom op over their fields (``graph_args``: tensors, numbers and lists; rebuilt inside by
+# ``_from_graph_args``), differentiable by ``register_autograd``: the one-pass op returns the gradient it wrote,
+# which its backward scales in place (``triton_scale_``, reinplaced by inductor: no copy); the two-pass op returns
+# what its backward kernel reads. Eager calls run the autograd Functions above (no dispatcher hop: host time).
+
+
+def graph_loss(source: LogitsSource, ids, loss_tokens: LossTokens, opts: GRPOOptions, one_pass: bool) -> tuple:
+    """(loss, metrics vector, log-probs) of a fused loss inside a graph, on its schedule's op."""
+    flat = graph_args(loss_tokens, opts.kernel_loss)
+    if one_pass:
+        loss, metrics, logp, _ = triton_one_pass_loss(source.tensor, ids, *flat, source.drop_last_position)
+    else:
+        # (in a graph the gradient is a buffer of its own: the compiler manages memory, in_place_backward is eager's)
+        loss, metrics, logp, *_ = triton_two_pass_loss(source.tensor, ids, *flat, source.drop_last_position)
+    return loss, metrics, logp
+
+
+def graph_args(loss_tokens: LossTokens, kernel_loss: KernelLoss) -> tuple:
+    """A fused loss's call as a custom op's arguments: the per-token tensors, the sequences, the reduction (a number
+    or a tensor for each of its divisor and loss scale) and the loss's constants (``_from_graph_args`` inverts)."""
+    t, (S, T, cu_seqlens), r = loss_tokens
+    tensor_or_none = lambda v: v if isinstance(v, torch.Tensor) else None  # noqa: E731
+    number = lambda v: 1.0 if isinstance(v, torch.Tensor) or v is None else float(v)  # noqa: E731
+    args = kernel_loss.args
+    return (
+        t.mask,
+        t.advantages,
+        t.old_logps,
+        t.ref_logps,
+        t.importance_weights,
+        cu_seqlens,
+        [S, T],
+        r.divisor_kind,
+        number(r.divisor),
+        tensor_or_none(r.divisor),
+        number(r.loss_scale),
+        tensor_or_none(r.loss_scale),
+        r.entropy_coef,
+        r.bonus_mask,
+        r.entropy_as_loss,
+        list(args["loss_scalars"]),
+        [
+            args["LOSS_KIND"],
+            args["KL_KIND"],
+            args["LOSS_FLAGS"],
+            kernel_loss.clip_metrics,
+            kernel_loss.clip_metric_count,
+        ],
+        [kernel_loss.temperature, kernel_loss.kernel_temperature],
+        kernel_loss.kernel_softcap,
+        kernel_loss.compute_entropy,
+        kernel_loss.with_kl,
+    )
+
+
+def _from_graph_args(mask, advantages, old, ref, iw, cu_seqlens, sequences, divisor_kind, divisor, divisor_tensor,
+                     loss_scale, loss_scale_tensor, entropy_coef, bonus_mask, entropy_as_loss, loss_scalars, loss_ints,
+                     temperatures, softcap, compute_entropy, with_kl) -> tuple:  # fmt: skip
+    """(``LossTokens``, ``KernelLoss``) of ``graph_args``."""
+    kind, kl_kind, flags, clip_metrics, clip_metric_count = loss_ints
+    kernel_loss = KernelLoss(
+        {"loss_scalars": tuple(loss_scalars), "LOSS_KIND": kind, "KL_KIND": kl_kind, "LOSS_FLAGS": flags},
+        temperatures[0],
+        temperatures[1],
+        softcap,
+        compute_entropy,
+        with_kl,
+        clip_metrics,
+        clip_metric_count,
+    )
+    reduction = Reduction(
+        divisor_kind,
+        divisor if divisor_tensor is None else divisor_tensor,
+        loss_scale if loss_scale_tensor is None else loss_scale_tensor,
+        entropy_coef,
+        bonus_mask,
+        entropy_as_loss,
+    )
+    tokens = TokenInputs(mask, advantages, old, ref, iw)
+    return LossTokens(tokens, Sequences(sequences[0], sequences[1], cu_seqlens), reduction), kernel_loss
+
+
+def _metric_count(loss_ints, compute_entropy: bool, with_kl: bool) -> int:
+    return int(with_kl) + int(compute_entropy) + loss_ints[4]
+
+
+@torch.library.custom_op("grpo_kernels::triton_one_pass_loss", mutates_args=())
+def triton_one_pass_loss(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: Optional[torch.Tensor],
+    old_logps: Optional[torch.Tensor],
+    ref_logps: Optional[torch.Tensor],
+    importance_weights: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    sequences: List[int],
+    divisor_kind: int,
+    divisor: float,
+    divisor_tensor: Optional[torch.Tensor],
+    loss_scale: float,
+    loss_scale_tensor: Optional[torch.Tensor],
+    entropy_coef: float,
+    bonus_mask: Optional[torch.Tensor],
+    entropy_as_loss: bool,
+    loss_scalars: List[float],
+    loss_ints: List[int],
+    temperatures: List[float],
+    softcap: Optional[float],
+    compute_entropy: bool,
+    with_kl: bool,
+    drop_last_position: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``one_pass_fwd`` as an op: (loss, metrics vector, log-probs shaped as the ids, the gradient at the logits'
+    shape)."""
+    loss_tokens, kernel_loss = _from_graph_args(*_graph_fields(locals()))
+    loss, metrics, logp, grad = one_pass_fwd(logits, ids, loss_tokens, kernel_loss, drop_last_position)
+    return loss, metrics, logp.reshape(ids.shape).clone(), grad  # (the log-probs: a row of a shared buffer)
+
+
+def _graph_fields(namespace: dict) -> tuple:
+    """An op's ``graph_args`` fields, by name, from its arguments (its ``locals()``)."""
+    return tuple(namespace[name] for name in _GRAPH_FIELDS)
+
+
+_GRAPH_FIELDS = (
+    "mask",
+    "advantages",
+    "old_logps",
+    "ref_logps",
+    "importance_weights",
+    "cu_seqlens",
+    "sequences",
+    "divisor_kind",
+    "divisor",
+    "divisor_tensor",
+    "loss_scale",
+    "loss_scale_tensor",
+    "entropy_coef",
+    "bonus_mask",
+    "entropy_as_loss",
+    "loss_scalars",
+    "loss_ints",
+    "temperatures",
+    "softcap",
+    "compute_entropy",
+    "with_kl",
+)
+
+
+@triton_one_pass_loss.register_fake
+def _(logits, ids, mask, *args):
+    fields = dict(zip(_GRAPH_FIELDS[1:], args, strict=False))
+    f32 = dict(device=logits.device, dtype=torch.float32)
+    count = _metric_count(fields["loss_ints"], fields["compute_entropy"], fields["with_kl"])
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    return torch.empty((), **f32), torch.empty(count, **f32), torch.empty(ids.shape, **f32), grad
+
+
+def _one_pass_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[3])
+
+
+def _one_pass_backward(ctx, grad_loss, *unused):
+    (grad,) = ctx.saved_tensors
+    triton_scale_(grad, grad_loss)
+    return (grad,) + (None,) * (len(_GRAPH_FIELDS) + 2)  # (logits; ids, the fields, drop_last_position)
+
+
+torch.library.register_autograd("grpo_kernels::triton_one_pass_loss", _one_pass_backward, setup_context=_one_pass_setup)
+
+
+@torch.library.custom_op("grpo_kernels::triton_scale_", mutates_args=("x",))
+def triton_scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """``one_pass_bwd`` as an op: x *= scale in place, read on the device (nothing moves when it is 1)."""
+    launch.scale_in_place(x, scale)
+
+
+@triton_scale_.register_fake
+def _(x, scale):
+    return None
+
+
+@torch.library.custom_op("grpo_kernels::triton_two_pass_loss", mutates_args=())
+def triton_two_pass_loss(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: Optional[torch.Tensor],
+    old_logps: Optional[torch.Tensor],
+    ref_logps: Optional[torch.Tensor],
+    importance_weights: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    sequences: List[int],
+    divisor_kind: int,
+    divisor: float,
+    divisor_tensor: Optional[torch.Tensor],
+    loss_scale: float,
+    loss_scale_tensor: Optional[torch.Tensor],
+    entropy_coef: float,
+    bonus_mask: Optional[torch.Tensor],
+    entropy_as_loss: bool,
+    loss_scalars: List[float],
+    loss_ints: List[int],
+    temperatures: List[float],
+    softcap: Optional[float],
+    compute_entropy: bool,
+    with_kl: bool,
+    drop_last_position: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``two_pass_fwd`` as an op: (loss, metrics vector, log-probs shaped as the ids, and what the backward reads:
+    g = dLoss/dlogp times each token's weight [N], the entropy bonus's (weight, entropy) [2, N] or empty without
+    one, the log-sum-exp [N])."""
+    loss_tokens, kernel_loss = _from_graph_args(*_graph_fields(locals()))
+    r = two_pass_fwd(logits, ids, loss_tokens, kernel_loss)
+    g = r.weights.weight * r.result.dloss_dlogp
+    bonus = r.weights.entropy_weight
+    entropy_terms = g.new_empty((0,)) if bonus is None else torch.stack([bonus, r.result.entropy])
+    logp = r.result.logp.reshape(ids.shape).clone()  # (rows of a shared buffer: an op's outputs are its own)
+    return r.loss, r.metrics, logp, g, entropy_terms, r.result.lse.clone()
+
+
+@triton_two_pass_loss.register_fake
+def _(logits, ids, mask, *args):
+    fields = dict(zip(_GRAPH_FIELDS[1:], args, strict=False))
+    f32 = dict(device=logits.device, dtype=torch.float32)
+    count = _metric_count(fields["loss_ints"], fields["compute_entropy"], fields["with_kl"])
+    N = ids.numel()
+    bonus = (2, N) if fields["entropy_coef"] != 0.0 else (0,)
+    return (
+        torch.empty((), **f32),
+        torch.empty(count, **f32),
+        torch.empty(ids.shape, **f32),
+        torch.empty(N, **f32),
+        torch.empty(bonus, **f32),
+        torch.empty(N, **f32),
+    )
+
+
+def _two_pass_setup(ctx, inputs, output):
+    logits, ids = inputs[0], inputs[1]
+    fields = dict(zip(_GRAPH_FIELDS, inputs[2:], strict=False))
+    ctx.save_for_backward(logits, ids, output[3], output[4], output[5])
+    ctx.temperature, ctx.softcap, ctx.drop_last_position = fields["temperatures"][1], fields["softcap"], inputs[-1]
+
+
+def _two_pass_backward(ctx, grad_loss, *unused):
+    logits, ids, g, entropy_terms, lse = ctx.saved_tensors
+    h = entropy = None
+    if entropy_terms.numel():
+        h, entropy = grad_loss * entropy_terms[0], entropy_terms[1]
+    grad = gradient_buffer(logits, ctx.drop_last_position, False)
+    ops.triton_logprobs_backward(
+        aligned(logits, ctx.drop_last_position),
+        ids,
+        lse,
+        grad_loss * g,
+        ctx.temperature,
+        ctx.softcap,
+        aligned(grad, ctx.drop_last_position),
+        h,
+        entropy,
+    )
+    return (grad,) + (None,) * (len(_GRAPH_FIELDS) + 2)
+
+
+torch.library.register_autograd("grpo_kernels::triton_two_pass_loss", _two_pass_backward, setup_context=_two_pass_setup)
 
 
 # ---- Log-probs: the kernels' (or the torch path's) log-probs, the loss math in torch ------------------------------

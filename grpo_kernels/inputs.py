@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels.contracts import LossTokens, Sequences, TokenInputs
-from .objective import GRPOLossOutput, as_row_column, kernel_reduction, prompt_divisors
+from .kernels.contracts import Sequences
+from .objective import GRPOLossOutput, as_row_column
 from .options import GRPOOptions
 from .validation import (
     check_inputs,
@@ -216,33 +216,6 @@ class LossInputs(NamedTuple):
         return GRPOLossOutput(out.loss, out.metrics, logps.reshape(self.caller_shape))
 
 
-def loss_tokens(inputs: LossInputs, importance_weights, bonus_mask) -> LossTokens:
-    """The per-token side of a fused loss launch (``kernels.contracts.LossTokens``), with the importance weights
-    and the entropy bonus's tokens the policy masks left (the call's own, and its mask, without masks): the
-    tensors as the caller gave them where the kernels can read them so (no copy), the reduction as the
-    token-weights kernel computes it."""
-    L, o = inputs.layout, inputs.options
-    bonus = None if bonus_mask is inputs.mask_seq else L.token_layout(bonus_mask).float().contiguous()
-    tokens = TokenInputs(
-        mask=inputs.mask,
-        advantages=inputs.advantages,
-        old_logps=_fp32_tokens(inputs.old_logps),
-        ref_logps=_fp32_tokens(inputs.ref_logps) if o.uses_kl else None,
-        importance_weights=L.token_layout(importance_weights) if L.packed else importance_weights,
-    )
-    divisors = None if inputs.prompt_ids is None else prompt_divisors(inputs.mask_seq, inputs.prompt_ids)
-    reduction = kernel_reduction(o, L.S, inputs.normalizer, inputs.loss_scale, bonus, divisors)
-    return LossTokens(tokens, L.sequences, reduction)
-
-
-def _fp32_tokens(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A per-token tensor as the kernels read it, at its pointer, token n at element n: fp32 and contiguous (the
-    tensor itself when it is; its shape kept)."""
-    if t is None or (t.dtype is torch.float32 and t.is_contiguous()):
-        return t
-    return t.float().contiguous()
-
-
 _OPTIONS_OF_KEYWORDS: dict = {}  # the functional API's options by their keywords: built (and checked) once
 _VALUE = operator.itemgetter(1)
 
@@ -275,46 +248,78 @@ def options_from(options: GRPOOptions | None, option_kwargs: dict) -> GRPOOption
     return kept
 
 
-def _vocab_shard(
-    group, vocab_start_index, shape, device, ids, check_ids: bool, *, mask=None, normalizer=None
-) -> VocabShard | None:
-    """This rank's vocabulary shard of a vocabulary-parallel call (None without a group), after checking the
-    ids, which are global, against the whole vocabulary (with ``check_ids``)."""
-    if group is None:
-        return None
-    return VocabShard(
-        group,
-        sharded_vocab_start(shape, device, ids, group, vocab_start_index, check_ids, mask=mask, normalizer=normalizer),
-    )
+class LossCall(NamedTuple):
+    """A loss call's per-call inputs as the caller passed them, unchecked (``prepare_inputs`` checks them): built once
+    by each public loss function and Module (``loss.py``), read by nothing but ``prepare_inputs``. See ``grpo_loss``
+    for each one's meaning."""
+
+    completion_ids: object
+    completion_mask: object
+    advantages: object
+    old_logps: object = None
+    ref_logps: object = None
+    importance_weights: object = None
+    normalizer: object = None
+    loss_scale: object = 1.0
+    sampling_logps: object = None
+    cu_seqlens: object = None
+    prompt_ids: object = None
 
 
-def prepare_inputs(
-    source,
-    completion_ids,
-    completion_mask,
-    advantages,
-    old_logps=None,
-    ref_logps=None,
-    importance_weights=None,
-    sampling_logps=None,
-    normalizer=None,
-    *,
-    options: GRPOOptions,
-    backend: str = "auto",
-    check_ids: bool = True,
-    loss_scale=1.0,
-    cu_seqlens=None,
-    vocab_parallel_group=None,
-    vocab_start_index: int | None = None,
-    prompt_ids=None,
-) -> LossInputs:
+class CallSettings(NamedTuple):
+    """What a loss call runs with besides its tensors: the options and the settings every loss entry point takes (a
+    Module's, fixed at construction; a function's keywords)."""
+
+    options: GRPOOptions
+    backend: str = "auto"
+    check_ids: bool = True
+    vocab_parallel_group: object = None
+    vocab_start_index: int | None = None
+
+
+class LogprobSettings(NamedTuple):
+    """The log-prob family's shared keywords (``loss.token_logprobs`` and the rest), one set for all of them: each
+    function hands its own with ``of(locals())``, so that they are listed once, here."""
+
+    backend: str = "auto"
+    check_ids: bool = True
+    drop_last_position: bool = False
+    cu_seqlens: object = None
+    vocab_parallel_group: object = None
+    vocab_start_index: int | None = None
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
+
+    @classmethod
+    def of(cls, namespace: dict) -> LogprobSettings:
+        """The settings among a public function's arguments (its ``locals()``); one it does not take keeps its
+        default."""
+        return cls._make(namespace.get(name, default) for name, default in _LOGPROB_DEFAULTS)
+
+
+_LOGPROB_DEFAULTS = tuple(LogprobSettings._field_defaults.items())
+
+
+def prepare_inputs(source, call: LossCall, settings: CallSettings) -> LossInputs:
     """A loss call's ``LossInputs``, every input checked (see ``grpo_loss`` for the arguments). ``source`` is a
     ``from_logits.LogitsSource`` or a ``from_hidden_states.HiddenStatesSource``."""
-    ids, mask, old, ref, sampling = completion_ids, completion_mask, old_logps, ref_logps, sampling_logps
+    ids, mask, old, ref, sampling = (
+        call.completion_ids,
+        call.completion_mask,
+        call.old_logps,
+        call.ref_logps,
+        call.sampling_logps,
+    )
+    advantages, importance_weights, normalizer, options = (
+        call.advantages,
+        call.importance_weights,
+        call.normalizer,
+        settings.options,
+    )
     layout, caller_shape = None, None
-    if cu_seqlens is not None:  # a packed batch: one row of tokens to the kernels, sequences to the reductions
+    if call.cu_seqlens is not None:  # a packed batch: one row of tokens to the kernels, sequences to the reductions
         caller_shape = ids.shape if isinstance(ids, torch.Tensor) else None
-        layout, source = packed_layout(cu_seqlens, source)
+        layout, source = packed_layout(call.cu_seqlens, source)
         ids, mask, old, ref, sampling = (
             layout.one_row(name, x)
             for name, x in (
@@ -329,7 +334,7 @@ def prepare_inputs(
         layout.check_per_sequence_or_token("importance_weights", importance_weights)
     shape = source.logits_shape(ids)  # (B, T, V): checks the logits, or the hidden states and the head
     device = source.tensor.device
-    sharded = vocab_parallel_group is not None
+    sharded = settings.vocab_parallel_group is not None
     check_inputs(
         shape,
         device,
@@ -341,27 +346,17 @@ def prepare_inputs(
         None if layout else importance_weights,
         normalizer,
         options,
-        check_ids and not sharded,
+        settings.check_ids and not sharded,
         what=source.what,
-    )
-    shard = (
-        None
-        if not sharded
-        else _vocab_shard(
-            vocab_parallel_group, vocab_start_index, shape, device, ids, check_ids, mask=mask, normalizer=normalizer
-        )
     )
     if sampling is not None:
         check_per_token("sampling_logps", sampling, shape, device, allow_row=False)
-    check_prompt_ids(prompt_ids, layout.S if layout else shape[0], device, options, packed=layout is not None)
-    backend = resolve_backend(backend, source.tensor)
-    source.check_call(backend, sharded)
-    if sharded:
-        source = sharded_source(source)
+    check_prompt_ids(call.prompt_ids, layout.S if layout else shape[0], device, options, packed=layout is not None)
+    source, backend, shard = _on_backend(source, settings, shape, ids, mask=mask, normalizer=normalizer)
     if isinstance(normalizer, torch.Tensor):
         normalizer = normalizer.detach()  # a count, per step: no gradient
-    mask = _fp32_tokens(mask)  # the kernels' one mask (checked: shaped as the ids)
-    if layout is None:
+    mask = mask if mask.dtype is torch.float32 and mask.is_contiguous() else mask.float().contiguous()
+    if layout is None:  # (the kernels' one mask, checked: shaped as the ids)
         layout, mask_seq = SequenceLayout.padded(shape[0], shape[1]), mask
     else:
         mask_seq = layout.seq(mask)
@@ -376,39 +371,27 @@ def prepare_inputs(
         importance_weights,
         sampling,
         normalizer,
-        checked_loss_scale(loss_scale),
+        checked_loss_scale(call.loss_scale),
         options,
         backend,
         layout,
         caller_shape,
         shard,
-        prompt_ids,
+        call.prompt_ids,
     )
 
 
-def prepare_logprob_inputs(
-    source,
-    ids: torch.Tensor | None,
-    temperature: float,
-    *,
-    backend: str = "auto",
-    check_ids: bool = True,
-    drop_last_position: bool = False,
-    cu_seqlens=None,
-    vocab_parallel_group=None,
-    vocab_start_index: int | None = None,
-    logit_scale: float = 1.0,
-    logit_softcap: float | None = None,
-) -> LossInputs:
+def prepare_logprob_inputs(source, ids: torch.Tensor | None, temperature: float, settings: LogprobSettings):
     """The ``LossInputs`` of a log-prob call (no mask: every token read; see ``token_logprobs`` for the
     arguments). ``ids`` None: the entropy alone (no target). A source with other leading dims than [B, T]
     ([N, V], [B, T, K, V], ...) is read as one row; the results take the ids' shape (a packed call's: [total])."""
     opts = options_from(
-        None, dict(temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
+        None, dict(temperature=temperature, logit_scale=settings.logit_scale, logit_softcap=settings.logit_softcap)
     )  # validated once per set of values
     caller_shape = None
-    if cu_seqlens is not None:
-        layout, source = packed_layout(cu_seqlens, source)
+    check_ids = settings.check_ids
+    if settings.cu_seqlens is not None:
+        layout, source = packed_layout(settings.cu_seqlens, source)
         caller_shape = (layout.N,)
         ids = None if ids is None else layout.one_row("ids", ids)
     elif isinstance(source.tensor, torch.Tensor) and source.tensor.dim() not in (0, 3):
@@ -420,19 +403,13 @@ def prepare_logprob_inputs(
         ids = None if ids is None else ids.reshape(1, -1)
     if ids is None:  # no target: every id 0, never checked
         check_logits(source.tensor)
-        B, T = source.tensor.shape[0], source.tensor.shape[1] - int(drop_last_position)
+        B, T = source.tensor.shape[0], source.tensor.shape[1] - int(settings.drop_last_position)
         ids = torch.zeros((B, max(T, 0)), dtype=torch.long, device=source.tensor.device)
         check_ids = False
     shape = source.logits_shape(ids)
-    device = source.tensor.device
-    sharded = vocab_parallel_group is not None
-    shard = _vocab_shard(vocab_parallel_group, vocab_start_index, shape, device, ids, check_ids)
-    if not sharded:
-        check_token_ids(ids, shape, device, check_ids)
-    backend = resolve_backend(backend, source.tensor)
-    source.check_call(backend, sharded)
-    if sharded:
-        source = sharded_source(source)
+    if settings.vocab_parallel_group is None:
+        check_token_ids(ids, shape, source.tensor.device, check_ids)
+    source, backend, shard = _on_backend(source, settings._replace(check_ids=check_ids), shape, ids)
     return LossInputs(
         source,
         ids,
@@ -451,3 +428,27 @@ def prepare_logprob_inputs(
         caller_shape,
         shard,
     )
+
+
+def _on_backend(source, settings, shape, ids, *, mask=None, normalizer=None) -> tuple:
+    """The steps both kinds of call share once their tensors are checked: (the source as the call reads it, the
+    backend, the vocabulary shard or None). The shard is located (its ids, which are global, checked against the
+    whole vocabulary: ``vocab_parallel.sharded_vocab_start``), the backend resolved, the source's own checks made
+    for them, and a vocabulary-parallel call's source made its sharded one."""
+    group = settings.vocab_parallel_group
+    shard = None
+    if group is not None:
+        start = sharded_vocab_start(
+            shape,
+            source.tensor.device,
+            ids,
+            group,
+            settings.vocab_start_index,
+            settings.check_ids,
+            mask=mask,
+            normalizer=normalizer,
+        )
+        shard = VocabShard(group, start)
+    backend = resolve_backend(settings.backend, source.tensor)
+    source.check_call(backend, group is not None)
+    return (source if group is None else sharded_source(source)), backend, shard

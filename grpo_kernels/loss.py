@@ -1,31 +1,22 @@
-"""The public API: the loss functions and Modules (from logits, from hidden states with the lm_head) and the
-log-prob family, and the one dispatch behind them.
-
-A call runs in a straight line: the public function makes its input form's source (``from_logits.LogitsSource``
-or ``from_hidden_states.HiddenStatesSource``), ``inputs.prepare_inputs`` checks everything once into one frozen
-``LossInputs``, and ``compute_loss`` (below) sends it down one of two ways:
-
-1. TRL's policy-term masks first, where the options ask for them: a gradient-free log-prob pass.
-2. The fused loss kernels where they apply (the Triton backend, a token-level loss, one device's vocabulary):
-   the source's ``fused_loss``, which chooses the schedule and applies its autograd Function; else the
-   differentiable log-probs with the loss math in torch (``objective.loss_from_logps``).
+"""The public face: the loss functions and Modules (from logits; from hidden states with the lm_head) and the log-prob
+family. Each makes its input form's source (``from_logits.LogitsSource``, ``from_hidden_states.HiddenStatesSource``)
+and its call (``inputs.LossCall`` with ``inputs.CallSettings``, or ``inputs.LogprobSettings``), and hands them to the
+call pipeline (``pipeline.loss``, ``pipeline.logprobs``): prepare, correct and mask, reduce, launch.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
-from .from_hidden_states import HEAD_PRECISIONS, LM_HEAD_MODES, HiddenStatesSource
+from . import pipeline
+from .from_hidden_states import HiddenStatesSource
 from .from_logits import LogitsSource
-from .inputs import LossInputs, loss_tokens, options_from, prepare_inputs, prepare_logprob_inputs
-from .kernels.contracts import TokenInputs
-from .objective import GRPOLossOutput, entropy_divisor, loss_from_logps, policy_masks
+from .inputs import CallSettings, LogprobSettings, LossCall, options_from
+from .objective import GRPOLossOutput
 from .option_docs import HIDDEN_STATES_KEYWORDS, LOGITS_KEYWORDS, docstring_options
-from .options import BACKENDS, GRPOOptions
-from .rollout_correction import check_call, reads_current
+from .options import GRPOOptions
+from .validation import check_backend, check_head_precision, check_lm_head_mode
 
 
 def grpo_loss(
@@ -89,26 +80,22 @@ def grpo_loss(
     source = LogitsSource(
         logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward, one_pass=one_pass
     )
-    return compute_loss(
-        prepare_inputs(
-            source,
-            completion_ids,
-            completion_mask,
-            advantages,
-            old_logps,
-            ref_logps,
-            importance_weights,
-            sampling_logps,
-            normalizer,
-            options=options_from(options, option_kwargs),
-            backend=backend,
-            check_ids=check_ids,
-            loss_scale=loss_scale,
-            cu_seqlens=cu_seqlens,
-            vocab_parallel_group=vocab_parallel_group,
-            vocab_start_index=vocab_start_index,
-            prompt_ids=prompt_ids,
-        )
+    call = LossCall(
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_logps,
+        ref_logps,
+        importance_weights,
+        normalizer,
+        loss_scale,
+        sampling_logps,
+        cu_seqlens,
+        prompt_ids,
+    )
+    options = options_from(options, option_kwargs)
+    return pipeline.loss(
+        source, call, CallSettings(options, backend, check_ids, vocab_parallel_group, vocab_start_index)
     )
 
 
@@ -159,26 +146,22 @@ def fused_linear_grpo_loss(
     TRL's ``cast_lm_head_to_fp32`` and a rollout engine's fp32 head), the gradients coming back in their dtypes.
     """
     source = HiddenStatesSource(hidden_states, weight, bias, lm_head_mode, head_precision)
-    return compute_loss(
-        prepare_inputs(
-            source,
-            completion_ids,
-            completion_mask,
-            advantages,
-            old_logps,
-            ref_logps,
-            importance_weights,
-            sampling_logps,
-            normalizer,
-            options=options_from(options, option_kwargs),
-            backend=backend,
-            check_ids=check_ids,
-            loss_scale=loss_scale,
-            cu_seqlens=cu_seqlens,
-            vocab_parallel_group=vocab_parallel_group,
-            vocab_start_index=vocab_start_index,
-            prompt_ids=prompt_ids,
-        )
+    call = LossCall(
+        completion_ids,
+        completion_mask,
+        advantages,
+        old_logps,
+        ref_logps,
+        importance_weights,
+        normalizer,
+        loss_scale,
+        sampling_logps,
+        cu_seqlens,
+        prompt_ids,
+    )
+    options = options_from(options, option_kwargs)
+    return pipeline.loss(
+        source, call, CallSettings(options, backend, check_ids, vocab_parallel_group, vocab_start_index)
     )
 
 
@@ -189,10 +172,6 @@ def fused_linear_grpo_loss(
 # in_place_backward where there is a backward. The ids
 # are ``ids`` everywhere. token_entropy has no ids, so no check_ids (and no packing: its values are per
 # position, whatever sequence a position belongs to).
-
-
-def _pair(pair, return_entropy: bool):
-    return pair if return_entropy else pair[0]
 
 
 @torch.no_grad()
@@ -222,23 +201,8 @@ def token_logprobs(
     the logits are a head's raw outputs, transformed as the options of those names say (see ``GRPOLoss``).
     """
     source = LogitsSource(logits, drop_last_position=drop_last_position)
-    return _pair(
-        compute_logprobs(
-            source,
-            ids,
-            temperature,
-            return_entropy,
-            backend=backend,
-            check_ids=check_ids,
-            drop_last_position=drop_last_position,
-            cu_seqlens=cu_seqlens,
-            vocab_parallel_group=vocab_parallel_group,
-            vocab_start_index=vocab_start_index,
-            logit_scale=logit_scale,
-            logit_softcap=logit_softcap,
-        ),
-        return_entropy,
-    )
+    pair = pipeline.logprobs(source, ids, temperature, return_entropy, LogprobSettings.of(locals()))
+    return pair if return_entropy else pair[0]
 
 
 @torch.no_grad()
@@ -268,7 +232,7 @@ def linear_token_logprobs(
     adapter on the head: ``grpo_kernels.wrapped.output_layer``), and ``logit_scale`` / ``logit_softcap`` its output
     transform (a model's: ``grpo_kernels.heads.head_transform(model).options``); ``head_precision`` as in
     ``fused_linear_grpo_loss``."""
-    return _linear_logprobs(**locals())
+    return _linear_logprobs(locals(), return_entropy)
 
 
 def linear_selective_log_softmax(
@@ -292,7 +256,7 @@ def linear_selective_log_softmax(
     ``bias`` in their dtypes, and no [N, V] tensor is ever held (the backward recomputes the logits a tile at a
     time). For a trainer that computes its own loss on log-probs (verl's ``use_fused_kernels``, NeMo-RL, SkyRL).
     The arguments are ``linear_token_logprobs``'s."""
-    return _linear_logprobs(**locals(), return_entropy=False)
+    return _linear_logprobs(locals(), False)
 
 
 def linear_selective_log_softmax_and_entropy(
@@ -313,13 +277,19 @@ def linear_selective_log_softmax_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear_selective_log_softmax(...), the entropy of the same distribution)``, both fp32 and differentiable
     (an entropy bonus's gradient, dH/dz = -p (log p + H), runs in the same backward), from one pass of the head."""
-    return _linear_logprobs(**locals(), return_entropy=True)
+    return _linear_logprobs(locals(), True)
 
 
-def _linear_logprobs(hidden_states, weight, ids, bias, temperature, return_entropy, *, head_precision, **settings):
-    """The one body of the hidden-states log-prob family: the head in its precision, then ``compute_logprobs``."""
-    source = HiddenStatesSource(hidden_states, weight, bias, head_precision=head_precision)
-    return _pair(compute_logprobs(source, ids, temperature, return_entropy, **settings), return_entropy)
+def _linear_logprobs(settings: dict, return_entropy: bool):
+    """The one body of the hidden-states log-prob family: the head in its precision, then ``pipeline.logprobs``
+    (``settings``: the public function's arguments)."""
+    source = HiddenStatesSource(
+        settings["hidden_states"], settings["weight"], settings["bias"], head_precision=settings["head_precision"]
+    )
+    pair = pipeline.logprobs(
+        source, settings["ids"], settings["temperature"], return_entropy, LogprobSettings.of(settings)
+    )
+    return pair if return_entropy else pair[0]
 
 
 def selective_log_softmax(
@@ -346,20 +316,7 @@ def selective_log_softmax(
     ``grpo_loss``): a drop-in for verl's ``vocab_parallel_log_probs_from_logits``.
     """
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
-    return compute_logprobs(
-        source,
-        ids,
-        temperature,
-        False,
-        backend=backend,
-        check_ids=check_ids,
-        drop_last_position=drop_last_position,
-        cu_seqlens=cu_seqlens,
-        vocab_parallel_group=vocab_parallel_group,
-        vocab_start_index=vocab_start_index,
-        logit_scale=logit_scale,
-        logit_softcap=logit_softcap,
-    )[0]
+    return pipeline.logprobs(source, ids, temperature, False, LogprobSettings.of(locals()))[0]
 
 
 def token_entropy(
@@ -382,19 +339,7 @@ def token_entropy(
     ``vocab_parallel_group``, on this rank's vocabulary slice, for ``vocab_parallel_entropy``).
     """
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
-    return compute_logprobs(
-        source,
-        None,
-        temperature,
-        True,
-        backend=backend,
-        check_ids=False,
-        drop_last_position=drop_last_position,
-        vocab_parallel_group=vocab_parallel_group,
-        vocab_start_index=vocab_start_index,
-        logit_scale=logit_scale,
-        logit_softcap=logit_softcap,
-    )[1]
+    return pipeline.logprobs(source, None, temperature, True, LogprobSettings.of(locals()))[1]
 
 
 def selective_log_softmax_and_entropy(
@@ -415,189 +360,7 @@ def selective_log_softmax_and_entropy(
     """``(selective_log_softmax(...), token_entropy(...))`` from one pass over the logits, both differentiable
     (the backward is one pass too, whichever of the two the loss uses). fp32, shapes ``ids.shape``."""
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
-    return compute_logprobs(
-        source,
-        ids,
-        temperature,
-        True,
-        backend=backend,
-        check_ids=check_ids,
-        drop_last_position=drop_last_position,
-        cu_seqlens=cu_seqlens,
-        vocab_parallel_group=vocab_parallel_group,
-        vocab_start_index=vocab_start_index,
-        logit_scale=logit_scale,
-        logit_softcap=logit_softcap,
-    )
-
-
-# ---- The dispatch ---------------------------------------------------------------------------------------------
-
-
-class PolicyTerms(NamedTuple):
-    """What TRL's policy-term masks make of a call (``with_policy_masks``): the importance weights, a separate
-    policy mask where the loss math runs in torch (else folded into the weights), and the tokens the entropy
-    bonus acts on."""
-
-    importance_weights: torch.Tensor | None
-    policy_mask: torch.Tensor | None
-    bonus_mask: torch.Tensor
-
-
-def compute_loss(inputs: LossInputs) -> GRPOLossOutput:
-    """The loss of a prepared call, on its source: the fused loss kernels where they apply, else the loss math
-    in torch on the source's differentiable log-probs."""
-    opts, source = inputs.options, inputs.source
-    policy = first_pass = correction = None
-    correcting = opts.rollout_correction is not None
-    if correcting:
-        check_call(opts.rollout_correction, inputs.sampling_logps, inputs.importance_weights, inputs.old_logps)
-    needs_current = correcting and reads_current(opts.rollout_correction, inputs.old_logps)
-    if opts.masks_tokens or needs_current:  # this call's log-probs / entropies first: one more read of the logits
-        with torch.no_grad():
-            first_pass = source.logprobs(inputs, opts.top_entropy_quantile < 1.0)
-    if correcting:  # the correction's weights and rejections, then the masks on top of them
-        inputs, correction = with_rollout_correction(inputs, first_pass)
-    if opts.masks_tokens:
-        policy = with_policy_masks(inputs, first_pass)
-    # inside a torch.compile graph the Triton path runs its log-prob kernels as custom ops (ops.py) and the
-    # O(B * T) loss math as graph code: the fused loss kernels are not custom ops yet
-    if (
-        inputs.backend == "triton"
-        and opts.loss_in_kernel
-        and inputs.vocab_shard is None
-        and not torch.compiler.is_compiling()
-    ):
-        tokens = (
-            loss_tokens(inputs, inputs.importance_weights, inputs.mask_seq)
-            if policy is None
-            else loss_tokens(inputs, policy.importance_weights, policy.bonus_mask)
-        )
-        out = source.fused_loss(inputs, tokens)
-        out = out if inputs.caller_shape is None else inputs.as_called(out)
-    else:
-        logp, entropy = source.logprobs(inputs, opts.compute_entropy, final=True)
-        out = loss_in_torch(
-            inputs, logp, entropy, policy or PolicyTerms(inputs.importance_weights, None, inputs.mask_seq)
-        )
-    if opts.entropy_coef != 0.0:
-        out.metrics["policy_loss"] = policy_loss_before_bonus(inputs, out, policy, first_pass)
-    if correction is not None:
-        out.metrics.update(correction.metrics)
-    return out
-
-
-def policy_loss_before_bonus(inputs: LossInputs, out: GRPOLossOutput, policy, first_pass) -> torch.Tensor:
-    """TRL's ``policy_loss`` metric, logged where the entropy bonus is on: the reduced loss before the bonus is
-    subtracted and before ``loss_scale`` (0-d, detached; NaN with a loss_scale of 0, which leaves no loss to read
-    it from). The bonus's entropy is the mean over its tokens: the call's mask, or the high-entropy tokens."""
-    opts = inputs.options
-    if policy is None or policy.bonus_mask is inputs.mask_seq:  # the entropy metric is the bonus tokens' mean
-        tokens = inputs.mask_seq
-        total = out.metrics["entropy"] * tokens.sum().clamp(min=1.0)
-    else:
-        entropy, tokens = inputs.layout.seq(first_pass[1]), policy.bonus_mask
-        total = (entropy * tokens).sum()
-    bonus_entropy = total / entropy_divisor(tokens, opts, inputs.mask_seq, inputs.normalizer)
-    scale = inputs.loss_scale
-    unscaled = (
-        out.loss.detach() / scale
-        if not (scale.__class__ is float and scale == 0.0)
-        else torch.full_like(out.loss.detach(), float("nan"))
-    )
-    return unscaled + opts.entropy_coef * bonus_entropy
-
-
-def compute_logprobs(source, ids, temperature: float, compute_entropy: bool, **settings):
-    """(log-probs, entropy or None) in fp32, shaped like the ids, differentiable where autograd records;
-    ``ids`` None: the entropy alone. The one body of ``token_logprobs`` and its family (``settings``: their
-    keywords, ``inputs.prepare_logprob_inputs``'s)."""
-    inputs = prepare_logprob_inputs(source, ids, temperature, **settings)
-    logp, entropy = inputs.source.logprobs(inputs, compute_entropy, final=True)
-    if inputs.caller_shape is None:
-        return logp, entropy
-    return logp.reshape(inputs.caller_shape), None if entropy is None else entropy.reshape(inputs.caller_shape)
-
-
-def loss_in_torch(inputs: LossInputs, logp, entropy, policy: PolicyTerms) -> GRPOLossOutput:
-    """The loss math in torch on differentiable log-probs (and entropy) of the token layout: every
-    per-token input taken to the sequence layout, the output given back as the caller shaped it."""
-    seq = inputs.layout.seq
-    per_token = TokenInputs(
-        mask=inputs.mask_seq,
-        advantages=seq(inputs.advantages),
-        old_logps=seq(inputs.old_logps),
-        ref_logps=seq(inputs.ref_logps),
-        importance_weights=seq(policy.importance_weights),
-    )
-    out = loss_from_logps(
-        seq(logp),
-        seq(entropy),
-        per_token,
-        inputs.normalizer,
-        inputs.options,
-        inputs.loss_scale,
-        policy.bonus_mask,
-        policy.policy_mask,
-        inputs.prompt_ids,
-    )
-    return inputs.as_called(out, seq_layout=True)
-
-
-def with_policy_masks(inputs: LossInputs, first_pass) -> PolicyTerms:
-    """TRL's policy-term masks from a first, gradient-free pass's (log-probs, entropy) in the token layout
-    (0 at masked tokens): the masks need every token's entropy (the top-entropy quantile, gathered across
-    processes) or each row's mean log-prob gap (the off-policy mask) before any gradient is final. They
-    are computed in the sequence layout.
-
-    Where the kernels compute the loss, the masks are folded into the importance weights (sequence
-    layout), which multiply the policy term only, as TRL's masks do: so the one-pass kernel still writes
-    the gradient in its single pass. Where the loss math runs in torch, the mask stays separate (vespo
-    takes the importance weights into its sequence weight instead of the loss)."""
-    opts, L, mask_seq = inputs.options, inputs.layout, inputs.mask_seq
-    logp, entropy = (L.seq(t) for t in first_pass)
-    sampling = inputs.old_logps if inputs.sampling_logps is None else inputs.sampling_logps
-    policy_mask, entropy_mask = policy_masks(
-        logp, entropy, mask_seq, L.seq(inputs.advantages).detach().float(), L.seq(sampling), opts
-    )
-    bonus_mask = mask_seq if entropy_mask is None else mask_seq * entropy_mask
-    importance_weights = L.seq(inputs.importance_weights)
-    if not opts.loss_in_kernel:
-        return PolicyTerms(importance_weights, policy_mask, bonus_mask)
-    if importance_weights is not None:
-        policy_mask = importance_weights.detach().float() * policy_mask
-    return PolicyTerms(policy_mask.expand_as(mask_seq), None, bonus_mask)
-
-
-def with_rollout_correction(inputs: LossInputs, first_pass) -> tuple[LossInputs, object]:
-    """The call with its rollout correction applied (``rollout_correction.py``): the weights as its importance
-    weights, the rejected tokens out of its mask, in bypass mode the sampler's log-probs as the old ones; and the
-    correction (its metrics). Computed in the sequence layout from detached fp32 log-probs: the old ones, or this
-    call's own (``first_pass``, token layout) where there are none or the correction compares the current
-    policy."""
-    correction, L = inputs.options.rollout_correction, inputs.layout
-    sampling = L.seq(inputs.sampling_logps).detach().float()
-    if reads_current(correction, inputs.old_logps):
-        old = L.seq(first_pass[0])
-    else:
-        old = L.seq(inputs.old_logps)
-    mask_seq = inputs.mask_seq if inputs.mask_seq is not None else torch.ones_like(sampling)
-    with torch.no_grad():
-        result = correction.compute(old.detach().float(), sampling, mask_seq)
-
-    def token_layout(t):  # a [S, T_max] result of a packed call as its tokens, one row [1, total]
-        if t is None or not L.packed or t.shape[-1] == 1:
-            return t
-        return L.from_seq(t).reshape(1, L.N)
-
-    mask = token_layout(result.mask).contiguous()
-    inputs = inputs._replace(
-        mask=mask,
-        mask_seq=result.mask if L.packed else mask,
-        importance_weights=token_layout(result.weights),
-        old_logps=inputs.sampling_logps if correction.old_is_sampler() else inputs.old_logps,
-    )
-    return inputs, result
+    return pipeline.logprobs(source, ids, temperature, True, LogprobSettings.of(locals()))
 
 
 # ---- The Modules -----------------------------------------------------------------------------------------------
@@ -626,8 +389,7 @@ class _LossModule(nn.Module):
                 GRPOOptions.from_preset(preset, **option_kwargs) if preset is not None else GRPOOptions(**option_kwargs)
             )
         self.options = options
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+        check_backend(backend)
         self.backend = backend
         self.check_ids = check_ids
         self.vocab_parallel_group, self.vocab_start_index = vocab_parallel_group, vocab_start_index
@@ -648,41 +410,9 @@ class _LossModule(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.options}, backend={self.backend!r}"
 
-    def _loss(
-        self,
-        source,
-        completion_ids,
-        completion_mask,
-        advantages,
-        old_logps,
-        ref_logps,
-        importance_weights,
-        normalizer,
-        loss_scale,
-        sampling_logps,
-        cu_seqlens,
-        prompt_ids,
-    ) -> GRPOLossOutput:
-        return compute_loss(
-            prepare_inputs(
-                source,
-                completion_ids,
-                completion_mask,
-                advantages,
-                old_logps,
-                ref_logps,
-                importance_weights,
-                sampling_logps,
-                normalizer,
-                options=self.options,
-                backend=self.backend,
-                check_ids=self.check_ids,
-                loss_scale=loss_scale,
-                cu_seqlens=cu_seqlens,
-                vocab_parallel_group=self.vocab_parallel_group,
-                vocab_start_index=self.vocab_start_index,
-                prompt_ids=prompt_ids,
-            )
+    def _settings(self) -> CallSettings:
+        return CallSettings(
+            self.options, self.backend, self.check_ids, self.vocab_parallel_group, self.vocab_start_index
         )
 
 
@@ -759,8 +489,7 @@ class GRPOLoss(_LossModule):
             in_place_backward=self.in_place_backward,
             one_pass=self.one_pass,
         )
-        return self._loss(
-            source,
+        call = LossCall(
             completion_ids,
             completion_mask,
             advantages,
@@ -773,6 +502,7 @@ class GRPOLoss(_LossModule):
             cu_seqlens,
             prompt_ids,
         )
+        return pipeline.loss(source, call, self._settings())
 
 
 class FusedLinearGRPOLoss(_LossModule):
@@ -818,12 +548,9 @@ class FusedLinearGRPOLoss(_LossModule):
             vocab_start_index=vocab_start_index,
             option_kwargs=option_kwargs,
         )
-        if lm_head_mode is not None and lm_head_mode not in LM_HEAD_MODES:
-            raise ValueError(f"lm_head_mode must be one of {list(LM_HEAD_MODES)}, got {lm_head_mode!r}")
-        self.lm_head_mode = lm_head_mode
-        if head_precision not in HEAD_PRECISIONS:
-            raise ValueError(f"head_precision must be one of {list(HEAD_PRECISIONS)}, got {head_precision!r}")
-        self.head_precision = head_precision
+        check_lm_head_mode(lm_head_mode)
+        check_head_precision(head_precision)
+        self.lm_head_mode, self.head_precision = lm_head_mode, head_precision
 
     def forward(
         self,
@@ -843,8 +570,7 @@ class FusedLinearGRPOLoss(_LossModule):
         prompt_ids=None,
     ) -> GRPOLossOutput:
         source = HiddenStatesSource(hidden_states, weight, bias, self.lm_head_mode, self.head_precision)
-        return self._loss(
-            source,
+        call = LossCall(
             completion_ids,
             completion_mask,
             advantages,
@@ -857,6 +583,7 @@ class FusedLinearGRPOLoss(_LossModule):
             cu_seqlens,
             prompt_ids,
         )
+        return pipeline.loss(source, call, self._settings())
 
 
 GRPOLoss.__doc__ = GRPOLoss.__doc__.replace("{options}", docstring_options(LOGITS_KEYWORDS))

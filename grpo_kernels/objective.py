@@ -22,18 +22,10 @@ import math
 
 import torch
 
-from . import torch_path
-from .families import FAMILY_TERMS
-from .kernels.contracts import (
-    CLIP_METRICS_CISPO,
-    CLIP_METRICS_PPO,
-    DIVISOR_GIVEN,
-    DIVISOR_ROW,
-    DIVISOR_SEQUENCE,
-    DIVISOR_TOTAL,
-    Reduction,
-)
+from . import collectives, torch_path
+from .kernels.contracts import CLIP_METRICS_CISPO, CLIP_METRICS_PPO
 from .options import GRPOOptions
+from .policy_terms import FAMILY_TERMS
 
 
 @dataclasses.dataclass
@@ -152,7 +144,7 @@ def per_token_terms(
     elif term == "soft_gate":  # sapo
         tau = torch.where(A > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
         policy = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
-    elif term in FAMILY_TERMS:  # DPPO, GPG, GMPO, DRO, Clip-Cov, KL-Cov: ``families``
+    elif term in FAMILY_TERMS:  # DPPO, GPG, GMPO, DRO, Clip-Cov, KL-Cov: ``policy_terms``
         policy, is_low, is_high = FAMILY_TERMS[term](lp, old, log_ratio, coef_1, A, mask, importance_weights, opts)
     else:  # "ppo_clip"
         coef_2 = torch.clamp(coef_1, 1 - opts.epsilon, 1 + opts.eps_high)
@@ -247,40 +239,6 @@ def reduction_weights(mask: torch.Tensor, opts: GRPOOptions, normalizer=None, pr
     if reduction == "token_count":
         return mask / (active_token_count(mask) if normalizer is None else _nonzero(normalizer))
     return mask / B  # "rows"
-
-
-def kernel_reduction(
-    opts: GRPOOptions,
-    S: int,
-    normalizer,
-    loss_scale,
-    bonus_mask: torch.Tensor | None = None,
-    sequence_divisors: torch.Tensor | None = None,
-) -> Reduction:
-    """``reduction_weights`` (times ``loss_scale``) as the token-weights kernel computes them
-    (``kernels/reduce.py``), over S sequences.
-
-    ``normalizer``: None, a number or a 0-d tensor (token_count); ``loss_scale``: a float or a 0-d tensor;
-    ``sequence_divisors``: each sequence's divisor in the prompt mean (``prompt_divisors``, fp32 [S])."""
-    kind = opts.reduction
-    divisor_kind, divisor = DIVISOR_GIVEN, 1.0
-    if kind == "prompt_mean":
-        divisor_kind, divisor = DIVISOR_SEQUENCE, sequence_divisors
-    elif kind == "row_token_mean":
-        divisor_kind = DIVISOR_ROW
-    elif kind == "batch_token_mean" or (kind == "token_count" and normalizer is None):
-        divisor_kind = DIVISOR_TOTAL
-    elif kind == "constant":
-        divisor = float(S * opts.max_completion_length)
-    elif kind == "rows":
-        divisor = float(S)
-    elif isinstance(normalizer, torch.Tensor):  # token_count: read on the device (no host sync)
-        divisor = normalizer
-    else:  # a number (0 divides as 1 where the kernel is launched: no token is active then)
-        divisor = float(normalizer)
-    return Reduction(
-        divisor_kind, divisor, loss_scale, float(opts.entropy_coef), bonus_mask, opts.entropy_reduction == "loss"
-    )
 
 
 def _nonzero(normalizer):
@@ -397,29 +355,11 @@ def grpo_loss_eager(
     return GRPOLossOutput(loss, metrics, lp.detach())
 
 
-def _gathered_across_processes(values: torch.Tensor) -> torch.Tensor:
-    """The 1-D ``values`` of every process (torch.distributed's default group), concatenated; this
-    process's own where none is initialized. Lengths may differ: each is padded to the longest."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    count = torch.tensor([values.numel()], device=values.device)
-    counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, count)
-    longest = int(max(c.item() for c in counts))
-    padded = torch.zeros(longest, device=values.device, dtype=values.dtype)
-    padded[: values.numel()] = values
-    pieces = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(pieces, padded)
-    return torch.cat([p[: int(c.item())] for p, c in zip(pieces, counts, strict=True)])
-
-
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:
     """TRL's top-entropy mask: active tokens whose entropy is at least the (1 - top_entropy_quantile)
     quantile of every process's active tokens' entropies; float [B, T]."""
     active = mask != 0
-    gathered = _gathered_across_processes(entropy.detach()[active].float())
+    gathered = collectives.gathered(entropy.detach()[active].float())
     if gathered.numel() == 0:
         return torch.zeros_like(mask, dtype=torch.float32)
     threshold = torch.quantile(gathered, 1.0 - opts.top_entropy_quantile)
@@ -486,9 +426,9 @@ def entropy_divisor(mask: torch.Tensor, opts: GRPOOptions, loss_mask=None, norma
     return mask.sum().clamp(min=1.0)
 
 
-# ---- The loss assembled from per-token results, where the loss math runs in torch (loss.loss_in_torch) -------
+# ---- The loss assembled from per-token results, where the loss math runs in torch (pipeline.loss_in_torch) -------
 #
-# (The fused kernel paths reduce on the device: kernels/reduce.py, with kernel_reduction's weights.)
+# (The fused kernel paths reduce on the device: kernels/reduce.py, with pipeline.kernel_reduction's weights.)
 
 
 def scaled(x, loss_scale):

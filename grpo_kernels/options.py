@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import math
 from typing import ClassVar
 
 from .kernels import contracts
 from .rollout_correction import as_rollout_correction
+from .validation import check_choice, check_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,6 @@ ENTROPY_REDUCTIONS = ("token_mean", "loss")
 # How the per-token loss is reduced: "loss_type", the loss type's own reduction (``LossType.reduction``);
 # "prompt_mean", SkyRL's: each prompt's token mean, then the mean over the call's prompts (the call's ``prompt_ids``)
 AGGREGATIONS = ("loss_type", "prompt_mean")
-BACKENDS = ("auto", "triton", "torch")
 
 # Each trainer's loss at its own defaults (docs/loss-semantics.md, "Each trainer's conventions"), as GRPOOptions
 # keywords; anything passed alongside a preset overrides it, within what the trainer's loss can be
@@ -170,22 +169,6 @@ ADVANTAGE_PRESETS = {
     "verl": dict(std="sample", eps=1e-6),
     "openrlhf": dict(std="sample", eps=1e-9, clip=10.0),  # its group_norm, clamped to --reward.clip_range
 }
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-
-
-def _check_number(name: str, value, *, positive=False, non_negative=False, optional=False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{name} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    if non_negative and value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,21 +228,23 @@ class GRPOOptions:
     masks_tokens: ClassVar[bool]
     fused_metric_names: ClassVar[tuple]
     kernel_loss: ClassVar[contracts.KernelLoss | None]
+    # the loss types whose reduction divides by the ``normalizer`` (validation names them)
+    token_count_loss_types: ClassVar[tuple] = TOKEN_COUNT_LOSS_TYPES
 
     def __post_init__(self) -> None:
-        _check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        _check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _check_number("beta", self.beta, non_negative=True)
-        _check_number("epsilon", self.epsilon, non_negative=True)
-        _check_number("epsilon_high", self.epsilon_high, non_negative=True, optional=True)
-        _check_number("delta", self.delta, positive=True, optional=True)
-        _check_number("dual_clip", self.dual_clip, optional=True)
-        _check_number("temperature", self.temperature, positive=True)
-        _check_number("sapo_temperature_pos", self.sapo_temperature_pos, positive=True)
-        _check_number("sapo_temperature_neg", self.sapo_temperature_neg, positive=True)
-        _check_number("log_ratio_clamp", self.log_ratio_clamp, positive=True, optional=True)
-        _check_number("kl_clamp", self.kl_clamp, positive=True, optional=True)
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_number("beta", self.beta, non_negative=True)
+        check_number("epsilon", self.epsilon, non_negative=True)
+        check_number("epsilon_high", self.epsilon_high, non_negative=True, optional=True)
+        check_number("delta", self.delta, positive=True, optional=True)
+        check_number("dual_clip", self.dual_clip, optional=True)
+        check_number("temperature", self.temperature, positive=True)
+        check_number("sapo_temperature_pos", self.sapo_temperature_pos, positive=True)
+        check_number("sapo_temperature_neg", self.sapo_temperature_neg, positive=True)
+        check_number("log_ratio_clamp", self.log_ratio_clamp, positive=True, optional=True)
+        check_number("kl_clamp", self.kl_clamp, positive=True, optional=True)
         if self.epsilon > 1.0:
             raise ValueError(f"epsilon must be <= 1 (the lower clip bound is 1 - epsilon), got {self.epsilon!r}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
@@ -281,9 +266,9 @@ class GRPOOptions:
                 raise TypeError(f"max_completion_length must be an int, got {self.max_completion_length!r}")
             if self.max_completion_length < 1:
                 raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length!r}")
-        _check_number("entropy_coef", self.entropy_coef)
-        _check_choice("entropy_reduction", self.entropy_reduction, ENTROPY_REDUCTIONS)
-        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        check_number("entropy_coef", self.entropy_coef)
+        check_choice("entropy_reduction", self.entropy_reduction, ENTROPY_REDUCTIONS)
+        check_choice("aggregation", self.aggregation, AGGREGATIONS)
         if self.entropy_reduction == "loss" and LOSS_TYPE_REGISTRY[self.loss_type].reduction != "token_count":
             counted = [t.name for t in LOSS_TYPE_REGISTRY.values() if t.reduction == "token_count"]
             raise ValueError(
@@ -295,7 +280,7 @@ class GRPOOptions:
                 f"entropy_reduction='loss' divides the entropy bonus by the loss type's token count: it needs "
                 f"aggregation='loss_type', got aggregation={self.aggregation!r}"
             )
-        _check_number("top_entropy_quantile", self.top_entropy_quantile)
+        check_number("top_entropy_quantile", self.top_entropy_quantile)
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(
                 f"top_entropy_quantile must be in [0, 1] (1 keeps every token), got {self.top_entropy_quantile!r}"
@@ -304,23 +289,23 @@ class GRPOOptions:
             raise ValueError(
                 "top_entropy_quantile < 1 masks tokens by their entropy: compute_entropy=False turns it off"
             )
-        _check_number("off_policy_mask_threshold", self.off_policy_mask_threshold, optional=True)
+        check_number("off_policy_mask_threshold", self.off_policy_mask_threshold, optional=True)
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            _check_number(name, getattr(self, name))
+            check_number(name, getattr(self, name))
         levels = LOSS_TYPE_REGISTRY[self.loss_type].levels
         if self.importance_sampling_level not in levels:
             raise ValueError(
                 f"loss_type={self.loss_type!r} makes its own ratio from the token log-ratios: use "
                 f"importance_sampling_level in {list(levels)}, got {self.importance_sampling_level!r}"
             )
-        _check_choice("covariance_selection", self.covariance_selection, COVARIANCE_SELECTIONS)
+        check_choice("covariance_selection", self.covariance_selection, COVARIANCE_SELECTIONS)
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
-            _check_number(name, getattr(self, name), positive=True)
-        _check_number("clip_cov_lb", self.clip_cov_lb)
-        _check_number("clip_cov_ub", self.clip_cov_ub)
-        _check_number("kl_cov_coef", self.kl_cov_coef, non_negative=True)
-        _check_number("dro_beta", self.dro_beta, positive=True, optional=True)
-        _check_number("cispo_ratio_min", self.cispo_ratio_min, non_negative=True, optional=True)
+            check_number(name, getattr(self, name), positive=True)
+        check_number("clip_cov_lb", self.clip_cov_lb)
+        check_number("clip_cov_ub", self.clip_cov_ub)
+        check_number("kl_cov_coef", self.kl_cov_coef, non_negative=True)
+        check_number("dro_beta", self.dro_beta, positive=True, optional=True)
+        check_number("cispo_ratio_min", self.cispo_ratio_min, non_negative=True, optional=True)
         if self.cispo_ratio_min is not None and LOSS_TYPE_REGISTRY[self.loss_type].policy_term != "capped_ratio":
             raise ValueError(
                 f"cispo_ratio_min bounds CISPO's ratio from below: it needs loss_type='cispo', got "
@@ -333,8 +318,8 @@ class GRPOOptions:
                 f"entropy_coef={self.entropy_coef!r} needs the entropy: compute_entropy=False turns it off"
             )
         object.__setattr__(self, "rollout_correction", as_rollout_correction(self.rollout_correction))
-        _check_number("logit_scale", self.logit_scale, positive=True)
-        _check_number("logit_softcap", self.logit_softcap, positive=True, optional=True)
+        check_number("logit_scale", self.logit_scale, positive=True)
+        check_number("logit_softcap", self.logit_softcap, positive=True, optional=True)
         if self.use_bias_correction_kl and self.beta == 0:
             raise ValueError("use_bias_correction_kl=True multiplies the KL term, but beta=0 turns the KL term off")
         self._derive_facts()
@@ -357,7 +342,7 @@ class GRPOOptions:
         - ``sequence_level``: the ratio needs the whole row's log-probs (GSPO and GSPO-token): the two-pass path.
         - ``loss_in_kernel``: the kernels compute this loss's per-token terms (token-level ratios, a per-token
           formula, no ``cispo_ratio_min``); otherwise the kernels give log-probs and the loss math runs on them
-          in torch (GSPO's sequence ratios, VESPO's sequence weights, the families of ``families.py``).
+          in torch (GSPO's sequence ratios, VESPO's sequence weights, the families of ``policy_terms.py``).
         - ``masks_tokens``: a policy-term mask that needs this pass's log-probs or entropies before the loss
           (TRL's high-entropy mask, DeepSeek-V3.2's off-policy sequence mask): one more read of the logits.
         - ``kernel_loss``: these options as the loss kernels' launchers take them (``kernels.contracts.KernelLoss``),
@@ -393,7 +378,7 @@ class GRPOOptions:
         """A trainer's loss at its defaults ("trl", "verl", "openrlhf"), with ``overrides`` on top. A ``loss_type``
         or ``importance_sampling_level`` whose loss that trainer computes otherwise than one of our reductions is
         refused, naming what to use instead (``PRESET_LIMITS``), as is an ``aggregation`` other than the loss type's."""
-        _check_choice("preset", preset, tuple(PRESETS))
+        check_choice("preset", preset, tuple(PRESETS))
         options = {**PRESETS[preset], **overrides}
         if options.get("aggregation", "loss_type") != "loss_type":
             raise ValueError(

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from . import collectives  # the sums and gathers over processes: plumbing, no math
 from .objective import GRPOLossOutput  # the result's container only, no math
 from .options import GRPOOptions
 from .rollout_correction import check_call, reads_current  # the correction's own checks, shared with the call
@@ -249,23 +250,12 @@ def _token_weight_denominator(seq: _Sequence, rows: list[_Sequence], opts: GRPOO
     return B  # luspo: each row's token sum, then the mean over rows
 
 
-def _all_processes(values: torch.Tensor) -> torch.Tensor:
-    """``values`` from every process of torch.distributed's default group, if one is running."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, values.cpu())
-    return torch.cat(gathered).to(values.device)
-
-
 def _policy_keep(rows: list[_Sequence], opts: GRPOOptions) -> tuple:
     """Each row's policy-term mask (the high-entropy and off-policy masks multiplied), and the
     high-entropy mask alone (the entropy bonus's tokens) or None."""
     entropy_keep = [None] * len(rows)
     if opts.top_entropy_quantile < 1.0:
-        entropies = _all_processes(torch.cat([s.entropy.detach() for s in rows]))
+        entropies = collectives.gathered(torch.cat([s.entropy.detach() for s in rows]))
         if entropies.numel() == 0:
             entropy_keep = [torch.zeros_like(s.m) for s in rows]
         else:
@@ -338,7 +328,7 @@ def _covariance_choice(rows: list[_Sequence], opts: GRPOOptions) -> list[torch.T
     if opts.loss_type not in ("clip_cov", "kl_cov"):
         return [None] * len(rows)
     across = opts.covariance_selection == "batch"
-    gather = _all_processes if across else (lambda values: values)
+    gather = collectives.gathered if across else (lambda values: values)
     A = [(s.advantage.detach() * torch.ones_like(s.m)) for s in rows]
     lp = [s.lp.detach() for s in rows]
     flat_A, flat_lp, flat_m = (gather(torch.cat(x)) for x in (A, lp, [s.m for s in rows]))
@@ -363,23 +353,12 @@ def _covariance_choice(rows: list[_Sequence], opts: GRPOOptions) -> list[torch.T
         picked = torch.zeros(cov.numel(), dtype=torch.bool)
         if cov.numel():
             picked[torch.topk(cov, min(count, cov.numel())).indices] = True
-    start = _this_process_offset(sum(s.m.numel() for s in rows)) if across else 0
+    start = collectives.offsets(sum(s.m.numel() for s in rows))[0] if across else 0
     chosen = []
     for s in rows:
         chosen.append(picked[start : start + s.m.numel()].to(s.m.device))
         start += s.m.numel()
     return chosen
-
-
-def _this_process_offset(count: int) -> int:
-    """How many tokens the processes before this one hold (0 without torch.distributed)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    counts = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, count)
-    return sum(counts[: dist.get_rank()])
 
 
 def grpo_loss_reference(

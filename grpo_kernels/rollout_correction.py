@@ -33,11 +33,11 @@ from typing import ClassVar
 
 import torch
 
-from .families import _summed  # a sum over every process of torch.distributed's default group
+from . import collectives
+from .conventions import VERL_MEAN_EPS, openrlhf_masked_mean, verl_masked_mean, verl_masked_sum
 
 # verl's bound on a log-ratio before exp (``rollout_corr_helper.SAFETY_BOUND``)
 SAFETY_BOUND = 20.0
-_MEAN_EPS = 1e-8  # verl's masked mean adds it to the count
 
 RS_OPTIONS = (
     "token_k1",
@@ -282,16 +282,6 @@ def rs_thresholds(options: list[str], spec) -> dict[str, tuple[float | None, flo
     return bounds
 
 
-def _masked_sum(values, mask, dim=None):
-    valid = torch.where(mask.bool(), values, 0.0) * mask
-    return valid.sum() if dim is None else valid.sum(dim)
-
-
-def _masked_mean(values, mask, dim=None):
-    count = mask.sum() if dim is None else mask.sum(dim)
-    return _masked_sum(values, mask, dim) / (count + _MEAN_EPS)
-
-
 def _masked_max(values, mask):
     return values.masked_fill(~mask.bool(), float("-inf")).max()
 
@@ -313,7 +303,7 @@ def _rows_stats(values, valid):
 def _batch_mean(values, mask):
     """The mean of the masked values over every process (torch.distributed's default group; this process's alone
     without one), as verl's batch normalization takes it (``distributed_masked_mean``)."""
-    totals = _summed(torch.stack([(values * mask).sum(), mask.sum()]), batch=True)
+    totals = collectives.summed(torch.stack([(values * mask).sum(), mask.sum()]))
     return totals[0] / totals[1]
 
 
@@ -324,7 +314,7 @@ def _verl_weights(log_ratio, mask, level, threshold, batch_normalize):
         for_metrics = log_ratio
         raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     else:
-        for_metrics = _masked_sum(log_ratio, mask, -1).unsqueeze(-1)  # [B, 1]
+        for_metrics = verl_masked_sum(log_ratio, mask, -1).unsqueeze(-1)  # [B, 1]
         raw = torch.exp(for_metrics.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
     raw = raw * mask
     if lower is None:  # TIS
@@ -333,14 +323,14 @@ def _verl_weights(log_ratio, mask, level, threshold, batch_normalize):
         weights = torch.where((raw >= lower) & (raw <= upper), raw, 0.0)
     metrics = _verl_is_metrics(weights, raw, for_metrics, mask, level, upper, lower)
     if lower is not None:
-        metrics["rollout_is_oob_ratio"] = _masked_mean(((raw < lower) | (raw > upper)).float(), mask)
+        metrics["rollout_is_oob_ratio"] = verl_masked_mean(((raw < lower) | (raw > upper)).float(), mask)
     weights = weights.detach()
     if batch_normalize:  # per token: over every token; per sequence: over the rows' weights, one a row with tokens
         if level == "token":
             mean = _batch_mean(weights, mask)
         else:
-            mean = _batch_mean(_masked_mean(weights, mask, -1), (mask.sum(-1) > 0).to(weights.dtype))
-        usable = mean > _MEAN_EPS
+            mean = _batch_mean(verl_masked_mean(weights, mask, -1), (mask.sum(-1) > 0).to(weights.dtype))
+        usable = mean > VERL_MEAN_EPS
         weights = torch.where(usable, weights / mean, weights)
         metrics["rollout_is_batch_norm_factor"] = torch.where(usable, mean, 1.0)
     return weights, metrics
@@ -356,28 +346,28 @@ def _verl_is_metrics(weights, raw, for_metrics, mask, level, upper, lower):
     if level == "sequence":
         metrics["rollout_is_max"] = torch.exp(for_metrics.max().clamp(max=SAFETY_BOUND))
         metrics["rollout_is_min"] = torch.exp(for_metrics.min())
-        metrics["rollout_is_mean"] = _masked_mean(weights, mask)
+        metrics["rollout_is_mean"] = verl_masked_mean(weights, mask)
         metrics["rollout_is_ratio_fraction_high"] = (for_metrics > log_upper).float().mean()
         metrics["rollout_is_ratio_fraction_low"] = (for_metrics < log_lower).float().mean()
     else:
-        metrics["rollout_is_mean"] = _masked_mean(weights, mask)
-        metrics["rollout_is_ratio_fraction_high"] = _masked_mean((raw > upper).float(), mask)
-        metrics["rollout_is_ratio_fraction_low"] = _masked_mean((raw < lower_or_reciprocal).float(), mask)
+        metrics["rollout_is_mean"] = verl_masked_mean(weights, mask)
+        metrics["rollout_is_ratio_fraction_high"] = verl_masked_mean((raw > upper).float(), mask)
+        metrics["rollout_is_ratio_fraction_low"] = verl_masked_mean((raw < lower_or_reciprocal).float(), mask)
         metrics["rollout_is_max"] = _masked_max(weights, mask)
         metrics["rollout_is_min"] = _masked_min(weights, mask)
     bounded = weights.clamp(min=0.0, max=upper)
-    bounded_mean = _masked_mean(bounded, mask)
-    variance = _masked_mean(bounded.square(), mask) - bounded_mean.square()
+    bounded_mean = verl_masked_mean(bounded, mask)
+    variance = verl_masked_mean(bounded.square(), mask) - bounded_mean.square()
     metrics["rollout_is_std"] = torch.where(mask.sum() > 1, variance.clamp(min=0.0).sqrt(), 0.0)
-    normalized = bounded / (bounded_mean + _MEAN_EPS)
-    metrics["rollout_is_eff_sample_size"] = 1.0 / _masked_mean(normalized.square(), mask)
-    row_means = _masked_mean(weights, mask, -1)
+    normalized = bounded / (bounded_mean + VERL_MEAN_EPS)
+    metrics["rollout_is_eff_sample_size"] = 1.0 / verl_masked_mean(normalized.square(), mask)
+    row_means = verl_masked_mean(weights, mask, -1)
     metrics["rollout_is_seq_mean"] = row_means.mean()
     metrics["rollout_is_seq_std"] = row_means.std() if row_means.numel() > 1 else row_means.new_zeros(())
     metrics["rollout_is_seq_max"] = row_means.max()
     metrics["rollout_is_seq_min"] = row_means.min()
     metrics["rollout_is_seq_max_deviation"] = (row_means - 1.0).abs().max()
-    raw_row_means = _masked_mean(raw, mask, -1)
+    raw_row_means = verl_masked_mean(raw, mask, -1)
     metrics["rollout_is_seq_fraction_high"] = (raw_row_means > upper).float().mean()
     metrics["rollout_is_seq_fraction_low"] = (raw_row_means < lower_or_reciprocal).float().mean()
     return metrics
@@ -403,9 +393,9 @@ def _verl_rejection(log_ratio, mask, spec, threshold_spec):
             row_stat, stat = None, estimator
         else:
             if option.startswith("seq_sum"):
-                row_stat = _masked_sum(estimator, mask, -1)
+                row_stat = verl_masked_sum(estimator, mask, -1)
             elif option.startswith("seq_mean"):
-                row_stat = _masked_mean(estimator, mask, -1)
+                row_stat = verl_masked_mean(estimator, mask, -1)
             else:  # seq_max: 0 for a row without tokens
                 row_max = estimator.masked_fill(~in_mask, float("-inf")).max(dim=-1).values
                 row_stat = torch.where(row_max == float("-inf"), 0.0, row_max)
@@ -415,12 +405,12 @@ def _verl_rejection(log_ratio, mask, spec, threshold_spec):
         kept = kept * option_kept
         metrics.update(_verl_rs_metrics(option, stat, mask, valid_rows, row_stat, high, low if k1 else 0.0, k1))
         rows_kept = (~(~keep & in_mask)).all(dim=-1)
-        metrics[f"rollout_rs_{option}_masked_fraction"] = _masked_mean(1 - option_kept, mask)
+        metrics[f"rollout_rs_{option}_masked_fraction"] = verl_masked_mean(1 - option_kept, mask)
         valid = valid_rows.to(mask.dtype)
         metrics[f"rollout_rs_{option}_seq_masked_fraction"] = torch.where(
             valid.sum() > 0, ((1.0 - rows_kept.to(mask.dtype)) * valid).sum() / valid.sum().clamp(min=1), 0.0
         )
-    metrics["rollout_rs_masked_fraction"] = _masked_mean(1 - kept, mask)
+    metrics["rollout_rs_masked_fraction"] = verl_masked_mean(1 - kept, mask)
     final_keep = (kept > 0.5) & in_mask
     metrics["rollout_rs_seq_masked_fraction"] = (~final_keep & in_mask).any(dim=-1).float().mean()
     return mask * kept, metrics
@@ -429,7 +419,7 @@ def _verl_rejection(log_ratio, mask, spec, threshold_spec):
 def _verl_rs_metrics(option, stat, mask, valid_rows, row_stat, upper, lower, two_sided):
     """verl's ``compute_rs_metrics`` for one option (``stat`` per token; ``row_stat`` per row or None)."""
     prefix = f"rollout_rs_{option}"
-    rows = row_stat if row_stat is not None else _masked_mean(stat, mask, -1)
+    rows = row_stat if row_stat is not None else verl_masked_mean(stat, mask, -1)
     rows_mean, rows_std, rows_max, rows_min = _rows_stats(rows, valid_rows)
     valid = valid_rows.float()
     count = valid.sum().clamp(min=1)
@@ -437,7 +427,7 @@ def _verl_rs_metrics(option, stat, mask, valid_rows, row_stat, upper, lower, two
     rows_high = ((rows > upper).float() * valid).sum() / count
     rows_low = ((rows < lower).float() * valid).sum() / count if two_sided else None
     sequence_level = row_stat is not None
-    metrics = {f"{prefix}_mean": _masked_mean(stat, mask)}
+    metrics = {f"{prefix}_mean": verl_masked_mean(stat, mask)}
     if sequence_level:
         metrics[f"{prefix}_max"] = torch.where(any_row, rows_max, _masked_max(stat, mask))
         metrics[f"{prefix}_min"] = torch.where(any_row, rows_min, _masked_min(stat, mask))
@@ -445,13 +435,13 @@ def _verl_rs_metrics(option, stat, mask, valid_rows, row_stat, upper, lower, two
     else:
         metrics[f"{prefix}_max"] = _masked_max(stat, mask)
         metrics[f"{prefix}_min"] = _masked_min(stat, mask)
-        high = _masked_mean((stat > upper).float(), mask)
-        low = _masked_mean((stat < lower).float(), mask) if two_sided else stat.new_zeros(())
+        high = verl_masked_mean((stat > upper).float(), mask)
+        low = verl_masked_mean((stat < lower).float(), mask) if two_sided else stat.new_zeros(())
     metrics[f"{prefix}_fraction_high"] = high
     metrics[f"{prefix}_fraction_low"] = low
     bounded = stat.clamp(min=lower if two_sided else 0.0, max=upper)
-    bounded_mean = _masked_mean(bounded, mask)
-    variance = _masked_mean(bounded.square(), mask) - bounded_mean.square()
+    bounded_mean = verl_masked_mean(bounded, mask)
+    variance = verl_masked_mean(bounded.square(), mask) - bounded_mean.square()
     metrics[f"{prefix}_std"] = torch.where(mask.sum() > 1, variance.clamp(min=0.0).sqrt(), 0.0)
     zero = rows.new_zeros(())
     metrics[f"{prefix}_seq_mean"] = torch.where(any_row, rows_mean, zero)
@@ -469,13 +459,13 @@ def _verl_rs_metrics(option, stat, mask, valid_rows, row_stat, upper, lower, two
 def offpolicy_metrics(old, sampling, mask) -> dict:
     """verl's ``compute_offpolicy_metrics``: the rollout / training gap (KL, perplexities, chi-squared), unprefixed."""
     metrics = {}
-    row_training = _masked_mean(old, mask, -1)
+    row_training = verl_masked_mean(old, mask, -1)
     metrics["training_ppl"] = torch.exp(-row_training).mean()
     metrics["training_log_ppl"] = (-row_training).mean()
-    metrics["kl"] = _masked_mean(sampling - old, mask)
+    metrics["kl"] = verl_masked_mean(sampling - old, mask)
     log_ratio = old - sampling
-    metrics["k3_kl"] = _masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask)
-    row_rollout = _masked_mean(sampling, mask, -1)
+    metrics["k3_kl"] = verl_masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask)
+    row_rollout = verl_masked_mean(sampling, mask, -1)
     metrics["rollout_ppl"] = torch.exp(-row_rollout).mean()
     metrics["rollout_log_ppl"] = (-row_rollout).mean()
     log_ppl_diff = row_rollout - row_training
@@ -485,8 +475,8 @@ def offpolicy_metrics(old, sampling, mask) -> dict:
     metrics["log_ppl_diff_min"] = log_ppl_diff.min()
     metrics["ppl_ratio"] = torch.exp(log_ppl_diff).mean()
     rho = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    metrics["chi2_token"] = _masked_mean(rho.square(), mask) - 1.0
-    row_log_ratio = _masked_sum(log_ratio, mask, -1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    metrics["chi2_token"] = verl_masked_mean(rho.square(), mask) - 1.0
+    row_log_ratio = verl_masked_sum(log_ratio, mask, -1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     metrics["chi2_seq"] = torch.exp(2.0 * row_log_ratio).mean() - 1.0
     return metrics
 
@@ -577,11 +567,6 @@ OPENRLHF_MODES = ("mask", "clip")
 OPENRLHF_GATINGS = ("ratio", "binary_kl", "tv")
 
 
-def _openrlhf_mean(x, mask, dim=None):
-    """OpenRLHF's ``masked_mean``: sum(x mask) / sum(mask), NaN where the mask is empty (its convention)."""
-    return (x * mask).sum() / mask.sum() if dim is None else (x * mask).sum(dim) / mask.sum(dim)
-
-
 @dataclasses.dataclass(frozen=True)
 class OpenRLHFCorrection:
     """OpenRLHF 0.11's train / rollout correction (``--actor.is_correction_level`` token / seq,
@@ -637,7 +622,7 @@ class OpenRLHFCorrection:
         log_ratio = old - sampling
         token_ratio = log_ratio.exp()
         if self.is_correction_gating == "ratio":
-            stat = _openrlhf_mean(log_ratio, mask, -1).unsqueeze(-1) if sequence_level else log_ratio
+            stat = openrlhf_masked_mean(log_ratio, mask, -1).unsqueeze(-1) if sequence_level else log_ratio
             stat = stat.exp()
         else:
             p = sampling.exp().clamp(1e-6, 1 - 1e-6)  # keeps the binary KL's logs finite
@@ -647,7 +632,7 @@ class OpenRLHFCorrection:
             else:  # tv
                 stat = (p - q).abs()
             if sequence_level:
-                stat = _openrlhf_mean(stat, mask, -1).unsqueeze(-1)
+                stat = openrlhf_masked_mean(stat, mask, -1).unsqueeze(-1)
         if self.is_correction_mode == "clip":
             weight = stat.clamp(min=low, max=high)
             filtered = (stat < low) | (stat > high)
@@ -656,8 +641,10 @@ class OpenRLHFCorrection:
             weight = torch.where(keep, token_ratio, 0.0)
             filtered = ~keep
         metrics = {
-            "is_filter_ratio": filtered.float().mean() if sequence_level else _openrlhf_mean(filtered.float(), mask),
-            "vllm_kl": _openrlhf_mean(sampling - old, mask),
+            "is_filter_ratio": filtered.float().mean()
+            if sequence_level
+            else openrlhf_masked_mean(filtered.float(), mask),
+            "vllm_kl": openrlhf_masked_mean(sampling - old, mask),
         }
         return Correction(torch.where(mask.bool(), weight.expand_as(old), 0.0), mask, metrics)
 

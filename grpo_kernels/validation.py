@@ -8,9 +8,49 @@ import math
 import torch
 
 from .kernels import TritonMissing, launch
-from .options import BACKENDS, TOKEN_COUNT_LOSS_TYPES, GRPOOptions
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the torch path only
+BACKENDS = ("auto", "triton", "torch")
+# The fused head's modes: "recompute" (4 products, the logits recomputed in the backward) and "three_products"
+LM_HEAD_MODES = ("recompute", "three_products")
+# The head's precision: "input", as an unfused head in the operands' own dtype (16-bit on the tensor cores, fp32
+# accumulation, the logits rounded once to that dtype: the kernels' ROUND_LOGITS, torch_path._chunk_logits);
+# "fp32", hidden states, weight and bias cast to fp32 first (exact fp32 products and logits: TRL's
+# cast_lm_head_to_fp32, a rollout engine's fp32 head), the gradients coming back in their own dtypes
+HEAD_PRECISIONS = ("input", "fp32")
+
+
+def check_choice(name: str, value, choices) -> None:
+    """``value`` is one of ``choices`` (a setting's names)."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_number(name: str, value, *, positive=False, non_negative=False, optional=False) -> None:
+    """A finite real number (not a bool), > 0 where ``positive``, >= 0 where ``non_negative``; None where
+    ``optional``."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if non_negative and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+def check_backend(backend) -> None:
+    check_choice("backend", backend, BACKENDS)
+
+
+def check_lm_head_mode(mode) -> None:
+    """The fused head's mode where the caller chose one (None: the measured default)."""
+    if mode is not None:
+        check_choice("lm_head_mode", mode, LM_HEAD_MODES)
+
+
+def check_head_precision(precision) -> None:
+    check_choice("head_precision", precision, HEAD_PRECISIONS)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -211,7 +251,7 @@ def check_inputs(
     ref_logps,
     importance_weights,
     normalizer,
-    opts: GRPOOptions,
+    opts,
     check_ids: bool = True,
     what: str = "logits",
 ) -> None:
@@ -241,7 +281,7 @@ def check_inputs(
                     "call's prompts / the step's)"
                 )
             raise ValueError(
-                f"normalizer is the token count of loss_type in {list(TOKEN_COUNT_LOSS_TYPES)}; "
+                f"normalizer is the token count of loss_type in {list(opts.token_count_loss_types)}; "
                 f"loss_type={opts.loss_type!r} does not use it"
             )
         if isinstance(normalizer, torch.Tensor):
@@ -256,7 +296,7 @@ def check_inputs(
     check_token_ids(completion_ids, shape, device, check_ids, mask=completion_mask, normalizer=normalizer)
 
 
-def check_prompt_ids(prompt_ids, S: int, device, opts: GRPOOptions, packed: bool) -> None:
+def check_prompt_ids(prompt_ids, S: int, device, opts, packed: bool) -> None:
     """The call's ``prompt_ids``: each sequence's prompt (any integers; equal ids, one prompt), [S] on the
     device, given exactly where ``aggregation="prompt_mean"`` reads them."""
     rows = "sequences (cu_seqlens' S)" if packed else "rows (B)"
@@ -289,8 +329,7 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     if backend == "auto":  # the chunked torch path also runs on CUDA where triton is absent
         # (fp64, gradcheck's, is the torch path's: the kernels are fp32 inside)
         return "triton" if logits.is_cuda and logits.dtype != torch.float64 and triton_available() else "torch"
-    if backend != "triton":
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    check_backend(backend)
     if logits.dtype == torch.float64:
         raise TypeError(
             "backend='triton' takes float32, bfloat16 or float16; float64 runs on backend='torch' "

@@ -9,7 +9,7 @@ from grpo_kernels.options import LOSS_TYPE_REGISTRY, LOSS_TYPES, PPO_CLIP_LOSS_T
 # Those whose per-token terms run in the loss kernels (vespo's sequence weight runs in torch on their log-probs):
 KERNEL_LOSS_TYPES = tuple(name for name, t in LOSS_TYPE_REGISTRY.items() if t.kernel_term is not None)
 # TRL 1.16's loss types (tests/test_integration_tables.py holds this to TRL's GRPOConfig): what the tests of TRL's
-# semantics draw from; the other trainers' families have tests/test_families.py and the adapters' tests
+# semantics draw from; the other trainers' families have tests/test_policy_terms.py and the adapters' tests
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 
 try:

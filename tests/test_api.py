@@ -456,6 +456,48 @@ def test_a_torch_compiled_step_does_not_recompile_per_completion_length(backend,
     assert 1 <= len(graphs) <= most_graphs
 
 
+@pytest.mark.parametrize("one_pass, op", [(None, "triton_one_pass_loss"), (False, "triton_two_pass_loss")])
+def test_a_compiled_loss_runs_eagers_schedule_as_one_op(device, one_pass, op):
+    """Inside a torch.compile graph (fullgraph, inductor) the Triton path's fused loss runs the schedule eager runs,
+    as one custom op: the one-pass op, whose backward scales the gradient it wrote in place (inductor reinplaces it:
+    no copy of the [B, T, V] gradient), or the two-pass op; the loss, metrics and dlogits are eager's to the bit."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors run the Triton path only in its interpreter (TRITON_INTERPRET=1)")
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    B, T, V = 3, 5, 40
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, T + 1, V, generator=g).to(device)
+    ids, adv = torch.randint(0, V, (B, T), generator=g).to(device), torch.randn(B, generator=g).to(device)
+    mask, ref = (torch.rand(B, T, generator=g) > 0.2).float().to(device), (-torch.rand(B, T, generator=g)).to(device)
+    loss_fn = GRPOLoss(beta=0.04, drop_last_position=True, backend="triton", one_pass=one_pass, entropy_coef=0.01)
+
+    def step(x):
+        out = loss_fn(x, ids, mask, adv, ref_logps=ref, loss_scale=0.5)
+        return out.loss, out.metrics
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        x = logits.clone().requires_grad_()
+
+        def run(fn=fn, x=x):
+            loss, metrics = fn(x)
+            (loss * 2.0).backward()
+            return loss, metrics
+
+        (loss, metrics), code = run_and_get_code(run) if fn is not step else (run(), None)
+        results.append((loss.detach(), {k: v.detach() for k, v in metrics.items()}, x.grad, code))
+    (loss, metrics, grad, _), (c_loss, c_metrics, c_grad, code) = results
+    assert torch.equal(c_loss, loss) and torch.equal(c_grad, grad)
+    assert metrics.keys() == c_metrics.keys() and all(torch.equal(c_metrics[k], metrics[k]) for k in metrics)
+    forward, backward = code
+    assert f"grpo_kernels.{op}.default(" in forward and "triton_logprobs" not in forward
+    if op == "triton_one_pass_loss":
+        assert "grpo_kernels.triton_scale_.default(" in backward
+        assert ".clone(" not in backward and "copy_(" not in backward
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA case of the test above (the device suite runs it)")
 def test_a_compiled_step_on_the_gpu_is_one_graph_on_the_triton_path():
     """On a GPU (the device suite), fullgraph=True with inductor: the Triton path's custom ops in one graph,

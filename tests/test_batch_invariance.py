@@ -2,7 +2,9 @@
 log-prob and entropy are bitwise the same (a) at batch sizes 1, 7 and 64 with its row unchanged, (b) padded or
 packed, (c) wherever the torch path's chunk boundaries fall, and (d) in the no-grad pass (old / reference
 log-probs) and the training forward; then, on-policy, the ratio is exactly 1 and the KL to an identical reference
-exactly 0. From logits (both backends) and from hidden states (the fused head's default mode, both backends).
+exactly 0. From logits (both backends) and from hidden states (the fused head's default mode, both backends), with one
+exception: the torch path's head product is the CPU BLAS's GEMM, which picks its kernel and its threads' split by the
+batch's size, so there (d) holds at each batch size and (a) to fp32 rounding only.
 
 On a GPU (the device suite runs this file first) the same tests hold the compiled kernels' default schedules to it:
 each row is one program's (the one-pass kernel) and each lm_head tile a fixed [64, 128] shape, so nothing depends on
@@ -132,7 +134,9 @@ def _hidden_batch(size, seed, device):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_fused_heads_logprobs_are_batch_invariant(device, backend):
     """(a) and (d) from hidden states, on the fused head's default mode: the no-grad pass, the differentiable op
-    and the loss's training forward give the watched row the same bits at every batch size."""
+    and the loss's training forward give the watched row the same bits at every batch size. On the torch path (CPU
+    BLAS: its GEMM kernel and thread split depend on the batch's size, e.g. MKL on an AMD EPYC with 2 threads) the
+    three agree bit for bit at each batch size, and across sizes to fp32 rounding."""
     seen = []
     for size in SIZES:
         hidden, weight, ids, at = _hidden_batch(size, seed=size, device=device)
@@ -153,11 +157,15 @@ def test_the_fused_heads_logprobs_are_batch_invariant(device, backend):
         )
         seen.append((logp[at], entropy[at], op_logp[at].detach(), op_entropy[at].detach(), train.per_token_logps[at]))
     first = seen[0]
+    names = ("log-probs", "entropy", "the op's log-probs", "the op's entropy", "the training forward's log-probs")
     for size, values in zip(SIZES, seen, strict=True):
         for name, value, expected in zip(
-            ("log-probs", "entropy", "the op's log-probs", "the op's entropy", "the training forward's log-probs"),
-            values,
-            (first[0], first[1], first[0], first[1], first[0]),
-            strict=True,
+            names, values, (first[0], first[1], first[0], first[1], first[0]), strict=True
         ):
-            assert torch.equal(value, expected), f"{name} at batch size {size}"
+            if backend == "triton":
+                assert torch.equal(value, expected), f"{name} at batch size {size}"
+            else:
+                torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-6, msg=f"{name} at batch size {size}")
+        same_batch = (values[0], values[1], values[0], values[1], values[0])
+        for name, value, expected in zip(names, values, same_batch, strict=True):
+            assert torch.equal(value, expected), f"{name} against the no-grad pass at batch size {size}"

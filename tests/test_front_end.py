@@ -22,11 +22,11 @@ from grpo_kernels import (
     token_entropy,
     token_logprobs,
 )
-from grpo_kernels.families import FAMILY_TERMS
 from grpo_kernels.from_logits import LogitsSource
-from grpo_kernels.inputs import prepare_inputs
+from grpo_kernels.inputs import CallSettings, LossCall, prepare_inputs
 from grpo_kernels.option_docs import option_names, options_table
 from grpo_kernels.options import LOSS_TYPE_REGISTRY, LOSS_TYPES
+from grpo_kernels.policy_terms import FAMILY_TERMS
 
 BACKENDS = ["torch", "triton"]
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -165,15 +165,8 @@ def test_prepared_inputs_are_frozen_and_packed_once(device):
     logits = torch.randn(7, 13, generator=g).to(device)
     ids = torch.randint(0, 13, (7,), generator=g).to(device)
     cu = torch.tensor([0, 3, 7], device=device)
-    inputs = prepare_inputs(
-        LogitsSource(logits),
-        ids,
-        torch.ones(7, device=device),
-        torch.randn(2, generator=g).to(device),
-        options=GRPOOptions(),
-        backend="torch",
-        cu_seqlens=cu,
-    )
+    call = LossCall(ids, torch.ones(7, device=device), torch.randn(2, generator=g).to(device), cu_seqlens=cu)
+    inputs = prepare_inputs(LogitsSource(logits), call, CallSettings(GRPOOptions(), backend="torch"))
     assert inputs.source.tensor.shape == (1, 7, 13) and inputs.ids.shape == (1, 7) and inputs.caller_shape == (7,)
     assert inputs.layout.packed and inputs.mask_seq.shape == (2, 4)
     assert inputs.mask.dtype == torch.float32 and inputs.mask.is_contiguous()  # the kernels' one mask
@@ -400,17 +393,17 @@ def test_a_log_prob_pass_computes_no_entropy_unless_asked(monkeypatch):
     )[1] == {"logits"}
 
     pytest.importorskip("verl")
-    from grpo_kernels import loss
+    from grpo_kernels import pipeline
     from grpo_kernels.integration import verl as verl_adapter
 
     asked, replacements = [], {}
-    compute = loss.compute_logprobs
+    compute = pipeline.logprobs
     monkeypatch.setattr(
-        loss,
-        "compute_logprobs",
-        lambda source, ids, temperature, compute_entropy, **kw: (
+        pipeline,
+        "logprobs",
+        lambda source, ids, temperature, compute_entropy, settings: (
             asked.append(compute_entropy),
-            compute(source, ids, temperature, compute_entropy, **kw),
+            compute(source, ids, temperature, compute_entropy, settings),
         )[1],
     )
     # what patch_logprobs would install, kept here rather than installed in every loaded module

@@ -17,12 +17,12 @@ from grpo_kernels.kernels.contracts import FLAG_HIGH_CLIPPED, FLAG_LOW_CLIPPED, 
 from grpo_kernels.objective import (
     clip_metric_values,
     entropy_divisor,
-    kernel_reduction,
     masked_mean,
     metric_names,
     prompt_divisors,
     reduction_weights,
 )
+from grpo_kernels.pipeline import kernel_reduction
 
 LOSS_TYPES = {
     "grpo": {},

@@ -165,12 +165,14 @@ def test_the_preempted_exit_code_and_message():
 
 def _stop_rank(rank, world):
     """What each rank's loop reads at a step boundary when only rank 0 received SIGTERM."""
-    return trainer_module.all_ranks_max(int(signal.SIGTERM) if rank == 0 else 0)
+    from grpo_kernels import collectives
+
+    return collectives.largest(int(signal.SIGTERM) if rank == 0 else 0)
 
 
 def test_every_rank_stops_at_the_same_step():
     """Under torchrun a signal may reach one rank first: at the step boundary every rank reads the largest signal
-    any rank received (``all_ranks_max``), so all stop and checkpoint at the same step."""
+    any rank received (``collectives.largest``), so all stop and checkpoint at the same step."""
     from gloo_ranks import run_ranks
 
     assert run_ranks(_stop_rank, 2) == [int(signal.SIGTERM)] * 2

@@ -39,8 +39,8 @@ from grpo_kernels.kernels import fused_linear as FL
 from grpo_kernels.kernels import fused_linear_launch as lm_head_launch
 from grpo_kernels.kernels import grpo, launch, reduce, split_row, split_row_launch
 from grpo_kernels.kernels.contracts import LossTokens, OnePassGradient, Sequences, TokenInputs
-from grpo_kernels.objective import kernel_reduction
 from grpo_kernels.options import GRPOOptions
+from grpo_kernels.pipeline import kernel_reduction
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SOFTCAP = 30.0  # Gemma 2's final_logit_softcapping, for the capped specializations

@@ -30,11 +30,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..conventions import openrlhf_aggregate_loss, openrlhf_masked_mean
 from ..objective import kl_term, per_token_terms
 from ..options import GRPOOptions
 from ..rollout_correction import OPENRLHF_GATINGS, OPENRLHF_LEVELS, OPENRLHF_MODES, OpenRLHFCorrection
+from ..validation import check_choice
 from . import replace_everywhere
-from .verl import aggregate
 
 POLICY_LOSS_TYPES = ("ppo", "gspo")
 IS_CORRECTION_LEVELS = ("off", *OPENRLHF_LEVELS)
@@ -57,36 +58,9 @@ K3_LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_CLAMP = 88.0
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor | None, dim=None) -> torch.Tensor:
-    """OpenRLHF's ``masked_mean``: sum(x mask) / sum(mask), NaN where the mask is empty (its convention); in fp32."""
-    if mask is None:
-        return x.float().mean(dim=dim)
-    return (x.float() * mask.float()).sum(dim=dim) / mask.float().sum(dim=dim)
-
-
-def aggregate_loss(
-    loss: torch.Tensor,
-    loss_mask: torch.Tensor,
-    token_level_loss: bool = True,
-    dp_size: int = 1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-) -> torch.Tensor:
-    """OpenRLHF's ``aggregate_loss``: a token mean (``token_level_loss``: the masked sum over the global
-    ``batch_num_tokens``, times ``dp_size``, which DeepSpeed's averaging over ranks cancels), or the mean of the
-    non-empty sequences' token means (over ``global_batch_size``, times ``dp_size``): verl's ``token-mean`` and
-    ``seq-mean-token-mean`` (``verl.aggregate``). Without the global count, the local mean (OpenRLHF then ignores
-    ``dp_size``, where verl refuses). Summed in fp32 whatever the loss's dtype, as OpenRLHF's float mask promotes
-    its sums (a 16-bit row count would also turn an empty row's ``0 + 1e-8`` into 0 and its mean into NaN)."""
-    mode, count = ("token-mean", batch_num_tokens) if token_level_loss else ("seq-mean-token-mean", global_batch_size)
-    return aggregate(
-        loss.float(), loss_mask.float(), mode, dp_size if count is not None else 1, batch_num_tokens, global_batch_size
-    )
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+# OpenRLHF's masked_mean and aggregate_loss, under its names (``conventions``: one definition each)
+masked_mean = openrlhf_masked_mean
+aggregate_loss = openrlhf_aggregate_loss
 
 
 class PolicyLoss(nn.Module):
@@ -106,10 +80,10 @@ class PolicyLoss(nn.Module):
         is_correction_threshold: Sequence[float] = (0.5, 5.0),
     ) -> None:
         super().__init__()
-        _check_choice("policy_loss_type", policy_loss_type, POLICY_LOSS_TYPES)
-        _check_choice("is_correction_level", is_correction_level, IS_CORRECTION_LEVELS)
-        _check_choice("is_correction_mode", is_correction_mode, IS_CORRECTION_MODES)
-        _check_choice("is_correction_gating", is_correction_gating, IS_CORRECTION_GATINGS)
+        check_choice("policy_loss_type", policy_loss_type, POLICY_LOSS_TYPES)
+        check_choice("is_correction_level", is_correction_level, IS_CORRECTION_LEVELS)
+        check_choice("is_correction_mode", is_correction_mode, IS_CORRECTION_MODES)
+        check_choice("is_correction_gating", is_correction_gating, IS_CORRECTION_GATINGS)
         # the correction's options, checked and computed in the core (rollout_correction.OpenRLHFCorrection), where
         # a GRPOLoss call takes them too
         self.correction = (
@@ -197,7 +171,7 @@ def compute_approx_kl(
     """OpenRLHF's ``compute_approx_kl`` [B, T]: the k1 / k2 / k3 estimate of KL(pi || pi_ref), clamped to +-10 (k3
     also bounds its log-ratio first); with ``unbiased_gradient`` the estimate's value with the reverse KL's
     importance-weighted gradient, w k1 d log pi, w = pi / pi_old clamped at 10 and detached."""
-    _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     lp, ref = log_probs.float(), log_probs_base.float()
     clamps = dict(log_ratio_clamp=K3_LOG_RATIO_CLAMP) if kl_estimator == "k3" else {}
     value = kl_term(lp, ref, GRPOOptions(kl_estimator=kl_estimator, kl_clamp=KL_CLAMP, **clamps))

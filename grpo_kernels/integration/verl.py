@@ -25,21 +25,16 @@ and set ``actor_rollout_ref.actor.policy_loss.loss_mode=grpo_kernels_<mode>``. S
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 
+from ..conventions import VERL_AGG_MODES, verl_aggregate, verl_masked_mean
 from ..objective import kl_term, per_token_terms
 from ..options import GRPOOptions
 from . import replace_everywhere
 
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = VERL_AGG_MODES
 VERL_KL = {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl_F.masked_mean: a NaN where the mask is 0 never reaches the sum; divided by the mask's sum + 1e-8."""
-    return (torch.where(mask.bool(), x, 0.0) * mask).sum() / (mask.sum() + 1e-8)
 
 
 def _at_active(t: torch.Tensor | None, active: torch.Tensor, fill: float) -> torch.Tensor | None:
@@ -79,40 +74,8 @@ def _active_tokens_only(policy_loss):
     return on_active_tokens
 
 
-def aggregate(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    loss_agg_mode: str,
-    dp_size: int = 1,
-    batch_num_tokens: Any | None = None,
-    global_batch_size: Any | None = None,
-    loss_scale_factor: Any | None = None,
-) -> torch.Tensor:
-    """verl's ``agg_loss``: the loss is invariant to the data-parallel split (its ``global_batch_info``)."""
-    if loss_agg_mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {list(AGG_MODES)}, got {loss_agg_mode!r}")
-    mask = mask.to(loss_mat.dtype)
-    if loss_agg_mode in ("token-mean", "token-sum"):
-        if loss_agg_mode == "token-sum":
-            return (loss_mat * mask).sum() * dp_size
-        if batch_num_tokens is None:
-            if dp_size > 1:
-                raise ValueError("token-mean with dp_size > 1 needs the global batch_num_tokens")
-            batch_num_tokens = mask.sum()
-        return (loss_mat * mask).sum() / batch_num_tokens * dp_size
-    tokens = mask.sum(-1)
-    row_loss = (loss_mat * mask).sum(-1)
-    if loss_agg_mode == "seq-mean-token-mean":
-        row_loss = row_loss / (tokens + 1e-8)
-    non_empty = (tokens > 0).to(loss_mat.dtype)  # verl leaves fully masked rows out of the mean
-    if global_batch_size is None:
-        if dp_size > 1:
-            raise ValueError(f"{loss_agg_mode} with dp_size > 1 needs the global_batch_size")
-        global_batch_size = non_empty.sum()
-    loss = (row_loss * non_empty).sum() / global_batch_size * dp_size
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        loss = loss / (mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    return loss
+# verl's agg_loss, under the adapter's name (``conventions``: one definition, the OpenRLHF adapter's too)
+aggregate = verl_aggregate
 
 
 def _clip_bounds(config) -> tuple:
@@ -122,7 +85,7 @@ def _clip_bounds(config) -> tuple:
     return low, high
 
 
-def _batch_info(config) -> dict[str, Any]:
+def _batch_info(config) -> dict:
     return dict(getattr(config, "global_batch_info", None) or {})
 
 
@@ -160,9 +123,9 @@ def vanilla_policy_loss(
         bounded = torch.maximum(plain, -advantages * torch.clamp(ratio, 1 - low, 1 + high))
         lower = ((bounded > -advantages * dual_clip) & (advantages < 0)).to(mask.dtype)
         metrics = {
-            "actor/pg_clipfrac": _masked_mean(clipped, mask).item(),
-            "actor/ppo_kl": _masked_mean(-log_ratio, mask).item(),
-            "actor/pg_clipfrac_lower": _masked_mean(lower, mask).item(),
+            "actor/pg_clipfrac": verl_masked_mean(clipped, mask).item(),
+            "actor/ppo_kl": verl_masked_mean(-log_ratio, mask).item(),
+            "actor/pg_clipfrac_lower": verl_masked_mean(lower, mask).item(),
         }
     return loss, metrics
 
@@ -199,8 +162,8 @@ def gspo_policy_loss(
     with torch.no_grad():
         clipped = (terms.is_low_clipped | terms.is_high_clipped).to(mask.dtype)
         metrics = {
-            "actor/pg_clipfrac": _masked_mean(clipped, mask).item(),
-            "actor/ppo_kl": _masked_mean(-(log_prob - old_log_prob), mask).item(),
+            "actor/pg_clipfrac": verl_masked_mean(clipped, mask).item(),
+            "actor/ppo_kl": verl_masked_mean(-(log_prob - old_log_prob), mask).item(),
             "actor/pg_clipfrac_lower": 0.0,
         }
     return loss, metrics
@@ -235,7 +198,7 @@ def _ppo_kl(log_prob, old_log_prob, mask, clamp: float | None = 20.0) -> float:
     log_ratio = log_prob.detach() - old_log_prob
     if clamp is not None:
         log_ratio = torch.clamp(log_ratio, -clamp, clamp)
-    return _masked_mean(-log_ratio, mask).item()
+    return verl_masked_mean(-log_ratio, mask).item()
 
 
 def _dppo(loss_type: str, verl_name: str, divergence: str):
@@ -261,9 +224,9 @@ def _dppo(loss_type: str, verl_name: str, divergence: str):
             inside = (~terms.is_high_clipped).to(mask.dtype)
             ratio = torch.exp(torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0))
             metrics = {
-                "actor/pg_clipfrac": _masked_mean(1 - inside, mask).item(),
+                "actor/pg_clipfrac": verl_masked_mean(1 - inside, mask).item(),
                 "actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask),
-                "actor/pg_clipfrac_lower": _masked_mean((ratio > cap).to(mask.dtype) * inside, mask).item(),
+                "actor/pg_clipfrac_lower": verl_masked_mean((ratio > cap).to(mask.dtype) * inside, mask).item(),
             }
         return loss, metrics
 
@@ -355,7 +318,7 @@ def clip_cov_policy_loss(
     mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     loss = aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config))
     metrics = {
-        "actor/pg_clipfrac": _masked_mean(terms.is_high_clipped.to(mask.dtype), mask).item(),
+        "actor/pg_clipfrac": verl_masked_mean(terms.is_high_clipped.to(mask.dtype), mask).item(),
         "actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask, clamp=None),
     }
     return loss, metrics
@@ -384,7 +347,7 @@ def kl_cov_policy_loss(
     mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     loss = aggregate(terms.per_token_loss, mask, loss_agg_mode, **_batch_info(config))
     absolute = torch.abs(log_prob.detach() - old_log_prob)
-    return loss, {"actor/ppo_kl": _masked_mean(absolute, mask).item()}
+    return loss, {"actor/ppo_kl": verl_masked_mean(absolute, mask).item()}
 
 
 @_active_tokens_only
@@ -406,9 +369,9 @@ def geo_mean_policy_loss(
     mask, terms = _terms(opts, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     loss = terms.per_token_loss[:, 0].mean()  # one value a row, repeated over its positions
     metrics = {
-        "actor/pg_clipfrac": _masked_mean(terms.is_high_clipped.to(mask.dtype), mask).item(),
+        "actor/pg_clipfrac": verl_masked_mean(terms.is_high_clipped.to(mask.dtype), mask).item(),
         "actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask, clamp=None),
-        "actor/pg_clipfrac_lower": _masked_mean(terms.is_low_clipped.to(mask.dtype), mask).item(),
+        "actor/pg_clipfrac_lower": verl_masked_mean(terms.is_low_clipped.to(mask.dtype), mask).item(),
     }
     return loss, metrics
 
@@ -458,7 +421,7 @@ def cispo_policy_loss(
         ratio = torch.exp(torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0))
         moved = (ratio != torch.clamp(ratio, 1 - low, 1 + high)).to(mask.dtype)
     metrics = {
-        "actor/pg_clipfrac": _masked_mean(moved, mask).item(),
+        "actor/pg_clipfrac": verl_masked_mean(moved, mask).item(),
         "actor/ppo_kl": _ppo_kl(log_prob, old_log_prob, mask),
         "actor/pg_clipfrac_lower": 0.0,
     }

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from .. import collectives
 from ..options import AGGREGATIONS
 from .data import load_reward_function, read_rows, trainer_rows
 from .tasks import TASKS, compare, get_task
@@ -23,7 +24,6 @@ from .trainer import (
     append_jsonl,
     latest_checkpoint,
     latest_intact_checkpoint,
-    world,
 )
 
 DEFAULTS = TrainerConfig(**RECIPE)  # the built-in task's recipe
@@ -425,7 +425,7 @@ def train(args) -> dict:
     stdout = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):
         summary = _train(args)
-    if world()[0] == 0:
+    if collectives.world()[0] == 0:
         print(json.dumps(summary), file=stdout, flush=True)
     return summary
 
@@ -461,7 +461,7 @@ def _train(args) -> dict:
     _check_data_options(args)
     device = _device(args.device)
     _maybe_init_distributed(device)
-    rank, _ = world()
+    rank, _ = collectives.world()
     task = get_task(args.task)
     torch.manual_seed(args.seed)
     if args.threads is not None:

@@ -29,9 +29,8 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from .. import __version__
+from .. import __version__, collectives
 from ..advantages import group_advantages, process_advantages
 from ..entropy_control import AdaptiveEntropy
 from ..heads import fused_head, head_weights
@@ -139,34 +138,6 @@ def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 def reward_columns(rows: list[dict]) -> dict[str, list]:
     """The rows' fields other than "prompt", one list each: the keyword arguments of a TRL reward function."""
     return {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-
-
-def world() -> tuple:
-    """(rank, world size); (0, 1) outside torchrun."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if world()[1] > 1:
-        t = t.clone()
-        dist.all_reduce(t)
-    return t
-
-
-def all_ranks_min(value: int) -> int:
-    """The smallest of every rank's ``value`` (the value itself outside torchrun)."""
-    if world()[1] == 1:
-        return value
-    t = torch.tensor([value])
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
-def all_ranks_max(value: int) -> int:
-    """The largest of every rank's ``value`` (the value itself outside torchrun)."""
-    return -all_ranks_min(-value)
 
 
 class Preempted(Exception):
@@ -319,7 +290,7 @@ class GRPOTrainer:
     ):
         if not reward_funcs:
             raise ValueError("reward_funcs must hold at least one reward function, got none")
-        rank, size = world()
+        rank, size = collectives.world()
         if config.prompts_per_step % size:
             raise ValueError(f"prompts_per_step={config.prompts_per_step} must divide evenly over {size} processes")
         self.model, self.tokenizer, self.config, self.device = model.to(device), tokenizer, config, device
@@ -497,7 +468,7 @@ class GRPOTrainer:
     def sample_groups(self) -> Rollout:
         """Sample this rank's share of ``prompts_per_step`` prompts, G completions each, score them,
         group advantages (outcome advantages: process labels come after any filtering)."""
-        config, (_, size) = self.config, world()
+        config, (_, size) = self.config, collectives.world()
         rows = [self.rng.choice(self.train_rows) for _ in range(config.prompts_per_step // size)]
         grouped = [row for row in rows for _ in range(config.group_size)]
         prompt_ids, prompt_mask, completion_ids, completion_mask = self.generate(
@@ -542,7 +513,7 @@ class GRPOTrainer:
             wanted = sampled[0].zero_std.shape[0]
             kept = [sampled[0].groups(~sampled[0].zero_std)]
             count = lambda: sum(k.zero_std.shape[0] for k in kept)  # noqa: E731
-            while len(sampled) < config.max_sampling_rounds and all_ranks_min(count()) < wanted:
+            while len(sampled) < config.max_sampling_rounds and collectives.smallest(count()) < wanted:
                 sampled.append(self.sample_groups())
                 kept.append(sampled[-1].groups(~sampled[-1].zero_std))
             update = Rollout.concat(kept, self.tokenizer.pad_token_id) if count() else sampled[0]
@@ -619,9 +590,9 @@ class GRPOTrainer:
         rescaled to all ranks' tokens, so after averaging the gradient is the one a single
         process would compute on the concatenated batch.
         """
-        size = world()[1]
+        size = collectives.world()[1]
         local_tokens = r.completion_mask.sum().float()
-        global_tokens = all_reduce_sum(local_tokens).clamp(min=1.0)
+        global_tokens = collectives.summed(local_tokens).clamp(min=1.0)
         options = self.loss_fn.options
         normalizer = global_tokens / size if options.takes_normalizer else None
         inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
@@ -635,7 +606,7 @@ class GRPOTrainer:
             per_token["prompt_ids"] = torch.arange(groups, device=self.device).repeat_interleave(
                 r.completion_ids.shape[0] // max(groups, 1)
             )
-            per_token["loss_scale"] = local_prompts * size / all_reduce_sum(local_prompts).clamp(min=1.0)
+            per_token["loss_scale"] = local_prompts * size / collectives.summed(local_prompts).clamp(min=1.0)
         if self.entropy_control is not None:  # this step applies the coefficient the last step left
             self.loss_fn.update(entropy_coef=self.entropy_control.applied_coef())
         if self.config.fused_lm_head:
@@ -666,11 +637,11 @@ class GRPOTrainer:
         self._average_gradients()
         if self.entropy_control is not None:  # one optimizer step is one window; all ranks' tokens
             self.entropy_control.observe(out.metrics["entropy"] * local_tokens.clamp(min=1.0), local_tokens)
-            self.entropy_control.end_window(all_reduce_sum)
+            self.entropy_control.end_window(collectives.summed)
         return loss.detach(), out.metrics
 
     def train_step(self) -> dict[str, float]:
-        config, size = self.config, world()[1]
+        config, size = self.config, collectives.world()[1]
         batch = self.sample_step()
         r = batch.update
         inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
@@ -690,7 +661,7 @@ class GRPOTrainer:
             loss, metrics = self.accumulate_gradients(r, old_logps, ref_logps)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
             # a non-finite loss or gradient norm on any rank: no rank steps (the weights stay finite)
-            if all_ranks_max(int(not (torch.isfinite(loss).all() and torch.isfinite(grad_norm)))):
+            if collectives.largest(int(not (torch.isfinite(loss).all() and torch.isfinite(grad_norm)))):
                 self.optimizer.zero_grad(set_to_none=True)
                 skipped += 1
             else:
@@ -722,9 +693,9 @@ class GRPOTrainer:
                 *loss_metrics.values(),
             ]
         )
-        reward, accuracy, zero_std, length, loss_value, *metric_values = (all_reduce_sum(stats) / size).tolist()
+        reward, accuracy, zero_std, length, loss_value, *metric_values = (collectives.summed(stats) / size).tolist()
         # what this step sampled over every rank (sample efficiency: ``training.seeds`` counts them to a target)
-        sampled = all_reduce_sum(torch.tensor([s.completion_mask.shape[0], int(s.completion_mask.sum())])).tolist()
+        sampled = collectives.summed(torch.tensor([s.completion_mask.shape[0], int(s.completion_mask.sum())])).tolist()
         record = {
             "step": self.step,
             "completions_sampled": sampled[0],
@@ -740,7 +711,7 @@ class GRPOTrainer:
         if skipped:  # the optimizer steps this step skipped for a non-finite loss or gradient norm
             record["skipped_updates"] = skipped
         if config.dynamic_sampling:  # over all ranks
-            groups = all_reduce_sum(torch.tensor([s.zero_std.shape[0], int((~r.zero_std).sum())])).tolist()
+            groups = collectives.summed(torch.tensor([s.zero_std.shape[0], int((~r.zero_std).sum())])).tolist()
             record.update(groups_sampled=groups[0], groups_kept=groups[1])
         if self.entropy_control is not None:
             record.update(entropy_coef=self.entropy_control.coef, entropy=self.entropy_control.last_world_entropy)
@@ -750,13 +721,12 @@ class GRPOTrainer:
         return list(self.reward_weights) if self.reward_weights is not None else [1.0] * rewards.shape[1]
 
     def _average_gradients(self) -> None:
-        rank, size = world()
+        rank, size = collectives.world()
         if size == 1:
             return
         for p in self.model.parameters():
             if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= size
+                collectives.sum_in_place(p.grad).div_(size)
 
     # ----- evaluation and checkpoints --------------------------------------------------
     @torch.no_grad()
@@ -794,7 +764,7 @@ class GRPOTrainer:
         reference model (beta > 0) is written once a run, beside the checkpoints (``REFERENCE_DIR``), before the
         first checkpoint that needs it."""
         final = os.path.join(self.config.output_dir, f"checkpoint-{self.step}")
-        if world()[0] != 0:
+        if collectives.world()[0] != 0:
             return final
         if self.ref_model is not None and not self._reference_saved:
             save_atomically(
@@ -873,7 +843,7 @@ class GRPOTrainer:
         """
         records = []
         emit = lambda r: (records.append(r), self.log(r))  # noqa: E731
-        show = progress and world()[0] == 0
+        show = progress and collectives.world()[0] == 0
         if self.step == 0 and self.eval_rows:
             emit(self._evaluation(show))
         with stop_requests() as received:
@@ -893,7 +863,7 @@ class GRPOTrainer:
                 if self.config.save_every and self.step % self.config.save_every == 0:
                     saved = self.save_checkpoint()
                 # every rank stops at the same step: a rank that got the signal tells the others
-                signum = all_ranks_max(received[0] if received else 0)
+                signum = collectives.largest(received[0] if received else 0)
                 if signum and self.step < self.config.steps:  # (on the last step the run finishes as it would)
                     raise Preempted(signum, self.step, saved or self.save_checkpoint())
         if self.eval_rows and not (records and "eval_accuracy" in records[-1] and records[-1]["step"] == self.step):

@@ -1,4 +1,4 @@
-"""The loss families other trainers run (``grpo_kernels/families.py``: DPPO-TV / -KL, GPG, GMPO, DRO, Clip-Cov,
+"""The loss families other trainers run (``grpo_kernels/policy_terms.py``: DPPO-TV / -KL, GPG, GMPO, DRO, Clip-Cov,
 KL-Cov) through ``grpo_loss`` and ``fused_linear_grpo_loss``: against the specification on both backends (the loss,
 d logits / d hidden / d weight, the log-probs and every metric; fp32 tight, bf16 within its rounding), against
 verl's own functions on the same log-probs, and Clip-Cov / KL-Cov's selection over the whole batch of two

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import assert_close, make_batch
 
-from grpo_kernels import family
+from grpo_kernels import methods as family
 
 BACKENDS = ["torch", "triton"]
 TOL = dict(atol=1e-6, rtol=1e-5)

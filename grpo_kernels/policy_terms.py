@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import torch
 
-# verl's masked mean (``verl.utils.torch_functional.masked_mean``): the covariances that choose Clip-Cov's tokens
-# are compared with bounds, so they are computed as verl computes them
-_MEAN_EPS = 1e-8
+from . import collectives
+from .conventions import VERL_MEAN_EPS
 
 
 def _trust_region(divergence: str):
@@ -85,8 +84,10 @@ def _covariance_clip(lp, old, log_ratio, ratio, A, mask, importance_weights, opt
     active = mask > 0
     by_clip = (clipped > unclipped) & active
     batch = opts.covariance_selection == "batch"
-    sums = _summed(torch.stack([(A * mask).sum(), (lp.detach() * mask).sum(), mask.sum()]), batch)
-    mean_advantage, mean_logp = sums[0] / (sums[2] + _MEAN_EPS), sums[1] / (sums[2] + _MEAN_EPS)
+    # verl's masked means (its epsilon): the covariances that choose the tokens are compared with bounds
+    sums = torch.stack([(A * mask).sum(), (lp.detach() * mask).sum(), mask.sum()])
+    sums = collectives.summed(sums) if batch else sums
+    mean_advantage, mean_logp = sums[0] / (sums[2] + VERL_MEAN_EPS), sums[1] / (sums[2] + VERL_MEAN_EPS)
     covariance = (A - mean_advantage) * (lp.detach() - mean_logp)
     candidates = (covariance < opts.clip_cov_ub) & (covariance > opts.clip_cov_lb) & active & ~by_clip
     count = max(int(opts.clip_cov_ratio * sums[2].item()), 1)
@@ -103,8 +104,8 @@ def _covariance_kl(lp, old, log_ratio, ratio, A, mask, importance_weights, opts)
     batch = opts.covariance_selection == "batch"
     # as verl: on the host, over the active tokens in row-major order (the top-k's ties break the same way)
     advantages, logps = A[active].detach().reshape(-1).cpu(), lp[active].detach().reshape(-1).cpu()
-    if batch and _distributed():
-        sums = _summed(torch.stack([advantages.sum(), logps.sum(), torch.tensor(float(advantages.numel()))]), batch)
+    if batch and collectives.distributed():
+        sums = collectives.summed(torch.stack([advantages.sum(), logps.sum(), torch.tensor(float(advantages.numel()))]))
         count = int(sums[2].item())
         covariance = (advantages - sums[0] / sums[2]) * (logps - sums[1] / sums[2])
     else:  # verl's own means (tensor.mean), so that its ties are ours
@@ -129,46 +130,7 @@ FAMILY_TERMS = {
 }
 
 
-# ---- The whole batch's selections, across processes (torch.distributed's default group) -------------------------
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _summed(values: torch.Tensor, batch: bool) -> torch.Tensor:
-    """``values`` summed over every process for a batch selection (fp64 on the way: the counts stay exact), else
-    this process's own."""
-    if not (batch and _distributed()):
-        return values
-    import torch.distributed as dist
-
-    device = _collective_device()
-    total = values.detach().to(device=device, dtype=torch.float64)
-    dist.all_reduce(total)
-    return total.to(device=values.device, dtype=values.dtype)
-
-
-def _collective_device() -> torch.device:
-    """Where the default group's collectives take their tensors: the current CUDA device for NCCL, else the CPU."""
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _offsets(count: int) -> tuple[int, int]:
-    """(the number of items on the processes before this one, the number on all) for a batch selection."""
-    import torch.distributed as dist
-
-    counts = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_collective_device())
-    counts[dist.get_rank()] = count
-    dist.all_reduce(counts)
-    counts = counts.cpu()
-    return int(counts[: dist.get_rank()].sum()), int(counts.sum())
+# ---- The whole batch's selections, across processes (torch.distributed's default group: ``collectives``) ----------
 
 
 def _drawn(candidates: torch.Tensor, count: int, batch: bool) -> torch.Tensor:
@@ -177,19 +139,16 @@ def _drawn(candidates: torch.Tensor, count: int, batch: bool) -> torch.Tensor:
     are numbered in rank order and process 0 draws for all."""
     where = torch.nonzero(candidates)
     chosen = torch.zeros_like(candidates)
-    if not (batch and _distributed()):
+    if not (batch and collectives.distributed()):
         if len(where) > 0:
             picked = where[torch.randperm(len(where))[: min(count, len(where))].to(where.device)]
             chosen[picked[:, 0], picked[:, 1]] = True
         return chosen
-    import torch.distributed as dist
-
-    offset, total = _offsets(len(where))
-    drawn = torch.zeros(min(count, total), dtype=torch.int64, device=_collective_device())
-    if dist.get_rank() == 0 and total > 0:
+    offset, total = collectives.offsets(len(where))
+    drawn = torch.zeros(min(count, total), dtype=torch.int64)
+    if collectives.world()[0] == 0 and total > 0:
         drawn.copy_(torch.randperm(total)[: len(drawn)])
-    dist.broadcast(drawn, src=0)
-    mine = drawn.cpu() - offset
+    mine = collectives.from_first(drawn).cpu() - offset
     mine = mine[(mine >= 0) & (mine < len(where))].to(where.device)
     picked = where[mine]
     chosen[picked[:, 0], picked[:, 1]] = True
@@ -199,13 +158,9 @@ def _drawn(candidates: torch.Tensor, count: int, batch: bool) -> torch.Tensor:
 def _largest(values: torch.Tensor, count: int, batch: bool) -> torch.Tensor:
     """Indices into ``values`` (1-D, on the CPU) of the ``count`` largest: this process's own, or, across
     processes, of the largest ``count`` of every process's values (those that fall here)."""
-    if not (batch and _distributed()):
+    if not (batch and collectives.distributed()):
         return torch.topk(values, min(count, values.numel()), largest=True).indices if values.numel() else values.long()
-    import torch.distributed as dist
-
-    offset, total = _offsets(values.numel())
-    everyone = torch.zeros(total, dtype=values.dtype, device=_collective_device())
-    everyone[offset : offset + values.numel()] = values.to(everyone.device)
-    dist.all_reduce(everyone)  # each process fills its own slice: the sum is the concatenation
-    top = torch.topk(everyone.cpu(), min(count, total), largest=True).indices - offset
+    offset, _ = collectives.offsets(values.numel())
+    everyone = collectives.gathered(values)
+    top = torch.topk(everyone, min(count, everyone.numel()), largest=True).indices - offset
     return top[(top >= 0) & (top < values.numel())]
