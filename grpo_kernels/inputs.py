@@ -381,19 +381,24 @@ def prepare_inputs(source, call: LossCall, settings: CallSettings) -> LossInputs
     )
 
 
-def prepare_logprob_inputs(source, ids: torch.Tensor | None, temperature: float, settings: LogprobSettings):
-    """The ``LossInputs`` of a log-prob call (no mask: every token read; see ``token_logprobs`` for the
-    arguments). ``ids`` None: the entropy alone (no target). A source with other leading dims than [B, T]
-    ([N, V], [B, T, K, V], ...) is read as one row; the results take the ids' shape (a packed call's: [total])."""
+def prepare_logprob_inputs(
+    source, ids: torch.Tensor | None, temperature: float, settings: LogprobSettings, mask=None
+) -> LossInputs:
+    """The ``LossInputs`` of a log-prob call (see ``token_logprobs`` for the arguments). ``ids`` None: the entropy
+    alone (no target). A source with other leading dims than [B, T] ([N, V], [B, T, K, V], ...) is read as one row;
+    the results take the ids' shape (a packed call's: [total]). Without a ``mask`` every token is read; with one (the
+    method family's losses: [B, T], a packed call's [total]) masked tokens are not, their ids may be anything, and
+    the layout maps the tokens to their sequences."""
     opts = options_from(
         None, dict(temperature=temperature, logit_scale=settings.logit_scale, logit_softcap=settings.logit_softcap)
     )  # validated once per set of values
-    caller_shape = None
+    caller_shape, layout = None, None
     check_ids = settings.check_ids
     if settings.cu_seqlens is not None:
         layout, source = packed_layout(settings.cu_seqlens, source)
         caller_shape = (layout.N,)
         ids = None if ids is None else layout.one_row("ids", ids)
+        mask = None if mask is None else layout.one_row("completion_mask", mask)
     elif isinstance(source.tensor, torch.Tensor) and source.tensor.dim() not in (0, 3):
         lead = source.tensor.shape[:-1]
         if ids is not None and (not isinstance(ids, torch.Tensor) or tuple(ids.shape) != tuple(lead)):
@@ -407,14 +412,21 @@ def prepare_logprob_inputs(source, ids: torch.Tensor | None, temperature: float,
         ids = torch.zeros((B, max(T, 0)), dtype=torch.long, device=source.tensor.device)
         check_ids = False
     shape = source.logits_shape(ids)
+    device = source.tensor.device
+    if mask is not None:
+        check_per_token("completion_mask", mask, shape, device, allow_row=False, allow_bool=True, allow_int=True)
     if settings.vocab_parallel_group is None:
-        check_token_ids(ids, shape, source.tensor.device, check_ids)
-    source, backend, shard = _on_backend(source, settings._replace(check_ids=check_ids), shape, ids)
+        check_token_ids(ids, shape, device, check_ids, mask=mask)
+    source, backend, shard = _on_backend(source, settings._replace(check_ids=check_ids), shape, ids, mask=mask)
+    mask_seq = None
+    if mask is not None:
+        mask = mask if mask.dtype is torch.float32 and mask.is_contiguous() else mask.float().contiguous()
+        mask_seq = mask if layout is None else layout.seq(mask)
     return LossInputs(
         source,
         ids,
-        None,
-        None,
+        mask,
+        mask_seq,
         None,
         None,
         None,
@@ -424,7 +436,7 @@ def prepare_logprob_inputs(source, ids: torch.Tensor | None, temperature: float,
         1.0,
         opts,
         backend,
-        SequenceLayout.padded(shape[0], shape[1]),
+        layout or SequenceLayout.padded(shape[0], shape[1]),
         caller_shape,
         shard,
     )

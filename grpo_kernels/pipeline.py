@@ -81,6 +81,14 @@ def logprobs(source, ids, temperature: float, compute_entropy: bool, settings: L
     return logp.reshape(inputs.caller_shape), None if entropy is None else entropy.reshape(inputs.caller_shape)
 
 
+def sequence_logprobs(source, ids, mask, temperature: float, settings: LogprobSettings) -> tuple:
+    """The method family's log-prob pass (``methods.py``): (its ``LossInputs``, the differentiable log-probs in the
+    sequence layout [S, T_max], 0 where no token counts; the mask there). Masked tokens are not read."""
+    inputs = prepare_logprob_inputs(source, ids, temperature, settings, mask=mask)
+    logp, _ = inputs.source.logprobs(inputs, False, final=True)
+    return inputs, inputs.layout.seq(logp), inputs.mask_seq
+
+
 # ---- 2. Correct and mask ------------------------------------------------------------------------------------------
 
 

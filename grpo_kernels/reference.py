@@ -428,3 +428,81 @@ def grpo_loss_reference(
     if corrected is not None:
         metrics.update(corrected.metrics)
     return GRPOLossOutput(loss, metrics, lp.detach())
+
+
+# ---- The method family (``methods.py``): SFT, RFT, DPO -------------------------------------------------------------
+
+
+def _sequence_means(logits, completion_ids, completion_mask, temperature, logit_scale, logit_softcap) -> tuple:
+    """(each row's mask-weighted mean log-prob over its active tokens, 1/|o| sum_t log pi, 0 for a row with none; the
+    log-probs [B, T], 0 where no token counts). Only active tokens are read: a masked id may be anything (-100)."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    lp = torch.zeros(completion_ids.shape, dtype=dtype, device=logits.device)
+    means = []
+    for i in range(logits.shape[0]):
+        active = completion_mask[i] != 0
+        picked, _ = token_logprobs_and_entropy(
+            logits[i][active], completion_ids[i][active], temperature, logit_scale, logit_softcap
+        )
+        m = completion_mask[i][active].to(dtype)
+        means.append((picked * m).sum() / torch.clamp(m.sum(), min=1.0))
+        lp = lp.index_put((torch.full_like(completion_ids[i][active], i), active.nonzero()[:, 0]), picked)
+    return means, lp
+
+
+def sft_loss_reference(
+    logits, completion_ids, completion_mask, *, temperature=1.0, logit_scale=1.0, logit_softcap=None
+) -> GRPOLossOutput:
+    """``methods.sft_loss``'s specification: the mean over rows of each row's mean negative log-likelihood."""
+    means, lp = _sequence_means(logits, completion_ids, completion_mask, temperature, logit_scale, logit_softcap)
+    loss = -sum(means) / len(means)
+    return GRPOLossOutput(loss, {"nll": loss.detach()}, lp.detach())
+
+
+def rft_loss_reference(
+    logits, completion_ids, completion_mask, rewards, *, temperature=1.0, logit_scale=1.0, logit_softcap=None
+) -> GRPOLossOutput:
+    """``methods.rft_loss``'s specification: SFT's per-row term on the rows whose reward is 1 only, the mean taken
+    over every row."""
+    means, lp = _sequence_means(logits, completion_ids, completion_mask, temperature, logit_scale, logit_softcap)
+    kept = [mean for mean, reward in zip(means, rewards.tolist(), strict=True) if reward == 1]
+    loss = -sum(kept, torch.zeros((), dtype=lp.dtype, device=lp.device)) / len(means)
+    return GRPOLossOutput(loss, {"kept_fraction": rewards.float().mean()}, lp.detach())
+
+
+def dpo_loss_reference(
+    logits,
+    completion_ids,
+    completion_mask,
+    ref_logps,
+    *,
+    beta=0.1,
+    temperature=1.0,
+    logit_scale=1.0,
+    logit_softcap=None,
+) -> GRPOLossOutput:
+    """``methods.dpo_loss``'s specification: pair i is (row i, row B + i); R(o) the row's mean of log pi - log pi_ref
+    over its active tokens; the loss the mean over pairs of -log sigmoid(beta (R+ - R-)), written as log(1 + e^-x)."""
+    means, lp = _sequence_means(logits, completion_ids, completion_mask, temperature, logit_scale, logit_softcap)
+    ref_means, _ = _sequence_means_of(ref_logps.to(lp.dtype), completion_mask)
+    implicit = [m - r for m, r in zip(means, ref_means, strict=True)]
+    half = len(implicit) // 2
+    margins = [beta * (implicit[i] - implicit[half + i]) for i in range(half)]
+    loss = sum(torch.nn.functional.softplus(-x) for x in margins) / half
+    metrics = {
+        "rewards/chosen": sum(implicit[:half]).detach() / half,
+        "rewards/rejected": sum(implicit[half:]).detach() / half,
+        "rewards/accuracy": torch.tensor(sum(float(x > 0) for x in margins) / half, device=lp.device),
+        "rewards/margin": sum(margins).detach() / half,
+    }
+    return GRPOLossOutput(loss, metrics, lp.detach())
+
+
+def _sequence_means_of(values, completion_mask) -> tuple:
+    """Each row's mask-weighted mean of per-token ``values`` over its active tokens (0 for a row with none)."""
+    means = []
+    for i in range(values.shape[0]):
+        active = completion_mask[i] != 0
+        m = completion_mask[i][active].to(values.dtype)
+        means.append((values[i][active] * m).sum() / torch.clamp(m.sum(), min=1.0))
+    return means, values

@@ -54,6 +54,8 @@ NOT_FAST = (
     "tests/test_verl_integration.py::test_verls_ray_worker_imports_external_lib_and_calls_our_names",
     "tests/test_cli.py",
     "tests/test_vocab_parallel.py",
+    "tests/test_methods.py::test_a_vocabulary_split_over_two_processes_equals_one",
+    "tests/test_collectives.py::test_every_collective_over_two_ranks",
     "tests/test_wrapped.py::test_fused_lm_head_under_fsdp2_matches_an_unsharded_run",
     "tests/test_trl_integration.py::test_fused_lm_head_under_fsdp2_through_the_adapter",
     "tests/test_trl_integration.py::test_fused_lm_head_trains_under_ddp_as_accelerate_launches_it",

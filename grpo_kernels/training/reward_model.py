@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..family import reward_model_loss
+from ..methods import reward_model_loss
 from .trainer import left_padded_positions
 
 
