@@ -27,18 +27,13 @@ import os
 
 import torch
 
-from grpo_kernels.training.cli import restart_log
+from grpo_kernels.training.checkpoint import latest_checkpoint, save_atomically
+from grpo_kernels.training.cli import append_jsonl, restart_log
+from grpo_kernels.training.config import RECIPE, TrainerConfig
 from grpo_kernels.training.reward_model import RewardModelReward, preference_accuracy, train_reward_model
 from grpo_kernels.training.rewards import numeric_match
 from grpo_kernels.training.tasks import compare
-from grpo_kernels.training.trainer import (
-    RECIPE,
-    GRPOTrainer,
-    TrainerConfig,
-    append_jsonl,
-    latest_checkpoint,
-    save_atomically,
-)
+from grpo_kernels.training.trainer import GRPOTrainer
 
 
 def pairs(rows):

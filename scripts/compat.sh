@@ -68,7 +68,7 @@ for set in "${SETS[@]}"; do
   python -m pip install --quiet --upgrade pip
   # the set's pins and the package together, so that pip resolves them as one (a floor the package excludes
   # fails here)
-  extras=test; case $args in *trl*) extras=test,trl ;; esac
+  extras=test,train; case $args in *trl*) extras=test,train,trl ;; esac
   # shellcheck disable=SC2086
   if ! python -m pip install --quiet $args "$ROOT[$extras]" > "$logs/install.log" 2>&1; then
     row="| $set | $args | install FAILED (\`$logs/install.log\`) | | | | |"

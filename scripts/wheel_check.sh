@@ -45,6 +45,31 @@ assert version("grpo-kernels") == grpo_kernels.__version__, (version("grpo-kerne
 print(f"README example ran with the installed grpo-kernels {grpo_kernels.__version__}")
 EOF
 grpo-kernels --help > /dev/null
+# the loss alone installs no trainer packages: the package and a loss call import neither tqdm nor matplotlib, and
+# the trainer's commands name the extra to install
+python - <<'EOF'
+import importlib.metadata, sys
+import torch  # (torch.hub imports tqdm where it is installed, as transformers' dependency installs it)
+for name in ("tqdm", "tqdm.auto", "matplotlib", "matplotlib.figure"):
+    sys.modules[name] = None  # from here on, an import of either raises
+from grpo_kernels import GRPOLoss, token_logprobs
+logits = torch.randn(2, 3, 11, requires_grad=True)
+GRPOLoss()(logits, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.tensor([1.0, -1.0])).loss.backward()
+token_logprobs(logits.detach(), torch.zeros(2, 3, dtype=torch.long))
+try:
+    importlib.metadata.distribution("matplotlib")
+    raise AssertionError("matplotlib installed without the train extra")
+except importlib.metadata.PackageNotFoundError:
+    pass
+print("without the train extra: the loss runs, importing neither tqdm nor matplotlib (matplotlib not installed)")
+EOF
+if grpo-kernels train --steps 1 > "$WORK/no_extra.log" 2>&1; then
+  echo "grpo-kernels train ran without the train extra"; exit 1
+fi
+grep -q 'pip install "grpo-kernels\[train\]"' "$WORK/no_extra.log" || { cat "$WORK/no_extra.log"; exit 1; }
+echo "without the train extra: grpo-kernels train names it"
+quietly python -m pip install "$WHEEL[train]"
+python -c "import tqdm, matplotlib; print('the train extra installs tqdm and matplotlib')"
 python - <<'EOF'
 import sys
 sys.modules["triton"] = None  # as on a machine without triton: the import and the CPU path work

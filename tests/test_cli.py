@@ -9,7 +9,7 @@ import sys
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from grpo_kernels.training import cli
+from grpo_kernels.training import cli, plots
 from grpo_kernels.training.tasks import compare
 
 
@@ -171,7 +171,7 @@ def test_curves_are_three_labelled_panels_with_integer_steps_and_the_legends_off
             }
         )
     records.append({"step": 5, "eval_accuracy": 0.54, "eval_malformed": 0.2})
-    fig = cli.curves_figure(records)
+    fig = plots.curves_figure(records)
     canvas = FigureCanvasAgg(fig)  # what savefig draws with
     canvas.draw()
     panels = [axis for axis in fig.axes if axis.get_title()]

@@ -17,8 +17,9 @@ import time
 import pytest
 import torch
 
+from grpo_kernels.training.checkpoint import CHECKPOINT_FORMAT, checkpoint_damage, resume_differences
 from grpo_kernels.training.cli import restart_log
-from grpo_kernels.training.trainer import CHECKPOINT_FORMAT, TrainerConfig, checkpoint_damage, resume_differences
+from grpo_kernels.training.config import TrainerConfig
 
 # tiny: 6 steps of 4 prompts x 4 completions after a short warm-up, a checkpoint every 2 steps
 RUN = [

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from grpo_kernels.training import cli, seeds
+from grpo_kernels.training.checkpoint import latest_checkpoint
 from grpo_kernels.training.rewards import numeric_match, parse_number
 from grpo_kernels.training.tasks import compare
-from grpo_kernels.training.trainer import GRPOTrainer, TrainerConfig, latest_checkpoint
+from grpo_kernels.training.trainer import GRPOTrainer, TrainerConfig
 
 
 @pytest.fixture(scope="module")

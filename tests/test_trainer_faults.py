@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from grpo_kernels.training import trainer as trainer_module
-from grpo_kernels.training.rewards import numeric_match
-from grpo_kernels.training.tasks import compare
-from grpo_kernels.training.trainer import (
-    GRPOTrainer,
-    TrainerConfig,
+from grpo_kernels.training.checkpoint import (
+    CHECKPOINT_FORMAT,
     checkpoint_damage,
     latest_intact_checkpoint,
     read_trainer_state,
     write_manifest,
 )
+from grpo_kernels.training.rewards import numeric_match
+from grpo_kernels.training.tasks import compare
+from grpo_kernels.training.trainer import GRPOTrainer, TrainerConfig
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_intact_one_taken(tmp_pat
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"weights" * 100)
-        torch.save({"format": trainer_module.CHECKPOINT_FORMAT, "step": step}, folder / "trainer_state.pt")
+        torch.save({"format": CHECKPOINT_FORMAT, "step": step}, folder / "trainer_state.pt")
         write_manifest(str(folder))
     assert checkpoint_damage(str(tmp_path / "checkpoint-4")) is None
     weights = tmp_path / "checkpoint-4" / "model.safetensors"
@@ -176,3 +176,68 @@ def test_every_rank_stops_at_the_same_step():
     from gloo_ranks import run_ranks
 
     assert run_ranks(_stop_rank, 2) == [int(signal.SIGTERM)] * 2
+
+
+# ---- a checkpoint that cannot be written (a full disk) ----------------------------------------------------------
+
+# What torch's serializer says when the disk fills under it: the errno is lost
+TORCH_FULL_DISK = "[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4304"
+
+
+def _full_disk_after(monkeypatch, saves_that_work: int):
+    """``torch.save`` fails as on a full disk after ``saves_that_work`` calls (a partial file written first), and the
+    file system reports nothing free while the partial checkpoint is there, 12 MiB once it is removed."""
+    from grpo_kernels.training import checkpoint
+
+    real, calls = torch.save, []
+
+    def save(obj, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) > saves_that_work:
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise RuntimeError(TORCH_FULL_DISK)
+        return real(obj, path, *args, **kwargs)
+
+    def free_bytes(path):
+        partial = any(name.endswith(".tmp") for name in os.listdir(os.path.dirname(os.path.abspath(path)) or "."))
+        return 4096 if partial or path.endswith(".tmp") else 12 << 20
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(checkpoint, "_free_bytes", free_bytes)
+
+
+def test_a_checkpoint_that_cannot_be_written_names_the_cause_and_leaves_nothing_partial(tmp_path, monkeypatch):
+    """The CLI's run on a disk that fills at its second checkpoint: the run stops (exit 1), ``train.log`` ends with
+    the checkpoint, the cause (no space left, the bytes it needed and the bytes free) and what to do; no
+    ``checkpoint-N.tmp`` stays behind; the first checkpoint is intact and ``--resume`` takes it."""
+    from grpo_kernels.training import cli
+
+    out = str(tmp_path / "run")
+    common = ["--warmup-steps", "5", "--eval-size", "8", "--group-size", "2", "--prompts-per-step", "2"]
+    common += ["--output-dir", out, "--no-progress", "--save-every", "2", "--eval-every", "0"]
+    _full_disk_after(monkeypatch, saves_that_work=1)
+    assert cli.main(["train", "--steps", "4", *common]) == 1
+    last = open(os.path.join(out, "train.log")).read().strip().splitlines()[-1]
+    assert f"ERROR: checkpoint {out}/checkpoint-4 could not be written: no space left on the device of {out}" in last
+    assert "it needs about" in last and "bytes), 12.0 MiB (12582912 bytes) free with the partial write removed" in last
+    assert TORCH_FULL_DISK in last and "--resume takes the newest" in last
+    assert sorted(os.listdir(out)).count("checkpoint-4.tmp") == 0 and not os.path.exists(f"{out}/checkpoint-4")
+    assert checkpoint_damage(f"{out}/checkpoint-2") is None
+    monkeypatch.undo()
+    assert cli.main(["train", "--steps", "4", "--resume", *common]) == 0
+    assert read_trainer_state(f"{out}/checkpoint-4")["step"] == 4
+
+
+def test_a_write_error_other_than_a_full_disk_is_named_as_it_is(tmp_path):
+    from grpo_kernels.training.checkpoint import CheckpointWriteError, save_atomically
+
+    def write(tmp):
+        os.makedirs(tmp)
+        raise PermissionError(13, "Permission denied", os.path.join(tmp, "model.safetensors"))
+
+    final = str(tmp_path / "checkpoint-3")
+    with pytest.raises(CheckpointWriteError) as raised:
+        save_atomically(final, write)
+    assert str(raised.value).startswith(f"checkpoint {final} could not be written: [Errno 13] Permission denied")
+    assert os.listdir(tmp_path) == []

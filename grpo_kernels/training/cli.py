@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -13,18 +14,13 @@ import torch
 
 from .. import collectives
 from ..options import AGGREGATIONS
+from . import progress_bar, require_train_extra
+from .checkpoint import CheckpointWriteError, latest_checkpoint, latest_intact_checkpoint
+from .config import NONFINITE_REWARDS, RECIPE, TrainerConfig
 from .data import load_reward_function, read_rows, trainer_rows
+from .plots import plot_curves
 from .tasks import TASKS, compare, get_task
-from .trainer import (
-    NONFINITE_REWARDS,
-    RECIPE,
-    GRPOTrainer,
-    Preempted,
-    TrainerConfig,
-    append_jsonl,
-    latest_checkpoint,
-    latest_intact_checkpoint,
-)
+from .trainer import GRPOTrainer, Preempted
 
 DEFAULTS = TrainerConfig(**RECIPE)  # the built-in task's recipe
 
@@ -316,109 +312,6 @@ def _maybe_init_distributed(device: str) -> None:
             torch.cuda.set_device(device)
 
 
-def plot_curves(records: list[dict], path: str) -> None:
-    """``curves.png`` of a run's metrics records (``curves_figure``)."""
-    curves_figure(records).savefig(path, dpi=100, bbox_inches="tight")
-
-
-def curves_figure(records: list[dict]):
-    """Three panels over the GRPO steps (integer ticks), each with a title, axis labels and its legend outside the
-    plot: reward and accuracy (the held-out evaluations as marked, labelled points: a short run has two); the loss,
-    the KL to the reference and the entropy (each on its own scale: the loss near 0, the KL in hundredths); the
-    malformed share, sampled and held-out. Below them the warm-up's result, where there was one."""
-    from matplotlib.figure import Figure  # no pyplot: no global figure state, no interactive backend
-    from matplotlib.ticker import MaxNLocator
-
-    train = [r for r in records if "reward" in r]
-    evals = [r for r in records if "eval_accuracy" in r]
-    warm = next((r for r in records if "warmup_well_formed" in r), None)
-    steps = [r["step"] for r in train]
-    fig = Figure(figsize=(9, 10))
-    top, middle, bottom = fig.subplots(3, 1, sharex=True)
-
-    top.plot(steps, [r["reward"] for r in train], label="reward (sampled)", alpha=0.7)
-    top.plot(steps, [r["accuracy"] for r in train], label="accuracy (sampled)", alpha=0.7)
-    if evals:
-        top.plot(
-            [r["step"] for r in evals],
-            [r["eval_accuracy"] for r in evals],
-            "o--",
-            color="black",
-            ms=7,
-            label="held-out accuracy (greedy)",
-        )
-        for r in evals:
-            top.annotate(
-                f"{r['eval_accuracy']:.0%}",
-                (r["step"], r["eval_accuracy"]),
-                textcoords="offset points",
-                xytext=(0, 8),
-                ha="center",
-                fontsize=8,
-            )
-    top.set_title("Reward and accuracy")
-    top.set_ylabel("share / reward")
-    top.set_ylim(-0.02, 1.3)
-
-    lines = []
-    if train and "loss" in train[0]:
-        lines += middle.plot(steps, [r["loss"] for r in train], label="loss", color="tab:blue")
-    middle.set_ylabel("loss")
-    if any("kl" in r for r in train):
-        kl_axis = middle.twinx()
-        lines += kl_axis.plot(
-            steps, [r.get("kl", float("nan")) for r in train], label="KL to the reference", color="tab:red"
-        )
-        kl_axis.set_ylabel("KL", color="tab:red")
-    if any("entropy" in r for r in train):
-        entropy_axis = middle.twinx()
-        entropy_axis.spines["right"].set_position(("axes", 1.12))
-        lines += entropy_axis.plot(
-            steps, [r.get("entropy", float("nan")) for r in train], label="entropy", color="tab:green"
-        )
-        entropy_axis.set_ylabel("entropy (nats)", color="tab:green")
-    middle.set_title("Loss, KL and entropy (each on its own axis)")
-    middle.legend(lines, [line.get_label() for line in lines], loc="upper left", bbox_to_anchor=(1.25, 1.0))
-
-    if any("malformed" in r for r in train):
-        bottom.plot(
-            [r["step"] for r in train if "malformed" in r],
-            [r["malformed"] for r in train if "malformed" in r],
-            label="malformed (sampled)",
-            alpha=0.7,
-        )
-    if any("eval_malformed" in r for r in evals):
-        marked = [r for r in evals if "eval_malformed" in r]
-        bottom.plot(
-            [r["step"] for r in marked],
-            [r["eval_malformed"] for r in marked],
-            "s--",
-            color="black",
-            label="malformed (held-out)",
-        )
-    bottom.set_title("Malformed answers (not one of the prompt's numbers)")
-    bottom.set_ylabel("share")
-    bottom.set_xlabel("GRPO step")
-    bottom.set_ylim(-0.02, 1.02)
-    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for axis in (top, middle, bottom):
-        axis.grid(alpha=0.3)
-    for axis in (top, bottom):
-        if axis.get_legend_handles_labels()[0]:
-            axis.legend(loc="upper left", bbox_to_anchor=(1.25, 1.0))  # beside the middle panel's right axes
-    if warm is not None:
-        fig.text(
-            0.01,
-            0.005,
-            f"before step 1: the format warm-up, {warm['warmup_steps']} + "
-            f"{warm.get('warmup_large_batch_steps', 0)} steps, {warm['warmup_well_formed']:.0%} of "
-            f"sampled answers well-formed" + (" (below its target)" if warm.get("warmup_below_target") else ""),
-            fontsize=8,
-        )
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
-    return fig
-
-
 def train(args) -> dict:
     """``grpo-kernels train``: the phases of ``TRAIN_EPILOG``; returns (and prints on stdout) the JSON summary.
     Whatever a library prints on stdout meanwhile (DeepSpeed's accelerator warning, ...) goes to stderr."""
@@ -625,9 +518,7 @@ def _train(args) -> dict:
     )
     bar = None
     if rank == 0 and not args.no_progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
+        bar = progress_bar(
             total=config.steps, initial=trainer.step, desc=f"phase {phases}/{phases} GRPO", unit="step", file=sys.stderr
         )
 
@@ -647,13 +538,16 @@ def _train(args) -> dict:
 
     try:
         trainer.train(on_step=on_step, progress=not args.no_progress)
+        checkpoint = trainer.save_checkpoint()
     except Preempted as stop:  # a scheduler's SIGTERM or a Ctrl-C: the step finished, its checkpoint written
         run_log.line(str(stop), also_stderr=True)
+        raise
+    except CheckpointWriteError as failed:  # a full disk: said where the run's log is read, and the run stops
+        run_log.line(f"ERROR: {failed}", also_stderr=True)
         raise
     finally:
         if bar is not None:
             bar.close()
-    checkpoint = trainer.save_checkpoint()
     evals = [r for r in records if "eval_accuracy" in r]
     summary = {
         "first_eval_accuracy": evals[0]["eval_accuracy"] if evals else None,
@@ -670,6 +564,13 @@ def _train(args) -> dict:
             json.dump(summary, f)
     run_log.line(f"done: {json.dumps(summary)}")
     return summary
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(
+            json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}) + "\n"
+        )
 
 
 def restart_log(metrics_path: str, step: int, steps: int, write: bool = True) -> list[dict]:
@@ -764,9 +665,16 @@ def main(argv: list[str] | None = None) -> int:
         _with_passive_openmp()
     args = build_parser().parse_args(argv)
     try:
+        require_train_extra(f"grpo-kernels {args.command}")  # (--help needs none of it)
+    except ImportError as missing:
+        print(f"grpo-kernels: {missing}", file=sys.stderr)
+        return 1
+    try:
         {"train": train, "eval": evaluate, "seeds": seeds}[args.command](args)
     except Preempted as stop:  # stopped by a signal at a step boundary: 128 + the signal, as a shell reports it
         return stop.exit_code
+    except CheckpointWriteError:  # said in train.log and on stderr where it happened
+        return 1
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

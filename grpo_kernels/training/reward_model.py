@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ..methods import reward_model_loss
-from .trainer import left_padded_positions
+from .rollout import left_padded_positions
 
 
 def _scores(model, tokenizer, texts: Sequence[str], device: str) -> torch.Tensor:

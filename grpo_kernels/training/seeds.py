@@ -134,7 +134,7 @@ def _train_one(
     """One seed's run and its summary. A sweep that was killed and started again with the same command reuses
     a seed's finished run (its ``run.json``) and resumes an unfinished ``grpo-kernels train`` run from its last
     checkpoint (``--resume``): no seed runs twice, none is counted twice."""
-    from .trainer import latest_checkpoint
+    from .checkpoint import latest_checkpoint
 
     run_dir = os.path.join(output_dir, f"seed-{seed}")
     os.makedirs(run_dir, exist_ok=True)

@@ -14,14 +14,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import hashlib
 import inspect
-import json
 import math
 import os
-import pickle
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -36,108 +32,23 @@ from ..entropy_control import AdaptiveEntropy
 from ..heads import fused_head, head_weights
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
 from ..wrapped import inside_forward
+from . import progress_bar
+from .checkpoint import (
+    CHECKPOINT_FORMAT,
+    REFERENCE_DIR,
+    read_trainer_state,
+    resume_differences,
+    save_atomically,
+    tensor_bytes,
+    write_manifest,
+)
+from .config import RECIPE, TrainerConfig
 from .process_labels import labels_to_step_rewards
+from .rollout import Rollout, StepBatch, left_padded_positions, reward_columns
 
 RewardFunction = Callable[..., list[float | None]]
-
-
-NONFINITE_REWARDS = ("refuse", "drop_group")
-
-
-@dataclasses.dataclass
-class TrainerConfig:
-    group_size: int = 8  # G completions per prompt
-    prompts_per_step: int = 16  # over all ranks
-    steps: int = 100
-    learning_rate: float = 1e-3
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    loss_type: str = "grpo"
-    # "prompt_mean": each prompt's token mean, then the mean over the step's prompts (GRPOOptions.aggregation)
-    aggregation: str = "loss_type"
-    num_iterations: int = 1  # mu: updates per generation batch (1 uses the on-policy shortcut)
-    # 0: outcome supervision (one reward per completion). N > 0: process supervision with
-    # MATH-SHEPHERD labels: every completion token ends a step, labelled by N completions
-    # sampled from it (the share that reaches a correct answer; completions that share a prefix share its
-    # label), then process_advantages.
-    process_rollouts: int = 0
-    # compute the loss from the last hidden states and the lm_head weight (FusedLinearGRPOLoss):
-    # the [B, T, V] logits of the update are never materialized
-    fused_lm_head: bool = False
-    # the entropy bonus: the loss less entropy_coef x mean entropy; with adaptive_entropy, TRL's
-    # controller moves the coefficient by entropy_coef_delta each step toward entropy_target
-    entropy_coef: float = 0.0
-    adaptive_entropy: bool = False
-    entropy_target: float = 0.2
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
-    entropy_coef_delta: float = 0.005
-    # DAPO's dynamic sampling (verl's filter_groups): groups whose rewards are all equal carry no
-    # signal and are dropped; more prompts are sampled, up to max_sampling_rounds batches of
-    # prompts_per_step, until prompts_per_step groups are kept (the update then takes those only)
-    dynamic_sampling: bool = False
-    max_sampling_rounds: int = 4
-    temperature: float = 1.0
-    max_new_tokens: int = 8
-    max_grad_norm: float = 1.0
-    # a reward of +-inf (NaN or None is a reward function's "not applicable"): "refuse" stops the run naming the
-    # function and the completion; "drop_group" warns and gives that completion's group no advantage
-    nonfinite_rewards: str = "refuse"
-    # a non-finite loss or gradient norm skips the optimizer step (logged); this many in a row stop the run
-    max_nonfinite_steps: int = 3
-    seed: int = 0
-    eval_every: int = 20
-    save_every: int = 50
-    output_dir: str = "runs/grpo"
-
-    def __post_init__(self):
-        if self.nonfinite_rewards not in NONFINITE_REWARDS:
-            raise ValueError(
-                f"nonfinite_rewards must be one of {list(NONFINITE_REWARDS)}, got {self.nonfinite_rewards!r}"
-            )
-        if self.max_nonfinite_steps < 1:
-            raise ValueError(f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}")
-        if self.group_size < 2:
-            raise ValueError(
-                f"group_size must be >= 2 (advantages compare completions of one prompt), got {self.group_size}"
-            )
-        if self.prompts_per_step < 1 or self.steps < 0 or self.num_iterations < 1 or self.max_new_tokens < 1:
-            raise ValueError(
-                f"prompts_per_step, num_iterations and max_new_tokens must be >= 1 and steps >= 0, "
-                f"got {self.prompts_per_step}, {self.num_iterations}, {self.max_new_tokens}, {self.steps}"
-            )
-        if self.max_sampling_rounds < 1:
-            raise ValueError(
-                f"max_sampling_rounds must be >= 1 (batches of prompts a step may sample), "
-                f"got {self.max_sampling_rounds}"
-            )
-
-
-# The recipe of `grpo-kernels train` and the examples on the built-in task, chosen by its spread over seeds
-# (docs/trainer.md): the KL term keeps the warmed-up model's copying of the
-# chosen number while the choice moves, and dynamic sampling fills each update with groups that carry
-# signal. TrainerConfig's own defaults stay plain GRPO.
-RECIPE = dict(
-    group_size=8,
-    prompts_per_step=32,
-    steps=200,
-    learning_rate=5e-4,
-    beta=0.04,
-    epsilon_high=0.28,
-    dynamic_sampling=True,
-    eval_every=25,
-)
-
-
-def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of left-padded rows, numbered as ``generate()`` numbers them (0 at the first real token)."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def reward_columns(rows: list[dict]) -> dict[str, list]:
-    """The rows' fields other than "prompt", one list each: the keyword arguments of a TRL reward function."""
-    return {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+# what a user of the trainer imports from here (its settings and recipe live in ``config``)
+__all__ = ["RECIPE", "GRPOTrainer", "Preempted", "RewardFunction", "Rollout", "TrainerConfig", "stop_requests"]
 
 
 class Preempted(Exception):
@@ -175,80 +86,6 @@ def stop_requests(signals=(signal.SIGTERM, signal.SIGINT)):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def _pad_to(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
-    """``t`` [B, W, ...] padded with ``value`` to [B, width, ...], on the left or the right."""
-    missing = width - t.shape[1]
-    if missing == 0:
-        return t
-    pad = t.new_full((t.shape[0], missing, *t.shape[2:]), value)
-    return torch.cat([pad, t] if left else [t, pad], 1)
-
-
-@dataclasses.dataclass
-class Rollout:
-    """One rank's generation batch: B = groups x G rows, the rows of a group consecutive."""
-
-    prompt_ids: torch.Tensor  # [B, P] left-padded
-    prompt_mask: torch.Tensor  # [B, P]
-    completion_ids: torch.Tensor  # [B, T]
-    completion_mask: torch.Tensor  # [B, T], 1 up to and including the first EOS
-    advantages: torch.Tensor  # [B], or [B, T] with process supervision
-    rewards: torch.Tensor  # [B, K], NaN where a reward function returned None
-    zero_std: torch.Tensor  # [groups] bool: the groups whose rewards are all equal (no signal)
-    rows: list[dict]  # [B]: the dataset row of each completion
-
-    def groups(self, keep: torch.Tensor) -> Rollout:
-        """The rollout of the groups ``keep`` [groups] (bool) selects, in order."""
-        rows_kept = keep.repeat_interleave(self.completion_ids.shape[0] // keep.shape[0])
-        index = rows_kept.nonzero().squeeze(1)
-        return Rollout(
-            *(
-                t[index.to(t.device)]
-                for t in (
-                    self.prompt_ids,
-                    self.prompt_mask,
-                    self.completion_ids,
-                    self.completion_mask,
-                    self.advantages,
-                    self.rewards,
-                )
-            ),
-            self.zero_std[keep],
-            [self.rows[i] for i in index.tolist()],
-        )
-
-    @staticmethod
-    def concat(parts: Sequence[Rollout], pad_token_id: int) -> Rollout:
-        """One rollout of several rounds' groups: prompts re-padded on the left, completions on the right."""
-        if len(parts) == 1:
-            return parts[0]
-        P = max(p.prompt_ids.shape[1] for p in parts)
-        T = max(p.completion_ids.shape[1] for p in parts)
-        cat = lambda tensors, width, value, left: torch.cat([_pad_to(t, width, value, left) for t in tensors])  # noqa: E731
-        per_token_advantages = parts[0].advantages.dim() == 2
-        return Rollout(
-            cat([p.prompt_ids for p in parts], P, pad_token_id, True),
-            cat([p.prompt_mask for p in parts], P, 0, True),
-            cat([p.completion_ids for p in parts], T, pad_token_id, False),
-            cat([p.completion_mask for p in parts], T, 0, False),
-            cat([p.advantages for p in parts], T, 0.0, False)
-            if per_token_advantages
-            else torch.cat([p.advantages for p in parts]),
-            torch.cat([p.rewards for p in parts]),
-            torch.cat([p.zero_std for p in parts]),
-            [row for p in parts for row in p.rows],
-        )
-
-
-@dataclasses.dataclass
-class StepBatch:
-    """What one step trains on (``update``) and what it sampled to get it (``sampled``: every round's
-    groups, kept or not; the step's reward, accuracy and zero-std share are measured on these)."""
-
-    update: Rollout
-    sampled: Rollout
 
 
 def _keys_and_values_only(cache) -> bool:
@@ -732,13 +569,13 @@ class GRPOTrainer:
     @torch.no_grad()
     def evaluate(self, batch_size: int = 128, progress: bool = False) -> float:
         """Greedy accuracy on the held-out rows: the mean of ``eval_reward`` (None counts as 0)."""
-        from tqdm.auto import tqdm
-
         if not self.eval_rows:
             return float("nan")
         correct = well_formed = 0.0
         batches = range(0, len(self.eval_rows), batch_size)
-        for i in tqdm(batches, desc="evaluation", unit="batch", disable=not progress, file=sys.stderr, leave=False):
+        for i in progress_bar(
+            batches, desc="evaluation", unit="batch", disable=not progress, file=sys.stderr, leave=False
+        ):
             rows = self.eval_rows[i : i + batch_size]
             _, _, completion_ids, _ = self.generate([r["prompt"] for r in rows], greedy=True)
             completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -770,6 +607,7 @@ class GRPOTrainer:
             save_atomically(
                 os.path.join(self.config.output_dir, REFERENCE_DIR),
                 lambda tmp: (self.ref_model.save_pretrained(tmp), self.tokenizer.save_pretrained(tmp)),
+                needed_bytes=tensor_bytes(self.ref_model.state_dict()),
             )
             self._reference_saved = True
         state = {
@@ -794,7 +632,7 @@ class GRPOTrainer:
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
             write_manifest(tmp)
 
-        save_atomically(final, write)
+        save_atomically(final, write, needed_bytes=tensor_bytes(self.model.state_dict()) + tensor_bytes(state))
         return final
 
     def load_state(self, checkpoint: str) -> None:
@@ -869,168 +707,3 @@ class GRPOTrainer:
         if self.eval_rows and not (records and "eval_accuracy" in records[-1] and records[-1]["step"] == self.step):
             emit(self._evaluation(show))
         return records
-
-
-# What a checkpoint holds (``save_checkpoint``): 2 added the reference model, the CUDA generators and this number;
-# 3 the manifest of its files (sizes, SHA-256)
-CHECKPOINT_FORMAT = 3
-REFERENCE_FORMAT, MANIFEST_FORMAT = 2, 3  # the formats that first wrote the reference model, the manifest
-REFERENCE_DIR = "reference"  # beside the checkpoints: the run's reference model, written once
-# Config fields that change no number of the resumed steps: another value continues the run as it was
-NUMBER_NEUTRAL_FIELDS = ("steps", "eval_every", "save_every", "output_dir")
-
-
-def resume_differences(state: dict, config: TrainerConfig, uses_reference: bool) -> tuple:
-    """(why a resume from ``state`` cannot continue the same run, what differs harmlessly): a checkpoint of an
-    older format (no reference model, where the run needs one), config fields that change the numbers."""
-    refused, noted = [], []
-    if state.get("format", 1) < REFERENCE_FORMAT:
-        if uses_reference:
-            refused.append(
-                "the checkpoint was written by an older grpo-kernels, which did not save the reference "
-                "model: the KL would be taken to the checkpoint's policy"
-            )
-        else:
-            noted.append("the checkpoint was written by an older grpo-kernels (no format number)")
-    saved, now = state.get("config", {}), dataclasses.asdict(config)
-    for name in sorted(saved.keys() & now.keys()):
-        if saved[name] != now[name]:
-            where = noted if name in NUMBER_NEUTRAL_FIELDS else refused
-            where.append(f"{name} is {now[name]!r}, the checkpoint's run had {saved[name]!r}")
-    return refused, noted
-
-
-def save_atomically(final: str, write: Callable[[str], object]) -> None:
-    """``write(tmp)`` into ``final + ".tmp"``, every file and the folder synced to disk, then one rename (and the
-    parent synced): a kill or a power loss during the write leaves the previous ``final`` (or none) and a temporary
-    folder that every reader ignores, never a renamed folder whose files are not on disk yet."""
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    _fsync_tree(tmp)
-    if os.path.isdir(final):  # a rename cannot replace a non-empty folder: move the old one aside first
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync(os.path.dirname(os.path.abspath(final)))
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(folder: str) -> None:
-    for root, _, files in os.walk(folder):
-        for name in files:
-            _fsync(os.path.join(root, name))
-        _fsync(root)
-
-
-MANIFEST = "manifest.json"  # a checkpoint's files with their sizes and SHA-256, written last
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_manifest(folder: str) -> None:
-    """``manifest.json`` in ``folder``: every other file's size and SHA-256 (``checkpoint_damage`` checks them)."""
-    files = {}
-    for root, _, names in os.walk(folder):
-        for name in sorted(names):
-            path = os.path.join(root, name)
-            relative = os.path.relpath(path, folder)
-            if relative != MANIFEST:
-                files[relative] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-    with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump({"format": 1, "files": files}, f, indent=1, sort_keys=True)
-
-
-def checkpoint_damage(checkpoint: str) -> str | None:
-    """What is wrong with ``checkpoint`` (a file missing, cut short or changed since its manifest was written, or no
-    manifest), naming the file; None for an intact one."""
-    path = os.path.join(checkpoint, MANIFEST)
-    if not os.path.exists(path):
-        try:  # a checkpoint written before manifests (format 2) cannot be verified: it is taken as it is
-            if read_trainer_state(checkpoint).get("format", 1) < MANIFEST_FORMAT:
-                return None
-        except (OSError, RuntimeError, ValueError, EOFError) as err:
-            return f"{checkpoint}/trainer_state.pt is unreadable ({str(err).splitlines()[0]})"
-        return f"{checkpoint} has no {MANIFEST}, which its format writes"
-    try:
-        with open(path) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError) as err:
-        return f"{checkpoint}/{MANIFEST} is unreadable ({err})"
-    for relative, expected in sorted(files.items()):
-        file = os.path.join(checkpoint, relative)
-        if not os.path.exists(file):
-            return f"{checkpoint} lacks {relative}"
-        size = os.path.getsize(file)
-        if size != expected["bytes"]:
-            return f"{checkpoint}/{relative} has {size} bytes, its manifest says {expected['bytes']} (cut short?)"
-        if _sha256(file) != expected["sha256"]:
-            return f"{checkpoint}/{relative} differs from the file its manifest describes (SHA-256)"
-    return None
-
-
-def read_trainer_state(checkpoint: str) -> dict:
-    """A checkpoint's ``trainer_state.pt``, loaded with ``weights_only=True``: tensors, numbers, strings and
-    containers of them, never an object whose unpickling runs code. A state that would need more is refused,
-    naming the file."""
-    path = os.path.join(checkpoint, "trainer_state.pt")
-    try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"{path} holds objects that only running code could rebuild (not a grpo-kernels checkpoint, or an "
-            f"altered one); refused: loading it could run anything. ({str(err).splitlines()[0]})"
-        ) from None
-
-
-def _checkpoints(output_dir: str) -> list[str]:
-    """The checkpoint-N folders in output_dir, newest (largest N) first; temporary folders ignored."""
-    if not os.path.isdir(output_dir):
-        return []
-    steps = [
-        int(name.split("-")[1])
-        for name in os.listdir(output_dir)
-        if name.startswith("checkpoint-") and name.split("-")[1].isdigit()
-    ]
-    return [os.path.join(output_dir, f"checkpoint-{step}") for step in sorted(steps, reverse=True)]
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The checkpoint-N folder with the largest N in output_dir (temporary folders ignored)."""
-    found = _checkpoints(output_dir)
-    return found[0] if found else None
-
-
-def latest_intact_checkpoint(output_dir: str, warn: Callable[[str], None] = print) -> str | None:
-    """The newest checkpoint whose files match its manifest (``checkpoint_damage``); each damaged newer one is
-    named through ``warn`` and skipped. None if there is none intact."""
-    for checkpoint in _checkpoints(output_dir):
-        damage = checkpoint_damage(checkpoint)
-        if damage is None:
-            return checkpoint
-        warn(f"skipping a damaged checkpoint: {damage}")
-    return None
-
-
-def append_jsonl(path: str, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(
-            json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}) + "\n"
-        )

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from .. import rewards
-from ..trainer import left_padded_positions
+from .. import progress_bar, rewards
+from ..rollout import left_padded_positions
 
 NAME = "compare"
 PROMPT = "Which is bigger? {a:<4} or {b:<4}\nAnswer: "  # fixed-width fields: every prompt is 38 characters
@@ -177,8 +177,6 @@ def warmup(
     learning rate warms up over the first 5 % of its cap and then decays along a cosine over the cap to a tenth:
     at a constant rate the 50 / 50 targets keep the weights moving, and the digits of the two numbers get mixed.
     """
-    from tqdm.auto import tqdm
-
     if large_batch_steps is None:
         large_batch_steps = steps // 3
     if large_batch_steps < 0:
@@ -197,7 +195,9 @@ def warmup(
             device=device,
         )
 
-    with tqdm(total=steps, desc=f"{phase}warm-up (format)", unit="step", disable=not progress, file=sys.stderr) as bar:
+    with progress_bar(
+        total=steps, desc=f"{phase}warm-up (format)", unit="step", disable=not progress, file=sys.stderr
+    ) as bar:
         first_steps, well_formed = _format_stage(
             model,
             tokenizer,
@@ -214,7 +214,7 @@ def warmup(
         )
     second_steps = 0
     if not well_formed >= format_target and large_batch_steps > 0:  # the cap came first (NaN: no check ran)
-        with tqdm(
+        with progress_bar(
             total=large_batch_steps,
             desc=f"{phase}warm-up (format, large batches)",
             unit="step",
