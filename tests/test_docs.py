@@ -18,6 +18,7 @@ EXTERNAL = ("torch", "triton", "tl", "pytest", "transformers", "trl")  # cited, 
 @functools.cache
 def _sources() -> dict:
     files = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    files += [*(ROOT / "tools").glob("*.py")]
     return {path: ast.parse(path.read_text()) for path in files}
 
 
