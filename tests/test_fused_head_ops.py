@@ -180,3 +180,43 @@ def test_head_precision_input_is_the_unfused_head_in_its_dtype(backend, dtype):
     if dtype == torch.bfloat16:  # (fp16's 11 bits hold these sums exactly: nothing to round there)
         unrounded = _grads(_unfused(precision_dtype=torch.float32), *inputs)
         assert (unrounded[0] - actual[0]).abs().max() > 1e-3, "nothing was rounded: the test would not tell"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_default_16_bit_head_on_ordinary_inputs_is_the_unfused_head(device, backend, dtype):
+    """Ordinary 16-bit inputs (not on a grid: the fp32 sums need rounding) at the default precision: every entry
+    point's log-probs equal the unfused head's, ``F.linear`` in the dtype (fp32 accumulation, one rounding to nearest
+    even), within 1e-5 on every token but at most one (a logit whose fp32 sum lands on a rounding boundary in
+    another order of accumulation). Before the kernels rounded explicitly, Triton's interpreter truncated bf16 and
+    was off on every token (6e-2). The fp64 head differs by far more: the test can tell."""
+    from grpo_kernels import fused_linear_grpo_loss, linear_token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    Bo, To, Ho, Vo = 4, 16, 24, 67
+    hidden = torch.randn(Bo, To, Ho, generator=g).to(device, dtype)
+    weight = (torch.randn(Vo, Ho, generator=g) * 0.3).to(device, dtype)
+    bias = (torch.randn(Vo, generator=g) * 0.1).to(device, dtype)
+    ids = torch.randint(0, Vo, (Bo, To), generator=g).to(device)
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    expected = torch.log_softmax(logits / 0.9, -1).gather(-1, ids[..., None])[..., 0]
+    mask, advantages = torch.ones(Bo, To, device=device), torch.randn(Bo, generator=g).to(device)
+    found = {
+        "linear_token_logprobs": linear_token_logprobs(hidden, weight, ids, bias, 0.9, backend=backend),
+        "linear_selective_log_softmax": linear_selective_log_softmax(
+            hidden.clone().requires_grad_(), weight, ids, bias, 0.9, backend=backend
+        ).detach(),
+    }
+    for mode in ("recompute", "three_products"):
+        out = fused_linear_grpo_loss(
+            hidden.clone().requires_grad_(), weight, ids, mask, advantages, bias=bias, temperature=0.9,
+            backend=backend, lm_head_mode=mode,
+        )  # fmt: skip
+        found[f"the loss's log-probs ({mode})"] = out.per_token_logps
+    for name, logp in found.items():
+        off = (logp - expected).abs()
+        assert (off > 1e-5).sum() <= 1, f"{name}: {int((off > 1e-5).sum())} tokens off, max {off.max():.2e}"
+    fp64 = torch.log_softmax((hidden.double() @ weight.double().T + bias.double()) / 0.9, -1).gather(
+        -1, ids[..., None]
+    )[..., 0]
+    assert (fp64 - expected.double()).abs().max() > 1e-3 if dtype == torch.bfloat16 else True

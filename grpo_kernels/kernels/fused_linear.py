@@ -91,8 +91,23 @@ def _logits_tile(
     if HAS_BIAS:
         acc += tl.load(b_ptr + v0 + c, mask=in_v, other=0.0).to(tl.float32)[None, :]
     if ROUND_LOGITS:
-        acc = acc.to(w_block.dtype.element_ty).to(tl.float32)
+        if w_block.dtype.element_ty == tl.bfloat16:
+            acc = rounded_to_bf16(acc)
+        else:  # fp16: the conversion rounds to nearest even on every backend
+            acc = acc.to(w_block.dtype.element_ty).to(tl.float32)
     return tl.where(in_v[None, :], capped_logit(acc, softcap) * inv_temperature, float("-inf"))
+
+
+@triton.jit
+def rounded_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 value, ties to even, as fp32: an integer rounding of its bits (add half
+    an ulp of bf16, plus the kept mantissa's lowest bit for a tie, then drop the low 16 bits), which gives the same
+    answer on every backend. A conversion would not: a GPU rounds to nearest even, Triton's interpreter truncates
+    toward zero whatever ``fp_downcast_rounding`` says. NaN stays NaN; a value past bf16's largest becomes inf, as the
+    hardware's rounding makes it."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
 
 
 @triton.jit
