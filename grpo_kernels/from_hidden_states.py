@@ -128,6 +128,19 @@ class HiddenStatesSource:
         )[:2]
         return self.as_rows(inputs, pair)
 
+    def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
+        """(log-probs, entropy or None, Σπ²) [B, T] of a no-grad log-prob pass, from the same pass."""
+        options = inputs.options
+        r = linear_logprobs_fwd(
+            *self.flat(inputs),
+            options.kernel_temperature,
+            compute_entropy,
+            options.kernel_softcap,
+            inputs.backend,
+            compute_sum_squares=True,
+        )
+        return self.as_rows(inputs, (r.logp, r.entropy, r.sum_squares))
+
     @staticmethod
     def as_rows(inputs, pair) -> tuple:
         """The kernels' flat (log-probs, entropy or None) [N] as [B, T] rows, 0 at masked tokens."""
@@ -320,22 +333,42 @@ class LinearLossThreeProducts(torch.autograd.Function):
 
 
 def linear_logprobs_fwd(
-    hidden, weight, bias, ids, temperature: float, compute_entropy: bool, softcap: float | None, backend: str
+    hidden,
+    weight,
+    bias,
+    ids,
+    temperature: float,
+    compute_entropy: bool,
+    softcap: float | None,
+    backend: str,
+    compute_sum_squares: bool = False,
 ) -> LogprobResult:
-    """log softmax(cap(hidden [N, H] @ weight [V, H]^T + bias) / temperature)[ids] (and the entropy), a tile or a
-    chunk of tokens at a time: fp32 [N] (fp64 for fp64 inputs on the torch path)."""
+    """log softmax(cap(hidden [N, H] @ weight [V, H]^T + bias) / temperature)[ids] (and the entropy, and Σπ²), a tile
+    or a chunk of tokens at a time: fp32 [N] (fp64 for fp64 inputs on the torch path)."""
     compiling = torch.compiler.is_compiling()  # one opaque op in the graph (ops.py)
     if backend == "triton" and not compiling:
         r = fused_linear_launch.linear_forward(
-            hidden, weight, bias, ids, temperature=temperature, softcap=softcap, compute_entropy=compute_entropy
+            hidden,
+            weight,
+            bias,
+            ids,
+            temperature=temperature,
+            softcap=softcap,
+            compute_entropy=compute_entropy,
+            compute_sum_squares=compute_sum_squares,
         )
-        return LogprobResult(r.logp, r.entropy, r.lse)
+        return LogprobResult(r.logp, r.entropy, r.lse, r.sum_squares)
     if compiling:
         op = ops.triton_linear_logprobs if backend == "triton" else ops.torch_linear_logprobs
-        lse, logp, entropy = op(hidden, weight, bias, ids, temperature, softcap, compute_entropy)
-        return LogprobResult(logp, ops.present(entropy, compute_entropy), lse)
-    lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy, softcap)
-    return LogprobResult(logp, entropy, lse)
+        lse, logp, entropy, squares = op(
+            hidden, weight, bias, ids, temperature, softcap, compute_entropy, compute_sum_squares
+        )
+        present = ops.present
+        return LogprobResult(logp, present(entropy, compute_entropy), lse, present(squares, compute_sum_squares))
+    lse, logp, entropy, squares = torch_path.linear_forward(
+        hidden, weight, bias, ids, temperature, compute_entropy, softcap, compute_sum_squares
+    )
+    return LogprobResult(logp, entropy, lse, squares)
 
 
 def linear_logprobs_bwd(

@@ -47,6 +47,7 @@ class LogprobResult(NamedTuple):
     logp: torch.Tensor  # fp32 [N], 0 at masked tokens
     entropy: torch.Tensor | None  # fp32 [N] (0 at masked tokens) or None
     lse: torch.Tensor  # fp32 [N], what the backward reads
+    sum_squares: torch.Tensor | None = None  # fp32 [N]: Σπ², where a log-prob pass asked for it
 
 
 # ---- The input form ----------------------------------------------------------------------------------------------
@@ -130,6 +131,23 @@ class LogitsSource:
             final and self.in_place_backward,
             self.drop_last_position,
         )[:2]
+
+    def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
+        """(log-probs, entropy or None, Σπ²) [B, T] of a no-grad log-prob pass, from the same pass."""
+        B, T = inputs.ids.shape
+        options = inputs.options
+        r = logprobs_fwd(
+            self.tensor,
+            inputs.ids.contiguous(),
+            options.kernel_temperature,
+            inputs.mask,
+            compute_entropy,
+            options.kernel_softcap,
+            inputs.backend,
+            self.drop_last_position,
+            compute_sum_squares=True,
+        )
+        return r.logp.view(B, T), None if r.entropy is None else r.entropy.view(B, T), r.sum_squares.view(B, T)
 
     def fused_loss(self, inputs, loss_tokens: LossTokens) -> GRPOLossOutput:
         """The loss with its per-token math in the logits kernel (Triton): the schedule chosen here, one-pass
@@ -658,15 +676,23 @@ def logprobs_fwd(
     softcap: float | None,
     backend: str,
     drop_last_position: bool = False,
+    compute_sum_squares: bool = False,
 ) -> LogprobResult:
-    """log softmax(cap(logits) / temperature)[ids] (and the entropy) of the logits that predict the completion,
-    fp32 [N]; ``mask`` fp32 [N] or None (every token read): 0 where it is 0."""
+    """log softmax(cap(logits) / temperature)[ids] (and the entropy, and Σπ²) of the logits that predict the
+    completion, fp32 [N]; ``mask`` fp32 [N] or None (every token read): 0 where it is 0."""
     if backend == "triton":
         if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py)
-            logp, entropy, lse = ops.triton_logprobs(
-                aligned(logits, drop_last_position), ids, temperature, softcap, mask, compute_entropy
+            logp, entropy, lse, squares = ops.triton_logprobs(
+                aligned(logits, drop_last_position),
+                ids,
+                temperature,
+                softcap,
+                mask,
+                compute_entropy,
+                compute_sum_squares,
             )
-            return LogprobResult(logp, ops.present(entropy, compute_entropy), lse)
+            present = ops.present
+            return LogprobResult(logp, present(entropy, compute_entropy), lse, present(squares, compute_sum_squares))
         r = launch.forward(
             logits,
             ids,
@@ -674,22 +700,29 @@ def logprobs_fwd(
             softcap=softcap,
             tokens=TokenInputs(mask=mask),
             compute_entropy=compute_entropy,
+            compute_sum_squares=compute_sum_squares,
         )
-        return LogprobResult(r.logp, r.entropy, r.lse)  # the kernels never read a masked row's id
+        return LogprobResult(r.logp, r.entropy, r.lse, r.sum_squares)  # the kernels never read a masked row's id
     logits = aligned(logits, drop_last_position)
     B, T, _ = logits.shape
     active = None if mask is None else (mask != 0).view(B, T)
     if active is not None:  # masked ids may be anything (-100): gather and scatter get 0 there
         ids = torch.where(active, ids, 0)
     if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py): no unrolled chunk loop
-        logp, entropy, lse = ops.torch_logprobs(logits, ids, temperature, softcap, compute_entropy)
-        entropy = ops.present(entropy, compute_entropy)
+        logp, entropy, lse, squares = ops.torch_logprobs(
+            logits, ids, temperature, softcap, compute_entropy, compute_sum_squares
+        )
+        entropy, squares = ops.present(entropy, compute_entropy), ops.present(squares, compute_sum_squares)
     else:
-        logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy, softcap)
+        logp, entropy, lse, squares = torch_path.forward(
+            logits, ids, temperature, compute_entropy, softcap, compute_sum_squares
+        )
     if active is not None:
         logp = torch.where(active, logp, 0.0)
         entropy = None if entropy is None else torch.where(active, entropy, 0.0)
-    return LogprobResult(logp.reshape(-1), None if entropy is None else entropy.reshape(-1), lse.reshape(-1))
+        squares = None if squares is None else torch.where(active, squares, 0.0)
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    return LogprobResult(logp.reshape(-1), flat(entropy), lse.reshape(-1), flat(squares))
 
 
 def logprobs_bwd(

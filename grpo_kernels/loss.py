@@ -189,6 +189,7 @@ def token_logprobs(
     vocab_start_index: int | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    return_sum_pi_squared: bool = False,
 ):
     """Per-token log softmax(logits / temperature)[ids] in fp32, shaped like ``ids``, without gradient.
 
@@ -199,10 +200,19 @@ def token_logprobs(
     ``return_entropy`` returns ``(logps, entropy)``. With ``vocab_parallel_group``, ``logits`` is this
     rank's vocabulary slice and the ids are global, as in ``grpo_loss``. ``logit_scale`` and ``logit_softcap``:
     the logits are a head's raw outputs, transformed as the options of those names say (see ``GRPOLoss``).
+    ``return_sum_pi_squared``: also each token's sum of squared probabilities Σπ² = sum_v softmax(...)_v^2, from
+    the same pass (verl's ``calculate_sum_pi_squared_from_logits``, for its optimal token baseline), returned last.
     """
     source = LogitsSource(logits, drop_last_position=drop_last_position)
-    pair = pipeline.logprobs(source, ids, temperature, return_entropy, LogprobSettings.of(locals()))
-    return pair if return_entropy else pair[0]
+    settings = LogprobSettings.of(locals())
+    results = pipeline.logprobs(source, ids, temperature, return_entropy, settings, return_sum_pi_squared)
+    return _wanted(results, return_entropy, return_sum_pi_squared)
+
+
+def _wanted(results: tuple, entropy: bool, sum_squares: bool):
+    """A log-prob call's return: the log-probs alone, or a tuple with the entropy and Σπ² where asked for."""
+    chosen = (results[0],) + ((results[1],) if entropy else ()) + ((results[2],) if sum_squares else ())
+    return chosen if len(chosen) > 1 else chosen[0]
 
 
 @torch.no_grad()
@@ -222,6 +232,7 @@ def linear_token_logprobs(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     head_precision: str = "input",
+    return_sum_pi_squared: bool = False,
 ):
     """``token_logprobs`` of ``hidden_states @ weight.T + bias`` without the [N, V] logits: the old and reference
     log-probs of a fused lm_head user (the lm_head forward kernel, a tile of logits at a time; the torch
@@ -231,8 +242,8 @@ def linear_token_logprobs(
     ``linear_selective_log_softmax_and_entropy`` have one). ``weight`` must be the head's effective weight (an
     adapter on the head: ``grpo_kernels.wrapped.output_layer``), and ``logit_scale`` / ``logit_softcap`` its output
     transform (a model's: ``grpo_kernels.heads.head_transform(model).options``); ``head_precision`` as in
-    ``fused_linear_grpo_loss``."""
-    return _linear_logprobs(locals(), return_entropy)
+    ``fused_linear_grpo_loss``; ``return_sum_pi_squared`` as in ``token_logprobs``."""
+    return _linear_logprobs(locals(), return_entropy, return_sum_pi_squared)
 
 
 def linear_selective_log_softmax(
@@ -280,16 +291,16 @@ def linear_selective_log_softmax_and_entropy(
     return _linear_logprobs(locals(), True)
 
 
-def _linear_logprobs(settings: dict, return_entropy: bool):
+def _linear_logprobs(settings: dict, return_entropy: bool, sum_squares: bool = False):
     """The one body of the hidden-states log-prob family: the head in its precision, then ``pipeline.logprobs``
     (``settings``: the public function's arguments)."""
     source = HiddenStatesSource(
         settings["hidden_states"], settings["weight"], settings["bias"], head_precision=settings["head_precision"]
     )
-    pair = pipeline.logprobs(
-        source, settings["ids"], settings["temperature"], return_entropy, LogprobSettings.of(settings)
+    results = pipeline.logprobs(
+        source, settings["ids"], settings["temperature"], return_entropy, LogprobSettings.of(settings), sum_squares
     )
-    return pair if return_entropy else pair[0]
+    return _wanted(results, return_entropy, sum_squares)
 
 
 def selective_log_softmax(

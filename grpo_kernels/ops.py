@@ -40,18 +40,27 @@ def _dtype(t: Tensor) -> torch.dtype:
 
 @torch.library.custom_op("grpo_kernels::torch_logprobs", mutates_args=())
 def torch_logprobs(
-    logits: Tensor, ids: Tensor, temperature: float, softcap: Optional[float], compute_entropy: bool
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy or empty, lse), [B, T] fp32 (fp64 for fp64 logits): ``torch_path.forward``."""
-    logp, entropy, lse = torch_path.forward(logits, ids, temperature, compute_entropy, softcap)
-    return logp, (logp.new_empty(_NONE) if entropy is None else entropy), lse
+    logits: Tensor,
+    ids: Tensor,
+    temperature: float,
+    softcap: Optional[float],
+    compute_entropy: bool,
+    compute_sum_squares: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy or empty, lse, Σπ² or empty), [B, T] fp32 (fp64 for fp64 logits): ``torch_path.forward``."""
+    logp, entropy, lse, squares = torch_path.forward(
+        logits, ids, temperature, compute_entropy, softcap, compute_sum_squares
+    )
+    empty = lambda t: logp.new_empty(_NONE) if t is None else t  # noqa: E731
+    return logp, empty(entropy), lse, empty(squares)
 
 
 @torch_logprobs.register_fake
-def _(logits, ids, temperature, softcap, compute_entropy):
+def _(logits, ids, temperature, softcap, compute_entropy, compute_sum_squares=False):
     B, T, _ = logits.shape
     new = lambda *shape: logits.new_empty(shape, dtype=_dtype(logits))  # noqa: E731
-    return new(B, T), (new(B, T) if compute_entropy else new(*_NONE)), new(B, T)
+    optional = lambda wanted: new(B, T) if wanted else new(*_NONE)  # noqa: E731
+    return new(B, T), optional(compute_entropy), new(B, T), optional(compute_sum_squares)
 
 
 @torch.library.custom_op("grpo_kernels::torch_logprobs_backward", mutates_args=())
@@ -85,17 +94,26 @@ def torch_linear_logprobs(
     temperature: float,
     softcap: Optional[float],
     compute_entropy: bool,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """(lse, logp, entropy or empty), [N]: ``torch_path.linear_forward``."""
-    lse, logp, entropy = torch_path.linear_forward(hidden, weight, bias, ids, temperature, compute_entropy, softcap)
-    return lse, logp, (logp.new_empty(_NONE) if entropy is None else entropy)
+    compute_sum_squares: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(lse, logp, entropy or empty, Σπ² or empty), [N]: ``torch_path.linear_forward``."""
+    lse, logp, entropy, squares = torch_path.linear_forward(
+        hidden, weight, bias, ids, temperature, compute_entropy, softcap, compute_sum_squares
+    )
+    empty = lambda t: logp.new_empty(_NONE) if t is None else t  # noqa: E731
+    return lse, logp, empty(entropy), empty(squares)
 
 
 @torch_linear_logprobs.register_fake
-def _(hidden, weight, bias, ids, temperature, softcap, compute_entropy):
+def _(hidden, weight, bias, ids, temperature, softcap, compute_entropy, compute_sum_squares=False):
     new = lambda *shape: hidden.new_empty(shape, dtype=_dtype(hidden))  # noqa: E731
     N = hidden.shape[0]
-    return new(N), new(N), (new(N) if compute_entropy else new(*_NONE))
+    return (
+        new(N),
+        new(N),
+        (new(N) if compute_entropy else new(*_NONE)),
+        (new(N) if compute_sum_squares else new(*_NONE)),
+    )
 
 
 @torch.library.custom_op("grpo_kernels::torch_linear_backward", mutates_args=())
@@ -157,8 +175,9 @@ def triton_logprobs(
     softcap: Optional[float],
     mask: Optional[Tensor],
     compute_entropy: bool,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy or empty, lse), fp32 [N]: the forward kernel without a loss (``launch.forward``)."""
+    compute_sum_squares: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy or empty, lse, Σπ² or empty), fp32 [N]: the forward kernel without a loss (``launch.forward``)."""
     r = launch.forward(
         logits,
         ids,
@@ -166,15 +185,17 @@ def triton_logprobs(
         softcap=softcap,
         tokens=TokenInputs(mask=mask),
         compute_entropy=compute_entropy,
+        compute_sum_squares=compute_sum_squares,
     )
-    return _unaliased(r.logp, r.entropy, r.lse)
+    return _unaliased(r.logp, r.entropy, r.lse, r.sum_squares)
 
 
 @triton_logprobs.register_fake
-def _(logits, ids, temperature, softcap, mask, compute_entropy):
+def _(logits, ids, temperature, softcap, mask, compute_entropy, compute_sum_squares=False):
     N = logits.shape[0] * logits.shape[1]
     new = lambda *shape: logits.new_empty(shape, dtype=torch.float32)  # noqa: E731
-    return new(N), (new(N) if compute_entropy else new(*_NONE)), new(N)
+    optional = lambda wanted: new(N) if wanted else new(*_NONE)  # noqa: E731
+    return new(N), optional(compute_entropy), new(N), optional(compute_sum_squares)
 
 
 @torch.library.custom_op("grpo_kernels::triton_logprobs_backward", mutates_args=("out",))
@@ -209,19 +230,28 @@ def triton_linear_logprobs(
     temperature: float,
     softcap: Optional[float],
     compute_entropy: bool,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """(lse, logp, entropy or empty), fp32 [N]: the lm_head forward kernel without a loss."""
+    compute_sum_squares: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(lse, logp, entropy or empty, Σπ² or empty), fp32 [N]: the lm_head forward kernel without a loss."""
     r = fused_linear_launch.linear_forward(
-        hidden, weight, bias, ids, temperature=temperature, softcap=softcap, compute_entropy=compute_entropy
+        hidden,
+        weight,
+        bias,
+        ids,
+        temperature=temperature,
+        softcap=softcap,
+        compute_entropy=compute_entropy,
+        compute_sum_squares=compute_sum_squares,
     )
-    return _unaliased(r.lse, r.logp, r.entropy)
+    return _unaliased(r.lse, r.logp, r.entropy, r.sum_squares)
 
 
 @triton_linear_logprobs.register_fake
-def _(hidden, weight, bias, ids, temperature, softcap, compute_entropy):
+def _(hidden, weight, bias, ids, temperature, softcap, compute_entropy, compute_sum_squares=False):
     N = hidden.shape[0]
     new = lambda *shape: hidden.new_empty(shape, dtype=torch.float32)  # noqa: E731
-    return new(N), new(N), (new(N) if compute_entropy else new(*_NONE))
+    optional = lambda wanted: new(N) if wanted else new(*_NONE)  # noqa: E731
+    return new(N), new(N), optional(compute_entropy), optional(compute_sum_squares)
 
 
 @torch.library.custom_op("grpo_kernels::triton_linear_backward", mutates_args=())

@@ -71,14 +71,20 @@ def loss(source, call: LossCall, settings: CallSettings) -> GRPOLossOutput:
     return out
 
 
-def logprobs(source, ids, temperature: float, compute_entropy: bool, settings: LogprobSettings) -> tuple:
+def logprobs(
+    source, ids, temperature: float, compute_entropy: bool, settings: LogprobSettings, sum_squares: bool = False
+) -> tuple:
     """(log-probs, entropy or None) in fp32, shaped like the ids, differentiable where autograd records; ``ids``
-    None: the entropy alone. The one body of the log-prob family (``loss.token_logprobs`` and the rest)."""
+    None: the entropy alone. With ``sum_squares`` (no gradient) a third, each token's Σπ², from the same pass. The
+    one body of the log-prob family (``loss.token_logprobs`` and the rest)."""
     inputs = prepare_logprob_inputs(source, ids, temperature, settings)
-    logp, entropy = inputs.source.logprobs(inputs, compute_entropy, final=True)
+    if sum_squares:
+        results = inputs.source.sum_squares(inputs, compute_entropy)
+    else:
+        results = inputs.source.logprobs(inputs, compute_entropy, final=True)
     if inputs.caller_shape is None:
-        return logp, entropy
-    return logp.reshape(inputs.caller_shape), None if entropy is None else entropy.reshape(inputs.caller_shape)
+        return results
+    return tuple(None if t is None else t.reshape(inputs.caller_shape) for t in results)
 
 
 def sequence_logprobs(source, ids, mask, temperature: float, settings: LogprobSettings) -> tuple:

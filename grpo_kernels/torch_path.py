@@ -72,16 +72,17 @@ def _row_statistics(
     compute_entropy: bool,
     inv_temperature: float = 1.0,
     dtype: torch.dtype = torch.float32,
+    compute_sum_squares: bool = False,
 ):
-    """(log-sum-exp, log-prob of ``ids``, entropy or None) of the rows of ``x * inv_temperature`` (``x`` [..., V] in
-    any float dtype, never written; ``ids`` [...]), computed in ``dtype``.
+    """(log-sum-exp, log-prob of ``ids``, entropy or None, sum of squared probabilities or None) of the rows of
+    ``x * inv_temperature`` (``x`` [..., V] in any float dtype, never written; ``ids`` [...]), computed in ``dtype``.
 
     On the rows shifted by their maximum, y = x / tau - max (one op, in ``dtype``), and e = exp(y), the one exp a
-    logit: lse = max + log sum e, log p = y[id] - log sum e, and the entropy log sum e - sum(e y) / sum e, whose
+    logit: lse = max + log sum e, log p = y[id] - log sum e, the entropy log sum e - sum(e y) / sum e, whose
     terms e y are at most 1/e in size (unshifted, lse - sum(p x) would be two terms of the largest logit's size,
-    losing its low digits on a peaked row); a -inf logit's term is 0 (y clamped to the dtype's lowest, times e = 0).
-    A row with a +inf logit or a NaN, or all -inf, is NaN in every statistic, as in the kernels. (torch's
-    ``logsumexp`` and ``log_softmax`` take two exps a logit and more passes.)"""
+    losing its low digits on a peaked row), and Σπ² = sum e^2 / (sum e)^2; a -inf logit's term is 0 (y clamped to
+    the dtype's lowest, times e = 0). A row with a +inf logit or a NaN, or all -inf, is NaN in every statistic, as
+    in the kernels. (torch's ``logsumexp`` and ``log_softmax`` take two exps a logit and more passes.)"""
     shift = x.amax(-1, keepdim=True).to(dtype) * inv_temperature
     y = torch.add(shift.neg(), x, alpha=inv_temperature)  # x / tau - max, promoted to ``dtype``
     target = y.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # before the clamp: a -inf target's log-prob is -inf
@@ -93,9 +94,9 @@ def _row_statistics(
     log_total = total.log()
     lse = shift.squeeze(-1) + log_total
     logp = target - log_total
-    if not compute_entropy:
-        return lse, logp, None
-    return lse, logp, log_total - torch.linalg.vecdot(e, y) / total
+    entropy = log_total - torch.linalg.vecdot(e, y) / total if compute_entropy else None
+    sum_squares = torch.linalg.vecdot(e, e) / (total * total) if compute_sum_squares else None
+    return lse, logp, entropy, sum_squares
 
 
 def forward(
@@ -104,27 +105,31 @@ def forward(
     temperature: float,
     compute_entropy: bool,
     softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """log-probs, entropy (or None) and log-sum-exp of cap(logits) / temperature, each fp32 [B, T]."""
+    compute_sum_squares: bool = False,
+) -> tuple:
+    """log-probs, entropy (or None), log-sum-exp and Σπ² (or None) of cap(logits) / temperature, each fp32 [B, T]."""
     B, T, V = logits.shape
     dtype = compute_dtype(logits)
     inv_temperature = 1.0 / temperature
-    logp = lse = entropy = None
+    logp = lse = entropy = sum_squares = None
     for piece, index in _chunks(logits):
         x = piece if softcap is None else capped(piece.to(dtype), softcap)[0]  # [rows, t, V]
-        piece_lse, piece_logp, piece_entropy = _row_statistics(
-            x, _part(ids, index).long(), compute_entropy, inv_temperature, dtype
+        piece_lse, piece_logp, piece_entropy, piece_squares = _row_statistics(
+            x, _part(ids, index).long(), compute_entropy, inv_temperature, dtype, compute_sum_squares
         )
         if index is None:  # one piece: its statistics are the outputs
-            return piece_logp, piece_entropy, piece_lse
+            return piece_logp, piece_entropy, piece_lse, piece_squares
         if logp is None:  # the first of several pieces: the outputs to fill
             f32 = dict(device=logits.device, dtype=dtype)
             logp, lse = torch.empty(B, T, **f32), torch.empty(B, T, **f32)
             entropy = torch.empty(B, T, **f32) if compute_entropy else None
+            sum_squares = torch.empty(B, T, **f32) if compute_sum_squares else None
         lse[index], logp[index] = piece_lse, piece_logp
         if compute_entropy:
             entropy[index] = piece_entropy
-    return logp, entropy, lse
+        if compute_sum_squares:
+            sum_squares[index] = piece_squares
+    return logp, entropy, lse, sum_squares
 
 
 def _softmax_gradient(
@@ -221,21 +226,35 @@ def _chunk_logits(hidden_chunk, weight, bias, inv_temperature, softcap):
 
 
 @fp32_products
-def linear_forward(hidden, weight, bias, ids, temperature: float, compute_entropy: bool, softcap: float | None = None):
-    """lse, logp, entropy (fp32 [N]) of the lm_head logits cap(hidden @ weight^T + bias) / temperature, a chunk of
-    tokens at a time."""
+def linear_forward(
+    hidden,
+    weight,
+    bias,
+    ids,
+    temperature: float,
+    compute_entropy: bool,
+    softcap: float | None = None,
+    compute_sum_squares: bool = False,
+):
+    """lse, logp, entropy (or None), Σπ² (or None), each fp32 [N], of the lm_head logits cap(hidden @ weight^T + bias)
+    / temperature, a chunk of tokens at a time."""
     N = hidden.shape[0]
     f32 = dict(device=hidden.device, dtype=compute_dtype(hidden))
     lse, logp = torch.empty(N, **f32), torch.empty(N, **f32)
     entropy = torch.empty(N, **f32) if compute_entropy else None
+    sum_squares = torch.empty(N, **f32) if compute_sum_squares else None
     step, inv_temperature, flat_ids = linear_chunk_rows(weight.shape[0]), 1.0 / temperature, ids.long()
     for n0 in range(0, N, step):
         n = slice(n0, min(n0 + step, N))
         x = _chunk_logits(hidden[n], weight, bias, inv_temperature, softcap)[0]  # [chunk, V], the only V-sized one
-        lse[n], logp[n], chunk_entropy = _row_statistics(x, flat_ids[n], compute_entropy, dtype=x.dtype)
+        lse[n], logp[n], chunk_entropy, chunk_squares = _row_statistics(
+            x, flat_ids[n], compute_entropy, dtype=x.dtype, compute_sum_squares=compute_sum_squares
+        )
         if compute_entropy:
             entropy[n] = chunk_entropy
-    return lse, logp, entropy
+        if compute_sum_squares:
+            sum_squares[n] = chunk_squares
+    return lse, logp, entropy, sum_squares
 
 
 @fp32_products

@@ -72,7 +72,7 @@ class VocabParallelLogprobs(torch.autograd.Function):
         r = logprobs_fwd(logits, local_ids, temperature, mask, compute_entropy, softcap, backend)
         as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         lse_r, logp_r, entropy_r = as_bt(r.lse), as_bt(r.logp), as_bt(r.entropy)
-        lse, logp, entropy = _combine(lse_r, logp_r, entropy_r if compute_entropy else None, owned, group)
+        lse, logp, entropy, _ = _combine(lse_r, logp_r, entropy_r if compute_entropy else None, owned, group)
         if mask is not None:  # the kernels never read masked rows: their values are 0, as everywhere
             active = (mask != 0).view(B, T)
             logp = torch.where(active, logp, 0.0)
@@ -118,18 +118,24 @@ class VocabParallelLogprobs(torch.autograd.Function):
         return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
-def _combine(lse_r, logp_r, entropy_r, owned, group):
-    """The global (lse, log-probs, entropy) from each rank's slice: three all-reduces of O(N) values."""
+def _combine(lse_r, logp_r, entropy_r, owned, group, squares_r=None):
+    """The global (lse, log-probs, entropy, and with ``squares_r`` Σπ²) from each rank's slice: three all-reduces of
+    O(N) values. A rank's Σπ² is its slice's own distribution's; the global one is sum_r exp(2 (lse_r - lse)) of
+    them."""
     m = lse_r.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     w = torch.exp(lse_r - m)
     parts = [w, torch.where(owned, logp_r + lse_r, 0.0)]
     if entropy_r is not None:
         parts.append(w * (lse_r - entropy_r))
+    if squares_r is not None:
+        parts.append(w * w * squares_r)
     stats = torch.stack(parts)
     dist.all_reduce(stats, group=group)
     lse = m + torch.log(stats[0])
-    return lse, stats[1] - lse, (lse - stats[2] / stats[0]) if entropy_r is not None else None
+    entropy = (lse - stats[2] / stats[0]) if entropy_r is not None else None
+    squares = stats[-1] / (stats[0] * stats[0]) if squares_r is not None else None
+    return lse, stats[1] - lse, entropy, squares
 
 
 class VocabParallelLinearLogprobs(torch.autograd.Function):
@@ -160,7 +166,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         owned = (ids >= start) & (ids < start + V_local)
         local_ids = torch.where(owned, ids - start, 0).contiguous()
         r = linear_logprobs_fwd(hidden, weight, bias, local_ids, temperature, compute_entropy, softcap, backend)
-        lse, logp, entropy = _combine(r.lse, r.logp, r.entropy, owned, group)
+        lse, logp, entropy, _ = _combine(r.lse, r.logp, r.entropy, owned, group)
         ctx.save_for_backward(hidden, weight, bias, local_ids, owned, lse, entropy)
         ctx.backend, ctx.temperature, ctx.softcap, ctx.group = backend, temperature, softcap, group
         return logp, entropy
@@ -235,6 +241,40 @@ class ShardedLogitsSource(LogitsSource):
             shard.start,
         )
 
+    def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
+        """(global log-probs, entropy or None, Σπ²) [B, T] of a no-grad pass over this rank's slice."""
+        options, shard = inputs.options, inputs.vocab_shard
+        logits, ids = self.predicting(), inputs.ids
+        B, T, V_local = logits.shape
+        owned = (ids >= shard.start) & (ids < shard.start + V_local)
+        local_ids = torch.where(owned, ids - shard.start, 0).contiguous()
+        r = logprobs_fwd(
+            logits,
+            local_ids,
+            float(options.kernel_temperature),
+            inputs.mask,
+            compute_entropy,
+            options.kernel_softcap,
+            inputs.backend,
+            compute_sum_squares=True,
+        )
+        parts = (r.lse, r.logp, r.entropy, r.sum_squares)
+        lse, logp, entropy, squares = _combine(
+            *(None if t is None else t.view(B, T) for t in parts[:3]),
+            owned.view(B, T),
+            shard.group,
+            parts[3].view(B, T),
+        )
+        return _active_only(inputs, (logp, entropy, squares))
+
+
+def _active_only(inputs, results) -> tuple:
+    """Per-token results [B, T] with 0 at masked tokens (the kernels never read them), None kept."""
+    if inputs.mask is None:
+        return results
+    active = (inputs.mask != 0).view(inputs.ids.shape)
+    return tuple(None if t is None else torch.where(active, t, 0.0) for t in results)
+
 
 class ShardedHiddenStatesSource(HiddenStatesSource):
     """Hidden states with this rank's lm_head weight shard [V / P, H]: the global log-probs and entropy."""
@@ -251,6 +291,26 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
             shard.start,
         )
         return self.as_rows(inputs, pair)
+
+    def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
+        """(global log-probs, entropy or None, Σπ²) [B, T] of a no-grad pass over this rank's weight shard."""
+        options, shard = inputs.options, inputs.vocab_shard
+        hidden, weight, bias, ids = self.flat(inputs)
+        owned = (ids >= shard.start) & (ids < shard.start + weight.shape[0])
+        local_ids = torch.where(owned, ids - shard.start, 0).contiguous()
+        r = linear_logprobs_fwd(
+            hidden,
+            weight,
+            bias,
+            local_ids,
+            float(options.kernel_temperature),
+            compute_entropy,
+            options.kernel_softcap,
+            inputs.backend,
+            compute_sum_squares=True,
+        )
+        lse, logp, entropy, squares = _combine(r.lse, r.logp, r.entropy, owned, shard.group, r.sum_squares)
+        return self.as_rows(inputs, (logp, entropy, squares))
 
 
 def sharded_source(source):

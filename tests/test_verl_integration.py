@@ -4,6 +4,7 @@ import pathlib
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -435,6 +436,9 @@ def verl_patches_undone(monkeypatch):
             if module is not None and getattr(module, name, None) is original:
                 monkeypatch.setattr(module, name, original)
     monkeypatch.setattr(LlamaForCausalLM, "forward", LlamaForCausalLM.forward)
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    monkeypatch.setattr(FSDPEngineWithLMHead, "prepare_model_outputs", FSDPEngineWithLMHead.prepare_model_outputs)
     return monkeypatch
 
 
@@ -569,3 +573,139 @@ def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_lo
     torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
     for e, a in zip(expected[2], got[2], strict=True):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4)
+
+
+# ---- Σπ² (verl's calculate_sum_pi_squared, for its optimal token baseline) --------------------------------------
+
+
+def test_sum_pi_squared_is_verls_from_logits_and_hidden_states():
+    """``return_sum_pi_squared`` on the no-grad log-prob ops equals verl's ``calculate_sum_pi_squared_from_logits``
+    on the same (temperature-scaled) logits, from logits and from hidden states, on both backends."""
+    from verl.utils.torch_functional import calculate_sum_pi_squared_from_logits
+
+    from grpo_kernels import linear_token_logprobs, token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(3, 7, 24, generator=g), torch.randn(211, 24, generator=g) * 0.4
+    logits = torch.randn(3, 7, 211, generator=g) * 2
+    ids = torch.randint(0, 211, (3, 7), generator=g)
+    for backend in ("torch", "triton"):
+        _, squares = token_logprobs(logits, ids, 0.8, backend=backend, return_sum_pi_squared=True)
+        torch.testing.assert_close(squares, calculate_sum_pi_squared_from_logits(logits / 0.8), atol=1e-6, rtol=1e-5)
+        _, _, squares = linear_token_logprobs(
+            hidden, weight, ids, None, 0.8, True, backend=backend, return_sum_pi_squared=True
+        )
+        expected = calculate_sum_pi_squared_from_logits((hidden @ weight.T) / 0.8)
+        torch.testing.assert_close(squares, expected, atol=1e-6, rtol=1e-5)
+
+
+def _sharded_sum_pi_squared(rank, world, logits, hidden, weight, ids, backend):
+    from grpo_kernels import linear_token_logprobs, token_logprobs
+
+    group, V = torch.distributed.group.WORLD, logits.shape[-1]
+    lo, hi = rank * V // world, (rank + 1) * V // world
+    _, squares = token_logprobs(
+        logits[..., lo:hi].contiguous(),
+        ids,
+        0.8,
+        backend=backend,
+        vocab_parallel_group=group,
+        return_sum_pi_squared=True,
+    )
+    _, linear = linear_token_logprobs(
+        hidden, weight[lo:hi], ids, None, 0.8, backend=backend, vocab_parallel_group=group, return_sum_pi_squared=True
+    )
+    return squares, linear
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sum_pi_squared_over_a_vocabulary_split_is_verls_on_the_whole(backend):
+    """Two gloo processes each holding half the vocabulary (logits, or the lm_head weight's rows): every rank's
+    Σπ² is verl's on the whole logits."""
+    from gloo_ranks import run_ranks
+    from verl.utils.torch_functional import calculate_sum_pi_squared_from_logits
+
+    g = torch.Generator().manual_seed(1)
+    logits, hidden = torch.randn(2, 5, 64, generator=g) * 2, torch.randn(2, 5, 16, generator=g)
+    weight, ids = torch.randn(64, 16, generator=g) * 0.4, torch.randint(0, 64, (2, 5), generator=g)
+    expected = calculate_sum_pi_squared_from_logits(logits / 0.8)
+    expected_linear = calculate_sum_pi_squared_from_logits((hidden @ weight.T) / 0.8)
+    for squares, linear in run_ranks(_sharded_sum_pi_squared, 2, logits, hidden, weight, ids, backend):
+        torch.testing.assert_close(squares, expected, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(linear, expected_linear, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("use_remove_padding", [True, False])
+def test_verls_fsdp_engine_serves_sum_pi_squared_with_fused_kernels(verl_patches_undone, use_remove_padding):
+    """verl's FSDP engine's no-grad step (``compute_log_prob``'s: ``forward_only``) with ``calculate_sum_pi_squared``
+    and ``use_fused_kernels``, which verl refuses with its own fused kernels, runs on our fused head op after
+    ``patch_logprobs()`` and gives its logits path's Σπ² (``calculate_sum_pi_squared_from_logits``), packed and
+    padded; verl's ``compute_optimal_token_baseline_advantage`` on ours equals it on verl's own."""
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+    from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
+    from verl.utils import tensordict_utils as tu
+    from verl.utils import torch_functional
+    from verl.workers.engine.fsdp import transformer_impl as engine_module
+
+    verl_patches_undone.setattr(engine_module, "get_device_id", lambda: "cpu")
+    verl_patches_undone.setattr(engine_module, "get_device_name", lambda: "cpu")
+    model = _tiny_llama()
+    lengths = torch.tensor([5, 9, 3, 7])
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(0, 97, (int(n),), generator=g) for n in lengths]
+    used = torch.ones(int(lengths.sum()), dtype=torch.bool)
+    used[lengths.cumsum(0) - 1] = False  # each sequence's last position differs on verl's two paths (see above)
+
+    def engine():
+        e = object.__new__(engine_module.FSDPEngineWithLMHead)
+        e.module, e.pad_to_length, e.use_ulysses_sp, e.ulysses_device_mesh = model, False, False, None
+        e._autocast_dtype = torch.float32
+        e.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
+        e.compute_entropy_from_logits = torch_functional.entropy_from_logits
+        e.get_data_parallel_group = lambda: None
+        return e
+
+    def step(use_fused_kernels):
+        micro_batch = tu.get_tensordict(
+            {
+                "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+                "position_ids": torch.nested.as_nested_tensor([torch.arange(len(i)) for i in ids], layout=torch.jagged),
+            },
+            non_tensor_dict=dict(
+                temperature=0.8,
+                use_remove_padding=use_remove_padding,
+                use_fused_kernels=use_fused_kernels,
+                calculate_entropy=False,
+                calculate_sum_pi_squared=True,
+            ),
+        )
+        with torch.no_grad():
+            _, output = engine_module.FSDPEngineWithLMHead.forward_step(
+                engine(), micro_batch, lambda model_output, data, dp_group: (torch.zeros(()), {}), forward_only=True
+            )
+        out = output["model_output"]
+        return out["log_probs"].values(), out["sum_pi_squared"].values()
+
+    expected_logp, expected = step(use_fused_kernels=False)
+    adapter.patch_logprobs()
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    logp, squares = step(use_fused_kernels=True)
+    torch.testing.assert_close(logp[used], expected_logp[used], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(squares[used], expected[used], atol=1e-6, rtol=1e-5)
+
+    def padded(values):  # the (bs, T) layout verl's advantage estimators read, the last position masked out
+        rows = torch.zeros(len(ids), int(lengths.max()))
+        mask = torch.zeros_like(rows)
+        for i, (start, n) in enumerate(zip((lengths.cumsum(0) - lengths).tolist(), lengths.tolist(), strict=True)):
+            rows[i, :n] = values[start : start + n]
+            mask[i, : n - 1] = 1.0
+        return rows, mask
+
+    rewards, mask = padded(torch.randn(int(lengths.sum()), generator=g))
+    index = np.array([0, 0, 1, 1])
+    ours = compute_optimal_token_baseline_advantage(rewards, mask, index, padded(logp)[0], padded(squares)[0])
+    theirs = compute_optimal_token_baseline_advantage(
+        rewards, mask, index, padded(expected_logp)[0], padded(expected)[0]
+    )
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

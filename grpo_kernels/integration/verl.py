@@ -605,11 +605,32 @@ class FusedLinearForPPO(torch.nn.Module):
         self.chunk_size, self.impl_backend = chunk_size, impl_backend
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
-        from ..loss import linear_selective_log_softmax_and_entropy
+        return _fused_head(hidden_states, vocab_weights, input_ids.long(), float(temperature))
 
+
+def _fused_head(hidden, weight, ids, temperature: float, vocab_parallel_group=None) -> tuple:
+    """(log-probs, entropy) of verl's fused head on our op. A pass without a gradient (verl's ``compute_log_prob``:
+    old log-probs) also computes each token's Σπ² from the same pass, attached to the log-probs as
+    ``sum_pi_squared``, where ``prepare_model_outputs`` (``patch_fused_kernels``) takes it for verl's
+    ``calculate_sum_pi_squared`` (which verl's own fused kernels refuse)."""
+    from ..loss import linear_selective_log_softmax_and_entropy, linear_token_logprobs
+
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return linear_selective_log_softmax_and_entropy(
-            hidden_states, vocab_weights, input_ids.long(), None, float(temperature)
+            hidden, weight, ids, None, temperature, vocab_parallel_group=vocab_parallel_group
         )
+    logp, entropy, sum_pi_squared = linear_token_logprobs(
+        hidden,
+        weight,
+        ids,
+        None,
+        temperature,
+        return_entropy=True,
+        vocab_parallel_group=vocab_parallel_group,
+        return_sum_pi_squared=True,
+    )
+    logp.sum_pi_squared = sum_pi_squared
+    return logp, entropy
 
 
 def linear_cross_entropy(
@@ -618,15 +639,12 @@ def linear_cross_entropy(
     """verl's ``linear_cross_entropy`` (its fused head for ``use_fused_kernels`` with the "triton" backend, and the
     Megatron engine's over its tensor-parallel group: ``weight`` this rank's vocabulary shard) on our fused head op:
     (log-probs, entropy) per token, flat [N] as verl returns them, fp32, differentiable."""
-    from ..loss import linear_selective_log_softmax_and_entropy
-
     if reduction != "none":
         raise ValueError(f"linear_cross_entropy: reduction must be 'none' (per-token values), got {reduction!r}")
-    return linear_selective_log_softmax_and_entropy(
+    return _fused_head(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         labels.reshape(-1).long(),
-        None,
         float(temperature),
         vocab_parallel_group=dist_process_group,
     )
@@ -641,3 +659,49 @@ def patch_fused_kernels() -> None:
 
     replace_everywhere(experimental, {"FusedLinearForPPO": FusedLinearForPPO})
     replace_everywhere(fused_module, {"linear_cross_entropy": linear_cross_entropy})
+    try:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    except ImportError:  # an older verl, or its FSDP engine's dependencies missing: nothing there to serve
+        return
+    if not getattr(FSDPEngineWithLMHead.prepare_model_outputs, "serves_sum_pi_squared", False):
+        FSDPEngineWithLMHead.prepare_model_outputs = _with_fused_sum_pi_squared(
+            FSDPEngineWithLMHead.prepare_model_outputs
+        )
+
+
+def _with_fused_sum_pi_squared(prepare_model_outputs):
+    """verl's FSDP engine's ``prepare_model_outputs`` serving ``calculate_sum_pi_squared`` under ``use_fused_kernels``
+    (verl raises ``NotImplementedError`` there): Σπ² comes from our fused head's no-grad pass (``_fused_head``), and
+    is gathered, unpadded and made a nested tensor as verl does with the log-probs of the same call."""
+    import functools
+
+    from verl.utils import tensordict_utils as tu
+
+    @functools.wraps(prepare_model_outputs)
+    def prepare(self, output, output_args, micro_batch, logits_processor_func):
+        fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
+        wanted = tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False)
+        if not (fused and wanted):
+            return prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)
+        squares = getattr(output.log_probs, "sum_pi_squared", None)
+        if squares is None:
+            raise NotImplementedError(
+                "calculate_sum_pi_squared=True with use_fused_kernels=True: grpo_kernels computes Σπ² in its fused "
+                "head's passes without a gradient (verl's compute_log_prob); this pass had a gradient"
+            )
+        tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=False)
+        try:
+            model_output = prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)
+        finally:
+            tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=True)
+        cu_seqlens = micro_batch["input_ids"].offsets()
+        if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            squares = self._gather_and_unpad_packed(squares.squeeze(0), output_args["pad_size"])
+        else:  # dense (bsz, seqlen): each sequence's valid positions, as verl takes the log-probs
+            columns = torch.arange(output.log_probs.shape[1], device=squares.device)
+            squares = squares[columns < cu_seqlens.diff().unsqueeze(1)]
+        model_output["sum_pi_squared"] = torch.nested.nested_tensor_from_jagged(squares, cu_seqlens)
+        return model_output
+
+    prepare.serves_sum_pi_squared = True
+    return prepare

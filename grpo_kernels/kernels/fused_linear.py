@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .grpo import C_LOSS_NONE, LN2, LOG2E, cap_slope, capped_logit, token_loss_and_grad
-from .logsumexp import finite_or_zero, merge_lse
+from .logsumexp import finite_or_zero, merge_lse, merge_sum_squares
 from .split_row import _chunk_state
 
 # N (tokens) changes every step: no recompile for it. V and H are fixed by the model and
@@ -117,6 +117,7 @@ def _finish_tokens(
     running_max,
     sum_exp,
     sum_exp_x,
+    sum_sq,
     target_x,
     N,
     mask_ptr,
@@ -131,12 +132,13 @@ def _finish_tokens(
     dloss_out,
     kl_out,
     flags_out,
+    sum_squares_out,
     loss_scalars,
     LOSS_KIND: tl.constexpr,
     KL_KIND: tl.constexpr,
     LOSS_FLAGS: tl.constexpr,
 ):
-    """From a token block's log-sum-exp state: store lse, logp, entropy, then the per-token loss terms."""
+    """From a token block's log-sum-exp state: store lse, logp, entropy, Σπ², then the per-token loss terms."""
     COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
     # Inactive rows (sum_exp may be 0 there) are stored as 0; a 0 lse also keeps the
     # backward's exp(x - lse) finite for them.
@@ -148,6 +150,8 @@ def _finish_tokens(
     tl.store(logp_out + rows, logp, mask=in_rows)
     if COMPUTE_ENTROPY:
         tl.store(entropy_out + rows, tl.where(active, lse - sum_exp_x / sum_exp, 0.0), mask=in_rows)
+    if sum_squares_out is not None:  # sum exp(2 (x - max)) over (sum exp(x - max))^2
+        tl.store(sum_squares_out + rows, tl.where(active, sum_sq / (sum_exp * sum_exp), 0.0), mask=in_rows)
 
     if LOSS_KIND != C_LOSS_NONE:
         old = None
@@ -210,6 +214,7 @@ def linear_grpo_forward_kernel(
     dloss_out,
     kl_out,
     flags_out,
+    sum_squares_out,
     inv_temperature,
     softcap,
     loss_scalars,
@@ -224,12 +229,13 @@ def linear_grpo_forward_kernel(
     BLOCK_H: tl.constexpr,
 ):
     """Grid (token blocks, vocabulary splits). With ``partials_ptr`` None one split covers V and the program
-    finishes its tokens; else (SPLIT_V) it stores its split's (max, sum exp, sum exp * x, target x) in
-    ``partials`` [4, splits, N] for ``linear_grpo_combine_kernel``. Optional tensors (``b_ptr`` the bias,
-    the per-token inputs, ``entropy_out``) are None where absent."""
+    finishes its tokens; else (SPLIT_V) it stores its split's (max, sum exp, sum exp * x, target x, and with Σπ²
+    sum exp(2 (x - max))) in ``partials`` [4 or 5, splits, N] for ``linear_grpo_combine_kernel``. Optional tensors
+    (``b_ptr`` the bias, the per-token inputs, ``entropy_out``, ``sum_squares_out``) are None where absent."""
     HAS_BIAS: tl.constexpr = b_ptr is not None
     SPLIT_V: tl.constexpr = partials_ptr is not None
     COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
+    COMPUTE_SUMSQ: tl.constexpr = sum_squares_out is not None
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     first = pid * BLOCK_N
@@ -242,6 +248,7 @@ def linear_grpo_forward_kernel(
     running_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
     sum_exp = tl.zeros([BLOCK_N], dtype=tl.float32)
     sum_exp_x = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
     target_x = tl.zeros([BLOCK_N], dtype=tl.float32)
     v_start = split * v_per_split
     v_end = tl.minimum(v_start + v_per_split, V)
@@ -270,6 +277,8 @@ def linear_grpo_forward_kernel(
             new_max = tl.maximum(running_max, tl.max(x, axis=1))
             e = tl.exp(x - finite_or_zero(new_max)[:, None])  # the tile, already at the running max
             tile_x = tl.sum(e * tl.where(e > 0.0, x, 0.0), axis=1) if COMPUTE_ENTROPY else sum_exp_x
+            if COMPUTE_SUMSQ:
+                sum_sq = merge_sum_squares(running_max, sum_sq, new_max, tl.sum(e * e, axis=1))
             running_max, sum_exp, sum_exp_x = merge_lse(
                 running_max, sum_exp, sum_exp_x, new_max, tl.sum(e, axis=1), tile_x, COMPUTE_ENTROPY, BASE2=False
             )
@@ -281,6 +290,8 @@ def linear_grpo_forward_kernel(
         tl.store(out + stride_split, sum_exp, mask=in_rows)
         tl.store(out + 2 * stride_split, sum_exp_x, mask=in_rows)
         tl.store(out + 3 * stride_split, target_x, mask=in_rows)
+        if COMPUTE_SUMSQ:
+            tl.store(out + 4 * stride_split, sum_sq, mask=in_rows)
     else:
         _finish_tokens(
             rows,
@@ -288,6 +299,7 @@ def linear_grpo_forward_kernel(
             running_max,
             sum_exp,
             sum_exp_x,
+            sum_sq,
             target_x,
             N,
             mask_ptr,
@@ -302,6 +314,7 @@ def linear_grpo_forward_kernel(
             dloss_out,
             kl_out,
             flags_out,
+            sum_squares_out,
             loss_scalars,
             LOSS_KIND,
             KL_KIND,
@@ -326,6 +339,7 @@ def linear_grpo_combine_kernel(
     dloss_out,
     kl_out,
     flags_out,
+    sum_squares_out,
     loss_scalars,
     LOSS_KIND: tl.constexpr,
     KL_KIND: tl.constexpr,
@@ -334,6 +348,7 @@ def linear_grpo_combine_kernel(
 ):
     """Merge the vocabulary splits' log-sum-exp states of a token block, then finish its tokens."""
     COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
+    COMPUTE_SUMSQ: tl.constexpr = sum_squares_out is not None
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < N
     active = _active_rows(rows, N, mask_ptr)
@@ -341,15 +356,20 @@ def linear_grpo_combine_kernel(
     running_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
     sum_exp = tl.zeros([BLOCK_N], dtype=tl.float32)
     sum_exp_x = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
     target_x = tl.zeros([BLOCK_N], dtype=tl.float32)
     for split in range(0, splits):
         part = partials_ptr + tl.cast(split, tl.int64) * N + rows
         part_x = tl.load(part + 2 * stride_split, mask=in_rows, other=0.0) if COMPUTE_ENTROPY else sum_exp_x
+        part_max = tl.load(part, mask=in_rows, other=float("-inf"))
+        if COMPUTE_SUMSQ:
+            part_sq = tl.load(part + 4 * stride_split, mask=in_rows, other=0.0)
+            sum_sq = merge_sum_squares(running_max, sum_sq, part_max, part_sq)
         running_max, sum_exp, sum_exp_x = merge_lse(
             running_max,
             sum_exp,
             sum_exp_x,
-            tl.load(part, mask=in_rows, other=float("-inf")),
+            part_max,
             tl.load(part + stride_split, mask=in_rows, other=0.0),
             part_x,
             COMPUTE_ENTROPY,
@@ -362,6 +382,7 @@ def linear_grpo_combine_kernel(
         running_max,
         sum_exp,
         sum_exp_x,
+        sum_sq,
         target_x,
         N,
         mask_ptr,
@@ -376,6 +397,7 @@ def linear_grpo_combine_kernel(
         dloss_out,
         kl_out,
         flags_out,
+        sum_squares_out,
         loss_scalars,
         LOSS_KIND,
         KL_KIND,

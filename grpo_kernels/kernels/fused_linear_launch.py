@@ -106,9 +106,10 @@ def linear_forward(
     tokens: TokenInputs = NO_TOKEN_INPUTS,
     compute_entropy: bool = False,
     config: dict[str, int] | None = None,
+    compute_sum_squares: bool = False,
 ) -> ForwardResult:
     """The forward kernel on cap(hidden [N, H] @ weight[V, H]^T + bias) / temperature (``launch.resolved_head``),
-    logits never stored.
+    logits never stored; with ``compute_sum_squares`` (a log-prob pass) each token's Σπ² too.
 
     Per-token inputs (``tokens``) and outputs as in ``launch.forward`` (fp32 [N]); with ``kernel_loss``
     None only log-probs (and entropy) are computed. The lm_head gradient needs the full log-sum-exp first:
@@ -118,13 +119,16 @@ def linear_forward(
     N, H = hidden.shape
     V = weight.shape[0]
     out = allocate_outputs(N, hidden.device, kernel_loss, compute_entropy)
+    if compute_sum_squares:
+        out.sum_squares = torch.empty(N, device=hidden.device, dtype=torch.float32)
     per_token = dict(**loss_pointer_args(out, tokens), **loss_args(kernel_loss))
     cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
     if N == 0:
         return out
     blocks_n = triton.cdiv(N, cfg["BLOCK_N"])
     splits, v_per_split = linear_vocab_splits(blocks_n, V, cfg["BLOCK_V"], hidden.device)
-    partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32) if splits > 1 else None
+    states = 5 if compute_sum_squares else 4
+    partials = torch.empty(states, splits, N, device=hidden.device, dtype=torch.float32) if splits > 1 else None
     FL.linear_grpo_forward_kernel[(blocks_n, splits)](
         h_ptr=hidden,
         w_ptr=weight,

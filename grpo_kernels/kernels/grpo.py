@@ -154,11 +154,20 @@ def padded_base2_logit(x, in_row, c, softcap):
 
 @triton.jit
 def _lse_fold(x2, m, s, t, COMPUTE_ENTROPY: tl.constexpr):
-    """Fold one block of base-2 logits into each lane's running max m, sum s = sum 2^(x - m), and
-    t = sum 2^(x - m) * x (the entropy's), with one exp2 a logit and no cross-lane reduction.
+    """``_lse_fold_sums`` without the sum of squares (the split-row chunks' fold)."""
+    m, s, t, _ = _lse_fold_sums(x2, m, s, t, 0.0, COMPUTE_ENTROPY, False)
+    return m, s, t
+
+
+@triton.jit
+def _lse_fold_sums(x2, m, s, t, q, COMPUTE_ENTROPY: tl.constexpr, COMPUTE_SUMSQ: tl.constexpr):
+    """Fold one block of base-2 logits into each lane's running max m, sum s = sum 2^(x - m),
+    t = sum 2^(x - m) * x (the entropy's) and q = sum 2^(2 (x - m)) (the squared probabilities', Σπ²),
+    with one exp2 a logit and no cross-lane reduction.
 
     2^-|x - m| is at once the rescale of s when x is the lane's new max and x's own term when it
-    is not; the lanes are combined once per row, after the loop (``_lse_finish``).
+    is not (its square the same for q: one multiply more); the lanes are combined once per row, after the loop
+    (``_lse_finish``).
     """
     d = x2 - m
     e = tl.exp2(-tl.abs(d))
@@ -166,21 +175,29 @@ def _lse_fold(x2, m, s, t, COMPUTE_ENTROPY: tl.constexpr):
     s = tl.where(bigger, s * e + 1.0, s + e)
     if COMPUTE_ENTROPY:
         t = tl.where(bigger, t * e + x2, t + e * x2)
-    return tl.maximum(m, x2), s, t
+    if COMPUTE_SUMSQ:
+        ee = e * e
+        q = tl.where(bigger, q * ee + 1.0, q + ee)
+    return tl.maximum(m, x2), s, t, q
 
 
 @triton.jit
-def _lse_finish(m, s, t, COMPUTE_ENTROPY: tl.constexpr):
-    """(log-sum-exp in base 2, entropy in nats) of a row from its lanes' (m, s, t): every lane's sums are
-    rescaled to the row's max (finite: the lanes start at FLOOR), then added."""
+def _lse_finish(m, s, t, q, COMPUTE_ENTROPY: tl.constexpr, COMPUTE_SUMSQ: tl.constexpr):
+    """(log-sum-exp in base 2, entropy in nats, sum of squared probabilities) of a row from its lanes' (m, s, t, q):
+    every lane's sums are rescaled to the row's max (finite: the lanes start at FLOOR), then added."""
     row_max = tl.max(m, axis=0)
+    if COMPUTE_SUMSQ:
+        q = q * tl.exp2(2.0 * (m - row_max))
     s, t = rescale_lse(m, s, t, row_max, COMPUTE_ENTROPY, BASE2=True)
     sum_exp = tl.sum(s, axis=0)
     lse2 = row_max + tl.log2(sum_exp)
     entropy = 0.0
     if COMPUTE_ENTROPY:
         entropy = LN2 * (lse2 - tl.sum(t, axis=0) / sum_exp)
-    return lse2, entropy
+    sum_squares = 0.0
+    if COMPUTE_SUMSQ:
+        sum_squares = tl.sum(q, axis=0) / (sum_exp * sum_exp)
+    return lse2, entropy, sum_squares
 
 
 @triton.jit
@@ -191,10 +208,12 @@ def _online_logsumexp(
     softcap,
     BLOCK_V: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr,
+    COMPUTE_SUMSQ: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
     EVICTION: tl.constexpr,
 ):
-    """One pass over a row: log-sum-exp of x = cap(logits) / tau (natural log) and the entropy of softmax(x).
+    """One pass over a row: log-sum-exp of x = cap(logits) / tau (natural log), the entropy of softmax(x) and the
+    sum of its squared probabilities, Σπ² (each only where asked).
 
     Full blocks load without a mask (so aligned rows get 128-bit vector loads); the remainder, if any, is one
     masked block. The loop is software-pipelined over LOOP_STAGES stages (1: not pipelined);
@@ -209,12 +228,13 @@ def _online_logsumexp(
     m = tl.full([HALF], FLOOR, tl.float32)
     s = tl.zeros([HALF], tl.float32)
     t = tl.zeros([HALF], tl.float32)
+    q = tl.zeros([HALF], tl.float32)
     full_end = (V // BLOCK_V) * BLOCK_V
     for start in tl.range(0, full_end, BLOCK_V, num_stages=LOOP_STAGES):
         x = tl.load(row_ptr + start + block, eviction_policy=EVICTION)
         even, odd = tl.split(tl.reshape(x, [HALF, 2]))
-        m, s, t = _lse_fold(base2_logit(even, c, softcap), m, s, t, COMPUTE_ENTROPY)
-        m, s, t = _lse_fold(base2_logit(odd, c, softcap), m, s, t, COMPUTE_ENTROPY)
+        m, s, t, q = _lse_fold_sums(base2_logit(even, c, softcap), m, s, t, q, COMPUTE_ENTROPY, COMPUTE_SUMSQ)
+        m, s, t, q = _lse_fold_sums(base2_logit(odd, c, softcap), m, s, t, q, COMPUTE_ENTROPY, COMPUTE_SUMSQ)
     if full_end < V:  # the remainder: one masked block, folded as the full ones (no other register layout)
         in_row = full_end + block < V
         x = tl.load(row_ptr + full_end + block, mask=in_row, other=float("-inf"))
@@ -222,17 +242,21 @@ def _online_logsumexp(
         even_in_row, odd_in_row = tl.split(tl.reshape(in_row, [HALF, 2]))
         # A padding lane's fold leaves m and s as they were but makes t = t + 0 * -inf = NaN;
         # keep its t, or every row whose V is not a multiple of BLOCK_V would take the slow path.
-        m, s, t_folded = _lse_fold(padded_base2_logit(even, even_in_row, c, softcap), m, s, t, COMPUTE_ENTROPY)
+        m, s, t_folded, q = _lse_fold_sums(
+            padded_base2_logit(even, even_in_row, c, softcap), m, s, t, q, COMPUTE_ENTROPY, COMPUTE_SUMSQ
+        )
         t = tl.where(even_in_row, t_folded, t)
-        m, s, t_folded = _lse_fold(padded_base2_logit(odd, odd_in_row, c, softcap), m, s, t, COMPUTE_ENTROPY)
+        m, s, t_folded, q = _lse_fold_sums(
+            padded_base2_logit(odd, odd_in_row, c, softcap), m, s, t, q, COMPUTE_ENTROPY, COMPUTE_SUMSQ
+        )
         t = tl.where(odd_in_row, t_folded, t)
-    lse2, entropy = _lse_finish(m, s, t, COMPUTE_ENTROPY)
+    lse2, entropy, sum_squares = _lse_finish(m, s, t, q, COMPUTE_ENTROPY, COMPUTE_SUMSQ)
     if COMPUTE_ENTROPY:
         # A -inf logit adds 0 * -inf to t; rather than guard every logit, a row whose entropy came
         # out NaN while its log-sum-exp is finite (only -inf logits do that) is summed again safely.
         if (entropy != entropy) & (lse2 == lse2) & (tl.abs(lse2) < float("inf")):
             entropy = LN2 * (lse2 - _mean_x2(row_ptr, V, c, softcap, lse2, BLOCK_V))
-    return lse2 * LN2, entropy
+    return lse2 * LN2, entropy, sum_squares
 
 
 @triton.jit
@@ -452,6 +476,7 @@ def _forward_token(
     dloss_out,
     kl_out,
     flags_out,
+    sum_squares_out,
     grad_weight_ptr,
     grad_logits_ptr,
     grad_stride_b,
@@ -471,6 +496,7 @@ def _forward_token(
     """Everything the forward does for one token (row ``pid``): see ``grpo_forward_kernel``."""
     HAS_MASK: tl.constexpr = mask_ptr is not None
     COMPUTE_ENTROPY: tl.constexpr = entropy_out is not None
+    COMPUTE_SUMSQ: tl.constexpr = sum_squares_out is not None
     WRITE_GRAD: tl.constexpr = grad_weight_ptr is not None
     HAS_ENTROPY_GRAD: tl.constexpr = entropy_grad_ptr is not None
     # L2_HINTS: the row's first read stays in L2 (evict_last) where the gradient loop reads it again right after,
@@ -482,18 +508,21 @@ def _forward_token(
     row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
     target = tl.load(ids_ptr + pid).to(tl.int64)
     if active:
-        lse, entropy = _online_logsumexp(
-            row_ptr, V, inv_temperature, softcap, BLOCK_V, COMPUTE_ENTROPY, LOOP_STAGES, FIRST_READ
+        lse, entropy, sum_squares = _online_logsumexp(
+            row_ptr, V, inv_temperature, softcap, BLOCK_V, COMPUTE_ENTROPY, COMPUTE_SUMSQ, LOOP_STAGES, FIRST_READ
         )
         logp = capped_logit(tl.load(row_ptr + target), softcap) * inv_temperature - lse
     else:
         lse = 0.0
         entropy = 0.0
+        sum_squares = 0.0
         logp = 0.0
     tl.store(logp_out + pid, logp)
     tl.store(lse_out + pid, lse)
     if COMPUTE_ENTROPY:
         tl.store(entropy_out + pid, entropy)
+    if COMPUTE_SUMSQ:
+        tl.store(sum_squares_out + pid, sum_squares)
 
     if LOSS_KIND != C_LOSS_NONE:
         loss, dloss, kl, flags = token_loss_at(
@@ -547,6 +576,7 @@ def grpo_forward_kernel(
     dloss_out,
     kl_out,
     flags_out,
+    sum_squares_out,
     grad_weight_ptr,
     grad_logits_ptr,
     grad_stride_b,
@@ -575,9 +605,10 @@ def grpo_forward_kernel(
     (``_forward_token``; on triton 3.6 a pipelined load drops them).
 
     An optional tensor is None where absent, and what it switches on is derived from that at compile
-    time: the mask, old and reference log-probs, importance weights, the entropy (``entropy_out``), the
-    one-pass gradient (``grad_weight_ptr``), the entropy bonus's (``entropy_grad_ptr``) and the head's
-    soft-cap (``softcap``, a number: see the module docstring).
+    time: the mask, old and reference log-probs, importance weights, the entropy (``entropy_out``), the sum of
+    squared probabilities (``sum_squares_out``, Σπ²: a log-prob pass's, on request), the one-pass gradient
+    (``grad_weight_ptr``), the entropy bonus's (``entropy_grad_ptr``) and the head's soft-cap (``softcap``, a
+    number: see the module docstring).
 
     The two calls of ``_forward_token`` are kept apart on purpose: one loop with a single trip for the
     plain grid (tried, AOT sm_90) cost the fp32 one-pass hot loops 0.3 instructions a logit and up to
@@ -604,6 +635,7 @@ def grpo_forward_kernel(
                 dloss_out,
                 kl_out,
                 flags_out,
+                sum_squares_out,
                 grad_weight_ptr,
                 grad_logits_ptr,
                 grad_stride_b,
@@ -641,6 +673,7 @@ def grpo_forward_kernel(
             dloss_out,
             kl_out,
             flags_out,
+            sum_squares_out,
             grad_weight_ptr,
             grad_logits_ptr,
             grad_stride_b,

@@ -159,6 +159,7 @@ class ForwardResult:
     flags: torch.Tensor | None  # int8 [N]
     grad_logits: torch.Tensor | None = None  # [B, T, V] in the logits' dtype (one-pass mode)
     split_row_error: torch.Tensor | None = None  # int32 [1], 1 if a split-row wait timed out (a GPU launch)
+    sum_squares: torch.Tensor | None = None  # fp32 [N]: sum of the squared probabilities (a log-prob pass's, Σπ²)
 
 
 def row_alignment(*tensors: torch.Tensor) -> int:
@@ -255,6 +256,7 @@ _POINTER_NAMES = (
     "dloss_out",
     "kl_out",
     "flags_out",
+    "sum_squares_out",
 )
 
 
@@ -275,6 +277,7 @@ def forward(
     compute_entropy: bool = False,
     gradient: OnePassGradient | None = None,
     config: dict[str, int] | None = None,
+    compute_sum_squares: bool = False,
 ) -> ForwardResult:
     """Run the forward kernel on log softmax(cap(logits) / temperature) (``resolved_head``).
 
@@ -283,10 +286,13 @@ def forward(
     entropy) are computed. With ``gradient`` (a loss only) the kernel also writes dlogits of the
     reduced loss in the same pass (one-pass mode; see ``OnePassGradient``): in place, each row is read
     in full for its log-sum-exp before any of it is written. ``config`` overrides the launch
-    configuration (see ``logits_launch_config``).
+    configuration (see ``logits_launch_config``). ``compute_sum_squares``: also each token's sum of squared
+    probabilities, Σπ² (``ForwardResult.sum_squares``), from the same pass.
     """
     temperature, softcap = resolved_head(kernel_loss, temperature, softcap)
     out = allocate_outputs(ids.numel(), logits.device, kernel_loss, compute_entropy)
+    if compute_sum_squares:
+        out.sum_squares = torch.empty(ids.numel(), device=logits.device, dtype=torch.float32)
     return _run_forward(logits, ids, out, kernel_loss, temperature, softcap, tokens, compute_entropy, gradient, config)
 
 
@@ -391,7 +397,7 @@ def _run_forward(
     loss = NO_LOSS_ARGS if kernel_loss is None else kernel_loss.args
     launch_config = logits_launch_config(logits, config, "logprobs" if kernel_loss is None else "logits")
     # positional, in the kernel's signature order (grpo.grpo_forward_kernel): Triton's launcher takes a keyword
-    # argument at about ten times a positional one's host time, and this launch has 33
+    # argument at about ten times a positional one's host time, and this launch has 34
     args = (
         logits,
         logits.stride(0),
@@ -418,6 +424,7 @@ def _run_forward(
     if write_grad and not gradient.in_place and chunks:
         # the leading parameters, by name (the constexprs after them come as keywords)
         kwargs = dict(zip(grpo.grpo_forward_kernel.arg_names, args, strict=False))
+        del kwargs["sum_squares_out"]  # (a loss's launch: no Σπ², which the split-row kernel does not take)
         if split_row_launch.SPLIT_ROW_BLOCK:  # a block for the split-row kernel alone (the tests' small vocabularies)
             launch_config = {**launch_config, **block_config(split_row_launch.SPLIT_ROW_BLOCK, logits.element_size())}
         ran, out.split_row_error = split_row_launch.split_row_forward(logits, kwargs, launch_config, int(chunks))
@@ -440,7 +447,21 @@ def loss_pointers(out: ForwardResult, tokens: TokenInputs) -> tuple:
     positional: see ``_run_forward``)."""
     with_loss = out.loss is not None
     if not with_loss:
-        return (tokens.mask, None, None, None, None, out.logp, out.entropy, out.lse, None, None, None, None)
+        return (
+            tokens.mask,
+            None,
+            None,
+            None,
+            None,
+            out.logp,
+            out.entropy,
+            out.lse,
+            None,
+            None,
+            None,
+            None,
+            out.sum_squares,
+        )
     if tokens.advantages is None:
         raise ValueError("advantages=None: a loss launch needs each token's advantage (fp32 [N])")
     if out.kl is not None and tokens.ref_logps is None:
@@ -460,6 +481,7 @@ def loss_pointers(out: ForwardResult, tokens: TokenInputs) -> tuple:
         out.dloss_dlogp,
         out.kl,
         out.flags,
+        None,  # (Σπ² is a log-prob pass's)
     )
 
 

@@ -49,3 +49,11 @@ def merge_lse(
     if COMPUTE_ENTROPY:
         sum_exp_x = sum_exp_x + part_sum_x
     return new_max, sum_exp + part_sum, sum_exp_x
+
+
+@triton.jit
+def merge_sum_squares(running_max, sum_sq, part_max, part_sq):
+    """A part's sum exp(2 (x - part_max)) folded into the running one, both moved to the larger max (natural units:
+    the fused head's tiles and splits; Σπ² is that sum over (sum exp(x - max))^2)."""
+    offset = finite_or_zero(tl.maximum(running_max, part_max))
+    return sum_sq * tl.exp(2.0 * (running_max - offset)) + part_sq * tl.exp(2.0 * (part_max - offset))
