@@ -30,7 +30,7 @@ TESTS = pathlib.Path(__file__).resolve().parent
 REPO = TESTS.parent
 OURS = {
     "ppo_actor.PolicyLoss": "grpo_kernels.integration.openrlhf.PolicyLoss",
-    "ppo_actor.aggregate_loss": "grpo_kernels.integration.openrlhf.aggregate_loss",
+    "ppo_actor.aggregate_loss": "grpo_kernels.conventions.openrlhf_aggregate_loss",  # (re-exported by the adapter)
     "ppo_actor.compute_approx_kl": "grpo_kernels.integration.openrlhf.compute_approx_kl",
     "actor.log_probs_from_logits": "grpo_kernels.integration.openrlhf.patch_actor.<locals>.log_probs_from_logits",
     "actor.compute_entropy": "grpo_kernels.integration.openrlhf.patch_actor.<locals>.compute_entropy",
