@@ -5,6 +5,7 @@ import importlib.util
 import sys
 import warnings
 
+from .kept_set import KeptSet
 from .loss import (
     FusedLinearGRPOLoss,
     GRPOLoss,
@@ -29,6 +30,7 @@ __all__ = [
     "GRPOLoss",
     "GRPOLossOutput",
     "GRPOOptions",
+    "KeptSet",
     "OpenRLHFCorrection",
     "TRLImportanceSampling",
     "VerlRolloutCorrection",

@@ -24,19 +24,22 @@ from __future__ import annotations
 
 import torch
 
-from . import ops, torch_path
+from . import kept_set, ops, torch_path
 from .from_logits import (
     LogprobResult,
     apply_or_forward,
     first_backward,
     input_grads,
+    kept_gradient,
     kernel_output,
     loss_outputs,
     signature_bound_once,
     weighted_dloss,
+    with_kept_lse,
+    with_kept_set,
 )
-from .kernels import fused_linear_launch, launch, reduce_launch
-from .kernels.contracts import LossTokens, OnePassGradient
+from .kernels import fused_linear_launch, kept_launch, launch, reduce_launch
+from .kernels.contracts import KeptTerms, KeptTokens, LossTokens, OnePassGradient, rounds_head_logits
 from .objective import GRPOLossOutput
 from .options import GRPOOptions
 from .validation import check_head_precision, check_linear_inputs, check_lm_head_mode
@@ -118,6 +121,17 @@ class HiddenStatesSource:
         """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens, as in the logits form. A
         vocabulary-parallel call's source is ``vocab_parallel.ShardedHiddenStatesSource``, which overrides this."""
         options = inputs.options
+        if inputs.kept is not None:
+            pair = KeptLinearTokenLogprobs.apply(
+                *self.flat(inputs),
+                flat_mask(inputs.mask),
+                options.kernel_temperature,
+                options.kernel_softcap,
+                compute_entropy,
+                inputs.backend,
+                inputs.kept,
+            )
+            return self.as_rows(inputs, pair)
         pair = apply_or_forward(
             LinearTokenLogprobs,
             *self.flat(inputs),
@@ -131,14 +145,26 @@ class HiddenStatesSource:
     def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
         """(log-probs, entropy or None, Σπ²) [B, T] of a no-grad log-prob pass, from the same pass."""
         options = inputs.options
+        flat = self.flat(inputs)
         r = linear_logprobs_fwd(
-            *self.flat(inputs),
+            *flat,
             options.kernel_temperature,
             compute_entropy,
             options.kernel_softcap,
             inputs.backend,
             compute_sum_squares=True,
         )
+        if inputs.kept is not None:
+            terms = linear_kept_terms(
+                *flat,
+                inputs.kept,
+                flat_mask(inputs.mask),
+                options.kernel_temperature,
+                options.kernel_softcap,
+                inputs.backend,
+                compute_sum_squares=True,
+            )
+            r = with_kept_set(r, terms)
         return self.as_rows(inputs, (r.logp, r.entropy, r.sum_squares))
 
     @staticmethod
@@ -159,13 +185,17 @@ class HiddenStatesSource:
             mode = fused_linear_launch.default_lm_head_mode(self.tensor, self.weight.shape[0])
         opts, flat, shape = inputs.options, self.flat(inputs), inputs.ids.shape
         wants_grad = torch.is_grad_enabled() and (self.tensor.requires_grad or self.weight.requires_grad)
+        kept = inputs.kept
+        terms = linear_kept_terms(
+            *flat, kept, loss_tokens.tokens.mask, opts.kernel_temperature, opts.kernel_softcap, "triton"
+        )
         if mode == "three_products" and wants_grad:
-            loss, metrics, logp = LinearLossThreeProducts.apply(*flat, loss_tokens, opts, shape)
+            loss, metrics, logp = LinearLossThreeProducts.apply(*flat, loss_tokens, opts, shape, kept, terms)
         elif mode == "three_products":  # no gradient wanted: cuBLAS logits and the logits kernel
-            loss, metrics, logp = three_products_fwd(*flat, loss_tokens, opts, None)[:3]
+            loss, metrics, logp = three_products_fwd(*flat, loss_tokens, opts, None, kept, terms)[:3]
             logp = logp.view(shape)
         else:
-            loss, metrics, logp = LinearLoss.apply(*flat, loss_tokens, opts, shape)
+            loss, metrics, logp = LinearLoss.apply(*flat, loss_tokens, opts, shape, kept, terms)
         return kernel_output(opts, loss, metrics, logp)
 
 
@@ -212,9 +242,11 @@ def linear_loss_bwd(
     wants_weight: bool,
     h=None,
     entropy=None,
+    write_entries=None,
 ) -> tuple:
     """(d hidden, d weight or None, d bias or None), fp32, from g = dLoss/dlogp (and h = dLoss/dH with the
-    forward's entropy): a chunk of tokens at a time, the logits recomputed (Triton or the torch path)."""
+    forward's entropy): a chunk of tokens at a time, the logits recomputed (Triton or the torch path);
+    ``write_entries`` as in ``linear_logprobs_bwd``."""
     return linear_logprobs_bwd(
         hidden,
         weight,
@@ -228,6 +260,7 @@ def linear_loss_bwd(
         wants_weight,
         grad_entropy=flat_f32(h),
         entropy=flat_f32(entropy) if h is not None else None,
+        write_entries=write_entries,
     )
 
 
@@ -237,13 +270,15 @@ class LinearLoss(torch.autograd.Function):
     token's weight and the incoming gradient. Returns (loss, metrics vector, log-probs [B, T])."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
+    def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape, kept=None,
+                terms=None):  # fmt: skip
         ctx.set_materialize_grads(False)
+        loss_tokens = with_kept_lse(loss_tokens, terms)  # the kernels take each set's token's log-prob over its set
         loss, metrics, r, weights = linear_loss_fwd(hidden, weight, bias, ids, loss_tokens, opts)
         ctx.save_for_backward(
             hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy, weights.weight, weights.entropy_weight
         )
-        ctx.temperature, ctx.softcap = opts.kernel_temperature, opts.kernel_softcap
+        ctx.temperature, ctx.softcap, ctx.kept, ctx.terms = opts.kernel_temperature, opts.kernel_softcap, kept, terms
         return loss_outputs(ctx, loss, metrics, r.logp, out_shape)
 
     @staticmethod
@@ -252,19 +287,21 @@ class LinearLoss(torch.autograd.Function):
             return input_grads(ctx)
         hidden, weight, bias, ids, lse, dloss_dlogp, entropy, weight_of_token, entropy_weight = ctx.saved_tensors
         g, h = weighted_dloss(grad_loss, weight_of_token, dloss_dlogp, entropy_weight)
+        g_dense, h_dense = kept_set.dense_share(ctx.terms, ctx.kept, g, h)
         grads = linear_loss_bwd(
             hidden,
             weight,
             bias,
             ids,
             lse,
-            g,
+            g_dense,
             ctx.temperature,
             ctx.softcap,
             "triton",
             _wants_weight(ctx, bias),
-            h,
+            h_dense,
             entropy,
+            kept_entries(ids, ctx.kept, ctx.terms, g, h, lse, entropy, ctx.temperature, ctx.softcap, "triton"),
         )
         return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
 
@@ -277,13 +314,15 @@ def _wants_weight(ctx, bias) -> bool:
 
 
 def three_products_fwd(
-    hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, wants_weight: bool | None
-) -> tuple:
+    hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, wants_weight: bool | None, kept=None,
+    terms=None,
+) -> tuple:  # fmt: skip
     """(loss, metrics vector, log-probs [N], d hidden, d weight, d bias) of the 3-product launches: each chunk's
     logits by cuBLAS, the one-pass logits kernel turning them into the loss terms and, in place, dlogits of the
     reduced loss (each token's weight from the token-weights kernel), both gradient products in the same loop.
-    ``wants_weight`` None: no gradient at all (the three are None)."""
-    tokens, weights = reduce_launch.weighted_tokens(loss_tokens)
+    ``wants_weight`` None: no gradient at all (the three are None). ``kept``, ``terms``: the kept sets and their
+    terms (``linear_kept_terms``), their entries written into each chunk's dlogits."""
+    tokens, weights = reduce_launch.weighted_tokens(with_kept_lse(loss_tokens, terms))
     gradient = None if wants_weight is None else OnePassGradient(weights.weight, weights.entropy_weight)
     r, dh, dw, db = fused_linear_launch.linear_three_products(
         hidden,
@@ -295,6 +334,7 @@ def three_products_fwd(
         compute_entropy=opts.compute_entropy,
         gradient=gradient,
         compute_weight_grad=bool(wants_weight),
+        kept=None if terms is None else (kept, terms),
     )
     loss, metrics = reduce_launch.reduced(tokens.mask, opts.kernel_loss, r, weights)
     return loss, metrics, r.logp, dh, dw, db
@@ -311,9 +351,10 @@ class LinearLossThreeProducts(torch.autograd.Function):
     backward only scales d hidden, d weight and d bias by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape):
+    def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape, kept=None,
+                terms=None):  # fmt: skip
         loss, metrics, logp, dh, dw, db = three_products_fwd(
-            hidden, weight, bias, ids, loss_tokens, opts, _wants_weight(ctx, bias)
+            hidden, weight, bias, ids, loss_tokens, opts, _wants_weight(ctx, bias), kept, terms
         )
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -384,9 +425,12 @@ def linear_logprobs_bwd(
     compute_weight_grad: bool,
     grad_entropy=None,
     entropy=None,
+    write_entries=None,
 ) -> tuple:
     """(d hidden, d weight or None, d bias or None), fp32, from g = dLoss/dlogp (and h = dLoss/dH with the
-    forward's entropy), the logits recomputed a chunk at a time."""
+    forward's entropy), the logits recomputed a chunk at a time; ``write_entries(tile, first token, first column)``
+    writes sparse entries over each tile's dense gradient (a kept set's, ``kept_entries``; never inside a
+    graph)."""
     compiling = torch.compiler.is_compiling()
     if backend == "triton" and not compiling:
         return fused_linear_launch.linear_backward(
@@ -401,6 +445,7 @@ def linear_logprobs_bwd(
             grad_entropy=grad_entropy,
             entropy=entropy,
             softcap=softcap,
+            write_entries=write_entries,
         )
     if compiling:
         op = ops.triton_linear_backward if backend == "triton" else ops.torch_linear_backward
@@ -420,6 +465,7 @@ def linear_logprobs_bwd(
         grad_entropy=grad_entropy,
         entropy=entropy,
         softcap=softcap,
+        write_entries=write_entries,
     )
 
 
@@ -466,5 +512,130 @@ class LinearTokenLogprobs(torch.autograd.Function):
             _wants_weight(ctx, bias),
             grad_entropy,
             entropy,
+        )
+        return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
+
+
+# ---- The sampler's kept set (kept_set.py) from the head: each kept logit its own dot product ---------------------
+
+
+def flat_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-token mask as the kept-set kernels read it: contiguous [N] (None: every token read)."""
+    return None if mask is None else mask.reshape(-1).contiguous()
+
+
+def linear_kept_terms(hidden, weight, bias, ids, kept: KeptTokens | None, mask, temperature: float, softcap,
+                      backend: str, *, col0: int = 0, group=None, compute_sum_squares: bool = False):  # fmt: skip
+    """Each token's kept-set terms (``kernels.contracts.KeptTerms``) from hidden states [N, H] and the head's weight
+    [width, H] (a vocabulary slice from global id ``col0`` with ``group``) and bias, None without a set: each
+    entry's logit its own dot product (``kernels/kept.py::linear_kept_state_kernel``, or the torch path's gathered
+    products), rounded as the head rounds its logits; then ``kept_set.finish``."""
+    if kept is None:
+        return None
+    if backend == "triton":
+        x, state = kept_launch.linear_kept_state(
+            hidden,
+            weight,
+            bias,
+            ids,
+            kept,
+            temperature=temperature,
+            softcap=softcap,
+            mask=mask,
+            col0=col0,
+            compute_entropy=kept.entropy_over_set,
+            compute_sum_squares=compute_sum_squares,
+        )
+    else:
+        x_of = _head_logits_of(hidden, weight, bias, temperature, softcap)
+        x, state = kept_set.torch_state(x_of, ids, kept, mask, col0, weight.shape[0])
+    return kept_set.finish(state, kept, x, mask, group, compute_sum_squares)
+
+
+def _head_logits_of(hidden, weight, bias, temperature: float, softcap):
+    """x_of(token, local column) of the torch path: cap(h . W[v] + b[v]) / tau of gathered pairs, in the compute
+    dtype, rounded to 16 bits first for 16-bit inputs (``torch_path._chunk_logits``), a bounded chunk at a time."""
+    dtype = torch_path.compute_dtype(hidden)
+    step = max(1, (1 << 22) // max(hidden.shape[1], 1))  # pairs a chunk: 2^22 gathered elements
+
+    def x_of(token: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(token.shape, device=hidden.device, dtype=dtype)
+        for e0 in range(0, token.numel(), step):
+            t, v = token[e0 : e0 + step], local[e0 : e0 + step]
+            raw = torch.einsum("eh,eh->e", hidden[t].to(dtype), weight[v].to(dtype))
+            if bias is not None:
+                raw = raw + bias[v].to(dtype)
+            if rounds_head_logits(hidden.dtype):
+                raw = raw.to(hidden.dtype).to(dtype)
+            out[e0 : e0 + step] = torch_path.capped(raw, softcap)[0] * (1.0 / temperature)
+        return out
+
+    return x_of
+
+
+def kept_entries(ids, kept: KeptTokens | None, terms: KeptTerms | None, g, h, lse, entropy, temperature: float,
+                 softcap, backend: str, col0: int = 0):  # fmt: skip
+    """The head's backward's ``write_entries`` for the kept sets (None without): over each tile of dlogits (its
+    tokens from n0, its columns from v0), the sets' entries (``from_logits.kept_gradient``) from the full ``g`` and
+    ``h`` (the dense pass had their share of the sets' tokens taken out), the forward's ``lse`` and ``entropy``;
+    ``col0``: the slice's first global id (a vocabulary shard's)."""
+    if terms is None:
+        return None
+    flat = lambda t: None if t is None else t.reshape(-1).to(torch_path.compute_dtype(t))  # noqa: E731
+    g, h, lse, entropy = flat(g), flat(h), flat(lse), flat(entropy)
+    if backend != "triton":  # the torch path: every entry's value once, each tile takes its own
+        values = kept_set.torch_entry_gradients(ids, kept, terms, g, 1.0 / temperature, softcap, h, lse, entropy)
+        return lambda tile, n0, v0: kept_set.write_entries(tile, values, col0 + v0, n0)
+
+    def write(tile: torch.Tensor, n0: int, v0: int) -> None:
+        rows = slice(n0, n0 + tile.shape[0])
+        pick = lambda t: None if t is None else t[rows]  # noqa: E731
+        kept_gradient(
+            tile, ids, kept, terms, g[rows], pick(h), lse[rows], pick(entropy), temperature, softcap, backend,
+            col0=col0 + v0, n0=n0,
+        )  # fmt: skip
+
+    return write
+
+
+class KeptLinearTokenLogprobs(torch.autograd.Function):
+    """``LinearTokenLogprobs`` over each token's kept set: the set's terms from the head first, the pass over the
+    whole vocabulary, each set's token's log-prob (and, where it is the set's, entropy) over its set, and a
+    backward whose recomputed tiles of dlogits leave the sets' share to their entries (``kept_entries``).
+    hidden [N, H], weight [V, H], bias, ids [N], mask [N] or None. Returns (logp, entropy or None) [N]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, mask, temperature, softcap, compute_entropy, backend, kept):
+        ctx.set_materialize_grads(False)
+        terms = linear_kept_terms(hidden, weight, bias, ids, kept, mask, temperature, softcap, backend)
+        r = with_kept_set(
+            linear_logprobs_fwd(hidden, weight, bias, ids, temperature, compute_entropy, softcap, backend), terms
+        )
+        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.entropy)
+        ctx.terms, ctx.kept, ctx.backend, ctx.temperature, ctx.softcap = terms, kept, backend, temperature, softcap
+        return r.logp, r.entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        if grad_logp is None and grad_entropy is None:
+            return input_grads(ctx)
+        hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+        g = torch.zeros_like(lse) if grad_logp is None else flat_f32(grad_logp)
+        h = flat_f32(grad_entropy)
+        g_dense, h_dense = kept_set.dense_share(ctx.terms, ctx.kept, g, h)
+        grads = linear_loss_bwd(
+            hidden,
+            weight,
+            bias,
+            ids,
+            lse,
+            g_dense,
+            ctx.temperature,
+            ctx.softcap,
+            ctx.backend,
+            _wants_weight(ctx, bias),
+            h_dense,
+            entropy,
+            kept_entries(ids, ctx.kept, ctx.terms, g, h, lse, entropy, ctx.temperature, ctx.softcap, ctx.backend),
         )
         return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))

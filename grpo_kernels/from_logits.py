@@ -35,9 +35,9 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import ops, torch_path
-from .kernels import launch
-from .kernels.contracts import KernelLoss, LossTokens, Reduction, Sequences, TokenInputs
+from . import kept_set, ops, torch_path
+from .kernels import kept_launch, launch
+from .kernels.contracts import KeptTerms, KeptTokens, KernelLoss, LossTokens, Reduction, Sequences, TokenInputs
 from .objective import GRPOLossOutput
 from .options import GRPOOptions
 from .validation import check_in_place, check_logits, checked_drop_last_position
@@ -119,6 +119,19 @@ class LogitsSource:
         gradient flows through (it may write the gradient into the logits, with in_place_backward). A
         vocabulary-parallel call's source is ``vocab_parallel.ShardedLogitsSource``, which overrides this."""
         options = inputs.options
+        if inputs.kept is not None:
+            return KeptTokenLogprobs.apply(
+                self.tensor,
+                inputs.ids.contiguous(),
+                inputs.mask,
+                options.kernel_temperature,
+                options.kernel_softcap,
+                compute_entropy,
+                inputs.backend,
+                final and self.in_place_backward,
+                self.drop_last_position,
+                inputs.kept,
+            )
         return apply_or_forward(
             TokenLogprobs,
             self.tensor,
@@ -136,9 +149,20 @@ class LogitsSource:
         """(log-probs, entropy or None, Σπ²) [B, T] of a no-grad log-prob pass, from the same pass."""
         B, T = inputs.ids.shape
         options = inputs.options
+        ids = inputs.ids.contiguous()
+        terms = kept_terms(
+            self.predicting(),
+            ids,
+            inputs.kept,
+            inputs.mask,
+            options.kernel_temperature,
+            options.kernel_softcap,
+            inputs.backend,
+            compute_sum_squares=True,
+        )
         r = logprobs_fwd(
             self.tensor,
-            inputs.ids.contiguous(),
+            ids,
             options.kernel_temperature,
             inputs.mask,
             compute_entropy,
@@ -146,6 +170,7 @@ class LogitsSource:
             inputs.backend,
             self.drop_last_position,
             compute_sum_squares=True,
+            kept=terms,
         )
         return r.logp.view(B, T), None if r.entropy is None else r.entropy.view(B, T), r.sum_squares.view(B, T)
 
@@ -232,12 +257,17 @@ def weighted_dloss(grad_loss, weights, dloss_dlogp, entropy_weight):
 # ---- One-pass: dlogits written by the forward kernel -------------------------------------------------------------
 
 
-def one_pass_fwd(logits, ids, loss_tokens: LossTokens, kernel_loss: KernelLoss, drop_last_position: bool) -> tuple:
+def one_pass_fwd(
+    logits, ids, loss_tokens: LossTokens, kernel_loss: KernelLoss, drop_last_position: bool, kept=None
+) -> tuple:
     """(loss, metrics vector, log-probs [N], the gradient at the logits' shape) of the one-pass launches: the
     token-weights kernel, the logits kernel writing dlogits of the reduced loss into the gradient (its first T
     positions, in place of a [B, T, V] view; the token-weights kernel zeroes a dropped last position), the
-    loss-metrics kernel."""
+    loss-metrics kernel. ``kept``: the call's kept sets (``KeptTokens``): their terms first, their entries written
+    after the logits kernel's dense gradient."""
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    terms = with_kept_terms(logits, ids, kept, loss_tokens, kernel_loss, drop_last_position)
+    loss_tokens = with_kept_lse(loss_tokens, terms)
     r = launch.loss_forward(
         logits,
         ids,
@@ -246,7 +276,37 @@ def one_pass_fwd(logits, ids, loss_tokens: LossTokens, kernel_loss: KernelLoss, 
         gradient_out=grad,
         dropped_gradient=grad if drop_last_position else None,
     )
+    if terms is not None:
+        kept_gradient(
+            aligned(grad, drop_last_position),
+            ids,
+            kept,
+            terms,
+            r.result.dloss_dlogp * r.weights.weight,
+            r.weights.entropy_weight,
+            r.result.lse,
+            r.result.entropy,
+            kernel_loss.kernel_temperature,
+            kernel_loss.kernel_softcap,
+            "triton",
+        )
     return r.loss, r.metrics, r.result.logp, grad
+
+
+def with_kept_terms(logits, ids, kept, loss_tokens: LossTokens, kernel_loss: KernelLoss, drop_last_position: bool):
+    """A fused loss's kept-set terms (``kept_terms`` on the logits that predict the completion), None without a
+    set."""
+    if kept is None:
+        return None
+    return kept_terms(
+        aligned(logits, drop_last_position),
+        ids,
+        kept,
+        loss_tokens.tokens.mask,
+        kernel_loss.kernel_temperature,
+        kernel_loss.kernel_softcap,
+        "triton",
+    )
 
 
 def one_pass_bwd(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
@@ -268,7 +328,7 @@ class OnePassLoss(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ids = inputs.ids.contiguous()
         loss, metrics, logp, grad = one_pass_fwd(
-            logits, ids, loss_tokens, inputs.options.kernel_loss, inputs.source.drop_last_position
+            logits, ids, loss_tokens, inputs.options.kernel_loss, inputs.source.drop_last_position, inputs.kept
         )
         ctx.save_for_backward(grad)
         return loss_outputs(ctx, loss, metrics, logp, ids.shape)
@@ -334,6 +394,9 @@ class TwoPassLoss(torch.autograd.Function):
     def forward(ctx, logits, inputs, loss_tokens: LossTokens):
         ctx.set_materialize_grads(False)
         ids, opts, source = inputs.ids.contiguous(), inputs.options, inputs.source
+        terms = with_kept_terms(logits, ids, inputs.kept, loss_tokens, opts.kernel_loss, source.drop_last_position)
+        loss_tokens = with_kept_lse(loss_tokens, terms)
+        ctx.kept, ctx.terms = inputs.kept, terms
         r = two_pass_fwd(logits, ids, loss_tokens, opts.kernel_loss)
         ctx.save_for_backward(
             logits,
@@ -354,22 +417,35 @@ class TwoPassLoss(torch.autograd.Function):
         if grad_loss is None or not ctx.needs_input_grad[0]:
             return input_grads(ctx)
         g, h = weighted_dloss(grad_loss, weight, dloss_dlogp, entropy_weight)
-        return input_grads(
-            ctx,
-            two_pass_bwd(
-                logits,
+        g_dense, h_dense = kept_set.dense_share(ctx.terms, ctx.kept, g, h)
+        grad = two_pass_bwd(
+            logits,
+            ids,
+            lse,
+            g_dense,
+            ctx.temperature,
+            ctx.softcap,
+            ctx.drop_last_position,
+            ctx.in_place,
+            "triton",
+            h_dense,
+            entropy,
+        )
+        if ctx.terms is not None:
+            kept_gradient(
+                aligned(grad, ctx.drop_last_position),
                 ids,
-                lse,
+                ctx.kept,
+                ctx.terms,
                 g,
+                h,
+                lse,
+                entropy,
                 ctx.temperature,
                 ctx.softcap,
-                ctx.drop_last_position,
-                ctx.in_place,
                 "triton",
-                h,
-                entropy,
-            ),
-        )
+            )
+        return input_grads(ctx, grad)
 
 
 def apply_or_forward(function, *args):
@@ -677,9 +753,17 @@ def logprobs_fwd(
     backend: str,
     drop_last_position: bool = False,
     compute_sum_squares: bool = False,
+    kept: KeptTerms | None = None,
 ) -> LogprobResult:
     """log softmax(cap(logits) / temperature)[ids] (and the entropy, and Σπ²) of the logits that predict the
-    completion, fp32 [N]; ``mask`` fp32 [N] or None (every token read): 0 where it is 0."""
+    completion, fp32 [N]; ``mask`` fp32 [N] or None (every token read): 0 where it is 0. ``kept``: each token's kept
+    set (``kept_terms``): its log-prob (and, where the entropy is the set's, its entropy) over the set where it uses
+    one; ``lse`` stays the whole vocabulary's."""
+    if kept is not None and backend != "triton":
+        r = logprobs_fwd(
+            logits, ids, temperature, mask, compute_entropy, softcap, backend, drop_last_position, compute_sum_squares
+        )
+        return with_kept_set(r, kept)
     if backend == "triton":
         if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py)
             logp, entropy, lse, squares = ops.triton_logprobs(
@@ -693,16 +777,20 @@ def logprobs_fwd(
             )
             present = ops.present
             return LogprobResult(logp, present(entropy, compute_entropy), lse, present(squares, compute_sum_squares))
+        tokens = (
+            TokenInputs(mask=mask) if kept is None else TokenInputs(mask, kept_lse=kept.lse, kept_entropy=kept.entropy)
+        )
         r = launch.forward(
             logits,
             ids,
             temperature=temperature,
             softcap=softcap,
-            tokens=TokenInputs(mask=mask),
+            tokens=tokens,
             compute_entropy=compute_entropy,
             compute_sum_squares=compute_sum_squares,
         )
-        return LogprobResult(r.logp, r.entropy, r.lse, r.sum_squares)  # the kernels never read a masked row's id
+        r = LogprobResult(r.logp, r.entropy, r.lse, r.sum_squares)  # the kernels never read a masked row's id
+        return r if kept is None else with_kept_set(r, kept)  # (the set's Σπ² where a token uses its set)
     logits = aligned(logits, drop_last_position)
     B, T, _ = logits.shape
     active = None if mask is None else (mask != 0).view(B, T)
@@ -723,6 +811,140 @@ def logprobs_fwd(
         squares = None if squares is None else torch.where(active, squares, 0.0)
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
     return LogprobResult(logp.reshape(-1), flat(entropy), lse.reshape(-1), flat(squares))
+
+
+# ---- The sampler's kept set (kept_set.py): its per-token terms before a pass, its entries after the dense gradient --
+
+
+def kept_terms(logits, ids, kept: KeptTokens | None, mask, temperature: float, softcap, backend: str, *, col0: int = 0,
+               group=None, compute_sum_squares: bool = False) -> KeptTerms | None:  # fmt: skip
+    """Each token's kept-set terms (``kernels.contracts.KeptTerms``) from logits [B, T, width] (the ones that predict
+    the completion: a vocabulary slice from global id ``col0`` with ``group``), None without a set: the Triton
+    kernel (``kernels/kept.py``) or the torch path's gathers, then ``kept_set.finish``."""
+    if kept is None:
+        return None
+    B, T, width = logits.shape
+    if backend == "triton":
+        x, state = kept_launch.kept_state(
+            logits,
+            ids,
+            kept,
+            temperature=temperature,
+            softcap=softcap,
+            mask=mask,
+            col0=col0,
+            compute_entropy=kept.entropy_over_set,
+            compute_sum_squares=compute_sum_squares,
+        )
+    else:
+        dtype = torch_path.compute_dtype(logits)
+
+        def x_of(token, local):
+            raw = logits[token // T, token % T, local].to(dtype)
+            return torch_path.capped(raw, softcap)[0] * (1.0 / temperature)  # (as the kernels scale)
+
+        x, state = kept_set.torch_state(x_of, ids, kept, mask, col0, width)
+    return kept_set.finish(state, kept, x, mask, group, compute_sum_squares)
+
+
+def with_kept_set(r: LogprobResult, kept: KeptTerms) -> LogprobResult:
+    """A pass's results (the torch path's, computed over the whole vocabulary) with each set's token's log-prob (and
+    its entropy, where it is the set's) taken over its set."""
+    in_set = kept_set.used(kept)
+    logp = torch.where(in_set, kept.target_x - kept.lse, r.logp)
+    entropy = r.entropy
+    if entropy is not None and kept.entropy is not None:
+        entropy = torch.where(in_set, kept.entropy, entropy)
+    squares = (
+        r.sum_squares
+        if r.sum_squares is None or kept.sum_squares is None
+        else torch.where(in_set, kept.sum_squares, r.sum_squares)
+    )
+    return LogprobResult(logp, entropy, r.lse, squares)
+
+
+def kept_gradient(out, ids, kept: KeptTokens, terms: KeptTerms, g, h, lse, entropy, temperature: float, softcap,
+                  backend: str, col0: int = 0, n0: int = 0) -> None:  # fmt: skip
+    """The kept sets' entries of the gradient ``out`` ([B, T, width], the logits' that predict the completion, or a
+    [rows, width] tile of the tokens from ``n0``; the dense part written by a pass that left the sets' share out,
+    ``kept_set.dense_share``); ``g``, ``h``, ``lse``, ``entropy`` one per row of ``out``."""
+    flat = lambda t: None if t is None else t.reshape(-1).to(torch_path.compute_dtype(t)).contiguous()  # noqa: E731
+    g, h, lse, entropy = flat(g), flat(h), flat(lse), flat(entropy)
+    if backend == "triton":
+        kept_launch.kept_gradient(
+            out, ids, kept, terms, g, temperature=temperature, softcap=softcap, h=h, lse=lse, entropy=entropy,
+            col0=col0, n0=n0,
+        )  # fmt: skip
+    else:
+        kept_set.torch_gradient(out, ids, kept, terms, g, 1.0 / temperature, softcap, h, lse, entropy, col0, n0)
+
+
+def with_kept_lse(loss_tokens: LossTokens, terms: KeptTerms | None) -> LossTokens:
+    """The loss tokens with the kept sets' log-sum-exp (and the set's entropy) for the loss kernels to read."""
+    if terms is None:
+        return loss_tokens
+    return loss_tokens._replace(tokens=loss_tokens.tokens._replace(kept_lse=terms.lse, kept_entropy=terms.entropy))
+
+
+class KeptTokenLogprobs(torch.autograd.Function):
+    """``TokenLogprobs`` over each token's kept set (``inputs.kept``): the set's terms from the logits first, the pass
+    with them, and a backward whose dense part leaves the sets' share to their entries. Returns (logp [B, T], entropy
+    [B, T] or None)."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, mask, temperature, softcap, compute_entropy, backend, in_place, drop_last_position,
+                kept):  # fmt: skip
+        ctx.set_materialize_grads(False)
+        terms = kept_terms(aligned(logits, drop_last_position), ids, kept, mask, temperature, softcap, backend)
+        r = logprobs_fwd(
+            logits, ids, temperature, mask, compute_entropy, softcap, backend, drop_last_position, kept=terms
+        )
+        B, T = ids.shape
+        if backend == "torch" and mask is not None:  # the torch path's scatter needs an id in range at masked tokens
+            ids = torch.where(mask.view(ids.shape) != 0, ids, 0)
+        ctx.save_for_backward(logits, ids, r.lse, r.entropy)
+        ctx.terms, ctx.kept = terms, kept
+        ctx.backend, ctx.temperature, ctx.softcap, ctx.in_place = backend, temperature, softcap, in_place
+        ctx.drop_last_position = drop_last_position
+        entropy = None if r.entropy is None else r.entropy.view(B, T)
+        return r.logp.view(B, T), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, ids, lse, entropy = ctx.saved_tensors
+        if not ctx.needs_input_grad[0] or (grad_logp is None and grad_entropy is None):
+            return input_grads(ctx)
+        as_lse = lambda t: None if t is None else t.reshape(-1).to(lse.dtype)  # noqa: E731 (fp64 on fp64's torch path)
+        g = torch.zeros_like(lse) if grad_logp is None else as_lse(grad_logp)
+        h = as_lse(grad_entropy)
+        g_dense, h_dense = kept_set.dense_share(ctx.terms, ctx.kept, g, h)
+        grad = two_pass_bwd(
+            logits,
+            ids,
+            lse,
+            g_dense,
+            ctx.temperature,
+            ctx.softcap,
+            ctx.drop_last_position,
+            ctx.in_place,
+            ctx.backend,
+            h_dense,
+            entropy,
+        )
+        kept_gradient(
+            aligned(grad, ctx.drop_last_position),
+            ids,
+            ctx.kept,
+            ctx.terms,
+            g,
+            h,
+            lse,
+            entropy,
+            ctx.temperature,
+            ctx.softcap,
+            ctx.backend,
+        )
+        return input_grads(ctx, grad)
 
 
 def logprobs_bwd(

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels.contracts import Sequences
+from .kernels.contracts import KeptTokens, Sequences
 from .objective import GRPOLossOutput, as_row_column
 from .options import GRPOOptions
 from .validation import (
@@ -34,6 +34,7 @@ from .validation import (
     check_per_token,
     check_prompt_ids,
     check_token_ids,
+    checked_kept_set,
     checked_loss_scale,
     resolve_backend,
 )
@@ -177,10 +178,12 @@ def packed_layout(cu_seqlens, packed_source) -> tuple[SequenceLayout, object]:
 
 
 class VocabShard(NamedTuple):
-    """This rank's slice of a vocabulary-parallel call: its process group and its first global id."""
+    """This rank's slice of a vocabulary-parallel call: its process group, its first global id and the global
+    vocabulary's size."""
 
     group: object
     start: int
+    vocab_size: int
 
 
 class LossInputs(NamedTuple):
@@ -206,6 +209,7 @@ class LossInputs(NamedTuple):
     caller_shape: torch.Size | None  # a packed call's ids' shape, which its per-token log-probs take
     vocab_shard: VocabShard | None
     prompt_ids: torch.Tensor | None = None  # [S], each sequence's prompt (aggregation="prompt_mean")
+    kept: KeptTokens | None = None  # the sampler's kept sets, as the kernels read them (``kept_set.py``)
 
     def as_called(self, out: GRPOLossOutput, seq_layout: bool = False) -> GRPOLossOutput:
         """A packed call's output with its per-token log-probs in the token layout, shaped as its ids (from
@@ -264,6 +268,7 @@ class LossCall(NamedTuple):
     sampling_logps: object = None
     cu_seqlens: object = None
     prompt_ids: object = None
+    kept_set: object = None
 
 
 class CallSettings(NamedTuple):
@@ -289,6 +294,7 @@ class LogprobSettings(NamedTuple):
     vocab_start_index: int | None = None
     logit_scale: float = 1.0
     logit_softcap: float | None = None
+    kept_set: object = None
 
     @classmethod
     def of(cls, namespace: dict) -> LogprobSettings:
@@ -310,6 +316,7 @@ def prepare_inputs(source, call: LossCall, settings: CallSettings) -> LossInputs
         call.ref_logps,
         call.sampling_logps,
     )
+    token_shape = ids.shape if isinstance(ids, torch.Tensor) else None
     advantages, importance_weights, normalizer, options = (
         call.advantages,
         call.importance_weights,
@@ -360,6 +367,7 @@ def prepare_inputs(source, call: LossCall, settings: CallSettings) -> LossInputs
         layout, mask_seq = SequenceLayout.padded(shape[0], shape[1]), mask
     else:
         mask_seq = layout.seq(mask)
+    kept = _kept(call.kept_set, token_shape, ids, shape, shard, mask, settings.check_ids)
     return LossInputs(
         source,
         ids,
@@ -378,6 +386,7 @@ def prepare_inputs(source, call: LossCall, settings: CallSettings) -> LossInputs
         caller_shape,
         shard,
         call.prompt_ids,
+        kept,
     )
 
 
@@ -394,6 +403,7 @@ def prepare_logprob_inputs(
     )  # validated once per set of values
     caller_shape, layout = None, None
     check_ids = settings.check_ids
+    token_shape = ids.shape if isinstance(ids, torch.Tensor) else None
     if settings.cu_seqlens is not None:
         layout, source = packed_layout(settings.cu_seqlens, source)
         caller_shape = (layout.N,)
@@ -422,6 +432,7 @@ def prepare_logprob_inputs(
     if mask is not None:
         mask = mask if mask.dtype is torch.float32 and mask.is_contiguous() else mask.float().contiguous()
         mask_seq = mask if layout is None else layout.seq(mask)
+    kept = _kept(settings.kept_set, token_shape, ids, shape, shard, mask, settings.check_ids)
     return LossInputs(
         source,
         ids,
@@ -439,7 +450,23 @@ def prepare_logprob_inputs(
         layout or SequenceLayout.padded(shape[0], shape[1]),
         caller_shape,
         shard,
+        None,
+        kept,
     )
+
+
+def _kept(kept_set, token_shape, ids, shape, shard, mask, check_ids: bool):
+    """The call's kept sets as the kernels read them (``validation.checked_kept_set``), None without; refused inside
+    a torch.compile graph, whose ops do not take them yet."""
+    if kept_set is None:
+        return None
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "kept_set inside a torch.compile graph: the kept set's passes are not custom ops yet; call the loss "
+            "eagerly (or leave kept_set out of the compiled step)"
+        )
+    vocab_size = shape[-1] if shard is None else shard.vocab_size
+    return checked_kept_set(kept_set, token_shape, ids.numel(), vocab_size, ids.device, mask, check_ids)
 
 
 def _on_backend(source, settings, shape, ids, *, mask=None, normalizer=None) -> tuple:
@@ -450,7 +477,7 @@ def _on_backend(source, settings, shape, ids, *, mask=None, normalizer=None) -> 
     group = settings.vocab_parallel_group
     shard = None
     if group is not None:
-        start = sharded_vocab_start(
+        start, vocab_size = sharded_vocab_start(
             shape,
             source.tensor.device,
             ids,
@@ -460,7 +487,7 @@ def _on_backend(source, settings, shape, ids, *, mask=None, normalizer=None) -> 
             mask=mask,
             normalizer=normalizer,
         )
-        shard = VocabShard(group, start)
+        shard = VocabShard(group, start, vocab_size)
     backend = resolve_backend(settings.backend, source.tensor)
     source.check_call(backend, group is not None)
     return (source if group is None else sharded_source(source)), backend, shard

@@ -13,6 +13,7 @@ from . import pipeline
 from .from_hidden_states import HiddenStatesSource
 from .from_logits import LogitsSource
 from .inputs import CallSettings, LogprobSettings, LossCall, options_from
+from .kept_set import KeptSet
 from .objective import GRPOLossOutput
 from .option_docs import HIDDEN_STATES_KEYWORDS, LOGITS_KEYWORDS, docstring_options
 from .options import GRPOOptions
@@ -41,6 +42,7 @@ def grpo_loss(
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
     prompt_ids: torch.Tensor | None = None,
+    kept_set: KeptSet | None = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
@@ -60,6 +62,12 @@ def grpo_loss(
     ``sampling_logps`` [B, T] (the sampler's log-probs, e.g. vLLM's) feed the off-policy mask
     (``off_policy_mask_threshold``; without them it uses ``old_logps``, as TRL does) and the
     ``rollout_correction`` (``rollout_correction.py``: verl's, TRL's or OpenRLHF's weights and rejections).
+
+    ``kept_set`` (``KeptSet``): the sampler's kept ids of each token (top-k / top-p replay): the current policy's
+    log-prob of a token is taken over its set (z_y / T - logsumexp of z / T over the set), its gradient zero outside
+    the set. ``old_logps`` / ``ref_logps`` are the caller's: compute them over the same sets with
+    ``token_logprobs(..., kept_set=)``. The conventions (a target outside its set, the entropy's distribution) are
+    the set's (``kept_set.py``).
 
     ``prompt_ids`` [B] (a packed call's [S]), integers: each sequence's prompt, for ``aggregation="prompt_mean"``
     (SkyRL's prompt mean: each prompt's token mean, then the mean over the call's prompts). A prompt's sequences
@@ -92,6 +100,7 @@ def grpo_loss(
         sampling_logps,
         cu_seqlens,
         prompt_ids,
+        kept_set,
     )
     options = options_from(options, option_kwargs)
     return pipeline.loss(
@@ -122,6 +131,7 @@ def fused_linear_grpo_loss(
     vocab_start_index: int | None = None,
     head_precision: str = "input",
     prompt_ids: torch.Tensor | None = None,
+    kept_set: KeptSet | None = None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
@@ -144,6 +154,9 @@ def fused_linear_grpo_loss(
     (16-bit operands on the tensor cores, fp32 accumulation, the logits rounded once to that dtype), in every mode
     and backend; "fp32" casts hidden states, weight and bias to fp32 first (exact fp32 products and fp32 logits, as
     TRL's ``cast_lm_head_to_fp32`` and a rollout engine's fp32 head), the gradients coming back in their dtypes.
+
+    ``kept_set`` as in ``grpo_loss``: each kept logit is computed as its own dot product of the token's hidden state
+    and the id's weight row (rounded as the head rounds its logits), beside the head's tiles, in every mode.
     """
     source = HiddenStatesSource(hidden_states, weight, bias, lm_head_mode, head_precision)
     call = LossCall(
@@ -158,6 +171,7 @@ def fused_linear_grpo_loss(
         sampling_logps,
         cu_seqlens,
         prompt_ids,
+        kept_set,
     )
     options = options_from(options, option_kwargs)
     return pipeline.loss(
@@ -190,6 +204,7 @@ def token_logprobs(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     return_sum_pi_squared: bool = False,
+    kept_set: KeptSet | None = None,
 ):
     """Per-token log softmax(logits / temperature)[ids] in fp32, shaped like ``ids``, without gradient.
 
@@ -202,6 +217,8 @@ def token_logprobs(
     the logits are a head's raw outputs, transformed as the options of those names say (see ``GRPOLoss``).
     ``return_sum_pi_squared``: also each token's sum of squared probabilities Σπ² = sum_v softmax(...)_v^2, from
     the same pass (verl's ``calculate_sum_pi_squared_from_logits``, for its optimal token baseline), returned last.
+    ``kept_set`` (``KeptSet``): each token's log-prob (Σπ², and the entropy where the set says so) over the ids its
+    sampler kept, as in ``grpo_loss``: the old and reference log-probs of a top-k / top-p run.
     """
     source = LogitsSource(logits, drop_last_position=drop_last_position)
     settings = LogprobSettings.of(locals())
@@ -233,6 +250,7 @@ def linear_token_logprobs(
     logit_softcap: float | None = None,
     head_precision: str = "input",
     return_sum_pi_squared: bool = False,
+    kept_set: KeptSet | None = None,
 ):
     """``token_logprobs`` of ``hidden_states @ weight.T + bias`` without the [N, V] logits: the old and reference
     log-probs of a fused lm_head user (the lm_head forward kernel, a tile of logits at a time; the torch
@@ -242,7 +260,8 @@ def linear_token_logprobs(
     ``linear_selective_log_softmax_and_entropy`` have one). ``weight`` must be the head's effective weight (an
     adapter on the head: ``grpo_kernels.wrapped.output_layer``), and ``logit_scale`` / ``logit_softcap`` its output
     transform (a model's: ``grpo_kernels.heads.head_transform(model).options``); ``head_precision`` as in
-    ``fused_linear_grpo_loss``; ``return_sum_pi_squared`` as in ``token_logprobs``."""
+    ``fused_linear_grpo_loss``; ``return_sum_pi_squared`` and ``kept_set`` as in ``token_logprobs`` (each kept logit
+    its own dot product: still no [N, V] tensor)."""
     return _linear_logprobs(locals(), return_entropy, return_sum_pi_squared)
 
 
@@ -261,6 +280,7 @@ def linear_selective_log_softmax(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     head_precision: str = "input",
+    kept_set: KeptSet | None = None,
 ) -> torch.Tensor:
     """Differentiable log softmax(cap(hidden_states @ weight.T + bias) / temperature)[ids] in fp32, the fused head as
     an op: the gradient reaches ``hidden_states``, ``weight`` (unless it does not require one: a frozen head) and
@@ -285,6 +305,7 @@ def linear_selective_log_softmax_and_entropy(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     head_precision: str = "input",
+    kept_set: KeptSet | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear_selective_log_softmax(...), the entropy of the same distribution)``, both fp32 and differentiable
     (an entropy bonus's gradient, dH/dz = -p (log p + H), runs in the same backward), from one pass of the head."""
@@ -317,6 +338,7 @@ def selective_log_softmax(
     vocab_start_index: int | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    kept_set: KeptSet | None = None,
 ) -> torch.Tensor:
     """Differentiable ``log_softmax(logits / temperature).gather(-1, ids)`` in fp32, on the fused kernel.
 
@@ -324,7 +346,8 @@ def selective_log_softmax(
     is written in the logits' dtype without materializing the log-softmax: a drop-in for
     TRL's ``selective_log_softmax`` and verl's ``logprobs_from_logits``. With ``vocab_parallel_group``
     the logits are this rank's vocabulary slice and the ids global (Megatron's layout, as in
-    ``grpo_loss``): a drop-in for verl's ``vocab_parallel_log_probs_from_logits``.
+    ``grpo_loss``): a drop-in for verl's ``vocab_parallel_log_probs_from_logits``. ``kept_set``: the log-probs
+    over each token's kept set (``grpo_loss``), their gradient only over the set.
     """
     source = LogitsSource(logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward)
     return pipeline.logprobs(source, ids, temperature, False, LogprobSettings.of(locals()))[0]
@@ -367,6 +390,7 @@ def selective_log_softmax_and_entropy(
     vocab_start_index: int | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    kept_set: KeptSet | None = None,
 ):
     """``(selective_log_softmax(...), token_entropy(...))`` from one pass over the logits, both differentiable
     (the backward is one pass too, whichever of the two the loss uses). fp32, shapes ``ids.shape``."""
@@ -493,6 +517,7 @@ class GRPOLoss(_LossModule):
         sampling_logps=None,
         cu_seqlens=None,
         prompt_ids=None,
+        kept_set=None,
     ) -> GRPOLossOutput:
         source = LogitsSource(
             logits,
@@ -512,6 +537,7 @@ class GRPOLoss(_LossModule):
             sampling_logps,
             cu_seqlens,
             prompt_ids,
+            kept_set,
         )
         return pipeline.loss(source, call, self._settings())
 
@@ -579,6 +605,7 @@ class FusedLinearGRPOLoss(_LossModule):
         sampling_logps=None,
         cu_seqlens=None,
         prompt_ids=None,
+        kept_set=None,
     ) -> GRPOLossOutput:
         source = HiddenStatesSource(hidden_states, weight, bias, self.lm_head_mode, self.head_precision)
         call = LossCall(
@@ -593,6 +620,7 @@ class FusedLinearGRPOLoss(_LossModule):
             sampling_logps,
             cu_seqlens,
             prompt_ids,
+            kept_set,
         )
         return pipeline.loss(source, call, self._settings())
 

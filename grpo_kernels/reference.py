@@ -51,6 +51,59 @@ def token_logprobs_and_entropy(
     return picked, entropy
 
 
+def kept_token_logprobs_and_entropy(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    kept_set,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+    mask: torch.Tensor | None = None,
+    return_sum_pi_squared: bool = False,
+):
+    """``token_logprobs_and_entropy`` over each token's kept set (``grpo_kernels.KeptSet``), densely: x =
+    head_output(logits) / temperature set to -inf outside the set, then the log-softmax; a token whose target is
+    outside its set (or whose set is empty) takes the whole vocabulary, unless ``outside="add_target"`` adds the target
+    to its set; the entropy is the whole vocabulary's unless ``entropy="set"``. Only active tokens (``mask``) read
+    their sets. With ``return_sum_pi_squared`` also Σπ² over the distribution each log-prob is taken in."""
+    B, T, V = logits.shape
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = head_output(logits.to(dtype), logit_scale, logit_softcap) / temperature
+    full = torch.log_softmax(x, dim=-1)
+    member = torch.zeros(B * T, V, dtype=torch.bool, device=logits.device)
+    active = torch.ones(B * T, dtype=torch.bool, device=logits.device) if mask is None else mask.reshape(-1) != 0
+    for n in range(B * T):
+        if not active[n]:
+            continue
+        if kept_set.offsets is None:
+            row = kept_set.ids.reshape(B * T, -1)[n].long()
+            row = row[row >= 0]
+        else:
+            row = kept_set.ids[int(kept_set.offsets[n]) : int(kept_set.offsets[n + 1])].long()
+        member[n, row] = True
+    member = member.view(B, T, V)
+    target = ids.long().clamp(0, V - 1).unsqueeze(-1)
+    found = member.gather(-1, target).squeeze(-1)
+    if kept_set.outside == "add_target":
+        member = member.scatter(-1, target, True)
+        uses_set = torch.ones_like(found)
+    else:
+        uses_set = found
+    uses_set = uses_set & active.view(B, T)
+    in_set = torch.log_softmax(torch.where(member, x, float("-inf")), dim=-1)
+    log_p = torch.where(uses_set.unsqueeze(-1), in_set, full)
+    picked = log_p.gather(-1, target).squeeze(-1)
+
+    def entropy_of(lp):
+        p = lp.exp()
+        return -(p * torch.where(p > 0, lp, torch.zeros_like(lp))).sum(-1)
+
+    entropy = entropy_of(log_p) if kept_set.entropy == "set" else entropy_of(full)
+    if return_sum_pi_squared:  # Σπ² of the distribution the token's log-prob is taken in (its set's, or the whole's)
+        return picked, entropy, (log_p.exp() ** 2).sum(-1)
+    return picked, entropy
+
+
 @dataclasses.dataclass
 class _Sequence:
     """One row's active tokens: its mask weights and per-token values, 1-D over those tokens.
@@ -373,6 +426,7 @@ def grpo_loss_reference(
     options: GRPOOptions | None = None,
     sampling_logps: torch.Tensor | None = None,
     prompt_ids: torch.Tensor | None = None,
+    kept_set=None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss of logits [B, T, V] for completion ids [B, T], the specification. With ``logit_scale`` or
@@ -382,12 +436,18 @@ def grpo_loss_reference(
     token), ``advantages`` [B] or [B, T], optional old / reference log-probs and rollout importance
     weights ([B] or [B, T]), the token-count ``normalizer`` of dapo / cispo / vespo, the options, and
     ``sampling_logps`` for the off-policy mask (default: the old log-probs, else this pass's own), and
-    ``prompt_ids`` [B], each row's prompt, for ``aggregation="prompt_mean"``.
+    ``prompt_ids`` [B], each row's prompt, for ``aggregation="prompt_mean"``; ``kept_set`` the sampler's kept sets
+    (``kept_token_logprobs_and_entropy``).
     """
     opts = options if options is not None else GRPOOptions(**option_kwargs)
-    lp, entropy = token_logprobs_and_entropy(
-        logits, completion_ids, opts.temperature, opts.logit_scale, opts.logit_softcap
-    )
+    if kept_set is None:
+        lp, entropy = token_logprobs_and_entropy(
+            logits, completion_ids, opts.temperature, opts.logit_scale, opts.logit_softcap
+        )
+    else:  # the current policy's log-probs over the sampler's kept sets
+        lp, entropy = kept_token_logprobs_and_entropy(
+            logits, completion_ids, kept_set, opts.temperature, opts.logit_scale, opts.logit_softcap, completion_mask
+        )
     dtype = lp.dtype
     corrected = None
     correction = opts.rollout_correction

@@ -270,10 +270,11 @@ def linear_backward(
     grad_entropy=None,
     entropy=None,
     softcap: float | None = None,
+    write_entries=None,
 ):
     """d hidden, d weight (or None), d bias (or None) in fp32 (fp64 for fp64 inputs), recomputing each
     chunk's logits; with ``grad_entropy`` (h = dLoss/dH) and the forward's ``entropy``, the entropy's
-    gradient too."""
+    gradient too; ``write_entries(chunk, first token, first column)`` as in ``fused_linear_launch.linear_backward``."""
     N, H = hidden.shape
     dtype = compute_dtype(hidden)
     dh = torch.empty(N, H, device=hidden.device, dtype=dtype)
@@ -294,6 +295,8 @@ def linear_backward(
         dx.scatter_add_(-1, flat_ids[n].unsqueeze(-1), gs)
         if slope is not None:
             dx.mul_(slope)
+        if write_entries is not None:
+            write_entries(dx, n0, 0)
         dh[n] = dx @ w32
         if dw is not None:
             dw.addmm_(dx.T, hidden[n].to(dtype))

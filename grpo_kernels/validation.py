@@ -7,7 +7,9 @@ import math
 
 import torch
 
+from .kept_set import ENTROPY, OUTSIDE, KeptSet
 from .kernels import TritonMissing, launch
+from .kernels.contracts import KeptTokens
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the torch path only
 BACKENDS = ("auto", "triton", "torch")
@@ -468,4 +470,97 @@ def check_linear_inputs(hidden_states, weight, bias) -> None:
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.device != weight.device):
         raise ValueError(
             f"bias must be [V] = ({weight.shape[0]},) on {weight.device}, got {tuple(bias.shape)} on {bias.device}"
+        )
+
+
+def checked_kept_set(kept_set, token_shape: tuple, N: int, V: int, device, mask, check_range: bool):
+    """The sampler's kept sets (``kept_set.KeptSet``) of a call's N tokens (``token_shape``: the completion ids'
+    shape as the caller gave them) as the kernels read them (``kernels.contracts.KeptTokens``): CSR ids [nnz] with
+    offsets [N + 1] (starting at 0, never decreasing, ending at nnz), or padded ids ``token_shape`` + [K]; integer
+    ids below V (a negative padded id: no entry), checked at active tokens with ``check_range`` (one host sync;
+    inside a torch.compile graph, device-side assertions). A masked token's set is never read."""
+    if kept_set is None:
+        return None
+    if not isinstance(kept_set, KeptSet):
+        raise TypeError(
+            f"kept_set must be a grpo_kernels.KeptSet (KeptSet.from_vllm(ids, offsets) or KeptSet.from_padded(ids)), "
+            f"got {type(kept_set).__name__}"
+        )
+    check_choice("kept_set.outside", kept_set.outside, OUTSIDE)
+    check_choice("kept_set.entropy", kept_set.entropy, ENTROPY)
+    ids, offsets = kept_set.ids, kept_set.offsets
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in _INTEGER_DTYPES:
+        got = _describe(ids) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"kept_set.ids must be an integer tensor, got {got}")
+    if ids.device != device:
+        raise ValueError(f"kept_set.ids must be on the logits' device {device}, got {_describe(ids)}")
+    if offsets is None:
+        if tuple(ids.shape[:-1]) != tuple(token_shape) or ids.dim() != len(token_shape) + 1:
+            raise ValueError(
+                f"kept_set.ids (padded, no offsets) must be the completion ids' shape {tuple(token_shape)} plus the "
+                f"set's width K, got {_describe(ids)}"
+            )
+        flat, width = ids.reshape(N, ids.shape[-1]).to(torch.int32).contiguous(), int(ids.shape[-1])
+        entry_token = None
+    else:
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype not in _INTEGER_DTYPES or offsets.dim() != 1:
+            got = _describe(offsets) if isinstance(offsets, torch.Tensor) else type(offsets).__name__
+            raise TypeError(f"kept_set.offsets must be a 1-D integer tensor [N + 1] (vLLM's CSR offsets), got {got}")
+        if ids.dim() != 1:
+            raise ValueError(f"kept_set.ids with offsets (CSR) must be 1-D [nnz], got {_describe(ids)}")
+        if offsets.numel() != N + 1:
+            raise ValueError(
+                f"kept_set.offsets must hold one more than the call's {N} tokens, [{N + 1}], got {_describe(offsets)}"
+            )
+        if offsets.device != device:
+            raise ValueError(f"kept_set.offsets must be on the logits' device {device}, got {_describe(offsets)}")
+        flat, width = ids.to(torch.int32).contiguous(), 0
+        offsets = offsets.to(torch.int64).contiguous()
+        # each entry's token (offsets[n] <= entry < offsets[n + 1]), defined whatever the offsets (checked next)
+        entry = torch.arange(ids.numel(), device=device)
+        entry_token = torch.searchsorted(offsets[1:], entry, right=True).clamp(max=max(N - 1, 0))
+    if check_range:
+        _check_kept_values(flat, offsets, entry_token, V, mask, N)
+    return KeptTokens(flat, offsets, width, kept_set.outside == "add_target", kept_set.entropy == "set")
+
+
+def _check_kept_values(ids, offsets, entry_token, V: int, mask, N: int) -> None:
+    """The kept sets' offsets and ids (``checked_kept_set``), in one host sync (device-side assertions in a graph)."""
+    active = None if mask is None else mask.reshape(-1) != 0
+    if offsets is None:
+        at = ids if active is None else ids.masked_fill(~active.view(N, 1), -1)
+        bad_id = at >= V
+        bad_offsets = torch.zeros((), dtype=torch.bool, device=ids.device)
+        ordered = at.sort(dim=-1).values  # a repeated id: equal neighbours once sorted (no entries: negative)
+        repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
+    else:
+        at = ids if active is None else ids.masked_fill(~active[entry_token], 0)
+        bad_id = (at < 0) | (at >= V)
+        bad_offsets = (offsets[0] != 0) | (offsets[-1] != ids.numel()) | (offsets[1:] < offsets[:-1]).any()
+        # a repeated id within a token's set: equal neighbours of the sorted (token, id) keys (masked tokens skipped)
+        keys = (entry_token * (V + 1) + at.long() + 1).masked_fill(at < 0, -1)
+        if active is not None:
+            keys = keys.masked_fill(~active[entry_token], -1)
+        ordered = keys.sort().values
+        repeated = ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any()
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad_offsets, "kept_set.offsets must start at 0, never decrease and end at the ids' count")
+        torch._assert_async(~bad_id.any(), f"kept_set.ids must lie in [0, V) = [0, {V}) at active tokens")
+        torch._assert_async(~repeated, "kept_set.ids must not repeat an id within a token's set")
+        return
+    flags = torch.stack([bad_offsets, bad_id.any(), repeated]).tolist()  # the one host sync
+    if flags[0]:
+        shown = offsets.tolist()
+        raise ValueError(
+            f"kept_set.offsets must start at 0, never decrease and end at the ids' count {ids.numel()}, got "
+            f"{shown[:8]}{' ...' if len(shown) > 8 else ''}{' ending at ' + str(shown[-1]) if len(shown) > 8 else ''}"
+        )
+    if flags[1]:
+        bad = int(at[bad_id].reshape(-1)[0])
+        where = "a padded id (negative: no entry)" if offsets is None else "an id"
+        raise ValueError(f"kept_set.ids must lie in [0, V) = [0, {V}) at active tokens, got {where} {bad}")
+    if flags[2]:
+        raise ValueError(
+            "kept_set.ids must not repeat an id within a token's set (each kept id once: a repeat would count its "
+            "probability twice)"
         )

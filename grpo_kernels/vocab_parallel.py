@@ -25,8 +25,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .from_hidden_states import HiddenStatesSource, as_input_grads, flat_f32, linear_logprobs_bwd, linear_logprobs_fwd
-from .from_logits import LogitsSource, logprobs_bwd, logprobs_fwd
+from . import kept_set
+from .from_hidden_states import (
+    HiddenStatesSource,
+    as_input_grads,
+    flat_f32,
+    flat_mask,
+    kept_entries,
+    linear_kept_terms,
+    linear_logprobs_bwd,
+    linear_logprobs_fwd,
+)
+from .from_logits import (
+    LogitsSource,
+    LogprobResult,
+    kept_gradient,
+    kept_terms,
+    logprobs_bwd,
+    logprobs_fwd,
+    with_kept_set,
+)
 from .kernels.contracts import rounds_head_logits
 from .torch_path import capped
 from .validation import check_token_ids
@@ -64,30 +82,35 @@ class VocabParallelLogprobs(torch.autograd.Function):
         backend: str,
         group,
         start: int,
+        kept=None,
     ):
         ctx.set_materialize_grads(False)
         B, T, V_local = logits.shape
         owned = (ids >= start) & (ids < start + V_local)
         local_ids = torch.where(owned, ids - start, 0).contiguous()
+        terms = kept_terms(logits, ids, kept, mask, temperature, softcap, backend, col0=start, group=group)
         r = logprobs_fwd(logits, local_ids, temperature, mask, compute_entropy, softcap, backend)
         as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         lse_r, logp_r, entropy_r = as_bt(r.lse), as_bt(r.logp), as_bt(r.entropy)
         lse, logp, entropy, _ = _combine(lse_r, logp_r, entropy_r if compute_entropy else None, owned, group)
+        logp, entropy, _ = over_sets(terms, logp, entropy)
         if mask is not None:  # the kernels never read masked rows: their values are 0, as everywhere
             active = (mask != 0).view(B, T)
             logp = torch.where(active, logp, 0.0)
             entropy = None if entropy is None else torch.where(active, entropy, 0.0)
-        ctx.save_for_backward(logits, local_ids, owned, lse, entropy)
-        ctx.backend, ctx.temperature, ctx.softcap = backend, temperature, softcap
+        ctx.save_for_backward(logits, ids, local_ids, owned, lse, entropy)
+        ctx.backend, ctx.temperature, ctx.softcap, ctx.start = backend, temperature, softcap, start
+        ctx.kept, ctx.terms = kept, terms
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, local_ids, owned, lse, entropy = ctx.saved_tensors
+        logits, ids, local_ids, owned, lse, entropy = ctx.saved_tensors
         if not ctx.needs_input_grad[0] or (grad_logp is None and grad_entropy is None):
             return (None,) * len(ctx.needs_input_grad)
-        g = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
-        h = None if grad_entropy is None else grad_entropy.float()
+        g_full = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
+        h_full = None if grad_entropy is None else grad_entropy.float()
+        g, h = kept_set.dense_share(ctx.terms, ctx.kept, g_full, h_full)  # a set's token's share: its entries'
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
         grad = logprobs_bwd(
             logits,
@@ -115,7 +138,23 @@ class VocabParallelLogprobs(torch.autograd.Function):
             column = column * slope0
         live = (g != 0) if h is None else (g != 0) | (h != 0)  # a masked row stays all zero
         grad[..., 0] = torch.where(~owned & live, column, grad[..., 0].float()).to(grad.dtype)
+        if ctx.terms is not None:  # the sets' entries in this slice, written over the dense gradient
+            kept_gradient(
+                grad, ids, ctx.kept, ctx.terms, g_full, h_full, lse, entropy, ctx.temperature, ctx.softcap, ctx.backend,
+                col0=ctx.start,
+            )  # fmt: skip
         return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+def over_sets(terms, logp, entropy, squares=None) -> tuple:
+    """The global (log-probs, entropy, Σπ²) [B, T] with each kept set's token's taken over its set
+    (``from_logits.with_kept_set``; ``terms`` merged across the group), unchanged without sets."""
+    if terms is None:
+        return logp, entropy, squares
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    r = with_kept_set(LogprobResult(flat(logp), flat(entropy), None, flat(squares)), terms)
+    as_shape = lambda t: None if t is None else t.view(logp.shape)  # noqa: E731
+    return as_shape(r.logp), as_shape(r.entropy), as_shape(r.sum_squares)
 
 
 def _combine(lse_r, logp_r, entropy_r, owned, group, squares_r=None):
@@ -160,24 +199,32 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         backend: str,
         group,
         start: int,
+        mask=None,
+        kept=None,
     ):
         ctx.set_materialize_grads(False)
         V_local = weight.shape[0]
         owned = (ids >= start) & (ids < start + V_local)
         local_ids = torch.where(owned, ids - start, 0).contiguous()
+        terms = linear_kept_terms(
+            hidden, weight, bias, ids, kept, mask, temperature, softcap, backend, col0=start, group=group
+        )
         r = linear_logprobs_fwd(hidden, weight, bias, local_ids, temperature, compute_entropy, softcap, backend)
         lse, logp, entropy, _ = _combine(r.lse, r.logp, r.entropy, owned, group)
-        ctx.save_for_backward(hidden, weight, bias, local_ids, owned, lse, entropy)
+        logp, entropy, _ = over_sets(terms, logp, entropy)
+        ctx.save_for_backward(hidden, weight, bias, ids, local_ids, owned, lse, entropy)
         ctx.backend, ctx.temperature, ctx.softcap, ctx.group = backend, temperature, softcap, group
+        ctx.start, ctx.kept, ctx.terms = start, kept, terms
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, local_ids, owned, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, ids, local_ids, owned, lse, entropy = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
             return (None,) * len(ctx.needs_input_grad)
-        g = torch.zeros_like(lse) if grad_logp is None else flat_f32(grad_logp)
-        h = flat_f32(grad_entropy)
+        g_full = torch.zeros_like(lse) if grad_logp is None else flat_f32(grad_logp)
+        h_full = flat_f32(grad_entropy)
+        g, h = kept_set.dense_share(ctx.terms, ctx.kept, g_full, h_full)  # a set's token's share: its entries'
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         dh, dw, db = linear_logprobs_bwd(
             hidden,
@@ -192,7 +239,11 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
             wants_weight,
             grad_entropy=h,
             entropy=entropy if h is not None else None,
-        )
+            write_entries=kept_entries(
+                ids, ctx.kept, ctx.terms, g_full, h_full, lse, entropy, ctx.temperature, ctx.softcap, ctx.backend,
+                col0=ctx.start,
+            ),
+        )  # fmt: skip
         # Where this rank does not own the target, the backward added the one-hot term g / tau at
         # local column 0 (times the cap's chain factor there); take it out of d hidden, d weight[0] and
         # d bias[0] (O(N * H)).
@@ -211,13 +262,15 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
-def sharded_vocab_start(shape, device, ids, group, vocab_start_index, check_ids, *, mask=None, normalizer=None) -> int:
-    """This rank's first vocabulary id (``vocab_range``) of its logits' ``shape`` (B, T, V / P) on ``device``, after
-    checking the ids, which are global, against the whole vocabulary (with ``check_ids``: one host sync, as
-    unsharded)."""
+def sharded_vocab_start(
+    shape, device, ids, group, vocab_start_index, check_ids, *, mask=None, normalizer=None
+) -> tuple:
+    """(this rank's first vocabulary id, the global vocabulary size) of its logits' ``shape`` (B, T, V / P) on
+    ``device`` (``vocab_range``), after checking the ids, which are global, against the whole vocabulary (with
+    ``check_ids``: one host sync, as unsharded)."""
     start, vocab_size = vocab_range(shape[-1], device, group, vocab_start_index)
     check_token_ids(ids, (shape[0], shape[1], vocab_size), device, check_ids, mask=mask, normalizer=normalizer)
-    return start
+    return start, vocab_size
 
 
 class ShardedLogitsSource(LogitsSource):
@@ -239,6 +292,7 @@ class ShardedLogitsSource(LogitsSource):
             inputs.backend,
             shard.group,
             shard.start,
+            inputs.kept,
         )
 
     def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
@@ -265,7 +319,19 @@ class ShardedLogitsSource(LogitsSource):
             shard.group,
             parts[3].view(B, T),
         )
-        return _active_only(inputs, (logp, entropy, squares))
+        terms = kept_terms(
+            logits,
+            ids,
+            inputs.kept,
+            inputs.mask,
+            float(options.kernel_temperature),
+            options.kernel_softcap,
+            inputs.backend,
+            col0=shard.start,
+            group=shard.group,
+            compute_sum_squares=True,
+        )
+        return _active_only(inputs, over_sets(terms, logp, entropy, squares))
 
 
 def _active_only(inputs, results) -> tuple:
@@ -289,6 +355,8 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
             inputs.backend,
             shard.group,
             shard.start,
+            flat_mask(inputs.mask),
+            inputs.kept,
         )
         return self.as_rows(inputs, pair)
 
@@ -310,7 +378,21 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
             compute_sum_squares=True,
         )
         lse, logp, entropy, squares = _combine(r.lse, r.logp, r.entropy, owned, shard.group, r.sum_squares)
-        return self.as_rows(inputs, (logp, entropy, squares))
+        terms = linear_kept_terms(
+            hidden,
+            weight,
+            bias,
+            ids,
+            inputs.kept,
+            flat_mask(inputs.mask),
+            float(options.kernel_temperature),
+            options.kernel_softcap,
+            inputs.backend,
+            col0=shard.start,
+            group=shard.group,
+            compute_sum_squares=True,
+        )
+        return self.as_rows(inputs, over_sets(terms, logp, entropy, squares))
 
 
 def sharded_source(source):

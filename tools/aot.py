@@ -37,8 +37,8 @@ import torch
 
 from grpo_kernels.kernels import fused_linear as FL
 from grpo_kernels.kernels import fused_linear_launch as lm_head_launch
-from grpo_kernels.kernels import grpo, launch, reduce, split_row, split_row_launch
-from grpo_kernels.kernels.contracts import LossTokens, OnePassGradient, Sequences, TokenInputs
+from grpo_kernels.kernels import grpo, kept, kept_launch, launch, reduce, split_row, split_row_launch
+from grpo_kernels.kernels.contracts import KeptTerms, KeptTokens, LossTokens, OnePassGradient, Sequences, TokenInputs
 from grpo_kernels.options import GRPOOptions
 from grpo_kernels.pipeline import kernel_reduction
 
@@ -94,6 +94,7 @@ _KERNELS = {
         "matmul_kernel",
         "logits_tile_state_kernel",
     ),
+    kept: ("kept_state_kernel", "linear_kept_state_kernel", "kept_gradient_kernel"),
 }
 
 
@@ -505,6 +506,69 @@ def fused_linear_launches() -> Iterator[tuple[str, Callable[[], None]]]:
     yield from calls("fp32", torch.float32)
 
 
+def kept_launches() -> Iterator[tuple[str, Callable[[], None]]]:
+    """The kept set's kernels (``kernels/kept.py``: CSR and padded sets, from logits and from the head, the
+    gradient's entries with each entropy) and the logits and lm_head kernels taking a set's log-sum-exp, at bf16
+    and V = 32000 (labelled so: the other targets compile them too) and fp32."""
+    rows, H, V, K = 1024, 4096, 32000, 64
+    for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+
+        def calls(dtype=dtype, dtype_name=dtype_name, tag=f"{dtype_name} V={V}"):
+            x = _logits_inputs(dtype, V, rows=rows)
+            flat_ids, ones = x["ids"].reshape(-1), torch.ones(rows)
+            csr = KeptTokens(torch.zeros(rows * K, dtype=torch.int32), torch.zeros(rows + 1, dtype=torch.int64), 0,
+                             False, False)  # fmt: skip
+            padded = KeptTokens(torch.zeros(rows, K, dtype=torch.int32), None, K, True, True)
+            terms = KeptTerms(ones, ones, None, torch.zeros(rows, dtype=torch.int32), ones, torch.zeros(rows * K))
+            hidden, weight, bias = torch.empty(rows, H, dtype=dtype), torch.empty(V, H, dtype=dtype), None
+            common = dict(temperature=1.0, softcap=None, mask=x["mask"])
+            yield f"kept state csr {tag}", lambda: kept_launch.kept_state(x["logits"], x["ids"], csr, **common)
+            yield (
+                f"kept state padded entropy sum-squares {tag}",
+                lambda: kept_launch.kept_state(
+                    x["logits"], x["ids"], padded, compute_entropy=True, compute_sum_squares=True, **common
+                ),
+            )
+            yield (
+                f"kept head state csr {tag}",
+                lambda: kept_launch.linear_kept_state(hidden, weight, bias, flat_ids, csr, **common),
+            )
+            yield (
+                f"kept gradient csr {tag}",
+                lambda: kept_launch.kept_gradient(x["logits"], flat_ids, csr, terms, ones, temperature=1.0,
+                                                  softcap=None, h=ones, lse=ones, entropy=ones),
+            )  # fmt: skip
+            yield (
+                f"kept gradient padded add-target set-entropy tile {tag}",
+                lambda: kept_launch.kept_gradient(
+                    torch.empty(rows, V // 4, dtype=dtype), flat_ids, padded, terms._replace(x=torch.zeros(rows, K)),
+                    ones, temperature=1.0, softcap=None, h=ones, col0=V // 4, n0=0,
+                ),
+            )  # fmt: skip
+            opts = LOSS_OPTIONS["ppo"]
+            with_set = TokenInputs(x["mask"], x["adv"], x["old"], kept_lse=ones, kept_entropy=ones)
+            yield (
+                f"ppo kept-set one-pass {tag}",
+                lambda: launch.forward(
+                    x["logits"], x["ids"], kernel_loss=opts.kernel_loss, tokens=with_set, compute_entropy=True,
+                    gradient=OnePassGradient(x["weight"]),
+                ),
+            )  # fmt: skip
+            yield (
+                f"logprobs kept-set {tag}",
+                lambda: launch.forward(x["logits"], x["ids"], tokens=TokenInputs(mask=x["mask"], kept_lse=ones)),
+            )
+            yield (
+                f"kept-set head forward ppo {dtype_name}",
+                lambda: lm_head_launch.linear_forward(
+                    hidden[:256], weight, None, flat_ids[:256], kernel_loss=opts.kernel_loss, compute_entropy=True,
+                    tokens=TokenInputs(*(t[:256] for t in (x["mask"], x["adv"], x["old"])), kept_lse=ones[:256]),
+                ),
+            )  # fmt: skip
+
+        yield from calls()
+
+
 def reduce_launches() -> Iterator[tuple[str, Callable[[], None]]]:
     """A loss's launches around its logits kernel (``launch.loss_forward``: the token-weights and loss-metrics
     kernels) for each reduction (the prompt mean's per-sequence divisors among them), per-sequence and per-token
@@ -590,7 +654,11 @@ def record_all() -> list[Launch]:
     merge and write): what a GPU runs is the same arguments in one cooperative launch (PHASE 0)."""
     found: dict[tuple, Launch] = {}
     for label, call in (
-        list(logits_launches()) + list(tuned_launches()) + list(fused_linear_launches()) + list(reduce_launches())
+        list(logits_launches())
+        + list(tuned_launches())
+        + list(fused_linear_launches())
+        + list(reduce_launches())
+        + list(kept_launches())
     ):
         with recorded_launches() as launches:
             call()
@@ -738,6 +806,9 @@ KERNEL_KINDS = {
     "linear_dlogits_kernel": "dlogits",
     "matmul_kernel": "matmul",
     "logits_tile_state_kernel": "tile-state",
+    "kept_state_kernel": "kept-state",
+    "linear_kept_state_kernel": "kept-head-state",
+    "kept_gradient_kernel": "kept-gradient",
 }
 
 

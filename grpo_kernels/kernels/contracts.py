@@ -15,15 +15,18 @@ import torch
 
 
 class TokenInputs(NamedTuple):
-    """A loss's per-token inputs, None where absent: the mask, advantages, old and reference log-probs and the
-    importance weights. The loss kernels read them as contiguous fp32 [N] (the launchers' keywords of the same
-    names); the torch loss math (``objective.loss_from_logps``) in the sequence layout."""
+    """A loss's per-token inputs, None where absent: the mask, advantages, old and reference log-probs, the
+    importance weights and what the kernels read of a kept set. The loss kernels read them as contiguous fp32 [N]
+    (the launchers' keywords of the same names); the torch loss math (``objective.loss_from_logps``) in the sequence
+    layout."""
 
     mask: Any | None = None
     advantages: Any | None = None
     old_logps: Any | None = None
     ref_logps: Any | None = None
     importance_weights: Any | None = None
+    kept_lse: Any | None = None  # the sampler's kept set: its log-sum-exp, +inf where unused (``KeptTerms.lse``)
+    kept_entropy: Any | None = None  # its entropy, where the entropy is the set's (``KeptTerms.entropy``)
 
 
 NO_TOKEN_INPUTS = TokenInputs()  # a launcher's default: no per-token input (immutable, shared)
@@ -118,6 +121,35 @@ DIVISOR_SEQUENCE = 3  # one a sequence, fp32 [S] on the device (the prompt mean:
 CLIP_METRICS_NONE = 0  # sapo
 CLIP_METRICS_PPO = 1  # low, high and region (either), in that order
 CLIP_METRICS_CISPO = 2  # the capped share (the high flag)
+
+
+class KeptTokens(NamedTuple):
+    """The sampler's kept set of each token (``grpo_kernels.kept_set.KeptSet``, checked, in the kernels' token
+    order): ``ids`` int32 / int64, CSR [nnz] with ``offsets`` [N + 1], or padded [N, ``width``] (``offsets`` None, a
+    negative id for no entry); ``add_target``: the target joins its set where the set lacks it (else such a token,
+    and one with an empty set, takes the whole vocabulary); ``entropy_over_set``: the entropy is the set's
+    distribution's (else the whole vocabulary's)."""
+
+    ids: Any
+    offsets: Any | None
+    width: int
+    add_target: bool
+    entropy_over_set: bool
+
+
+class KeptTerms(NamedTuple):
+    """What a log-prob pass needs of each token's kept set, fp32 [N] (``kept_set.finish``): ``lse`` the log-sum-exp
+    over the set, +inf where the token takes the whole vocabulary (no set, its fallback, a masked token);
+    ``entropy`` the set's entropy (only with ``entropy_over_set``, else None); ``sum_squares`` the set's Σπ² (where
+    asked, else None); ``found`` 1 where the target is in the set as given; ``target_x`` the target's x; ``x`` each
+    entry's x (-inf where no entry), what the gradient's entries read."""
+
+    lse: Any
+    entropy: Any | None
+    sum_squares: Any | None
+    found: Any
+    target_x: Any
+    x: Any
 
 
 class Sequences(NamedTuple):

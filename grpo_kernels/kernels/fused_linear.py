@@ -133,6 +133,8 @@ def _finish_tokens(
     kl_out,
     flags_out,
     sum_squares_out,
+    kept_lse_ptr,
+    kept_entropy_ptr,
     loss_scalars,
     LOSS_KIND: tl.constexpr,
     KL_KIND: tl.constexpr,
@@ -144,12 +146,20 @@ def _finish_tokens(
     # backward's exp(x - lse) finite for them.
     sum_exp = tl.where(active, sum_exp, 1.0)
     lse = tl.where(active, running_max + tl.log(sum_exp), 0.0)
-    logp = tl.where(active, target_x - lse, 0.0)
     in_rows = rows < N
+    entropy = lse - sum_exp_x / sum_exp
+    logp_lse = lse
+    if kept_lse_ptr is not None:  # the sampler's kept set: its log-sum-exp where the token uses it (else +inf)
+        kept_lse = tl.load(kept_lse_ptr + rows, mask=in_rows, other=float("inf"))
+        in_set = kept_lse < float("inf")
+        logp_lse = tl.where(in_set, kept_lse, lse)
+        if kept_entropy_ptr is not None:
+            entropy = tl.where(in_set, tl.load(kept_entropy_ptr + rows, mask=in_rows, other=0.0), entropy)
+    logp = tl.where(active, target_x - logp_lse, 0.0)
     tl.store(lse_out + rows, lse, mask=in_rows)
     tl.store(logp_out + rows, logp, mask=in_rows)
     if COMPUTE_ENTROPY:
-        tl.store(entropy_out + rows, tl.where(active, lse - sum_exp_x / sum_exp, 0.0), mask=in_rows)
+        tl.store(entropy_out + rows, tl.where(active, entropy, 0.0), mask=in_rows)
     if sum_squares_out is not None:  # sum exp(2 (x - max)) over (sum exp(x - max))^2
         tl.store(sum_squares_out + rows, tl.where(active, sum_sq / (sum_exp * sum_exp), 0.0), mask=in_rows)
 
@@ -215,6 +225,8 @@ def linear_grpo_forward_kernel(
     kl_out,
     flags_out,
     sum_squares_out,
+    kept_lse_ptr,
+    kept_entropy_ptr,
     inv_temperature,
     softcap,
     loss_scalars,
@@ -315,6 +327,8 @@ def linear_grpo_forward_kernel(
             kl_out,
             flags_out,
             sum_squares_out,
+            kept_lse_ptr,
+            kept_entropy_ptr,
             loss_scalars,
             LOSS_KIND,
             KL_KIND,
@@ -340,6 +354,8 @@ def linear_grpo_combine_kernel(
     kl_out,
     flags_out,
     sum_squares_out,
+    kept_lse_ptr,
+    kept_entropy_ptr,
     loss_scalars,
     LOSS_KIND: tl.constexpr,
     KL_KIND: tl.constexpr,
@@ -398,6 +414,8 @@ def linear_grpo_combine_kernel(
         kl_out,
         flags_out,
         sum_squares_out,
+        kept_lse_ptr,
+        kept_entropy_ptr,
         loss_scalars,
         LOSS_KIND,
         KL_KIND,

@@ -12,8 +12,8 @@ import torch
 import triton
 
 from . import fused_linear as FL
+from . import kept_launch, tuned
 from . import launch as logits_launch  # the 3-product mode runs the logits kernels on each chunk
-from . import tuned
 from .contracts import NO_TOKEN_INPUTS, KernelLoss, OnePassGradient, TokenInputs, fp32_products, rounds_head_logits
 from .launch import ForwardResult, allocate_outputs, loss_args, loss_pointer_args, resolved_head
 
@@ -313,6 +313,7 @@ def linear_three_products(
     compute_entropy: bool,
     gradient: OnePassGradient | None,
     compute_weight_grad: bool,
+    kept: tuple | None = None,
 ):
     """The fused lm_head with 3 products instead of 4: loss terms and every gradient in one chunk loop.
 
@@ -324,7 +325,9 @@ def linear_three_products(
     bounded by the chunk, as in the recomputing mode. Returns (ForwardResult over the N tokens, d hidden,
     d weight or None, d bias or None), fp32. With ``gradient`` None only the forward runs (no gradient
     wanted: evaluation, old log-probs: ``_three_products_forward``, its workspace tiled over the vocabulary
-    too), and the three gradients are None.
+    too), and the three gradients are None. ``kept``: (``KeptTokens``, ``KeptTerms``) of the call's kept sets (the
+    ``tokens`` carry their log-sum-exp): the logits kernel leaves a set's token's share of dlogits out, and
+    ``kept_launch.kept_gradient`` writes its entries into the chunk before the products.
     """
     N, H = hidden.shape
     V = weight.shape[0]
@@ -354,6 +357,19 @@ def linear_three_products(
         for name in ("logp", "entropy", "lse", "loss", "dloss_dlogp", "kl", "flags"):
             if getattr(out, name) is not None:
                 getattr(out, name)[n] = getattr(r, name)
+        if kept is not None:
+            kept_launch.kept_gradient(
+                x,
+                ids,
+                *kept,
+                r.dloss_dlogp * chunk_gradient.weight,
+                temperature=kernel_loss.kernel_temperature,
+                softcap=kernel_loss.kernel_softcap,
+                h=chunk_gradient.entropy_weight,
+                lse=r.lse,
+                entropy=r.entropy,
+                n0=n0,
+            )
         _add_chunk_gradients(x, weight, hidden[n], dh[n], dw, db, first=n0 == 0)  # x now holds dlogits
     return out, dh, dw, db
 
@@ -421,6 +437,7 @@ def linear_backward(
     grad_entropy=None,
     entropy=None,
     softcap: float | None = None,
+    write_entries=None,
 ):
     """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N])
     and, when the loss uses the entropy, h = dLoss/dH (``grad_entropy``) with the forward's ``entropy``; the logits
@@ -429,7 +446,9 @@ def linear_backward(
     A tile of the logits at a time (``workspace_tiles``: [tokens, columns], at most
     ``LINEAR_TILED_WORKSPACE_BYTES``): the dlogits kernel writes the tile's gradient of the logits into one
     reused workspace (the tile's weight rows and bias, the ids shifted to its first column), then two products
-    add its share of d hidden and of d weight (fp32, in place).
+    add its share of d hidden and of d weight (fp32, in place). ``write_entries(tile, first token, first column)``,
+    where given, writes sparse entries over the tile's dense gradient
+    before the products (the kept sets', ``kept_launch.kept_gradient``).
     """
     N, H = hidden.shape
     V = weight.shape[0]
@@ -458,6 +477,8 @@ def linear_backward(
             entropy_ptr=None if grad_entropy is None else entropy[n],
             **cfg,
         )
+        if write_entries is not None:
+            write_entries(dx, n.start, v0)
         _add_chunk_gradients(
             dx,
             weight[v0:v1],

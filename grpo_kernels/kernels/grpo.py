@@ -477,6 +477,8 @@ def _forward_token(
     kl_out,
     flags_out,
     sum_squares_out,
+    kept_lse_ptr,
+    kept_entropy_ptr,
     grad_weight_ptr,
     grad_logits_ptr,
     grad_stride_b,
@@ -507,11 +509,19 @@ def _forward_token(
         active = tl.load(mask_ptr + pid) != 0.0
     row_ptr = _row_pointer(logits_ptr, pid, T, stride_b, stride_t, ROW_ALIGN)
     target = tl.load(ids_ptr + pid).to(tl.int64)
+    in_set = False
     if active:
         lse, entropy, sum_squares = _online_logsumexp(
             row_ptr, V, inv_temperature, softcap, BLOCK_V, COMPUTE_ENTROPY, COMPUTE_SUMSQ, LOOP_STAGES, FIRST_READ
         )
-        logp = capped_logit(tl.load(row_ptr + target), softcap) * inv_temperature - lse
+        logp_lse = lse
+        if kept_lse_ptr is not None:  # the sampler's kept set: its log-sum-exp where the token uses it (else +inf)
+            kept_lse = tl.load(kept_lse_ptr + pid)
+            in_set = kept_lse < float("inf")
+            logp_lse = tl.where(in_set, kept_lse, lse)
+            if kept_entropy_ptr is not None:  # the entropy over the set
+                entropy = tl.where(in_set, tl.load(kept_entropy_ptr + pid), entropy)
+        logp = capped_logit(tl.load(row_ptr + target), softcap) * inv_temperature - logp_lse
     else:
         lse = 0.0
         entropy = 0.0
@@ -536,6 +546,10 @@ def _forward_token(
             h = 0.0
             if HAS_ENTROPY_GRAD:  # the entropy bonus: dLoss/dH of this token, known up front like g
                 h = tl.where(active, tl.load(entropy_grad_ptr + pid), 0.0)
+            if kept_lse_ptr is not None:  # a set's token: its entries' share is written after (kept.py)
+                g = tl.where(in_set, 0.0, g)
+                if kept_entropy_ptr is not None:
+                    h = tl.where(in_set, 0.0, h)
             out_ptr = _row_pointer(grad_logits_ptr, pid, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
             _write_row_gradient(
                 row_ptr,
@@ -577,6 +591,8 @@ def grpo_forward_kernel(
     kl_out,
     flags_out,
     sum_squares_out,
+    kept_lse_ptr,
+    kept_entropy_ptr,
     grad_weight_ptr,
     grad_logits_ptr,
     grad_stride_b,
@@ -606,9 +622,11 @@ def grpo_forward_kernel(
 
     An optional tensor is None where absent, and what it switches on is derived from that at compile
     time: the mask, old and reference log-probs, importance weights, the entropy (``entropy_out``), the sum of
-    squared probabilities (``sum_squares_out``, Σπ²: a log-prob pass's, on request), the one-pass gradient
-    (``grad_weight_ptr``), the entropy bonus's (``entropy_grad_ptr``) and the head's soft-cap (``softcap``, a
-    number: see the module docstring).
+    squared probabilities (``sum_squares_out``, Σπ²: a log-prob pass's, on request), the sampler's kept set
+    (``kept_lse_ptr``: each token's log-sum-exp over its set, +inf where it takes the whole vocabulary;
+    ``kept_entropy_ptr``: the set's entropy, where the entropy is the set's; ``kept.py``), the one-pass gradient
+    (``grad_weight_ptr``: a set's token writes the dense part only, its entries by ``kept.py``), the entropy
+    bonus's (``entropy_grad_ptr``) and the head's soft-cap (``softcap``, a number: see the module docstring).
 
     The two calls of ``_forward_token`` are kept apart on purpose: one loop with a single trip for the
     plain grid (tried, AOT sm_90) cost the fp32 one-pass hot loops 0.3 instructions a logit and up to
@@ -636,6 +654,8 @@ def grpo_forward_kernel(
                 kl_out,
                 flags_out,
                 sum_squares_out,
+                kept_lse_ptr,
+                kept_entropy_ptr,
                 grad_weight_ptr,
                 grad_logits_ptr,
                 grad_stride_b,
@@ -674,6 +694,8 @@ def grpo_forward_kernel(
             kl_out,
             flags_out,
             sum_squares_out,
+            kept_lse_ptr,
+            kept_entropy_ptr,
             grad_weight_ptr,
             grad_logits_ptr,
             grad_stride_b,

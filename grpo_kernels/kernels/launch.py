@@ -257,6 +257,8 @@ _POINTER_NAMES = (
     "kl_out",
     "flags_out",
     "sum_squares_out",
+    "kept_lse_ptr",
+    "kept_entropy_ptr",
 )
 
 
@@ -397,7 +399,7 @@ def _run_forward(
     loss = NO_LOSS_ARGS if kernel_loss is None else kernel_loss.args
     launch_config = logits_launch_config(logits, config, "logprobs" if kernel_loss is None else "logits")
     # positional, in the kernel's signature order (grpo.grpo_forward_kernel): Triton's launcher takes a keyword
-    # argument at about ten times a positional one's host time, and this launch has 34
+    # argument at about ten times a positional one's host time, and this launch has 36
     args = (
         logits,
         logits.stride(0),
@@ -421,10 +423,11 @@ def _run_forward(
         row_alignment(logits, grad) if write_grad else row_alignment(logits),
     )
     chunks = launch_config.pop("split_row", None) or split_row_launch.SPLIT_ROW_CHUNKS
-    if write_grad and not gradient.in_place and chunks:
+    if write_grad and not gradient.in_place and chunks and tokens.kept_lse is None:  # (no kept set in split rows)
         # the leading parameters, by name (the constexprs after them come as keywords)
         kwargs = dict(zip(grpo.grpo_forward_kernel.arg_names, args, strict=False))
-        del kwargs["sum_squares_out"]  # (a loss's launch: no Σπ², which the split-row kernel does not take)
+        for name in ("sum_squares_out", "kept_lse_ptr", "kept_entropy_ptr"):  # (None here: see the condition)
+            del kwargs[name]
         if split_row_launch.SPLIT_ROW_BLOCK:  # a block for the split-row kernel alone (the tests' small vocabularies)
             launch_config = {**launch_config, **block_config(split_row_launch.SPLIT_ROW_BLOCK, logits.element_size())}
         ran, out.split_row_error = split_row_launch.split_row_forward(logits, kwargs, launch_config, int(chunks))
@@ -461,6 +464,8 @@ def loss_pointers(out: ForwardResult, tokens: TokenInputs) -> tuple:
             None,
             None,
             out.sum_squares,
+            tokens.kept_lse,
+            tokens.kept_entropy,
         )
     if tokens.advantages is None:
         raise ValueError("advantages=None: a loss launch needs each token's advantage (fp32 [N])")
@@ -482,6 +487,8 @@ def loss_pointers(out: ForwardResult, tokens: TokenInputs) -> tuple:
         out.kl,
         out.flags,
         None,  # (Σπ² is a log-prob pass's)
+        tokens.kept_lse,
+        tokens.kept_entropy,
     )
 
 

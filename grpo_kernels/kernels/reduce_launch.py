@@ -102,9 +102,7 @@ def weighted_tokens(
     weight_out = None if r is None else next(rows)
     entropy_weight_out = next(rows) if with_bonus else None
     weights = TokenWeights(adv_out, iw_out, weight_out, entropy_weight_out)
-    tokens = TokenInputs(
-        mask=mask, advantages=adv_out, old_logps=t.old_logps, ref_logps=t.ref_logps, importance_weights=iw_out
-    )  # advantages and importance weights written per token
+    tokens = t._replace(advantages=adv_out, importance_weights=iw_out)  # both written per token
     if N == 0:  # no token: empty outputs, and a dropped position zeroed on the host
         if dropped_gradient is not None:
             dropped_gradient[:, -1].zero_()
