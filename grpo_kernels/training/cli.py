@@ -148,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --dynamic-sampling: at most this many batches of prompts a step",
     )
     t.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help="sampling temperature")
+    t.add_argument("--top-k", type=int, default=DEFAULTS.top_k, help="sample from the top k ids (0: all)")
+    t.add_argument("--top-p", type=float, default=DEFAULTS.top_p, help="sample from the top-p nucleus (1: all)")
+    t.add_argument(
+        "--kept-set-replay",
+        dest="replay_kept_sets",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS.replay_kept_sets,
+        help="with --top-k / --top-p, train on log-probs over the ids the sampler kept (--no-kept-set-replay: over "
+        "the whole vocabulary)",
+    )
     t.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens, help="a completion's length cap")
     t.add_argument(
         "--fused-lm-head",
@@ -454,6 +464,9 @@ def _train(args) -> dict:
         dynamic_sampling=args.dynamic_sampling,
         max_sampling_rounds=args.max_sampling_rounds,
         temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        replay_kept_sets=args.replay_kept_sets,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         eval_every=args.eval_every,

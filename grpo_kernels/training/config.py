@@ -43,6 +43,12 @@ class TrainerConfig:
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
     temperature: float = 1.0
+    # a truncating sampler: top_k ids (0: all) and the top_p nucleus (1.0: all), after the temperature; with
+    # replay_kept_sets the trainer takes each token's log-prob over the ids its sampler kept (grpo_kernels.KeptSet),
+    # so that its distribution is the sampler's (the first inner step's ratio to the sampler is 1)
+    top_k: int = 0
+    top_p: float = 1.0
+    replay_kept_sets: bool = True
     max_new_tokens: int = 8
     max_grad_norm: float = 1.0
     # a reward of +-inf (NaN or None is a reward function's "not applicable"): "refuse" stops the run naming the
@@ -71,6 +77,8 @@ class TrainerConfig:
                 f"prompts_per_step, num_iterations and max_new_tokens must be >= 1 and steps >= 0, "
                 f"got {self.prompts_per_step}, {self.num_iterations}, {self.max_new_tokens}, {self.steps}"
             )
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={self.top_k}, top_p={self.top_p}")
         if self.max_sampling_rounds < 1:
             raise ValueError(
                 f"max_sampling_rounds must be >= 1 (batches of prompts a step may sample), "

@@ -25,11 +25,13 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from .. import __version__, collectives
 from ..advantages import group_advantages, process_advantages
 from ..entropy_control import AdaptiveEntropy
 from ..heads import fused_head, head_weights
+from ..kept_set import KeptSet
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
 from ..wrapped import inside_forward
 from . import progress_bar
@@ -44,7 +46,7 @@ from .checkpoint import (
 )
 from .config import RECIPE, TrainerConfig
 from .process_labels import labels_to_step_rewards
-from .rollout import Rollout, StepBatch, left_padded_positions, reward_columns
+from .rollout import KeptSetRecorder, Rollout, StepBatch, left_padded_positions, reward_columns
 
 RewardFunction = Callable[..., list[float | None]]
 # what a user of the trainer imports from here (its settings and recipe live in ``config``)
@@ -192,20 +194,33 @@ class GRPOTrainer:
         return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], *, greedy: bool = False, samples_per_prompt: int = 1):
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        greedy: bool = False,
+        samples_per_prompt: int = 1,
+        recorder: KeptSetRecorder | None = None,
+    ):
         """Prompt ids and mask [B, P] and completion ids and mask [B, T] (1 up to and including the first
-        EOS), B = len(prompts) x samples_per_prompt, each prompt's samples consecutive.
+        EOS), B = len(prompts) x samples_per_prompt, each prompt's samples consecutive; sampled at the config's
+        temperature, top-k and top-p, each step's kept set recorded by ``recorder`` where given.
 
         With several samples a prompt, its prefill runs once: the cache of all but its last token is
         computed for the distinct prompts and repeated for the samples, and ``generate`` continues from
         it (the same distribution; the prefill is most of the work when completions are short)."""
         prompt_ids, prompt_mask = self._encode_prompts(prompts)
         self.model.eval()
-        sampling = (
-            dict(do_sample=False)
-            if greedy
-            else dict(do_sample=True, temperature=self.config.temperature, top_k=0, top_p=1.0)
-        )
+        sampling = dict(do_sample=False)
+        if not greedy:  # the warpers are ours, so that the recorder runs after them (generate adds none itself)
+            config = self.config
+            chain = [TemperatureLogitsWarper(config.temperature)]
+            chain += [TopKLogitsWarper(config.top_k)] if config.top_k > 0 else []
+            chain += [TopPLogitsWarper(config.top_p)] if config.top_p < 1.0 else []
+            chain += [recorder] if recorder is not None else []  # it sees the scores the sampler draws from
+            sampling = dict(
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, logits_processor=LogitsProcessorList(chain)
+            )
         sampling.update(self._shared_prefill(prompt_ids, prompt_mask, samples_per_prompt))
         prompt_ids = prompt_ids.repeat_interleave(samples_per_prompt, 0)
         prompt_mask = prompt_mask.repeat_interleave(samples_per_prompt, 0)
@@ -308,9 +323,12 @@ class GRPOTrainer:
         config, (_, size) = self.config, collectives.world()
         rows = [self.rng.choice(self.train_rows) for _ in range(config.prompts_per_step // size)]
         grouped = [row for row in rows for _ in range(config.group_size)]
+        truncated = config.top_k > 0 or config.top_p < 1.0
+        recorder = KeptSetRecorder() if truncated else None
         prompt_ids, prompt_mask, completion_ids, completion_mask = self.generate(
-            [r["prompt"] for r in rows], samples_per_prompt=config.group_size
+            [r["prompt"] for r in rows], samples_per_prompt=config.group_size, recorder=recorder
         )
+        kept_ids, sampler_logps = recorder.replay(completion_ids, completion_mask) if truncated else (None, None)
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         rewards = self.score(grouped, completions)
         # a group with an infinite reward (nonfinite_rewards="drop_group") takes no part: its rewards read as not
@@ -331,6 +349,8 @@ class GRPOTrainer:
             rewards,
             (adv.zero_std_groups.cpu() | dropped),
             grouped,
+            kept_ids,
+            sampler_logps,
         )
 
     def rollout(self) -> Rollout:
@@ -437,6 +457,7 @@ class GRPOTrainer:
         # loss's scale, so that the one-pass kernel writes the gradient already scaled
         scale = local_tokens.clamp(min=1.0) * size / global_tokens if options.reduction == "batch_token_mean" else 1.0
         per_token = dict(old_logps=old_logps, ref_logps=ref_logps, normalizer=normalizer, loss_scale=scale)
+        per_token["kept_set"] = self._kept_set(r)
         if options.reduction == "prompt_mean":  # this rank's groups are its prompts; the mean over all ranks' prompts
             groups = r.zero_std.numel()
             local_prompts = torch.tensor(float(groups), device=self.device)
@@ -472,10 +493,21 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self._average_gradients()
+        metrics = dict(out.metrics)
+        if r.sampler_logps is not None:  # how far the trained distribution is from the sampler's, token by token
+            ratio = torch.exp(out.per_token_logps.detach().float() - r.sampler_logps.float())
+            active = r.completion_mask.bool()
+            metrics["sampler_ratio_max_deviation"] = (ratio - 1.0).abs().masked_fill(~active, 0.0).max()
         if self.entropy_control is not None:  # one optimizer step is one window; all ranks' tokens
             self.entropy_control.observe(out.metrics["entropy"] * local_tokens.clamp(min=1.0), local_tokens)
             self.entropy_control.end_window(collectives.summed)
-        return loss.detach(), out.metrics
+        return loss.detach(), metrics
+
+    def _kept_set(self, r: Rollout) -> KeptSet | None:
+        """The rollout's kept sets as the loss and the log-prob passes take them (with ``replay_kept_sets``)."""
+        if r.kept_ids is None or not self.config.replay_kept_sets:
+            return None
+        return KeptSet.from_padded(r.kept_ids.to(self.device))
 
     def train_step(self) -> dict[str, float]:
         config, size = self.config, collectives.world()[1]
@@ -483,19 +515,25 @@ class GRPOTrainer:
         r = batch.update
         inputs = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
         old_logps = ref_logps = None
+        over_sets = dict(drop_last_position=True, kept_set=self._kept_set(r))  # the reference's too, as slime does
         with torch.no_grad():
             if config.num_iterations > 1:  # mu = 1 uses the on-policy shortcut (old_logps=None)
                 old_logps = token_logprobs(
-                    self._logits(self.model, *inputs), r.completion_ids, config.temperature, drop_last_position=True
+                    self._logits(self.model, *inputs), r.completion_ids, config.temperature, **over_sets
                 )
             if self.ref_model is not None:
                 ref_logps = token_logprobs(
-                    self._logits(self.ref_model, *inputs), r.completion_ids, config.temperature, drop_last_position=True
+                    self._logits(self.ref_model, *inputs), r.completion_ids, config.temperature, **over_sets
                 )
         self.model.train()
         skipped = 0
+        first_deviation = None  # the first inner step's: the weights that sampled
         for _ in range(config.num_iterations):
             loss, metrics = self.accumulate_gradients(r, old_logps, ref_logps)
+            if first_deviation is None:
+                first_deviation = metrics.get("sampler_ratio_max_deviation")
+            if first_deviation is not None:
+                metrics["sampler_ratio_max_deviation"] = first_deviation
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
             # a non-finite loss or gradient norm on any rank: no rank steps (the weights stay finite)
             if collectives.largest(int(not (torch.isfinite(loss).all() and torch.isfinite(grad_norm)))):
