@@ -94,7 +94,7 @@ _KERNELS = {
         "matmul_kernel",
         "logits_tile_state_kernel",
     ),
-    kept: ("kept_state_kernel", "linear_kept_state_kernel", "kept_gradient_kernel"),
+    kept: ("kept_state_kernel", "kept_gradient_kernel"),
 }
 
 
@@ -807,7 +807,6 @@ KERNEL_KINDS = {
     "matmul_kernel": "matmul",
     "logits_tile_state_kernel": "tile-state",
     "kept_state_kernel": "kept-state",
-    "linear_kept_state_kernel": "kept-head-state",
     "kept_gradient_kernel": "kept-gradient",
 }
 

@@ -3,15 +3,15 @@ the vocabulary ids the sampler's truncation kept, log softmax over the set of x 
 
 The set is an input of every log-prob pass, beside the logits' full pass, never a mask over the [N, V] logits. Each
 token's set is given either as CSR (``kept_ids`` [nnz], ``kept_offsets`` [N + 1]: vLLM's form) or padded
-(``kept_ids`` [N, K], a negative id for no entry: prime-rl's form). Three kernels, a program a token, each reading
+(``kept_ids`` [N, K], a negative id for no entry: prime-rl's form). Two kernels, a program a token, each reading
 only the set's O(K) entries:
 
-- ``kept_state_kernel`` (from logits): gathers the set's logits from the token's row (the ids that fall in this
-  process's vocabulary slice ``[col0, col0 + width)``), stores each entry's x (``kept_x``: -inf for no entry) and
-  the set's log-sum-exp state (max, sum exp(x - max), sum exp(x - max) x, sum exp(2 (x - max))), the count of its
-  entries here, whether the target is among them, and the target's own x where this slice holds it.
-- ``linear_kept_state_kernel`` (from hidden states): the same, each entry's logit computed from the token's hidden
-  state and the entry's weight row (a dot product of length H, rounded as the head rounds its logits): no [N, V].
+- ``kept_state_kernel``: gathers the set's logits from the token's row (the ids that fall in this process's
+  vocabulary slice ``[col0, col0 + width)``), or from hidden states computes each as the dot product of the token's
+  hidden state and the entry's weight row (length H, rounded as the head rounds its logits: no [N, V]); stores each
+  entry's x (``kept_x``: -inf for no entry) and the set's log-sum-exp state (max, sum exp(x - max), sum exp(x - max)
+  x, sum exp(2 (x - max))), the count of its entries here, whether the target is among them, and the target's own x
+  where this slice holds it.
 - ``kept_gradient_kernel``: after the dense gradient was written with the policy term's (and, where the entropy is
   the set's, the entropy's) share taken out for a set's token, writes each entry's final gradient,
   (g (onehot - q) + the entropy terms) / tau, q = exp(x - lse over the set), at its column (if the slice holds it).
@@ -31,7 +31,7 @@ from .logsumexp import finite_or_zero
 
 # The entries a program takes at a time (a token's set: tens to thousands of ids)
 KEPT_BLOCK = tl.constexpr(64)
-KEPT_RUNTIME_INTS = ["T", "V", "N", "stride_b", "stride_t", "col0", "width", "n0"]
+KEPT_RUNTIME_INTS = ["T", "H", "N", "stride_b", "stride_t", "col0", "width", "n0"]
 
 
 @triton.jit
@@ -75,64 +75,6 @@ def _store_state(
     tl.store(state_ptr + 6 * N + pid, target_x)
 
 
-@triton.jit(do_not_specialize=KEPT_RUNTIME_INTS)
-def kept_state_kernel(
-    logits_ptr,
-    stride_b,
-    stride_t,
-    T,
-    N,
-    ids_ptr,
-    mask_ptr,
-    kept_ids_ptr,
-    kept_offsets_ptr,
-    kept_x_ptr,
-    state_ptr,
-    col0,
-    width,
-    inv_temperature,
-    softcap,
-    WIDTH: tl.constexpr,
-    COMPUTE_ENTROPY: tl.constexpr,
-    COMPUTE_SUMSQ: tl.constexpr,
-):
-    """A program a token of logits [B, T, width] (strides ``stride_b``, ``stride_t``, 1; a vocabulary slice starting
-    at global id ``col0``): its set's state (``_store_state``) and each entry's x. A masked token (``mask_ptr``) is
-    not read: an empty state, its entries' x -inf."""
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // T
-    row_ptr = logits_ptr + b * stride_b + (pid - b * T) * stride_t
-    first, end = _entries(pid, kept_offsets_ptr, WIDTH)
-    target = tl.load(ids_ptr + pid).to(tl.int64)
-    owned = (target >= col0) & (target < col0 + width)
-    if mask_ptr is not None:
-        if tl.load(mask_ptr + pid) == 0.0:  # a masked token is not read (its entries' x stay the launcher's -inf)
-            end = first
-            owned = False
-    lanes = tl.arange(0, KEPT_BLOCK)
-    m = float("-inf")
-    s = 0.0
-    t = 0.0
-    q = 0.0
-    count = 0
-    found = 0
-    for start in range(first, end, KEPT_BLOCK):
-        e = start + lanes
-        in_set = e < end
-        v = tl.load(kept_ids_ptr + e, mask=in_set, other=-1).to(tl.int64)
-        here = in_set & (v >= col0) & (v < col0 + width)
-        raw = tl.load(row_ptr + (v - col0), mask=here, other=0.0)
-        x = tl.where(here, capped_logit(raw, softcap) * inv_temperature, float("-inf"))
-        tl.store(kept_x_ptr + e, x, mask=in_set)
-        m, s, t, q = _fold_block(x, m, s, t, q, COMPUTE_ENTROPY, COMPUTE_SUMSQ)
-        count += tl.sum(here.to(tl.int32), axis=0)
-        found = tl.maximum(found, tl.max((here & (v == target)).to(tl.int32), axis=0))
-    target_x = 0.0
-    if owned:
-        target_x = capped_logit(tl.load(row_ptr + (target - col0)), softcap) * inv_temperature
-    _store_state(pid, N, state_ptr, m, s, t, q, count, found, target_x, COMPUTE_ENTROPY, COMPUTE_SUMSQ)
-
-
 @triton.jit
 def _head_logits(h_row, w_ptr, b_ptr, v, here, H, BLOCK_H: tl.constexpr, ROUND_LOGITS: tl.constexpr):
     """cap-free logits h . W[v] + b[v] of a block of entries (fp32 accumulation, rounded as the head rounds them)."""
@@ -153,13 +95,29 @@ def _head_logits(h_row, w_ptr, b_ptr, v, here, H, BLOCK_H: tl.constexpr, ROUND_L
     return acc
 
 
-@triton.jit(do_not_specialize=["N", "H", "col0", "width"])
-def linear_kept_state_kernel(
+@triton.jit
+def _entry_x(row_ptr, h_row, w_ptr, b_ptr, local, here, H, inv_temperature, softcap, BLOCK_H: tl.constexpr,
+             ROUND_LOGITS: tl.constexpr):  # fmt: skip
+    """x = cap(logit) / tau of a block of entries (local columns ``local`` where ``here``, else -inf): gathered from
+    the token's row of logits, or, with a head (``w_ptr``), each its own dot product."""
+    if w_ptr is not None:
+        raw = _head_logits(h_row, w_ptr, b_ptr, local, here, H, BLOCK_H, ROUND_LOGITS)
+    else:
+        raw = tl.load(row_ptr + local, mask=here, other=0.0)
+    return tl.where(here, capped_logit(raw, softcap) * inv_temperature, float("-inf"))
+
+
+@triton.jit(do_not_specialize=KEPT_RUNTIME_INTS)
+def kept_state_kernel(
+    logits_ptr,
+    stride_b,
+    stride_t,
+    T,
     h_ptr,
     w_ptr,
     b_ptr,
-    N,
     H,
+    N,
     ids_ptr,
     mask_ptr,
     kept_ids_ptr,
@@ -176,10 +134,19 @@ def linear_kept_state_kernel(
     ROUND_LOGITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """``kept_state_kernel`` from hidden states [N, H] and the lm_head weight [width, H] (a vocabulary slice from
-    global id ``col0``) and bias: each entry's logit is its own dot product, never an [N, V] tensor."""
+    """A program a token: its set's state (``_store_state``) and each entry's x, from logits [B, T, width] (strides
+    ``stride_b``, ``stride_t``, 1; a vocabulary slice from global id ``col0``), or, with the head (``w_ptr``: the
+    weight [width, H] of that slice, ``h_ptr`` the hidden states [N, H], ``b_ptr`` the bias or None; ``logits_ptr``
+    None), each entry's logit its own dot product: never an [N, V] tensor. A masked token (``mask_ptr``) is not
+    read: an empty state, its entries' x the launcher's -inf."""
     pid = tl.program_id(0).to(tl.int64)
-    h_row = h_ptr + pid * H
+    row_ptr = logits_ptr
+    h_row = h_ptr
+    if w_ptr is not None:
+        h_row = h_ptr + pid * H
+    else:
+        b = pid // T
+        row_ptr = logits_ptr + b * stride_b + (pid - b * T) * stride_t
     first, end = _entries(pid, kept_offsets_ptr, WIDTH)
     target = tl.load(ids_ptr + pid).to(tl.int64)
     owned = (target >= col0) & (target < col0 + width)
@@ -199,18 +166,22 @@ def linear_kept_state_kernel(
         in_set = e < end
         v = tl.load(kept_ids_ptr + e, mask=in_set, other=-1).to(tl.int64)
         here = in_set & (v >= col0) & (v < col0 + width)
-        local = tl.where(here, v - col0, 0)
-        raw = _head_logits(h_row, w_ptr, b_ptr, local, here, H, BLOCK_H, ROUND_LOGITS)
-        x = tl.where(here, capped_logit(raw, softcap) * inv_temperature, float("-inf"))
+        x = _entry_x(
+            row_ptr, h_row, w_ptr, b_ptr, tl.where(here, v - col0, 0), here, H, inv_temperature, softcap, BLOCK_H,
+            ROUND_LOGITS,
+        )  # fmt: skip
         tl.store(kept_x_ptr + e, x, mask=in_set)
         m, s, t, q = _fold_block(x, m, s, t, q, COMPUTE_ENTROPY, COMPUTE_SUMSQ)
         count += tl.sum(here.to(tl.int32), axis=0)
         found = tl.maximum(found, tl.max((here & (v == target)).to(tl.int32), axis=0))
     target_x = 0.0
-    if owned:
+    if owned:  # the target's own x, in lane 0 of a block
         one = lanes == 0
-        raw = _head_logits(h_row, w_ptr, b_ptr, tl.where(one, target - col0, 0), one, H, BLOCK_H, ROUND_LOGITS)
-        target_x = tl.sum(tl.where(one, capped_logit(raw, softcap) * inv_temperature, 0.0), axis=0)
+        x = _entry_x(
+            row_ptr, h_row, w_ptr, b_ptr, tl.where(one, target - col0, 0), one, H, inv_temperature, softcap, BLOCK_H,
+            ROUND_LOGITS,
+        )  # fmt: skip
+        target_x = tl.sum(tl.where(one, x, 0.0), axis=0)
     _store_state(pid, N, state_ptr, m, s, t, q, count, found, target_x, COMPUTE_ENTROPY, COMPUTE_SUMSQ)
 
 

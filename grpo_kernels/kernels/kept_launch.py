@@ -37,31 +37,9 @@ def kept_state(
     """(each entry's x, the [7, N] state) of logits [B, T, V] (a unit last stride; V of them a vocabulary slice from
     global id ``col0``) for ids [B, T] (global) and their sets."""
     (B, T), V = ids.shape, logits.shape[-1]
-    N = B * T
-    x = _entry_x(kept_tokens, logits.device)
-    state = torch.zeros(STATE_ROWS, N, device=logits.device, dtype=torch.float32)
-    if N > 0:
-        kept.kept_state_kernel[(N,)](
-            logits,
-            logits.stride(0),
-            logits.stride(1),
-            T,
-            N,
-            ids,
-            mask,
-            kept_tokens.ids,
-            kept_tokens.offsets,
-            x,
-            state,
-            col0,
-            V,
-            1.0 / temperature,
-            None if softcap is None else float(softcap),
-            WIDTH=kept_tokens.width,
-            COMPUTE_ENTROPY=compute_entropy,
-            COMPUTE_SUMSQ=compute_sum_squares,
-        )
-    return x, state
+    args = (logits, logits.stride(0), logits.stride(1), T, None, None, None, 0)
+    return _state(args, B * T, V, ids, kept_tokens, temperature, softcap, mask, col0, compute_entropy,
+                  compute_sum_squares, logits.device, round_logits=False, block_h=16)  # fmt: skip
 
 
 @fp32_products
@@ -82,15 +60,23 @@ def linear_kept_state(
     """``kept_state`` from hidden states [N, H] and the lm_head weight [V, H] (a vocabulary slice from ``col0``) and
     bias [V] or None: each entry's logit its own dot product, rounded as the head rounds its logits."""
     N, H = hidden.shape
-    x = _entry_x(kept_tokens, hidden.device)
-    state = torch.zeros(STATE_ROWS, N, device=hidden.device, dtype=torch.float32)
+    args = (None, 0, 0, 1, hidden, weight, bias, H)
+    # a [64, 64] tile of gathered weight rows over 8 warps: no spill on any target (tools/aot.py)
+    return _state(args, N, weight.shape[0], ids, kept_tokens, temperature, softcap, mask, col0, compute_entropy,
+                  compute_sum_squares, hidden.device, round_logits=rounds_head_logits(hidden.dtype),
+                  block_h=min(64, triton.next_power_of_2(max(H, 16))), num_warps=8)  # fmt: skip
+
+
+def _state(source_args, N, width, ids, kept_tokens, temperature, softcap, mask, col0, compute_entropy,
+           compute_sum_squares, device, *, round_logits, block_h, num_warps=4):  # fmt: skip
+    """The one launch of ``kept.kept_state_kernel`` behind both launchers (``source_args``: the logits' or the
+    head's arguments, the other's None)."""
+    x = _entry_x(kept_tokens, device)
+    state = torch.zeros(STATE_ROWS, N, device=device, dtype=torch.float32)
     if N > 0:
-        kept.linear_kept_state_kernel[(N,)](
-            hidden,
-            weight,
-            bias,
+        kept.kept_state_kernel[(N,)](
+            *source_args,
             N,
-            H,
             ids,
             mask,
             kept_tokens.ids,
@@ -98,15 +84,15 @@ def linear_kept_state(
             x,
             state,
             col0,
-            weight.shape[0],
+            width,
             1.0 / temperature,
             None if softcap is None else float(softcap),
             WIDTH=kept_tokens.width,
             COMPUTE_ENTROPY=compute_entropy,
             COMPUTE_SUMSQ=compute_sum_squares,
-            ROUND_LOGITS=rounds_head_logits(hidden.dtype),
-            BLOCK_H=min(64, triton.next_power_of_2(max(H, 16))),
-            num_warps=8,  # a [64, 64] tile of gathered weight rows over 256 threads: no spill on any target
+            ROUND_LOGITS=round_logits,
+            BLOCK_H=block_h,
+            num_warps=num_warps,
         )
     return x, state
 
