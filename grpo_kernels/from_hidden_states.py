@@ -528,8 +528,8 @@ def linear_kept_terms(hidden, weight, bias, ids, kept: KeptTokens | None, mask, 
                       backend: str, *, col0: int = 0, group=None, compute_sum_squares: bool = False):  # fmt: skip
     """Each token's kept-set terms (``kernels.contracts.KeptTerms``) from hidden states [N, H] and the head's weight
     [width, H] (a vocabulary slice from global id ``col0`` with ``group``) and bias, None without a set: each
-    entry's logit its own dot product (``kernels/kept.py::kept_state_kernel`` with the head, or the torch path's gathered
-    products), rounded as the head rounds its logits; then ``kept_set.finish``."""
+    entry's logit its own dot product (``kernels/kept.py::kept_state_kernel`` with the head, or the torch path's
+    gathered products), rounded as the head rounds its logits; then ``kept_set.finish``."""
     if kept is None:
         return None
     if backend == "triton":

@@ -1,6 +1,6 @@
 """The kernel tier: the Triton kernels and, beside each kernel file, its launchers (``launch.py``, ``reduce_launch.py``,
-``fused_linear_launch.py``, ``split_row_launch.py``, ``kept_launch.py``), with the host-kernel contracts (``contracts.py``, which needs no
-Triton). Nothing here imports the front end.
+``fused_linear_launch.py``, ``split_row_launch.py``, ``kept_launch.py``), with the host-kernel contracts
+(``contracts.py``, which needs no Triton). Nothing here imports the front end.
 
 The front end reaches the launchers through the four names below, plain imports where triton is installed. Where it
 is absent (macOS, Windows) the package still imports and the torch path runs: each name then stands for its module
