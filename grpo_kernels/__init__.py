@@ -5,6 +5,14 @@ import importlib.util
 import sys
 import warnings
 
+from .distillation import (
+    DistillationOutput,
+    FusedLinearTopKDistillationLoss,
+    TopKDistillationLoss,
+    fused_linear_topk_distillation_loss,
+    reverse_kl_distillation_loss,
+    topk_distillation_loss,
+)
 from .kept_set import KeptSet
 from .loss import (
     FusedLinearGRPOLoss,
@@ -26,21 +34,26 @@ from .reference import grpo_loss_reference
 from .rollout_correction import OpenRLHFCorrection, TRLImportanceSampling, VerlRolloutCorrection
 
 __all__ = [
+    "DistillationOutput",
     "FusedLinearGRPOLoss",
+    "FusedLinearTopKDistillationLoss",
     "GRPOLoss",
     "GRPOLossOutput",
     "GRPOOptions",
     "KeptSet",
     "OpenRLHFCorrection",
     "TRLImportanceSampling",
+    "TopKDistillationLoss",
     "VerlRolloutCorrection",
     "dpo_loss",
     "fused_linear_grpo_loss",
+    "fused_linear_topk_distillation_loss",
     "grpo_loss",
     "grpo_loss_reference",
     "linear_selective_log_softmax",
     "linear_selective_log_softmax_and_entropy",
     "linear_token_logprobs",
+    "reverse_kl_distillation_loss",
     "reward_model_loss",
     "rft_loss",
     "selective_log_softmax",
@@ -48,6 +61,7 @@ __all__ = [
     "sft_loss",
     "token_entropy",
     "token_logprobs",
+    "topk_distillation_loss",
 ]
 __version__ = "0.1.0"
 

@@ -87,6 +87,13 @@ def gathered(values: torch.Tensor) -> torch.Tensor:
     return everyone.to(device=values.device, dtype=values.dtype)
 
 
+def all_gathered(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every process's ``t`` (one shape on all of them) in ``group``'s rank order; no gradient."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return parts
+
+
 def from_first(t: torch.Tensor) -> torch.Tensor:
     """Process 0's ``t`` on every process (in place), ``t`` itself without a group."""
     if not distributed():

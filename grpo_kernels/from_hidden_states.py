@@ -28,12 +28,15 @@ from . import kept_set, ops, torch_path
 from .from_logits import (
     LogprobResult,
     apply_or_forward,
+    at_ids_terms,
+    at_ids_tokens,
     first_backward,
     input_grads,
     kept_gradient,
     kernel_output,
     loss_outputs,
     signature_bound_once,
+    summed_over_repeats,
     weighted_dloss,
     with_kept_lse,
     with_kept_set,
@@ -141,6 +144,22 @@ class HiddenStatesSource:
             inputs.backend,
         )[:2]
         return self.as_rows(inputs, pair)
+
+    def logprobs_at(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
+        """The differentiable log-probs at K ids a token (ids_k [B, T, K]), normalized over the whole vocabulary, 0 at
+        masked tokens (``LinearLogprobsAtIds``); [B, T, K]."""
+        options, (hidden, weight, bias, _) = inputs.options, self.flat(inputs)
+        logq = LinearLogprobsAtIds.apply(
+            hidden,
+            weight,
+            bias,
+            ids_k.reshape(-1, ids_k.shape[-1]),
+            flat_mask(inputs.mask),
+            options.kernel_temperature,
+            options.kernel_softcap,
+            inputs.backend,
+        )
+        return logq.view(ids_k.shape)
 
     def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
         """(log-probs, entropy or None, Σπ²) [B, T] of a no-grad log-prob pass, from the same pass."""
@@ -574,17 +593,18 @@ def _head_logits_of(hidden, weight, bias, temperature: float, softcap):
 
 
 def kept_entries(ids, kept: KeptTokens | None, terms: KeptTerms | None, g, h, lse, entropy, temperature: float,
-                 softcap, backend: str, col0: int = 0):  # fmt: skip
+                 softcap, backend: str, col0: int = 0, lead=None):  # fmt: skip
     """The head's backward's ``write_entries`` for the kept sets (None without): over each tile of dlogits (its
     tokens from n0, its columns from v0), the sets' entries (``from_logits.kept_gradient``) from the full ``g`` and
     ``h`` (the dense pass had their share of the sets' tokens taken out), the forward's ``lse`` and ``entropy``;
-    ``col0``: the slice's first global id (a vocabulary shard's)."""
+    ``col0``: the slice's first global id (a vocabulary shard's); ``lead`` one an entry (the top-k entries',
+    ``LinearLogprobsAtIds``)."""
     if terms is None:
         return None
     flat = lambda t: None if t is None else t.reshape(-1).to(torch_path.compute_dtype(t))  # noqa: E731
     g, h, lse, entropy = flat(g), flat(h), flat(lse), flat(entropy)
     if backend != "triton":  # the torch path: every entry's value once, each tile takes its own
-        values = kept_set.torch_entry_gradients(ids, kept, terms, g, 1.0 / temperature, softcap, h, lse, entropy)
+        values = kept_set.torch_entry_gradients(ids, kept, terms, g, 1.0 / temperature, softcap, h, lse, entropy, lead)
         return lambda tile, n0, v0: kept_set.write_entries(tile, values, col0 + v0, n0)
 
     def write(tile: torch.Tensor, n0: int, v0: int) -> None:
@@ -592,7 +612,7 @@ def kept_entries(ids, kept: KeptTokens | None, terms: KeptTerms | None, g, h, ls
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         kept_gradient(
             tile, ids, kept, terms, g[rows], pick(h), lse[rows], pick(entropy), temperature, softcap, backend,
-            col0=col0 + v0, n0=n0,
+            col0=col0 + v0, n0=n0, lead=lead,
         )  # fmt: skip
 
     return write
@@ -638,4 +658,47 @@ class KeptLinearTokenLogprobs(torch.autograd.Function):
             entropy,
             kept_entries(ids, ctx.kept, ctx.terms, g, h, lse, entropy, ctx.temperature, ctx.softcap, ctx.backend),
         )
+        return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
+
+
+# ---- Log-probs at several ids a token (a teacher's top-k: ``distillation.py``) ------------------------------------
+
+
+class LinearLogprobsAtIds(torch.autograd.Function):
+    """``from_logits.LogprobsAtIds`` from hidden states [N, H] and the head (weight [V, H], bias): the whole
+    vocabulary's log-sum-exp from the head's log-prob pass, each of the K ids' logits its own dot product
+    (``kernels/kept.py``), no [N, V] tensor; the backward's recomputed tiles of dlogits take g = sum_k G_k and then the
+    K entries (``kept_entries`` with their leads) before their products. ids_k [N, K], mask [N] or None. Returns
+    [N, K]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids_k, mask, temperature, softcap, backend):
+        ctx.set_materialize_grads(False)
+        tokens, first = at_ids_tokens(ids_k), ids_k[:, 0].contiguous()
+        r = linear_logprobs_fwd(hidden, weight, bias, first, temperature, False, softcap, backend)
+        x = linear_kept_terms(hidden, weight, bias, first, tokens, mask, temperature, softcap, backend).x
+        logq = x.view(r.lse.numel(), -1) - r.lse.view(-1, 1)
+        if mask is not None:
+            logq = torch.where(mask.reshape(-1, 1) != 0, logq, 0.0)
+        ctx.save_for_backward(hidden, weight, bias, first, r.lse, x, mask)
+        ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
+        return logq
+
+    @staticmethod
+    def backward(ctx, grad_logq):
+        if grad_logq is None:
+            return input_grads(ctx)
+        hidden, weight, bias, first, lse, x, mask = ctx.saved_tensors
+        G = grad_logq.reshape(lse.numel(), -1).to(lse.dtype)
+        if mask is not None:
+            G = torch.where(mask.reshape(-1, 1) != 0, G, 0.0)
+        g = G.sum(-1)
+        entries = kept_entries(
+            first, ctx.tokens, at_ids_terms(x, lse, mask), g, None, lse, None, ctx.temperature, ctx.softcap,
+            ctx.backend, lead=summed_over_repeats(ctx.tokens.ids.long(), G),
+        )  # fmt: skip
+        grads = linear_loss_bwd(
+            hidden, weight, bias, first, lse, g, ctx.temperature, ctx.softcap, ctx.backend, _wants_weight(ctx, bias),
+            None, None, entries,
+        )  # fmt: skip
         return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))

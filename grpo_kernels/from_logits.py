@@ -145,6 +145,21 @@ class LogitsSource:
             self.drop_last_position,
         )[:2]
 
+    def logprobs_at(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
+        """The differentiable log-probs at K ids a token (ids_k [B, T, K]: a teacher's top-k), normalized over the
+        whole vocabulary, 0 at masked tokens (``LogprobsAtIds``)."""
+        options = inputs.options
+        return LogprobsAtIds.apply(
+            self.tensor,
+            ids_k,
+            inputs.mask,
+            options.kernel_temperature,
+            options.kernel_softcap,
+            inputs.backend,
+            self.drop_last_position,
+            False,
+        )
+
     def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
         """(log-probs, entropy or None, Σπ²) [B, T] of a no-grad log-prob pass, from the same pass."""
         B, T = inputs.ids.shape
@@ -864,19 +879,20 @@ def with_kept_set(r: LogprobResult, kept: KeptTerms) -> LogprobResult:
 
 
 def kept_gradient(out, ids, kept: KeptTokens, terms: KeptTerms, g, h, lse, entropy, temperature: float, softcap,
-                  backend: str, col0: int = 0, n0: int = 0) -> None:  # fmt: skip
+                  backend: str, col0: int = 0, n0: int = 0, lead=None) -> None:  # fmt: skip
     """The kept sets' entries of the gradient ``out`` ([B, T, width], the logits' that predict the completion, or a
     [rows, width] tile of the tokens from ``n0``; the dense part written by a pass that left the sets' share out,
-    ``kept_set.dense_share``); ``g``, ``h``, ``lse``, ``entropy`` one per row of ``out``."""
+    ``kept_set.dense_share``); ``g``, ``h``, ``lse``, ``entropy`` one per row of ``out``; ``lead`` one an entry (the
+    top-k entries', ``LogprobsAtIds``)."""
     flat = lambda t: None if t is None else t.reshape(-1).to(torch_path.compute_dtype(t)).contiguous()  # noqa: E731
     g, h, lse, entropy = flat(g), flat(h), flat(lse), flat(entropy)
     if backend == "triton":
         kept_launch.kept_gradient(
             out, ids, kept, terms, g, temperature=temperature, softcap=softcap, h=h, lse=lse, entropy=entropy,
-            col0=col0, n0=n0,
+            col0=col0, n0=n0, lead=None if lead is None else lead.reshape(-1).float().contiguous(),
         )  # fmt: skip
     else:
-        kept_set.torch_gradient(out, ids, kept, terms, g, 1.0 / temperature, softcap, h, lse, entropy, col0, n0)
+        kept_set.torch_gradient(out, ids, kept, terms, g, 1.0 / temperature, softcap, h, lse, entropy, col0, n0, lead)
 
 
 def with_kept_lse(loss_tokens: LossTokens, terms: KeptTerms | None) -> LossTokens:
@@ -944,6 +960,86 @@ class KeptTokenLogprobs(torch.autograd.Function):
             ctx.softcap,
             ctx.backend,
         )
+        return input_grads(ctx, grad)
+
+
+# ---- Log-probs at several ids a token (a teacher's top-k: ``distillation.py``) ------------------------------------
+
+
+def at_ids_tokens(ids_k: torch.Tensor) -> KeptTokens:
+    """K ids a token [..., K] as the kept-set kernels read a padded set (``kernels/kept.py``): each id's logit
+    gathered (or, from the head, its own dot product)."""
+    K = ids_k.shape[-1]
+    return KeptTokens(ids_k.reshape(-1, K).to(torch.int32).contiguous(), None, K, False, False)
+
+
+def entry_logits(logits, first, tokens: KeptTokens, mask, temperature: float, softcap, backend: str, col0: int = 0):
+    """x = cap(z) / tau at each entry [N, K] of logits [B, T, width] (a vocabulary slice from ``col0``: -inf at the
+    entries another slice holds), from the kept-set state kernel or the torch path's gathers."""
+    return kept_terms(logits, first, tokens, mask, temperature, softcap, backend, col0=col0, group=None).x
+
+
+def at_ids_terms(x, lse, mask) -> KeptTerms:
+    """What the entries' gradient reads (``kernels/kept.py::kept_gradient_kernel`` with a lead): the whole
+    vocabulary's log-sum-exp as the set's (+inf at a masked token: not written), each entry's x."""
+    N = lse.numel()
+    lse = lse.reshape(-1) if mask is None else torch.where(mask.reshape(-1) != 0, lse.reshape(-1), float("inf"))
+    zeros = torch.zeros(N, device=lse.device, dtype=lse.dtype)
+    return KeptTerms(lse.contiguous(), None, None, zeros.to(torch.int32), zeros, x.reshape(-1).contiguous())
+
+
+def summed_over_repeats(ids_k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Each entry's sum of ``G`` over its token's entries with the same id ([N, K] both): a repeated id's gradient
+    entry is the sum of its entries' (sorted ids, segment sums, O(N K log K))."""
+    ordered, order = ids_k.sort(dim=-1)
+    first_of_run = torch.ones_like(ordered, dtype=torch.bool)
+    first_of_run[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    run = first_of_run.long().cumsum(-1) - 1  # each sorted entry's run
+    sums = torch.zeros_like(G).scatter_add_(-1, run, G.gather(-1, order))
+    return torch.empty_like(G).scatter_(-1, order, sums.gather(-1, run))
+
+
+class LogprobsAtIds(torch.autograd.Function):
+    """log softmax(cap(logits) / tau) at K ids a token (ids [B, T, K]: a teacher's top-k), normalized over the whole
+    vocabulary: the log-prob pass for each token's log-sum-exp, the K logits gathered beside it (``kernels/kept.py``;
+    never an [N, V] tensor); 0 at masked tokens. The backward's dense pass runs with g = sum_k G_k (G = dLoss/dlog q),
+    then each entry's gradient is written over it, (sum of G over the token's entries with its id - g q) / tau: the
+    K ids' terms fused, no [N, V] scatter. Returns [B, T, K]."""
+
+    @staticmethod
+    def forward(ctx, logits, ids_k, mask, temperature, softcap, backend, drop_last_position, in_place):
+        ctx.set_materialize_grads(False)
+        first = ids_k[..., 0].contiguous()
+        if mask is not None:  # masked ids may be anything: the gathers and the torch path's scatter read id 0
+            first = torch.where(mask.view(first.shape) != 0, first, 0)
+            ids_k = torch.where(mask.view(first.shape).unsqueeze(-1) != 0, ids_k, 0)
+        tokens = at_ids_tokens(ids_k)
+        r = logprobs_fwd(logits, first, temperature, mask, False, softcap, backend, drop_last_position)
+        x = entry_logits(aligned(logits, drop_last_position), first, tokens, mask, temperature, softcap, backend)
+        logq = x.view(r.lse.numel(), -1) - r.lse.view(-1, 1)
+        if mask is not None:
+            logq = torch.where(mask.reshape(-1, 1) != 0, logq, 0.0)
+        ctx.save_for_backward(logits, first, r.lse, x, mask)
+        ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
+        ctx.drop_last_position, ctx.in_place = drop_last_position, in_place
+        return logq.view(ids_k.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logq):
+        logits, first, lse, x, mask = ctx.saved_tensors
+        if grad_logq is None or not ctx.needs_input_grad[0]:
+            return input_grads(ctx)
+        G = grad_logq.reshape(lse.numel(), -1).to(lse.dtype)
+        if mask is not None:
+            G = torch.where(mask.reshape(-1, 1) != 0, G, 0.0)
+        g = G.sum(-1)
+        grad = two_pass_bwd(
+            logits, first, lse, g, ctx.temperature, ctx.softcap, ctx.drop_last_position, ctx.in_place, ctx.backend
+        )
+        kept_gradient(
+            aligned(grad, ctx.drop_last_position), first, ctx.tokens, at_ids_terms(x, lse, mask), g, None, None, None,
+            ctx.temperature, ctx.softcap, ctx.backend, lead=summed_over_repeats(ctx.tokens.ids.long(), G),
+        )  # fmt: skip
         return input_grads(ctx, grad)
 
 

@@ -177,37 +177,42 @@ def torch_gradient(
     entropy: torch.Tensor | None = None,
     col0: int = 0,
     n0: int = 0,
+    lead: torch.Tensor | None = None,
 ) -> None:
     """``kernels/kept_launch.py::kept_gradient`` in torch: ``out`` the gradient [B, T, width] (any strides) or a
-    [rows, width] workspace of the tokens from ``n0``; ``g``, ``h``, ``lse``, ``entropy`` one per row of ``out``."""
+    [rows, width] workspace of the tokens from ``n0``; ``g``, ``h``, ``lse``, ``entropy`` one per row of ``out``,
+    ``lead`` one an entry."""
     rows_of = out.shape[0] * out.shape[1] if out.dim() == 3 else out.shape[0]
     pad = lambda t: None if t is None else torch.nn.functional.pad(t.reshape(-1), (n0, ids.numel() - n0 - rows_of))  # noqa: E731
-    entries_ = torch_entry_gradients(ids, kept, terms, pad(g), inv_temperature, softcap, pad(h), pad(lse), pad(entropy))
+    entries_ = torch_entry_gradients(
+        ids, kept, terms, pad(g), inv_temperature, softcap, pad(h), pad(lse), pad(entropy), lead
+    )
     write_entries(out, entries_, col0, n0)
 
 
 def torch_entry_gradients(ids, kept: KeptTokens, terms: KeptTerms, g, inv_temperature: float, softcap,
-                          h=None, lse=None, entropy=None) -> tuple:  # fmt: skip
+                          h=None, lse=None, entropy=None, lead=None) -> tuple:  # fmt: skip
     """(token, global column, value) of every entry the sets' tokens write (``kept._entry_gradient``; the added
-    targets too), ``g``, ``h``, ``lse``, ``entropy`` over every token [N]: computed once, written into any tile of
-    the gradient by ``write_entries``."""
+    targets too), ``g``, ``h``, ``lse``, ``entropy`` over every token [N], ``lead`` (one an entry) the top-k
+    distillation's: computed once, written into any tile of the gradient by ``write_entries``."""
     N = ids.numel()
     token, v = entries(kept, N)
     flat_ids = ids.reshape(-1).long()
     x = terms.x.reshape(-1)
     in_set = used(terms)
     written = in_set[token] & (x > float("-inf"))
-    columns, rows, is_target = v, token, v == flat_ids[token]
+    columns, rows = v, token
+    lead = g.reshape(-1)[token] * (v == flat_ids[token]).to(x.dtype) if lead is None else lead.reshape(-1).to(x.dtype)
     if kept.add_target:
         joins = in_set & (terms.found == 0)
         columns, rows = torch.cat([columns, flat_ids]), torch.cat([rows, torch.arange(N, device=ids.device)])
         x, written = torch.cat([x, terms.target_x]), torch.cat([written, joins])
-        is_target = torch.cat([is_target, torch.ones_like(joins)])
+        lead = torch.cat([lead, g.reshape(-1).to(x.dtype)])
     keep = written.nonzero().squeeze(1)  # (a host sync: the torch path)
-    columns, rows, x, is_target = columns[keep], rows[keep], x[keep], is_target[keep]
+    columns, rows, x, lead = columns[keep], rows[keep], x[keep], lead[keep]
     kept_lse = terms.lse[rows]
     q = torch.exp(x - kept_lse)
-    value = g.reshape(-1)[rows] * (is_target.to(q.dtype) - q)
+    value = lead - g.reshape(-1)[rows] * q
     if h is not None:
         h = h.reshape(-1)[rows]
         if kept.entropy_over_set:

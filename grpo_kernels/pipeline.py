@@ -35,6 +35,7 @@ from .kernels.contracts import (
 from .objective import GRPOLossOutput, entropy_divisor, loss_from_logps, policy_masks, prompt_divisors
 from .options import GRPOOptions
 from .rollout_correction import check_call, reads_current
+from .validation import check_teacher_topk, checked_teacher_topk
 
 
 class PolicyTerms(NamedTuple):
@@ -93,6 +94,22 @@ def sequence_logprobs(source, ids, mask, temperature: float, settings: LogprobSe
     inputs = prepare_logprob_inputs(source, ids, temperature, settings, mask=mask)
     logp, _ = inputs.source.logprobs(inputs, False, final=True)
     return inputs, inputs.layout.seq(logp), inputs.mask_seq
+
+
+def logprobs_at_ids(source, teacher_ids, teacher_logps, mask, temperature: float, settings: LogprobSettings) -> tuple:
+    """The top-k distillation's log-prob pass (``distillation.py``): (its ``LossInputs``, the student's differentiable
+    log-probs at the teacher's K ids a token, the teacher's log-probs; both [B, T, K], a packed call's [1, total, K]).
+    The first of each token's ids is the pass's target; masked tokens are not read."""
+    check_teacher_topk(teacher_ids, teacher_logps, mask)
+    token_shape, first = teacher_ids.shape[:-1], teacher_ids[..., 0]
+    # the teacher's K ids are checked together below (the first of them is the pass's target)
+    inputs = prepare_logprob_inputs(source, first, temperature, settings._replace(check_ids=False), mask=mask)
+    V = inputs.vocab_shard.vocab_size if inputs.vocab_shard is not None else inputs.source.logits_shape(inputs.ids)[-1]
+    ids_k, logps = checked_teacher_topk(
+        teacher_ids, teacher_logps, token_shape, tuple(inputs.ids.shape), V, inputs.ids.device, inputs.mask,
+        settings.check_ids,
+    )  # fmt: skip
+    return inputs, inputs.source.logprobs_at(inputs, ids_k), logps
 
 
 # ---- 2. Correct and mask ------------------------------------------------------------------------------------------

@@ -564,3 +564,60 @@ def _check_kept_values(ids, offsets, entry_token, V: int, mask, N: int) -> None:
             "kept_set.ids must not repeat an id within a token's set (each kept id once: a repeat would count its "
             "probability twice)"
         )
+
+
+def check_teacher_topk(teacher_ids, teacher_logps, completion_mask) -> None:
+    """A distillation call's teacher inputs before anything reads them: integer ids and floating-point log-probs of
+    one shape, the completion mask's plus K."""
+    for name, t, integer in (("teacher_ids", teacher_ids, True), ("teacher_logps", teacher_logps, False)):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            got = "a 0-d tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a torch.Tensor [..., K], got {got}")
+        if integer != (not t.dtype.is_floating_point and t.dtype != torch.bool and not t.dtype.is_complex):
+            raise TypeError(f"{name} must be {'an integer' if integer else 'a floating-point'} tensor, got {t.dtype}")
+    if teacher_ids.shape != teacher_logps.shape:
+        raise ValueError(
+            f"teacher_ids and teacher_logps must have one shape, got {tuple(teacher_ids.shape)} and "
+            f"{tuple(teacher_logps.shape)}"
+        )
+    if isinstance(completion_mask, torch.Tensor) and tuple(teacher_ids.shape[:-1]) != tuple(completion_mask.shape):
+        raise ValueError(
+            f"teacher_ids must be the completion mask's shape {tuple(completion_mask.shape)} plus the teacher's K, "
+            f"got {tuple(teacher_ids.shape)}"
+        )
+
+
+def checked_teacher_topk(teacher_ids, teacher_logps, token_shape: tuple, ids_shape: tuple, V: int, device, mask,
+                         check_values: bool) -> tuple:  # fmt: skip
+    """(teacher ids int64, teacher log-probs) [..., K] of a distillation call (``check_teacher_topk`` first),
+    reshaped to the kernels' ``ids_shape`` + [K] (a packed call's one row): shaped as the completion's tokens
+    (``token_shape``) plus K, K at most V; with ``check_values`` (one host sync) the ids in [0, V) and the log-probs
+    finite at active tokens (a masked token is never read: its ids and log-probs may be anything)."""
+    for name, t in (("teacher_ids", teacher_ids), ("teacher_logps", teacher_logps)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the logits (or hidden states) are on {device}")
+        if t.dim() != len(token_shape) + 1 or tuple(t.shape[:-1]) != tuple(token_shape):
+            raise ValueError(
+                f"{name} must be the completion ids' shape {tuple(token_shape)} plus the teacher's K, got "
+                f"{tuple(t.shape)}"
+            )
+    K = teacher_ids.shape[-1]
+    if not 1 <= K <= V:
+        raise ValueError(f"the teacher's K (the last dim of teacher_ids) must be in [1, V] = [1, {V}], got {K}")
+    ids = teacher_ids.reshape(*ids_shape, K).long()
+    logps = teacher_logps.reshape(*ids_shape, K)
+    if check_values:
+        active = (
+            torch.ones(ids_shape, dtype=torch.bool, device=device) if mask is None else mask.reshape(ids_shape) != 0
+        )
+        at = active.unsqueeze(-1)
+        flags = torch.stack(
+            [((ids < 0) | (ids >= V)).logical_and(at).any(), (~torch.isfinite(logps)).logical_and(at).any()]
+        ).tolist()  # the one host sync
+        if flags[0]:
+            bad = int(ids[((ids < 0) | (ids >= V)) & at][0])
+            raise ValueError(f"teacher_ids must lie in [0, V) = [0, {V}) at active tokens, got {bad}")
+        if flags[1]:
+            bad = float(logps[~torch.isfinite(logps) & at][0])
+            raise ValueError(f"teacher_logps must be finite at active tokens, got {bad}")
+    return ids, logps

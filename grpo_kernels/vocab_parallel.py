@@ -39,10 +39,14 @@ from .from_hidden_states import (
 from .from_logits import (
     LogitsSource,
     LogprobResult,
+    at_ids_terms,
+    at_ids_tokens,
+    entry_logits,
     kept_gradient,
     kept_terms,
     logprobs_bwd,
     logprobs_fwd,
+    summed_over_repeats,
     with_kept_set,
 )
 from .kernels.contracts import rounds_head_logits
@@ -111,39 +115,46 @@ class VocabParallelLogprobs(torch.autograd.Function):
         g_full = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
         h_full = None if grad_entropy is None else grad_entropy.float()
         g, h = kept_set.dense_share(ctx.terms, ctx.kept, g_full, h_full)  # a set's token's share: its entries'
-        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        grad = logprobs_bwd(
-            logits,
-            local_ids,
-            lse,
-            g,
-            ctx.temperature,
-            ctx.softcap,
-            False,
-            ctx.backend,
-            out=out,
-            grad_entropy=h,
-            entropy=entropy if h is not None else None,
-        )
-        # Where this rank does not own the target, the kernel's one-hot landed on local column 0:
-        # that column is rewritten without it, from its own logit (O(B * T), no host sync).
-        inv_t = 1.0 / ctx.temperature
-        x0, slope0 = capped(logits[..., 0].float(), ctx.softcap)
-        log_p0 = x0 * inv_t - lse
-        p0 = torch.exp(log_p0)
-        column = -g * inv_t * p0
-        if h is not None:
-            column = column - h * inv_t * p0 * (torch.where(p0 > 0, log_p0, 0.0) + entropy)
-        if slope0 is not None:
-            column = column * slope0
-        live = (g != 0) if h is None else (g != 0) | (h != 0)  # a masked row stays all zero
-        grad[..., 0] = torch.where(~owned & live, column, grad[..., 0].float()).to(grad.dtype)
+        grad = slice_gradient(logits, local_ids, owned, lse, g, h, entropy, ctx.temperature, ctx.softcap, ctx.backend)
         if ctx.terms is not None:  # the sets' entries in this slice, written over the dense gradient
             kept_gradient(
                 grad, ids, ctx.kept, ctx.terms, g_full, h_full, lse, entropy, ctx.temperature, ctx.softcap, ctx.backend,
                 col0=ctx.start,
             )  # fmt: skip
         return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+def slice_gradient(logits, local_ids, owned, lse, g, h, entropy, temperature: float, softcap, backend: str):
+    """This rank's slice of dlogits of g = dLoss/dlogp (and h = dLoss/dH with the global ``entropy``), the global
+    ``lse``: the single-device kernel on the slice, then, where this rank does not own the target (the kernel's
+    one-hot landed on local column 0), that column rewritten without it, from its own logit (O(B * T), no host
+    sync)."""
+    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    grad = logprobs_bwd(
+        logits,
+        local_ids,
+        lse,
+        g,
+        temperature,
+        softcap,
+        False,
+        backend,
+        out=out,
+        grad_entropy=h,
+        entropy=entropy if h is not None else None,
+    )
+    inv_t = 1.0 / temperature
+    x0, slope0 = capped(logits[..., 0].float(), softcap)
+    log_p0 = x0 * inv_t - lse
+    p0 = torch.exp(log_p0)
+    column = -g * inv_t * p0
+    if h is not None:
+        column = column - h * inv_t * p0 * (torch.where(p0 > 0, log_p0, 0.0) + entropy)
+    if slope0 is not None:
+        column = column * slope0
+    live = (g != 0) if h is None else (g != 0) | (h != 0)  # a masked row stays all zero
+    grad[..., 0] = torch.where(~owned & live, column, grad[..., 0].float()).to(grad.dtype)
+    return grad
 
 
 def over_sets(terms, logp, entropy, squares=None) -> tuple:
@@ -244,21 +255,131 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
                 col0=ctx.start,
             ),
         )  # fmt: skip
-        # Where this rank does not own the target, the backward added the one-hot term g / tau at
-        # local column 0 (times the cap's chain factor there); take it out of d hidden, d weight[0] and
-        # d bias[0] (O(N * H)).
-        spurious = torch.where(owned, 0.0, g / ctx.temperature)  # [N]
-        if ctx.softcap is not None:
-            x0 = hidden.float() @ weight[0].float() + (0.0 if bias is None else bias[0].float())
-            if rounds_head_logits(hidden.dtype):  # the head's logits are rounded to 16 bits first
-                x0 = x0.to(hidden.dtype).float()
-            spurious = spurious * capped(x0, ctx.softcap)[1]
-        dh -= spurious.unsqueeze(1) * weight[0].float()
-        if dw is not None:
-            dw[0] -= spurious @ hidden.float()
-        if db is not None:
-            db[0] -= spurious.sum()
+        without_column_0_one_hot(dh, dw, db, hidden, weight, bias, owned, g, ctx.temperature, ctx.softcap)
         dist.all_reduce(dh, group=ctx.group)  # every rank's share of the vocabulary
+        return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+def without_column_0_one_hot(dh, dw, db, hidden, weight, bias, kept_column_0, g, temperature: float, softcap):
+    """Where this rank does not own the target (nor wrote column 0 over: ``kept_column_0``), the head's backward added
+    the one-hot term g / tau at local column 0 (times the cap's chain factor there): taken out of d hidden,
+    d weight[0] and d bias[0] (O(N * H)), in place."""
+    spurious = torch.where(kept_column_0, 0.0, g / temperature)  # [N]
+    if softcap is not None:
+        x0 = hidden.float() @ weight[0].float() + (0.0 if bias is None else bias[0].float())
+        if rounds_head_logits(hidden.dtype):  # the head's logits are rounded to 16 bits first
+            x0 = x0.to(hidden.dtype).float()
+        spurious = spurious * capped(x0, softcap)[1]
+    dh -= spurious.unsqueeze(1) * weight[0].float()
+    if dw is not None:
+        dw[0] -= spurious @ hidden.float()
+    if db is not None:
+        db[0] -= spurious.sum()
+
+
+# ---- Log-probs at several ids a token (a teacher's top-k: ``distillation.py``) ------------------------------------
+
+
+def _global_entry_logits(x, ids_k, start: int, width: int, group) -> torch.Tensor:
+    """Each entry's x [N, K] from the rank whose slice holds its id (one all-reduce of N K values)."""
+    here = (ids_k.reshape(x.shape) >= start) & (ids_k.reshape(x.shape) < start + width)
+    x = torch.where(here, x, 0.0)
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class VocabParallelLogprobsAtIds(torch.autograd.Function):
+    """``from_logits.LogprobsAtIds`` from this rank's vocabulary slice [B, T, V / P], the ids global: the global
+    log-sum-exp (``_combine``), each entry's logit from the rank that holds it; the backward writes this slice's
+    gradient (``slice_gradient`` with g = sum_k G_k, then the entries in the slice)."""
+
+    @staticmethod
+    def forward(ctx, logits, ids_k, mask, temperature, softcap, backend, group, start: int):
+        ctx.set_materialize_grads(False)
+        B, T, V_local = logits.shape
+        if mask is not None:
+            ids_k = torch.where(mask.view(B, T, 1) != 0, ids_k, start)
+        first = ids_k[..., 0].contiguous()
+        owned = (first >= start) & (first < start + V_local)
+        local_first = torch.where(owned, first - start, 0).contiguous()
+        tokens = at_ids_tokens(ids_k)
+        r = logprobs_fwd(logits, local_first, temperature, mask, False, softcap, backend)
+        lse, _, _, _ = _combine(r.lse.view(B, T), r.logp.view(B, T), None, owned, group)
+        x = entry_logits(logits, first, tokens, mask, temperature, softcap, backend, col0=start)
+        x = _global_entry_logits(x.view(B * T, -1), ids_k, start, V_local, group)
+        logq = x - lse.reshape(-1, 1)
+        if mask is not None:
+            logq = torch.where(mask.reshape(-1, 1) != 0, logq, 0.0)
+        ctx.save_for_backward(logits, first, local_first, owned, lse, x, mask)
+        ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap, ctx.start = tokens, backend, temperature, softcap, start
+        return logq.view(ids_k.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logq):
+        logits, first, local_first, owned, lse, x, mask = ctx.saved_tensors
+        if grad_logq is None or not ctx.needs_input_grad[0]:
+            return (None,) * len(ctx.needs_input_grad)
+        G = grad_logq.reshape(x.shape).float()
+        if mask is not None:
+            G = torch.where(mask.reshape(-1, 1) != 0, G, 0.0)
+        g = G.sum(-1).view(lse.shape)
+        grad = slice_gradient(logits, local_first, owned, lse, g, None, None, ctx.temperature, ctx.softcap, ctx.backend)
+        kept_gradient(
+            grad, first, ctx.tokens, at_ids_terms(x, lse, mask), g, None, None, None, ctx.temperature, ctx.softcap,
+            ctx.backend, col0=ctx.start, lead=summed_over_repeats(ctx.tokens.ids.long(), G),
+        )  # fmt: skip
+        return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+class VocabParallelLinearLogprobsAtIds(torch.autograd.Function):
+    """``VocabParallelLogprobsAtIds`` from hidden states [N, H] and this rank's head shard [V / P, H]: each entry's
+    logit the dot product on the rank that holds its id; d hidden all-reduced, the shard's d weight and d bias its
+    slice."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids_k, mask, temperature, softcap, backend, group, start: int):
+        ctx.set_materialize_grads(False)
+        V_local = weight.shape[0]
+        if mask is not None:
+            ids_k = torch.where(mask.reshape(-1, 1) != 0, ids_k, start)
+        first = ids_k[:, 0].contiguous()
+        owned = (first >= start) & (first < start + V_local)
+        local_first = torch.where(owned, first - start, 0).contiguous()
+        tokens = at_ids_tokens(ids_k)
+        r = linear_logprobs_fwd(hidden, weight, bias, local_first, temperature, False, softcap, backend)
+        lse, _, _, _ = _combine(r.lse, r.logp, None, owned, group)
+        x = linear_kept_terms(hidden, weight, bias, first, tokens, mask, temperature, softcap, backend, col0=start).x
+        x = _global_entry_logits(x.view(first.numel(), -1), ids_k, start, V_local, group)
+        logq = x - lse.reshape(-1, 1)
+        if mask is not None:
+            logq = torch.where(mask.reshape(-1, 1) != 0, logq, 0.0)
+        ctx.save_for_backward(hidden, weight, bias, first, local_first, owned, lse, x, mask, ids_k)
+        ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
+        ctx.group, ctx.start = group, start
+        return logq
+
+    @staticmethod
+    def backward(ctx, grad_logq):
+        hidden, weight, bias, first, local_first, owned, lse, x, mask, ids_k = ctx.saved_tensors
+        if grad_logq is None:
+            return (None,) * len(ctx.needs_input_grad)
+        G = grad_logq.reshape(x.shape).float()
+        if mask is not None:
+            G = torch.where(mask.reshape(-1, 1) != 0, G, 0.0)
+        g = G.sum(-1)
+        wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        entries = kept_entries(
+            first, ctx.tokens, at_ids_terms(x, lse, mask), g, None, lse, None, ctx.temperature, ctx.softcap,
+            ctx.backend, col0=ctx.start, lead=summed_over_repeats(ctx.tokens.ids.long(), G),
+        )  # fmt: skip
+        dh, dw, db = linear_logprobs_bwd(
+            hidden, weight, bias, local_first, lse, g, ctx.temperature, ctx.softcap, ctx.backend, wants_weight,
+            write_entries=entries,
+        )  # fmt: skip
+        # column 0 holds an entry's final value where one of the token's ids is this slice's first: no one-hot left
+        kept_column_0 = owned | (ids_k == ctx.start).any(-1)
+        without_column_0_one_hot(dh, dw, db, hidden, weight, bias, kept_column_0, g, ctx.temperature, ctx.softcap)
+        dist.all_reduce(dh, group=ctx.group)
         return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
@@ -293,6 +414,21 @@ class ShardedLogitsSource(LogitsSource):
             shard.group,
             shard.start,
             inputs.kept,
+        )
+
+    def logprobs_at(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
+        """The global log-probs at K ids a token (global ids_k [B, T, K]), differentiable
+        (``VocabParallelLogprobsAtIds``)."""
+        options, shard = inputs.options, inputs.vocab_shard
+        return VocabParallelLogprobsAtIds.apply(
+            self.predicting(),
+            ids_k,
+            inputs.mask,
+            float(options.kernel_temperature),
+            options.kernel_softcap,
+            inputs.backend,
+            shard.group,
+            shard.start,
         )
 
     def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
@@ -359,6 +495,24 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
             inputs.kept,
         )
         return self.as_rows(inputs, pair)
+
+    def logprobs_at(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
+        """The global log-probs at K ids a token from this rank's head shard (``VocabParallelLinearLogprobsAtIds``)."""
+        options, shard = inputs.options, inputs.vocab_shard
+        hidden, weight, bias, _ = self.flat(inputs)
+        logq = VocabParallelLinearLogprobsAtIds.apply(
+            hidden,
+            weight,
+            bias,
+            ids_k.reshape(-1, ids_k.shape[-1]),
+            flat_mask(inputs.mask),
+            float(options.kernel_temperature),
+            options.kernel_softcap,
+            inputs.backend,
+            shard.group,
+            shard.start,
+        )
+        return logq.view(ids_k.shape)
 
     def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
         """(global log-probs, entropy or None, Σπ²) [B, T] of a no-grad pass over this rank's weight shard."""

@@ -545,6 +545,12 @@ def kept_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                     ones, temperature=1.0, softcap=None, h=ones, col0=V // 4, n0=0,
                 ),
             )  # fmt: skip
+            yield (
+                f"kept gradient lead top-k distillation {tag}",
+                lambda: kept_launch.kept_gradient(x["logits"], flat_ids, padded._replace(add_target=False,
+                                                  entropy_over_set=False), terms._replace(x=torch.zeros(rows, K)),
+                                                  ones, temperature=1.0, softcap=None, lead=torch.zeros(rows * K)),
+            )  # fmt: skip
             opts = LOSS_OPTIONS["ppo"]
             with_set = TokenInputs(x["mask"], x["adv"], x["old"], kept_lse=ones, kept_entropy=ones)
             yield (

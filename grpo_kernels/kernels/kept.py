@@ -186,13 +186,15 @@ def kept_state_kernel(
 
 
 @triton.jit
-def _entry_gradient(x, is_target, g, h, lse, entropy, kept_lse, kept_entropy, inv_temperature, softcap,
+def _entry_gradient(x, lead, g, h, lse, entropy, kept_lse, kept_entropy, inv_temperature, softcap,
                     HAS_H: tl.constexpr, KEPT_ENTROPY: tl.constexpr):  # fmt: skip
-    """The gradient at a set's entry of logit x (natural units, already / tau): (g (onehot - q) + the entropy terms)
-    / tau, q = exp(x - lse over the set), times the soft-cap's chain factor; the entropy's terms are the full
-    distribution's (p = exp(x - lse), -h p (log p + H)) or, with KEPT_ENTROPY, the set's (-h q (log q + H_set))."""
+    """The gradient at an entry of logit x (natural units, already / tau): (lead - g q + the entropy terms) / tau,
+    q = exp(x - kept_lse), times the soft-cap's chain factor. A kept set's entry: lead = g onehot (so g (onehot - q)),
+    kept_lse the set's; a top-k entry (distillation): lead the entry's own sum, kept_lse the whole vocabulary's. The
+    entropy's terms are the full distribution's (p = exp(x - lse), -h p (log p + H)) or, with KEPT_ENTROPY, the
+    set's (-h q (log q + H_set))."""
     q = tl.exp(x - kept_lse)
-    value = g * (tl.where(is_target, 1.0, 0.0) - q)
+    value = lead - g * q
     if HAS_H:
         if KEPT_ENTROPY:
             value -= h * q * tl.where(q > 0.0, x - kept_lse + kept_entropy, 0.0)
@@ -225,6 +227,7 @@ def kept_gradient_kernel(
     lse_ptr,
     entropy_ptr,
     kept_entropy_ptr,
+    lead_ptr,
     col0,
     width,
     inv_temperature,
@@ -238,7 +241,10 @@ def kept_gradient_kernel(
     entries' final gradient overwrites the dense one (``_entry_gradient``), and with ADD_TARGET the target's where
     the set lacks it. The gradient's own per-token inputs are the rows' (``g``; ``h``, the entropy bonus's dLoss/dH,
     None without one; the full distribution's ``lse`` and ``entropy``, read where the entropy term is the full
-    distribution's), the set's terms the tokens' (``ids``, the sets, ``kept_*``, ``target_x``, ``found``)."""
+    distribution's), the set's terms the tokens' (``ids``, the sets, ``kept_*``, ``target_x``, ``found``). With
+    ``lead_ptr`` (one float an entry) an entry's gradient is (lead - g q) / tau, q over ``kept_lse`` (the top-k
+    distillation's: ``kept_lse`` the whole vocabulary's log-sum-exp, ``lead`` the sum of dLoss/dlog q over the
+    token's entries with that id)."""
     HAS_H: tl.constexpr = h_ptr is not None
     row = tl.program_id(0).to(tl.int64)
     pid = n0 + row
@@ -267,15 +273,18 @@ def kept_gradient_kernel(
             v = tl.load(kept_ids_ptr + e, mask=in_set, other=-1).to(tl.int64)
             here = in_set & (v >= col0) & (v < col0 + width)
             x = tl.load(kept_x_ptr + e, mask=here, other=float("-inf"))
+            if lead_ptr is not None:
+                lead = tl.load(lead_ptr + e, mask=here, other=0.0)
+            else:
+                lead = g * tl.where(v == target, 1.0, 0.0)
             value = _entry_gradient(
-                x, v == target, g, h, lse, entropy, kept_lse, kept_entropy, inv_temperature, softcap, HAS_H,
-                KEPT_ENTROPY,
-            )  # fmt: skip
+                x, lead, g, h, lse, entropy, kept_lse, kept_entropy, inv_temperature, softcap, HAS_H, KEPT_ENTROPY
+            )
             tl.store(out_row + (v - col0), value.to(out_ptr.dtype.element_ty), mask=here)
         if ADD_TARGET:
             if (tl.load(found_ptr + pid) == 0) & (target >= col0) & (target < col0 + width):
                 x = tl.load(target_x_ptr + pid)
                 value = _entry_gradient(
-                    x, True, g, h, lse, entropy, kept_lse, kept_entropy, inv_temperature, softcap, HAS_H, KEPT_ENTROPY
+                    x, g, g, h, lse, entropy, kept_lse, kept_entropy, inv_temperature, softcap, HAS_H, KEPT_ENTROPY
                 )
                 tl.store(out_row + (target - col0), value.to(out_ptr.dtype.element_ty))

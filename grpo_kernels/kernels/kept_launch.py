@@ -111,12 +111,14 @@ def kept_gradient(
     entropy: torch.Tensor | None = None,
     col0: int = 0,
     n0: int = 0,
+    lead: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the set's entries of ``out`` (the gradient of the logits, [B, T, width] with a unit last stride, or a
     [rows, width] workspace of the tokens from ``n0``; its columns global ids from ``col0``) over its dense part:
     (g (onehot - q) + the entropy terms) / tau at each entry (``kept._entry_gradient``), for the tokens whose set is
     used. ``g``, ``h`` (the entropy bonus's dLoss/dH, or None), ``lse`` and ``entropy`` (the full distribution's) are
-    fp32, one per row of ``out``; ``ids`` the targets [N] and ``terms`` over every token."""
+    fp32, one per row of ``out``; ``ids`` the targets [N] and ``terms`` over every token. ``lead`` (fp32, one an entry):
+    each entry's gradient is (lead - g q) / tau instead (``kept._entry_gradient``: the top-k distillation's entries)."""
     if out.dim() == 2:
         rows, stride_b, stride_t, T = out.shape[0], out.stride(0), 0, 1
     else:
@@ -141,6 +143,7 @@ def kept_gradient(
         lse,
         entropy,
         terms.entropy,
+        lead,
         col0,
         out.shape[-1],
         1.0 / temperature,

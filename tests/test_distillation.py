@@ -1,0 +1,443 @@
+"""On-policy distillation (``grpo_kernels.distillation``) number for number with verl 0.9.1's own distillation code
+(``verl/trainer/distillation``: the FSDP ``compute_forward_kl_topk``, its registered loss, ``distillation_loss``)
+and TRL 1.16's (``add_tail_bucket``, ``compute_topk_self_distillation_loss``): the loss, the gradient of the logits
+(and of the hidden states, weight and bias through the fused head) and every metric, both backends, padded and
+packed, a vocabulary split over two processes; the teacher's ids repeated, covering the whole vocabulary, K = 1;
+an all-padding batch; bad teacher inputs refused by name.
+"""
+
+import pytest
+import torch
+from gloo_ranks import run_ranks
+
+pytest.importorskip("verl")
+pytest.importorskip("trl")
+
+from tensordict import TensorDict  # noqa: E402
+from trl.experimental.sdpo.loss_utils import add_tail_bucket, compute_topk_self_distillation_loss  # noqa: E402
+from verl.trainer.distillation import losses as verl_losses  # noqa: E402
+from verl.trainer.distillation.fsdp import losses as verl_fsdp  # noqa: E402
+from verl.trainer.ppo.core_algos import agg_loss  # noqa: E402
+from verl.workers.config import ActorConfig, DistillationConfig, DistillationLossConfig  # noqa: E402
+
+from grpo_kernels import distillation  # noqa: E402
+from grpo_kernels.distillation import (  # noqa: E402
+    fused_linear_topk_distillation_loss,
+    topk_distillation_loss,
+)
+
+B, T, V, K, H = 3, 6, 41, 5, 12
+TEMPERATURE = 0.8
+FP32 = dict(atol=2e-6, rtol=2e-5)
+
+
+def _batch(seed=0, k=K, repeat=True):
+    """Student logits, a teacher's top-k (ids and log-probs from its own log-softmax; one token's first id
+    repeated), a mask with a partial row and an empty one."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 2 * torch.randn(B, T, V, generator=g)
+    teacher = torch.log_softmax(2 * torch.randn(B, T, V, generator=g), -1)
+    logps, ids = teacher.topk(k, dim=-1)
+    if repeat and k > 1:
+        ids[0, 1, 1], logps[0, 1, 1] = ids[0, 1, 0], logps[0, 1, 0]
+    mask = torch.ones(B, T)
+    mask[1, 4:] = 0
+    mask[2] = 0
+    return logits, ids, logps, mask
+
+
+def _verl_per_token(logits, ids, logps, mask, **loss_kw):
+    """verl's FSDP ``compute_forward_kl_topk`` on the active tokens, packed as verl packs them ("thd": one row of
+    nnz tokens, the teacher's top-k as nested tensors), its student logits already divided by the temperature as its
+    engine divides them: per-token outputs [B, T] (0 at masked tokens)."""
+    active = mask.bool()
+    student = (logits / TEMPERATURE)[active].unsqueeze(0)
+    rows = [(ids[b][active[b]], logps[b][active[b]]) for b in range(B) if active[b].any()]
+    config = DistillationConfig(distillation_loss=DistillationLossConfig(topk=ids.shape[-1], **loss_kw))
+    out = verl_fsdp.compute_forward_kl_topk(
+        student_logits=student,
+        teacher_topk_log_probs=torch.nested.nested_tensor([r[1] for r in rows], layout=torch.jagged),
+        teacher_topk_ids=torch.nested.nested_tensor([r[0] for r in rows], layout=torch.jagged),
+        config=config,
+        data_format="thd",
+    )
+    padded = {}
+    for name, value in out.items():
+        full = torch.zeros(B, T, dtype=value.dtype)
+        full[active] = value[0].detach()
+        padded[name] = full
+    return padded, out["distillation_losses"], student  # (the last two with their graph)
+
+
+def _verl_loss_and_metrics(per_token, mask, loss_agg_mode="token-mean", **loss_kw):
+    """verl's registered ``forward_kl_topk`` and ``distillation_loss`` (supervised) on verl's per-token outputs,
+    through its own padding helpers: a TensorDict of prompts (one token each), responses and masks."""
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode=loss_agg_mode)
+    config = DistillationConfig(  # (not "enabled": that would ask for teacher models; the loss reads none)
+        distillation_loss=DistillationLossConfig(
+            loss_mode="forward_kl_topk", topk=K, use_policy_gradient=False, **loss_kw
+        ),
+    )
+    lengths = mask.sum(1).long()
+    keep = lengths > 0  # verl's batches hold sequences with a response
+    prompts = torch.ones(int(keep.sum()), 1, dtype=torch.long)
+    responses = torch.ones(int(keep.sum()), T, dtype=torch.long)
+    attention = torch.cat([torch.ones(int(keep.sum()), 1), mask[keep]], 1).long()
+
+    def unpadded(t):  # each sequence's prompt token then its response, shifted left by one as the model's output
+        parts = []
+        for b in keep.nonzero().squeeze(1).tolist():
+            parts += [t[b, : lengths[b]], torch.zeros(1, dtype=t.dtype)]
+        return torch.cat(parts)
+
+    model_output = {name: unpadded(v) for name, v in per_token.items()}
+    data = TensorDict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "attention_mask": attention,
+            "response_mask": mask[keep],
+        },
+        batch_size=[int(keep.sum())],
+    )
+    for name, value in (("dp_size", 1), ("batch_num_tokens", int(mask.sum())), ("global_batch_size", int(keep.sum()))):
+        data.set_non_tensor(name, value)  # verl's global batch info
+    return verl_losses.distillation_loss(actor, config, model_output, data)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_the_top_k_forward_kl_is_verls(backend, loss_agg_mode):
+    """verl's forward_kl_topk (its clamps at -10 and 10, its masses, overlap and range metrics, its reduction): the
+    loss, the gradient of the logits and every metric."""
+    logits, ids, logps, mask = _batch()
+    per_token, _, _ = _verl_per_token(logits.double(), ids, logps.double(), mask)
+    expected, expected_metrics = _verl_loss_and_metrics(per_token, mask, loss_agg_mode)
+    # the gradient: verl's own chain on its own logits (its per-token loss, its clamps, its agg_loss)
+    x = logits.double().requires_grad_()
+    _, losses_nnz, _ = _verl_per_token(x, ids, logps.double(), mask)
+    losses = torch.zeros(B, T, dtype=torch.float64).masked_scatter(
+        mask.bool(), losses_nnz[0].double().clamp_min(0.0).clamp(-10.0, 10.0)
+    )
+    agg_loss(loss_mat=losses, loss_mask=mask.double(), loss_agg_mode=loss_agg_mode, dp_size=1,
+             batch_num_tokens=mask.sum(), global_batch_size=int((mask.sum(1) > 0).sum())).backward()  # fmt: skip
+    y = logits.clone().requires_grad_()
+    ours = topk_distillation_loss(y, ids, logps, mask, TEMPERATURE, backend=backend, loss_agg_mode=loss_agg_mode)
+    ours.loss.backward()
+    torch.testing.assert_close(ours.loss.double(), expected.double(), **FP32)
+    torch.testing.assert_close(y.grad.double(), x.grad, atol=1e-6, rtol=1e-5)
+    for name, value in expected_metrics.items():
+        value = value.aggregate() if hasattr(value, "aggregate") else value  # (verl's Metric)
+        torch.testing.assert_close(ours.metrics[name].double(), torch.as_tensor(value).double(), **FP32, msg=name)
+    assert set(ours.metrics) >= set(expected_metrics) | {"distillation/loss"}
+
+
+def test_the_clamps_per_token_are_verls():
+    """Each active token's loss is verl's value, clamped at 0 and at +-loss_max_clamp, with and without
+    log_prob_min_clamp (None: no clamp)."""
+    logits, ids, logps, mask = _batch(seed=1)
+    for clamp in (-10.0, -2.0, None):
+        per_token, _, _ = _verl_per_token(logits.double(), ids, logps.double(), mask, log_prob_min_clamp=clamp)
+        ours = topk_distillation_loss(
+            logits, ids, logps, mask, TEMPERATURE, log_prob_min_clamp=clamp, loss_max_clamp=3.0
+        )
+        expected = per_token["distillation_losses"].double().clamp_min(0.0).clamp(max=3.0) * mask
+        torch.testing.assert_close(ours.per_token_loss.double(), expected, **FP32)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_fused_head_equals_its_logits(backend):
+    """From hidden states and the head (no [N, V] logits): the loss, every metric (the overlap with
+    compute_overlap) and the gradients of hidden states, weight and bias equal the logits path on h W^T + b."""
+    _, ids, logps, mask = _batch(seed=2)
+    g = torch.Generator().manual_seed(3)
+    head = [torch.randn(B, T, H, generator=g), 0.5 * torch.randn(V, H, generator=g), torch.randn(V, generator=g)]
+    wanted = [t.clone().double().requires_grad_() for t in head]
+    expected = topk_distillation_loss(
+        torch.nn.functional.linear(*wanted), ids, logps, mask, TEMPERATURE, backend="torch"
+    )
+    expected.loss.backward()
+    ours_in = [t.clone().requires_grad_() for t in head]
+    ours = fused_linear_topk_distillation_loss(
+        ours_in[0], ours_in[1], ids, logps, mask, ours_in[2], TEMPERATURE, backend=backend, compute_overlap=True
+    )
+    ours.loss.backward()
+    torch.testing.assert_close(ours.loss.double(), expected.loss, **FP32)
+    for got, want in zip(ours_in, wanted, strict=True):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-4)
+    for name, value in expected.metrics.items():
+        torch.testing.assert_close(ours.metrics[name].double(), value.double(), **FP32, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_packed_batch_equals_the_padded_one(backend):
+    logits, ids, logps, mask = _batch(seed=4)
+    active = mask.bool()
+    x, y = logits.clone().requires_grad_(), logits[active].clone().requires_grad_()
+    padded = topk_distillation_loss(
+        x, ids, logps, mask, TEMPERATURE, backend=backend, loss_agg_mode="seq-mean-token-mean"
+    )
+    lengths = mask.sum(1).long()
+    cu = torch.nn.functional.pad(lengths[lengths > 0].cumsum(0), (1, 0)).int()
+    packed = topk_distillation_loss(
+        y, ids[active], logps[active], torch.ones(int(active.sum())), TEMPERATURE, backend=backend,
+        loss_agg_mode="seq-mean-token-mean", cu_seqlens=cu,
+    )  # fmt: skip
+    padded.loss.backward()
+    packed.loss.backward()
+    torch.testing.assert_close(packed.loss, padded.loss, **FP32)
+    torch.testing.assert_close(y.grad, x.grad[active], **FP32)
+    torch.testing.assert_close(packed.per_token_loss, padded.per_token_loss[active], **FP32)
+
+
+@pytest.mark.parametrize("add_tail", [True, False])
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_trls_top_k_divergence_and_reduction(backend, add_tail, alpha):
+    """TRL's compute_topk_self_distillation_loss (its support the student's own top-k, the teacher projected onto
+    it; a tail bucket or renormalized; its generalized divergence) and its trainer's reduction: ours with those ids
+    as the teacher's top-k and the teacher's log-probs there."""
+    logits, _, _, mask = _batch(seed=5)
+    teacher_logits = 2 * torch.randn(B, T, V, generator=torch.Generator().manual_seed(6))
+    x = logits.double().requires_grad_()
+    per_token = compute_topk_self_distillation_loss(
+        x / TEMPERATURE, teacher_logits.double(), distillation_topk=K, distillation_alpha=alpha,
+        distillation_add_tail=add_tail,
+    )  # fmt: skip
+    expected = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    expected.backward()
+    ids = (logits / TEMPERATURE).topk(K, dim=-1).indices
+    logps = torch.log_softmax(teacher_logits, -1).gather(-1, ids)
+    y = logits.clone().requires_grad_()
+    ours = topk_distillation_loss(
+        y, ids, logps, mask, TEMPERATURE, convention="trl", add_tail=add_tail, alpha=alpha, backend=backend
+    )
+    ours.loss.backward()
+    torch.testing.assert_close(ours.loss.double(), expected, **FP32)
+    torch.testing.assert_close(y.grad.double(), x.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.per_token_loss.double(), per_token.detach() * mask, **FP32)
+
+
+def test_trls_tail_bucket():
+    logps = torch.log_softmax(torch.randn(4, 9), -1).topk(3, -1).values
+    torch.testing.assert_close(distillation._with_tail_bucket(logps), add_tail_bucket(logps))
+
+
+def test_edge_teachers():
+    """K = 1, the teacher's ids covering the whole vocabulary (the student's mass then 1), repeated ids (each
+    repeat a term of its own, as verl's gather counts it), and an all-padding batch (a zero loss and gradient, no
+    error)."""
+    logits, ids, logps, mask = _batch(seed=7)
+    for k_ids, k_logps in (
+        (ids[..., :1], logps[..., :1]),
+        (torch.arange(V).expand(B, T, V), torch.log_softmax(torch.randn(B, T, V), -1)),
+        (ids[..., :1].expand(B, T, 3), logps[..., :1].expand(B, T, 3)),
+    ):
+        per_token, _, _ = _verl_per_token(logits.double(), k_ids, k_logps.double(), mask)
+        for backend in ("torch", "triton"):
+            x = logits.clone().requires_grad_()
+            ours = topk_distillation_loss(x, k_ids, k_logps, mask, TEMPERATURE, backend=backend)
+            expected = per_token["distillation_losses"].double().clamp_min(0.0).clamp(max=10.0) * mask
+            torch.testing.assert_close(ours.per_token_loss.double(), expected, **FP32)
+            y = logits.double().requires_grad_()
+            reference = torch.log_softmax(y / TEMPERATURE, -1).gather(-1, k_ids).clamp_min(-10.0)
+            lp = k_logps.double().clamp_min(-10.0)
+            tok = (lp.exp() * (lp - reference)).sum(-1).clamp_min(0.0).clamp(max=10.0)
+            ((tok * mask).sum() / mask.sum()).backward()
+            ours.loss.backward()
+            torch.testing.assert_close(x.grad.double(), y.grad, atol=1e-6, rtol=1e-5)
+    x = logits.clone().requires_grad_()
+    empty = topk_distillation_loss(x, ids, logps, torch.zeros(B, T), TEMPERATURE)
+    empty.loss.backward()
+    assert empty.loss.item() == 0.0 and torch.count_nonzero(x.grad) == 0
+
+
+def test_bad_teacher_inputs_are_refused_by_name():
+    logits, ids, logps, mask = _batch()
+    cases = [
+        (dict(teacher_ids=ids.float()), TypeError, "teacher_ids must be an integer tensor"),
+        (dict(teacher_logps=ids), TypeError, "teacher_logps must be a floating-point tensor"),
+        (dict(teacher_ids=ids[:, :-1], teacher_logps=logps[:, :-1]), ValueError, "the completion mask's shape"),
+        (dict(teacher_logps=logps[..., :2]), ValueError, "teacher_ids and teacher_logps must have one shape"),
+        (dict(teacher_ids=ids.clone().fill_(V)), ValueError, rf"teacher_ids must lie in \[0, V\) = \[0, {V}\)"),
+        (dict(teacher_logps=logps.clone().fill_(float("nan"))), ValueError, "teacher_logps must be finite"),
+        (dict(convention="slime"), ValueError, "convention must be one of"),
+        (dict(convention="trl", loss_agg_mode="token-mean"), ValueError, "loss_agg_mode is verl's reduction"),
+        (dict(loss_agg_mode="mean"), ValueError, "loss_agg_mode must be one of"),
+    ]
+    with pytest.raises(ValueError, match="estimator='k1' as a supervised loss"):
+        distillation.reverse_kl_distillation_loss(logits, ids[..., 0], logps[..., 0], mask, estimator="k1")
+    for change, error, match in cases:
+        call = dict(teacher_ids=ids, teacher_logps=logps) | change
+        with pytest.raises(error, match=match):
+            topk_distillation_loss(logits, completion_mask=mask, temperature=TEMPERATURE, **call)
+    wide = torch.zeros(B, T, V + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"the teacher's K .* must be in \[1, V\]"):
+        topk_distillation_loss(logits, wide, wide.float(), mask)
+    masked_garbage = ids.clone()
+    masked_garbage[2] = -7  # row 2 is masked: never read
+    topk_distillation_loss(logits, masked_garbage, logps, mask)
+
+
+def _rank_split(rank: int, world: int, backend: str):
+    import torch.distributed as dist
+
+    logits, ids, logps, mask = _batch(seed=8)
+    part = V // world + 1
+    start, stop = rank * part, min((rank + 1) * part, V)
+    x = logits[..., start:stop].clone().requires_grad_()
+    out = topk_distillation_loss(
+        x, ids, logps, mask, TEMPERATURE, backend=backend, vocab_parallel_group=dist.group.WORLD,
+        vocab_start_index=start,
+    )  # fmt: skip
+    out.loss.backward()
+    g = torch.Generator().manual_seed(9)
+    head = [torch.randn(B, T, H, generator=g), 0.5 * torch.randn(V, H, generator=g), torch.randn(V, generator=g)]
+    h = head[0].clone().requires_grad_()
+    w, b = head[1][start:stop].clone().requires_grad_(), head[2][start:stop].clone().requires_grad_()
+    fused = fused_linear_topk_distillation_loss(
+        h, w, ids, logps, mask, b, TEMPERATURE, backend=backend, vocab_parallel_group=dist.group.WORLD,
+        vocab_start_index=start, compute_overlap=True,
+    )  # fmt: skip
+    fused.loss.backward()
+    return dict(
+        loss=out.loss.detach(), grad=x.grad, metrics={k: v.detach() for k, v in out.metrics.items()},
+        head_loss=fused.loss.detach(), d_hidden=h.grad, d_weight=w.grad, d_bias=b.grad, rows=(start, stop),
+        head_metrics={k: v.detach() for k, v in fused.metrics.items()},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_vocabulary_split_over_two_processes_equals_one(backend):
+    logits, ids, logps, mask = _batch(seed=8)
+    x = logits.clone().requires_grad_()
+    whole = topk_distillation_loss(x, ids, logps, mask, TEMPERATURE, backend="torch")
+    whole.loss.backward()
+    g = torch.Generator().manual_seed(9)
+    head = [torch.randn(B, T, H, generator=g), 0.5 * torch.randn(V, H, generator=g), torch.randn(V, generator=g)]
+    head = [t.clone().requires_grad_() for t in head]
+    fused = fused_linear_topk_distillation_loss(
+        head[0], head[1], ids, logps, mask, head[2], TEMPERATURE, backend="torch", compute_overlap=True
+    )
+    fused.loss.backward()
+    for r in run_ranks(_rank_split, 2, backend, timeout=600):
+        start, stop = r["rows"]
+        torch.testing.assert_close(r["loss"], whole.loss.detach(), **FP32)
+        torch.testing.assert_close(r["grad"], x.grad[..., start:stop], atol=1e-6, rtol=1e-5)
+        for name, value in whole.metrics.items():
+            torch.testing.assert_close(r["metrics"][name], value.detach(), **FP32, msg=name)
+        torch.testing.assert_close(r["head_loss"], fused.loss.detach(), **FP32)
+        torch.testing.assert_close(r["d_hidden"], head[0].grad, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(r["d_weight"], head[1].grad[start:stop], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(r["d_bias"], head[2].grad[start:stop], atol=1e-5, rtol=1e-4)
+        for name, value in fused.metrics.items():
+            torch.testing.assert_close(r["head_metrics"][name], value.detach(), **FP32, msg=name)
+
+
+def _verl_reverse_kl(student_logps, teacher_logps, mask, estimator, loss_agg_mode):
+    """verl's registered estimator loss and ``distillation_loss`` (supervised) on the student's log-probs, through
+    its own padding helpers (prompts of one token)."""
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode=loss_agg_mode)
+    config = DistillationConfig(
+        distillation_loss=DistillationLossConfig(loss_mode=estimator, use_policy_gradient=False, topk=None)
+    )
+    lengths = mask.sum(1).long()
+    keep = lengths > 0
+    rows = keep.nonzero().squeeze(1).tolist()
+
+    def unpadded(t):
+        parts = []
+        for b in rows:
+            parts += [t[b, : lengths[b]], torch.zeros(1, *t.shape[2:], dtype=t.dtype)]
+        return torch.cat(parts)
+
+    data = TensorDict(
+        {
+            "prompts": torch.ones(len(rows), 1, dtype=torch.long),
+            "responses": torch.ones(len(rows), T, dtype=torch.long),
+            "attention_mask": torch.cat([torch.ones(len(rows), 1), mask[keep]], 1).long(),
+            "response_mask": mask[keep],
+            "teacher_logprobs": torch.nested.nested_tensor(
+                [
+                    torch.cat([teacher_logps[b, : lengths[b]], torch.zeros(1, dtype=teacher_logps.dtype)]).unsqueeze(-1)
+                    for b in rows
+                ],
+                layout=torch.jagged,
+            ),  # fmt: skip
+        },
+        batch_size=[len(rows)],
+    )
+    for name, value in (("dp_size", 1), ("batch_num_tokens", int(mask.sum())), ("global_batch_size", len(rows))):
+        data.set_non_tensor(name, value)
+    return verl_losses.distillation_loss(actor, config, {"log_probs": unpadded(student_logps)}, data)
+
+
+@pytest.mark.parametrize("estimator", [e for e in distillation.REVERSE_KL_ESTIMATORS if e != "k1"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_reverse_kl_estimators_are_verls(backend, estimator):
+    """verl's single-sample estimators as a supervised loss (its kl_penalty, clamps, abs_loss and range metrics,
+    loss_max_clamp, agg_loss), on the student's log-probs of the sampled tokens: loss, gradient, metrics."""
+    logits, _, _, mask = _batch(seed=10)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    lp = torch.log_softmax(logits.double() / TEMPERATURE, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    teacher = (lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 3).float()  # some beyond k3's clamps
+    for agg in ("token-mean", "seq-mean-token-sum"):
+        x = logits.double().requires_grad_()
+        student = torch.log_softmax(x / TEMPERATURE, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        expected, expected_metrics = _verl_reverse_kl(student, teacher.double(), mask, estimator, agg)
+        expected.backward()
+        y = logits.clone().requires_grad_()
+        ours = distillation.reverse_kl_distillation_loss(
+            y, ids, teacher, mask, TEMPERATURE, estimator=estimator, loss_agg_mode=agg, backend=backend
+        )
+        ours.loss.backward()
+        torch.testing.assert_close(ours.loss.double(), expected.double(), **FP32)
+        torch.testing.assert_close(y.grad.double(), x.grad, atol=1e-6, rtol=1e-5)
+        for name, value in expected_metrics.items():
+            value = value.aggregate() if hasattr(value, "aggregate") else value
+            torch.testing.assert_close(ours.metrics[name].double(), torch.as_tensor(value).double(), **FP32, msg=name)
+
+
+def test_the_reverse_kl_from_hidden_states_packed_equals_the_logits():
+    _, _, _, mask = _batch(seed=12)
+    g = torch.Generator().manual_seed(13)
+    head = [torch.randn(B, T, H, generator=g), 0.5 * torch.randn(V, H, generator=g), torch.randn(V, generator=g)]
+    ids = torch.randint(0, V, (B, T), generator=g)
+    teacher = -torch.rand(B, T, generator=g) * 4
+    x = [t.clone().requires_grad_() for t in head]
+    expected = distillation.reverse_kl_distillation_loss(
+        torch.nn.functional.linear(*x), ids, teacher, mask, TEMPERATURE, backend="torch"
+    )
+    expected.loss.backward()
+    active = mask.bool()
+    lengths = mask.sum(1).long()
+    cu = torch.nn.functional.pad(lengths[lengths > 0].cumsum(0), (1, 0)).int()
+    y = [head[0][active].clone().requires_grad_(), head[1].clone().requires_grad_(), head[2].clone().requires_grad_()]
+    ours = distillation.reverse_kl_distillation_loss(
+        y[0], ids[active], teacher[active], torch.ones(int(active.sum())), TEMPERATURE, weight=y[1], bias=y[2],
+        cu_seqlens=cu, backend="triton",
+    )  # fmt: skip
+    ours.loss.backward()
+    torch.testing.assert_close(ours.loss, expected.loss, **FP32)
+    torch.testing.assert_close(ours.per_token_loss, expected.per_token_loss[active], **FP32)
+    torch.testing.assert_close(y[0].grad, x[0].grad[active], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(y[1].grad, x[1].grad, atol=1e-5, rtol=1e-4)
+
+
+def test_the_modules_are_the_functions():
+    from grpo_kernels import FusedLinearTopKDistillationLoss, TopKDistillationLoss
+
+    logits, ids, logps, mask = _batch(seed=14)
+    module = TopKDistillationLoss(TEMPERATURE, convention="trl", add_tail=False)
+    expected = topk_distillation_loss(logits, ids, logps, mask, TEMPERATURE, convention="trl", add_tail=False)
+    torch.testing.assert_close(module(logits, ids, logps, mask).loss, expected.loss)
+    g = torch.Generator().manual_seed(15)
+    hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)
+    fused = FusedLinearTopKDistillationLoss(TEMPERATURE, loss_agg_mode="seq-mean-token-sum")(
+        hidden, weight, ids, logps, mask
+    )
+    expected = topk_distillation_loss(
+        hidden @ weight.T, ids, logps, mask, TEMPERATURE, loss_agg_mode="seq-mean-token-sum"
+    )
+    torch.testing.assert_close(fused.loss, expected.loss, **FP32)
