@@ -12,6 +12,7 @@ from .distillation import (
     fused_linear_topk_distillation_loss,
     reverse_kl_distillation_loss,
     topk_distillation_loss,
+    topk_logprobs,
 )
 from .kept_set import KeptSet
 from .loss import (
@@ -62,6 +63,7 @@ __all__ = [
     "token_entropy",
     "token_logprobs",
     "topk_distillation_loss",
+    "topk_logprobs",
 ]
 __version__ = "0.1.0"
 

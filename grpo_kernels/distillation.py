@@ -59,6 +59,38 @@ class DistillationOutput:
     per_token_loss: torch.Tensor
 
 
+# ---- The student's log-probs at the teacher's ids -----------------------------------------------------------------
+
+
+def topk_logprobs(
+    logits: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    backend: str = "auto",
+    check_ids: bool = True,
+    drop_last_position: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    vocab_parallel_group=None,
+    vocab_start_index: int | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Differentiable log softmax(cap(logits) / temperature) at K ids a token (``teacher_ids`` [..., K] int, shaped
+    as the logits without their last dim plus K; a packed call's [total, K]), normalized over the whole vocabulary,
+    fp32: ``log_softmax(logits / T).gather(-1, teacher_ids)`` without the [N, V] log-softmax (one log-sum-exp pass,
+    the K logits gathered beside it; the backward's K ids' terms fused into one dense pass). For a loss of one's own
+    on a teacher's top-k (verl's ``forward_kl_topk`` logits processor is served by it: the verl adapter)."""
+    source = LogitsSource(logits, drop_last_position=drop_last_position)
+    placeholder = (
+        torch.zeros(teacher_ids.shape, device=teacher_ids.device) if isinstance(teacher_ids, torch.Tensor) else None
+    )
+    _, logq, _ = pipeline.logprobs_at_ids(
+        source, teacher_ids, placeholder, None, temperature, LogprobSettings.of(locals())
+    )
+    return logq.reshape(teacher_ids.shape)
+
+
 # ---- The top-k forward KL ----------------------------------------------------------------------------------------
 
 

@@ -55,6 +55,8 @@ NOT_FAST = (
     "tests/test_cli.py",
     "tests/test_vocab_parallel.py",
     "tests/test_methods.py::test_a_vocabulary_split_over_two_processes_equals_one",
+    "tests/test_kept_set.py::test_a_vocabulary_split_over_two_processes",
+    "tests/test_distillation.py::test_a_vocabulary_split_over_two_processes_equals_one",
     "tests/test_collectives.py::test_every_collective_over_two_ranks",
     "tests/test_wrapped.py::test_fused_lm_head_under_fsdp2_matches_an_unsharded_run",
     "tests/test_trl_integration.py::test_fused_lm_head_under_fsdp2_through_the_adapter",

@@ -69,14 +69,12 @@ def _verl_per_token(logits, ids, logps, mask, **loss_kw):
     return padded, out["distillation_losses"], student  # (the last two with their graph)
 
 
-def _verl_loss_and_metrics(per_token, mask, loss_agg_mode="token-mean", **loss_kw):
+def _verl_loss_and_metrics(per_token, mask, loss_agg_mode="token-mean", loss_mode="forward_kl_topk", **loss_kw):
     """verl's registered ``forward_kl_topk`` and ``distillation_loss`` (supervised) on verl's per-token outputs,
     through its own padding helpers: a TensorDict of prompts (one token each), responses and masks."""
     actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode=loss_agg_mode)
     config = DistillationConfig(  # (not "enabled": that would ask for teacher models; the loss reads none)
-        distillation_loss=DistillationLossConfig(
-            loss_mode="forward_kl_topk", topk=K, use_policy_gradient=False, **loss_kw
-        ),
+        distillation_loss=DistillationLossConfig(loss_mode=loss_mode, topk=K, use_policy_gradient=False, **loss_kw),
     )
     lengths = mask.sum(1).long()
     keep = lengths > 0  # verl's batches hold sequences with a response
@@ -441,3 +439,36 @@ def test_the_modules_are_the_functions():
         hidden @ weight.T, ids, logps, mask, TEMPERATURE, loss_agg_mode="seq-mean-token-sum"
     )
     torch.testing.assert_close(fused.loss, expected.loss, **FP32)
+
+
+def test_the_verl_adapter_serves_verls_top_k_logits_processor_and_registry(monkeypatch):
+    """With the verl adapter, verl's FSDP top-k logits processor runs our pass (its outputs and the logits'
+    gradient equal verl's own), and "grpo_kernels_forward_kl_topk" in verl's distillation registry gives verl's
+    registered forward_kl_topk's losses and metrics."""
+    from grpo_kernels.integration import verl as adapter
+
+    logits, ids, logps, mask = _batch(seed=16)
+    active = mask.bool()
+    rows = [b for b in range(B) if active[b].any()]
+    nested = lambda t: torch.nested.nested_tensor([t[b][active[b]] for b in rows], layout=torch.jagged)  # noqa: E731
+    config = DistillationConfig(distillation_loss=DistillationLossConfig(topk=K))
+    outputs = {}
+    for name, fn in (("verl", verl_fsdp.compute_forward_kl_topk), ("ours", adapter.compute_forward_kl_topk)):
+        x = (logits / TEMPERATURE)[active].unsqueeze(0).requires_grad_()
+        out = fn(x, nested(logps), nested(ids), config, "thd")
+        (out["distillation_losses"] * torch.linspace(0.5, 1.5, x.shape[1])).sum().backward()
+        outputs[name] = ({k: v.detach() for k, v in out.items()}, x.grad)
+    for key, value in outputs["verl"][0].items():
+        torch.testing.assert_close(outputs["ours"][0][key].to(value.dtype), value, **FP32, msg=key)
+    torch.testing.assert_close(outputs["ours"][1], outputs["verl"][1], atol=1e-6, rtol=1e-5)
+    monkeypatch.setattr(verl_fsdp, "compute_forward_kl_topk", verl_fsdp.compute_forward_kl_topk)
+    adapter.patch_distillation()
+    assert verl_fsdp.compute_forward_kl_topk is adapter.compute_forward_kl_topk
+    adapter.register()
+    per_token, _, _ = _verl_per_token(logits.double(), ids, logps.double(), mask)
+    expected, expected_metrics = _verl_loss_and_metrics(per_token, mask)
+    actual, metrics = _verl_loss_and_metrics(per_token, mask, loss_mode="grpo_kernels_forward_kl_topk")
+    torch.testing.assert_close(actual, expected)
+    for name, value in expected_metrics.items():
+        got, want = (v.aggregate() if hasattr(v, "aggregate") else v for v in (metrics[name], value))
+        torch.testing.assert_close(torch.as_tensor(got).double(), torch.as_tensor(want).double(), msg=name)

@@ -525,12 +525,20 @@ def kl_loss(
 
 def register() -> None:
     """Add ours to verl's policy-loss registry: "grpo_kernels_<mode>" for each of verl's modes (``POLICY_LOSSES``),
-    and "grpo_kernels" (vanilla, the first name)."""
+    and "grpo_kernels" (vanilla, the first name); and to its distillation registry, where verl has one (0.9):
+    "grpo_kernels_forward_kl_topk" (``forward_kl_topk_loss``)."""
     from verl.trainer.ppo import core_algos
 
     core_algos.register_policy_loss("grpo_kernels")(vanilla_policy_loss)
     for mode, policy_loss in POLICY_LOSSES.items():
         core_algos.register_policy_loss(f"grpo_kernels_{mode}")(policy_loss)
+    try:
+        from verl.trainer.distillation import losses as distillation_losses
+    except ImportError:  # a verl without on-policy distillation
+        return
+    if "grpo_kernels_forward_kl_topk" not in distillation_losses.DISTILLATION_LOSS_REGISTRY:
+        settings = distillation_losses.DistillationLossSettings(names="grpo_kernels_forward_kl_topk", use_topk=True)
+        distillation_losses.register_distillation_loss(settings)(forward_kl_topk_loss)
 
 
 def patch_logprobs() -> None:
@@ -568,6 +576,7 @@ def patch_logprobs() -> None:
         },
     )
     patch_fused_kernels()
+    patch_distillation()
     try:
         from megatron.core import parallel_state
         from verl.utils.megatron import tensor_parallel
@@ -705,3 +714,88 @@ def _with_fused_sum_pi_squared(prepare_model_outputs):
 
     prepare.serves_sum_pi_squared = True
     return prepare
+
+
+# ---- verl's on-policy distillation (``verl/trainer/distillation``): the top-k forward KL on our pass -----------------
+
+
+def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format: str):
+    """verl's FSDP ``compute_forward_kl_topk`` (its signature and outputs, per token: the clamped sum
+    p (log p - log q), the student's and the teacher's top-k mass, the overlap count and its token advantage), with
+    the student's log-probs at the teacher's ids from our pass (``grpo_kernels.distillation.topk_logprobs``): no
+    [N, V] log-softmax (verl's default holds one; its chunked path holds the logits' fp32 chunks and an [N, V]
+    gradient), the backward's K ids' terms fused. ``student_logits`` [bsz, seqlen / sp, V], already divided by the
+    temperature (verl's engine divides them); the teacher's top-k as nested tensors ("thd")."""
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
+
+    from ..distillation import topk_logprobs
+
+    if not (teacher_topk_log_probs.is_nested and teacher_topk_ids.is_nested):
+        raise ValueError("teacher_topk_log_probs and teacher_topk_ids must be nested tensors, as verl passes them")
+    logps = teacher_topk_log_probs.values().unsqueeze(0)
+    ids = teacher_topk_ids.values().unsqueeze(0)
+    if get_ulysses_sequence_parallel_world_size() > 1:
+        logps, ids = slice_input_tensor(logps, dim=1), slice_input_tensor(ids, dim=1)
+    if not logps.shape[:2] == ids.shape[:2] == student_logits.shape[:2]:
+        raise ValueError(
+            f"the teacher's top-k {tuple(ids.shape)} does not match the student's logits {tuple(student_logits.shape)}"
+        )
+    clamp = config.distillation_loss.log_prob_min_clamp
+    student = topk_logprobs(student_logits, ids.long())
+    with torch.no_grad():  # the student's own top-k (the cap and temperature keep the logits' order)
+        student_ids = torch.topk(student_logits, k=ids.shape[-1], dim=-1).indices
+    student_mass, teacher_mass = student.exp().sum(-1), logps.float().exp().sum(-1)
+    log_q, log_p = student, logps.float()
+    if clamp is not None:
+        log_q, log_p = log_q.clamp_min(clamp), log_p.clamp_min(clamp)
+    token_kl = log_p.exp() * (log_p - log_q)
+    overlap = (ids.unsqueeze(-1) == student_ids.unsqueeze(-2)).any(-1)
+    count = overlap.sum(-1)
+    advantage = torch.where(count > 0, (-token_kl * overlap).sum(-1) / count.clamp_min(1), 0.0)
+    return {
+        "distillation_losses": token_kl.sum(-1),
+        "student_mass": student_mass,
+        "teacher_mass": teacher_mass,
+        "overlap_count": count,
+        "overlap_token_advantage": advantage,
+    }
+
+
+def patch_distillation() -> None:
+    """verl's FSDP top-k distillation logits processor (``verl.trainer.distillation.fsdp.losses.
+    compute_forward_kl_topk``, which ``distillation_ppo_loss`` calls for "forward_kl_topk" and ours) on our pass,
+    where verl has on-policy distillation (``patch_logprobs`` calls this)."""
+    try:
+        from verl.trainer.distillation.fsdp import losses as fsdp_losses
+    except ImportError:
+        return
+    replace_everywhere(fsdp_losses, {"compute_forward_kl_topk": compute_forward_kl_topk})
+
+
+def forward_kl_topk_loss(config, distillation_config, model_output, data) -> tuple:
+    """verl's registered ``forward_kl_topk`` (the per-token losses its logits processor wrote, clamped at 0; the
+    masses' mean, min and max and the overlap ratio and token advantage over the response tokens), under our name
+    "grpo_kernels_forward_kl_topk": verl's distillation actor reaches it through its registry (``register``)."""
+    from verl.utils.metric import AggregationType, Metric
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    padded = {
+        name: no_padding_2_padding(model_output[name], data)
+        for name in ("distillation_losses", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage")
+        if model_output.get(name) is not None
+    }
+    response = data["response_mask"]
+    active = response.bool().to_padded_tensor(False) if response.is_nested else response.bool()
+    metrics = {}
+    if "overlap_count" in padded and "overlap_token_advantage" in padded:
+        k = distillation_config.distillation_loss.topk
+        metrics["distillation/overlap_ratio"] = (padded["overlap_count"][active].float().mean() / k).item()
+        with_overlap = active & (padded["overlap_count"] > 0)
+        advantage = padded["overlap_token_advantage"][with_overlap]
+        metrics["distillation/overlap_token_advantage"] = advantage.mean().item() if with_overlap.any() else 0.0
+    for name in ("student_mass", "teacher_mass"):
+        values = padded[name][active]
+        metrics[f"distillation/{name}"] = values.mean().item()
+        metrics[f"distillation/{name}_min"] = Metric(AggregationType.MIN, values.min())
+        metrics[f"distillation/{name}_max"] = Metric(AggregationType.MAX, values.max())
+    return padded["distillation_losses"].clamp_min(0.0), metrics
