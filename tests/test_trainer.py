@@ -1,6 +1,7 @@
 """The thin trainer and its command line on the built-in task (CPU, tiny shapes)."""
 
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -677,3 +678,44 @@ def test_a_truncating_sampler_is_replayed_over_its_kept_sets(tiny, top_k, top_p)
         deviations[replay] = trainer.train_step()["sampler_ratio_max_deviation"]
     assert deviations[True] < 1e-4, deviations
     assert deviations[False] > 1e-2, deviations
+
+
+@pytest.mark.parametrize("distillation", ["topk", "reverse_kl"])
+def test_distillation_moves_the_student_toward_its_teacher(tiny, distillation):
+    """With a teacher (the student's copy with other weights), the updates on a batch of the student's own samples
+    bring the distillation loss on it down (the top-k forward KL, or the k3 estimate at the sampled tokens), and
+    with the task's reward a step also carries the GRPO loss's metrics."""
+    model, tokenizer = tiny
+    teacher, student = copy.deepcopy(model), copy.deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # a teacher of other beliefs
+        for p in teacher.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    rows = compare.make_rows(8, held_out=False, seed=0)
+    config = TrainerConfig(group_size=4, prompts_per_step=4, learning_rate=1e-2, distillation=distillation)
+    trainer = GRPOTrainer(student, tokenizer, [numeric_match], rows, config, teacher=teacher)
+    torch.manual_seed(0)
+    held = trainer.sample_step().update
+    losses = []
+    for _ in range(12):
+        losses.append(float(trainer.accumulate_gradients(held)[1]["distillation/loss"]))
+        trainer.optimizer.step()
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert "distillation/loss" in trainer.train_step()
+    both = GRPOTrainer(
+        copy.deepcopy(model), tokenizer, [numeric_match], rows,
+        dataclasses.replace(config, distillation_with_reward=True, beta=0.04), teacher=teacher,
+    )  # fmt: skip
+    record = both.train_step()
+    assert {"distillation/loss", "kl", "clip_ratio/region_mean"} <= set(record)
+
+
+def test_distillation_settings_are_refused_by_name(tiny):
+    model, tokenizer = tiny
+    rows = compare.make_rows(4, held_out=False, seed=0)
+    with pytest.raises(ValueError, match="distillation='topk' needs a teacher model"):
+        GRPOTrainer(model, tokenizer, [numeric_match], rows, TrainerConfig(distillation="topk"))
+    with pytest.raises(ValueError, match="a teacher needs a distillation"):
+        GRPOTrainer(model, tokenizer, [numeric_match], rows, TrainerConfig(), teacher=model)
+    with pytest.raises(ValueError, match="distillation must be one of"):
+        TrainerConfig(distillation="forward")

@@ -63,17 +63,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo-kernels", description="GRPO training on the grpo-kernels loss")
-    sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser(
-        "train",
-        help="train with GRPO (default: the built-in task from scratch)",
-        description="Train with GRPO on the grpo-kernels loss (default: the built-in task, "
-        '"which number is bigger?", from a tiny model built from scratch).',
-        epilog=TRAIN_EPILOG,
-        formatter_class=_Formatter,
-    )
+def _add_train_arguments(t: argparse.ArgumentParser) -> None:
+    """The options of ``train`` (and ``distill``, which takes them all)."""
     _add_common(t)
     t.add_argument(
         "--model",
@@ -222,6 +213,52 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bars (warm-up, GRPO steps, evaluation, checkpoint writes)",
     )
+    t.add_argument(
+        "--teacher",
+        default=None,
+        metavar="CHECKPOINT",
+        help="on-policy distillation: a saved model folder (e.g. runs/grpo/checkpoint-200) scoring the student's own "
+        "samples (distill: required)",
+    )
+    t.add_argument(
+        "--distillation",
+        default="none",
+        choices=("none", "topk", "reverse_kl"),
+        help="with --teacher: the teacher's top-k forward KL (verl's forward_kl_topk) or the k3 estimate of the "
+        "reverse KL at the sampled tokens (distill: topk)",
+    )
+    t.add_argument("--distillation-topk", type=int, default=16, help="the teacher's K for --distillation topk")
+    t.add_argument(
+        "--with-task-reward",
+        action="store_true",
+        help="distillation plus the GRPO loss of the task's rewards (--distillation-coef x the distillation)",
+    )
+    t.add_argument("--distillation-coef", type=float, default=1.0, help="the distillation's weight with the reward")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-kernels", description="GRPO training on the grpo-kernels loss")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser(
+        "train",
+        help="train with GRPO (default: the built-in task from scratch)",
+        description="Train with GRPO on the grpo-kernels loss (default: the built-in task, "
+        '"which number is bigger?", from a tiny model built from scratch).',
+        epilog=TRAIN_EPILOG,
+        formatter_class=_Formatter,
+    )
+    _add_train_arguments(t)
+    d = sub.add_parser(
+        "distill",
+        help="on-policy distillation: a teacher checkpoint scores a fresh student's samples",
+        description="On-policy distillation on the grpo-kernels loss: the student (default: the built-in tiny model, "
+        "its warm-up first) samples, the --teacher scores its tokens, and the student learns the teacher's "
+        "top-k (or its log-probs at the sampled tokens); `train`'s options apply.",
+        epilog=TRAIN_EPILOG,
+        formatter_class=_Formatter,
+    )
+    _add_train_arguments(d)
+    d.set_defaults(distillation="topk", dynamic_sampling=False, beta=0.0)  # no reward signal needed, no reference
     s = sub.add_parser(
         "seeds",
         help="one training command over several seeds: the spread of its results",
@@ -299,6 +336,17 @@ def _device(name: str) -> str:
     if name == "cuda" and rank_device is not None:
         name = f"cuda:{rank_device}"
     return name
+
+
+def _teacher(args):
+    """The distillation teacher (``--teacher``: a saved model folder, loaded as ``--model`` is), or None; a teacher
+    without a ``--distillation``, or a distillation without a teacher, is refused by name."""
+    if (args.teacher is None) != (args.distillation == "none"):
+        raise ValueError(
+            f"--distillation {args.distillation} needs --teacher CHECKPOINT, and --teacher needs --distillation "
+            f"topk or reverse_kl (got --teacher {args.teacher})"
+        )
+    return None if args.teacher is None else _load_pretrained(args.teacher)[0]
 
 
 def _load_pretrained(path: str):
@@ -463,6 +511,10 @@ def _train(args) -> dict:
         entropy_target=args.entropy_target,
         dynamic_sampling=args.dynamic_sampling,
         max_sampling_rounds=args.max_sampling_rounds,
+        distillation=args.distillation,
+        distillation_topk=args.distillation_topk,
+        distillation_coef=args.distillation_coef,
+        distillation_with_reward=args.with_task_reward,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -519,6 +571,7 @@ def _train(args) -> dict:
         device=device,
         log=log,
         format_reward=format_reward,
+        teacher=_teacher(args),
     )
     if resume_from is not None:
         trainer.load_state(resume_from)
@@ -671,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     OpenMP waits (``_with_passive_openmp``); a caller passing ``argv`` keeps its own process as it is."""
     if (
         argv is None
-        and sys.argv[1:2] in (["train"], ["seeds"], ["eval"])
+        and sys.argv[1:2] in (["train"], ["distill"], ["seeds"], ["eval"])
         and "-h" not in sys.argv
         and "--help" not in sys.argv
     ):
@@ -683,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpo-kernels: {missing}", file=sys.stderr)
         return 1
     try:
-        {"train": train, "eval": evaluate, "seeds": seeds}[args.command](args)
+        {"train": train, "distill": train, "eval": evaluate, "seeds": seeds}[args.command](args)
     except Preempted as stop:  # stopped by a signal at a step boundary: 128 + the signal, as a shell reports it
         return stop.exit_code
     except CheckpointWriteError:  # said in train.log and on stderr where it happened

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 NONFINITE_REWARDS = ("refuse", "drop_group")
+DISTILLATIONS = ("none", "topk", "reverse_kl")
 
 
 @dataclasses.dataclass
@@ -49,6 +50,13 @@ class TrainerConfig:
     top_k: int = 0
     top_p: float = 1.0
     replay_kept_sets: bool = True
+    # on-policy distillation from a teacher model (GRPOTrainer's teacher=): "topk", the teacher's top
+    # distillation_topk forward KL (verl's forward_kl_topk), or "reverse_kl", the k3 estimate at the sampled token;
+    # alone, or, with distillation_with_reward, distillation_coef x it added to the GRPO loss of the task's rewards
+    distillation: str = "none"
+    distillation_topk: int = 16
+    distillation_coef: float = 1.0
+    distillation_with_reward: bool = False
     max_new_tokens: int = 8
     max_grad_norm: float = 1.0
     # a reward of +-inf (NaN or None is a reward function's "not applicable"): "refuse" stops the run naming the
@@ -77,6 +85,10 @@ class TrainerConfig:
                 f"prompts_per_step, num_iterations and max_new_tokens must be >= 1 and steps >= 0, "
                 f"got {self.prompts_per_step}, {self.num_iterations}, {self.max_new_tokens}, {self.steps}"
             )
+        if self.distillation not in DISTILLATIONS:
+            raise ValueError(f"distillation must be one of {list(DISTILLATIONS)}, got {self.distillation!r}")
+        if self.distillation_topk < 1:
+            raise ValueError(f"distillation_topk must be >= 1, got {self.distillation_topk}")
         if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got top_k={self.top_k}, top_p={self.top_p}")
         if self.max_sampling_rounds < 1:

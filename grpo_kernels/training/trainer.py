@@ -29,10 +29,12 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from .. import __version__, collectives
 from ..advantages import group_advantages, process_advantages
+from ..distillation import reverse_kl_distillation_loss, topk_distillation_loss
 from ..entropy_control import AdaptiveEntropy
 from ..heads import fused_head, head_weights
 from ..kept_set import KeptSet
 from ..loss import FusedLinearGRPOLoss, GRPOLoss, token_logprobs
+from ..objective import GRPOLossOutput
 from ..wrapped import inside_forward
 from . import progress_bar
 from .checkpoint import (
@@ -126,9 +128,22 @@ class GRPOTrainer:
         device: str = "cpu",
         log: Callable[[dict], None] | None = None,
         format_reward: RewardFunction | None = None,
+        teacher=None,
     ):
         if not reward_funcs:
             raise ValueError("reward_funcs must hold at least one reward function, got none")
+        if (teacher is None) != (config.distillation == "none"):
+            raise ValueError(
+                f"distillation={config.distillation!r} needs a teacher model (teacher=), and a teacher needs a "
+                f"distillation ('topk' or 'reverse_kl'); got teacher={'a model' if teacher is not None else None}"
+            )
+        if teacher is not None and config.fused_lm_head:
+            raise ValueError("distillation runs on the logits path: fused_lm_head=True with a teacher is not served")
+        if teacher is not None and config.adaptive_entropy and not config.distillation_with_reward:
+            raise ValueError(
+                "adaptive_entropy acts on the GRPO loss's entropy bonus: a distillation alone has none (set "
+                "distillation_with_reward=True, or leave adaptive_entropy off)"
+            )
         rank, size = collectives.world()
         if config.prompts_per_step % size:
             raise ValueError(f"prompts_per_step={config.prompts_per_step} must divide evenly over {size} processes")
@@ -141,6 +156,8 @@ class GRPOTrainer:
         self.format_reward = format_reward
         self._format_column = next((k for k, f in enumerate(self.reward_funcs) if f is format_reward), None)
         self.last_eval_malformed = float("nan")
+        # the teacher of on-policy distillation: frozen, scoring the student's own samples
+        self.teacher = None if teacher is None else teacher.to(device).eval().requires_grad_(False)
         self.ref_model = None
         if config.beta > 0:  # a frozen copy of the starting policy (a resumed run loads the run's own: load_state)
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -486,15 +503,18 @@ class GRPOTrainer:
             loss, out = inside_forward(self.model, loss_in_forward, *inputs)
             out = dataclasses.replace(out, loss=loss)  # the wrapper's returned loss: its backward hooks attach to it
         else:
-            out = self.loss_fn(
-                self._logits(self.model, *inputs), r.completion_ids, r.completion_mask, r.advantages, **per_token
-            )
+            logits = self._logits(self.model, *inputs)
+            if self.teacher is None:
+                out = self.loss_fn(logits, r.completion_ids, r.completion_mask, r.advantages, **per_token)
+            else:
+                out = self._distillation_output(logits, r, inputs, per_token, size, global_tokens)
         loss = out.loss
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self._average_gradients()
         metrics = dict(out.metrics)
-        if r.sampler_logps is not None:  # how far the trained distribution is from the sampler's, token by token
+        # how far the trained distribution is from the sampler's, token by token
+        if r.sampler_logps is not None and out.per_token_logps is not None:
             ratio = torch.exp(out.per_token_logps.detach().float() - r.sampler_logps.float())
             active = r.completion_mask.bool()
             metrics["sampler_ratio_max_deviation"] = (ratio - 1.0).abs().masked_fill(~active, 0.0).max()
@@ -502,6 +522,33 @@ class GRPOTrainer:
             self.entropy_control.observe(out.metrics["entropy"] * local_tokens.clamp(min=1.0), local_tokens)
             self.entropy_control.end_window(collectives.summed)
         return loss.detach(), metrics
+
+    def _distillation_output(self, logits, r: Rollout, inputs, per_token: dict, size: int, global_tokens):
+        """The step's loss with a teacher (``TrainerConfig.distillation``): the teacher's top-k forward KL, or the k3
+        estimate of the reverse KL at the sampled tokens, on the student's logits; alone (its metrics those of the
+        distillation), or times ``distillation_coef`` added to the GRPO loss of the task's rewards. A token mean over
+        every rank's tokens (verl's ``global_batch_info``), as the gradients are averaged."""
+        config = self.config
+        with torch.no_grad():
+            teacher_logits = self._logits(self.teacher, *inputs)[:, :-1].float() / config.temperature
+            teacher_logps = torch.log_softmax(teacher_logits, dim=-1)
+        common = dict(drop_last_position=True, dp_size=size, batch_num_tokens=global_tokens)
+        if config.distillation == "topk":
+            top = teacher_logps.topk(min(config.distillation_topk, teacher_logps.shape[-1]), dim=-1)
+            distilled = topk_distillation_loss(
+                logits, top.indices, top.values, r.completion_mask, config.temperature, compute_overlap=False,
+                **common,
+            )  # fmt: skip
+        else:
+            sampled = teacher_logps.gather(-1, r.completion_ids.unsqueeze(-1)).squeeze(-1)
+            distilled = reverse_kl_distillation_loss(
+                logits, r.completion_ids, sampled, r.completion_mask, config.temperature, estimator="k3", **common
+            )
+        if not config.distillation_with_reward:
+            return GRPOLossOutput(distilled.loss, distilled.metrics, None)
+        out = self.loss_fn(logits, r.completion_ids, r.completion_mask, r.advantages, **per_token)
+        loss = out.loss + config.distillation_coef * distilled.loss
+        return GRPOLossOutput(loss, {**out.metrics, **distilled.metrics}, out.per_token_logps)
 
     def _kept_set(self, r: Rollout) -> KeptSet | None:
         """The rollout's kept sets as the loss and the log-prob passes take them (with ``replay_kept_sets``)."""
