@@ -29,7 +29,7 @@ def test_logits_path_entropy_on_peaked_rows(largest):
     x64 = _peaked_rows(largest)
     ids = torch.randint(0, x64.shape[1], (1, x64.shape[0]), generator=torch.Generator().manual_seed(1))
     x32 = x64.float()
-    logp, entropy, lse = torch_path.forward(x32.unsqueeze(0), ids, 1.0, True)
+    logp, entropy, lse, _ = torch_path.forward(x32.unsqueeze(0), ids, 1.0, True)
     exact_entropy, exact_logp = _exact(x32.double())  # the fp32 inputs, exactly
     assert (entropy[0].double() - exact_entropy).abs().max() <= 2e-5
     assert torch.allclose(logp[0].double(), exact_logp.gather(-1, ids[0].unsqueeze(-1)).squeeze(-1), atol=2e-5, rtol=0)
@@ -44,7 +44,7 @@ def test_lm_head_path_entropy_on_peaked_rows():
     hidden[:, 0] = 2.0
     weight[7, 0] = 28.9  # token 7's logit ~ 57.8 on every row
     ids = torch.randint(0, 1031, (48,), generator=g)
-    lse, logp, entropy = torch_path.linear_forward(hidden, weight, None, ids, 1.0, True)
+    lse, logp, entropy, _ = torch_path.linear_forward(hidden, weight, None, ids, 1.0, True)
     x64 = hidden.double() @ weight.double().T
     assert x64.max() > 50
     exact_entropy, exact_logp = _exact(x64)
@@ -56,7 +56,7 @@ def test_rows_of_minus_infinity_and_masked_vocabulary():
     x = torch.full((1, 3, 5), float("-inf"))
     x[0, 1] = torch.tensor([0.0, 1.0, float("-inf"), 2.0, float("-inf")])
     x[0, 2, 0] = 60.0
-    logp, entropy, lse = torch_path.forward(x, torch.tensor([[0, 3, 0]]), 1.0, True)
+    logp, entropy, lse, _ = torch_path.forward(x, torch.tensor([[0, 3, 0]]), 1.0, True)
     ref = torch.log_softmax(x[0, 1].double(), -1)
     assert torch.isfinite(entropy[0, 1:]).all() and entropy[0, 2] == 0 and logp[0, 2] == 0
     assert torch.isclose(entropy[0, 1].double(), -(ref.exp() * torch.where(ref.isinf(), 0, ref)).sum(), atol=1e-6)
