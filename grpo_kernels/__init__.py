@@ -5,6 +5,7 @@ import importlib.util
 import sys
 import warnings
 
+from . import argument_docs as _argument_docs
 from .distillation import (
     DistillationOutput,
     FusedLinearTopKDistillationLoss,
@@ -65,6 +66,9 @@ __all__ = [
     "topk_distillation_loss",
     "topk_logprobs",
 ]
+
+# every public argument's description appended to its docstring (the API reference's; argument_docs.py)
+_argument_docs.document_public(globals(), __all__)
 __version__ = "0.1.0"
 
 # Modules renamed during 0.1: their old paths import until 0.2, with a DeprecationWarning (CHANGELOG.md)

@@ -3,7 +3,7 @@
 A fused lm_head computes the loss from the last hidden states and the head's weight, never holding the logits;
 so it must apply, itself, whatever the model's ``forward`` does between the head and the logits it returns.
 transformers' causal-LM classes do several things there (``scripts/survey_head_transforms.py`` lists them
-from the source; the README has the table):
+from the source; docs/model-families.md has the table):
 
 - a soft-cap, cap * tanh(x / cap): Gemma 2, 3, 3n, 4 (``final_logit_softcapping``, 30 on Gemma 2), VaultGemma,
   NanoChat, Beam, PaliGemma, Mistral Large 4, Muse, Inkling 2, RecurrentGemma (``logits_soft_cap``), xLSTM

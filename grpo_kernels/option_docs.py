@@ -1,6 +1,6 @@
-"""The options' documentation, in one place: the README's options table, the Modules' docstrings and
+"""The options' documentation, in one place: the options page's table (docs/options.md), the Modules' docstrings and
 ``python -m grpo_kernels.option_docs`` (which prints the table) all come from here, and a test holds the
-README to it and it to ``GRPOOptions``' fields.
+page to it and it to ``GRPOOptions``' fields.
 
 Each entry: (names, default as shown, meaning in Markdown).
 """
@@ -226,7 +226,7 @@ def option_names(entries: Iterable[tuple] = LOSS_OPTION_DOCS) -> tuple[str, ...]
 
 
 def options_table() -> str:
-    """The README's options table (Markdown)."""
+    """The options table (Markdown): docs/options.md holds it."""
     lines = ["| option | default | meaning |", "|---|---|---|"]
     for names, default, meaning in LOSS_OPTION_DOCS + CALL_KEYWORD_DOCS:
         lines.append(f"| {', '.join(f'`{n}`' for n in names)} | {default} | {meaning} |")
@@ -236,7 +236,7 @@ def options_table() -> str:
 def docstring_options(keywords: tuple[str, ...]) -> str:
     """A Module docstring's option list: every loss option, then the Module's own ``keywords``."""
     text = (
-        f"Options (TRL ``GRPOConfig`` names; the README's options table says what each does): "
+        f"Options (TRL ``GRPOConfig`` names; docs/options.md says what each does): "
         f"{', '.join(option_names())}; plus {', '.join(f'``{k}``' for k in keywords)}."
     )
     return textwrap.fill(text, 96, subsequent_indent="    ")

@@ -173,7 +173,7 @@ ADVANTAGE_PRESETS = {
 
 @dataclasses.dataclass(frozen=True)
 class GRPOOptions:
-    """All options of the GRPO loss. See the README's options table for each one's meaning."""
+    """All options of the GRPO loss. Each one's meaning: docs/options.md (and the fields' Attributes below)."""
 
     loss_type: str = "grpo"
     beta: float = 0.0
@@ -501,9 +501,7 @@ def check_option_names(names) -> None:
         else:
             close = difflib.get_close_matches(name, fields + CALL_KEYWORDS, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else "."
-        raise TypeError(
-            f"unknown option {name!r}{hint} The options are GRPOOptions' fields (the README's options table)"
-        )
+        raise TypeError(f"unknown option {name!r}{hint} The options are GRPOOptions' fields (docs/options.md)")
 
 
 @functools.cache

@@ -46,8 +46,8 @@ readme_example() {  # the README's "Example" block, run outside the checkout
   python - "$ROOT/README.md" <<'EOF'
 import re, sys
 text = open(sys.argv[1]).read()
-block = re.search(r"## Example\n\n```python\n(.*?)```", text, re.S).group(1)
-exec(compile(block, "README.md#Example", "exec"), {})
+block = re.search(r"## From logits\n\n```python\n(.*?)```", text, re.S).group(1)
+exec(compile(block, "README.md#From logits", "exec"), {})
 EOF
 }
 

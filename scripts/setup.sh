@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set-up on a fresh machine: a virtual environment in .venv with the package, its test and train extras and the peers.
+# Set-up on a fresh machine: a virtual environment in .venv with the package, its test, train and docs extras and the
+# peers.
 # Sourced by .ci/run and scripts/train.sh; safe to run again (pip skips what is there).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -9,7 +10,7 @@ python -m pip install --quiet --upgrade pip
 # The CPU build of torch first: a plain "torch" requirement would pull a multi-GB CUDA build.
 # On a CUDA machine, install your CUDA build of torch into .venv before running this.
 python -c "import torch" >/dev/null 2>&1 || python -m pip install --quiet torch==2.13.0
-python -m pip install --quiet -e ".[test,lint,train,trl,verl,peft]"
+python -m pip install --quiet -e ".[test,lint,train,trl,verl,peft,docs]"
 # verl without its own dependencies (vLLM, ...): the loss adapter needs only core_algos
 python -c "import verl" >/dev/null 2>&1 || python -m pip install --quiet --no-deps "verl==0.9.1"
 # megatron-core (2.6 MB; torch, numpy, packaging): verl's Megatron vocabulary-parallel functions, our oracle there

@@ -38,7 +38,7 @@ import re, sys
 import grpo_kernels
 assert "site-packages" in grpo_kernels.__file__, f"imported from {grpo_kernels.__file__}, not the installed wheel"
 readme = open(sys.argv[1]).read()
-example = re.search(r"## Example\n\n```python\n(.*?)```", readme, re.S).group(1)
+example = re.search(r"## From logits\n\n```python\n(.*?)```", readme, re.S).group(1)
 exec(compile(example, "README example", "exec"), {})
 from importlib.metadata import version
 assert version("grpo-kernels") == grpo_kernels.__version__, (version("grpo-kernels"), grpo_kernels.__version__)

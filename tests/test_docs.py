@@ -148,6 +148,54 @@ def test_the_citation_check_reads_every_form():
     assert all(citation_error(c) is None for c in found)
 
 
-def test_the_readme_is_a_users_page():
+# ---- The site: its pages' snippets, the landing page, the API reference ------------------------------------------
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "grpo_kernels" / "integration" / "README.md"]
+NOT_RUN = re.compile(r"<!-- not run: [^>]+ -->\s*$")
+
+
+def _python_blocks(path: pathlib.Path) -> list:
+    """(line, code, runs) of each ```python block on a page: a block right after `<!-- not run: why -->` is shown,
+    not run (it needs a model, a cluster or several processes)."""
+    lines, blocks, i = path.read_text().splitlines(), [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            end = lines.index("```", i + 1)
+            runs = not (i > 0 and NOT_RUN.search(lines[i - 1]))
+            blocks.append((i + 1, "\n".join(lines[i + 1 : end]), runs))
+            i = end
+        i += 1
+    return blocks
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_snippet_on_every_page_runs(page):
+    for line, code, runs in _python_blocks(page):
+        if runs:
+            exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), {})
+
+
+def test_the_readme_is_a_landing_page():
     lines = (ROOT / "README.md").read_text().count("\n")
-    assert lines <= 460, f"README.md has {lines} lines: the design goes to docs/, the benchmarks to benchmarks/"
+    assert lines < 150, f"README.md has {lines} lines: the rest belongs on the site's pages (docs/)"
+
+
+def test_every_public_name_has_an_api_entry_with_every_argument_described():
+    import inspect
+
+    import grpo_kernels
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    for name in grpo_kernels.__all__:
+        assert f"::: grpo_kernels.{name}\n" in api, f"docs/api.md has no entry for grpo_kernels.{name}"
+        obj = getattr(grpo_kernels, name)
+        callables = [obj] if not inspect.isclass(obj) else [obj.__init__, getattr(obj, "forward", None)]
+        for fn in callables:
+            if fn is None or fn is object.__init__ or not (fn.__doc__ or "").count("Args:"):
+                continue
+            for parameter in inspect.signature(fn).parameters:
+                if parameter not in ("self", "cls"):
+                    assert re.search(rf"^\s+\**{parameter}: \S", fn.__doc__, re.M), (name, parameter)
+        if inspect.isclass(obj) and "Attributes:" in (obj.__doc__ or ""):
+            continue
+        assert inspect.isclass(obj) or "Args:" in obj.__doc__, f"grpo_kernels.{name}'s docstring lists no Args"

@@ -30,7 +30,7 @@ from grpo_kernels.policy_terms import FAMILY_TERMS
 
 BACKENDS = ["torch", "triton"]
 TOL = dict(atol=2e-5, rtol=2e-5)
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPTIONS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 
 
 def _lm_head(device, B=3, T=6, H=32, V=517, seed=0, bias=True):
@@ -193,11 +193,11 @@ def test_keyword_options_are_built_once_and_still_checked():
 
 
 def test_the_options_table_the_docstrings_and_the_options_agree():
-    """One source: the README's table is options_table(), it lists every option, and both Modules' docstrings
+    """One source: the options page's table is options_table(), it lists every option, and both Modules' docstrings
     name every option and their own keywords."""
     documented = set(option_names())
     assert [f.name for f in dataclasses.fields(GRPOOptions) if f.name not in documented] == []
-    assert options_table() in README.read_text(), "the README's options table is option_docs.options_table()"
+    assert options_table() in OPTIONS_PAGE.read_text(), "docs/options.md's table is option_docs.options_table()"
     for module, own in (
         (GRPOLoss, ("one_pass", "drop_last_position", "in_place_backward")),
         (FusedLinearGRPOLoss, ("check_ids",)),

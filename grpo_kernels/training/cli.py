@@ -488,7 +488,7 @@ def _train(args) -> dict:
             warnings.append(
                 f"the format warm-up ended at {well_formed:.0%} well-formed answers, below its "
                 f"{compare.WARMUP_FORMAT_TARGET:.0%} target: {why}. GRPO starts from a model that often "
-                f"answers malformed; expect less held-out accuracy than the recipe's (README). For the "
+                f"answers malformed; expect less held-out accuracy than the recipe's (docs/trainer.md). For the "
                 f"recipe, leave --steps and the warm-up options at their defaults."
             )
     for warning in warnings:
