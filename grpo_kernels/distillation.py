@@ -41,6 +41,7 @@ from .conventions import VERL_AGG_MODES, verl_aggregate
 from .from_hidden_states import HiddenStatesSource
 from .from_logits import LogitsSource, aligned
 from .inputs import LogprobSettings
+from .methods import input_source
 from .validation import check_choice, check_number
 
 CONVENTIONS = ("verl", "trl")
@@ -391,10 +392,7 @@ def reverse_kl_distillation_loss(
             "estimator='k1' as a supervised loss: its gradient does not depend on the teacher's log-probs (verl "
             "refuses it); use it in the policy-gradient form, grpo_loss with advantages=-out.per_token_loss"
         )
-    if weight is None:
-        source = LogitsSource(logits, drop_last_position=drop_last_position)
-    else:
-        source = HiddenStatesSource(logits, weight, bias, head_precision=head_precision)
+    source = input_source(logits, weight, bias, head_precision, drop_last_position)
     inputs, logp, mask = pipeline.sequence_logprobs(
         source, completion_ids, completion_mask, temperature, LogprobSettings.of(locals())
     )

@@ -41,7 +41,7 @@ from .objective import GRPOLossOutput
 from .validation import check_per_token
 
 
-def _source(logits, weight, bias, head_precision: str, drop_last_position: bool):
+def input_source(logits, weight, bias, head_precision: str, drop_last_position: bool):
     """The input form: logits, or, with an lm_head ``weight``, hidden states (``logits`` holds them)."""
     if weight is None:
         return LogitsSource(logits, drop_last_position=drop_last_position)
@@ -62,7 +62,7 @@ def _sequence_logps(logits, completion_ids, completion_mask, settings: dict) -> 
         raise ValueError(f"the first argument must be {what} (a packed batch: with cu_seqlens), got {got}")
     if completion_mask is None:
         raise ValueError("completion_mask is required ([B, T], 1 where a completion token counts), got None")
-    source = _source(
+    source = input_source(
         logits, settings["weight"], settings["bias"], settings["head_precision"], settings["drop_last_position"]
     )
     return pipeline.sequence_logprobs(
