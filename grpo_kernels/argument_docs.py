@@ -85,7 +85,7 @@ def described(fn, own: dict) -> dict:
         text = own.get(name, SHARED_ARGUMENTS.get(name))
         if not text:
             raise KeyError(f"{fn.__qualname__}: argument {name!r} has no description (argument_docs)")
-        shown = f"**{name}" if parameter.kind is parameter.VAR_KEYWORD else name
+        shown = {parameter.VAR_KEYWORD: f"**{name}", parameter.VAR_POSITIONAL: f"*{name}"}.get(parameter.kind, name)
         out[shown] = text
     return out
 
@@ -220,23 +220,79 @@ DATACLASS_FIELDS = {
 }
 
 
-def document_public(namespace: dict, names) -> None:
+# The trainer adapters' public functions and classes: their arguments are the trainers' own (their names)
+ADAPTER_ARGUMENTS = {
+    "kl_loss": {
+        "log_prob": "[B, T] the current policy's log-probs (verl's).",
+        "ref_log_prob": "[B, T] the reference policy's.",
+        "response_mask": "[B, T] verl's response mask.",
+        "kl_penalty": "verl's estimator: low_var_kl / k3, kl / k1, mse / k2, each with an optional '+' "
+        "(straight-through).",
+        "loss_agg_mode": "verl's loss_agg_mode.",
+        "global_batch_info": "verl's global_batch_info (dp_size, batch_num_tokens, global_batch_size), or None.",
+    },
+    "compute_forward_kl_topk": {
+        "student_logits": "[bsz, seqlen / sp, V] the student's logits, already divided by the temperature.",
+        "teacher_topk_log_probs": "the teacher's top-k log-probs, a nested tensor (verl's \"thd\").",
+        "teacher_topk_ids": "the teacher's top-k ids, a nested tensor.",
+        "config": "verl's DistillationConfig (its distillation_loss's log_prob_min_clamp).",
+        "data_format": 'verl\'s "thd" or "bshd" (the outputs are per token either way).',
+    },
+    "PolicyLoss": {
+        "clip_eps_low": "OpenRLHF's clip below: ratio >= 1 - this.",
+        "clip_eps_high": "OpenRLHF's clip above: ratio <= 1 + this.",
+        "dual_clip": "OpenRLHF's dual-clip constant c (for A < 0 the loss is at most -A c), or None.",
+        "token_level_loss": "OpenRLHF's token-level aggregation (True) or its sequence mean (False).",
+        "policy_loss_type": 'OpenRLHF\'s "ppo" or "gspo".',
+        "is_correction_level": 'OpenRLHF\'s rollout correction level: "token", "seq" or "off" (none).',
+        "is_correction_mode": '"mask" or "clip".',
+        "is_correction_gating": '"ratio", "binary_kl" or "tv".',
+        "is_correction_threshold": "(low, high) bounds of the gate.",
+        "log_probs": "[B, T] the current policy's log-probs.",
+        "old_log_probs": "[B, T] the sampling policy's (OpenRLHF's old ones).",
+        "advantages": "[B, T] OpenRLHF's advantages.",
+        "action_mask": "[B, T] OpenRLHF's action mask, or None (every token).",
+        "rollout_log_probs": "[B, T] the rollout engine's log-probs (the correction's), or None.",
+        "dp_size": "the data-parallel size (OpenRLHF's token-count aggregation).",
+        "batch_num_tokens": "the whole batch's token count (OpenRLHF's), or None (this call's).",
+        "global_batch_size": "the whole batch's sequence count, or None.",
+    },
+    "compute_approx_kl": {
+        "log_probs": "[B, T] the current policy's log-probs.",
+        "log_probs_base": "[B, T] the reference's.",
+        "log_probs_old": "[B, T] the old policy's (the unbiased gradient's ratio), or None.",
+        "kl_estimator": "OpenRLHF's k1, k2 or k3.",
+        "unbiased_gradient": "OpenRLHF's importance-weighted KL gradient (needs log_probs_old).",
+    },
+    "ray_runtime_env": {"runtime_env": "a Ray runtime_env to extend (None: a new one)."},
+    "GRPOKernelsTrainer": {
+        "args": "TRL's GRPOTrainer's positional arguments (model, reward_funcs, its GRPOConfig, ...).",
+        "fused_lm_head": "the loss from hidden states and the head (None: where the model's head transform is exact).",
+        "kwargs": "TRL's GRPOTrainer's keyword arguments (args: the GRPOConfig, train_dataset, ...).",
+    },
+}
+
+
+def document_public(namespace: dict, names, own: dict | None = None) -> None:
     """Append the argument sections to the public names' docstrings (``names`` in ``namespace``): a function's
-    ``Args:``, a Module's ``__init__`` and ``forward`` ones, a dataclass's ``Attributes:`` (its fields)."""
+    ``Args:``, a class's ``__init__`` and ``forward`` ones, a dataclass's ``Attributes:`` (its fields). ``own``: the
+    names' own argument tables (default: the package's, ``OWN_ARGUMENTS`` and ``MODULE_ARGUMENTS``)."""
     import dataclasses
 
     for name in names:
         obj = namespace[name]
+        table = own.get(name) if own is not None else None
         if inspect.isfunction(obj) or inspect.isfunction(getattr(obj, "__wrapped__", None)):
-            _append_args(obj, OWN_ARGUMENTS.get(name, {}))
-        elif name in MODULE_ARGUMENTS:
+            _append_args(obj, table if table is not None else OWN_ARGUMENTS.get(name, {}))
+        elif table is not None or name in MODULE_ARGUMENTS:
             for method in ("__init__", "forward"):
-                _append_args(getattr(obj, method), MODULE_ARGUMENTS[name])
+                if method in vars(obj):
+                    _append_args(getattr(obj, method), table if table is not None else MODULE_ARGUMENTS[name])
         elif dataclasses.is_dataclass(obj):
-            own = DATACLASS_FIELDS.get(name, {})
+            fields = DATACLASS_FIELDS.get(name, {})
             lines = ["", "Attributes:"]
             for field in dataclasses.fields(obj):
-                text = own.get(field.name, SHARED_ARGUMENTS.get(field.name))
+                text = fields.get(field.name, SHARED_ARGUMENTS.get(field.name))
                 if not text:
                     raise KeyError(f"{name}: field {field.name!r} has no description (argument_docs)")
                 lines.append(f"    {field.name}: {_one_line(text)}")

@@ -199,3 +199,32 @@ def test_every_public_name_has_an_api_entry_with_every_argument_described():
         if inspect.isclass(obj) and "Attributes:" in (obj.__doc__ or ""):
             continue
         assert inspect.isclass(obj) or "Args:" in obj.__doc__, f"grpo_kernels.{name}'s docstring lists no Args"
+
+
+def test_every_adapter_entry_describes_every_argument():
+    """The trainer adapters' functions and classes in the API reference: each argument described (their names
+    are the trainers' own)."""
+    import importlib
+    import inspect
+
+    from grpo_kernels.argument_docs import ADAPTER_ARGUMENTS
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    checked = set()
+    for module_name in ("trl", "verl", "openrlhf"):
+        module = importlib.import_module(f"grpo_kernels.integration.{module_name}")
+        for name in ADAPTER_ARGUMENTS:
+            obj = getattr(module, name, None)
+            if obj is None:
+                continue
+            assert name in api, f"docs/api.md does not list grpo_kernels.integration.{module_name}.{name}"
+            methods = (
+                [vars(obj)[m] for m in ("__init__", "forward") if m in vars(obj)] if inspect.isclass(obj) else [obj]
+            )
+            for fn in methods:
+                assert "\nArgs:\n" in fn.__doc__, f"{module_name}.{fn.__qualname__}'s docstring lists no Args"
+                for parameter in inspect.signature(fn).parameters:
+                    if parameter not in ("self", "cls"):
+                        assert re.search(rf"^\s+\**{parameter}: \S", fn.__doc__, re.M), (module_name, name, parameter)
+            checked.add(name)
+    assert checked == set(ADAPTER_ARGUMENTS), set(ADAPTER_ARGUMENTS) - checked

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..argument_docs import ADAPTER_ARGUMENTS, document_public
 from ..conventions import openrlhf_aggregate_loss, openrlhf_masked_mean
 from ..objective import kl_term, per_token_terms
 from ..options import GRPOOptions
@@ -254,3 +255,7 @@ def ray_runtime_env(runtime_env: dict | None = None) -> dict:
     env["worker_process_setup_hook"] = RAY_SETUP_HOOK
     env["env_vars"] = {**{k: os.environ.get(k, v) for k, v in OPENRLHF_ENV_VARS.items()}, **env.get("env_vars", {})}
     return env
+
+
+# the arguments' descriptions appended to the docstrings (the API reference's; argument_docs.py)
+document_public(globals(), ["PolicyLoss", "compute_approx_kl", "ray_runtime_env"], ADAPTER_ARGUMENTS)

@@ -28,6 +28,7 @@ try:
 except ImportError as err:  # the trl extra is optional
     raise ImportError("grpo_kernels.integration.trl needs TRL: pip install 'grpo-kernels[trl]'") from err
 
+from ..argument_docs import ADAPTER_ARGUMENTS, document_public
 from ..entropy_control import AdaptiveEntropy
 from ..heads import (
     FusedHeadError,
@@ -409,3 +410,7 @@ class GRPOKernelsTrainer(GRPOTrainer):
             count = rows if per_row else tokens
             totals = self.accelerator.reduce(torch.stack([value * count.clamp(min=1.0), count]), reduction="sum")
             self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
+
+
+# the arguments' descriptions appended to the docstrings (the API reference's; argument_docs.py)
+document_public(globals(), ["GRPOKernelsTrainer"], ADAPTER_ARGUMENTS)

@@ -28,6 +28,7 @@ import functools
 
 import torch
 
+from ..argument_docs import ADAPTER_ARGUMENTS, document_public
 from ..conventions import VERL_AGG_MODES, verl_aggregate, verl_masked_mean
 from ..objective import kl_term, per_token_terms
 from ..options import GRPOOptions
@@ -799,3 +800,7 @@ def forward_kl_topk_loss(config, distillation_config, model_output, data) -> tup
         metrics[f"distillation/{name}_min"] = Metric(AggregationType.MIN, values.min())
         metrics[f"distillation/{name}_max"] = Metric(AggregationType.MAX, values.max())
     return padded["distillation_losses"].clamp_min(0.0), metrics
+
+
+# the arguments' descriptions appended to the docstrings (the API reference's; argument_docs.py)
+document_public(globals(), ["kl_loss", "compute_forward_kl_topk"], ADAPTER_ARGUMENTS)
