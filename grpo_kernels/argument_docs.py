@@ -142,10 +142,20 @@ OWN_ARGUMENTS = {
         "logits": SHARED_ARGUMENTS["logits"] + " With `weight=`, the hidden states [B, T, H].",
         "teacher_logps": "[B, T]: the teacher's log-probs of the sampled tokens.",
     },
+    "reverse_kl_advantages": {
+        "student_logps": "[B, T]: the student's log-probs of the sampled tokens (read detached).",
+        "teacher_logps": "[B, T]: the teacher's log-probs of the same tokens.",
+        "estimator": "verl's kl_penalty: kl / k1 (verl's recommendation here), abs, mse / k2, low_var_kl / k3.",
+    },
 }
-for _name in ("topk_distillation_loss", "fused_linear_topk_distillation_loss", "reverse_kl_distillation_loss"):
-    OWN_ARGUMENTS[_name].update(
-        {
+for _name in (
+    "topk_distillation_loss",
+    "fused_linear_topk_distillation_loss",
+    "reverse_kl_distillation_loss",
+    "reverse_kl_advantages",
+):
+    OWN_ARGUMENTS[_name] = {  # (a function's own description first)
+        **{
             "convention": '"verl" (verl\'s forward_kl_topk) or "trl" (TRL\'s top-k divergence).',
             "log_prob_min_clamp": "verl: both sides' log-probs clamped below at this (None: no clamp).",
             "loss_max_clamp": "verl: each token's loss clamped to +-this (None: no clamp).",
@@ -161,8 +171,9 @@ for _name in ("topk_distillation_loss", "fused_linear_topk_distillation_loss", "
             "from hidden states, of [chunk, V] products).",
             "estimator": "verl's kl_penalty: kl / k1, abs, mse / k2, low_var_kl / k3 (k1 is refused as a supervised "
             "loss, as verl refuses it).",
-        }
-    )
+        },
+        **OWN_ARGUMENTS[_name],
+    }
 MODULE_ARGUMENTS = {
     "GRPOLoss": {},
     "FusedLinearGRPOLoss": {},

@@ -22,9 +22,9 @@ Two families, as verl 0.9's distillation registry (``verl/trainer/distillation``
 
 - **The reverse-KL estimators** (``reverse_kl_distillation_loss``): the teacher's log-prob of the sampled token
   through verl's estimators (``kl`` / ``k1``, ``abs``, ``mse`` / ``k2``, ``low_var_kl`` / ``k3``), as a supervised
-  loss reduced by ``loss_agg_mode``, or in the policy-gradient form (``use_policy_gradient``: the advantage is minus
-  the detached estimate, through ``grpo_loss`` with any of its loss types); ``distillation_ppo_loss`` adds a GRPO
-  loss and its coefficient as verl's ``distillation_ppo_loss`` does.
+  loss reduced by ``loss_agg_mode``, or in the policy-gradient form (``reverse_kl_advantages``: the advantage is minus
+  the detached estimate, through ``grpo_loss`` with any of its loss types); verl's ``distillation_ppo_loss`` is that
+  loss times its coefficient plus the task's GRPO loss (the recipe in ``reverse_kl_advantages``).
 
 slime and prime-rl fold the teacher instead into the advantage: ``advantages + coef * (teacher_logps -
 student_logps)`` per token (``docs/loss-semantics.md``), an input of ``grpo_loss`` as it is.
@@ -383,14 +383,14 @@ def reverse_kl_distillation_loss(
     ``distillation/abs_loss`` metrics, clamped to +-``loss_max_clamp``, reduced by ``loss_agg_mode``.
 
     The policy-gradient form (verl's ``use_policy_gradient``, Thinking Machines' on-policy distillation) is
-    ``grpo_loss`` with ``advantages=-out.per_token_loss`` (detached: per token), and ``distillation_ppo_loss``'s sum
-    is that loss times the coefficient plus the task's GRPO loss (``docs/loss-semantics.md``)."""
+    ``grpo_loss`` with ``reverse_kl_advantages`` as its advantages; verl's ``distillation_ppo_loss`` sums that loss
+    times its coefficient and the task's GRPO loss (``docs/loss-semantics.md``)."""
     check_choice("estimator", estimator, REVERSE_KL_ESTIMATORS)
     check_choice("loss_agg_mode", loss_agg_mode, VERL_AGG_MODES)
     if estimator == "k1":  # as verl refuses it (its "kl", the same estimate, it lets through)
         raise ValueError(
             "estimator='k1' as a supervised loss: its gradient does not depend on the teacher's log-probs (verl "
-            "refuses it); use it in the policy-gradient form, grpo_loss with advantages=-out.per_token_loss"
+            "refuses it); use it in the policy-gradient form, grpo_loss with advantages=reverse_kl_advantages(...)"
         )
     source = input_source(logits, weight, bias, head_precision, drop_last_position)
     inputs, logp, mask = pipeline.sequence_logprobs(
@@ -426,6 +426,45 @@ def reverse_kl_distillation_loss(
     if inputs.caller_shape is not None:
         per_token_out = per_token_out.reshape(inputs.caller_shape)
     return DistillationOutput(loss, metrics, per_token_out)
+
+
+def reverse_kl_advantages(
+    student_logps: torch.Tensor,
+    teacher_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    estimator: str = "k1",
+    loss_max_clamp: float | None = 10.0,
+) -> torch.Tensor:
+    """The policy-gradient form's per-token advantage (verl's ``use_policy_gradient``, Thinking Machines' on-policy
+    distillation): minus verl's ``estimator`` of the student's and the teacher's log-probs of the sampled tokens,
+    clamped to +-``loss_max_clamp``, detached, 0 at masked tokens, [B, T] in fp32. Pass it to ``grpo_loss`` as its
+    ``advantages`` (with ``GRPOOptions.from_preset("verl")`` that is verl's vanilla PPO loss); the student's
+    log-probs come from ``token_logprobs`` without a gradient, as verl reads its own detached:
+
+        with torch.no_grad():
+            student = token_logprobs(logits, ids, temperature)
+        advantages = reverse_kl_advantages(student, teacher_logps, mask)
+        distill = grpo_loss(logits, ids, mask, advantages, old_logps, options=verl_options).loss
+        loss = task.loss + coef * distill  # verl's distillation_ppo_loss with use_task_rewards
+
+    Any estimator is allowed here, ``k1`` included (verl's recommendation for this form)."""
+    check_choice("estimator", estimator, REVERSE_KL_ESTIMATORS)
+    for name, value in (("student_logps", student_logps), ("teacher_logps", teacher_logps)):
+        if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+            got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"{name} must be a floating-point tensor shaped as the completion mask, got {got}")
+        if value.shape != completion_mask.shape:
+            raise ValueError(
+                f"{name} must have the completion mask's shape {tuple(completion_mask.shape)}, got {tuple(value.shape)}"
+            )
+    student, teacher = student_logps.detach().float(), teacher_logps.detach().float()
+    active = completion_mask != 0
+    teacher = torch.where(active, teacher, student)  # a masked token's teacher value is never read
+    estimate = reverse_kl_estimate(student, teacher, estimator)
+    if loss_max_clamp is not None:
+        estimate = estimate.clamp(min=-loss_max_clamp, max=loss_max_clamp)
+    return torch.where(active, -estimate, 0.0)
 
 
 def reverse_kl_estimate(student: torch.Tensor, teacher: torch.Tensor, estimator: str) -> torch.Tensor:

@@ -298,11 +298,25 @@ def _rank_split(rank: int, world: int, backend: str):
         vocab_start_index=start, compute_overlap=True,
     )  # fmt: skip
     fused.loss.backward()
+    reverse_ids, reverse_teacher = _reverse_kl_batch()
+    y = logits[..., start:stop].clone().requires_grad_()
+    reverse = distillation.reverse_kl_distillation_loss(
+        y, reverse_ids, reverse_teacher, mask, TEMPERATURE, backend=backend, vocab_parallel_group=dist.group.WORLD,
+        vocab_start_index=start,
+    )  # fmt: skip
+    reverse.loss.backward()
     return dict(
         loss=out.loss.detach(), grad=x.grad, metrics={k: v.detach() for k, v in out.metrics.items()},
         head_loss=fused.loss.detach(), d_hidden=h.grad, d_weight=w.grad, d_bias=b.grad, rows=(start, stop),
         head_metrics={k: v.detach() for k, v in fused.metrics.items()},
+        reverse_loss=reverse.loss.detach(), reverse_per_token=reverse.per_token_loss.detach(), reverse_grad=y.grad,
     )  # fmt: skip
+
+
+def _reverse_kl_batch():
+    """Sampled ids (global) and a teacher's log-probs for the reverse-KL estimators."""
+    g = torch.Generator().manual_seed(16)
+    return torch.randint(0, V, (B, T), generator=g), -torch.rand(B, T, generator=g) * 5
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -318,6 +332,10 @@ def test_a_vocabulary_split_over_two_processes_equals_one(backend):
         head[0], head[1], ids, logps, mask, head[2], TEMPERATURE, backend="torch", compute_overlap=True
     )
     fused.loss.backward()
+    reverse_ids, reverse_teacher = _reverse_kl_batch()
+    y = logits.clone().requires_grad_()
+    reverse = distillation.reverse_kl_distillation_loss(y, reverse_ids, reverse_teacher, mask, TEMPERATURE)
+    reverse.loss.backward()
     for r in run_ranks(_rank_split, 2, backend, timeout=600):
         start, stop = r["rows"]
         torch.testing.assert_close(r["loss"], whole.loss.detach(), **FP32)
@@ -330,6 +348,9 @@ def test_a_vocabulary_split_over_two_processes_equals_one(backend):
         torch.testing.assert_close(r["d_bias"], head[2].grad[start:stop], atol=1e-5, rtol=1e-4)
         for name, value in fused.metrics.items():
             torch.testing.assert_close(r["head_metrics"][name], value.detach(), **FP32, msg=name)
+        torch.testing.assert_close(r["reverse_loss"], reverse.loss.detach(), **FP32)
+        torch.testing.assert_close(r["reverse_per_token"], reverse.per_token_loss.detach(), **FP32)
+        torch.testing.assert_close(r["reverse_grad"], y.grad[..., start:stop], atol=1e-6, rtol=1e-5)
 
 
 def _verl_reverse_kl(student_logps, teacher_logps, mask, estimator, loss_agg_mode):
@@ -339,35 +360,8 @@ def _verl_reverse_kl(student_logps, teacher_logps, mask, estimator, loss_agg_mod
     config = DistillationConfig(
         distillation_loss=DistillationLossConfig(loss_mode=estimator, use_policy_gradient=False, topk=None)
     )
-    lengths = mask.sum(1).long()
-    keep = lengths > 0
-    rows = keep.nonzero().squeeze(1).tolist()
-
-    def unpadded(t):
-        parts = []
-        for b in rows:
-            parts += [t[b, : lengths[b]], torch.zeros(1, *t.shape[2:], dtype=t.dtype)]
-        return torch.cat(parts)
-
-    data = TensorDict(
-        {
-            "prompts": torch.ones(len(rows), 1, dtype=torch.long),
-            "responses": torch.ones(len(rows), T, dtype=torch.long),
-            "attention_mask": torch.cat([torch.ones(len(rows), 1), mask[keep]], 1).long(),
-            "response_mask": mask[keep],
-            "teacher_logprobs": torch.nested.nested_tensor(
-                [
-                    torch.cat([teacher_logps[b, : lengths[b]], torch.zeros(1, dtype=teacher_logps.dtype)]).unsqueeze(-1)
-                    for b in rows
-                ],
-                layout=torch.jagged,
-            ),  # fmt: skip
-        },
-        batch_size=[len(rows)],
-    )
-    for name, value in (("dp_size", 1), ("batch_num_tokens", int(mask.sum())), ("global_batch_size", len(rows))):
-        data.set_non_tensor(name, value)
-    return verl_losses.distillation_loss(actor, config, {"log_probs": unpadded(student_logps)}, data)
+    model_output, data = _verl_batch(student_logps, mask, teacher_logps)
+    return verl_losses.distillation_loss(actor, config, model_output, data)
 
 
 @pytest.mark.parametrize("estimator", [e for e in distillation.REVERSE_KL_ESTIMATORS if e != "k1"])
@@ -395,6 +389,104 @@ def test_the_reverse_kl_estimators_are_verls(backend, estimator):
         for name, value in expected_metrics.items():
             value = value.aggregate() if hasattr(value, "aggregate") else value
             torch.testing.assert_close(ours.metrics[name].double(), torch.as_tensor(value).double(), **FP32, msg=name)
+
+
+@pytest.mark.parametrize("use_task_rewards", [True, False])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_policy_gradient_form_with_the_task_loss_is_verls_distillation_ppo_loss(backend, use_task_rewards):
+    """verl's ``distillation_ppo_loss`` with ``use_policy_gradient`` (its vanilla PPO loss on the advantage minus the
+    detached k1 estimate, clamped to +-loss_max_clamp), plus the task's PPO loss times 1 and the distillation's times
+    ``distillation_loss_coef`` (``use_task_rewards``; without it the distillation's alone, coefficient 1): the recipe
+    of ``reverse_kl_advantages`` (the student's detached log-probs, the advantage, ``grpo_loss`` with the verl preset)
+    gives its loss and its gradient of the logits."""
+    from grpo_kernels import GRPOOptions, grpo_loss, token_logprobs
+
+    logits, _, _, mask = _batch(seed=17)
+    g = torch.Generator().manual_seed(18)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    lp = torch.log_softmax(logits.double() / TEMPERATURE, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    teacher = (lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 8).float()  # some beyond loss_max_clamp
+    old = (lp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    task_advantages = torch.randn(B, T, generator=g)
+    coef = 0.3
+    # verl's own, on the student's log-probs from the logits in float64
+    x = logits.double().requires_grad_()
+    student = torch.log_softmax(x / TEMPERATURE, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode="token-mean")
+    config = DistillationConfig(
+        distillation_loss=DistillationLossConfig(
+            loss_mode="k1", use_policy_gradient=True, use_task_rewards=use_task_rewards, distillation_loss_coef=coef,
+            topk=None,
+        )
+    )  # fmt: skip
+    model_output, data = _verl_batch(student, mask, teacher.double(), old_log_probs=old.double(),
+                                     advantages=task_advantages.double())  # fmt: skip
+    expected, _ = verl_losses.distillation_ppo_loss(actor, config, model_output, data)
+    expected.backward()
+    # ours: the estimate's pass, then grpo_loss with verl's preset for the task and the distillation's advantage
+    y = logits.clone().requires_grad_()
+    options = GRPOOptions.from_preset("verl", temperature=TEMPERATURE)
+    with torch.no_grad():
+        student_logps = token_logprobs(y, ids, TEMPERATURE, backend=backend)
+    advantages = distillation.reverse_kl_advantages(student_logps, teacher, mask)  # (k1, clamped at 10)
+    distill = grpo_loss(y, ids, mask, advantages, old, options=options, backend=backend).loss
+    ours = grpo_loss(y, ids, mask, task_advantages, old, options=options, backend=backend).loss + coef * distill
+    if not use_task_rewards:
+        ours = distill
+    ours.backward()
+    torch.testing.assert_close(ours.double(), expected, **FP32)
+    torch.testing.assert_close(y.grad.double(), x.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_reverse_kl_advantages_refuse_bad_inputs_by_name():
+    mask = torch.ones(B, T)
+    good = -torch.rand(B, T)
+    with pytest.raises(ValueError, match=r"teacher_logps must have the completion mask's shape"):
+        distillation.reverse_kl_advantages(good, good[:, :-1], mask)
+    with pytest.raises(TypeError, match=r"student_logps must be a floating-point tensor"):
+        distillation.reverse_kl_advantages(good.long(), good, mask)
+    with pytest.raises(ValueError, match=r"estimator"):
+        distillation.reverse_kl_advantages(good, good, mask, estimator="k4")
+    mask[1] = 0  # an all-padding row: zero advantages, whatever its teacher values
+    bad_teacher = good.clone()
+    bad_teacher[1] = float("nan")
+    out = distillation.reverse_kl_advantages(good, bad_teacher, mask)
+    assert out[1].eq(0).all() and out.isfinite().all()
+
+
+def _verl_batch(student_logps, mask, teacher_logps, **per_token):
+    """verl's model output and micro-batch for its distillation losses (prompts of one token, the sequences with a
+    response), ``per_token`` [B, T] fields (old_log_probs, advantages) padded as its data holds them."""
+    lengths = mask.sum(1).long()
+    keep = lengths > 0
+    rows = keep.nonzero().squeeze(1).tolist()
+
+    def unpadded(t):
+        parts = []
+        for b in rows:
+            parts += [t[b, : lengths[b]], torch.zeros(1, *t.shape[2:], dtype=t.dtype)]
+        return torch.cat(parts)
+
+    data = TensorDict(
+        {
+            "prompts": torch.ones(len(rows), 1, dtype=torch.long),
+            "responses": torch.ones(len(rows), T, dtype=torch.long),
+            "attention_mask": torch.cat([torch.ones(len(rows), 1), mask[keep]], 1).long(),
+            "response_mask": mask[keep],
+            "teacher_logprobs": torch.nested.nested_tensor(
+                [
+                    torch.cat([teacher_logps[b, : lengths[b]], torch.zeros(1, dtype=teacher_logps.dtype)]).unsqueeze(-1)
+                    for b in rows
+                ],
+                layout=torch.jagged,
+            ),  # fmt: skip
+            **{name: value[keep] for name, value in per_token.items()},
+        },
+        batch_size=[len(rows)],
+    )
+    for name, value in (("dp_size", 1), ("batch_num_tokens", int(mask.sum())), ("global_batch_size", len(rows))):
+        data.set_non_tensor(name, value)
+    return {"log_probs": unpadded(student_logps)}, data
 
 
 def test_the_reverse_kl_from_hidden_states_packed_equals_the_logits():
