@@ -1,6 +1,7 @@
 """MkDocs hooks: the pages whose one source lives outside docs/ (the README, the trainer integrations' guide, the
 benchmarks' page, the changelog) and the command line's reference (from its argparse parser) are generated into the
-build, never copied into docs/; links between those sources are rewritten to the site's pages."""
+build, never copied into docs/; links between those sources are rewritten to the site's pages. The options page's
+tables come from ``grpo_kernels.option_docs`` (where docs/options.md says ``<!-- options_table -->``)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,16 @@ def on_files(files, config):
         files.append(File.generated(config, page, content=text))
     files.append(File.generated(config, "cli.md", content=cli_reference()))
     return files
+
+
+OPTIONS_MARKER = "<!-- options_table -->"
+
+
+def on_page_markdown(markdown, page, config, files):
+    if page.file.src_uri == "options.md":
+        from grpo_kernels.option_docs import options_table
+
+        if OPTIONS_MARKER not in markdown:
+            raise ValueError(f"docs/options.md must hold {OPTIONS_MARKER} (where the options' tables go)")
+        return markdown.replace(OPTIONS_MARKER, options_table())
+    return markdown

@@ -1,6 +1,6 @@
-"""The options' documentation, in one place: the options page's table (docs/options.md), the Modules' docstrings and
-``python -m grpo_kernels.option_docs`` (which prints the table) all come from here, and a test holds the
-page to it and it to ``GRPOOptions``' fields.
+"""The options' documentation, in one place: the options page's tables (docs/options.md, grouped by
+``OPTION_GROUPS``; docs/hooks.py writes them into the site), the Modules' docstrings and the API reference's
+argument descriptions (argument_docs.py) all come from here, and a test holds it to ``GRPOOptions``' fields.
 
 Each entry: (names, default as shown, meaning in Markdown).
 """
@@ -221,16 +221,46 @@ LOGITS_KEYWORDS = ("backend", "in_place_backward", "one_pass", "check_ids", "dro
 HIDDEN_STATES_KEYWORDS = ("backend", "check_ids")
 
 
+# The options page's groups, in its order: each entry (by its first name) in one group
+OPTION_GROUPS = (
+    (
+        "Loss types and families",
+        (
+            "loss_type", "max_completion_length", "clip_cov_ratio", "kl_cov_ratio", "covariance_selection", "dro_beta",
+            "cispo_ratio_min", "sapo_temperature_pos", "vespo_k_pos",
+        ),
+    ),
+    ("Clipping and ratios", ("epsilon", "epsilon_high", "delta", "dual_clip", "importance_sampling_level",
+                             "log_ratio_clamp")),
+    ("KL", ("beta", "kl_estimator", "kl_clamp", "use_bias_correction_kl")),
+    ("Entropy", ("compute_entropy", "entropy_coef", "entropy_reduction", "top_entropy_quantile")),
+    ("Masks and rollout correction", ("off_policy_mask_threshold", "rollout_correction")),
+    ("Aggregation", ("aggregation",)),
+    ("Head transforms", ("temperature", "logit_scale")),
+    ("Backend and schedule (call keywords)", ("backend", "one_pass", "in_place_backward", "check_ids",
+                                              "drop_last_position")),
+)  # fmt: skip
+
+
 def option_names(entries: Iterable[tuple] = LOSS_OPTION_DOCS) -> tuple[str, ...]:
     return tuple(name for names, _, _ in entries for name in names)
 
 
 def options_table() -> str:
-    """The options table (Markdown): docs/options.md holds it."""
-    lines = ["| option | default | meaning |", "|---|---|---|"]
-    for names, default, meaning in LOSS_OPTION_DOCS + CALL_KEYWORD_DOCS:
-        lines.append(f"| {', '.join(f'`{n}`' for n in names)} | {default} | {meaning} |")
-    return "\n".join(lines)
+    """The options tables (Markdown), one a group (``OPTION_GROUPS``) under its heading: the site's options page
+    shows them (docs/hooks.py writes them where docs/options.md says ``<!-- options_table -->``)."""
+    entries = {names[0]: (names, default, meaning) for names, default, meaning in LOSS_OPTION_DOCS + CALL_KEYWORD_DOCS}
+    grouped = [first for _, firsts in OPTION_GROUPS for first in firsts]
+    if sorted(grouped) != sorted(entries):
+        raise KeyError(f"OPTION_GROUPS must hold each entry once: {sorted(set(entries) ^ set(grouped))}")
+    parts = []
+    for title, firsts in OPTION_GROUPS:
+        lines = [f"## {title}", "", "| option | default | meaning |", "|---|---|---|"]
+        for first in firsts:
+            names, default, meaning = entries[first]
+            lines.append(f"| {', '.join(f'`{n}`' for n in names)} | {default} | {meaning} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def docstring_options(keywords: tuple[str, ...]) -> str:

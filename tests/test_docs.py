@@ -1,5 +1,5 @@
 """The developer docs cite only what exists: every file, module, function and name in backticks in
-docs/extending.md is checked against the source (as ``option_docs`` holds the README's options table), and the
+docs/extending.md is checked against the source (as ``option_docs`` holds the options page's tables), and the
 README stays a user's page."""
 
 import ast
