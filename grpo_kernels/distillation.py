@@ -76,13 +76,18 @@ def topk_logprobs(
     vocab_start_index: int | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    head_precision: str = "input",
 ) -> torch.Tensor:
     """Differentiable log softmax(cap(logits) / temperature) at K ids a token (``teacher_ids`` [..., K] int, shaped
     as the logits without their last dim plus K; a packed call's [total, K]), normalized over the whole vocabulary,
     fp32: ``log_softmax(logits / T).gather(-1, teacher_ids)`` without the [N, V] log-softmax (one log-sum-exp pass,
-    the K logits gathered beside it; the backward's K ids' terms fused into one dense pass). For a loss of one's own
-    on a teacher's top-k (verl's ``forward_kl_topk`` logits processor is served by it: the verl adapter)."""
-    source = LogitsSource(logits, drop_last_position=drop_last_position)
+    the K logits gathered beside it; the backward's K ids' terms fused into one dense pass). With ``weight`` (and
+    ``bias``), ``logits`` holds the hidden states [..., H] and no [N, V] tensor is made (each of the K logits its own
+    dot product). For a loss of one's own on a teacher's top-k (verl's ``forward_kl_topk`` logits processor, and its
+    fused-kernel path from hidden states, are served by it: the verl adapter)."""
+    source = input_source(logits, weight, bias, head_precision, drop_last_position)
     placeholder = (
         torch.zeros(teacher_ids.shape, device=teacher_ids.device) if isinstance(teacher_ids, torch.Tensor) else None
     )

@@ -413,9 +413,11 @@ def _megatron_tensor_parallel():
 
 @pytest.fixture
 def verl_patches_undone(monkeypatch):
-    """What ``patch_logprobs`` replaces, in every loaded module that holds it by name, and the class forward verl's
+    """What ``patch_logprobs`` replaces (verl's distillation logits processor included: a later test in the process
+    compares against verl's own), in every loaded module that holds it by name, and the class forward verl's
     ``patch_forward_with_backends`` replaces (``tiny_llama``'s): each restored after the test."""
     from transformers import LlamaForCausalLM
+    from verl.trainer.distillation.fsdp import losses as distillation_losses
     from verl.utils import torch_functional
     from verl.utils.experimental import torch_functional as experimental
     from verl.utils.kernel import linear_cross_entropy as fused_module
@@ -426,6 +428,7 @@ def verl_patches_undone(monkeypatch):
             (torch_functional, ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")),
             (experimental, ("FusedLinearForPPO",)),
             (fused_module, ("linear_cross_entropy",)),
+            (distillation_losses, ("compute_forward_kl_topk",)),  # (patch_distillation, which patch_logprobs calls)
             (_megatron_tensor_parallel(), VOCAB_PARALLEL_NAMES),
         )
         if module is not None
@@ -709,3 +712,96 @@ def test_verls_fsdp_engine_serves_sum_pi_squared_with_fused_kernels(verl_patches
     )
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("use_remove_padding", [True, False])
+def test_verls_fsdp_engine_serves_top_k_distillation_with_fused_kernels(verl_patches_undone, use_remove_padding):
+    """verl's FSDP engine's training step with top-k distillation (``distillation_use_topk``, the teacher's top-k in
+    the micro-batch, verl's distillation loss bound with its config as its actor binds it) under
+    ``use_fused_kernels``, where verl's own FSDP fused path gives no distillation outputs (it reads a
+    ``fused_linear_aux`` only veomni's kernels make; its dense branch none), runs on our fused head after
+    ``patch_logprobs()``: its per-token distillation loss and both top-k masses, and the model's gradient from them,
+    equal verl's logits path (its own ``compute_forward_kl_topk`` on the [N, V] logits), packed and padded."""
+    import functools
+
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+    from verl.trainer.distillation import losses as verl_losses
+    from verl.utils import tensordict_utils as tu
+    from verl.utils import torch_functional
+    from verl.workers.config import DistillationConfig, DistillationLossConfig
+    from verl.workers.engine.fsdp import transformer_impl as engine_module
+
+    verl_patches_undone.setattr(engine_module, "get_device_id", lambda: "cpu")
+    verl_patches_undone.setattr(engine_module, "get_device_name", lambda: "cpu")
+    model = _tiny_llama()
+    lengths, K = torch.tensor([5, 9, 3, 7]), 4
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, 97, (int(n),), generator=g) for n in lengths]
+    teacher = []
+    for n in lengths:  # the teacher's top K - 1 and its least likely id, which the clamp at -6 binds
+        logps = torch.log_softmax(3 * torch.randn(int(n), 97, generator=g), -1)
+        top = torch.cat([logps.topk(K - 1, -1).indices, logps.argmin(-1, keepdim=True)], -1)
+        teacher.append(types.SimpleNamespace(indices=top, values=logps.gather(-1, top)))
+    assert all((t.values[:, -1] < -6).all() for t in teacher)
+    actor = _config()
+    distillation_config = DistillationConfig(
+        distillation_loss=DistillationLossConfig(
+            loss_mode="forward_kl_topk", topk=K, use_policy_gradient=False, log_prob_min_clamp=-6.0
+        )
+    )
+
+    def distillation_loss(model_output=None, data=None, dp_group=None, student_logits=None, *, config,
+                          distillation_config):  # fmt: skip
+        """verl's logits processor on the logits path (``compute_topk_loss``), then a loss of the per-token values."""
+        if student_logits is not None:
+            return verl_losses.compute_topk_loss(config, distillation_config, data, student_logits, "thd")
+        return model_output["distillation_losses"].values().sum(), {}
+
+    loss_function = functools.partial(distillation_loss, config=actor, distillation_config=distillation_config)
+
+    def engine():
+        e = object.__new__(engine_module.FSDPEngineWithLMHead)
+        e.module, e.pad_to_length, e.use_ulysses_sp, e.ulysses_device_mesh = model, False, False, None
+        e._autocast_dtype = torch.float32
+        e.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
+        e.compute_entropy_from_logits = torch_functional.entropy_from_logits
+        e.get_data_parallel_group = lambda: None
+        return e
+
+    def step(use_fused_kernels):
+        def nested(tensors):
+            return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
+
+        micro_batch = tu.get_tensordict(
+            {
+                "input_ids": nested(ids),
+                "position_ids": nested([torch.arange(len(i)) for i in ids]),
+                "teacher_ids": nested([t.indices for t in teacher]),
+                "teacher_logprobs": nested([t.values for t in teacher]),
+            },
+            non_tensor_dict=dict(
+                temperature=0.8,
+                use_remove_padding=use_remove_padding,
+                use_fused_kernels=use_fused_kernels,
+                calculate_entropy=False,
+                distillation_use_topk=True,
+                distillation_only=True,
+            ),
+        )
+        model.zero_grad()
+        loss, output = engine_module.FSDPEngineWithLMHead.forward_step(
+            engine(), micro_batch, loss_function, forward_only=False
+        )
+        loss.backward()
+        out = output["model_output"]
+        values = {name: out[name].values() for name in ("distillation_losses", "student_mass", "teacher_mass")}
+        return values, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    expected, expected_grads = step(use_fused_kernels=False)
+    adapter.patch_logprobs()
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    ours, grads = step(use_fused_kernels=True)
+    for name, value in expected.items():
+        torch.testing.assert_close(ours[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -622,13 +622,17 @@ def _fused_head(hidden, weight, ids, temperature: float, vocab_parallel_group=No
     """(log-probs, entropy) of verl's fused head on our op. A pass without a gradient (verl's ``compute_log_prob``:
     old log-probs) also computes each token's Σπ² from the same pass, attached to the log-probs as
     ``sum_pi_squared``, where ``prepare_model_outputs`` (``patch_fused_kernels``) takes it for verl's
-    ``calculate_sum_pi_squared`` (which verl's own fused kernels refuse)."""
+    ``calculate_sum_pi_squared`` (which verl's own fused kernels refuse). The head's inputs ride along as
+    ``fused_head_inputs``: verl's top-k distillation under ``use_fused_kernels`` takes the student's log-probs at
+    the teacher's ids from them (``_fused_topk_distillation``)."""
     from ..loss import linear_selective_log_softmax_and_entropy, linear_token_logprobs
 
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return linear_selective_log_softmax_and_entropy(
+        logp, entropy = linear_selective_log_softmax_and_entropy(
             hidden, weight, ids, None, temperature, vocab_parallel_group=vocab_parallel_group
         )
+        logp.fused_head_inputs = (hidden, weight, temperature, vocab_parallel_group)
+        return logp, entropy
     logp, entropy, sum_pi_squared = linear_token_logprobs(
         hidden,
         weight,
@@ -640,6 +644,7 @@ def _fused_head(hidden, weight, ids, temperature: float, vocab_parallel_group=No
         return_sum_pi_squared=True,
     )
     logp.sum_pi_squared = sum_pi_squared
+    logp.fused_head_inputs = (hidden, weight, temperature, vocab_parallel_group)
     return logp, entropy
 
 
@@ -673,48 +678,111 @@ def patch_fused_kernels() -> None:
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     except ImportError:  # an older verl, or its FSDP engine's dependencies missing: nothing there to serve
         return
-    if not getattr(FSDPEngineWithLMHead.prepare_model_outputs, "serves_sum_pi_squared", False):
-        FSDPEngineWithLMHead.prepare_model_outputs = _with_fused_sum_pi_squared(
-            FSDPEngineWithLMHead.prepare_model_outputs
-        )
+    if not getattr(FSDPEngineWithLMHead.prepare_model_outputs, "serves_fused_extras", False):
+        FSDPEngineWithLMHead.prepare_model_outputs = _with_fused_extras(FSDPEngineWithLMHead.prepare_model_outputs)
 
 
-def _with_fused_sum_pi_squared(prepare_model_outputs):
-    """verl's FSDP engine's ``prepare_model_outputs`` serving ``calculate_sum_pi_squared`` under ``use_fused_kernels``
-    (verl raises ``NotImplementedError`` there): Σπ² comes from our fused head's no-grad pass (``_fused_head``), and
-    is gathered, unpadded and made a nested tensor as verl does with the log-probs of the same call."""
+def _with_fused_extras(prepare_model_outputs):
+    """verl's FSDP engine's ``prepare_model_outputs`` serving, under ``use_fused_kernels``, what verl's own fused
+    kernels do not give there: ``calculate_sum_pi_squared`` (verl raises ``NotImplementedError``; Σπ² comes from our
+    fused head's no-grad pass) and the top-k distillation (``distillation_use_topk``: verl's FSDP engine reads it
+    from a ``fused_linear_aux`` only veomni's kernels make, and its dense branch not at all; ours from the hidden
+    states the head read, ``_fused_topk_distillation``). Each is gathered, unpadded and made a nested tensor as verl
+    does with the log-probs of the same call."""
     import functools
 
     from verl.utils import tensordict_utils as tu
 
     @functools.wraps(prepare_model_outputs)
     def prepare(self, output, output_args, micro_batch, logits_processor_func):
-        fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
-        wanted = tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False)
-        if not (fused and wanted):
+        def flag(key):
+            return tu.get_non_tensor_data(data=micro_batch, key=key, default=False)
+
+        fused = flag("use_fused_kernels")
+        squares_wanted = fused and flag("calculate_sum_pi_squared")
+        distillation_wanted = fused and flag("distillation_use_topk") and "teacher_ids" in micro_batch.keys()
+        if not (squares_wanted or distillation_wanted):
             return prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)
-        squares = getattr(output.log_probs, "sum_pi_squared", None)
-        if squares is None:
+        head = output.log_probs
+        squares = getattr(head, "sum_pi_squared", None)
+        if squares_wanted and squares is None:
             raise NotImplementedError(
                 "calculate_sum_pi_squared=True with use_fused_kernels=True: grpo_kernels computes Σπ² in its fused "
                 "head's passes without a gradient (verl's compute_log_prob); this pass had a gradient"
             )
-        tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=False)
+        if distillation_wanted and getattr(head, "fused_head_inputs", None) is None:
+            raise NotImplementedError(
+                "top-k distillation with use_fused_kernels=True: the model's head is not grpo_kernels' fused head "
+                "(call grpo_kernels.integration.verl.patch_logprobs() before verl patches the model's forward)"
+            )
+        remove_padding = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
+        distillation = {}
+        if distillation_wanted:
+            config = _distillation_config(logits_processor_func)
+            distillation = _fused_topk_distillation(head.fused_head_inputs, micro_batch, config, remove_padding)
+        # verl's own step skips what we serve (it would refuse Σπ², or find no distillation outputs), then ours
+        served = [key for key, wanted in (("calculate_sum_pi_squared", squares_wanted),
+                                          ("distillation_use_topk", distillation_wanted)) if wanted]  # fmt: skip
+        tu.assign_non_tensor(micro_batch, **dict.fromkeys(served, False))
         try:
             model_output = prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)
         finally:
-            tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=True)
+            tu.assign_non_tensor(micro_batch, **dict.fromkeys(served, True))
         cu_seqlens = micro_batch["input_ids"].offsets()
-        if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
-            squares = self._gather_and_unpad_packed(squares.squeeze(0), output_args["pad_size"])
-        else:  # dense (bsz, seqlen): each sequence's valid positions, as verl takes the log-probs
-            columns = torch.arange(output.log_probs.shape[1], device=squares.device)
-            squares = squares[columns < cu_seqlens.diff().unsqueeze(1)]
-        model_output["sum_pi_squared"] = torch.nested.nested_tensor_from_jagged(squares, cu_seqlens)
+        extras = dict(distillation)
+        if squares_wanted:
+            extras["sum_pi_squared"] = squares
+        for name, values in extras.items():
+            if remove_padding:
+                values = self._gather_and_unpad_packed(values.reshape(-1), output_args["pad_size"])
+            else:  # dense (bsz, seqlen): each sequence's valid positions, as verl takes the log-probs
+                columns = torch.arange(values.shape[1], device=values.device)
+                values = values[columns < cu_seqlens.diff().unsqueeze(1)]
+            model_output[name] = torch.nested.nested_tensor_from_jagged(values, cu_seqlens)
         return model_output
 
-    prepare.serves_sum_pi_squared = True
+    prepare.serves_fused_extras = True
     return prepare
+
+
+def _fused_topk_distillation(head_inputs, micro_batch, config, packed: bool) -> dict:
+    """verl's FSDP top-k distillation outputs per position (shaped as the fused head's log-probs: [1, nnz / sp]
+    packed, [bsz, seqlen] dense), from the hidden states and the head weight the fused head read
+    (``topk_logprobs(hidden, ids, weight=...)``: no [N, V] tensor) and the teacher's top-k in ``micro_batch``
+    ("teacher_ids", "teacher_logprobs", nested as verl holds them), clamped at ``config``'s; the same per-token math as
+    ``compute_forward_kl_topk`` but the overlap metrics, which need the student's own top-k over the vocabulary (as
+    veomni's fused path, verl's other, gives none)."""
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
+
+    from ..distillation import topk_logprobs
+
+    hidden, weight, temperature, group = head_inputs
+    ids, logps = micro_batch["teacher_ids"], micro_batch["teacher_logprobs"]
+    if packed:  # one row of every sequence's positions
+        ids, logps = ids.values().unsqueeze(0), logps.values().unsqueeze(0)
+        if get_ulysses_sequence_parallel_world_size() > 1:
+            ids, logps = slice_input_tensor(ids, dim=1, padding=True), slice_input_tensor(logps, dim=1, padding=True)
+    else:  # dense [bsz, seqlen]: each sequence padded to the model input's length (the padding's ids read as 0)
+        rows = ids.size(0)
+        shape = (rows, hidden.numel() // hidden.shape[-1] // rows, ids.size(-1))
+        ids, logps = ids.to_padded_tensor(0, output_size=shape), logps.to_padded_tensor(0.0, output_size=shape)
+    hidden = hidden.reshape(*ids.shape[:2], hidden.shape[-1])
+    clamp = config.distillation_loss.log_prob_min_clamp
+    student = topk_logprobs(hidden, ids.long(), temperature, weight=weight, vocab_parallel_group=group, check_ids=False)
+    return _forward_kl_topk_outputs(student, logps.float(), clamp)
+
+
+def _distillation_config(loss_function):
+    """The ``distillation_config`` verl's distillation actor binds into its loss (``functools.partial(
+    distillation_ppo_loss, config=..., distillation_config=...)``, which the engine passes as the logits processor)."""
+    config = getattr(loss_function, "keywords", {}).get("distillation_config")
+    if config is None:
+        raise ValueError(
+            "top-k distillation with use_fused_kernels=True: the engine's loss function carries no "
+            "distillation_config (verl binds one with functools.partial(distillation_ppo_loss, ...)), got "
+            f"{loss_function!r}"
+        )
+    return config
 
 
 # ---- verl's on-policy distillation (``verl/trainer/distillation``): the top-k forward KL on our pass -----------------
@@ -741,25 +809,28 @@ def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk
         raise ValueError(
             f"the teacher's top-k {tuple(ids.shape)} does not match the student's logits {tuple(student_logits.shape)}"
         )
-    clamp = config.distillation_loss.log_prob_min_clamp
     student = topk_logprobs(student_logits, ids.long())
     with torch.no_grad():  # the student's own top-k (the cap and temperature keep the logits' order)
         student_ids = torch.topk(student_logits, k=ids.shape[-1], dim=-1).indices
-    student_mass, teacher_mass = student.exp().sum(-1), logps.float().exp().sum(-1)
-    log_q, log_p = student, logps.float()
+    overlap = (ids.unsqueeze(-1) == student_ids.unsqueeze(-2)).any(-1)
+    return _forward_kl_topk_outputs(student, logps.float(), config.distillation_loss.log_prob_min_clamp, overlap)
+
+
+def _forward_kl_topk_outputs(student, teacher, clamp, overlap=None) -> dict:
+    """verl's per-token top-k outputs from the student's and the teacher's log-probs at the teacher's ids [.., K]:
+    the sum p (log p - log q) (both clamped below at ``clamp``), both top-k masses and, with ``overlap`` (which of
+    the teacher's ids are among the student's own top-k), the overlap count and its token advantage."""
+    student_mass, teacher_mass = student.exp().sum(-1), teacher.exp().sum(-1)
+    log_q, log_p = student, teacher
     if clamp is not None:
         log_q, log_p = log_q.clamp_min(clamp), log_p.clamp_min(clamp)
     token_kl = log_p.exp() * (log_p - log_q)
-    overlap = (ids.unsqueeze(-1) == student_ids.unsqueeze(-2)).any(-1)
-    count = overlap.sum(-1)
-    advantage = torch.where(count > 0, (-token_kl * overlap).sum(-1) / count.clamp_min(1), 0.0)
-    return {
-        "distillation_losses": token_kl.sum(-1),
-        "student_mass": student_mass,
-        "teacher_mass": teacher_mass,
-        "overlap_count": count,
-        "overlap_token_advantage": advantage,
-    }
+    out = {"distillation_losses": token_kl.sum(-1), "student_mass": student_mass, "teacher_mass": teacher_mass}
+    if overlap is not None:
+        count = overlap.sum(-1)
+        out["overlap_count"] = count
+        out["overlap_token_advantage"] = torch.where(count > 0, (-token_kl * overlap).sum(-1) / count.clamp_min(1), 0.0)
+    return out
 
 
 def patch_distillation() -> None:
