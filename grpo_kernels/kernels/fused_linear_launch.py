@@ -88,7 +88,10 @@ def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) ->
     cfg["ROUND_LOGITS"] = rounds_head_logits(dtype)
     if cfg["UPCAST"]:
         cfg["DOT_PRECISION"] = "ieee"
-    for key, extent in (("BLOCK_N", N), ("BLOCK_V", V), ("BLOCK_H", H)):
+    # a small model's vocabulary and width shrink the tiles; the token block does not shrink with the batch: a
+    # token's logits come from the same [BLOCK_N, BLOCK_V] products whatever else is in the batch (batch invariance;
+    # a tile's rows are independent, so padding rows cost work, never a different sum)
+    for key, extent in (("BLOCK_V", V), ("BLOCK_H", H)):
         cfg[key] = _shrink(cfg[key], extent)
     return cfg
 
