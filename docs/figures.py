@@ -4,13 +4,16 @@ hardware and the commit or date that measured it:
 - ``memory-by-length.png``: peak memory above the inputs against the completion length, the loss from materialized
   logits (the eager reference, ours) and the fused lm_head, on the CPU, beside the byte model's 2 S
   (``benchmarks/results/memory-by-length-cpu.json``, ``benchmarks/memory_by_length.py``);
+- ``peers-cpu.png``: each loss type's forward + backward on the CPU, the eager loss, torch.compile of it and TRL's
+  own path over ours (``benchmarks/results/peers-cpu.json``, ``benchmarks/peers_cpu.py``);
 - ``cpu-ratios.png``: the CPU torch path against the eager reference in one run: each loss type against the commit
   before the families (``loss-types-cpu.json``), the kept set's and the distillation's ratios
   (``kept-set-cpu.json``, ``distillation-cpu.json``);
 - ``learning-seeds.png``: held-out accuracy at step 0 and at the end of each seed of each recipe
   (``benchmarks/results/learning/*.json``);
 - ``gpu-loss-time.png``: forward + backward time of the loss per shape on the GPU against Liger-Kernel, TRL's Triton
-  kernel and the eager reference (``benchmarks/results/gpu/bench.json``: its machine and commit).
+  kernel and the eager reference, and each as GB/s from the byte model (2 S over the time)
+  (``benchmarks/results/gpu/bench.json``: its machine and commit).
 
     python docs/figures.py [--out docs/figures]
 """
@@ -44,11 +47,11 @@ def memory_by_length(plt, out: pathlib.Path) -> None:
         xlabel="completion length T (B = 8)",
         ylabel="peak memory above the inputs (MiB)",
         title=f"Loss forward + backward, V = {first['V']}, H = {first['H']}, fp32\n"
-        f"CPU ({first['cpu']}), torch {first['torch']}",
+        f"CPU ({first['cpu']}), torch {first['torch']}, commit {first.get('commit', '?')}",
     )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     fig.savefig(out / "memory-by-length.png", dpi=120)
     plt.close(fig)
@@ -115,23 +118,59 @@ def gpu_loss_time(plt, out: pathlib.Path) -> None:
             times.setdefault(match.group(2), {})[match.group(1)] = b["stats"]["median"] * 1e3
     paths = ["ours one-pass", "ours two-pass", "liger", "trl (triton kernel)", "eager"]
     shapes = list(times)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, bw) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(paths)
     for k, path in enumerate(paths):
-        ax.bar([i + k * width for i in range(len(shapes))], [times[s].get(path, 0.0) for s in shapes], width,
-               label=path)  # fmt: skip
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], [s.replace("x", " x ") for s in shapes])
+        xs = [i + k * width for i in range(len(shapes))]
+        ms = [times[s].get(path, 0.0) for s in shapes]
+        ax.bar(xs, ms, width, label=path)
+        # the byte model: forward + backward moves at least 2 S (read the bf16 logits once, write their gradient)
+        two_s = [2 * 2 * _tokens_times_vocab(s) for s in shapes]
+        bw.bar(xs, [b / (m * 1e-3) / 1e9 if m else 0.0 for b, m in zip(two_s, ms, strict=True)], width, label=path)
+    labels = [s.replace("x", " x ") for s in shapes]
+    for axis in (ax, bw):
+        axis.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], labels, fontsize=8)
     ax.set_yscale("log")
     gpu = bench.get("machine_info", {}).get("gpu", "one H200")
-    ax.set(xlabel="B x T x V (bf16)", ylabel="forward + backward, median (ms)",
-           title=f"The loss on the GPU ({gpu}), commit {commit}")  # fmt: skip
+    ax.set(xlabel="B x T x V (bf16)", ylabel="forward + backward, median (ms)", title="Time")
+    bw.set(xlabel="B x T x V (bf16)", ylabel="GB/s from the byte model (2 S / time)",
+           title="Bandwidth (the byte model's 2 S over the time)")  # fmt: skip
     ax.legend(fontsize=8)
+    fig.suptitle(f"The loss on the GPU ({gpu}), commit {commit}")
     fig.tight_layout()
     fig.savefig(out / "gpu-loss-time.png", dpi=120)
     plt.close(fig)
 
 
-FIGURES = (memory_by_length, cpu_ratios, learning_seeds, gpu_loss_time)
+def _tokens_times_vocab(shape: str) -> int:
+    B, T, V = (int(x) for x in shape.split("x"))
+    return B * T * V
+
+
+def peers_cpu(plt, out: pathlib.Path) -> None:
+    run = _load("peers-cpu.json")
+    loss_types = list(run["results"])
+    paths = list(next(iter(run["results"].values()))["over_ours"])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(paths)
+    for k, path in enumerate(paths):
+        ax.bar([i + k * width for i in range(len(loss_types))],
+               [run["results"][t]["over_ours"][path] for t in loss_types], width, label=path)  # fmt: skip
+    ax.axhline(1.0, color="gray", linestyle="--")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(loss_types))], loss_types, fontsize=8)
+    shape = run["shape"]
+    ax.set(
+        ylabel="time / ours (above 1: ours is faster)",
+        title=f"Forward + backward on the CPU, {shape['B']} x {shape['T']} x {shape['V']} fp32, one thread\n"
+        f"(torch {run['torch']}, TRL {run['trl']}, {run['machine']}, commit {run['commit']})",
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "peers-cpu.png", dpi=120)
+    plt.close(fig)
+
+
+FIGURES = (memory_by_length, peers_cpu, cpu_ratios, learning_seeds, gpu_loss_time)
 
 
 def main(argv=None) -> None:
