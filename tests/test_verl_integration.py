@@ -445,6 +445,21 @@ def verl_patches_undone(monkeypatch):
     return monkeypatch
 
 
+def _fsdp_engine(model):
+    """verl's FSDP actor engine around ``model`` without its FSDP set-up (one CPU process, fp32: no autocast, as
+    FSDPEngine sets it from an fp32 mixed-precision config), for its own ``forward_step``."""
+    from verl.utils import torch_functional
+    from verl.workers.engine.fsdp import transformer_impl as engine_module
+
+    e = object.__new__(engine_module.FSDPEngineWithLMHead)
+    e.module, e.pad_to_length, e.use_ulysses_sp, e.ulysses_device_mesh = model, False, False, None
+    e._autocast_dtype = torch.float32
+    e.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
+    e.compute_entropy_from_logits = torch_functional.entropy_from_logits
+    e.get_data_parallel_group = lambda: None
+    return e
+
+
 def _tiny_llama():
     """A 2-layer Llama with an untied head over a vocabulary of 97, seeded."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -516,7 +531,6 @@ def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_lo
     rolls each row), so verl's two paths differ there by construction; no loss reads that position."""
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
     from verl.utils import tensordict_utils as tu
-    from verl.utils import torch_functional
     from verl.utils.experimental import torch_functional as experimental
     from verl.utils.kernel import linear_cross_entropy as fused_module
     from verl.workers.engine.fsdp import transformer_impl as engine_module
@@ -530,15 +544,6 @@ def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_lo
     weights = torch.randn(int(lengths.sum()), generator=g)
     used = torch.ones(int(lengths.sum()), dtype=torch.bool)
     used[lengths.cumsum(0) - 1] = False  # each sequence's last position (see above)
-
-    def engine():
-        e = object.__new__(engine_module.FSDPEngineWithLMHead)
-        e.module, e.pad_to_length, e.use_ulysses_sp, e.ulysses_device_mesh = model, False, False, None
-        e._autocast_dtype = torch.float32  # as FSDPEngine sets it from an fp32 mixed-precision config (no autocast)
-        e.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
-        e.compute_entropy_from_logits = torch_functional.entropy_from_logits
-        e.get_data_parallel_group = lambda: None
-        return e
 
     def step(use_fused_kernels):
         micro_batch = tu.get_tensordict(
@@ -560,7 +565,7 @@ def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_lo
 
         model.zero_grad()
         loss, output = engine_module.FSDPEngineWithLMHead.forward_step(
-            engine(), micro_batch, loss_function, forward_only=False
+            _fsdp_engine(model), micro_batch, loss_function, forward_only=False
         )
         loss.backward()
         out = output["model_output"]
@@ -647,7 +652,6 @@ def test_verls_fsdp_engine_serves_sum_pi_squared_with_fused_kernels(verl_patches
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
     from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
     from verl.utils import tensordict_utils as tu
-    from verl.utils import torch_functional
     from verl.workers.engine.fsdp import transformer_impl as engine_module
 
     verl_patches_undone.setattr(engine_module, "get_device_id", lambda: "cpu")
@@ -658,15 +662,6 @@ def test_verls_fsdp_engine_serves_sum_pi_squared_with_fused_kernels(verl_patches
     ids = [torch.randint(0, 97, (int(n),), generator=g) for n in lengths]
     used = torch.ones(int(lengths.sum()), dtype=torch.bool)
     used[lengths.cumsum(0) - 1] = False  # each sequence's last position differs on verl's two paths (see above)
-
-    def engine():
-        e = object.__new__(engine_module.FSDPEngineWithLMHead)
-        e.module, e.pad_to_length, e.use_ulysses_sp, e.ulysses_device_mesh = model, False, False, None
-        e._autocast_dtype = torch.float32
-        e.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
-        e.compute_entropy_from_logits = torch_functional.entropy_from_logits
-        e.get_data_parallel_group = lambda: None
-        return e
 
     def step(use_fused_kernels):
         micro_batch = tu.get_tensordict(
@@ -684,7 +679,10 @@ def test_verls_fsdp_engine_serves_sum_pi_squared_with_fused_kernels(verl_patches
         )
         with torch.no_grad():
             _, output = engine_module.FSDPEngineWithLMHead.forward_step(
-                engine(), micro_batch, lambda model_output, data, dp_group: (torch.zeros(()), {}), forward_only=True
+                _fsdp_engine(model),
+                micro_batch,
+                lambda model_output, data, dp_group: (torch.zeros(()), {}),
+                forward_only=True,
             )
         out = output["model_output"]
         return out["log_probs"].values(), out["sum_pi_squared"].values()
@@ -727,7 +725,6 @@ def test_verls_fsdp_engine_serves_top_k_distillation_with_fused_kernels(verl_pat
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
     from verl.trainer.distillation import losses as verl_losses
     from verl.utils import tensordict_utils as tu
-    from verl.utils import torch_functional
     from verl.workers.config import DistillationConfig, DistillationLossConfig
     from verl.workers.engine.fsdp import transformer_impl as engine_module
 
@@ -759,15 +756,6 @@ def test_verls_fsdp_engine_serves_top_k_distillation_with_fused_kernels(verl_pat
 
     loss_function = functools.partial(distillation_loss, config=actor, distillation_config=distillation_config)
 
-    def engine():
-        e = object.__new__(engine_module.FSDPEngineWithLMHead)
-        e.module, e.pad_to_length, e.use_ulysses_sp, e.ulysses_device_mesh = model, False, False, None
-        e._autocast_dtype = torch.float32
-        e.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
-        e.compute_entropy_from_logits = torch_functional.entropy_from_logits
-        e.get_data_parallel_group = lambda: None
-        return e
-
     def step(use_fused_kernels):
         def nested(tensors):
             return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
@@ -790,7 +778,7 @@ def test_verls_fsdp_engine_serves_top_k_distillation_with_fused_kernels(verl_pat
         )
         model.zero_grad()
         loss, output = engine_module.FSDPEngineWithLMHead.forward_step(
-            engine(), micro_batch, loss_function, forward_only=False
+            _fsdp_engine(model), micro_batch, loss_function, forward_only=False
         )
         loss.backward()
         out = output["model_output"]
