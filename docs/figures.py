@@ -33,6 +33,12 @@ def _load(relative: str):
     return json.loads((RESULTS / relative).read_text())
 
 
+def _save(plt, fig, path: pathlib.Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def memory_by_length(plt, out: pathlib.Path) -> None:
     rows = _load("memory-by-length-cpu.json")
     fig, ax = plt.subplots(figsize=(6.4, 4))
@@ -52,9 +58,7 @@ def memory_by_length(plt, out: pathlib.Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.legend(fontsize=8, loc="center right")
-    fig.tight_layout()
-    fig.savefig(out / "memory-by-length.png", dpi=120)
-    plt.close(fig)
+    _save(plt, fig, out / "memory-by-length.png")
 
 
 def cpu_ratios(plt, out: pathlib.Path) -> None:
@@ -84,9 +88,7 @@ def cpu_ratios(plt, out: pathlib.Path) -> None:
         xlabel="time ratio (1 = the same)",
         title=f"CPU time ratios, one run each (torch {kept['torch']}, {kept['machine']})",
     )
-    fig.tight_layout()
-    fig.savefig(out / "cpu-ratios.png", dpi=120)
-    plt.close(fig)
+    _save(plt, fig, out / "cpu-ratios.png")
 
 
 def learning_seeds(plt, out: pathlib.Path) -> None:
@@ -103,9 +105,7 @@ def learning_seeds(plt, out: pathlib.Path) -> None:
     ax.invert_yaxis()
     ax.set(xlabel="held-out greedy accuracy (%)", title="The built-in task, each seed (2-core AMD EPYC, CPU)")
     ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(out / "learning-seeds.png", dpi=120)
-    plt.close(fig)
+    _save(plt, fig, out / "learning-seeds.png")
 
 
 def gpu_loss_time(plt, out: pathlib.Path) -> None:
@@ -137,9 +137,7 @@ def gpu_loss_time(plt, out: pathlib.Path) -> None:
            title="Bandwidth (the byte model's 2 S over the time)")  # fmt: skip
     ax.legend(fontsize=8)
     fig.suptitle(f"The loss on the GPU ({gpu}), commit {commit}")
-    fig.tight_layout()
-    fig.savefig(out / "gpu-loss-time.png", dpi=120)
-    plt.close(fig)
+    _save(plt, fig, out / "gpu-loss-time.png")
 
 
 def _tokens_times_vocab(shape: str) -> int:
@@ -165,9 +163,7 @@ def peers_cpu(plt, out: pathlib.Path) -> None:
         f"(torch {run['torch']}, TRL {run['trl']}, {run['machine']}, commit {run['commit']})",
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "peers-cpu.png", dpi=120)
-    plt.close(fig)
+    _save(plt, fig, out / "peers-cpu.png")
 
 
 FIGURES = (memory_by_length, peers_cpu, cpu_ratios, learning_seeds, gpu_loss_time)

@@ -42,7 +42,7 @@ from .from_hidden_states import HiddenStatesSource
 from .from_logits import LogitsSource, aligned
 from .inputs import LogprobSettings
 from .methods import input_source
-from .validation import check_choice, check_number
+from .validation import check_choice, check_like_mask, check_number
 
 CONVENTIONS = ("verl", "trl")
 REVERSE_KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -402,14 +402,7 @@ def reverse_kl_distillation_loss(
         source, completion_ids, completion_mask, temperature, LogprobSettings.of(locals())
     )
     L = inputs.layout
-    if not isinstance(teacher_logps, torch.Tensor) or not teacher_logps.dtype.is_floating_point:
-        got = teacher_logps.dtype if isinstance(teacher_logps, torch.Tensor) else type(teacher_logps).__name__
-        raise TypeError(f"teacher_logps must be a floating-point tensor shaped as the completion ids, got {got}")
-    if teacher_logps.shape != completion_mask.shape:
-        raise ValueError(
-            f"teacher_logps must have the completion mask's shape {tuple(completion_mask.shape)}, got "
-            f"{tuple(teacher_logps.shape)}"
-        )
+    check_like_mask("teacher_logps", teacher_logps, completion_mask)
     teacher = L.seq(teacher_logps.reshape(inputs.ids.shape)).to(logp.dtype)
     active = mask != 0
     teacher = torch.where(active, teacher, logp.detach())  # a masked token's teacher value is never read
@@ -455,14 +448,8 @@ def reverse_kl_advantages(
 
     Any estimator is allowed here, ``k1`` included (verl's recommendation for this form)."""
     check_choice("estimator", estimator, REVERSE_KL_ESTIMATORS)
-    for name, value in (("student_logps", student_logps), ("teacher_logps", teacher_logps)):
-        if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
-            got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(f"{name} must be a floating-point tensor shaped as the completion mask, got {got}")
-        if value.shape != completion_mask.shape:
-            raise ValueError(
-                f"{name} must have the completion mask's shape {tuple(completion_mask.shape)}, got {tuple(value.shape)}"
-            )
+    check_like_mask("student_logps", student_logps, completion_mask)
+    check_like_mask("teacher_logps", teacher_logps, completion_mask)
     student, teacher = student_logps.detach().float(), teacher_logps.detach().float()
     active = completion_mask != 0
     teacher = torch.where(active, teacher, student)  # a masked token's teacher value is never read

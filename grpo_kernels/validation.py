@@ -566,6 +566,17 @@ def _check_kept_values(ids, offsets, entry_token, V: int, mask, N: int) -> None:
         )
 
 
+def check_like_mask(name: str, t, completion_mask) -> None:
+    """A floating-point per-token tensor shaped as the completion mask (the reverse-KL distillation's log-probs)."""
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be a floating-point tensor shaped as the completion mask, got {got}")
+    if t.shape != completion_mask.shape:
+        raise ValueError(
+            f"{name} must have the completion mask's shape {tuple(completion_mask.shape)}, got {tuple(t.shape)}"
+        )
+
+
 def check_teacher_topk(teacher_ids, teacher_logps, completion_mask) -> None:
     """A distillation call's teacher inputs before anything reads them: integer ids and floating-point log-probs of
     one shape, the completion mask's plus K."""

@@ -460,6 +460,20 @@ def _fsdp_engine(model):
     return e
 
 
+def _micro_batch(ids, per_sequence=None, **flags):
+    """verl's micro-batch of the sequences ``ids`` (nested, as its engine takes them; ``per_sequence``: more nested
+    fields, a tensor a sequence), at temperature 0.8 with ``flags`` (use_remove_padding, use_fused_kernels, ...)."""
+    from verl.utils import tensordict_utils as tu
+
+    def nested(tensors):
+        return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
+
+    fields = {"input_ids": ids, "position_ids": [torch.arange(len(i)) for i in ids], **(per_sequence or {})}
+    return tu.get_tensordict(
+        {name: nested(tensors) for name, tensors in fields.items()}, non_tensor_dict=dict(temperature=0.8, **flags)
+    )
+
+
 def _tiny_llama():
     """A 2-layer Llama with an untied head over a vocabulary of 97, seeded."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -530,7 +544,6 @@ def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_lo
     path (a roll of the packed ids) and with its own row's first token on the padded fused path (its model forward
     rolls each row), so verl's two paths differ there by construction; no loss reads that position."""
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
-    from verl.utils import tensordict_utils as tu
     from verl.utils.experimental import torch_functional as experimental
     from verl.utils.kernel import linear_cross_entropy as fused_module
     from verl.workers.engine.fsdp import transformer_impl as engine_module
@@ -546,17 +559,8 @@ def test_verls_fsdp_engine_step_with_fused_kernels_runs_our_op_and_equals_its_lo
     used[lengths.cumsum(0) - 1] = False  # each sequence's last position (see above)
 
     def step(use_fused_kernels):
-        micro_batch = tu.get_tensordict(
-            {
-                "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
-                "position_ids": torch.nested.as_nested_tensor([torch.arange(len(i)) for i in ids], layout=torch.jagged),
-            },
-            non_tensor_dict=dict(
-                temperature=0.8,
-                use_remove_padding=use_remove_padding,
-                use_fused_kernels=use_fused_kernels,
-                calculate_entropy=True,
-            ),
+        micro_batch = _micro_batch(
+            ids, use_remove_padding=use_remove_padding, use_fused_kernels=use_fused_kernels, calculate_entropy=True
         )
 
         def loss_function(model_output, data, dp_group):
@@ -651,7 +655,6 @@ def test_verls_fsdp_engine_serves_sum_pi_squared_with_fused_kernels(verl_patches
     padded; verl's ``compute_optimal_token_baseline_advantage`` on ours equals it on verl's own."""
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
     from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
-    from verl.utils import tensordict_utils as tu
     from verl.workers.engine.fsdp import transformer_impl as engine_module
 
     verl_patches_undone.setattr(engine_module, "get_device_id", lambda: "cpu")
@@ -664,18 +667,12 @@ def test_verls_fsdp_engine_serves_sum_pi_squared_with_fused_kernels(verl_patches
     used[lengths.cumsum(0) - 1] = False  # each sequence's last position differs on verl's two paths (see above)
 
     def step(use_fused_kernels):
-        micro_batch = tu.get_tensordict(
-            {
-                "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
-                "position_ids": torch.nested.as_nested_tensor([torch.arange(len(i)) for i in ids], layout=torch.jagged),
-            },
-            non_tensor_dict=dict(
-                temperature=0.8,
-                use_remove_padding=use_remove_padding,
-                use_fused_kernels=use_fused_kernels,
-                calculate_entropy=False,
-                calculate_sum_pi_squared=True,
-            ),
+        micro_batch = _micro_batch(
+            ids,
+            use_remove_padding=use_remove_padding,
+            use_fused_kernels=use_fused_kernels,
+            calculate_entropy=False,
+            calculate_sum_pi_squared=True,
         )
         with torch.no_grad():
             _, output = engine_module.FSDPEngineWithLMHead.forward_step(
@@ -724,7 +721,6 @@ def test_verls_fsdp_engine_serves_top_k_distillation_with_fused_kernels(verl_pat
 
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
     from verl.trainer.distillation import losses as verl_losses
-    from verl.utils import tensordict_utils as tu
     from verl.workers.config import DistillationConfig, DistillationLossConfig
     from verl.workers.engine.fsdp import transformer_impl as engine_module
 
@@ -757,24 +753,14 @@ def test_verls_fsdp_engine_serves_top_k_distillation_with_fused_kernels(verl_pat
     loss_function = functools.partial(distillation_loss, config=actor, distillation_config=distillation_config)
 
     def step(use_fused_kernels):
-        def nested(tensors):
-            return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
-
-        micro_batch = tu.get_tensordict(
-            {
-                "input_ids": nested(ids),
-                "position_ids": nested([torch.arange(len(i)) for i in ids]),
-                "teacher_ids": nested([t.indices for t in teacher]),
-                "teacher_logprobs": nested([t.values for t in teacher]),
-            },
-            non_tensor_dict=dict(
-                temperature=0.8,
-                use_remove_padding=use_remove_padding,
-                use_fused_kernels=use_fused_kernels,
-                calculate_entropy=False,
-                distillation_use_topk=True,
-                distillation_only=True,
-            ),
+        micro_batch = _micro_batch(
+            ids,
+            {"teacher_ids": [t.indices for t in teacher], "teacher_logprobs": [t.values for t in teacher]},
+            use_remove_padding=use_remove_padding,
+            use_fused_kernels=use_fused_kernels,
+            calculate_entropy=False,
+            distillation_use_topk=True,
+            distillation_only=True,
         )
         model.zero_grad()
         loss, output = engine_module.FSDPEngineWithLMHead.forward_step(
