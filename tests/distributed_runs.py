@@ -17,6 +17,20 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "distributed_train.py")
 NOT_COMPARED = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time")
 
 
+def start_deepspeed_on_gloo() -> None:
+    """``deepspeed.init_distributed`` over gloo, without building DeepSpeed's shared-memory all-reduce: its CPU
+    accelerator compiles that C++ extension (about 40 s on a clean machine, once) when its communication starts,
+    and only ``inference_all_reduce`` uses it, never ZeRO's collectives, which go through torch.distributed (gloo).
+    The runs are the same with and without it."""
+    import importlib
+
+    import deepspeed
+
+    # (by its module's name: the package's attribute ``deepspeed.comm.torch`` is torch itself)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
 def save_tiny_models(make_dir) -> dict:
     """A tiny model with a tied head and one with an untied head, saved: {"tied": path, "untied": path}."""
     paths = {}

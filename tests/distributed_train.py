@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 from datasets import Dataset
+from distributed_runs import start_deepspeed_on_gloo
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -76,11 +77,9 @@ class ForwardChecked:
 
 def main(stack: str, which: str, model_dir: str, out: str, **config) -> None:
     if stack.startswith("zero"):
-        import deepspeed
-
         # HF's CPU path does not start DeepSpeed's communication before ZeRO-3's zero.Init builds the model,
         # whose config check then sees one process (stock TRL too): start it here, over gloo
-        deepspeed.init_distributed(dist_backend="gloo")
+        start_deepspeed_on_gloo()
         # stage3_allgather_sequential: DeepSpeed's blocking all-gather of several parameters (GatheredParameters,
         # the persistent parameters' re-gather after each step, the state dict) launches one async all-gather a
         # parameter and waits for the last alone; gloo runs them on several threads and finishes them out of

@@ -11,7 +11,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/set
 pytest.importorskip("trl", reason="the trl extra is not installed")
 
 import torch
-from distributed_runs import assert_same_training, save_tiny_models, train_run
+from distributed_runs import assert_same_training, save_tiny_models, start_deepspeed_on_gloo, train_run
 from gloo_ranks import run_ranks
 
 from grpo_kernels.wrapped import whole_parameters
@@ -41,7 +41,7 @@ def _gathers_rank(rank, world, trials):
     DeepSpeed's defaults (stage3_allgather_sequential off)."""
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    start_deepspeed_on_gloo()
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_allow_untested_optimizer": True,

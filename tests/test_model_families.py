@@ -40,7 +40,8 @@ MOE = dict(output_router_logits=False, router_aux_loss_coef=0.02)
 TRANSFORMING = {
     "gemma2": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
     "gemma3_text": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
-    "gemma4_text": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
+    # (its per-layer input embedding over the tiny vocabulary: the default's has 262144 rows)
+    "gemma4_text": (dict(final_logit_softcapping=1.5, vocab_size_per_layer_input=len(TOKENIZER)), (1.0, 1.5)),
     "vaultgemma": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
     "nanochat": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
     "recurrent_gemma": (dict(logits_soft_cap=1.5), (1.0, 1.5)),
@@ -52,7 +53,12 @@ TRANSFORMING = {
         dict(logits_scaling=0.4, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.0),
         (2.5, None),
     ),
-    "falcon_h1": (dict(lm_head_multiplier=3.0), (3.0, None)),
+    # its Mamba mixer at the tiny model's size (the config's defaults are a 1024-wide, 256-state mixer whatever the
+    # hidden size: half a minute a test on the CPU); the head's multiplier is what is under test
+    "falcon_h1": (
+        dict(lm_head_multiplier=3.0, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_state=8, mamba_chunk_size=8),
+        (3.0, None),
+    ),
     "hyperclovax": (dict(logits_scaling=3.0), (3.0, None)),  # HyperCLOVA X multiplies where Granite divides
     "beam": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
     "gemma4_unified_text": (dict(final_logit_softcapping=1.5), (1.0, 1.5)),
@@ -72,7 +78,19 @@ TRANSFORMING = {
         dict(logits_scaling=0.4, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.0),
         (2.5, None),
     ),
-    "inkling_text": (dict(logits_mup_width_multiplier=2.5), (0.4, None)),  # divides the hidden states
+    "inkling_text": (  # divides the hidden states; the experts and sliding-window heads at the tiny size
+        dict(
+            logits_mup_width_multiplier=2.5,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=2,
+            swa_head_dim=8,
+        ),
+        (0.4, None),
+    ),
 }
 PLAIN = {
     "llama": {},

@@ -735,11 +735,10 @@ def hot_loops(cubin: bytes) -> list[dict[str, int]]:
     a mask (that is what gives them 128-bit loads), so a hot loop is one whose global loads are all
     unpredicated; a loop of masked loads is a cold path (the entropy's -inf fallback).
     """
-    code = [(address, opcode, operands) for address, opcode, operands, _ in sass_instructions(cubin)]
+    instructions = sass_instructions(cubin)  # one disassembly (half a second a kernel) for both readings
+    code = [(address, opcode, operands) for address, opcode, operands, _ in instructions]
     predicated_loads = {
-        address
-        for address, opcode, _, predicated in sass_instructions(cubin)
-        if predicated and opcode.startswith("LDG")
+        address for address, opcode, _, predicated in instructions if predicated and opcode.startswith("LDG")
     }
     loops = _loops(code)
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
