@@ -12,6 +12,12 @@ from pathlib import Path
 # Torch's OpenMP threads wait passively: set before torch loads (OpenMP reads it once), so that a test run sharing
 # the machine with another busy process does not spin against it (the CLI does the same: training.cli)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Each xdist worker its share of the cores (and the processes its tests start, which inherit it): with `-n 2` on two
+# cores, two workers of two threads each wait on each other's descheduled threads (two learning runs side by side:
+# 120 s at two threads each, 99 s at one, the same numbers)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest
 import torch
