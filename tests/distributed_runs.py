@@ -47,8 +47,9 @@ def save_tiny_models(make_dir) -> dict:
     return paths
 
 
-def train_run(stack, which, model_dir, out, **config):
-    """tests/distributed_train.py on 2 ranks: rank 0's log, parameters at each step and final state dict."""
+def train_runs(stack, runs, model_dir, out_dir, **config) -> dict:
+    """tests/distributed_train.py on 2 ranks, each of ``runs`` (stock, logits, fused) in turn in one launch: rank
+    0's log, parameters at each step and final state dict, by run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(
         [
@@ -60,18 +61,18 @@ def train_run(stack, which, model_dir, out, **config):
             "2",
             SCRIPT,
             stack,
-            which,
+            ",".join(runs),
             model_dir,
-            str(out),
+            str(out_dir),
             *(f"{k}={json.dumps(v)}" for k, v in config.items()),
         ],
         capture_output=True,
         text=True,
         env=env,
-        timeout=1200,
+        timeout=1200 * len(runs),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return torch.load(out, weights_only=False)
+    return {which: torch.load(os.path.join(out_dir, f"{which}.pt"), weights_only=False) for which in runs}
 
 
 def gradients(run):

@@ -1,17 +1,18 @@
-"""One TRL GRPO ``train()`` on 2 CPU ranks (gloo), for tests/test_deepspeed.py and tests/test_two_processes.py (run
-it with ``torchrun --standalone --nproc_per_node 2``): stock TRL or our adapter (the logits path or the fused
-lm_head), under DDP or DeepSpeed ZeRO-2 / ZeRO-3 (through accelerate), with a loss configuration, SGD steps (so
-that equal gradients give equal parameters, with no optimizer state to magnify rounding). Not FSDP: accelerate
-1.16 turns on its FSDP plugin only for multi-accelerator runs (``AcceleratorState``: MULTI_GPU, MULTI_XPU, ...),
-so on CPU ranks ``fsdp=`` in the config is silently a DDP run. Rank 0 writes the log history, the whole parameters
-before and after each step (each step's gradient: their difference over the learning rate), the final state dict
-and, for our adapter, at each loss call the largest difference between the loss's log-probs and the model's own
-forward's (``ForwardChecked``).
+"""TRL GRPO ``train()`` runs on 2 CPU ranks (gloo), one after another in one launch, for tests/test_deepspeed.py
+and tests/test_two_processes.py (run it with ``torchrun --standalone --nproc_per_node 2``): stock TRL or our adapter
+(the logits path or the fused lm_head), under DDP or DeepSpeed ZeRO-2 / ZeRO-3 (through accelerate), with a loss
+configuration, SGD steps (so that equal gradients give equal parameters, with no optimizer state to magnify
+rounding). Not FSDP: accelerate 1.16 turns on its FSDP plugin only for multi-accelerator runs (``AcceleratorState``:
+MULTI_GPU, MULTI_XPU, ...), so on CPU ranks ``fsdp=`` in the config is silently a DDP run. Rank 0 writes the log
+history, the whole parameters before and after each step (each step's gradient: their difference over the learning
+rate), the final state dict and, for our adapter, at each loss call the largest difference between the loss's
+log-probs and the model's own forward's (``ForwardChecked``).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/deepspeed_train.py \\
-        STAGE {stock,logits,fused} {tied,untied} MODEL_DIR OUT
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_train.py \\
+        {ddp,zero2,zero3} stock,logits,fused MODEL_DIR OUT_DIR [key=json ...]
 """
 
+import copy
 import json
 import os
 import sys
@@ -75,7 +76,11 @@ class ForwardChecked:
         return loss
 
 
-def main(stack: str, which: str, model_dir: str, out: str, **config) -> None:
+def main(stack: str, runs: str, model_dir: str, out_dir: str, **config) -> None:
+    """Each of ``runs`` (comma-separated, from stock, logits and fused) in turn in this one process group, each
+    written to ``out_dir/WHICH.pt``: one launch pays the ranks' start (their imports: most of a launch's time)
+    once. Each training builds its own trainer, Accelerator and model from the saved directory, seeded alike;
+    accelerate's and transformers' process-wide state from the one before is cleared first."""
     if stack.startswith("zero"):
         # HF's CPU path does not start DeepSpeed's communication before ZeRO-3's zero.Init builds the model,
         # whose config check then sees one process (stock TRL too): start it here, over gloo
@@ -96,6 +101,17 @@ def main(stack: str, which: str, model_dir: str, out: str, **config) -> None:
             "train_batch_size": "auto",
             "gradient_clipping": "auto",
         }
+    for which in runs.split(","):
+        train(stack, which, model_dir, os.path.join(out_dir, f"{which}.pt"), copy.deepcopy(config))
+
+
+def train(stack: str, which: str, model_dir: str, out: str, config: dict) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    AcceleratorState._reset_state()  # (the process group stays: PartialState is kept)
+    GradientState._reset_state()
+    unset_hf_deepspeed_config()
     rows = compare.make_rows(32, held_out=False, seed=0)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
     settings = dict(

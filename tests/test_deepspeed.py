@@ -1,9 +1,10 @@
 """The TRL adapter inside DeepSpeed ZeRO-2 and ZeRO-3 (through accelerate, on 2 CPU ranks over gloo) equals stock
 TRL under the same config: the loss and every logged metric at each step (the gradient's norm, gathered from
 ZeRO's partitions, among them), each step's gradients and the parameters after the steps; the logits path and the
-fused lm_head, tied and untied heads, the loss's log-probs equal to the model's own forward's at every step. Each
-run is its own ``torchrun`` (tests/distributed_train.py). And our probes' gather of ZeRO-3's partitions reads
-whole parameters where DeepSpeed's gather of several at once, on gloo, reads some before they arrive."""
+fused lm_head, tied and untied heads, the loss's log-probs equal to the model's own forward's at every step. A
+case's three trainings run one after another in one ``torchrun`` launch (tests/distributed_train.py), each bit for
+bit the training it is in a launch of its own. And our probes' gather of ZeRO-3's partitions reads whole parameters
+where DeepSpeed's gather of several at once, on gloo, reads some before they arrive."""
 
 import pytest
 
@@ -11,7 +12,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/set
 pytest.importorskip("trl", reason="the trl extra is not installed")
 
 import torch
-from distributed_runs import assert_same_training, save_tiny_models, start_deepspeed_on_gloo, train_run
+from distributed_runs import assert_same_training, save_tiny_models, start_deepspeed_on_gloo, train_runs
 from gloo_ranks import run_ranks
 
 from grpo_kernels.wrapped import whole_parameters
@@ -29,10 +30,9 @@ def models(tmp_path_factory):
     ("stage", "head"), [(2, "untied"), (3, "tied"), (3, "untied")], ids=["2-untied", "3-tied", "3-untied"]
 )
 def test_zero_matches_stock_trl(stage, head, models, tmp_path):
-    stock = train_run(f"zero{stage}", "stock", models[head], tmp_path / "stock.pt")
+    runs = train_runs(f"zero{stage}", ["stock", "logits", "fused"], models[head], tmp_path)
     for which in ("logits", "fused"):
-        ours = train_run(f"zero{stage}", which, models[head], tmp_path / f"{which}.pt")
-        assert_same_training(stock, ours, f"ZeRO-{stage} {head} {which}")
+        assert_same_training(runs["stock"], runs[which], f"ZeRO-{stage} {head} {which}")
 
 
 def _gathers_rank(rank, world, trials):

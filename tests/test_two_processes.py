@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("trl", reason="the trl extra is not installed")
 
-from distributed_runs import assert_same_training, save_tiny_models, train_run
+from distributed_runs import assert_same_training, save_tiny_models, train_runs
 
 CONFIGS = {
     "dapo": dict(loss_type="dapo"),
@@ -33,14 +33,11 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_two_process_train_matches_stock_trl(config, models, tmp_path):
-    settings = CONFIGS[config]
-    stock = train_run("ddp", "stock", models["untied"], tmp_path / "stock.pt", **settings)
-    ours = train_run("ddp", "logits", models["untied"], tmp_path / "ours.pt", **settings)
-    assert_same_training(stock, ours, config)
+    runs = train_runs("ddp", ["stock", "logits"], models["untied"], tmp_path, **CONFIGS[config])
+    assert_same_training(runs["stock"], runs["logits"], config)
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_two_process_train_with_the_fused_lm_head_matches_stock_trl(loss_type, models, tmp_path):
-    stock = train_run("ddp", "stock", models["tied"], tmp_path / "stock.pt", loss_type=loss_type)
-    ours = train_run("ddp", "fused", models["tied"], tmp_path / "ours.pt", loss_type=loss_type)
-    assert_same_training(stock, ours, f"fused lm_head, {loss_type}")
+    runs = train_runs("ddp", ["stock", "fused"], models["tied"], tmp_path, loss_type=loss_type)
+    assert_same_training(runs["stock"], runs["fused"], f"fused lm_head, {loss_type}")
