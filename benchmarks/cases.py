@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from grpo_kernels import GRPOOptions, grpo_loss, objective, token_logprobs
+from grpo_kernels import GRPOOptions, KeptSet, grpo_loss, objective, token_logprobs, topk_distillation_loss
 from grpo_kernels.objective import grpo_loss_eager
 
 SMOKE = os.environ.get("GRPO_BENCH_SMOKE") == "1"
@@ -411,5 +411,78 @@ def model_bytes(name: str, S: int, backward: bool) -> int:
     if name.startswith("ours one-pass"):
         return 2 * S
     if name.startswith("ours") or name in ("liger", "trl (triton kernel)"):
+        return 3 * S
+    return 10 * S
+
+
+KEPT_K = 50  # a top-k sampler's kept set: K ids a token
+TEACHER_K = 64  # the teacher's top-k of on-policy distillation (verl's default)
+
+
+def kept_set(inputs: dict, K: int = KEPT_K) -> KeptSet:
+    """The sampler's kept set as vLLM returns it (CSR: int32 ids ascending within a token, int64 offsets), K distinct
+    ids a token with the sampled one among them."""
+    ids = inputs["completion_ids"].reshape(-1)
+    V = inputs["full_logits"].shape[-1]
+    g = torch.Generator(device=ids.device).manual_seed(1)
+    others = (ids.unsqueeze(1) + torch.randint(1, V, (ids.numel(), K - 1), device=ids.device, generator=g)) % V
+    kept = torch.cat([ids.unsqueeze(1), others], 1).sort(1).values
+    distinct = torch.cat([torch.ones_like(kept[:, :1], dtype=torch.bool), kept[:, 1:] != kept[:, :-1]], 1)
+    offsets = torch.nn.functional.pad(distinct.sum(1).cumsum(0), (1, 0))
+    return KeptSet.from_vllm(kept[distinct].to(torch.int32), offsets)
+
+
+def teacher_topk(inputs: dict, K: int = TEACHER_K) -> tuple[torch.Tensor, torch.Tensor]:
+    """A teacher's top-K ids [B, T, K] and their log-probs (fp32): the top-K of other logits of the same shape."""
+    full = inputs["full_logits"]
+    g = torch.Generator(device=full.device).manual_seed(2)
+    teacher = torch.randn(full.shape[0], full.shape[1] - 1, full.shape[2], device=full.device, generator=g)
+    top = torch.log_softmax(teacher / TEMPERATURE, -1).topk(K, -1)
+    return top.indices, top.values
+
+
+def sampling_and_distillation_paths() -> dict[str, Callable]:
+    """The passes the sampler's kept set and distillation add, fn(inputs, logits) -> loss from the model's [B, T + 1, V]
+    logits, forward + backward: the GRPO loss without and with the kept set (renormalized over it), our top-k
+    forward KL, and the eager one (``log_softmax`` over the vocabulary, the K ids gathered: verl's default path)."""
+    set_and_teacher = {}
+
+    def extras(inputs):
+        key = id(inputs)
+        if key not in set_and_teacher:
+            set_and_teacher.clear()
+            set_and_teacher[key] = (kept_set(inputs), *teacher_topk(inputs))
+        return set_and_teacher[key]
+
+    def distillation(inputs, logits):
+        _, ids, logps = extras(inputs)
+        mask = inputs["completion_mask"]
+        return topk_distillation_loss(logits, ids, logps, mask, TEMPERATURE, drop_last_position=True).loss
+
+    def eager_distillation(inputs, logits):
+        _, ids, logps = extras(inputs)
+        student = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, -1).gather(-1, ids)
+        per_token = (logps.exp() * (logps - student)).sum(-1)
+        mask = inputs["completion_mask"]
+        return (per_token * mask).sum() / mask.sum()
+
+    return {
+        "ours, no kept set": _ours(one_pass=True),
+        f"ours, kept set (top-k {KEPT_K})": lambda x, logits: _ours(one_pass=True, kept_set=extras(x)[0])(x, logits),
+        f"ours, top-k distillation (K = {TEACHER_K})": distillation,
+        f"eager, top-k distillation (K = {TEACHER_K})": eager_distillation,
+    }
+
+
+def sampling_and_distillation_bytes(name: str, S: int, inputs: dict) -> int:
+    """Forward + backward bytes by the byte model: the one-pass loss 2 S, the kept set's ids and offsets on top; the
+    top-k forward KL two passes, 3 S (its divergence is computed in torch over [N, K], so its backward is a pass of
+    its own); eager at least 10 S."""
+    N = inputs["completion_ids"].numel()
+    if name.startswith("ours, no kept set"):
+        return 2 * S
+    if name.startswith("ours, kept set"):
+        return 2 * S + N * KEPT_K * 4 + (N + 1) * 8
+    if name.startswith("ours, top-k distillation"):
         return 3 * S
     return 10 * S

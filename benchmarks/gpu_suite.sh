@@ -14,7 +14,8 @@
 #      on the GPU its winners are applied to this copy's tuned.json, so the benchmarks that follow
 #      time the defaults a commit of that sweep would ship
 #   c. logits-path benchmarks vs peers    -> bench.json (+ bench.png): the loss (fwd, fwd+bwd) against
-#      Liger and TRL's kernel at three shapes, and the log-prob pass (old / reference log-probs)
+#      Liger and TRL's kernel at three shapes, the log-prob pass (old / reference log-probs), then the
+#      sampler's kept set (against the loss without it) and the top-k forward KL (against the eager one)
 #   d. fused lm_head benchmarks vs peers  -> bench_fused_linear.json: fwd and fwd+bwd against stock TRL's
 #      own head and Liger's, time and peak memory
 #   e. a whole GRPO step of real model shapes, per loss path (benchmarks/train_step.py) -> steps.json:

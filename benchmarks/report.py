@@ -13,8 +13,8 @@ from collections import defaultdict
 
 
 def load(path: str, suite: str = "loss"):
-    """The cases of one suite: "loss" (from logits), "logprobs" (the log-prob pass) or "fused_linear" (from hidden
-    states)."""
+    """The cases of one suite: "loss" (from logits), "logprobs" (the log-prob pass), "sampling_distillation" (the
+    kept set and the top-k forward KL) or "fused_linear" (from hidden states)."""
     with open(path) as f:
         data = json.load(f)
     infos = [b["extra_info"] for b in data["benchmarks"] if "path" in b.get("extra_info", {})]
@@ -109,6 +109,36 @@ def logprobs_table(rows) -> str:
         "The log-prob pass (old / reference log-probs: forward only, no gradient)\n\n"
         + smoke_note(rows)
         + "\n".join(lines)
+    )
+
+
+def sampling_distillation_table(rows) -> str:
+    """The sampler's kept set (against the same loss without it) and the top-k forward KL (against the eager one),
+    forward + backward, at each shape."""
+    lines = [
+        "| N x V | dtype | path | median ms | GB/s (byte model) | x copy bw | peak extra / S | x its anchor's time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by_path = {(r["N"], r["V"], r["path"]): r["median_ms"] for r in rows}
+
+    def anchor(r):
+        if "kept set" in r["path"]:
+            return by_path.get((r["N"], r["V"], "ours, no kept set"))
+        if r["path"].startswith("ours, top-k"):
+            return by_path.get((r["N"], r["V"], r["path"].replace("ours", "eager", 1)))
+        return None
+
+    for r in sorted(rows, key=lambda r: (r["N"] * r["V"], r["path"])):
+        peak = "-" if r.get("peak_extra_over_S") is None else f"{r['peak_extra_over_S']:.3f}"
+        base = anchor(r)
+        ratio = "-" if base is None else f"{r['median_ms'] / base:.2f}"
+        lines.append(
+            f"| {r['N']} x {r['V']} | {r['dtype']} | {r['path']} | {r['median_ms']:.3f} | {r['model_GBps']:.0f} | "
+            f"{r['fraction_of_copy']:.2f} | {peak} | {ratio} |"
+        )
+    return (
+        "The kept set and distillation (forward + backward; the kept set against the loss without it, ours against "
+        "the eager top-k forward KL)\n\n" + smoke_note(rows) + "\n".join(lines)
     )
 
 
@@ -352,15 +382,18 @@ def main() -> None:
     if args.merge_steps:
         merge_steps(args.merge_steps)
         return
-    rows, fused_rows, logprob_rows = [], [], []
+    rows, fused_rows, logprob_rows, new_pass_rows = [], [], [], []
     for path in args.json:
         rows += load(path)
         fused_rows += load(path, "fused_linear")
         logprob_rows += load(path, "logprobs")
-    if rows or (args.json and not fused_rows and not logprob_rows):
+        new_pass_rows += load(path, "sampling_distillation")
+    if rows or (args.json and not fused_rows and not logprob_rows and not new_pass_rows):
         print(table(rows) + "\n")
     if logprob_rows:
         print(logprobs_table(logprob_rows) + "\n")
+    if new_pass_rows:
+        print(sampling_distillation_table(new_pass_rows) + "\n")
     if fused_rows:
         print(fused_linear_table(fused_rows) + "\n")
     if args.sweep:

@@ -23,6 +23,8 @@ from cases import (
     make_inputs,
     model_bytes,
     path_input,
+    sampling_and_distillation_bytes,
+    sampling_and_distillation_paths,
     shapes,
     sync,
     warm_up_and_time,
@@ -190,6 +192,59 @@ def test_logprob_pass(benchmark, name, shape):
             "model_GBps": S / seconds / 1e9,
             "copy_GBps": copy_bandwidth / 1e9,
             "fraction_of_copy": S / seconds / copy_bandwidth,
+            "peak_extra_bytes": peak_extra,
+            "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
+            **environment(),
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        pytest.param(name, shape, id=f"sampling-distillation-{name}-{'x'.join(map(str, shape))}")
+        for shape in shapes()
+        for name in sampling_and_distillation_paths()
+    ],
+)
+def test_kept_set_and_distillation(benchmark, name, shape):
+    """What the sampler's kept set adds to the loss (forward + backward, against the same call without it), and the
+    top-k forward KL of distillation against the eager one: time, GB/s by the byte model, peak memory."""
+    inputs = inputs_for(shape)
+    fn = sampling_and_distillation_paths()[name]
+    full = inputs["full_logits"]
+
+    def step():
+        leaf = full.detach().requires_grad_()
+        torch.autograd.grad(fn(inputs, leaf), leaf)
+        sync()
+
+    benchmark.group = f"kept set and distillation {'x'.join(map(str, shape))} fwd+bwd"
+    peak_extra = warm_up_and_time(benchmark, step, rounds=5 if DEVICE == "cpu" else 20)
+    if benchmark.stats is None:
+        return
+    seconds = benchmark.stats.stats.median
+    S = logits_bytes(inputs)
+    moved = sampling_and_distillation_bytes(name, S, inputs)
+    copy_bandwidth = 2 * S / copy_seconds(shape)
+    B, T, V = shape
+    benchmark.extra_info.update(
+        {
+            "suite": "sampling_distillation",
+            "path": name,
+            "N": B * T,
+            "B": B,
+            "T": T,
+            "V": V,
+            "dtype": str(full.dtype).replace("torch.", ""),
+            "pass": "fwd+bwd",
+            "level": "token",
+            "logits_bytes": S,
+            "median_ms": seconds * 1e3,
+            "model_bytes": moved,
+            "model_GBps": moved / seconds / 1e9,
+            "copy_GBps": copy_bandwidth / 1e9,
+            "fraction_of_copy": moved / seconds / copy_bandwidth,
             "peak_extra_bytes": peak_extra,
             "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
             **environment(),
