@@ -1,5 +1,6 @@
-"""Every kernel specialization compiles ahead of time for sm_90, and every kernel, loss option, schedule and tuned
-configuration (``aot.representative_launches``) for sm_80 and AMD's gfx942 (MI300) and gfx90a (MI250), on the CPU.
+"""Every kernel specialization compiles ahead of time for sm_90 (``aot.primary_launches``: the row kernels in fp32 and
+fp16 at one vocabulary, in bf16 at all three), and every kernel, loss option, schedule and tuned configuration
+(``aot.representative_launches``) for sm_80 and AMD's gfx942 (MI300) and gfx90a (MI250), on the CPU.
 
 What the interpreter forgives, the compiler does not: this catches compile errors,
 register spills, lost vectorization and hot loops that would be issue-bound before a GPU
