@@ -74,6 +74,36 @@ def copy_seconds(shape) -> float:
     return _COPY_SECONDS[shape]
 
 
+def timing_record(
+    inputs: dict, shape, path: str, passes: str, level: str, moved: int, peak_extra, seconds: float, S=None
+):
+    """A case's ``extra_info``: its shapes, dtype, time, bytes moved by the byte model and GB/s, the fraction of a
+    device-to-device copy's bandwidth measured in the same run (a copy of the whole batch's logits), peak memory above
+    the inputs and the versions. ``S``: the logits the path reads (a packed batch's active tokens' alone)."""
+    copy_bandwidth = 2 * logits_bytes(inputs) / copy_seconds(shape)
+    S = logits_bytes(inputs) if S is None else S
+    B, T, V = shape
+    return {
+        "path": path,
+        "N": B * T,
+        "B": B,
+        "T": T,
+        "V": V,
+        "dtype": str(inputs["full_logits"].dtype).replace("torch.", ""),
+        "pass": passes,
+        "level": level,
+        "logits_bytes": S,
+        "median_ms": seconds * 1e3,
+        "model_bytes": moved,
+        "model_GBps": moved / seconds / 1e9,
+        "copy_GBps": copy_bandwidth / 1e9,
+        "fraction_of_copy": moved / seconds / copy_bandwidth,
+        "peak_extra_bytes": peak_extra,
+        "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
+        **environment(),
+    }
+
+
 def _cases():
     """Every path, shape, pass and level; torch.compile only at the largest shape, token level (each
     of its cases compiles a graph for many seconds, and a first GPU run lost its time to them),
@@ -122,29 +152,12 @@ def test_grpo_loss(benchmark, name, shape, backward, level):
     if name.endswith("packed"):  # only the active tokens' logits exist
         S = S * float((inputs["completion_mask"] != 0).float().mean())
     moved = model_bytes(name, S, backward)
-    copy_bandwidth = 2 * S / copy_seconds(shape)
-    B, T, V = shape
+    passes = "fwd+bwd" if backward else "fwd"
     benchmark.extra_info.update(
         {
-            "path": name,
-            "N": B * T,
-            "B": B,
-            "T": T,
-            "V": V,
-            "dtype": str(full.dtype).replace("torch.", ""),
-            "pass": "fwd+bwd" if backward else "fwd",
-            "level": level,
-            "logits_bytes": S,
-            "median_ms": seconds * 1e3,
-            "model_bytes": moved,
-            "model_GBps": moved / seconds / 1e9,
-            "copy_GBps": copy_bandwidth / 1e9,
-            "fraction_of_copy": moved / seconds / copy_bandwidth,
-            "peak_extra_bytes": peak_extra,
-            "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
+            **timing_record(inputs, shape, name, passes, level, moved, peak_extra, seconds, S),
             "host_ms": host_ms,
             "timeline_ms": timeline_ms,
-            **environment(),
         }
     )
 
@@ -172,31 +185,8 @@ def test_logprob_pass(benchmark, name, shape):
     if benchmark.stats is None:
         return
     seconds = benchmark.stats.stats.median
-    S = logits_bytes(inputs)
-    copy_bandwidth = 2 * S / copy_seconds(shape)
-    B, T, V = shape
-    benchmark.extra_info.update(
-        {
-            "suite": "logprobs",
-            "path": name,
-            "N": B * T,
-            "B": B,
-            "T": T,
-            "V": V,
-            "dtype": str(inputs["full_logits"].dtype).replace("torch.", ""),
-            "pass": "fwd",
-            "level": "token",
-            "logits_bytes": S,
-            "median_ms": seconds * 1e3,
-            "model_bytes": S,
-            "model_GBps": S / seconds / 1e9,
-            "copy_GBps": copy_bandwidth / 1e9,
-            "fraction_of_copy": S / seconds / copy_bandwidth,
-            "peak_extra_bytes": peak_extra,
-            "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
-            **environment(),
-        }
-    )
+    record = timing_record(inputs, shape, name, "fwd", "token", logits_bytes(inputs), peak_extra, seconds)
+    benchmark.extra_info.update({"suite": "logprobs", **record})
 
 
 @pytest.mark.parametrize(
@@ -224,29 +214,6 @@ def test_kept_set_and_distillation(benchmark, name, shape):
     if benchmark.stats is None:
         return
     seconds = benchmark.stats.stats.median
-    S = logits_bytes(inputs)
-    moved = sampling_and_distillation_bytes(name, S, inputs)
-    copy_bandwidth = 2 * S / copy_seconds(shape)
-    B, T, V = shape
-    benchmark.extra_info.update(
-        {
-            "suite": "sampling_distillation",
-            "path": name,
-            "N": B * T,
-            "B": B,
-            "T": T,
-            "V": V,
-            "dtype": str(full.dtype).replace("torch.", ""),
-            "pass": "fwd+bwd",
-            "level": "token",
-            "logits_bytes": S,
-            "median_ms": seconds * 1e3,
-            "model_bytes": moved,
-            "model_GBps": moved / seconds / 1e9,
-            "copy_GBps": copy_bandwidth / 1e9,
-            "fraction_of_copy": moved / seconds / copy_bandwidth,
-            "peak_extra_bytes": peak_extra,
-            "peak_extra_over_S": None if peak_extra is None else peak_extra / S,
-            **environment(),
-        }
-    )
+    moved = sampling_and_distillation_bytes(name, logits_bytes(inputs), inputs)
+    record = timing_record(inputs, shape, name, "fwd+bwd", "token", moved, peak_extra, seconds)
+    benchmark.extra_info.update({"suite": "sampling_distillation", **record})
