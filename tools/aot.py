@@ -824,7 +824,7 @@ def primary_launches(items: list[Launch]) -> list[Launch]:
     return [
         item
         for item in items
-        if not any(f"{dtype} V={V}" in item.label for dtype in ("fp32", "fp16") for V in (1003, 151936))
+        if not any(f"{dtype} V={V}" in item.label for dtype in ("fp32", "fp16") for V in VOCAB_SIZES if V != 32000)
     ]
 
 
