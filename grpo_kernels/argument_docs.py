@@ -43,6 +43,10 @@ SHARED_ARGUMENTS = {
     "layout): the logits or weight are this rank's slice, the ids global.",
     "vocab_start_index": "with `vocab_parallel_group`: this rank's first vocabulary id (default: Megatron's equal "
     "partitions).",
+    "reduce_hidden_grad": "with `vocab_parallel_group` and hidden states: True (default), this op all-reduces "
+    "d hidden over the group (hidden states the same on every rank, nothing else reducing them); False, it returns "
+    "this rank's share for the caller's mapping to sum (Megatron's `gather_from_sequence_parallel_region` or "
+    "`copy_to_tensor_model_parallel_region`).",
     "prompt_ids": "[B] (a packed call's [S]) int: each sequence's prompt, for `aggregation=\"prompt_mean\"`.",
     "kept_set": "a `KeptSet`: the sampler's kept ids of each token (top-k / top-p replay); each log-prob is taken "
     "over its token's set.",
@@ -167,6 +171,9 @@ for _name in (
             "batch_num_tokens": "verl's global_batch_info: the token count of the whole batch (default: this call's).",
             "global_batch_size": "verl's global_batch_info: the sequence count of the whole batch (default: this "
             "call's non-empty ones).",
+            "loss_scale_factor": "verl's loss_scale_factor: seq-mean-token-sum-norm's divisor (default: the padded "
+            "width, T; a packed call has none, and takes its longest sequence: pass verl's loss_scale_factor, or the "
+            "response width its batch was padded to, for verl's number).",
             "compute_overlap": "verl's overlap metrics, from the student's own top-k (one more read of the logits; "
             "from hidden states, of [chunk, V] products).",
             "estimator": "verl's kl_penalty: kl / k1, abs, mse / k2, low_var_kl / k3 (k1 is refused as a supervised "

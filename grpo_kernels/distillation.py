@@ -79,6 +79,7 @@ def topk_logprobs(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     head_precision: str = "input",
+    reduce_hidden_grad: bool = True,
 ) -> torch.Tensor:
     """Differentiable log softmax(cap(logits) / temperature) at K ids a token (``teacher_ids`` [..., K] int, shaped
     as the logits without their last dim plus K; a packed call's [total, K]), normalized over the whole vocabulary,
@@ -116,6 +117,7 @@ def topk_distillation_loss(
     dp_size: int = 1,
     batch_num_tokens=None,
     global_batch_size=None,
+    loss_scale_factor=None,
     compute_overlap: bool = True,
     backend: str = "auto",
     check_ids: bool = True,
@@ -158,6 +160,7 @@ def fused_linear_topk_distillation_loss(
     dp_size: int = 1,
     batch_num_tokens=None,
     global_batch_size=None,
+    loss_scale_factor=None,
     compute_overlap: bool = False,
     backend: str = "auto",
     check_ids: bool = True,
@@ -167,6 +170,7 @@ def fused_linear_topk_distillation_loss(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     head_precision: str = "input",
+    reduce_hidden_grad: bool = True,
 ) -> DistillationOutput:
     """``topk_distillation_loss`` from hidden states [B, T, H] and the lm_head ``weight`` [V, H] (and ``bias``): the
     [N, V] logits are never held (each of the K ids' logits its own dot product beside the head's log-sum-exp pass).
@@ -181,11 +185,13 @@ def _topk_loss(source, settings: dict) -> DistillationOutput:
     divergence in torch over [N, K], its reduction and metrics."""
     convention = settings["convention"]
     check_choice("convention", convention, CONVENTIONS)
-    if convention == "trl" and settings["loss_agg_mode"] is not None:
-        raise ValueError(
-            "loss_agg_mode is verl's reduction; convention='trl' reduces as TRL's trainer does (each row's token "
-            f"mean, then the mean over rows), got loss_agg_mode={settings['loss_agg_mode']!r}"
-        )
+    for name in ("loss_agg_mode", "loss_scale_factor"):
+        if convention == "trl" and settings[name] is not None:
+            raise ValueError(
+                f"{name} is verl's reduction's; convention='trl' reduces as TRL's trainer does (each row's token "
+                f"mean, then the mean over rows), got {name}={settings[name]!r}"
+            )
+    check_number("loss_scale_factor", settings["loss_scale_factor"], positive=True, optional=True)
     check_number("alpha", settings["alpha"], non_negative=True)
     if settings["alpha"] > 1.0:
         raise ValueError(f"alpha must be in [0, 1] (TRL's generalized divergence), got {settings['alpha']}")
@@ -253,7 +259,13 @@ def _verl_reduced(per_token, inputs, settings) -> torch.Tensor:
         tokens = mask.sum().clamp(min=1.0) if tokens is None else tokens
         rows = (mask.sum(-1) > 0).sum().clamp(min=1) if rows is None else rows
     return verl_aggregate(
-        L.seq(per_token), mask, mode, dp_size=settings["dp_size"], batch_num_tokens=tokens, global_batch_size=rows
+        L.seq(per_token),
+        mask,
+        mode,
+        dp_size=settings["dp_size"],
+        batch_num_tokens=tokens,
+        global_batch_size=rows,
+        loss_scale_factor=settings["loss_scale_factor"],
     )
 
 
@@ -368,6 +380,7 @@ def reverse_kl_distillation_loss(
     dp_size: int = 1,
     batch_num_tokens=None,
     global_batch_size=None,
+    loss_scale_factor=None,
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
@@ -379,6 +392,7 @@ def reverse_kl_distillation_loss(
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     head_precision: str = "input",
+    reduce_hidden_grad: bool = True,
 ) -> DistillationOutput:
     """verl's single-sample reverse-KL distillation as a supervised loss (``compute_distillation_loss_reverse_kl_
     estimator`` and ``distillation_loss`` without the policy gradient): the student's log-prob of each sampled token
@@ -392,6 +406,7 @@ def reverse_kl_distillation_loss(
     times its coefficient and the task's GRPO loss (``docs/loss-semantics.md``)."""
     check_choice("estimator", estimator, REVERSE_KL_ESTIMATORS)
     check_choice("loss_agg_mode", loss_agg_mode, VERL_AGG_MODES)
+    check_number("loss_scale_factor", loss_scale_factor, positive=True, optional=True)
     if estimator == "k1":  # as verl refuses it (its "kl", the same estimate, it lets through)
         raise ValueError(
             "estimator='k1' as a supervised loss: its gradient does not depend on the teacher's log-probs (verl "
@@ -417,7 +432,13 @@ def reverse_kl_distillation_loss(
         tokens = mask.sum().clamp(min=1.0) if tokens is None else tokens
         rows = (mask.sum(-1) > 0).sum().clamp(min=1) if rows is None else rows
     loss = verl_aggregate(
-        per_token, mask, loss_agg_mode, dp_size=dp_size, batch_num_tokens=tokens, global_batch_size=rows
+        per_token,
+        mask,
+        loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=tokens,
+        global_batch_size=rows,
+        loss_scale_factor=loss_scale_factor,
     )
     metrics["distillation/loss"] = loss.detach()
     per_token_out = L.from_seq(per_token) if L.packed else per_token

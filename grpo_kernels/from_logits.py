@@ -1009,10 +1009,7 @@ class LogprobsAtIds(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids_k, mask, temperature, softcap, backend, drop_last_position, in_place):
         ctx.set_materialize_grads(False)
-        first = ids_k[..., 0].contiguous()
-        if mask is not None:  # masked ids may be anything: the gathers and the torch path's scatter read id 0
-            first = torch.where(mask.view(first.shape) != 0, first, 0)
-            ids_k = torch.where(mask.view(first.shape).unsqueeze(-1) != 0, ids_k, 0)
+        first = ids_k[..., 0].contiguous()  # (a masked token's ids are 0: validation.checked_teacher_topk)
         tokens = at_ids_tokens(ids_k)
         r = logprobs_fwd(logits, first, temperature, mask, False, softcap, backend, drop_last_position)
         x = entry_logits(aligned(logits, drop_last_position), first, tokens, mask, temperature, softcap, backend)

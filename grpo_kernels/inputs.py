@@ -29,6 +29,7 @@ from .kernels.contracts import KeptTokens, Sequences
 from .objective import GRPOLossOutput, as_row_column
 from .options import GRPOOptions
 from .validation import (
+    check_hidden_grad_reduction,
     check_inputs,
     check_logits,
     check_per_token,
@@ -178,12 +179,14 @@ def packed_layout(cu_seqlens, packed_source) -> tuple[SequenceLayout, object]:
 
 
 class VocabShard(NamedTuple):
-    """This rank's slice of a vocabulary-parallel call: its process group, its first global id and the global
-    vocabulary's size."""
+    """This rank's slice of a vocabulary-parallel call: its process group, its first global id, the global
+    vocabulary's size, and who sums d hidden over the group (from hidden states: this op where
+    ``reduce_hidden_grad``, else the caller's mapping)."""
 
     group: object
     start: int
     vocab_size: int
+    reduce_hidden_grad: bool = True
 
 
 class LossInputs(NamedTuple):
@@ -280,6 +283,7 @@ class CallSettings(NamedTuple):
     check_ids: bool = True
     vocab_parallel_group: object = None
     vocab_start_index: int | None = None
+    reduce_hidden_grad: bool = True
 
 
 class LogprobSettings(NamedTuple):
@@ -295,6 +299,7 @@ class LogprobSettings(NamedTuple):
     logit_scale: float = 1.0
     logit_softcap: float | None = None
     kept_set: object = None
+    reduce_hidden_grad: bool = True
 
     @classmethod
     def of(cls, namespace: dict) -> LogprobSettings:
@@ -475,6 +480,7 @@ def _on_backend(source, settings, shape, ids, *, mask=None, normalizer=None) -> 
     whole vocabulary: ``vocab_parallel.sharded_vocab_start``), the backend resolved, the source's own checks made
     for them, and a vocabulary-parallel call's source made its sharded one."""
     group = settings.vocab_parallel_group
+    check_hidden_grad_reduction(settings.reduce_hidden_grad, group, source.what)
     shard = None
     if group is not None:
         start, vocab_size = sharded_vocab_start(
@@ -487,7 +493,7 @@ def _on_backend(source, settings, shape, ids, *, mask=None, normalizer=None) -> 
             mask=mask,
             normalizer=normalizer,
         )
-        shard = VocabShard(group, start, vocab_size)
+        shard = VocabShard(group, start, vocab_size, settings.reduce_hidden_grad)
     backend = resolve_backend(settings.backend, source.tensor)
     source.check_call(backend, group is not None)
     return (source if group is None else sharded_source(source)), backend, shard

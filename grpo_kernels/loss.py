@@ -129,6 +129,7 @@ def fused_linear_grpo_loss(
     cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
+    reduce_hidden_grad: bool = True,
     head_precision: str = "input",
     prompt_ids: torch.Tensor | None = None,
     kept_set: KeptSet | None = None,
@@ -157,6 +158,13 @@ def fused_linear_grpo_loss(
 
     ``kept_set`` as in ``grpo_loss``: each kept logit is computed as its own dot product of the token's hidden state
     and the id's weight row (rounded as the head rounds its logits), beside the head's tiles, in every mode.
+
+    ``vocab_parallel_group``: ``weight`` is this rank's rows of the head [V / P, H] (Megatron's column-parallel
+    head), the ids global. ``reduce_hidden_grad`` says who sums d hidden over the group: True (the default), the
+    hidden states are the same on every rank and nothing else reduces them, so this op all-reduces d hidden; False,
+    the caller gathered them through a mapping whose backward sums over the group (Megatron's
+    ``gather_from_sequence_parallel_region`` under sequence parallelism, ``copy_to_tensor_model_parallel_region``
+    without it), so this op returns this rank's share and the mapping sums it (``docs/stacks.md``).
     """
     source = HiddenStatesSource(hidden_states, weight, bias, lm_head_mode, head_precision)
     call = LossCall(
@@ -175,7 +183,9 @@ def fused_linear_grpo_loss(
     )
     options = options_from(options, option_kwargs)
     return pipeline.loss(
-        source, call, CallSettings(options, backend, check_ids, vocab_parallel_group, vocab_start_index)
+        source,
+        call,
+        CallSettings(options, backend, check_ids, vocab_parallel_group, vocab_start_index, reduce_hidden_grad),
     )
 
 
@@ -277,6 +287,7 @@ def linear_selective_log_softmax(
     cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
+    reduce_hidden_grad: bool = True,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     head_precision: str = "input",
@@ -286,7 +297,8 @@ def linear_selective_log_softmax(
     an op: the gradient reaches ``hidden_states``, ``weight`` (unless it does not require one: a frozen head) and
     ``bias`` in their dtypes, and no [N, V] tensor is ever held (the backward recomputes the logits a tile at a
     time). For a trainer that computes its own loss on log-probs (verl's ``use_fused_kernels``, NeMo-RL, SkyRL).
-    The arguments are ``linear_token_logprobs``'s."""
+    The arguments are ``linear_token_logprobs``'s, and ``reduce_hidden_grad`` (with ``vocab_parallel_group``: who
+    sums d hidden over the group, this op or the caller's mapping; see ``fused_linear_grpo_loss``)."""
     return _linear_logprobs(locals(), False)
 
 
@@ -302,6 +314,7 @@ def linear_selective_log_softmax_and_entropy(
     cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
+    reduce_hidden_grad: bool = True,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
     head_precision: str = "input",
@@ -433,7 +446,9 @@ class _LossModule(nn.Module):
     def from_trl_config(cls, config, **kwargs):
         """This Module with a TRL ``GRPOConfig``'s loss options (TRL's conventions); the Module's own keywords
         (``backend``, ...) pass through."""
-        own = set(LOGITS_KEYWORDS) | {"lm_head_mode", "head_precision", "vocab_parallel_group", "vocab_start_index"}
+        own = set(LOGITS_KEYWORDS) | {
+            "lm_head_mode", "head_precision", "vocab_parallel_group", "vocab_start_index", "reduce_hidden_grad"
+        }  # fmt: skip
         module_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
         return cls(options=GRPOOptions.from_trl_config(config, **kwargs), **module_kwargs)
 
@@ -447,7 +462,12 @@ class _LossModule(nn.Module):
 
     def _settings(self) -> CallSettings:
         return CallSettings(
-            self.options, self.backend, self.check_ids, self.vocab_parallel_group, self.vocab_start_index
+            self.options,
+            self.backend,
+            self.check_ids,
+            self.vocab_parallel_group,
+            self.vocab_start_index,
+            getattr(self, "reduce_hidden_grad", True),
         )
 
 
@@ -567,6 +587,7 @@ class FusedLinearGRPOLoss(_LossModule):
         preset: str | None = None,
         vocab_parallel_group=None,
         vocab_start_index: int | None = None,
+        reduce_hidden_grad: bool = True,
         **option_kwargs,
     ):
         for name in set(LOGITS_KEYWORDS) - set(HIDDEN_STATES_KEYWORDS):  # a GRPOLoss keyword given here by mistake
@@ -588,6 +609,7 @@ class FusedLinearGRPOLoss(_LossModule):
         check_lm_head_mode(lm_head_mode)
         check_head_precision(head_precision)
         self.lm_head_mode, self.head_precision = lm_head_mode, head_precision
+        self.reduce_hidden_grad = reduce_hidden_grad
 
     def forward(
         self,

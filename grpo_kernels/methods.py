@@ -97,6 +97,7 @@ def sft_loss(
     cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
+    reduce_hidden_grad: bool = True,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
 ) -> GRPOLossOutput:
@@ -130,6 +131,7 @@ def rft_loss(
     cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
+    reduce_hidden_grad: bool = True,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
 ) -> GRPOLossOutput:
@@ -181,6 +183,7 @@ def dpo_loss(
     cu_seqlens: torch.Tensor | None = None,
     vocab_parallel_group=None,
     vocab_start_index: int | None = None,
+    reduce_hidden_grad: bool = True,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
 ) -> GRPOLossOutput:

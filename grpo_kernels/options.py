@@ -482,6 +482,7 @@ CALL_KEYWORDS = (
     "cu_seqlens",
     "vocab_parallel_group",
     "vocab_start_index",
+    "reduce_hidden_grad",
     "lm_head_mode",
     "head_precision",
     "prompt_ids",
@@ -496,6 +497,11 @@ def check_option_names(names) -> None:
     for name in names:
         if name in fields:
             continue
+        if name in CALL_KEYWORDS:
+            raise TypeError(
+                f"{name!r} is not a loss option (a GRPOOptions field) but a keyword of the call: pass it to the "
+                "function or Module whose signature takes it (docs/the-call.md)"
+            )
         if name in OPTION_ALIASES:
             hint = f"; did you mean {OPTION_ALIASES[name]!r} (another trainer's name for it)?"
         else:

@@ -66,6 +66,14 @@ class Correction:
         self.weights, self.mask, self.metrics = weights, mask, metrics
 
 
+def at_active_tokens(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """(old, sampling) with each masked position read as 0: what a padded batch holds there (NaN, +-inf, a stale
+    value) reaches no weight, rejection or metric of any correction. The trainers' own code multiplies by the mask
+    (NaN x 0 is NaN) or indexes the active tokens; on finite padding both give these numbers."""
+    active = mask != 0
+    return torch.where(active, old, 0.0), torch.where(active, sampling, 0.0)
+
+
 # ---- verl ---------------------------------------------------------------------------------------------------------
 
 
@@ -132,6 +140,7 @@ class VerlRolloutCorrection:
     def compute(self, old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor) -> Correction:
         """verl's ``compute_rollout_correction_and_rejection_mask(old, sampling, mask, ...)``: (weights, the
         rejection's mask, the metrics with the ``rollout_corr/`` prefix)."""
+        old, sampling = at_active_tokens(old, sampling, mask)
         log_ratio = old - sampling
         metrics: dict = {}
         weights = None
@@ -520,6 +529,7 @@ class TRLImportanceSampling:
 
     def compute(self, old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor) -> Correction:
         """TRL's ``importance_sampling_ratio`` ([B, T], or [B, 1] per sequence) and its ``sampling/`` metrics."""
+        old, sampling = at_active_tokens(old, sampling, mask)
         mode = self.vllm_importance_sampling_mode
         clip_min, clip_max = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         difference = torch.nan_to_num((old - sampling) * mask, nan=0.0)
@@ -617,6 +627,7 @@ class OpenRLHFCorrection:
 
     def compute(self, old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor) -> Correction:
         """OpenRLHF's weight of the policy term [B, T] (0 at padding), ``is_filter_ratio`` and ``vllm_kl``."""
+        old, sampling = at_active_tokens(old, sampling, mask)
         low, high = self.is_correction_threshold
         sequence_level = self.is_correction_level == "seq"
         log_ratio = old - sampling

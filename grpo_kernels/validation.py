@@ -28,6 +28,25 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+def check_hidden_grad_reduction(reduce_hidden_grad, group, what: str) -> None:
+    """``reduce_hidden_grad``: a bool; False (the caller's mapping sums d hidden over the tensor-parallel group)
+    only for hidden states with a ``vocab_parallel_group``, where there is a d hidden to leave to the caller."""
+    if not isinstance(reduce_hidden_grad, bool):
+        raise TypeError(f"reduce_hidden_grad must be True or False, got {reduce_hidden_grad!r}")
+    if reduce_hidden_grad:
+        return
+    if group is None:
+        raise ValueError(
+            "reduce_hidden_grad=False leaves d hidden's sum over the vocabulary-parallel group to the caller: it "
+            "needs vocab_parallel_group, got None"
+        )
+    if what != "hidden_states":
+        raise ValueError(
+            f"reduce_hidden_grad=False is about d hidden of a vocabulary-parallel head: the input here is {what}, "
+            "whose gradient is this rank's slice already"
+        )
+
+
 def check_number(name: str, value, *, positive=False, non_negative=False, optional=False) -> None:
     """A finite real number (not a bool), > 0 where ``positive``, >= 0 where ``non_negative``; None where
     ``optional``."""
@@ -119,25 +138,27 @@ def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normali
     """Shape, dtype and device of the ids against the logits' ``shape`` (B, T, V) and ``device``; with
     ``check_range``, one host sync that checks the ids at active positions (``mask != 0``; all of them without a
     mask) lie in [0, V), and a tensor ``normalizer`` is positive and finite. Masked positions may hold anything
-    (-100 included)."""
+    (-100 included). The ids are the loss's and the method family's ``completion_ids`` (with their
+    ``completion_mask``), the log-prob family's ``ids`` (no mask): each error names the caller's argument."""
+    name = "completion_ids" if mask is not None else "ids"
     B, T, V = shape
     if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"completion_ids must be a torch.Tensor [B, T], got {type(ids).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor [B, T], got {type(ids).__name__}")
     if ids.dtype not in _INTEGER_DTYPES and (
         ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool
     ):
-        raise TypeError(f"completion_ids must be an integer tensor, got {ids.dtype}")
+        raise TypeError(f"{name} must be an integer tensor, got {ids.dtype}")
     if ids.shape != (B, T):
         check_one_position_more(ids, shape)
-        raise ValueError(f"completion_ids must be [B, T] = {(B, T)} to match logits [B, T, V], got {tuple(ids.shape)}")
+        raise ValueError(f"{name} must be [B, T] = {(B, T)} to match logits [B, T, V], got {tuple(ids.shape)}")
     if ids.device != device:
-        raise ValueError(f"completion_ids is on {ids.device} but logits is on {device}")
+        raise ValueError(f"{name} is on {ids.device} but logits is on {device}")
     if not check_range:
         return
     checked = ids if mask is None else ids.masked_fill(mask == 0, 0)
     weighted = mask is not None and mask.dtype != torch.bool and ids.numel()  # a mask of numbers: check them too
     if torch.compiler.is_compiling():  # a graph has no host sync: the same checks, asserted on the device
-        _assert_in_graph(checked, V, mask if weighted else None, normalizer)
+        _assert_in_graph(checked, V, mask if weighted else None, normalizer, name)
         return
     if not isinstance(normalizer, torch.Tensor) and not weighted:  # the ids' range alone: the one host sync
         values = torch.stack(torch.aminmax(checked)).tolist() if ids.numel() else []
@@ -154,6 +175,8 @@ def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normali
         low, high = int(values[0]), int(values[1])
         if low < 0 or high >= V:
             bad = low if low < 0 else high
+            if mask is None:
+                raise ValueError(f"ids must lie in [0, V) = [0, {V}), got a token id {bad}")
             raise ValueError(
                 f"completion_ids must lie in [0, V) = [0, {V}) at active positions, got a token id {bad} "
                 "(masked positions may hold any id, -100 included)"
@@ -177,13 +200,13 @@ def _check_mask_range(low: float, high: float) -> None:
         )
 
 
-def _assert_in_graph(checked: torch.Tensor, V: int, mask, normalizer) -> None:
+def _assert_in_graph(checked: torch.Tensor, V: int, mask, normalizer, name: str = "completion_ids") -> None:
     """``check_token_ids``'s checks inside a torch.compile graph: device-side assertions (``torch._assert_async``,
     no host sync, no graph break) that fail the step when an active id is outside [0, V) or a tensor
     normalizer is neither a positive finite count nor 0 over a batch with no active token."""
     if checked.numel():
         torch._assert_async(
-            ((checked >= 0) & (checked < V)).all(), f"completion_ids must lie in [0, V) = [0, {V}) at active positions"
+            ((checked >= 0) & (checked < V)).all(), f"{name} must lie in [0, V) = [0, {V}) at active positions"
         )
     if mask is not None:
         torch._assert_async(((mask >= 0) & (mask < float("inf"))).all(), "completion_mask must be finite and >= 0")
@@ -500,7 +523,7 @@ def checked_kept_set(kept_set, token_shape: tuple, N: int, V: int, device, mask,
                 f"kept_set.ids (padded, no offsets) must be the completion ids' shape {tuple(token_shape)} plus the "
                 f"set's width K, got {_describe(ids)}"
             )
-        flat, width = ids.reshape(N, ids.shape[-1]).to(torch.int32).contiguous(), int(ids.shape[-1])
+        wide, width = ids.reshape(N, ids.shape[-1]), int(ids.shape[-1])
         entry_token = None
     else:
         if not isinstance(offsets, torch.Tensor) or offsets.dtype not in _INTEGER_DTYPES or offsets.dim() != 1:
@@ -514,13 +537,14 @@ def checked_kept_set(kept_set, token_shape: tuple, N: int, V: int, device, mask,
             )
         if offsets.device != device:
             raise ValueError(f"kept_set.offsets must be on the logits' device {device}, got {_describe(offsets)}")
-        flat, width = ids.to(torch.int32).contiguous(), 0
+        wide, width = ids, 0
         offsets = offsets.to(torch.int64).contiguous()
         # each entry's token (offsets[n] <= entry < offsets[n + 1]), defined whatever the offsets (checked next)
         entry = torch.arange(ids.numel(), device=device)
         entry_token = torch.searchsorted(offsets[1:], entry, right=True).clamp(max=max(N - 1, 0))
-    if check_range:
-        _check_kept_values(flat, offsets, entry_token, V, mask, N)
+    if check_range:  # on the ids as given: an int64 id past 2**31 must not wrap into range
+        _check_kept_values(wide, offsets, entry_token, V, mask, N)
+    flat = wide.to(torch.int32).contiguous()  # the kernels' ids (V < 2**31)
     return KeptTokens(flat, offsets, width, kept_set.outside == "add_target", kept_set.entropy == "set")
 
 
@@ -557,8 +581,8 @@ def _check_kept_values(ids, offsets, entry_token, V: int, mask, N: int) -> None:
         )
     if flags[1]:
         bad = int(at[bad_id].reshape(-1)[0])
-        where = "a padded id (negative: no entry)" if offsets is None else "an id"
-        raise ValueError(f"kept_set.ids must lie in [0, V) = [0, {V}) at active tokens, got {where} {bad}")
+        padding = " (a padded set's negative ids mean no entry)" if offsets is None else ""
+        raise ValueError(f"kept_set.ids must lie in [0, V) = [0, {V}) at active tokens{padding}, got {bad}")
     if flags[2]:
         raise ValueError(
             "kept_set.ids must not repeat an id within a token's set (each kept id once: a repeat would count its "
@@ -603,7 +627,8 @@ def checked_teacher_topk(teacher_ids, teacher_logps, token_shape: tuple, ids_sha
     """(teacher ids int64, teacher log-probs) [..., K] of a distillation call (``check_teacher_topk`` first),
     reshaped to the kernels' ``ids_shape`` + [K] (a packed call's one row): shaped as the completion's tokens
     (``token_shape``) plus K, K at most V; with ``check_values`` (one host sync) the ids in [0, V) and the log-probs
-    finite at active tokens (a masked token is never read: its ids and log-probs may be anything)."""
+    finite at active tokens (a masked token is never read: its ids and log-probs may be anything, and its ids are
+    returned as 0, so that no pass of any backend or input form gathers at them)."""
     for name, t in (("teacher_ids", teacher_ids), ("teacher_logps", teacher_logps)):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but the logits (or hidden states) are on {device}")
@@ -631,4 +656,6 @@ def checked_teacher_topk(teacher_ids, teacher_logps, token_shape: tuple, ids_sha
         if flags[1]:
             bad = float(logps[~torch.isfinite(logps) & at][0])
             raise ValueError(f"teacher_logps must be finite at active tokens, got {bad}")
+    if mask is not None:
+        ids = torch.where(mask.reshape(*ids_shape, 1) != 0, ids, 0)
     return ids, logps

@@ -192,9 +192,12 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
     """``VocabParallelLogprobs`` from hidden states [N, H] and this rank's lm_head weight shard [V / P, H]
     (Megatron's column-parallel head): no logits kept on any rank.
 
-    The gradient of the hidden states sums every rank's share of the vocabulary: it is all-reduced
-    here (O(N * H)), so every rank gets the unsharded d hidden; the weight and bias shards get their
-    slices of the unsharded d weight and d bias.
+    The gradient of the hidden states sums every rank's share of the vocabulary. Who sums it is the caller's
+    layout (``reduce_hidden_grad``): True, hidden states replicated over the group and nothing else reducing them,
+    it is all-reduced here (O(N * H)), so every rank gets the unsharded d hidden; False, the caller's own mapping
+    sums it (Megatron's ``gather_from_sequence_parallel_region``, whose backward reduce-scatters, or
+    ``copy_to_tensor_model_parallel_region``, whose backward all-reduces), so this rank's share is returned. The
+    weight and bias shards get their slices of the unsharded d weight and d bias either way.
     """
 
     @staticmethod
@@ -212,6 +215,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         start: int,
         mask=None,
         kept=None,
+        reduce_hidden_grad: bool = True,
     ):
         ctx.set_materialize_grads(False)
         V_local = weight.shape[0]
@@ -225,7 +229,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         logp, entropy, _ = over_sets(terms, logp, entropy)
         ctx.save_for_backward(hidden, weight, bias, ids, local_ids, owned, lse, entropy)
         ctx.backend, ctx.temperature, ctx.softcap, ctx.group = backend, temperature, softcap, group
-        ctx.start, ctx.kept, ctx.terms = start, kept, terms
+        ctx.start, ctx.kept, ctx.terms, ctx.reduce_hidden_grad = start, kept, terms, reduce_hidden_grad
         return logp, entropy
 
     @staticmethod
@@ -256,8 +260,15 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
             ),
         )  # fmt: skip
         without_column_0_one_hot(dh, dw, db, hidden, weight, bias, owned, g, ctx.temperature, ctx.softcap)
-        dist.all_reduce(dh, group=ctx.group)  # every rank's share of the vocabulary
+        summed_over_shards(dh, ctx)
         return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+def summed_over_shards(dh, ctx) -> None:
+    """d hidden summed over every rank's share of the vocabulary, in place, where this op owns that sum
+    (``ctx.reduce_hidden_grad``); else left as this rank's share, for the caller's mapping to sum."""
+    if ctx.reduce_hidden_grad:
+        dist.all_reduce(dh, group=ctx.group)
 
 
 def without_column_0_one_hot(dh, dw, db, hidden, weight, bias, kept_column_0, g, temperature: float, softcap):
@@ -337,7 +348,9 @@ class VocabParallelLinearLogprobsAtIds(torch.autograd.Function):
     slice."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids_k, mask, temperature, softcap, backend, group, start: int):
+    def forward(
+        ctx, hidden, weight, bias, ids_k, mask, temperature, softcap, backend, group, start: int, reduce_hidden_grad
+    ):
         ctx.set_materialize_grads(False)
         V_local = weight.shape[0]
         if mask is not None:
@@ -355,7 +368,7 @@ class VocabParallelLinearLogprobsAtIds(torch.autograd.Function):
             logq = torch.where(mask.reshape(-1, 1) != 0, logq, 0.0)
         ctx.save_for_backward(hidden, weight, bias, first, local_first, owned, lse, x, mask, ids_k)
         ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
-        ctx.group, ctx.start = group, start
+        ctx.group, ctx.start, ctx.reduce_hidden_grad = group, start, reduce_hidden_grad
         return logq
 
     @staticmethod
@@ -379,7 +392,7 @@ class VocabParallelLinearLogprobsAtIds(torch.autograd.Function):
         # column 0 holds an entry's final value where one of the token's ids is this slice's first: no one-hot left
         kept_column_0 = owned | (ids_k == ctx.start).any(-1)
         without_column_0_one_hot(dh, dw, db, hidden, weight, bias, kept_column_0, g, ctx.temperature, ctx.softcap)
-        dist.all_reduce(dh, group=ctx.group)
+        summed_over_shards(dh, ctx)
         return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
@@ -493,6 +506,7 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
             shard.start,
             flat_mask(inputs.mask),
             inputs.kept,
+            shard.reduce_hidden_grad,
         )
         return self.as_rows(inputs, pair)
 
@@ -511,6 +525,7 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
             inputs.backend,
             shard.group,
             shard.start,
+            shard.reduce_hidden_grad,
         )
         return logq.view(ids_k.shape)
 

@@ -271,6 +271,11 @@ BAD_INPUTS = {
         TypeError,
         r"unknown option 'clip_eps'; did you mean 'epsilon' \(another trainer's name for it\)\?",
     ),
+    "a call keyword among the options": (
+        lambda b: _bad(b, head_precision="fp32"),
+        TypeError,
+        r"'head_precision' is not a loss option \(a GRPOOptions field\) but a keyword of the call",
+    ),
     "misspelt option": (
         lambda b: _bad(b, epsilom=0.2),
         TypeError,

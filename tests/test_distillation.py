@@ -104,7 +104,9 @@ def _verl_loss_and_metrics(per_token, mask, loss_agg_mode="token-mean", loss_mod
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize(
+    "loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
 def test_the_top_k_forward_kl_is_verls(backend, loss_agg_mode):
     """verl's forward_kl_topk (its clamps at -10 and 10, its masses, overlap and range metrics, its reduction): the
     loss, the gradient of the logits and every metric."""
@@ -277,10 +279,59 @@ def test_bad_teacher_inputs_are_refused_by_name():
     topk_distillation_loss(logits, masked_garbage, logps, mask)
 
 
+def _garbage_at_masked(ids, logps, mask):
+    """The teacher's ids and log-probs with what a padded batch may hold at its masked tokens: ids outside [0, V) on
+    either side (the first id too: the pass's target), NaN and infinite log-probs."""
+    masked = (mask == 0).unsqueeze(-1).expand_as(ids)
+    fill = torch.tensor([V + 7, -100, V, 2**40])[torch.arange(ids.numel()) % 4].view(ids.shape)
+    junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0])[torch.arange(ids.numel()) % 4]
+    return torch.where(masked, fill, ids), torch.where(masked, junk.view(ids.shape), logps)
+
+
+@pytest.mark.parametrize("form", ["logits", "hidden_states", "packed_hidden_states"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_any_id_at_a_masked_token_changes_nothing(backend, form):
+    """A masked token's teacher ids and log-probs may be anything (the documented contract): the loss, the metrics and
+    every gradient equal the call with in-range ids there, on both backends and each input form. (The fused head on
+    the torch backend raised an index error on an id >= V.)"""
+    _, ids, logps, mask = _batch(seed=6)
+    bad_ids, bad_logps = _garbage_at_masked(ids, logps, mask)
+    g = torch.Generator().manual_seed(7)
+    head = [torch.randn(B, T, H, generator=g), 0.5 * torch.randn(V, H, generator=g), torch.randn(V, generator=g)]
+
+    def run(teacher_ids, teacher_logps):
+        leaves = [t.clone().requires_grad_() for t in head]
+        if form == "logits":
+            logits = torch.nn.functional.linear(*leaves)
+            out = topk_distillation_loss(logits, teacher_ids, teacher_logps, mask, TEMPERATURE, backend=backend)
+        elif form == "hidden_states":
+            out = fused_linear_topk_distillation_loss(
+                leaves[0], leaves[1], teacher_ids, teacher_logps, mask, leaves[2], TEMPERATURE, backend=backend
+            )
+        else:  # each row a sequence of T tokens, its padding inside the packed batch
+            cu = torch.arange(0, B * T + 1, T, dtype=torch.int32)
+            out = fused_linear_topk_distillation_loss(
+                leaves[0].reshape(B * T, H), leaves[1], teacher_ids.reshape(B * T, K), teacher_logps.reshape(B * T, K),
+                mask.reshape(-1), leaves[2], TEMPERATURE, backend=backend, cu_seqlens=cu,
+                loss_agg_mode="seq-mean-token-mean",
+            )  # fmt: skip
+        out.loss.backward()
+        return out, [t.grad for t in leaves]
+
+    expected, expected_grads = run(ids, logps)
+    ours, grads = run(bad_ids, bad_logps)
+    torch.testing.assert_close(ours.loss, expected.loss, atol=0, rtol=0)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for name, value in expected.metrics.items():
+        torch.testing.assert_close(ours.metrics[name], value, atol=0, rtol=0, equal_nan=True, msg=name)
+
+
 def _rank_split(rank: int, world: int, backend: str):
     import torch.distributed as dist
 
     logits, ids, logps, mask = _batch(seed=8)
+    ids, logps = _garbage_at_masked(ids, logps, mask)  # the whole-vocabulary oracle has in-range ids there
     part = V // world + 1
     start, stop = rank * part, min((rank + 1) * part, V)
     x = logits[..., start:stop].clone().requires_grad_()
@@ -317,6 +368,50 @@ def _reverse_kl_batch():
     """Sampled ids (global) and a teacher's log-probs for the reverse-KL estimators."""
     g = torch.Generator().manual_seed(16)
     return torch.randint(0, V, (B, T), generator=g), -torch.rand(B, T, generator=g) * 5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_packed_seq_mean_token_sum_norm_takes_verls_divisor(backend):
+    """verl's seq-mean-token-sum-norm divides by its loss_scale_factor, else the padded response width. A packed batch
+    has no padded width: with ``loss_scale_factor`` = the width its batch was padded to, the packed top-k and reverse-KL
+    losses equal verl's ``agg_loss`` on that padded batch (lengths 20, 15, 7 and 0 in a width of 24: by default, the
+    longest sequence, 20, the loss was 1.2x verl's)."""
+    lengths, width = torch.tensor([20, 15, 7, 0]), 24
+    rows = len(lengths)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+    g = torch.Generator().manual_seed(12)
+    logits = 2 * torch.randn(rows, width, V, generator=g)
+    logps, ids = torch.log_softmax(2 * torch.randn(rows, width, V, generator=g), -1).topk(K, dim=-1)
+    sampled, teacher = torch.randint(0, V, (rows, width), generator=g), -5 * torch.rand(rows, width, generator=g)
+    active = mask.bool()
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()
+    mode = dict(loss_agg_mode="seq-mean-token-sum-norm", backend=backend)
+    padded = topk_distillation_loss(logits, ids, logps, mask, TEMPERATURE, **mode)
+    verl_expected = agg_loss(
+        loss_mat=padded.per_token_loss, loss_mask=mask, loss_agg_mode="seq-mean-token-sum-norm", dp_size=1,
+        global_batch_size=int((lengths > 0).sum()),
+    )  # fmt: skip
+    torch.testing.assert_close(padded.loss, verl_expected, **FP32)
+    packed_args = (logits[active], ids[active], logps[active], torch.ones(int(mask.sum())), TEMPERATURE)
+    packed = topk_distillation_loss(*packed_args, cu_seqlens=cu, loss_scale_factor=width, **mode)
+    torch.testing.assert_close(packed.loss, verl_expected, **FP32)
+    longest = topk_distillation_loss(*packed_args, cu_seqlens=cu, **mode)  # the documented default
+    torch.testing.assert_close(longest.loss, verl_expected * width / 20, **FP32)
+    reverse = distillation.reverse_kl_distillation_loss(logits, sampled, teacher, mask, TEMPERATURE, **mode)
+    reverse_expected = agg_loss(
+        loss_mat=reverse.per_token_loss, loss_mask=mask, loss_agg_mode="seq-mean-token-sum-norm", dp_size=1,
+        global_batch_size=int((lengths > 0).sum()),
+    )  # fmt: skip
+    torch.testing.assert_close(reverse.loss, reverse_expected, **FP32)
+    reverse_packed = distillation.reverse_kl_distillation_loss(
+        logits[active], sampled[active], teacher[active], torch.ones(int(mask.sum())), TEMPERATURE, cu_seqlens=cu,
+        loss_scale_factor=width, **mode,
+    )  # fmt: skip
+    torch.testing.assert_close(reverse_packed.loss, reverse_expected, **FP32)
+    with pytest.raises(TypeError, match="loss_scale_factor"):
+        topk_distillation_loss(*packed_args, cu_seqlens=cu, loss_scale_factor="24", **mode)
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        topk_distillation_loss(*packed_args, convention="trl", loss_scale_factor=width, backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -93,9 +93,25 @@ def test_linear_token_logprobs_are_the_fused_losss_own_log_probs(device, backend
     assert float(out.metrics["clip_ratio/region_mean"]) == 0.0
 
 
+def test_reduce_hidden_grad_is_refused_where_it_means_nothing(device):
+    """reduce_hidden_grad=False leaves d hidden's sum over a tensor-parallel group to the caller: refused by name
+    without a group, for logits, and as anything but a bool (before any collective runs)."""
+    from grpo_kernels import linear_selective_log_softmax
+    from grpo_kernels.distillation import topk_logprobs
+
+    hidden, weight, b, ids = _lm_head(device)
+    with pytest.raises(ValueError, match=r"reduce_hidden_grad=False .* needs vocab_parallel_group, got None"):
+        linear_selective_log_softmax(hidden, weight, ids, b, reduce_hidden_grad=False)
+    with pytest.raises(TypeError, match="reduce_hidden_grad must be True or False, got 'no'"):
+        linear_selective_log_softmax(hidden, weight, ids, b, reduce_hidden_grad="no")
+    logits = hidden @ weight.T
+    with pytest.raises(ValueError, match="reduce_hidden_grad=False is about d hidden .* the input here is logits"):
+        topk_logprobs(logits, ids.unsqueeze(-1), reduce_hidden_grad=False, vocab_parallel_group=object())
+
+
 def test_linear_token_logprobs_check_their_inputs(device):
     hidden, weight, b, ids = _lm_head(device)
-    with pytest.raises(ValueError, match=r"completion_ids must lie in \[0, V\)"):
+    with pytest.raises(ValueError, match=r"^ids must lie in \[0, V\) = \[0, \d+\), got a token id \d+$"):
         linear_token_logprobs(hidden, weight, torch.full_like(ids, weight.shape[0]), b)
     with pytest.raises(ValueError, match="weight must be the lm_head weight"):
         linear_token_logprobs(hidden, weight[:, :5], ids, b)
@@ -149,8 +165,10 @@ def test_the_differentiable_family_drops_the_last_position_and_skips_the_ids_che
     assert full.grad[:, -1].abs().max() == 0  # the dropped position gets a zero gradient
     lp_sliced = selective_log_softmax(full, ids, 0.9, backend=backend, drop_last_position=True, check_ids=False)
     assert_close("without the ids check", expected_lp, lp_sliced, **TOL)
-    with pytest.raises(ValueError, match=r"completion_ids must lie in \[0, V\)"):
+    with pytest.raises(ValueError, match=r"^ids must lie in \[0, V\) = \[0, \d+\), got a token id \d+$"):
         selective_log_softmax(full[:, :-1], ids + 41, backend=backend)
+    with pytest.raises(ValueError, match=r"^ids must lie in \[0, V\) = \[0, \d+\), got a token id -100$"):
+        selective_log_softmax(full[:, :-1], ids.masked_fill(ids == ids[0, 0], -100), backend=backend)
     packed = selective_log_softmax(
         full[0],
         torch.randint(0, 41, (5,)).to(device),

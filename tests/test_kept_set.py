@@ -463,7 +463,13 @@ def test_bad_sets_are_refused_by_name():
     _bad(KeptSet(ids, even.flip(0)), r"kept_set.offsets must start at 0, never decrease")
     _bad(KeptSet(ids, torch.arange(0, N + 1).clamp(max=3)), r"end at the ids' count 4")
     _bad(KeptSet(ids, even[:-1]), r"kept_set.offsets must hold one more than the call's 12 tokens")
-    _bad(KeptSet(torch.tensor([1, 2, 3, V], dtype=torch.int32), even), rf"\[0, V\) = \[0, {V}\).*got an id {V}")
+    out_of_range = rf"\[0, V\) = \[0, {V}\) at active tokens, got "
+    _bad(KeptSet(torch.tensor([1, 2, 3, V], dtype=torch.int32), even), rf"{out_of_range}{V}$")
+    # an int64 id past 2**32 is refused as given, not read as its low 32 bits (id 4)
+    _bad(KeptSet(torch.tensor([1, 2, 3, 2**32 + 4]), even), rf"{out_of_range}{2**32 + 4}$")
+    padded = torch.tensor([[[1, -1, 2]] * T] * B)
+    padded[0, 0, 2] = V
+    _bad(KeptSet.from_padded(padded), rf"at active tokens \(a padded set's negative ids mean no entry\), got {V}$")
     _bad(KeptSet(torch.tensor([1, 1, 3, 4], dtype=torch.int32), torch.tensor([0, 2] + [4] * (N - 1))), "repeat")
     _bad(KeptSet.from_padded(torch.zeros(B, T + 1, 3, dtype=torch.long)), r"completion ids' shape \(2, 6\) plus")
     _bad(KeptSet.from_padded(torch.tensor([[[0, 0, -1]] * T] * B)), "repeat")

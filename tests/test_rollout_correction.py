@@ -575,3 +575,74 @@ def test_bad_corrections_and_inputs_are_refused_by_name():
         TRLImportanceSampling("token_clip")
     with pytest.raises(TypeError, match="takes"):
         VerlRolloutCorrection.from_preset("decoupled_seq_is", rs_threshold=2.0)
+
+
+# ---- garbage at masked positions ------------------------------------------------------------------------------------
+
+# what a padded batch may hold at its masked positions, cycled over them
+GARBAGE = torch.tensor([float("nan"), float("inf"), -float("inf"), 50.0])
+
+
+def _every_correction(family: str) -> dict:
+    """Every correction of a trainer's convention the tests hold to its code: verl's presets and configs above, TRL's
+    modes, OpenRLHF's option sets."""
+    if family == "verl":
+        return dict(CONFIGS)
+    if family == "trl":
+        return {mode: TRLImportanceSampling(mode, 1.4, 0.7) for mode in TRL_MODES}
+    return {"-".join(c[:3]): OpenRLHFCorrection(*c) for c in OPENRLHF_CORRECTIONS}
+
+
+TRITON_GARBAGE_CASES = {
+    "verl": ("decoupled_seq_is_rs", "token batch-normalized", "sequence batch-normalized", "bypass_ppo_clip_k3_rs"),
+    "trl": ("sequence_mask", "token_truncate"),
+    "openrlhf": ("seq-mask-ratio", "token-clip-ratio"),
+}
+
+
+def _with_garbage(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    fill = GARBAGE[torch.arange(t.numel()) % len(GARBAGE)].view(t.shape).to(t.dtype)
+    return torch.where(mask != 0, t, fill)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["verl", "trl", "openrlhf"])
+def test_garbage_at_masked_positions_changes_no_correction(family, backend, layout):
+    """NaN, +-inf or a stale value at the masked positions of every per-token input (the sampler's, old and
+    reference log-probs, per-token advantages) changes no correction's loss, gradient or metric: the call equals
+    the one with zeros there. (OpenRLHF's sequence-level gate dropped a row and verl's batch normalization was
+    skipped on a NaN there.)"""
+    logits, ids, mask, adv, old, sampling = _logits_batch(seed=9)
+    ref = (_their_logps(logits, ids, mask) + 0.1).detach()
+    B = len(LENGTHS)
+    packed = {}
+    if layout == "packed":  # each row a sequence of T tokens, its padding inside the packed batch
+        logits, ids, mask, adv, old, sampling, ref = (
+            t.reshape(B * T, *t.shape[2:]) for t in (logits, ids, mask, adv, old, sampling, ref)
+        )
+        packed = dict(cu_seqlens=torch.arange(0, B * T + 1, T, dtype=torch.int32))
+    corrections = _every_correction(family)
+    if backend == "triton":  # the corrections are torch on either backend: each kind once through the kernels
+        corrections = {name: corrections[name] for name in TRITON_GARBAGE_CASES[family]}
+    for name, correction in corrections.items():
+        bypass = correction.old_is_sampler()
+        clean = dict(old_logps=None if bypass else old, ref_logps=ref, sampling_logps=sampling)
+        dirty = {k: None if v is None else _with_garbage(v, mask) for k, v in clean.items()}
+        results = []
+        for inputs, advantages in ((clean, adv), (dirty, _with_garbage(adv, mask))):
+            leaf = logits.clone().requires_grad_()
+            out = grpo_loss(
+                leaf, ids, mask, advantages, **inputs, **packed, beta=0.04, rollout_correction=correction,
+                backend=backend,
+            )  # fmt: skip
+            out.loss.backward()
+            results.append((out, leaf.grad))
+        (expected, expected_grad), (actual, grad) = results
+        torch.testing.assert_close(actual.loss, expected.loss, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(grad, expected_grad, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+        assert set(actual.metrics) == set(expected.metrics), name
+        for key, value in expected.metrics.items():
+            torch.testing.assert_close(
+                actual.metrics[key], value, atol=0, rtol=0, equal_nan=True, msg=lambda m, n=name, k=key: f"{n} {k}: {m}"
+            )

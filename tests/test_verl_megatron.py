@@ -70,3 +70,170 @@ def test_verl_megatron_log_probs_and_entropy_are_ours_and_equal_verls(world, pac
         ):
             torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
         torch.testing.assert_close(chunked.float(), theirs[1], atol=1e-5, rtol=1e-5)
+
+
+# ---- verl's Megatron fused postprocess (use_fused_kernels): d hidden through the caller's own mappings ---------------
+#
+# verl's ``fused_output_processor`` (Megatron's output-processor hook; its legacy ``_fused_GPTModel_forward`` runs the
+# same lines) gathers the hidden states with Megatron's ``gather_from_sequence_parallel_region`` when
+# ``config.sequence_parallel`` (its backward reduce-scatters: the sum of d hidden over the tensor-parallel group), then
+# calls ``linear_cross_entropy(hidden, weight_shard, labels, T, "none", tp_group)``: ours after ``patch_logprobs``.
+# Megatron's mappings and ``ColumnParallelLinear`` run here as installed, on gloo; the one change is that
+# ``torch.cuda.current_device`` names the CPU, where they allocate their gather buffers.
+
+# sequences packed as THD (one row); "padded": each sequence padded to a multiple of 2 TP, as verl's
+# preprocess_packed_seqs aligns them, the pads' labels id 0 and out of the loss
+LENGTHS = (5, 3, 4)
+FUSED_H, FUSED_V, FUSED_T = 8, 24, 0.7
+
+
+def _thd_layout(world: int, padded: bool):
+    """(the THD length, which positions count) of ``LENGTHS`` packed for TP ``world``."""
+    align = 2 * world if padded else 1
+    counted = []
+    for n in LENGTHS:
+        width = -(-n // align) * align
+        counted += [True] * n + [False] * (width - n)
+    while len(counted) % world:  # sequence parallelism splits the sequence dim evenly over the group
+        counted.append(False)
+    return len(counted), torch.tensor(counted)
+
+
+def _fused_case(world: int, padded: bool):
+    g = torch.Generator().manual_seed(3)
+    s, counted = _thd_layout(world, padded)
+    hidden = torch.randn(s, 1, FUSED_H, generator=g)
+    weight = 0.5 * torch.randn(FUSED_V, FUSED_H, generator=g)
+    labels = torch.where(counted, torch.randint(0, FUSED_V, (s,), generator=g), 0).view(1, s)
+    weights = torch.randn(2, s, generator=g) * counted
+    return hidden, weight, labels, weights
+
+
+def _unsharded(hidden, weight, labels, weights):
+    """log-probs, entropy, d hidden [s, 1, H], d weight of sum w1 logp + w2 H on one process, in plain torch."""
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp_all = torch.log_softmax((h.reshape(-1, FUSED_H) @ w.T) / FUSED_T, dim=-1)
+    logp = logp_all.gather(-1, labels.view(-1, 1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    ((weights[0] * logp).sum() + (weights[1] * entropy).sum()).backward()
+    return logp.detach(), entropy.detach(), h.grad, w.grad
+
+
+def _fused_postprocess_rank(rank, world, sequence_parallel, padded):
+    import types
+    import warnings
+
+    warnings.filterwarnings("ignore")  # megatron-core warns that Transformer Engine and Apex are absent
+    torch.cuda.current_device = lambda: "cpu"  # Megatron's mappings allocate their buffers there
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer import TransformerConfig
+    from verl.models.mcore import model_forward_fused
+
+    from grpo_kernels.integration import verl as adapter
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    adapter.patch_logprobs()
+    hidden_all, weight_all, labels, weights = _fused_case(world, padded)
+    s, part = hidden_all.shape[0], FUSED_V // world
+    rows = slice(rank * s // world, (rank + 1) * s // world) if sequence_parallel else slice(None)
+    shard = slice(rank * part, (rank + 1) * part)
+
+    def through_verl(loss_weights):
+        hidden = hidden_all[rows].clone().requires_grad_()
+        weight = weight_all[shard].clone().requires_grad_()
+        out = model_forward_fused.fused_output_processor(
+            hidden_states=hidden,
+            output_layer=None,
+            output_weight=weight,
+            labels=labels,
+            context=model_forward_fused.FusedOutputProcessorContext(temperature=FUSED_T),
+            config=types.SimpleNamespace(sequence_parallel=sequence_parallel, config_logger_dir=""),
+        )
+        logp, entropy = out.log_probs.reshape(-1), out.entropy.reshape(-1)
+        ((loss_weights[0] * logp).sum() + (loss_weights[1] * entropy).sum()).backward()
+        return logp.detach(), entropy.detach(), hidden.grad, weight.grad
+
+    ours = through_verl(weights)
+    # Megatron's own head: ColumnParallelLinear (its input mapping reduces d hidden) and vocab_parallel_cross_entropy
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=FUSED_H,
+        num_attention_heads=world,
+        tensor_model_parallel_size=world,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+    )
+    head = tensor_parallel.ColumnParallelLinear(
+        FUSED_H, FUSED_V, config=config, init_method=torch.nn.init.zeros_, bias=False, gather_output=False
+    )
+    with torch.no_grad():
+        head.weight.copy_(weight_all[shard])
+    hidden = hidden_all[rows].clone().requires_grad_()
+    logits, _ = head(hidden)
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(logits / FUSED_T, labels.view(-1, 1)).reshape(-1)
+    (weights[0] * logp).sum().backward()
+    megatron = (logp.detach(), hidden.grad, head.weight.grad)
+    ours_logp_only = through_verl(weights * torch.tensor([[1.0], [0.0]]))
+    return ours, megatron, ours_logp_only
+
+
+@pytest.mark.parametrize(
+    "world, sequence_parallel, padded",
+    [(2, True, False), (2, True, True), (2, False, False), (2, False, True), (4, True, True), (4, False, False)],
+)
+def test_verls_megatron_fused_path_gives_the_unsharded_gradients(world, sequence_parallel, padded):
+    """Through verl's own fused postprocess with our patch, TP 2 and 4, sequence parallelism on (verl's default for
+    TP > 1: the gather's reduce-scatter sums d hidden) and off (nothing else sums it): log-probs, entropy, d hidden
+    and d weight equal the unsharded model's, and Megatron's own ColumnParallelLinear + vocab_parallel_cross_entropy
+    (log-probs, d hidden, d weight). Before the contract, d hidden was TP x the unsharded one with sequence
+    parallelism on."""
+    hidden, weight, labels, weights = _fused_case(world, padded)
+    logp, entropy, d_hidden, d_weight = _unsharded(hidden, weight, labels, weights)
+    s, part = hidden.shape[0], FUSED_V // world
+    tight = dict(atol=1e-5, rtol=1e-5)
+    for rank, (ours, megatron, ours_logp_only) in enumerate(
+        run_ranks(_fused_postprocess_rank, world, sequence_parallel, padded, timeout=600)
+    ):
+        rows = slice(rank * s // world, (rank + 1) * s // world) if sequence_parallel else slice(None)
+        shard = slice(rank * part, (rank + 1) * part)
+        torch.testing.assert_close(ours[0], logp, **tight)
+        torch.testing.assert_close(ours[1], entropy, **tight)
+        torch.testing.assert_close(ours[2], d_hidden[rows], **tight, msg=lambda m, r=rank: f"d hidden, rank {r}: {m}")
+        torch.testing.assert_close(ours[3], d_weight[shard], **tight, msg=lambda m, r=rank: f"d weight, rank {r}: {m}")
+        for name, theirs, mine in zip(("log-probs", "d hidden", "d weight"), megatron, (ours_logp_only[0],
+                                      ours_logp_only[2], ours_logp_only[3]), strict=True):  # fmt: skip
+            torch.testing.assert_close(mine, theirs, **tight, msg=lambda m, name=name: f"Megatron's {name}: {m}")
+
+
+def _reduce_hidden_grad_rank(rank, world):
+    import torch.distributed as dist
+
+    from grpo_kernels import linear_selective_log_softmax
+
+    hidden, weight, labels, _ = _fused_case(world, False)
+    part = FUSED_V // world
+    grads = []
+    for reduce_hidden_grad in (True, False):
+        h = hidden.reshape(-1, FUSED_H).clone().requires_grad_()
+        logp = linear_selective_log_softmax(
+            h,
+            weight[rank * part : (rank + 1) * part],
+            labels.view(-1),
+            temperature=FUSED_T,
+            vocab_parallel_group=dist.group.WORLD,
+            reduce_hidden_grad=reduce_hidden_grad,
+        )
+        logp.sum().backward()
+        grads.append(h.grad)
+    return grads
+
+
+def test_reduce_hidden_grad_leaves_the_sum_to_the_caller():
+    """The op's contract by itself: reduce_hidden_grad=True gives every rank the summed d hidden; False, this rank's
+    share, whose sum over the ranks is the same."""
+    ranks = run_ranks(_reduce_hidden_grad_rank, 2, timeout=600)
+    total = ranks[0][1] + ranks[1][1]
+    torch.testing.assert_close(ranks[0][0], total, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ranks[1][0], total, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ranks[0][1], total)

@@ -618,7 +618,7 @@ class FusedLinearForPPO(torch.nn.Module):
         return _fused_head(hidden_states, vocab_weights, input_ids.long(), float(temperature))
 
 
-def _fused_head(hidden, weight, ids, temperature: float, vocab_parallel_group=None) -> tuple:
+def _fused_head(hidden, weight, ids, temperature: float, vocab_parallel_group=None, reduce_hidden_grad=True) -> tuple:
     """(log-probs, entropy) of verl's fused head on our op. A pass without a gradient (verl's ``compute_log_prob``:
     old log-probs) also computes each token's Σπ² from the same pass, attached to the log-probs as
     ``sum_pi_squared``, where ``prepare_model_outputs`` (``patch_fused_kernels``) takes it for verl's
@@ -629,9 +629,15 @@ def _fused_head(hidden, weight, ids, temperature: float, vocab_parallel_group=No
 
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         logp, entropy = linear_selective_log_softmax_and_entropy(
-            hidden, weight, ids, None, temperature, vocab_parallel_group=vocab_parallel_group
+            hidden,
+            weight,
+            ids,
+            None,
+            temperature,
+            vocab_parallel_group=vocab_parallel_group,
+            reduce_hidden_grad=reduce_hidden_grad,
         )
-        logp.fused_head_inputs = (hidden, weight, temperature, vocab_parallel_group)
+        logp.fused_head_inputs = (hidden, weight, temperature, vocab_parallel_group, reduce_hidden_grad)
         return logp, entropy
     logp, entropy, sum_pi_squared = linear_token_logprobs(
         hidden,
@@ -644,7 +650,7 @@ def _fused_head(hidden, weight, ids, temperature: float, vocab_parallel_group=No
         return_sum_pi_squared=True,
     )
     logp.sum_pi_squared = sum_pi_squared
-    logp.fused_head_inputs = (hidden, weight, temperature, vocab_parallel_group)
+    logp.fused_head_inputs = (hidden, weight, temperature, vocab_parallel_group, reduce_hidden_grad)
     return logp, entropy
 
 
@@ -653,16 +659,47 @@ def linear_cross_entropy(
 ):
     """verl's ``linear_cross_entropy`` (its fused head for ``use_fused_kernels`` with the "triton" backend, and the
     Megatron engine's over its tensor-parallel group: ``weight`` this rank's vocabulary shard) on our fused head op:
-    (log-probs, entropy) per token, flat [N] as verl returns them, fp32, differentiable."""
+    (log-probs, entropy) per token, flat [N] as verl returns them, fp32, differentiable.
+
+    Over a tensor-parallel group, d hidden is the unsharded model's in both of Megatron's layouts. With sequence
+    parallelism verl gathers the hidden states with ``gather_from_sequence_parallel_region``, whose backward sums
+    d hidden over the group (a reduce-scatter): ``patch_fused_kernels`` marks that gather's output, and on it this
+    op returns this rank's share (``reduce_hidden_grad=False``), as verl's own kernel does. Without sequence
+    parallelism the hidden states reach the head unchanged on every rank and nothing sums d hidden (Megatron's
+    ``ColumnParallelLinear`` would, through ``copy_to_tensor_model_parallel_region``; verl's fused path bypasses it
+    and its own kernel returns the share alone there): this op all-reduces it."""
     if reduction != "none":
         raise ValueError(f"linear_cross_entropy: reduction must be 'none' (per-token values), got {reduction!r}")
+    caller_sums = dist_process_group is not None and getattr(hidden, HIDDEN_GRAD_SUMMED_BY_CALLER, False)
     return _fused_head(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         labels.reshape(-1).long(),
         float(temperature),
         vocab_parallel_group=dist_process_group,
+        reduce_hidden_grad=not caller_sums,
     )
+
+
+# set on a tensor whose producer's backward sums its gradient over the tensor-parallel group (``_summing_gather``)
+HIDDEN_GRAD_SUMMED_BY_CALLER = "grpo_kernels_hidden_grad_summed_by_caller"
+
+
+def _summing_gather(gather):
+    """Megatron's ``gather_from_sequence_parallel_region`` as verl's fused postprocess calls it, its output marked
+    where its backward reduce-scatters (``tensor_parallel_output_grad``, the default): the sum of d hidden over the
+    group is then the mapping's, and our head returns its share (``linear_cross_entropy``)."""
+    import functools
+
+    @functools.wraps(gather)
+    def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, *args, **kwargs):
+        output = gather(input_, tensor_parallel_output_grad, *args, **kwargs)
+        if tensor_parallel_output_grad:
+            setattr(output, HIDDEN_GRAD_SUMMED_BY_CALLER, True)
+        return output
+
+    gather_from_sequence_parallel_region.marks_summed_grad = True
+    return gather_from_sequence_parallel_region
 
 
 def patch_fused_kernels() -> None:
@@ -674,6 +711,14 @@ def patch_fused_kernels() -> None:
 
     replace_everywhere(experimental, {"FusedLinearForPPO": FusedLinearForPPO})
     replace_everywhere(fused_module, {"linear_cross_entropy": linear_cross_entropy})
+    try:  # verl's Megatron fused postprocess: its sequence-parallel gather sums d hidden (``linear_cross_entropy``)
+        from verl.models.mcore import model_forward_fused
+    except ImportError:  # no megatron-core: verl's Megatron backend cannot run either
+        pass
+    else:
+        gather = model_forward_fused.gather_from_sequence_parallel_region
+        if not getattr(gather, "marks_summed_grad", False):
+            model_forward_fused.gather_from_sequence_parallel_region = _summing_gather(gather)
     try:
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     except ImportError:  # an older verl, or its FSDP engine's dependencies missing: nothing there to serve
@@ -756,7 +801,7 @@ def _fused_topk_distillation(head_inputs, micro_batch, config, packed: bool) -> 
 
     from ..distillation import topk_logprobs
 
-    hidden, weight, temperature, group = head_inputs
+    hidden, weight, temperature, group, reduce_hidden_grad = head_inputs
     ids, logps = micro_batch["teacher_ids"], micro_batch["teacher_logprobs"]
     if packed:  # one row of every sequence's positions
         ids, logps = ids.values().unsqueeze(0), logps.values().unsqueeze(0)
@@ -768,7 +813,15 @@ def _fused_topk_distillation(head_inputs, micro_batch, config, packed: bool) -> 
         ids, logps = ids.to_padded_tensor(0, output_size=shape), logps.to_padded_tensor(0.0, output_size=shape)
     hidden = hidden.reshape(*ids.shape[:2], hidden.shape[-1])
     clamp = config.distillation_loss.log_prob_min_clamp
-    student = topk_logprobs(hidden, ids.long(), temperature, weight=weight, vocab_parallel_group=group, check_ids=False)
+    student = topk_logprobs(
+        hidden,
+        ids.long(),
+        temperature,
+        weight=weight,
+        vocab_parallel_group=group,
+        reduce_hidden_grad=reduce_hidden_grad,
+        check_ids=False,
+    )
     return _forward_kl_topk_outputs(student, logps.float(), clamp)
 
 
