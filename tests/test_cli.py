@@ -3,6 +3,7 @@ streams hold while and after it runs, the curves (CPU, tiny shapes)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -144,6 +145,9 @@ def test_a_short_run_from_the_command_line_waits_passively_and_prints_its_summar
     assert "1 CPU threads (OMP_WAIT_POLICY=PASSIVE)" in log, log
     assert "phase 1/2: format warm-up" in log and "phase 2/2" in log  # --no-progress: the phases on stderr too
     assert "phase 2/2" in done.stderr
+    # a run that uses no DeepSpeed neither imports it (accelerate's check at each checkpoint did) nor prints its
+    # "Setting accelerator to CPU" warning
+    assert "Setting accelerator" not in done.stderr, done.stderr[-2000:]
 
 
 def test_curves_are_three_labelled_panels_with_integer_steps_and_the_legends_off_the_lines():
@@ -196,3 +200,39 @@ def test_curves_are_three_labelled_panels_with_integer_steps_and_the_legends_off
     assert any(
         "240 + 0 steps, 48% of sampled answers well-formed (below its target)" in t.get_text() for t in fig.texts
     )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--num-iterations 0", "argument --num-iterations: must be >= 1, got 0"),
+        ("--top-p 0", r"argument --top-p: must be in \(0, 1\], got 0"),
+        ("--top-p 1.5", r"argument --top-p: must be in \(0, 1\], got 1.5"),
+        ("--top-k -3", "argument --top-k: must be >= 0, got -3"),
+        ("--group-size 1", "argument --group-size: must be >= 2"),
+        ("--temperature 0", "argument --temperature: must be > 0"),
+        ("--loss-type gspo", "argument --loss-type: invalid choice: 'gspo'"),
+        ("--fused-lm-head --teacher runs/x --distillation topk", "--fused-lm-head with --teacher"),
+        ("--teacher runs/x", "--distillation none needs --teacher CHECKPOINT, and --teacher needs --distillation"),
+        (
+            "--loss-type dro",
+            r"the loss's flags \(--loss-type, --epsilon, --beta, ...\): loss_type='dro' needs dro_beta",
+        ),
+    ],
+)
+def test_bad_flags_are_refused_by_name_before_any_work(flags, message, capsys):
+    """Each bad setting stops the command at once (argparse's status 2), naming its flag: before the model loads or
+    the warm-up runs (minutes), not as a traceback from deep inside them."""
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["train", *flags.split()])
+    assert stopped.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_distillation_run_names_its_phase():
+    """``grpo-kernels distill`` logs its training phase as the distillation it is, not as GRPO."""
+    args = cli.build_parser().parse_args(["distill", "--teacher", "runs/x"])
+    assert cli.phase_name(args) == "on-policy distillation"
+    assert cli.phase_name(cli.build_parser().parse_args(["train"])) == "GRPO"
+    with_reward = cli.build_parser().parse_args(["distill", "--teacher", "runs/x", "--with-task-reward"])
+    assert cli.phase_name(with_reward) == "GRPO with distillation"

@@ -28,6 +28,29 @@ REFERENCE_DIR = "reference"  # beside the checkpoints: the run's reference model
 NUMBER_NEUTRAL_FIELDS = ("steps", "eval_every", "save_every", "output_dir")
 
 
+def save_pretrained(model_or_tokenizer, folder: str) -> None:
+    """``save_pretrained`` into ``folder``, without importing DeepSpeed where this process does not use it:
+    transformers unwraps the model through accelerate, which imports DeepSpeed whenever it is installed, only to
+    check for its engine, and DeepSpeed's import prints its "Setting accelerator to CPU" warning (and costs a
+    second). A run that imported DeepSpeed (ZeRO through the TRL adapter) is left as it is."""
+    import sys
+
+    try:
+        from accelerate.utils import other
+    except ImportError:  # no accelerate: transformers unwraps by hand
+        model_or_tokenizer.save_pretrained(folder)
+        return
+    if "deepspeed" in sys.modules or not hasattr(other, "is_deepspeed_available"):
+        model_or_tokenizer.save_pretrained(folder)
+        return
+    probe = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: False  # (no DeepSpeed engine can wrap a model it never imported)
+    try:
+        model_or_tokenizer.save_pretrained(folder)
+    finally:
+        other.is_deepspeed_available = probe
+
+
 def resume_differences(state: dict, config: TrainerConfig, uses_reference: bool) -> tuple:
     """(why a resume from ``state`` cannot continue the same run, what differs harmlessly): a checkpoint of an
     older format (no reference model, where the run needs one), config fields that change the numbers."""

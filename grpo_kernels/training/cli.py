@@ -13,7 +13,7 @@ import time
 import torch
 
 from .. import collectives
-from ..options import AGGREGATIONS
+from ..options import AGGREGATIONS, LOSS_TYPES, GRPOOptions
 from . import progress_bar, require_train_extra
 from .checkpoint import CheckpointWriteError, latest_checkpoint, latest_intact_checkpoint
 from .config import NONFINITE_REWARDS, RECIPE, TrainerConfig
@@ -48,6 +48,26 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
         if "default" in text or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             return text
         return super()._get_help_string(action)
+
+
+def _bounded(kind, rule: str, holds):
+    """An argparse ``type`` that parses with ``kind`` and refuses a value for which ``holds`` is false, naming the
+    rule: argparse then says which flag, before any work (``argument --top-p: must be in (0, 1], got 1.5``)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # (argparse's "invalid int value" names the type by it)
+    return parse
+
+
+AT_LEAST_0 = _bounded(int, ">= 0", lambda v: v >= 0)
+AT_LEAST_1 = _bounded(int, ">= 1", lambda v: v >= 1)
+POSITIVE = _bounded(float, "> 0", lambda v: v > 0)
+NON_NEGATIVE = _bounded(float, ">= 0", lambda v: v >= 0)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -95,33 +115,48 @@ def _add_train_arguments(t: argparse.ArgumentParser) -> None:
         "working directory or on the path, or path/to/file.py:function); repeat for several",
     )
     t.add_argument("--reward-weights", type=float, nargs="+", default=None, help="one weight per --reward")
-    t.add_argument("--group-size", type=int, default=DEFAULTS.group_size, help="completions sampled per prompt (G)")
-    t.add_argument("--prompts-per-step", type=int, default=DEFAULTS.prompts_per_step, help="prompts a GRPO step")
+    t.add_argument(
+        "--group-size",
+        type=_bounded(int, ">= 2 (advantages compare the completions of a prompt)", lambda v: v >= 2),
+        default=DEFAULTS.group_size,
+        help="completions sampled per prompt (G)",
+    )
+    t.add_argument("--prompts-per-step", type=AT_LEAST_1, default=DEFAULTS.prompts_per_step, help="prompts a GRPO step")
     t.add_argument(
         "--steps",
-        type=int,
+        type=AT_LEAST_0,
         default=DEFAULTS.steps,
         help="GRPO steps (the built-in model's warm-up runs before step 1: see below)",
     )
-    t.add_argument("--lr", type=float, default=DEFAULTS.learning_rate, help="GRPO learning rate")
+    t.add_argument("--lr", type=POSITIVE, default=DEFAULTS.learning_rate, help="GRPO learning rate")
     t.add_argument(
-        "--beta", type=float, default=DEFAULTS.beta, help="KL coefficient (a frozen reference copy when > 0)"
+        "--beta", type=NON_NEGATIVE, default=DEFAULTS.beta, help="KL coefficient (a frozen reference copy when > 0)"
     )
-    t.add_argument("--epsilon", type=float, default=DEFAULTS.epsilon, help="the ratio's clip range, below 1")
     t.add_argument(
-        "--epsilon-high", type=float, default=DEFAULTS.epsilon_high, help="the clip range above 1 (clip-higher, DAPO)"
+        "--epsilon",
+        type=_bounded(float, "in [0, 1] (the lower clip bound is 1 - epsilon)", lambda v: 0 <= v <= 1),
+        default=DEFAULTS.epsilon,
+        help="the ratio's clip range, below 1",
     )
-    t.add_argument("--loss-type", default=DEFAULTS.loss_type, help="a GRPOLoss loss_type")
+    t.add_argument(
+        "--epsilon-high",
+        type=NON_NEGATIVE,
+        default=DEFAULTS.epsilon_high,
+        help="the clip range above 1 (clip-higher, DAPO)",
+    )
+    t.add_argument(
+        "--loss-type", default=DEFAULTS.loss_type, choices=LOSS_TYPES, metavar="LOSS_TYPE", help="a GRPOLoss loss_type"
+    )
     t.add_argument(
         "--aggregation",
         default=DEFAULTS.aggregation,
         choices=AGGREGATIONS,
         help="loss_type: the loss type's own reduction; prompt_mean: each prompt's token mean, then their mean",
     )
-    t.add_argument("--num-iterations", type=int, default=DEFAULTS.num_iterations, help="mu: updates per batch")
+    t.add_argument("--num-iterations", type=AT_LEAST_1, default=DEFAULTS.num_iterations, help="mu: updates per batch")
     t.add_argument(
         "--process-rollouts",
-        type=int,
+        type=AT_LEAST_0,
         default=0,
         help="process supervision: label every token-step with N completions sampled from its prefix, "
         "once a distinct prefix (0: outcome)",
@@ -134,13 +169,23 @@ def _add_train_arguments(t: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--max-sampling-rounds",
-        type=int,
+        type=AT_LEAST_1,
         default=DEFAULTS.max_sampling_rounds,
         help="with --dynamic-sampling: at most this many batches of prompts a step",
     )
-    t.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help="sampling temperature")
-    t.add_argument("--top-k", type=int, default=DEFAULTS.top_k, help="sample from the top k ids (0: all)")
-    t.add_argument("--top-p", type=float, default=DEFAULTS.top_p, help="sample from the top-p nucleus (1: all)")
+    t.add_argument(
+        "--temperature",
+        type=_bounded(float, "> 0 (GRPO samples: a temperature of 0 would be greedy decoding)", lambda v: v > 0),
+        default=DEFAULTS.temperature,
+        help="sampling temperature",
+    )
+    t.add_argument("--top-k", type=AT_LEAST_0, default=DEFAULTS.top_k, help="sample from the top k ids (0: all)")
+    t.add_argument(
+        "--top-p",
+        type=_bounded(float, "in (0, 1]", lambda v: 0 < v <= 1),
+        default=DEFAULTS.top_p,
+        help="sample from the top-p nucleus (1: all)",
+    )
     t.add_argument(
         "--kept-set-replay",
         dest="replay_kept_sets",
@@ -149,7 +194,9 @@ def _add_train_arguments(t: argparse.ArgumentParser) -> None:
         help="with --top-k / --top-p, train on log-probs over the ids the sampler kept (--no-kept-set-replay: over "
         "the whole vocabulary)",
     )
-    t.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens, help="a completion's length cap")
+    t.add_argument(
+        "--max-new-tokens", type=AT_LEAST_1, default=DEFAULTS.max_new_tokens, help="a completion's length cap"
+    )
     t.add_argument(
         "--fused-lm-head",
         action="store_true",
@@ -180,7 +227,7 @@ def _add_train_arguments(t: argparse.ArgumentParser) -> None:
         f"of {compare.WARMUP_LARGE_BATCH_SIZE} examples (default: a third of --warmup-steps; "
         f"none below {DEFAULTS.steps} --steps; 0: none)",
     )
-    t.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every, help="GRPO steps between evaluations")
+    t.add_argument("--eval-every", type=AT_LEAST_1, default=DEFAULTS.eval_every, help="GRPO steps between evaluations")
     t.add_argument(
         "--save-every",
         type=int,
@@ -227,7 +274,7 @@ def _add_train_arguments(t: argparse.ArgumentParser) -> None:
         help="with --teacher: the teacher's top-k forward KL (verl's forward_kl_topk) or the k3 estimate of the "
         "reverse KL at the sampled tokens (distill: topk)",
     )
-    t.add_argument("--distillation-topk", type=int, default=16, help="the teacher's K for --distillation topk")
+    t.add_argument("--distillation-topk", type=AT_LEAST_1, default=16, help="the teacher's K for --distillation topk")
     t.add_argument(
         "--with-task-reward",
         action="store_true",
@@ -262,9 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "seeds",
         help="one training command over several seeds: the spread of its results",
-        description="Run `grpo-kernels train` once per seed and print the min / median / max "
-        "held-out accuracy, the largest drop from a run's best evaluation, the "
-        "zero-std share and the time. Training options go after `--`.",
+        description="Run `grpo-kernels train` once per seed and print the final held-out accuracy's mean with its "
+        "95 % interval over the seeds, the sample efficiency (completions and tokens sampled to --target), and "
+        "the min / median / max of the held-out accuracy at step 0 and at the end, the zero-std share, the time "
+        "and the memory, with the largest drop from a run's best evaluation. Training options go after `--`.",
     )
     s.add_argument("--seeds", type=int, default=5, help="how many seeds (default: 5)")
     s.add_argument("--first-seed", type=int, default=0, help="seeds first-seed, first-seed + 1, ... (default: 0)")
@@ -339,14 +387,47 @@ def _device(name: str) -> str:
 
 
 def _teacher(args):
-    """The distillation teacher (``--teacher``: a saved model folder, loaded as ``--model`` is), or None; a teacher
-    without a ``--distillation``, or a distillation without a teacher, is refused by name."""
+    """The distillation teacher (``--teacher``: a saved model folder, loaded as ``--model`` is), or None
+    (``check_train_flags`` refused a teacher without a ``--distillation`` and the reverse)."""
+    return None if args.teacher is None else _load_pretrained(args.teacher)[0]
+
+
+def check_train_flags(args) -> None:
+    """The flags of ``train`` / ``distill`` that go together, before any work (a load, the warm-up: minutes), each
+    refused by its name; each flag's own range argparse checks as it parses (``_bounded``)."""
+    _check_data_options(args)
     if (args.teacher is None) != (args.distillation == "none"):
         raise ValueError(
             f"--distillation {args.distillation} needs --teacher CHECKPOINT, and --teacher needs --distillation "
             f"topk or reverse_kl (got --teacher {args.teacher})"
         )
-    return None if args.teacher is None else _load_pretrained(args.teacher)[0]
+    if args.teacher is not None and args.fused_lm_head:
+        raise ValueError("--fused-lm-head with --teacher: distillation runs on the logits path, not the fused head")
+    if args.teacher is not None and args.adaptive_entropy and not args.with_task_reward:
+        raise ValueError(
+            "--adaptive-entropy acts on the GRPO loss's entropy bonus: a distillation alone has none (add "
+            "--with-task-reward, or leave --adaptive-entropy off)"
+        )
+    try:  # the loss the trainer will build from these flags (GRPOTrainer's loss options)
+        GRPOOptions(
+            loss_type=args.loss_type,
+            aggregation=args.aggregation,
+            beta=args.beta,
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            temperature=args.temperature,
+            max_completion_length=args.max_new_tokens,
+            entropy_coef=args.entropy_coef,
+        )
+    except (TypeError, ValueError) as refused:
+        raise ValueError(f"the loss's flags (--loss-type, --epsilon, --beta, ...): {refused}") from None
+
+
+def phase_name(args) -> str:
+    """What the run's training phase is called in its log and progress bar."""
+    if args.teacher is None:
+        return "GRPO"
+    return "GRPO with distillation" if args.with_task_reward else "on-policy distillation"
 
 
 def _load_pretrained(path: str):
@@ -409,7 +490,7 @@ def _check_data_options(args) -> None:
 
 
 def _train(args) -> dict:
-    _check_data_options(args)
+    check_train_flags(args)
     device = _device(args.device)
     _maybe_init_distributed(device)
     rank, _ = collectives.world()
@@ -577,7 +658,7 @@ def _train(args) -> dict:
         trainer.load_state(resume_from)
         records.extend(restart_log(metrics_path, trainer.step, config.steps, write=rank == 0))
     run_log.line(
-        f"phase {phases}/{phases}: GRPO, steps {trainer.step + 1} to {config.steps} "
+        f"phase {phases}/{phases}: {phase_name(args)}, steps {trainer.step + 1} to {config.steps} "
         f"({config.prompts_per_step} prompts x {config.group_size} completions a step), evaluation every "
         f"{config.eval_every}",
         also_stderr=args.no_progress,
@@ -585,7 +666,11 @@ def _train(args) -> dict:
     bar = None
     if rank == 0 and not args.no_progress:
         bar = progress_bar(
-            total=config.steps, initial=trainer.step, desc=f"phase {phases}/{phases} GRPO", unit="step", file=sys.stderr
+            total=config.steps,
+            initial=trainer.step,
+            desc=f"phase {phases}/{phases} {phase_name(args)}",
+            unit="step",
+            file=sys.stderr,
         )
 
     def on_step(record: dict) -> None:
@@ -729,7 +814,13 @@ def main(argv: list[str] | None = None) -> int:
         and "--help" not in sys.argv
     ):
         _with_passive_openmp()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("train", "distill"):
+        try:
+            check_train_flags(args)
+        except ValueError as refused:
+            parser.exit(2, f"grpo-kernels {args.command}: error: {refused}\n")  # (argparse's status: before any work)
     try:
         require_train_extra(f"grpo-kernels {args.command}")  # (--help needs none of it)
     except ImportError as missing:

@@ -43,6 +43,7 @@ from .checkpoint import (
     read_trainer_state,
     resume_differences,
     save_atomically,
+    save_pretrained,
     tensor_bytes,
     write_manifest,
 )
@@ -691,7 +692,7 @@ class GRPOTrainer:
         if self.ref_model is not None and not self._reference_saved:
             save_atomically(
                 os.path.join(self.config.output_dir, REFERENCE_DIR),
-                lambda tmp: (self.ref_model.save_pretrained(tmp), self.tokenizer.save_pretrained(tmp)),
+                lambda tmp: (save_pretrained(self.ref_model, tmp), save_pretrained(self.tokenizer, tmp)),
                 needed_bytes=tensor_bytes(self.ref_model.state_dict()),
             )
             self._reference_saved = True
@@ -712,8 +713,8 @@ class GRPOTrainer:
             state["entropy_control"] = self.entropy_control.state_dict()
 
         def write(tmp):
-            self.model.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
+            save_pretrained(self.model, tmp)
+            save_pretrained(self.tokenizer, tmp)
             torch.save(state, os.path.join(tmp, "trainer_state.pt"))
             write_manifest(tmp)
 
