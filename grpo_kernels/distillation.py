@@ -238,13 +238,14 @@ def _verl_forward_kl(logq, logp, active, settings) -> tuple:
 
 
 def _mean_min_max(name: str, value: torch.Tensor, active: torch.Tensor, mean: bool = True) -> dict:
-    """A per-token value's mean, min and max over the active tokens (NaN without any), verl's names."""
-    picked = value[active]
-    empty = picked.numel() == 0
-    nan = torch.tensor(float("nan"), device=value.device)
-    out = {} if not mean else {name: nan if empty else picked.mean()}
-    out[f"{name}_min"] = nan if empty else picked.min()
-    out[f"{name}_max"] = nan if empty else picked.max()
+    """A per-token value's mean, min and max over the active tokens (NaN without any), verl's names; on the device,
+    no host sync (and so inside a graph)."""
+    count = active.sum()
+    nan = torch.full((), float("nan"), device=value.device, dtype=value.dtype)
+    over_active = lambda x: torch.where(count > 0, x, nan)  # noqa: E731
+    out = {} if not mean else {name: over_active(torch.where(active, value, 0.0).sum() / count.clamp(min=1))}
+    out[f"{name}_min"] = over_active(value.masked_fill(~active, float("inf")).min())
+    out[f"{name}_max"] = over_active(value.masked_fill(~active, float("-inf")).max())
     return out
 
 
@@ -325,12 +326,11 @@ def _overlap_metrics(inputs, logq, logp, active, settings) -> dict:
     token_kl = logp.exp() * (logp - logq)
     advantage = torch.where(count > 0, (-token_kl * overlap).sum(-1) / count.clamp_min(1), 0.0)
     with_overlap = active & (count > 0)
-    nan = torch.tensor(float("nan"), device=logq.device)
+    ratio = _mean_min_max("ratio", count.float(), active)["ratio"] / K  # (NaN without an active token)
+    advantage = _mean_min_max("advantage", advantage, with_overlap)["advantage"]
     return {
-        "distillation/overlap_ratio": count[active].float().mean() / K if active.any() else nan,
-        "distillation/overlap_token_advantage": (
-            advantage[with_overlap].mean() if with_overlap.any() else torch.zeros((), device=logq.device)
-        ),
+        "distillation/overlap_ratio": ratio,
+        "distillation/overlap_token_advantage": torch.where(with_overlap.any(), advantage, 0.0),
     }
 
 
@@ -422,9 +422,8 @@ def reverse_kl_distillation_loss(
     active = mask != 0
     teacher = torch.where(active, teacher, logp.detach())  # a masked token's teacher value is never read
     per_token = torch.where(active, reverse_kl_estimate(logp, teacher, estimator), 0.0)
-    picked = per_token.detach()[active]
     metrics = _mean_min_max("distillation/loss", per_token.detach(), active, mean=False)
-    metrics["distillation/abs_loss"] = picked.abs().mean() if picked.numel() else torch.tensor(float("nan"))
+    metrics["distillation/abs_loss"] = _mean_min_max("abs", per_token.detach().abs(), active)["abs"]
     if loss_max_clamp is not None:
         per_token = per_token.clamp(min=-loss_max_clamp, max=loss_max_clamp)
     tokens, rows = batch_num_tokens, global_batch_size

@@ -2,7 +2,7 @@
 its autograd Functions and their host functions, in the order a call runs them. The [N, V] logits are never held.
 
 A loss call (``loss.fused_linear_grpo_loss``) prepares its inputs once (``inputs.prepare_inputs``), then
-``loss.compute_loss`` calls ``fused_loss`` here, which chooses the schedule (the one place) and applies its
+``pipeline.loss`` calls ``fused_loss`` here, which chooses the schedule (the one place) and applies its
 Function; each Function's forward and backward are one host function each:
 
 - "recompute" (4 products), ``LinearLoss`` (``linear_loss_fwd`` / ``linear_loss_bwd``): the forward kernel
@@ -44,17 +44,39 @@ from .from_logits import (
 from .kernels import fused_linear_launch, kept_launch, launch, reduce_launch
 from .kernels.contracts import KeptTerms, KeptTokens, LossTokens, OnePassGradient, rounds_head_logits
 from .objective import GRPOLossOutput
-from .options import GRPOOptions
+from .options import GRPOOptions, option_value
 from .validation import check_head_precision, check_linear_inputs, check_lm_head_mode
 
 
 def head_operands(hidden_states, weight, bias, head_precision: str) -> tuple:
-    """(hidden states, weight, bias) in the head's precision (``validation.HEAD_PRECISIONS``)."""
+    """(hidden states, weight, bias) in the head's precision (``validation.HEAD_PRECISIONS``). "input" under an
+    autocast of the hidden states' device takes the operands as ``F.linear`` under it does: each floating one
+    (but fp64) cast to the autocast dtype, differentiably (a model body's bf16 hidden states with its fp32 master
+    weight; the gradient reaches the weight in fp32). "fp32" is fp32 whatever the autocast."""
     check_head_precision(head_precision)
     if head_precision == "input":
-        return hidden_states, weight, bias
+        dtype = _autocast_dtype(hidden_states)
+        if dtype is None:
+            return hidden_states, weight, bias
+        cast = lambda t: t.to(dtype) if _autocast_casts(t) else t  # noqa: E731
+        return cast(hidden_states), cast(weight), cast(bias)
     upcast = lambda t: t.float() if isinstance(t, torch.Tensor) else t  # noqa: E731 (a bad input is checked later)
     return upcast(hidden_states), upcast(weight), upcast(bias)
+
+
+def _autocast_dtype(hidden_states) -> torch.dtype | None:
+    """The autocast dtype on the hidden states' device, None where autocast is off there."""
+    if not isinstance(hidden_states, torch.Tensor):
+        return None
+    device_type = hidden_states.device.type
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast_casts(t) -> bool:
+    """Whether autocast casts this operand (a floating tensor below fp64, as its lower-precision ops do)."""
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ---- The input form ----------------------------------------------------------------------------------------------
@@ -128,8 +150,8 @@ class HiddenStatesSource:
             pair = KeptLinearTokenLogprobs.apply(
                 *self.flat(inputs),
                 flat_mask(inputs.mask),
-                options.kernel_temperature,
-                options.kernel_softcap,
+                option_value(options, "kernel_temperature"),
+                option_value(options, "kernel_softcap"),
                 compute_entropy,
                 inputs.backend,
                 inputs.kept,
@@ -138,8 +160,8 @@ class HiddenStatesSource:
         pair = apply_or_forward(
             LinearTokenLogprobs,
             *self.flat(inputs),
-            options.kernel_temperature,
-            options.kernel_softcap,
+            option_value(options, "kernel_temperature"),
+            option_value(options, "kernel_softcap"),
             compute_entropy,
             inputs.backend,
         )[:2]
@@ -155,8 +177,8 @@ class HiddenStatesSource:
             bias,
             ids_k.reshape(-1, ids_k.shape[-1]),
             flat_mask(inputs.mask),
-            options.kernel_temperature,
-            options.kernel_softcap,
+            option_value(options, "kernel_temperature"),
+            option_value(options, "kernel_softcap"),
             inputs.backend,
         )
         return logq.view(ids_k.shape)
@@ -167,9 +189,9 @@ class HiddenStatesSource:
         flat = self.flat(inputs)
         r = linear_logprobs_fwd(
             *flat,
-            options.kernel_temperature,
+            option_value(options, "kernel_temperature"),
             compute_entropy,
-            options.kernel_softcap,
+            option_value(options, "kernel_softcap"),
             inputs.backend,
             compute_sum_squares=True,
         )
@@ -178,8 +200,8 @@ class HiddenStatesSource:
                 *flat,
                 inputs.kept,
                 flat_mask(inputs.mask),
-                options.kernel_temperature,
-                options.kernel_softcap,
+                option_value(options, "kernel_temperature"),
+                option_value(options, "kernel_softcap"),
                 inputs.backend,
                 compute_sum_squares=True,
             )
@@ -421,7 +443,7 @@ def linear_logprobs_fwd(
     if compiling:
         op = ops.triton_linear_logprobs if backend == "triton" else ops.torch_linear_logprobs
         lse, logp, entropy, squares = op(
-            hidden, weight, bias, ids, temperature, softcap, compute_entropy, compute_sum_squares
+            hidden, weight, bias, ids, ops.head_scalars(temperature, softcap), compute_entropy, compute_sum_squares
         )
         present = ops.present
         return LogprobResult(logp, present(entropy, compute_entropy), lse, present(squares, compute_sum_squares))
@@ -469,8 +491,9 @@ def linear_logprobs_bwd(
     if compiling:
         op = ops.triton_linear_backward if backend == "triton" else ops.torch_linear_backward
         dh, dw, db = op(
-            hidden, weight, bias, ids, lse, g, temperature, softcap, compute_weight_grad, grad_entropy, entropy
-        )
+            hidden, weight, bias, ids, lse, g, ops.head_scalars(temperature, softcap), compute_weight_grad,
+            grad_entropy, entropy,
+        )  # fmt: skip
         return dh, ops.present(dw, compute_weight_grad), ops.present(db, compute_weight_grad and bias is not None)
     return torch_path.linear_backward(
         hidden,
@@ -551,7 +574,7 @@ def linear_kept_terms(hidden, weight, bias, ids, kept: KeptTokens | None, mask, 
     gathered products), rounded as the head rounds its logits; then ``kept_set.finish``."""
     if kept is None:
         return None
-    if backend == "triton":
+    if backend == "triton" and not torch.compiler.is_compiling():  # (a graph: the torch path's gathered products)
         x, state = kept_launch.linear_kept_state(
             hidden,
             weight,
@@ -618,6 +641,31 @@ def kept_entries(ids, kept: KeptTokens | None, terms: KeptTerms | None, g, h, ls
     return write
 
 
+def with_entry_gradients(grads, hidden, weight, bias, ids_k, G, g, temperature, softcap) -> tuple:
+    """A dense backward's (d hidden, d weight, d bias), run with g = sum_k G_k at each token's first id, made the
+    top-k's: at each entry (token n, its k-th id) the logit's gradient gains G[n, k] / tau, and at the first id loses
+    the dense one-hot's g / tau, each times the cap's slope there (repeated ids add up), carried through the head:
+    d hidden += c W[id], d weight[id] += c h, d bias[id] += c. O(N K H), a [N, H] gather an entry column, no [N, V]
+    tensor (inside a graph, where the dense op writes no entry over its tiles as ``kept_entries`` does)."""
+    dh, dw, db = grads
+    coefficient = G.clone()
+    coefficient[:, 0] -= g
+    h32 = hidden.float()
+    for k in range(ids_k.shape[1]):
+        rows = weight[ids_k[:, k]].float()  # [N, H]
+        raw = (h32 * rows).sum(-1) + (0.0 if bias is None else bias[ids_k[:, k]].float())
+        if rounds_head_logits(hidden.dtype):  # the head's logits are rounded to 16 bits before the cap
+            raw = raw.to(hidden.dtype).float()
+        slope = torch_path.capped(raw, softcap)[1]
+        c = coefficient[:, k] / temperature * (1.0 if slope is None else slope)  # [N]
+        dh = dh + c.unsqueeze(1) * rows
+        if dw is not None:
+            dw = dw.index_add(0, ids_k[:, k], c.unsqueeze(1) * h32)
+        if db is not None:
+            db = db.index_add(0, ids_k[:, k], c)
+    return dh, dw, db
+
+
 class KeptLinearTokenLogprobs(torch.autograd.Function):
     """``LinearTokenLogprobs`` over each token's kept set: the set's terms from the head first, the pass over the
     whole vocabulary, each set's token's log-prob (and, where it is the set's, entropy) over its set, and a
@@ -680,7 +728,7 @@ class LinearLogprobsAtIds(torch.autograd.Function):
         logq = x.view(r.lse.numel(), -1) - r.lse.view(-1, 1)
         if mask is not None:
             logq = torch.where(mask.reshape(-1, 1) != 0, logq, 0.0)
-        ctx.save_for_backward(hidden, weight, bias, first, r.lse, x, mask)
+        ctx.save_for_backward(hidden, weight, bias, first, r.lse, x, mask, ids_k)
         ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
         return logq
 
@@ -688,11 +736,18 @@ class LinearLogprobsAtIds(torch.autograd.Function):
     def backward(ctx, grad_logq):
         if grad_logq is None:
             return input_grads(ctx)
-        hidden, weight, bias, first, lse, x, mask = ctx.saved_tensors
+        hidden, weight, bias, first, lse, x, mask, ids_k = ctx.saved_tensors
         G = grad_logq.reshape(lse.numel(), -1).to(lse.dtype)
         if mask is not None:
             G = torch.where(mask.reshape(-1, 1) != 0, G, 0.0)
         g = G.sum(-1)
+        if torch.compiler.is_compiling():  # a graph's op takes no per-tile writer: the entries as a sparse update
+            grads = linear_loss_bwd(
+                hidden, weight, bias, first, lse, g, ctx.temperature, ctx.softcap, ctx.backend,
+                _wants_weight(ctx, bias),
+            )  # fmt: skip
+            grads = with_entry_gradients(grads, hidden, weight, bias, ids_k, G, g, ctx.temperature, ctx.softcap)
+            return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
         entries = kept_entries(
             first, ctx.tokens, at_ids_terms(x, lse, mask), g, None, lse, None, ctx.temperature, ctx.softcap,
             ctx.backend, lead=summed_over_repeats(ctx.tokens.ids.long(), G),

@@ -2,7 +2,7 @@
 functions, in the order a call runs them.
 
 A loss call (``loss.grpo_loss``) prepares its inputs once (``inputs.prepare_inputs``: one frozen ``LossInputs``),
-then ``loss.compute_loss`` calls ``fused_loss`` here, which chooses the schedule (the one place) and applies its
+then ``pipeline.loss`` calls ``fused_loss`` here, which chooses the schedule (the one place) and applies its
 Function; each Function's forward and backward are one host function each, which launch the kernels:
 
 - one-pass, ``OnePassLoss`` (``one_pass_fwd`` / ``one_pass_bwd``): the logits kernel writes dlogits of the reduced
@@ -39,7 +39,7 @@ from . import kept_set, ops, torch_path
 from .kernels import kept_launch, launch
 from .kernels.contracts import KeptTerms, KeptTokens, KernelLoss, LossTokens, Reduction, Sequences, TokenInputs
 from .objective import GRPOLossOutput
-from .options import GRPOOptions
+from .options import RUNTIME_SCALARS, GRPOOptions, kernel_loss_scalars, option_value, runtime_values
 from .validation import check_in_place, check_logits, checked_drop_last_position
 
 
@@ -124,8 +124,8 @@ class LogitsSource:
                 self.tensor,
                 inputs.ids.contiguous(),
                 inputs.mask,
-                options.kernel_temperature,
-                options.kernel_softcap,
+                option_value(options, "kernel_temperature"),
+                option_value(options, "kernel_softcap"),
                 compute_entropy,
                 inputs.backend,
                 final and self.in_place_backward,
@@ -137,8 +137,8 @@ class LogitsSource:
             self.tensor,
             inputs.ids.contiguous(),
             inputs.mask,
-            options.kernel_temperature,
-            options.kernel_softcap,
+            option_value(options, "kernel_temperature"),
+            option_value(options, "kernel_softcap"),
             compute_entropy,
             inputs.backend,
             final and self.in_place_backward,
@@ -153,8 +153,8 @@ class LogitsSource:
             self.tensor,
             ids_k,
             inputs.mask,
-            options.kernel_temperature,
-            options.kernel_softcap,
+            option_value(options, "kernel_temperature"),
+            option_value(options, "kernel_softcap"),
             inputs.backend,
             self.drop_last_position,
             False,
@@ -170,18 +170,18 @@ class LogitsSource:
             ids,
             inputs.kept,
             inputs.mask,
-            options.kernel_temperature,
-            options.kernel_softcap,
+            option_value(options, "kernel_temperature"),
+            option_value(options, "kernel_softcap"),
             inputs.backend,
             compute_sum_squares=True,
         )
         r = logprobs_fwd(
             self.tensor,
             ids,
-            options.kernel_temperature,
+            option_value(options, "kernel_temperature"),
             inputs.mask,
             compute_entropy,
-            options.kernel_softcap,
+            option_value(options, "kernel_softcap"),
             inputs.backend,
             self.drop_last_position,
             compute_sum_squares=True,
@@ -494,7 +494,7 @@ def signature_bound_once(function_class):
 
 def graph_loss(source: LogitsSource, ids, loss_tokens: LossTokens, opts: GRPOOptions, one_pass: bool) -> tuple:
     """(loss, metrics vector, log-probs) of a fused loss inside a graph, on its schedule's op."""
-    flat = graph_args(loss_tokens, opts.kernel_loss)
+    flat = graph_args(loss_tokens, opts)
     if one_pass:
         loss, metrics, logp, _ = triton_one_pass_loss(source.tensor, ids, *flat, source.drop_last_position)
     else:
@@ -503,10 +503,13 @@ def graph_loss(source: LogitsSource, ids, loss_tokens: LossTokens, opts: GRPOOpt
     return loss, metrics, logp
 
 
-def graph_args(loss_tokens: LossTokens, kernel_loss: KernelLoss) -> tuple:
+def graph_args(loss_tokens: LossTokens, opts: GRPOOptions) -> tuple:
     """A fused loss's call as a custom op's arguments: the per-token tensors, the sequences, the reduction (a number
-    or a tensor for each of its divisor and loss scale) and the loss's constants (``_from_graph_args`` inverts)."""
+    or a tensor for each of its divisor and loss scale), the loss's constants, and its float options as the
+    options' ``runtime_scalars`` tensor (a graph input: a new value is no new graph). ``_from_graph_args``
+    inverts."""
     t, (S, T, cu_seqlens), r = loss_tokens
+    kernel_loss = opts.kernel_loss
     tensor_or_none = lambda v: v if isinstance(v, torch.Tensor) else None  # noqa: E731
     number = lambda v: 1.0 if isinstance(v, torch.Tensor) or v is None else float(v)  # noqa: E731
     args = kernel_loss.args
@@ -523,10 +526,10 @@ def graph_args(loss_tokens: LossTokens, kernel_loss: KernelLoss) -> tuple:
         tensor_or_none(r.divisor),
         number(r.loss_scale),
         tensor_or_none(r.loss_scale),
-        r.entropy_coef,
+        opts.has_entropy_bonus,
         r.bonus_mask,
         r.entropy_as_loss,
-        list(args["loss_scalars"]),
+        opts.runtime_scalars,
         [
             args["LOSS_KIND"],
             args["KL_KIND"],
@@ -534,23 +537,27 @@ def graph_args(loss_tokens: LossTokens, kernel_loss: KernelLoss) -> tuple:
             kernel_loss.clip_metrics,
             kernel_loss.clip_metric_count,
         ],
-        [kernel_loss.temperature, kernel_loss.kernel_temperature],
-        kernel_loss.kernel_softcap,
         kernel_loss.compute_entropy,
         kernel_loss.with_kl,
     )
 
 
 def _from_graph_args(mask, advantages, old, ref, iw, cu_seqlens, sequences, divisor_kind, divisor, divisor_tensor,
-                     loss_scale, loss_scale_tensor, entropy_coef, bonus_mask, entropy_as_loss, loss_scalars, loss_ints,
-                     temperatures, softcap, compute_entropy, with_kl) -> tuple:  # fmt: skip
+                     loss_scale, loss_scale_tensor, entropy_bonus, bonus_mask, entropy_as_loss, scalars, loss_ints,
+                     compute_entropy, with_kl) -> tuple:  # fmt: skip
     """(``LossTokens``, ``KernelLoss``) of ``graph_args``."""
     kind, kl_kind, flags, clip_metrics, clip_metric_count = loss_ints
+    values = runtime_values(scalars)
     kernel_loss = KernelLoss(
-        {"loss_scalars": tuple(loss_scalars), "LOSS_KIND": kind, "KL_KIND": kl_kind, "LOSS_FLAGS": flags},
-        temperatures[0],
-        temperatures[1],
-        softcap,
+        {
+            "loss_scalars": kernel_loss_scalars(values.get),
+            "LOSS_KIND": kind,
+            "KL_KIND": kl_kind,
+            "LOSS_FLAGS": flags,
+        },
+        values["temperature"],
+        values["kernel_temperature"],
+        values["kernel_softcap"],
         compute_entropy,
         with_kl,
         clip_metrics,
@@ -560,7 +567,7 @@ def _from_graph_args(mask, advantages, old, ref, iw, cu_seqlens, sequences, divi
         divisor_kind,
         divisor if divisor_tensor is None else divisor_tensor,
         loss_scale if loss_scale_tensor is None else loss_scale_tensor,
-        entropy_coef,
+        values["entropy_coef"] if entropy_bonus else 0.0,
         bonus_mask,
         entropy_as_loss,
     )
@@ -588,13 +595,11 @@ def triton_one_pass_loss(
     divisor_tensor: Optional[torch.Tensor],
     loss_scale: float,
     loss_scale_tensor: Optional[torch.Tensor],
-    entropy_coef: float,
+    entropy_bonus: bool,
     bonus_mask: Optional[torch.Tensor],
     entropy_as_loss: bool,
-    loss_scalars: List[float],
+    scalars: torch.Tensor,
     loss_ints: List[int],
-    temperatures: List[float],
-    softcap: Optional[float],
     compute_entropy: bool,
     with_kl: bool,
     drop_last_position: bool,
@@ -624,13 +629,11 @@ _GRAPH_FIELDS = (
     "divisor_tensor",
     "loss_scale",
     "loss_scale_tensor",
-    "entropy_coef",
+    "entropy_bonus",
     "bonus_mask",
     "entropy_as_loss",
-    "loss_scalars",
+    "scalars",
     "loss_ints",
-    "temperatures",
-    "softcap",
     "compute_entropy",
     "with_kl",
 )
@@ -685,13 +688,11 @@ def triton_two_pass_loss(
     divisor_tensor: Optional[torch.Tensor],
     loss_scale: float,
     loss_scale_tensor: Optional[torch.Tensor],
-    entropy_coef: float,
+    entropy_bonus: bool,
     bonus_mask: Optional[torch.Tensor],
     entropy_as_loss: bool,
-    loss_scalars: List[float],
+    scalars: torch.Tensor,
     loss_ints: List[int],
-    temperatures: List[float],
-    softcap: Optional[float],
     compute_entropy: bool,
     with_kl: bool,
     drop_last_position: bool,
@@ -714,7 +715,7 @@ def _(logits, ids, mask, *args):
     f32 = dict(device=logits.device, dtype=torch.float32)
     count = _metric_count(fields["loss_ints"], fields["compute_entropy"], fields["with_kl"])
     N = ids.numel()
-    bonus = (2, N) if fields["entropy_coef"] != 0.0 else (0,)
+    bonus = (2, N) if fields["entropy_bonus"] else (0,)
     return (
         torch.empty((), **f32),
         torch.empty(count, **f32),
@@ -729,7 +730,9 @@ def _two_pass_setup(ctx, inputs, output):
     logits, ids = inputs[0], inputs[1]
     fields = dict(zip(_GRAPH_FIELDS, inputs[2:], strict=False))
     ctx.save_for_backward(logits, ids, output[3], output[4], output[5])
-    ctx.temperature, ctx.softcap, ctx.drop_last_position = fields["temperatures"][1], fields["softcap"], inputs[-1]
+    scalars = fields["scalars"]  # the head's (temperature, soft-cap) for the backward's op, sliced in the graph
+    ctx.head = scalars[[RUNTIME_SCALARS.index("kernel_temperature"), RUNTIME_SCALARS.index("kernel_softcap")]]
+    ctx.drop_last_position = inputs[-1]
 
 
 def _two_pass_backward(ctx, grad_loss, *unused):
@@ -743,8 +746,7 @@ def _two_pass_backward(ctx, grad_loss, *unused):
         ids,
         lse,
         grad_loss * g,
-        ctx.temperature,
-        ctx.softcap,
+        ctx.head,
         aligned(grad, ctx.drop_last_position),
         h,
         entropy,
@@ -784,8 +786,7 @@ def logprobs_fwd(
             logp, entropy, lse, squares = ops.triton_logprobs(
                 aligned(logits, drop_last_position),
                 ids,
-                temperature,
-                softcap,
+                ops.head_scalars(temperature, softcap),
                 mask,
                 compute_entropy,
                 compute_sum_squares,
@@ -813,7 +814,7 @@ def logprobs_fwd(
         ids = torch.where(active, ids, 0)
     if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py): no unrolled chunk loop
         logp, entropy, lse, squares = ops.torch_logprobs(
-            logits, ids, temperature, softcap, compute_entropy, compute_sum_squares
+            logits, ids, ops.head_scalars(temperature, softcap), compute_entropy, compute_sum_squares
         )
         entropy, squares = ops.present(entropy, compute_entropy), ops.present(squares, compute_sum_squares)
     else:
@@ -839,7 +840,7 @@ def kept_terms(logits, ids, kept: KeptTokens | None, mask, temperature: float, s
     if kept is None:
         return None
     B, T, width = logits.shape
-    if backend == "triton":
+    if backend == "triton" and not torch.compiler.is_compiling():  # (a graph: the torch path's gathers)
         x, state = kept_launch.kept_state(
             logits,
             ids,
@@ -886,7 +887,7 @@ def kept_gradient(out, ids, kept: KeptTokens, terms: KeptTerms, g, h, lse, entro
     top-k entries', ``LogprobsAtIds``)."""
     flat = lambda t: None if t is None else t.reshape(-1).to(torch_path.compute_dtype(t)).contiguous()  # noqa: E731
     g, h, lse, entropy = flat(g), flat(h), flat(lse), flat(entropy)
-    if backend == "triton":
+    if backend == "triton" and not torch.compiler.is_compiling():  # (a graph: the torch path's scatter)
         kept_launch.kept_gradient(
             out, ids, kept, terms, g, temperature=temperature, softcap=softcap, h=h, lse=lse, entropy=entropy,
             col0=col0, n0=n0, lead=None if lead is None else lead.reshape(-1).float().contiguous(),
@@ -1066,8 +1067,7 @@ def logprobs_bwd(
                 ids,
                 lse.reshape(-1),
                 flat(g),
-                temperature,
-                softcap,
+                ops.head_scalars(temperature, softcap),
                 written,
                 flat(grad_entropy),
                 flat(entropy) if grad_entropy is not None else None,
@@ -1091,7 +1091,13 @@ def logprobs_bwd(
     if torch.compiler.is_compiling():
         written.copy_(
             ops.torch_logprobs_backward(
-                logits, ids, lse.reshape(B, T), as_bt(g), temperature, softcap, as_bt(grad_entropy), as_bt(entropy)
+                logits,
+                ids,
+                lse.reshape(B, T),
+                as_bt(g),
+                ops.head_scalars(temperature, softcap),
+                as_bt(grad_entropy),
+                as_bt(entropy),
             )
         )
     else:

@@ -5,7 +5,7 @@ per-call tensors and settings, by keyword) and does, in one place, everything bo
 logit is read: a packed batch is turned into one row of tokens, every tensor is checked (shapes, dtypes,
 devices, the ids' range and the normalizer in one host sync), the vocabulary shard is located, the backend
 resolved and the loss scale and normalizer normalized. What it returns, ``LossInputs``, is frozen and carries
-the whole call: the dispatch (``loss.compute_loss``) and the input forms (``from_logits.py``,
+the whole call: the pipeline (``pipeline.loss``) and the input forms (``from_logits.py``,
 ``from_hidden_states.py``) read it and never re-check. ``prepare_logprob_inputs`` does the same for the
 log-prob family.
 
@@ -28,6 +28,7 @@ import torch
 from .kernels.contracts import KeptTokens, Sequences
 from .objective import GRPOLossOutput, as_row_column
 from .options import GRPOOptions
+from .policy_terms import HOST_SELECTED_TERMS
 from .validation import (
     check_hidden_grad_reduction,
     check_inputs,
@@ -64,10 +65,12 @@ class SequenceLayout:
         self.sequences = Sequences(self.S, self.T_max, cu_seqlens)  # as the token-weights kernel reads them
 
     @staticmethod
-    @functools.lru_cache(maxsize=256)
     def padded(B: int, T: int) -> SequenceLayout:
-        """The layout of padded [B, T] rows: holds two numbers, so one object serves every call of that shape."""
-        return SequenceLayout(B, T)
+        """The layout of padded [B, T] rows: holds two numbers, so one object serves every eager call of that shape
+        (a torch.compile graph builds its own: dynamo would trace through the cache, and warn)."""
+        if torch.compiler.is_compiling():
+            return SequenceLayout(B, T)
+        return _padded_layout(B, T)
 
     def token_layout(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A per-token or per-sequence tensor as the token-weights kernel reads it: a packed batch's sequence
@@ -178,6 +181,11 @@ def packed_layout(cu_seqlens, packed_source) -> tuple[SequenceLayout, object]:
     return SequenceLayout(1, total, cu_seqlens), packed_source.with_tensor(one_row)
 
 
+@functools.lru_cache(maxsize=256)
+def _padded_layout(B: int, T: int) -> SequenceLayout:
+    return SequenceLayout(B, T)
+
+
 class VocabShard(NamedTuple):
     """This rank's slice of a vocabulary-parallel call: its process group, its first global id, the global
     vocabulary's size, and who sums d hidden over the group (from hidden states: this op where
@@ -238,6 +246,8 @@ def options_from(options: GRPOOptions | None, option_kwargs: dict) -> GRPOOption
                 f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})"
             )
         return options
+    if torch.compiler.is_compiling():  # a graph's keywords are its constants: the options made once, at tracing
+        return _traced_options(**option_kwargs)
     try:  # the keywords as this call site orders them, with their types (beta=True is not beta=1)
         key = (tuple(option_kwargs.items()), tuple(map(type, option_kwargs.values())))
         kept = _OPTIONS_OF_KEYWORDS.get(key)
@@ -253,6 +263,14 @@ def options_from(options: GRPOOptions | None, option_kwargs: dict) -> GRPOOption
             _OPTIONS_OF_KEYWORDS.clear()
         _OPTIONS_OF_KEYWORDS[in_any_order] = _OPTIONS_OF_KEYWORDS[key] = kept
     return kept
+
+
+@torch.compiler.assume_constant_result
+def _traced_options(**option_kwargs) -> GRPOOptions:
+    """The options of a compiled call's keywords, built when dynamo traces the call and kept in the graph as a
+    constant (dynamo would otherwise trace the cache's key and the options' checks, and break the graph): its
+    floats are the call site's constants, read as numbers (``GRPOOptions.scalar``)."""
+    return GRPOOptions(**option_kwargs).as_graph_constant()
 
 
 class LossCall(NamedTuple):
@@ -328,6 +346,7 @@ def prepare_inputs(source, call: LossCall, settings: CallSettings) -> LossInputs
         call.normalizer,
         settings.options,
     )
+    check_compilable(options, call.cu_seqlens)
     layout, caller_shape = None, None
     if call.cu_seqlens is not None:  # a packed batch: one row of tokens to the kernels, sequences to the reductions
         caller_shape = ids.shape if isinstance(ids, torch.Tensor) else None
@@ -406,6 +425,7 @@ def prepare_logprob_inputs(
     opts = options_from(
         None, dict(temperature=temperature, logit_scale=settings.logit_scale, logit_softcap=settings.logit_softcap)
     )  # validated once per set of values
+    check_compilable(opts, settings.cu_seqlens)
     caller_shape, layout = None, None
     check_ids = settings.check_ids
     token_shape = ids.shape if isinstance(ids, torch.Tensor) else None
@@ -458,6 +478,29 @@ def prepare_logprob_inputs(
         None,
         kept,
     )
+
+
+def check_compilable(options: GRPOOptions, cu_seqlens) -> None:
+    """Inside a torch.compile graph, what it cannot hold, refused by name before any of the call is traced (each
+    reads sizes or selects tokens on the host; ``docs/stacks.md`` lists them; the kept set: ``_kept``)."""
+    if not torch.compiler.is_compiling():
+        return
+    if cu_seqlens is not None:
+        raise NotImplementedError(
+            "cu_seqlens (a packed batch) inside a torch.compile graph: its sequence layout is as wide as the longest "
+            "sequence, a length read on the host; call the loss eagerly, or pass the batch padded [B, T] with its mask"
+        )
+    if options.loss.policy_term in HOST_SELECTED_TERMS:
+        raise NotImplementedError(
+            f"loss_type={options.loss_type!r} inside a torch.compile graph: its tokens are chosen on the host (a "
+            "top-k or a random draw over the active tokens, as verl does); call the loss eagerly"
+        )
+    if options.masks_high_entropy:
+        raise NotImplementedError(
+            f"top_entropy_quantile={options.top_entropy_quantile!r} inside a torch.compile graph: the quantile is "
+            "taken over the active tokens' entropies (gathered across processes), a selection sized on the host; "
+            "call the loss eagerly, or leave top_entropy_quantile at 1"
+        )
 
 
 def _kept(kept_set, token_shape, ids, shape, shard, mask, check_ids: bool):

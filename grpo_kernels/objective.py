@@ -24,7 +24,7 @@ import torch
 
 from . import collectives, torch_path
 from .kernels.contracts import CLIP_METRICS_CISPO, CLIP_METRICS_PPO
-from .options import GRPOOptions
+from .options import GRPOOptions, option_value
 from .policy_terms import FAMILY_TERMS
 
 
@@ -80,15 +80,17 @@ def kl_term(lp: torch.Tensor, ref: torch.Tensor, opts: GRPOOptions) -> torch.Ten
         return k2 - k2.detach() + kl_term(lp, ref, opts.replace(kl_estimator=opts.kl_estimator[:-1])).detach()
     if opts.kl_estimator == "k3":
         x = ref - lp
-        if opts.log_ratio_clamp is not None:
-            x = torch.clamp(x, -opts.log_ratio_clamp, opts.log_ratio_clamp)
+        bound = option_value(opts, "log_ratio_clamp", x)
+        if bound is not None:
+            x = torch.clamp(x, -bound, bound)
         kl = torch.exp(x) - x - 1
     elif opts.kl_estimator == "k1":
         kl = lp - ref
     else:  # k2
         kl = 0.5 * (lp - ref) ** 2
-    if opts.kl_clamp is not None:
-        kl = torch.clamp(kl, -opts.kl_clamp, opts.kl_clamp)
+    bound = option_value(opts, "kl_clamp", kl)
+    if bound is not None:
+        kl = torch.clamp(kl, -bound, bound)
     return kl
 
 
@@ -121,8 +123,9 @@ def per_token_terms(
         log_weight = lp - lp.detach() + row.detach()
     else:
         log_weight = log_ratio
-    if opts.log_ratio_clamp is not None:
-        log_weight = torch.clamp(log_weight, -opts.log_ratio_clamp, opts.log_ratio_clamp)
+    bound = option_value(opts, "log_ratio_clamp", log_weight)
+    if bound is not None:
+        log_weight = torch.clamp(log_weight, -bound, bound)
     coef_1 = torch.exp(log_weight)
 
     per_token_kl = None
@@ -138,30 +141,38 @@ def per_token_terms(
         phi = vespo_weights(A, log_ratio, mask, importance_weights, opts)
         policy = -phi * A * lp
     elif term == "capped_ratio":  # cispo (with cispo_ratio_min, bounded below too: verl's)
-        capped = torch.clamp(coef_1, min=opts.cispo_ratio_min, max=opts.eps_high).detach()
+        cap = option_value(opts, "eps_high", coef_1)
+        capped = torch.clamp(coef_1, min=option_value(opts, "cispo_ratio_min", coef_1), max=cap).detach()
         policy = torch.where(capped == 0, 0.0, -capped * A * lp)  # at lp = -inf: the limit 0, not 0 * -inf
-        is_high = (coef_1 > opts.eps_high) & (A > 0)
+        is_high = (coef_1 > cap) & (A > 0)
     elif term == "soft_gate":  # sapo
-        tau = torch.where(A > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
+        tau = torch.where(
+            A > 0, option_value(opts, "sapo_temperature_pos", A), option_value(opts, "sapo_temperature_neg", A)
+        )
         policy = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
     elif term in FAMILY_TERMS:  # DPPO, GPG, GMPO, DRO, Clip-Cov, KL-Cov: ``policy_terms``
         policy, is_low, is_high = FAMILY_TERMS[term](lp, old, log_ratio, coef_1, A, mask, importance_weights, opts)
     else:  # "ppo_clip"
-        coef_2 = torch.clamp(coef_1, 1 - opts.epsilon, 1 + opts.eps_high)
-        if opts.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=opts.delta)
+        low, high = option_value(opts, "clip_low", coef_1), option_value(opts, "clip_high", coef_1)
+        coef_2 = torch.clamp(coef_1, low, high)
+        delta = option_value(opts, "delta", coef_1)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
         policy = -torch.min(coef_1 * A, coef_2 * A)
-        if opts.dual_clip is not None:  # verl / OpenRLHF: bound the loss of negative advantages by -A*c
-            policy = torch.where(A < 0, torch.min(-A * opts.dual_clip, policy), policy)
-        is_low = (coef_1 < 1 - opts.epsilon) & (A < 0)
-        is_high = (coef_1 > 1 + opts.eps_high) & (A > 0)
+        dual_clip = option_value(opts, "dual_clip", policy)
+        if dual_clip is not None:  # verl / OpenRLHF: bound the loss of negative advantages by -A*c
+            policy = torch.where(A < 0, torch.min(-A * dual_clip, policy), policy)
+        is_low = (coef_1 < low) & (A < 0)
+        is_high = (coef_1 > high) & (A > 0)
 
     if policy_mask is not None:
         policy = policy * policy_mask
     # rollout correction: the policy term only (vespo's weights are in its w, gmpo's in its row's term)
     if importance_weights is not None and term not in ("sequence_weight", "geometric_mean"):
         policy = policy * importance_weights
-    per_token_loss = policy if per_token_kl is None else policy + opts.beta * per_token_kl
+    per_token_loss = (
+        policy if per_token_kl is None else policy + option_value(opts, "beta", per_token_kl) * per_token_kl
+    )
     per_token_loss = per_token_loss.expand_as(lp)  # sequence-level without KL is [B, 1]
     return PerTokenTerms(per_token_loss, per_token_kl, is_low, is_high, phi)
 
@@ -189,8 +200,11 @@ def vespo_weights(
         seq = seq + torch.where(mask != 0, log_iw, 0.0).sum(-1, keepdim=True)
     log_w = torch.clamp(seq, lower, 20.0)
     nonneg = advantages >= 0
-    k = torch.where(nonneg, opts.vespo_k_pos, opts.vespo_k_neg)
-    lam = torch.where(nonneg, opts.vespo_lambda_pos, opts.vespo_lambda_neg).clamp(min=1e-4)
+    k = torch.where(nonneg, option_value(opts, "vespo_k_pos", log_w), option_value(opts, "vespo_k_neg", log_w))
+    lam = torch.where(
+        nonneg, option_value(opts, "vespo_lambda_pos", log_w), option_value(opts, "vespo_lambda_neg", log_w)
+    )
+    lam = lam.clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
@@ -350,7 +364,7 @@ def grpo_loss_eager(
     policy_loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer, prompt_ids)
     loss = policy_loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts, mask, normalizer)
     metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
-    if opts.entropy_coef != 0.0:  # TRL logs the loss before its bonus
+    if opts.has_entropy_bonus:  # TRL logs the loss before its bonus
         metrics["policy_loss"] = policy_loss.detach()
     return GRPOLossOutput(loss, metrics, lp.detach())
 
@@ -379,7 +393,9 @@ def off_policy_mask(
     reference = logp.detach() if sampling_logps is None else sampling_logps.float()
     kl = torch.nan_to_num(reference - logp.detach(), nan=0.0)
     mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-    return ((as_row_column(advantages) >= 0) | (mean_kl <= opts.off_policy_mask_threshold)).float()
+    return (
+        (as_row_column(advantages) >= 0) | (mean_kl <= option_value(opts, "off_policy_mask_threshold", mean_kl))
+    ).float()
 
 
 def policy_masks(
@@ -392,14 +408,12 @@ def policy_masks(
 ):
     """(the mask multiplying the policy term, the high-entropy mask or None): TRL multiplies the
     policy term by both masks (never the KL); the entropy bonus acts on the high-entropy tokens."""
-    entropy_mask = high_entropy_mask(entropy, mask, opts) if opts.top_entropy_quantile < 1.0 else None
+    entropy_mask = high_entropy_mask(entropy, mask, opts) if opts.masks_high_entropy else None
     masks = [
         m
         for m in (
             entropy_mask,
-            off_policy_mask(advantages, logp, sampling_logps, mask, opts)
-            if opts.off_policy_mask_threshold is not None
-            else None,
+            off_policy_mask(advantages, logp, sampling_logps, mask, opts) if opts.masks_off_policy else None,
         )
         if m is not None
     ]
@@ -412,9 +426,10 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions, 
     (the bonus's), divided by their count (TRL's mean, whatever the loss type's reduction) or, with
     ``entropy_reduction="loss"``, as the token-count loss is (``normalizer``, else ``loss_mask``'s active tokens:
     OpenRLHF's ``aggregate_loss`` of the entropy). 0 without a coefficient."""
-    if opts.entropy_coef == 0.0:
+    if not opts.has_entropy_bonus:
         return 0.0
-    return opts.entropy_coef * (entropy * mask).sum() / entropy_divisor(mask, opts, loss_mask, normalizer)
+    total = (entropy * mask).sum()
+    return option_value(opts, "entropy_coef", total) * total / entropy_divisor(mask, opts, loss_mask, normalizer)
 
 
 def entropy_divisor(mask: torch.Tensor, opts: GRPOOptions, loss_mask=None, normalizer=None):
@@ -443,7 +458,7 @@ def reduced_loss(
     ``bonus_mask``'s tokens), times ``loss_scale`` (an O(1) op whose backward only scales the
     O(B * T) per-token gradients)."""
     loss = reduce_loss(per_token_loss, mask, opts, normalizer, prompt_ids)
-    if opts.entropy_coef != 0.0:
+    if opts.has_entropy_bonus:
         loss = loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts, mask, normalizer)
     return scaled(loss, loss_scale)
 

@@ -13,11 +13,12 @@ mutated); the Functions' in-place and preallocated-gradient options copy the res
 (compiled only).
 An absent optional output is an empty tensor here (a custom op's schema has no optional outputs).
 
-The Triton path's ops are its log-prob kernels (forward without a loss, backward; the lm_head's): inside a
-graph the loss math runs as graph code on their log-probs (``loss.compute_loss``), since the fused loss
-kernels (the per-token loss inside the logits pass, the one-pass schedule) take the options object, which a
-custom op's schema cannot carry. So a compiled step reads the logits twice (3 S, the two-pass schedule),
-where eager's default one-pass reads them once and writes the gradient in the same pass (2 S).
+The Triton path's ops here are its log-prob kernels (forward without a loss, backward; the lm_head's): the fused
+lm_head's loss runs its loss math as graph code on their log-probs (``pipeline.loss_in_torch``). The logits form's
+fused loss is a custom op of its own, one for each of eager's schedules (``from_logits.triton_one_pass_loss`` and
+``triton_two_pass_loss``, over the options' fields and ``GRPOOptions.runtime_scalars``): a compiled step reads the
+logits as eager's does (one-pass: 2 S). Every op takes the float settings a step may change as tensors (the head's
+``head_scalars``, the options' runtime scalars), so that a new value is a new input, not a new graph.
 """
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ from .kernels.contracts import TokenInputs
 _NONE = (0,)  # the shape of an absent output
 
 
+def head_scalars(temperature, softcap) -> Tensor:
+    """The head's (temperature, softcap) as an op takes them: a float64 CPU tensor [2], the soft-cap NaN where there
+    is none. Inside a graph each is a number (a constant) or an option's element of ``GRPOOptions.runtime_scalars``
+    (an input): a new value between steps is then a new input, not a new graph (an op's float argument is
+    specialized, one graph per value)."""
+    as_f64 = lambda v: torch.as_tensor(v, dtype=torch.float64).reshape(())  # noqa: E731
+    return torch.stack([as_f64(temperature), as_f64(float("nan") if softcap is None else softcap)])
+
+
+def head_floats(head: Tensor) -> Tuple[float, Optional[float]]:
+    """``head_scalars`` inverted inside an op (a CPU tensor: no device sync)."""
+    temperature, softcap = head.tolist()
+    return temperature, None if softcap != softcap else softcap
+
+
 def _dtype(t: Tensor) -> torch.dtype:
     return torch_path.compute_dtype(t)
 
@@ -42,12 +58,12 @@ def _dtype(t: Tensor) -> torch.dtype:
 def torch_logprobs(
     logits: Tensor,
     ids: Tensor,
-    temperature: float,
-    softcap: Optional[float],
+    head: Tensor,
     compute_entropy: bool,
     compute_sum_squares: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logp, entropy or empty, lse, Σπ² or empty), [B, T] fp32 (fp64 for fp64 logits): ``torch_path.forward``."""
+    temperature, softcap = head_floats(head)
     logp, entropy, lse, squares = torch_path.forward(
         logits, ids, temperature, compute_entropy, softcap, compute_sum_squares
     )
@@ -56,7 +72,7 @@ def torch_logprobs(
 
 
 @torch_logprobs.register_fake
-def _(logits, ids, temperature, softcap, compute_entropy, compute_sum_squares=False):
+def _(logits, ids, head, compute_entropy, compute_sum_squares=False):
     B, T, _ = logits.shape
     new = lambda *shape: logits.new_empty(shape, dtype=_dtype(logits))  # noqa: E731
     optional = lambda wanted: new(B, T) if wanted else new(*_NONE)  # noqa: E731
@@ -69,19 +85,19 @@ def torch_logprobs_backward(
     ids: Tensor,
     lse: Tensor,
     grad_logp: Tensor,
-    temperature: float,
-    softcap: Optional[float],
+    head: Tensor,
     grad_entropy: Optional[Tensor],
     entropy: Optional[Tensor],
 ) -> Tensor:
     """dlogits [B, T, V] in the logits' dtype: ``torch_path.backward`` into a new tensor."""
+    temperature, softcap = head_floats(head)
     return torch_path.backward(
         logits, ids, lse, grad_logp, temperature, grad_entropy=grad_entropy, entropy=entropy, softcap=softcap
     )
 
 
 @torch_logprobs_backward.register_fake
-def _(logits, ids, lse, grad_logp, temperature, softcap, grad_entropy, entropy):
+def _(logits, ids, lse, grad_logp, head, grad_entropy, entropy):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
@@ -91,12 +107,12 @@ def torch_linear_logprobs(
     weight: Tensor,
     bias: Optional[Tensor],
     ids: Tensor,
-    temperature: float,
-    softcap: Optional[float],
+    head: Tensor,
     compute_entropy: bool,
     compute_sum_squares: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(lse, logp, entropy or empty, Σπ² or empty), [N]: ``torch_path.linear_forward``."""
+    temperature, softcap = head_floats(head)
     lse, logp, entropy, squares = torch_path.linear_forward(
         hidden, weight, bias, ids, temperature, compute_entropy, softcap, compute_sum_squares
     )
@@ -105,7 +121,7 @@ def torch_linear_logprobs(
 
 
 @torch_linear_logprobs.register_fake
-def _(hidden, weight, bias, ids, temperature, softcap, compute_entropy, compute_sum_squares=False):
+def _(hidden, weight, bias, ids, head, compute_entropy, compute_sum_squares=False):
     new = lambda *shape: hidden.new_empty(shape, dtype=_dtype(hidden))  # noqa: E731
     N = hidden.shape[0]
     return (
@@ -124,13 +140,13 @@ def torch_linear_backward(
     ids: Tensor,
     lse: Tensor,
     g: Tensor,
-    temperature: float,
-    softcap: Optional[float],
+    head: Tensor,
     compute_weight_grad: bool,
     grad_entropy: Optional[Tensor],
     entropy: Optional[Tensor],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d hidden, d weight or empty, d bias or empty): ``torch_path.linear_backward``."""
+    temperature, softcap = head_floats(head)
     dh, dw, db = torch_path.linear_backward(
         hidden,
         weight,
@@ -149,7 +165,7 @@ def torch_linear_backward(
 
 
 @torch_linear_backward.register_fake
-def _(hidden, weight, bias, ids, lse, g, temperature, softcap, compute_weight_grad, grad_entropy, entropy):
+def _(hidden, weight, bias, ids, lse, g, head, compute_weight_grad, grad_entropy, entropy):
     dtype = _dtype(hidden)
     dh = hidden.new_empty(hidden.shape, dtype=dtype)
     dw = weight.new_empty(weight.shape if compute_weight_grad else _NONE, dtype=dtype)
@@ -171,13 +187,13 @@ def _unaliased(*outputs: Optional[Tensor]) -> Tuple[Tensor, ...]:
 def triton_logprobs(
     logits: Tensor,
     ids: Tensor,
-    temperature: float,
-    softcap: Optional[float],
+    head: Tensor,
     mask: Optional[Tensor],
     compute_entropy: bool,
     compute_sum_squares: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logp, entropy or empty, lse, Σπ² or empty), fp32 [N]: the forward kernel without a loss (``launch.forward``)."""
+    temperature, softcap = head_floats(head)
     r = launch.forward(
         logits,
         ids,
@@ -191,7 +207,7 @@ def triton_logprobs(
 
 
 @triton_logprobs.register_fake
-def _(logits, ids, temperature, softcap, mask, compute_entropy, compute_sum_squares=False):
+def _(logits, ids, head, mask, compute_entropy, compute_sum_squares=False):
     N = logits.shape[0] * logits.shape[1]
     new = lambda *shape: logits.new_empty(shape, dtype=torch.float32)  # noqa: E731
     optional = lambda wanted: new(N) if wanted else new(*_NONE)  # noqa: E731
@@ -204,20 +220,20 @@ def triton_logprobs_backward(
     ids: Tensor,
     lse: Tensor,
     grad_logp: Tensor,
-    temperature: float,
-    softcap: Optional[float],
+    head: Tensor,
     out: Tensor,
     grad_entropy: Optional[Tensor],
     entropy: Optional[Tensor],
 ) -> None:
     """dlogits written into ``out`` ([B, T, V], a unit last stride): the backward kernel (``launch.backward``)."""
+    temperature, softcap = head_floats(head)
     launch.backward(
         logits, ids, lse, grad_logp, temperature, softcap=softcap, out=out, grad_entropy=grad_entropy, entropy=entropy
     )
 
 
 @triton_logprobs_backward.register_fake
-def _(logits, ids, lse, grad_logp, temperature, softcap, out, grad_entropy, entropy):
+def _(logits, ids, lse, grad_logp, head, out, grad_entropy, entropy):
     return None
 
 
@@ -227,12 +243,12 @@ def triton_linear_logprobs(
     weight: Tensor,
     bias: Optional[Tensor],
     ids: Tensor,
-    temperature: float,
-    softcap: Optional[float],
+    head: Tensor,
     compute_entropy: bool,
     compute_sum_squares: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(lse, logp, entropy or empty, Σπ² or empty), fp32 [N]: the lm_head forward kernel without a loss."""
+    temperature, softcap = head_floats(head)
     r = fused_linear_launch.linear_forward(
         hidden,
         weight,
@@ -247,7 +263,7 @@ def triton_linear_logprobs(
 
 
 @triton_linear_logprobs.register_fake
-def _(hidden, weight, bias, ids, temperature, softcap, compute_entropy, compute_sum_squares=False):
+def _(hidden, weight, bias, ids, head, compute_entropy, compute_sum_squares=False):
     N = hidden.shape[0]
     new = lambda *shape: hidden.new_empty(shape, dtype=torch.float32)  # noqa: E731
     optional = lambda wanted: new(N) if wanted else new(*_NONE)  # noqa: E731
@@ -262,13 +278,13 @@ def triton_linear_backward(
     ids: Tensor,
     lse: Tensor,
     g: Tensor,
-    temperature: float,
-    softcap: Optional[float],
+    head: Tensor,
     compute_weight_grad: bool,
     grad_entropy: Optional[Tensor],
     entropy: Optional[Tensor],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d hidden, d weight or empty, d bias or empty), fp32: the lm_head's chunked backward."""
+    temperature, softcap = head_floats(head)
     dh, dw, db = fused_linear_launch.linear_backward(
         hidden,
         weight,
@@ -287,7 +303,7 @@ def triton_linear_backward(
 
 
 @triton_linear_backward.register_fake
-def _(hidden, weight, bias, ids, lse, g, temperature, softcap, compute_weight_grad, grad_entropy, entropy):
+def _(hidden, weight, bias, ids, lse, g, head, compute_weight_grad, grad_entropy, entropy):
     f32 = dict(dtype=torch.float32)
     dh = hidden.new_empty(hidden.shape, **f32)
     dw = weight.new_empty(weight.shape if compute_weight_grad else _NONE, **f32)

@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 from typing import ClassVar
+
+import torch
 
 from .kernels import contracts
 from .rollout_correction import as_rollout_correction
@@ -228,6 +231,14 @@ class GRPOOptions:
     masks_tokens: ClassVar[bool]
     fused_metric_names: ClassVar[tuple]
     kernel_loss: ClassVar[contracts.KernelLoss | None]
+    has_entropy_bonus: ClassVar[bool]
+    masks_high_entropy: ClassVar[bool]
+    masks_off_policy: ClassVar[bool]
+    clip_low: ClassVar[float]
+    clip_high: ClassVar[float]
+    runtime_scalars: ClassVar[torch.Tensor]
+    absent_scalars: ClassVar[tuple]
+    graph_constant: ClassVar[bool]
     # the loss types whose reduction divides by the ``normalizer`` (validation names them)
     token_count_loss_types: ClassVar[tuple] = TOKEN_COUNT_LOSS_TYPES
 
@@ -345,6 +356,11 @@ class GRPOOptions:
           in torch (GSPO's sequence ratios, VESPO's sequence weights, the families of ``policy_terms.py``).
         - ``masks_tokens``: a policy-term mask that needs this pass's log-probs or entropies before the loss
           (TRL's high-entropy mask, DeepSeek-V3.2's off-policy sequence mask): one more read of the logits.
+          ``masks_high_entropy`` and ``masks_off_policy``: which of them; ``has_entropy_bonus``: entropy_coef != 0.
+        - ``clip_low``, ``clip_high``: PPO-clip's ratio bounds, 1 - epsilon and 1 + eps_high.
+        - ``runtime_scalars``: the float options and values the loss reads on every call (``RUNTIME_SCALARS``), one
+          float64 CPU tensor (NaN where unset), which a torch.compile graph takes as an input (``scalar``);
+          ``absent_scalars``: the names that are unset (None), which shape the graph.
         - ``kernel_loss``: these options as the loss kernels' launchers take them (``kernels.contracts.KernelLoss``),
           so the launchers never read an option (nor import this module); None for a loss type whose loss math
           runs in torch (no ``kernel_term``).
@@ -364,11 +380,29 @@ class GRPOOptions:
             # the kernels' CISPO caps the ratio from above only: a lower bound runs the loss math in torch
             loss_in_kernel=not sequence_level and loss.kernel_term is not None and self.cispo_ratio_min is None,
             masks_tokens=self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None,
+            has_entropy_bonus=self.entropy_coef != 0.0,
+            masks_high_entropy=self.top_entropy_quantile < 1.0,
+            masks_off_policy=self.off_policy_mask_threshold is not None,
+            clip_low=1 - self.epsilon,
+            clip_high=1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high),
             fused_metric_names=("kl",) * (self.beta != 0.0) + ("entropy",) * self.compute_entropy + loss.clip_metrics,
         )
         for name, value in facts.items():
             object.__setattr__(self, name, value)  # (frozen: __setattr__ refuses)
         object.__setattr__(self, "kernel_loss", None if loss.kernel_term is None else _kernel_loss(self))
+        values = [getattr(self, name) for name in RUNTIME_SCALARS]
+        absent = tuple(name for name, v in zip(RUNTIME_SCALARS, values, strict=True) if v is None)
+        object.__setattr__(self, "absent_scalars", absent)
+        object.__setattr__(self, "graph_constant", False)
+        object.__setattr__(
+            self, "runtime_scalars", torch.tensor([math.nan if v is None else float(v) for v in values], dtype=_F64)
+        )
+
+    def as_graph_constant(self) -> GRPOOptions:
+        """These options marked as a graph's constant (a compiled call's keywords: ``inputs.options_from``): their
+        floats are numbers in the graph, as the call site's are."""
+        object.__setattr__(self, "graph_constant", True)
+        return self
 
     def replace(self, **changes) -> GRPOOptions:
         return dataclasses.replace(self, **changes)
@@ -433,6 +467,35 @@ class GRPOOptions:
         return cls(**{**options, **overrides})
 
 
+# The float options (and the values derived from them) the loss reads on every call, in ``runtime_scalars``' order
+RUNTIME_SCALARS = (
+    "beta",
+    "epsilon",
+    "eps_high",
+    "clip_low",
+    "clip_high",
+    "delta",
+    "dual_clip",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "log_ratio_clamp",
+    "kl_clamp",
+    "entropy_coef",
+    "top_entropy_quantile",
+    "off_policy_mask_threshold",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "dro_beta",
+    "cispo_ratio_min",
+    "temperature",
+    "kernel_temperature",
+    "kernel_softcap",
+)
+_RUNTIME_INDEX = {name: i for i, name in enumerate(RUNTIME_SCALARS)}
+_F64 = torch.float64
+
 _KL_KINDS = {
     "k3": contracts.KL_K3,
     "k1": contracts.KL_K1,
@@ -486,6 +549,11 @@ CALL_KEYWORDS = (
     "lm_head_mode",
     "head_precision",
     "prompt_ids",
+    "kept_set",
+    "sampling_logps",
+    "importance_weights",
+    "normalizer",
+    "bias",
 )
 
 
@@ -532,24 +600,52 @@ _FIELD_SET = frozenset(f.name for f in dataclasses.fields(GRPOOptions))
 GRPOOptions.__init__ = _checked_init(GRPOOptions.__init__)
 
 
+def option_value(options: GRPOOptions, name: str, like: torch.Tensor | None = None):
+    """A float option (or derived value: ``RUNTIME_SCALARS``) as the loss math reads it: the Python number (None
+    where unset) in an eager call; inside a torch.compile graph its element of ``options.runtime_scalars``, a tensor
+    the graph takes as an input, so that a new value (``GRPOLoss.update``: a temperature or clip schedule) is a new
+    input, not a new graph. ``like``: the tensor it combines with, whose device and dtype it takes (without one, a
+    float64 CPU 0-d tensor: a custom op's argument). Options that are a graph's constant (a compiled call's
+    keywords) give their numbers there too. (A function, not a method: dynamo calls no method of a constant.)"""
+    if not torch.compiler.is_compiling() or options.graph_constant:
+        return getattr(options, name)
+    if name in options.absent_scalars:  # (a None is the graph's structure: an option turned on or off)
+        return None
+    value = options.runtime_scalars[_RUNTIME_INDEX[name]]
+    return value if like is None else value.to(device=like.device, dtype=like.dtype)
+
+
+def kernel_loss_scalars(value) -> tuple:
+    """The loss kernels' run-time scalars in ``contracts.LOSS_SCALARS`` order, from ``value(name)``: an option's
+    number, None where unset (0 to the kernels, whose ``LOSS_FLAGS`` say which are on). The options' own
+    ``kernel_loss`` and a compiled graph's op (from ``runtime_scalars``) take them here."""
+    number = lambda name: 0.0 if value(name) is None else float(value(name))  # noqa: E731
+    scalars = dict(
+        eps_low=number("epsilon"),
+        eps_high=number("eps_high"),
+        delta=number("delta"),
+        dual_clip=number("dual_clip"),
+        beta=number("beta"),
+        log_ratio_clamp=number("log_ratio_clamp"),
+        kl_clamp=number("kl_clamp"),
+        sapo_tau_pos=number("sapo_temperature_pos"),
+        sapo_tau_neg=number("sapo_temperature_neg"),
+    )
+    return tuple(scalars[name] for name in contracts.LOSS_SCALARS)
+
+
+def runtime_values(scalars) -> dict:
+    """``GRPOOptions.runtime_scalars`` (a CPU tensor, inside an op: no device sync) as numbers by name, None where
+    the option is unset."""
+    return {name: None if v != v else v for name, v in zip(RUNTIME_SCALARS, scalars.tolist(), strict=True)}
+
+
 def _kernel_loss(o: GRPOOptions) -> contracts.KernelLoss:
     """``GRPOOptions.kernel_loss``: the policy term's kernel, the run-time scalars (``contracts.LOSS_SCALARS``
     order: a value that changes between steps is never a constexpr) and the compile-time ``LOSS_FLAGS`` (a
     feature's presence only, one ``contracts.LOSS_FLAG_*`` bit each)."""
-    zero_if_none = lambda v: 0.0 if v is None else float(v)  # noqa: E731
-    scalars = dict(
-        eps_low=float(o.epsilon),
-        eps_high=float(o.eps_high),
-        delta=zero_if_none(o.delta),
-        dual_clip=zero_if_none(o.dual_clip),
-        beta=float(o.beta),
-        log_ratio_clamp=zero_if_none(o.log_ratio_clamp),
-        kl_clamp=zero_if_none(o.kl_clamp),
-        sapo_tau_pos=float(o.sapo_temperature_pos),
-        sapo_tau_neg=float(o.sapo_temperature_neg),
-    )
     args = {
-        "loss_scalars": tuple(scalars[name] for name in contracts.LOSS_SCALARS),
+        "loss_scalars": kernel_loss_scalars(lambda name: getattr(o, name)),
         "LOSS_KIND": o.loss.kernel_term,
         "KL_KIND": _KL_KINDS[o.kl_estimator],
         "LOSS_FLAGS": (

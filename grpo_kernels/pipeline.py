@@ -33,7 +33,7 @@ from .kernels.contracts import (
     TokenInputs,
 )
 from .objective import GRPOLossOutput, entropy_divisor, loss_from_logps, policy_masks, prompt_divisors
-from .options import GRPOOptions
+from .options import GRPOOptions, option_value
 from .rollout_correction import check_call, reads_current
 from .validation import check_teacher_topk, checked_teacher_topk
 
@@ -65,7 +65,7 @@ def loss(source, call: LossCall, settings: CallSettings) -> GRPOLossOutput:
         out = loss_in_torch(
             inputs, logp, entropy, policy or PolicyTerms(inputs.importance_weights, None, inputs.mask_seq)
         )
-    if opts.entropy_coef != 0.0:
+    if opts.has_entropy_bonus:
         out.metrics["policy_loss"] = policy_loss_before_bonus(inputs, out, policy, first_pass)
     if correction is not None:
         out.metrics.update(correction.metrics)
@@ -124,7 +124,7 @@ def corrected_and_masked(inputs: LossInputs) -> tuple:
         check_call(correction, inputs.sampling_logps, inputs.importance_weights, inputs.old_logps)
     if opts.masks_tokens or (correction is not None and reads_current(correction, inputs.old_logps)):
         with torch.no_grad():  # this call's log-probs / entropies first: one more read of the logits
-            first_pass = inputs.source.logprobs(inputs, opts.top_entropy_quantile < 1.0)
+            first_pass = inputs.source.logprobs(inputs, opts.masks_high_entropy)
     if correction is not None:  # the correction's weights and rejections, then the masks on top of them
         inputs, correction = with_rollout_correction(inputs, first_pass)
     if opts.masks_tokens:
@@ -252,9 +252,9 @@ def kernel_reduction(
         divisor = normalizer
     else:  # a number (0 divides as 1 where the kernel is launched: no token is active then)
         divisor = float(normalizer)
-    return Reduction(
-        divisor_kind, divisor, loss_scale, float(opts.entropy_coef), bonus_mask, opts.entropy_reduction == "loss"
-    )
+    # (inside a graph the option's runtime scalar: reading the float there would guard on its value)
+    entropy_coef = option_value(opts, "entropy_coef") if torch.compiler.is_compiling() else opts.entropy_coef
+    return Reduction(divisor_kind, divisor, loss_scale, entropy_coef, bonus_mask, opts.entropy_reduction == "loss")
 
 
 # ---- 4. Launch: the loss math in torch where the kernels do not compute the loss ----------------------------------
@@ -303,4 +303,4 @@ def policy_loss_before_bonus(inputs: LossInputs, out: GRPOLossOutput, policy, fi
         if not (scale.__class__ is float and scale == 0.0)
         else torch.full_like(out.loss.detach(), float("nan"))
     )
-    return unscaled + opts.entropy_coef * bonus_entropy
+    return unscaled + option_value(opts, "entropy_coef", bonus_entropy) * bonus_entropy

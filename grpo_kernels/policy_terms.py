@@ -19,6 +19,7 @@ import torch
 
 from . import collectives
 from .conventions import VERL_MEAN_EPS
+from .options import option_value
 
 
 def _trust_region(divergence: str):
@@ -29,15 +30,14 @@ def _trust_region(divergence: str):
 
     def term(lp, old, log_ratio, ratio, A, mask, importance_weights, opts):
         p, p_old = torch.exp(lp.detach()), torch.exp(old)
+        high, low, delta = (option_value(opts, name, p) for name in ("eps_high", "epsilon", "delta"))
         if divergence == "tv":
-            inside = torch.where(A > 0, p - p_old <= opts.eps_high, p - p_old >= -opts.epsilon)
+            inside = torch.where(A > 0, p - p_old <= high, p - p_old >= -low)
         else:
             lp_now = lp.detach()
             binary_kl = p_old * (old - lp_now) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
-            inside = torch.where(
-                A > 0, (binary_kl <= opts.eps_high) | (p <= p_old), (binary_kl <= opts.epsilon) | (p >= p_old)
-            )
-        capped = (ratio if opts.delta is None else torch.clamp(ratio, max=opts.delta)).detach()
+            inside = torch.where(A > 0, (binary_kl <= high) | (p <= p_old), (binary_kl <= low) | (p >= p_old))
+        capped = (ratio if delta is None else torch.clamp(ratio, max=delta)).detach()
         # outside the region, and where the ratio is 0 (lp = -inf): 0, not 0 * -inf
         policy = torch.where(inside & (capped != 0), -A * capped * lp, 0.0)
         return policy, None, ~inside
@@ -52,7 +52,7 @@ def _log_prob(lp, old, log_ratio, ratio, A, mask, importance_weights, opts):
 
 def _log_ratio_penalty(lp, old, log_ratio, ratio, A, mask, importance_weights, opts):
     """DRO: -(A log pi - dro_beta (log pi - log pi_old)^2 / 2) (verl's ``dro``)."""
-    return -(lp * A - 0.5 * opts.dro_beta * log_ratio.square()), None, None
+    return -(lp * A - 0.5 * option_value(opts, "dro_beta", lp) * log_ratio.square()), None, None
 
 
 def _geometric_mean(lp, old, log_ratio, ratio, A, mask, importance_weights, opts):
@@ -61,7 +61,9 @@ def _geometric_mean(lp, old, log_ratio, ratio, A, mask, importance_weights, opts
     mean advantage; the rollout weights enter as the row's geometric mean of them. One value a row ([B, 1]); the
     flags: a clipped log-ratio where A < 0 (low) and where A > 0 (high)."""
     sign = torch.sign(A)
-    clipped = torch.clamp(log_ratio, -opts.epsilon, opts.eps_high)
+    clipped = torch.clamp(
+        log_ratio, -option_value(opts, "epsilon", log_ratio), option_value(opts, "eps_high", log_ratio)
+    )
     chosen = sign * torch.minimum(sign * log_ratio, sign * clipped)
     tokens = mask.sum(-1, keepdim=True).clamp(min=1.0)
     row_ratio = torch.exp((chosen * mask).sum(-1, keepdim=True) / tokens)
@@ -118,6 +120,10 @@ def _covariance_kl(lp, old, log_ratio, ratio, A, mask, importance_weights, opts)
     unclipped = -A * ratio
     return torch.where(penalized, unclipped + opts.kl_cov_coef * log_ratio.abs(), unclipped), None, penalized
 
+
+# the terms whose token selection runs on the host (a top-k or a random draw over the active tokens, across
+# processes): no torch.compile graph holds them (``inputs.check_compilable``)
+HOST_SELECTED_TERMS = ("covariance_clip", "covariance_kl")
 
 FAMILY_TERMS = {
     "tv_trust_region": _trust_region("tv"),

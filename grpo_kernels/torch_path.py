@@ -99,6 +99,7 @@ def _row_statistics(
     return lse, logp, entropy, sum_squares
 
 
+@fp32_products  # the row statistics' sums (vecdot) in fp32 under any autocast, as the kernels take them
 def forward(
     logits: torch.Tensor,
     ids: torch.Tensor,
@@ -145,6 +146,7 @@ def _softmax_gradient(
     return p * torch.where(p > 0, -g - h * (log_p + entropy), 0.0)
 
 
+@fp32_products
 def backward(
     logits: torch.Tensor,
     ids: torch.Tensor,

@@ -401,14 +401,20 @@ def triton_available() -> bool:
     return True
 
 
-@functools.cache  # fixed when triton is imported
+_INTERPRETER_ENABLED: list = []  # the answer, once asked (a functools cache would be traced by dynamo, which warns)
+
+
+@torch.compiler.assume_constant_result  # (a graph reads it once, when traced)
 def interpreter_enabled() -> bool:
-    """True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import)."""
-    from triton.runtime.interpreter import InterpretedFunction
+    """True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import): fixed when triton is
+    imported, read once from the kernel's own type."""
+    if not _INTERPRETER_ENABLED:
+        from triton.runtime.interpreter import InterpretedFunction
 
-    from .kernels import grpo
+        from .kernels import grpo
 
-    return isinstance(grpo.grpo_forward_kernel, InterpretedFunction)
+        _INTERPRETER_ENABLED.append(isinstance(grpo.grpo_forward_kernel, InterpretedFunction))
+    return _INTERPRETER_ENABLED[0]
 
 
 def check_in_place(in_place: bool, logits: torch.Tensor) -> None:
@@ -647,9 +653,14 @@ def checked_teacher_topk(teacher_ids, teacher_logps, token_shape: tuple, ids_sha
             torch.ones(ids_shape, dtype=torch.bool, device=device) if mask is None else mask.reshape(ids_shape) != 0
         )
         at = active.unsqueeze(-1)
-        flags = torch.stack(
-            [((ids < 0) | (ids >= V)).logical_and(at).any(), (~torch.isfinite(logps)).logical_and(at).any()]
-        ).tolist()  # the one host sync
+        bad_ids = ((ids < 0) | (ids >= V)).logical_and(at).any()
+        bad_logps = (~torch.isfinite(logps)).logical_and(at).any()
+        if torch.compiler.is_compiling():  # a graph has no host sync: the same checks, asserted on the device
+            torch._assert_async(~bad_ids, f"teacher_ids must lie in [0, V) = [0, {V}) at active tokens")
+            torch._assert_async(~bad_logps, "teacher_logps must be finite at active tokens")
+            flags = (False, False)
+        else:
+            flags = torch.stack([bad_ids, bad_logps]).tolist()  # the one host sync
         if flags[0]:
             bad = int(ids[((ids < 0) | (ids >= V)) & at][0])
             raise ValueError(f"teacher_ids must lie in [0, V) = [0, {V}) at active tokens, got {bad}")

@@ -432,3 +432,28 @@ def test_a_log_prob_pass_computes_no_entropy_unless_asked(monkeypatch):
     verl_adapter.patch_logprobs()
     replacements["logprobs_from_logits"](logits, ids)
     assert asked == [False]
+
+
+def test_the_call_keywords_are_the_loss_calls_own():
+    """``options.CALL_KEYWORDS`` (what an unknown option may have meant, ``GRPOOptions(backend=...)`` refused as a call
+    keyword) is every keyword the loss functions and Modules take besides their tensors and the options: held to
+    their signatures, so that it cannot drift (it lacked kept_set)."""
+    from grpo_kernels import FusedLinearGRPOLoss, GRPOLoss, fused_linear_grpo_loss, grpo_loss
+    from grpo_kernels.options import CALL_KEYWORDS
+
+    tensors = {"logits", "hidden_states", "weight", "completion_ids", "completion_mask", "advantages", "old_logps",
+               "ref_logps", "self", "option_kwargs"}  # fmt: skip
+    fields = {f.name for f in dataclasses.fields(GRPOOptions)}
+    taken = {
+        name
+        for call in (
+            grpo_loss,
+            fused_linear_grpo_loss,
+            GRPOLoss.__init__,
+            FusedLinearGRPOLoss.__init__,
+            GRPOLoss.forward,
+            FusedLinearGRPOLoss.forward,
+        )  # fmt: skip
+        for name in inspect.signature(call).parameters
+    }
+    assert set(CALL_KEYWORDS) == taken - tensors - fields

@@ -11,7 +11,15 @@ import pytest
 import torch
 from helpers import BATCH_KEYS, KERNEL_LOSS_TYPES, OPTION_CASES, assert_close, make_batch
 
-from grpo_kernels import FusedLinearGRPOLoss, fused_linear_grpo_loss, grpo_loss_reference
+from grpo_kernels import (
+    FusedLinearGRPOLoss,
+    fused_linear_grpo_loss,
+    grpo_loss,
+    grpo_loss_reference,
+    linear_selective_log_softmax,
+    linear_token_logprobs,
+    selective_log_softmax,
+)
 from grpo_kernels.kernels import fused_linear as FL
 from grpo_kernels.kernels import fused_linear_launch, launch
 
@@ -403,16 +411,41 @@ def test_three_products_mode_without_gradient_is_the_chunked_forward(device, mon
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_autocast_does_not_cast_the_lm_heads_fp32_products_down(device, backend):
-    """Under a bf16 autocast the fused lm_head still computes its logits and gradients in fp32: the same
-    loss and gradients as without autocast (an ambient autocast used to run the torch path's products in
-    bf16, a weight gradient several times less accurate than a materialized head's)."""
+def test_under_autocast_the_head_computes_as_f_linear_does(device, backend):
+    """A model body under a bf16 autocast gives bf16 hidden states while the head's weight stays fp32 (the master
+    weights): the fused head then computes as ``F.linear`` under the same autocast (both operands in bf16, the
+    logits rounded to bf16) and equals it followed by the unfused loss, with d weight in fp32 (it raised a dtype
+    mismatch). fp32 hidden states are cast alike; ``head_precision="fp32"`` is fp32 whatever the autocast."""
     batch, hidden, weight, bias = _inputs(device)
+    device_type = hidden.device.type
+    for body_dtype in (torch.bfloat16, torch.float32):
+        leaves = [hidden.detach().to(body_dtype).requires_grad_(), weight.clone().requires_grad_()]
+        twins = [t.detach().clone().requires_grad_() for t in leaves]
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+            ours = fused_linear_grpo_loss(*leaves, **batch, bias=bias, backend=backend, beta=0.04)
+            logits = torch.nn.functional.linear(twins[0], twins[1], bias)
+            assert logits.dtype is torch.bfloat16
+            expected = grpo_loss(logits, **batch, backend="torch", beta=0.04)
+        ours.loss.backward()
+        expected.loss.backward()
+        assert leaves[1].grad.dtype is torch.float32
+        assert_close("loss", expected.loss, ours.loss, atol=1e-6, rtol=1e-5)
+        assert_close("d hidden", twins[0].grad.float(), leaves[0].grad.float(), atol=2e-2, rtol=2e-2)
+        assert_close("d weight", twins[1].grad, leaves[1].grad, atol=2e-3, rtol=2e-2)
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16):  # the log-prob family's entry points too
+        body = hidden.to(torch.bfloat16)
+        ids = batch["completion_ids"]
+        expected_lp = selective_log_softmax(torch.nn.functional.linear(body, weight, bias), ids, backend="torch")
+        for ours_lp in (
+            linear_selective_log_softmax(body, weight, ids, bias, backend=backend),
+            linear_token_logprobs(body, weight, ids, bias, backend=backend),
+        ):
+            assert_close("log-probs", expected_lp, ours_lp, atol=1e-6, rtol=1e-5)
     results = []
     for autocast in (False, True):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        with torch.autocast(device_type=hidden.device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = fused_linear_grpo_loss(h, w, **batch, bias=bias, backend=backend, beta=0.04)
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=autocast):
+            out = fused_linear_grpo_loss(h, w, **batch, bias=bias, backend=backend, beta=0.04, head_precision="fp32")
         out.loss.backward()
         results.append((out.loss, h.grad, w.grad))
     for name, plain, cast in zip(("loss", "d hidden", "d weight"), *results, strict=True):

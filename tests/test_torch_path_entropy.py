@@ -61,3 +61,24 @@ def test_rows_of_minus_infinity_and_masked_vocabulary():
     assert torch.isfinite(entropy[0, 1:]).all() and entropy[0, 2] == 0 and logp[0, 2] == 0
     assert torch.isclose(entropy[0, 1].double(), -(ref.exp() * torch.where(ref.isinf(), 0, ref)).sum(), atol=1e-6)
     assert lse[0, 2] == 60.0
+
+
+def test_cpu_autocast_changes_no_row_statistic():
+    """CPU autocast runs ``torch.linalg.vecdot`` in bf16: the torch path's row statistics (entropy, Σπ², the
+    log-sum-exp and the log-probs) stay fp32 under it, eager and compiled alike (the entropy's error was 7.5e-3)."""
+    from grpo_kernels import selective_log_softmax_and_entropy, token_logprobs
+
+    x = _peaked_rows(6.0, rows=12, V=257).float().view(2, 6, -1)
+    ids = torch.randint(0, x.shape[-1], (2, 6), generator=torch.Generator().manual_seed(2))
+
+    def statistics(logits):
+        logp, entropy = selective_log_softmax_and_entropy(logits, ids, backend="torch")
+        _, _, squares = token_logprobs(logits, ids, return_entropy=True, return_sum_pi_squared=True, backend="torch")
+        return logp, entropy, squares
+
+    expected = statistics(x)
+    compiled = torch.compile(statistics, fullgraph=True, backend="aot_eager")
+    for run in (statistics, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for name, want, got in zip(("log-probs", "entropy", "sum of squares"), expected, run(x), strict=True):
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -119,7 +119,9 @@ def _unsharded(hidden, weight, labels, weights):
     return logp.detach(), entropy.detach(), h.grad, w.grad
 
 
-def _fused_postprocess_rank(rank, world, sequence_parallel, padded):
+def _fused_postprocess_rank(rank, world, layouts):
+    """Each (sequence_parallel, padded) layout of ``layouts`` through verl's fused postprocess with our patch, and
+    Megatron's own head on the same shard, in one launch (the ranks' imports are most of a launch's time)."""
     import types
     import warnings
 
@@ -133,80 +135,100 @@ def _fused_postprocess_rank(rank, world, sequence_parallel, padded):
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     adapter.patch_logprobs()
-    hidden_all, weight_all, labels, weights = _fused_case(world, padded)
-    s, part = hidden_all.shape[0], FUSED_V // world
-    rows = slice(rank * s // world, (rank + 1) * s // world) if sequence_parallel else slice(None)
-    shard = slice(rank * part, (rank + 1) * part)
-
-    def through_verl(loss_weights):
-        hidden = hidden_all[rows].clone().requires_grad_()
-        weight = weight_all[shard].clone().requires_grad_()
-        out = model_forward_fused.fused_output_processor(
-            hidden_states=hidden,
-            output_layer=None,
-            output_weight=weight,
-            labels=labels,
-            context=model_forward_fused.FusedOutputProcessorContext(temperature=FUSED_T),
-            config=types.SimpleNamespace(sequence_parallel=sequence_parallel, config_logger_dir=""),
-        )
-        logp, entropy = out.log_probs.reshape(-1), out.entropy.reshape(-1)
-        ((loss_weights[0] * logp).sum() + (loss_weights[1] * entropy).sum()).backward()
-        return logp.detach(), entropy.detach(), hidden.grad, weight.grad
-
-    ours = through_verl(weights)
-    # Megatron's own head: ColumnParallelLinear (its input mapping reduces d hidden) and vocab_parallel_cross_entropy
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=FUSED_H,
-        num_attention_heads=world,
-        tensor_model_parallel_size=world,
-        sequence_parallel=sequence_parallel,
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-    )
-    head = tensor_parallel.ColumnParallelLinear(
-        FUSED_H, FUSED_V, config=config, init_method=torch.nn.init.zeros_, bias=False, gather_output=False
-    )
-    with torch.no_grad():
-        head.weight.copy_(weight_all[shard])
-    hidden = hidden_all[rows].clone().requires_grad_()
-    logits, _ = head(hidden)
-    logp = -tensor_parallel.vocab_parallel_cross_entropy(logits / FUSED_T, labels.view(-1, 1)).reshape(-1)
-    (weights[0] * logp).sum().backward()
-    megatron = (logp.detach(), hidden.grad, head.weight.grad)
-    ours_logp_only = through_verl(weights * torch.tensor([[1.0], [0.0]]))
-    return ours, megatron, ours_logp_only
-
-
-@pytest.mark.parametrize(
-    "world, sequence_parallel, padded",
-    [(2, True, False), (2, True, True), (2, False, False), (2, False, True), (4, True, True), (4, False, False)],
-)
-def test_verls_megatron_fused_path_gives_the_unsharded_gradients(world, sequence_parallel, padded):
-    """Through verl's own fused postprocess with our patch, TP 2 and 4, sequence parallelism on (verl's default for
-    TP > 1: the gather's reduce-scatter sums d hidden) and off (nothing else sums it): log-probs, entropy, d hidden
-    and d weight equal the unsharded model's, and Megatron's own ColumnParallelLinear + vocab_parallel_cross_entropy
-    (log-probs, d hidden, d weight). Before the contract, d hidden was TP x the unsharded one with sequence
-    parallelism on."""
-    hidden, weight, labels, weights = _fused_case(world, padded)
-    logp, entropy, d_hidden, d_weight = _unsharded(hidden, weight, labels, weights)
-    s, part = hidden.shape[0], FUSED_V // world
-    tight = dict(atol=1e-5, rtol=1e-5)
-    for rank, (ours, megatron, ours_logp_only) in enumerate(
-        run_ranks(_fused_postprocess_rank, world, sequence_parallel, padded, timeout=600)
-    ):
+    results = []
+    for sequence_parallel, padded in layouts:
+        hidden_all, weight_all, labels, weights = _fused_case(world, padded)
+        s, part = hidden_all.shape[0], FUSED_V // world
         rows = slice(rank * s // world, (rank + 1) * s // world) if sequence_parallel else slice(None)
         shard = slice(rank * part, (rank + 1) * part)
-        torch.testing.assert_close(ours[0], logp, **tight)
-        torch.testing.assert_close(ours[1], entropy, **tight)
-        torch.testing.assert_close(ours[2], d_hidden[rows], **tight, msg=lambda m, r=rank: f"d hidden, rank {r}: {m}")
-        torch.testing.assert_close(ours[3], d_weight[shard], **tight, msg=lambda m, r=rank: f"d weight, rank {r}: {m}")
-        for name, theirs, mine in zip(("log-probs", "d hidden", "d weight"), megatron, (ours_logp_only[0],
-                                      ours_logp_only[2], ours_logp_only[3]), strict=True):  # fmt: skip
-            torch.testing.assert_close(mine, theirs, **tight, msg=lambda m, name=name: f"Megatron's {name}: {m}")
+
+        def through_verl(loss_weights, rows=rows, shard=shard, hidden_all=hidden_all, weight_all=weight_all,
+                         labels=labels, sequence_parallel=sequence_parallel):  # fmt: skip
+            hidden = hidden_all[rows].clone().requires_grad_()
+            weight = weight_all[shard].clone().requires_grad_()
+            out = model_forward_fused.fused_output_processor(
+                hidden_states=hidden,
+                output_layer=None,
+                output_weight=weight,
+                labels=labels,
+                context=model_forward_fused.FusedOutputProcessorContext(temperature=FUSED_T),
+                config=types.SimpleNamespace(sequence_parallel=sequence_parallel, config_logger_dir=""),
+            )
+            logp, entropy = out.log_probs.reshape(-1), out.entropy.reshape(-1)
+            ((loss_weights[0] * logp).sum() + (loss_weights[1] * entropy).sum()).backward()
+            return logp.detach(), entropy.detach(), hidden.grad, weight.grad
+
+        ours = through_verl(weights)
+        # Megatron's own head: ColumnParallelLinear (its input mapping reduces d hidden), vocab_parallel_cross_entropy
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=FUSED_H,
+            num_attention_heads=world,
+            tensor_model_parallel_size=world,
+            sequence_parallel=sequence_parallel,
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+        )
+        head = tensor_parallel.ColumnParallelLinear(
+            FUSED_H, FUSED_V, config=config, init_method=torch.nn.init.zeros_, bias=False, gather_output=False
+        )
+        with torch.no_grad():
+            head.weight.copy_(weight_all[shard])
+        hidden = hidden_all[rows].clone().requires_grad_()
+        logits, _ = head(hidden)
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits / FUSED_T, labels.view(-1, 1)).reshape(-1)
+        (weights[0] * logp).sum().backward()
+        megatron = (logp.detach(), hidden.grad, head.weight.grad)
+        ours_logp_only = through_verl(weights * torch.tensor([[1.0], [0.0]]))
+        results.append((ours, megatron, ours_logp_only))
+    return results, _reduce_hidden_grad(rank, world)
 
 
-def _reduce_hidden_grad_rank(rank, world):
+FUSED_LAYOUTS = {  # (sequence_parallel, padded) cases a launch
+    2: [(True, False), (True, True), (False, False), (False, True)],
+    4: [(True, True), (False, False)],
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_verls_megatron_fused_path_gives_the_unsharded_gradients(world):
+    """Through verl's own fused postprocess with our patch, TP 2 and 4, sequence parallelism on (verl's default for
+    TP > 1: the gather's reduce-scatter sums d hidden) and off (nothing else sums it), THD-packed with and without
+    verl's alignment padding: log-probs, entropy, d hidden and d weight equal the unsharded model's, and Megatron's own
+    ColumnParallelLinear + vocab_parallel_cross_entropy (log-probs, d hidden, d weight). Before the contract, d
+    hidden was TP x the unsharded one with sequence parallelism on. Also the op's contract by itself:
+    reduce_hidden_grad=True gives every rank the summed d hidden, False this rank's share, whose sum is the same."""
+    layouts = FUSED_LAYOUTS[world]
+    ranks = run_ranks(_fused_postprocess_rank, world, layouts, timeout=600)
+    tight = dict(atol=1e-5, rtol=1e-5)
+    for case, (sequence_parallel, padded) in enumerate(layouts):
+        hidden, weight, labels, weights = _fused_case(world, padded)
+        logp, entropy, d_hidden, d_weight = _unsharded(hidden, weight, labels, weights)
+        s, part = hidden.shape[0], FUSED_V // world
+        for rank, (results, _) in enumerate(ranks):
+            ours, megatron, ours_logp_only = results[case]
+            rows = slice(rank * s // world, (rank + 1) * s // world) if sequence_parallel else slice(None)
+            shard = slice(rank * part, (rank + 1) * part)
+            where = f"sequence_parallel={sequence_parallel}, padded={padded}, rank {rank}"
+            for name, got, want in (
+                ("log-probs", ours[0], logp),
+                ("entropy", ours[1], entropy),
+                ("d hidden", ours[2], d_hidden[rows]),
+                ("d weight", ours[3], d_weight[shard]),
+                ("Megatron's log-probs", ours_logp_only[0], megatron[0]),
+                ("Megatron's d hidden", ours_logp_only[2], megatron[1]),
+                ("Megatron's d weight", ours_logp_only[3], megatron[2]),
+            ):
+                torch.testing.assert_close(got, want, **tight, msg=lambda m, n=name, w=where: f"{n}, {w}: {m}")
+    shares = [share for _, (_, share) in ranks]
+    total = sum(shares)
+    for _, (summed, share) in ranks:
+        torch.testing.assert_close(summed, total, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(share, total)
+
+
+def _reduce_hidden_grad(rank, world):
+    """(d hidden with reduce_hidden_grad=True, with False) of one fused head call on this rank's vocabulary shard."""
     import torch.distributed as dist
 
     from grpo_kernels import linear_selective_log_softmax
@@ -227,13 +249,3 @@ def _reduce_hidden_grad_rank(rank, world):
         logp.sum().backward()
         grads.append(h.grad)
     return grads
-
-
-def test_reduce_hidden_grad_leaves_the_sum_to_the_caller():
-    """The op's contract by itself: reduce_hidden_grad=True gives every rank the summed d hidden; False, this rank's
-    share, whose sum over the ranks is the same."""
-    ranks = run_ranks(_reduce_hidden_grad_rank, 2, timeout=600)
-    total = ranks[0][1] + ranks[1][1]
-    torch.testing.assert_close(ranks[0][0], total, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ranks[1][0], total, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(ranks[0][1], total)

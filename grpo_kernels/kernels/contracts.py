@@ -204,9 +204,9 @@ def rounds_head_logits(dtype: torch.dtype) -> bool:
 
 
 def fp32_products(fn):
-    """``fn`` with autocast off: its products are meant in fp32 (the lm_head's logits and gradients,
-    accumulated in fp32), which an ambient bf16 / fp16 autocast would silently cast down. Both the torch path
-    and the lm_head's launchers use it."""
+    """``fn`` with autocast off: its products and sums are meant in fp32 (the lm_head's logits and gradients,
+    accumulated in fp32; the torch path's row statistics, whose ``vecdot`` CPU autocast runs in bf16), which an
+    ambient bf16 / fp16 autocast would silently cast down. The torch path and the lm_head's launchers use it."""
 
     @functools.wraps(fn)
     def without_autocast(*args, **kwargs):
