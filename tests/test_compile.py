@@ -322,16 +322,18 @@ FLOAT_OPTIONS = {
 }
 # Triton's graph hands its options to its fused ops, one kind of value each; dynamic=True (floats symbolic from the
 # first call) on a few: the interpreter and symbolic shapes are slow, and neither changes how an option is read
-SCHEDULES = [
-    ("torch", None, tuple(FLOAT_OPTIONS)),
-    ("torch", True, ("temperature", "epsilon", "log_ratio_clamp")),
-    ("triton", None, ("temperature", "entropy_coef")),
-    ("triton", True, ("beta",)),
+SCHEDULES = [  # (backend, dynamic, options, whether FusedLinearGRPOLoss too for temperature and beta)
+    ("torch", None, tuple(FLOAT_OPTIONS), True),
+    ("torch", True, ("epsilon",), False),
+    ("triton", None, ("temperature", "entropy_coef"), False),
+    ("triton", True, ("beta",), False),
 ]
 
 
-@pytest.mark.parametrize("backend, dynamic, names", SCHEDULES, ids=lambda v: str(v) if not isinstance(v, tuple) else "")
-def test_ten_values_of_every_float_option_add_no_graph(backend, dynamic, names):
+@pytest.mark.parametrize(
+    "backend, dynamic, names, fused_too", SCHEDULES, ids=lambda v: str(v) if v is None or isinstance(v, str) else ""
+)
+def test_ten_values_of_every_float_option_add_no_graph(backend, dynamic, names, fused_too):
     """A temperature or clip schedule: ``loss_fn.update(...)`` with ten successive values of each float option, the
     compiled step called after each, is one graph (the options' floats are a tensor input of the graph, never a
     guard; ``dynamic=None``, dynamo's default, as with ``dynamic=True``), its loss and gradient equal to eager's
@@ -340,7 +342,8 @@ def test_ten_values_of_every_float_option_add_no_graph(backend, dynamic, names):
     x = _inputs()
     for name in names:
         base, change = FLOAT_OPTIONS[name]
-        for module in ("GRPOLoss", "FusedLinearGRPOLoss") if name in ("temperature", "beta") else ("GRPOLoss",):
+        both = fused_too and name in ("temperature", "beta")
+        for module in ("GRPOLoss", "FusedLinearGRPOLoss") if both else ("GRPOLoss",):
             torch._dynamo.reset()
             counters.clear()
             options = dict(beta=0.04, **base)
