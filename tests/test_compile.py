@@ -331,7 +331,7 @@ SCHEDULES = [  # (backend, dynamic, options, whether FusedLinearGRPOLoss too for
 
 
 @pytest.mark.parametrize(
-    "backend, dynamic, names, fused_too", SCHEDULES, ids=lambda v: str(v) if v is None or isinstance(v, str) else ""
+    "backend, dynamic, names, fused_too", SCHEDULES, ids=[f"{b}-dynamic={d}" for b, d, *_ in SCHEDULES]
 )
 def test_ten_values_of_every_float_option_add_no_graph(backend, dynamic, names, fused_too):
     """A temperature or clip schedule: ``loss_fn.update(...)`` with ten successive values of each float option, the
