@@ -72,6 +72,7 @@ NOT_FAST = (
     "tests/test_trl_integration.py::test_fused_lm_head_trains_under_ddp_as_accelerate_launches_it",
     "tests/test_trl_integration.py::test_two_processes_match_one_process_on_the_trl_path",
     "tests/test_device_suite.py",
+    "tests/test_compile.py::test_ten_values_of_every_float_option_add_no_graph",
     "tests/test_openrlhf_integration.py::test_the_openrlhf_advantage_preset_is_openrlhfs_group_norm_with_its_clip_range",
 )
 
