@@ -176,3 +176,64 @@ def test_fused_linear_grpo_loss(benchmark, name, shape, backward):
             **environment(),
         }
     )
+
+
+ACTIVE_SHARES = (1.0, 0.1)  # every token counted, and an agentic batch's tenth (its turns scattered)
+
+
+@pytest.mark.parametrize(
+    "share, compaction",
+    [
+        pytest.param(s, c, id=f"{100 * s:g}%-{'compacted' if c else 'every row'}")
+        for s in ACTIVE_SHARES
+        for c in (False, True)
+    ],  # fmt: skip
+)
+def test_active_tokens(benchmark, share, compaction):
+    """The fused head's loss, forward + backward, with ``share`` of its tokens active (scattered), with the active-token
+    compaction (``grpo_kernels.inputs.compacted``: the head's products over the active rows) and without it (every
+    row's products, as before it): time and the useful TFLOP/s of the active rows' products (6 n V H)."""
+    from grpo_kernels import inputs as call_inputs
+
+    shape = shapes()[0]
+    x = dict(inputs_for(shape))
+    B, T, H, V = shape
+    g = torch.Generator().manual_seed(1)
+    x["mask"] = (torch.rand(B, T, generator=g) < share).float().to(x["mask"].device)
+    n = int(x["mask"].sum())
+
+    def step():
+        hidden = x["hidden"].detach().requires_grad_()
+        weight = x["weight"].detach().requires_grad_()
+        loss = fused_linear_grpo_loss(
+            hidden, weight, x["ids"], x["mask"], x["adv"], x["old"], x["ref"], beta=BETA, temperature=TEMPERATURE
+        ).loss  # (check_ids on: the compaction counts the active tokens in the call's one host sync)
+        torch.autograd.grad(loss, (hidden, weight))
+        sync()
+
+    share_before = call_inputs.COMPACTION_SHARE
+    call_inputs.COMPACTION_SHARE = share_before if compaction else 0.0
+    try:
+        peak_extra = warm_up_and_time(benchmark, step, rounds=10 if ON_GPU else 3)
+    finally:
+        call_inputs.COMPACTION_SHARE = share_before
+    if benchmark.stats is None:
+        return
+    seconds = benchmark.stats.stats.median
+    benchmark.extra_info.update(
+        {
+            "suite": "active_tokens",
+            "path": f"ours fused, {'compacted' if compaction else 'every row'}",
+            "active_share": share,
+            "active_tokens": n,
+            "N": B * T,
+            "H": H,
+            "V": V,
+            "dtype": str(x["hidden"].dtype).replace("torch.", ""),
+            "pass": "fwd+bwd",
+            "median_ms": seconds * 1e3,
+            "useful_TFLOPs": 6 * n * V * H / seconds / 1e12,
+            "peak_extra_bytes": peak_extra,
+            **environment(),
+        }
+    )

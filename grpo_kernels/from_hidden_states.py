@@ -114,6 +114,15 @@ class HiddenStatesSource:
     def as_one_row(self) -> HiddenStatesSource:
         return self.with_tensor(self.tensor.reshape(1, -1, self.tensor.shape[-1]))
 
+    def token_rows(self) -> torch.Tensor:
+        """The hidden states that predict the completion, [B, T, H]."""
+        return self.tensor
+
+    def on_rows(self, rows: torch.Tensor) -> HiddenStatesSource:
+        """The head and settings on some of the tokens' hidden states, gathered as one row [1, n, H]
+        (``inputs.compacted``; unsharded, as ``LogitsSource.on_rows``)."""
+        return HiddenStatesSource(rows, self.weight, self.bias, self.lm_head_mode)
+
     def logits_shape(self, ids) -> tuple:
         """(B, T, V) of the logits the head would make, after checking the hidden states, weight and bias."""
         check_linear_inputs(self.tensor, self.weight, self.bias)

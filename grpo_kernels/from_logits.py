@@ -88,6 +88,15 @@ class LogitsSource:
         """Logits [..., V] of other leading dims as one row [1, N, V] (a view where possible)."""
         return self.with_tensor(self.tensor.reshape(1, -1, self.tensor.shape[-1]))
 
+    def token_rows(self) -> torch.Tensor:
+        """The logits that predict the completion, [B, T, V] (a view: the dropped position left out)."""
+        return aligned(self.tensor, self.drop_last_position)
+
+    def on_rows(self, rows: torch.Tensor) -> LogitsSource:
+        """This form's settings on some of its tokens' rows, gathered as one row [1, n, V] (``inputs.compacted``:
+        an unsharded source, which the compacted call's preparation shards again where the call is sharded)."""
+        return LogitsSource(rows, one_pass=self.one_pass)
+
     def logits_shape(self, ids) -> tuple:
         """(B, T, V) of the logits that predict the completion, after checking ``drop_last_position`` against the
         ids; no view is made (the Triton launchers read the first T positions in place)."""

@@ -133,6 +133,12 @@ class SequenceLayout:
             and t.numel() == self.S
             and (t.dim() == 1 or t.shape[1] == 1)
         )
+        if per_sequence and t.dim() == 1 and self.S == self.N and self.T_max > 1:
+            raise ValueError(
+                f"{name} of shape [{self.S}] is ambiguous in this packed batch: it has as many sequences as tokens "
+                f"({self.S}; some empty, some longer), so it could be one a sequence or one a token. Pass it per "
+                f"sequence as [{self.S}, 1], or per token as [1, {self.N}]"
+            )
         if not per_sequence:
             self.one_row(f"{name} (per token; or per sequence [S] = [{self.S}])", t)
         if not t.dtype.is_floating_point:
@@ -478,6 +484,73 @@ def prepare_logprob_inputs(
         None,
         kept,
     )
+
+
+# A loss call whose active tokens are at most this share of its tokens runs on them alone (``compacted``): measured on
+# the CPU torch path (benchmarks/active_tokens_cpu.py), the gather of the active rows and the scatter of their gradient
+# cost about what a tenth of the rows' math does
+COMPACTION_SHARE = 0.5
+
+
+def compacted(inputs: LossInputs, call: LossCall, settings: CallSettings) -> tuple | None:
+    """The call on its active tokens alone, where that pays, as a packed call (each of its sequences' active tokens in
+    order: every reduction, sequence ratio, correction and metric sees the same tokens as before): (its source, its
+    ``LossCall``, its ``CallSettings``, the active tokens' positions in the token layout [n]); None otherwise.
+
+    A token the mask leaves out then costs no product of the head and no read of its logits: from hidden states on
+    every backend (the head's products over the active rows), from logits on the torch path (the Triton kernel already
+    reads no masked row). Not inside a torch.compile graph (the count is data), without the ids' check
+    (``check_ids=False``: no host sync, as CUDA graphs need), nor with a kept set; one host sync (the active count
+    per sequence) where it applies."""
+    source = inputs.source
+    if (
+        inputs.mask is None
+        or inputs.kept is not None
+        or not settings.check_ids
+        or torch.compiler.is_compiling()
+        or (source.what == "logits" and inputs.backend != "torch")
+    ):
+        return None
+    L = inputs.layout
+    counts = (inputs.mask_seq != 0).sum(-1)
+    counts_host = counts.tolist()  # the one host sync
+    total = sum(counts_host)
+    if total == 0 or total > COMPACTION_SHARE * L.N:
+        return None
+    positions = torch.nonzero_static(inputs.mask.reshape(-1) != 0, size=total).squeeze(1)
+    rows = source.token_rows()
+    row, step = positions // rows.shape[1], positions % rows.shape[1]
+    gathered = rows[row, step].unsqueeze(0)  # [1, n, V or H]: its backward scatters into zeros at the masked tokens
+    token = lambda t: None if t is None else t.reshape(-1)[positions]  # noqa: E731
+
+    def sequence_or_token(t):  # as [S, 1] or [1, n]: unambiguous whatever the counts
+        if t is None:
+            return None
+        return t.reshape(-1, 1) if _per_sequence(t, L) else token(t).reshape(1, -1)
+
+    cu_seqlens = torch.zeros(L.S + 1, dtype=torch.int64, device=positions.device)
+    cu_seqlens[1:] = torch.cumsum(counts, 0)
+    packed = LossCall(
+        token(inputs.ids),
+        token(inputs.mask),
+        sequence_or_token(inputs.advantages),
+        token(inputs.old_logps),
+        token(inputs.ref_logps),
+        sequence_or_token(inputs.importance_weights),
+        call.normalizer,
+        call.loss_scale,
+        token(inputs.sampling_logps),
+        cu_seqlens,
+        inputs.prompt_ids,
+        None,
+    )
+    return source.on_rows(gathered), packed, settings._replace(check_ids=False), positions
+
+
+def _per_sequence(t: torch.Tensor, L: SequenceLayout) -> bool:
+    """Whether a call's advantages or importance weights are one a sequence ([B], [B, 1]; a packed call's [S], [S, 1])
+    rather than one a token."""
+    return t.numel() == L.S and (t.dim() == 1 or (t.dim() == 2 and t.shape[1] == 1))
 
 
 def check_compilable(options: GRPOOptions, cu_seqlens) -> None:

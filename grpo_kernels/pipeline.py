@@ -22,7 +22,15 @@ from typing import NamedTuple
 
 import torch
 
-from .inputs import CallSettings, LogprobSettings, LossCall, LossInputs, prepare_inputs, prepare_logprob_inputs
+from .inputs import (
+    CallSettings,
+    LogprobSettings,
+    LossCall,
+    LossInputs,
+    compacted,
+    prepare_inputs,
+    prepare_logprob_inputs,
+)
 from .kernels.contracts import (
     DIVISOR_GIVEN,
     DIVISOR_ROW,
@@ -52,6 +60,11 @@ def loss(source, call: LossCall, settings: CallSettings) -> GRPOLossOutput:
     """A loss call on its input form's ``source``: prepare, correct and mask, reduce, launch (the module's
     docstring)."""
     inputs = prepare_inputs(source, call, settings)
+    on_active = compacted(inputs, call, settings)
+    if on_active is not None:  # the active tokens alone, packed: the same loss, metrics and gradients
+        active_source, active_call, active_settings, positions = on_active
+        out = loss(active_source, active_call, active_settings)
+        return GRPOLossOutput(out.loss, out.metrics, _scattered(out.per_token_logps, positions, inputs))
     opts = inputs.options
     first_pass = correction = policy = None
     if opts.rollout_correction is not None or opts.masks_tokens:
@@ -70,6 +83,14 @@ def loss(source, call: LossCall, settings: CallSettings) -> GRPOLossOutput:
     if correction is not None:
         out.metrics.update(correction.metrics)
     return out
+
+
+def _scattered(per_token: torch.Tensor, positions: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """A compacted call's per-token values [n] at their positions of the whole call's tokens, 0 elsewhere, shaped as
+    the call's ids."""
+    whole = per_token.new_zeros(inputs.layout.N if inputs.layout.packed else inputs.ids.numel())
+    whole[positions] = per_token.reshape(-1)
+    return whole.reshape(inputs.caller_shape if inputs.caller_shape is not None else inputs.ids.shape)
 
 
 def logprobs(
@@ -205,14 +226,23 @@ def loss_tokens(inputs: LossInputs, policy: PolicyTerms | None) -> LossTokens:
     bonus = None if bonus_mask is inputs.mask_seq else L.token_layout(bonus_mask).float().contiguous()
     tokens = TokenInputs(
         mask=inputs.mask,
-        advantages=inputs.advantages,
+        advantages=_counted_apart(inputs.advantages, L),
         old_logps=_fp32_tokens(inputs.old_logps),
         ref_logps=_fp32_tokens(inputs.ref_logps) if o.uses_kl else None,
-        importance_weights=L.token_layout(importance_weights) if L.packed else importance_weights,
+        importance_weights=_counted_apart(L.token_layout(importance_weights) if L.packed else importance_weights, L),
     )
     divisors = None if inputs.prompt_ids is None else prompt_divisors(inputs.mask_seq, inputs.prompt_ids)
     reduction = kernel_reduction(o, L.S, inputs.normalizer, inputs.loss_scale, bonus, divisors)
     return LossTokens(tokens, L.sequences, reduction)
+
+
+def _counted_apart(t: torch.Tensor | None, L) -> torch.Tensor | None:
+    """A per-sequence or per-token input as the kernels tell them apart, by their count: where a packed call has as
+    many sequences as tokens (some empty, some longer), its per-sequence [S, 1] given to its tokens (a per-token one
+    is [1, N] there: ``SequenceLayout.check_per_sequence_or_token``)."""
+    if t is None or not L.packed or L.S != L.N or tuple(t.shape) != (L.S, 1):
+        return t
+    return L.tokens(t)
 
 
 def _fp32_tokens(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import LOSS_TYPE_REGISTRY, LOSS_TYPES, assert_close
 
-from grpo_kernels import GRPOLoss, grpo_loss, token_logprobs
+from grpo_kernels import GRPOLoss, grpo_loss, grpo_loss_reference, token_logprobs
 
 TOL = dict(atol=2e-6, rtol=1e-5)
 PATHS = [("torch", None), ("triton", True), ("triton", False)]
@@ -185,3 +185,29 @@ def test_packed_hidden_states_equal_padded(device, backend, lm_head_mode, loss_t
     assert_close("d weight", dw_expected, dw, atol=1e-5, rtol=1e-5)
     for name, value in expected.metrics.items():
         assert_close(name, value, out.metrics[name], **TOL)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_as_many_sequences_as_tokens_takes_no_guess(backend):
+    """Lengths [1, 1, 1, 0, 2]: five sequences and five tokens. Advantages [5] could be one a sequence or one a token,
+    and the two read them differently (the loss was silently the per-token reading's while the check took them per
+    sequence; the Triton kernels read even [S, 1] per token, by its count): refused by name; [S, 1] and [1, total]
+    each say which, and both equal the padded call's specification, on both backends."""
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 5, 2, 11
+    logits, ids = torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T), generator=g)
+    mask = torch.tensor([[1.0, 0], [0, 1], [0, 1], [0, 0], [1, 1]])
+    advantages, old = torch.randn(B, generator=g), torch.randn(B, T, generator=g) - 2
+    active = mask.reshape(-1) != 0
+    cu = torch.tensor([0, 1, 2, 3, 3, 5])
+    packed = dict(
+        logits=logits.reshape(-1, V)[active], completion_ids=ids.reshape(-1)[active],
+        completion_mask=torch.ones(5), old_logps=old.reshape(-1)[active], cu_seqlens=cu, backend=backend,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"advantages of shape \[5\] is ambiguous in this packed batch"):
+        grpo_loss(**packed, advantages=advantages)
+    padded = grpo_loss_reference(logits, ids, mask, advantages, old, loss_type="dapo")
+    per_sequence = grpo_loss(**packed, advantages=advantages.reshape(-1, 1), loss_type="dapo")
+    torch.testing.assert_close(per_sequence.loss, padded.loss)
+    per_token = advantages[:, None].expand(B, T).reshape(-1)[active].reshape(1, -1)
+    torch.testing.assert_close(grpo_loss(**packed, advantages=per_token, loss_type="dapo").loss, padded.loss)
