@@ -227,7 +227,12 @@ def _add_train_arguments(t: argparse.ArgumentParser) -> None:
         f"of {compare.WARMUP_LARGE_BATCH_SIZE} examples (default: a third of --warmup-steps; "
         f"none below {DEFAULTS.steps} --steps; 0: none)",
     )
-    t.add_argument("--eval-every", type=AT_LEAST_1, default=DEFAULTS.eval_every, help="GRPO steps between evaluations")
+    t.add_argument(
+        "--eval-every",
+        type=AT_LEAST_0,
+        default=DEFAULTS.eval_every,
+        help="GRPO steps between evaluations (0: only at the start and the end)",
+    )
     t.add_argument(
         "--save-every",
         type=int,
