@@ -1,6 +1,7 @@
 """Every kernel specialization compiles ahead of time for sm_90 (``aot.primary_launches``: the row kernels in fp32 and
 fp16 at one vocabulary, in bf16 at all three), and every kernel, loss option, schedule and tuned configuration
-(``aot.representative_launches``) for sm_80 and AMD's gfx942 (MI300) and gfx90a (MI250), on the CPU.
+(``aot.representative_launches``) for sm_80, sm_100 (Blackwell) and AMD's gfx942 (MI300) and gfx90a (MI250), on the
+CPU.
 
 What the interpreter forgives, the compiler does not: this catches compile errors,
 register spills, lost vectorization and hot loops that would be issue-bound before a GPU
@@ -103,6 +104,23 @@ def test_every_kernel_and_tuned_configuration_compiles_for_amd(amd_records, reco
     for r in amd_records:
         if r["spilled_registers"]:
             print(f"{r['arch']} {r['specialization']}: {r['spilled_registers']} registers spilled to registers")
+
+
+@pytest.fixture(scope="module")
+def blackwell_records():
+    return _aot("--arch", "100")
+
+
+def test_every_kernel_and_tuned_configuration_compiles_for_blackwell(blackwell_records, records):
+    """sm_100 (B200 / GB200): every kernel the other NVIDIA targets compile, with every loss option and schedule, and
+    every tuned configuration (``representative_launches``: one dtype and vocabulary; the dtype x vocabulary grid is
+    sm_90's), compiles without a spill."""
+    assert {r["arch"] for r in blackwell_records} == {"sm_100"}
+    assert {r["kernel"] for r in blackwell_records} == {r["kernel"] for r in records}
+    tuned = {r["specialization"] for r in records if " tuned " in f" {r['specialization']} "}
+    assert tuned and tuned <= {r["specialization"] for r in blackwell_records}
+    spills = [(r["specialization"], r["spill_bytes"]) for r in blackwell_records if r["spill_bytes"]]
+    assert not spills, f"spilled on sm_100: {spills}"
 
 
 def test_every_specialization_compiles_without_spills(records):

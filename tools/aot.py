@@ -10,8 +10,9 @@ wheel's cuobjdump reads registers, spills and the SASS. For the streaming logits
 each hot loop (an innermost loop that loads the logits) gives instructions, MUFU operations (exp2,
 log2) and bytes loaded per logit, and from them a static roofline against the H200 (``roofline``).
 sm_90 compiles every recorded launch (``primary_launches``: the row kernels in fp32 and fp16 at one vocabulary);
-sm_80 and ``--arch gfx942 gfx90a`` (AMD's MI300 and MI250, with the ROCm backend in the triton wheel) compile
-``representative_launches``: every kernel, loss option, schedule and tuned configuration at one dtype and vocabulary.
+sm_80, sm_100 (Blackwell) and ``--arch gfx942 gfx90a`` (AMD's MI300 and MI250, with the ROCm backend in the triton
+wheel) compile ``representative_launches``: every kernel, loss option, schedule and tuned configuration at one dtype
+and vocabulary.
 AMD's are read for registers, spills and scratch from the AMDGCN kernel descriptor (no hot-loop analysis: that is
 NVIDIA's SASS).
 It must run without TRITON_INTERPRET (the interpreter has nothing to compile).
@@ -1080,8 +1081,8 @@ def main() -> None:
         "--arch",
         nargs="+",
         default=["90", "80"],
-        help="targets: 90 (every launch), 80 (NVIDIA sm_80), gfx942, gfx90a (AMD MI300 / MI250); the last three "
-        "compile representative_launches",
+        help="targets: 90 (every launch), 80 (NVIDIA sm_80), 100 (Blackwell), gfx942, gfx90a (AMD MI300 / MI250); all "
+        "but 90 compile representative_launches",
     )
     parser.add_argument("--summary", action="store_true", help="print the hot-loop table instead of JSON")
     parser.add_argument("--signature-facts", action="store_true", help="print how the JIT types two launches")
