@@ -492,35 +492,48 @@ def prepare_logprob_inputs(
 COMPACTION_SHARE = 0.5
 
 
-def compacted(inputs: LossInputs, call: LossCall, settings: CallSettings) -> tuple | None:
-    """The call on its active tokens alone, where that pays, as a packed call (each of its sequences' active tokens in
-    order: every reduction, sequence ratio, correction and metric sees the same tokens as before): (its source, its
-    ``LossCall``, its ``CallSettings``, the active tokens' positions in the token layout [n]); None otherwise.
+def active_tokens(inputs: LossInputs, check_ids: bool) -> tuple | None:
+    """(the active tokens' positions in the token layout [n], ``cu_seqlens`` of each sequence's active tokens [S + 1],
+    their rows gathered as one [1, n, V or H]) of a call whose active tokens are at most ``COMPACTION_SHARE`` of its
+    tokens, where running on them alone pays; None otherwise.
 
     A token the mask leaves out then costs no product of the head and no read of its logits: from hidden states on
     every backend (the head's products over the active rows), from logits on the torch path (the Triton kernel already
     reads no masked row). Not inside a torch.compile graph (the count is data), without the ids' check
     (``check_ids=False``: no host sync, as CUDA graphs need), nor with a kept set; one host sync (the active count
-    per sequence) where it applies."""
+    of each sequence) where it applies. The gathered rows' backward scatters their gradient into zeros at the masked
+    tokens."""
     source = inputs.source
     if (
         inputs.mask is None
         or inputs.kept is not None
-        or not settings.check_ids
+        or not check_ids
         or torch.compiler.is_compiling()
         or (source.what == "logits" and inputs.backend != "torch")
     ):
         return None
     L = inputs.layout
     counts = (inputs.mask_seq != 0).sum(-1)
-    counts_host = counts.tolist()  # the one host sync
-    total = sum(counts_host)
+    total = sum(counts.tolist())  # the one host sync
     if total == 0 or total > COMPACTION_SHARE * L.N:
         return None
     positions = torch.nonzero_static(inputs.mask.reshape(-1) != 0, size=total).squeeze(1)
     rows = source.token_rows()
-    row, step = positions // rows.shape[1], positions % rows.shape[1]
-    gathered = rows[row, step].unsqueeze(0)  # [1, n, V or H]: its backward scatters into zeros at the masked tokens
+    gathered = rows[positions // rows.shape[1], positions % rows.shape[1]].unsqueeze(0)
+    cu_seqlens = torch.zeros(L.S + 1, dtype=torch.int64, device=positions.device)
+    cu_seqlens[1:] = torch.cumsum(counts, 0)
+    return positions, cu_seqlens, gathered
+
+
+def compacted(inputs: LossInputs, call: LossCall, settings: CallSettings) -> tuple | None:
+    """The loss call on its active tokens alone (``active_tokens``), as a packed call: each of its sequences' active
+    tokens in order, so that every reduction, sequence ratio, correction and metric sees the same tokens as before.
+    (its source, its ``LossCall``, its ``CallSettings``, the active tokens' positions [n]), or None."""
+    active = active_tokens(inputs, settings.check_ids)
+    if active is None:
+        return None
+    positions, cu_seqlens, gathered = active
+    L = inputs.layout
     token = lambda t: None if t is None else t.reshape(-1)[positions]  # noqa: E731
 
     def sequence_or_token(t):  # as [S, 1] or [1, n]: unambiguous whatever the counts
@@ -528,8 +541,6 @@ def compacted(inputs: LossInputs, call: LossCall, settings: CallSettings) -> tup
             return None
         return t.reshape(-1, 1) if _per_sequence(t, L) else token(t).reshape(1, -1)
 
-    cu_seqlens = torch.zeros(L.S + 1, dtype=torch.int64, device=positions.device)
-    cu_seqlens[1:] = torch.cumsum(counts, 0)
     packed = LossCall(
         token(inputs.ids),
         token(inputs.mask),
@@ -544,7 +555,7 @@ def compacted(inputs: LossInputs, call: LossCall, settings: CallSettings) -> tup
         inputs.prompt_ids,
         None,
     )
-    return source.on_rows(gathered), packed, settings._replace(check_ids=False), positions
+    return inputs.source.on_rows(gathered), packed, settings._replace(check_ids=False), positions
 
 
 def _per_sequence(t: torch.Tensor, L: SequenceLayout) -> bool:

@@ -27,6 +27,7 @@ from .inputs import (
     LogprobSettings,
     LossCall,
     LossInputs,
+    active_tokens,
     compacted,
     prepare_inputs,
     prepare_logprob_inputs,
@@ -113,8 +114,17 @@ def sequence_logprobs(source, ids, mask, temperature: float, settings: LogprobSe
     """The method family's log-prob pass (``methods.py``): (its ``LossInputs``, the differentiable log-probs in the
     sequence layout [S, T_max], 0 where no token counts; the mask there). Masked tokens are not read."""
     inputs = prepare_logprob_inputs(source, ids, temperature, settings, mask=mask)
-    logp, _ = inputs.source.logprobs(inputs, False, final=True)
-    return inputs, inputs.layout.seq(logp), inputs.mask_seq
+    active = active_tokens(inputs, settings.check_ids)
+    if active is None:
+        logp, _ = inputs.source.logprobs(inputs, False, final=True)
+        return inputs, inputs.layout.seq(logp), inputs.mask_seq
+    positions, cu_seqlens, gathered = active  # the active tokens alone, packed: the same log-probs
+    on_rows = settings._replace(cu_seqlens=cu_seqlens, check_ids=False, drop_last_position=False)
+    ids_active = inputs.ids.reshape(-1)[positions]
+    active_inputs = prepare_logprob_inputs(inputs.source.on_rows(gathered), ids_active, temperature, on_rows)
+    logp_active, _ = active_inputs.source.logprobs(active_inputs, False, final=True)
+    logp = logp_active.new_zeros(inputs.ids.numel()).index_put((positions,), logp_active.reshape(-1))
+    return inputs, inputs.layout.seq(logp.reshape(inputs.ids.shape)), inputs.mask_seq
 
 
 def logprobs_at_ids(source, teacher_ids, teacher_logps, mask, temperature: float, settings: LogprobSettings) -> tuple:

@@ -171,3 +171,43 @@ def test_a_vocabulary_split_compacts_alike_on_every_rank():
         torch.testing.assert_close(logps, dense.per_token_logps, **TIGHT)
         torch.testing.assert_close(h_grad, d_hidden, **TIGHT)
         torch.testing.assert_close(w_grad, d_weight[start:stop], **TIGHT)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_method_family_compacts_its_log_prob_pass(backend, monkeypatch):
+    """SFT, RFT and DPO (their masks' log-prob pass) on a tenth of the tokens: the head's products over the active rows
+    alone on the torch path, and the loss, log-probs and gradients of the dense call, from hidden states and logits."""
+    from grpo_kernels import dpo_loss, rft_loss, sft_loss
+
+    hidden, weight, batch = _batch(seed=4)
+    ids, mask = batch["completion_ids"], batch["completion_mask"]
+    B2 = B - 1 if B % 2 else B  # DPO pairs its rows
+    calls = {
+        "sft hidden states": lambda h, w: sft_loss(h, ids, mask, weight=w, backend=backend),
+        "rft logits": lambda h, w: rft_loss(
+            _logits(h, w, mask), ids, mask, torch.tensor([1.0, 0.0, 1.0]), backend=backend
+        ),  # fmt: skip
+        "dpo hidden states": lambda h, w: dpo_loss(
+            h[:B2], ids[:B2], mask[:B2], torch.zeros(B2, T), weight=w, backend=backend
+        ),
+    }
+    for name, call in calls.items():
+
+        def run(call=call):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            out = call(h, w)
+            out.loss.backward()
+            return out, h.grad, w.grad
+
+        (ours, *grads), (dense, *dense_grads) = run(), _dense(run)
+        torch.testing.assert_close(ours.loss, dense.loss, **TIGHT, msg=name)
+        torch.testing.assert_close(ours.per_token_logps, dense.per_token_logps, **TIGHT, msg=name)
+        for got, want in zip(grads, dense_grads, strict=True):
+            torch.testing.assert_close(got, want, **TIGHT, equal_nan=True, msg=name)
+    rows = []
+    original = torch_path.linear_forward
+    monkeypatch.setattr(
+        torch_path, "linear_forward", lambda h, *a, **k: rows.append(h.shape[0]) or original(h, *a, **k)
+    )
+    sft_loss(hidden, ids, mask, weight=weight, backend="torch")
+    assert rows == [int((mask != 0).sum())]
