@@ -92,37 +92,16 @@ def _calls(backend: str) -> dict:
     def safe(x):
         return x["ids"].clamp(min=0)
 
+    def grpo(x, **options):
+        return grpo_loss(x["logits"], x["ids"], x["mask"], x["advantages"], x["old"], x["ref"], **options, **kw)
+
     return {
         "grpo_loss keywords": (
-            lambda x: loss_outputs(
-                grpo_loss(
-                    x["logits"],
-                    x["ids"],
-                    x["mask"],
-                    x["advantages"],
-                    x["old"],
-                    x["ref"],
-                    beta=0.04,
-                    loss_type="dapo",
-                    epsilon=0.25,
-                    **kw,
-                )  # fmt: skip
-            ),
+            lambda x: loss_outputs(grpo(x, beta=0.04, loss_type="dapo", epsilon=0.25)),
             ("logits",),
         ),
         "grpo_loss options=": (
-            lambda x: loss_outputs(
-                grpo_loss(
-                    x["logits"],
-                    x["ids"],
-                    x["mask"],
-                    x["advantages"],
-                    x["old"],
-                    x["ref"],
-                    options=GRPOOptions(beta=0.04, loss_type="grpo", dual_clip=3.0),
-                    **kw,
-                )  # fmt: skip
-            ),
+            lambda x: loss_outputs(grpo(x, options=GRPOOptions(beta=0.04, loss_type="grpo", dual_clip=3.0))),
             ("logits",),
         ),
         "fused_linear_grpo_loss keywords": (

@@ -20,7 +20,7 @@ from .config import NONFINITE_REWARDS, RECIPE, TrainerConfig
 from .data import load_reward_function, read_rows, trainer_rows
 from .plots import plot_curves
 from .tasks import TASKS, compare, get_task
-from .trainer import GRPOTrainer, Preempted
+from .trainer import GRPOTrainer, Preempted, trainer_loss_options
 
 DEFAULTS = TrainerConfig(**RECIPE)  # the built-in task's recipe
 
@@ -413,19 +413,52 @@ def check_train_flags(args) -> None:
             "--adaptive-entropy acts on the GRPO loss's entropy bonus: a distillation alone has none (add "
             "--with-task-reward, or leave --adaptive-entropy off)"
         )
-    try:  # the loss the trainer will build from these flags (GRPOTrainer's loss options)
-        GRPOOptions(
-            loss_type=args.loss_type,
-            aggregation=args.aggregation,
-            beta=args.beta,
-            epsilon=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            temperature=args.temperature,
-            max_completion_length=args.max_new_tokens,
-            entropy_coef=args.entropy_coef,
-        )
+    try:  # the trainer's settings
+        config = trainer_config(args)
+    except (TypeError, ValueError) as refused:
+        raise ValueError(f"the training flags: {refused}") from None
+    try:  # and the loss it will build from them
+        GRPOOptions(**trainer_loss_options(config))
     except (TypeError, ValueError) as refused:
         raise ValueError(f"the loss's flags (--loss-type, --epsilon, --beta, ...): {refused}") from None
+
+
+def trainer_config(args) -> TrainerConfig:
+    """The ``TrainerConfig`` of ``train`` / ``distill``'s flags."""
+    return TrainerConfig(
+        group_size=args.group_size,
+        prompts_per_step=args.prompts_per_step,
+        steps=args.steps,
+        learning_rate=args.lr,
+        beta=args.beta,
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high,
+        loss_type=args.loss_type,
+        aggregation=args.aggregation,
+        num_iterations=args.num_iterations,
+        process_rollouts=args.process_rollouts,
+        fused_lm_head=args.fused_lm_head,
+        entropy_coef=args.entropy_coef,
+        adaptive_entropy=args.adaptive_entropy,
+        entropy_target=args.entropy_target,
+        dynamic_sampling=args.dynamic_sampling,
+        max_sampling_rounds=args.max_sampling_rounds,
+        distillation=args.distillation,
+        distillation_topk=args.distillation_topk,
+        distillation_coef=args.distillation_coef,
+        distillation_with_reward=args.with_task_reward,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        replay_kept_sets=args.replay_kept_sets,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        output_dir=args.output_dir,
+        nonfinite_rewards=args.nonfinite_rewards,
+        max_nonfinite_steps=args.max_nonfinite_steps,
+    )
 
 
 def phase_name(args) -> str:
@@ -579,40 +612,7 @@ def _train(args) -> dict:
             )
     for warning in warnings:
         run_log.line(f"WARNING: {warning}", also_stderr=True)
-    config = TrainerConfig(
-        group_size=args.group_size,
-        prompts_per_step=args.prompts_per_step,
-        steps=args.steps,
-        learning_rate=args.lr,
-        beta=args.beta,
-        epsilon=args.epsilon,
-        epsilon_high=args.epsilon_high,
-        loss_type=args.loss_type,
-        aggregation=args.aggregation,
-        num_iterations=args.num_iterations,
-        process_rollouts=args.process_rollouts,
-        fused_lm_head=args.fused_lm_head,
-        entropy_coef=args.entropy_coef,
-        adaptive_entropy=args.adaptive_entropy,
-        entropy_target=args.entropy_target,
-        dynamic_sampling=args.dynamic_sampling,
-        max_sampling_rounds=args.max_sampling_rounds,
-        distillation=args.distillation,
-        distillation_topk=args.distillation_topk,
-        distillation_coef=args.distillation_coef,
-        distillation_with_reward=args.with_task_reward,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        replay_kept_sets=args.replay_kept_sets,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        eval_every=args.eval_every,
-        save_every=args.save_every,
-        output_dir=args.output_dir,
-        nonfinite_rewards=args.nonfinite_rewards,
-        max_nonfinite_steps=args.max_nonfinite_steps,
-    )
+    config = trainer_config(args)
     if args.data is not None:  # the user's rows and reward functions (training.data)
         reward_funcs, weights = [load_reward_function(spec) for spec in args.reward], args.reward_weights
         positions = getattr(model.config, "max_position_embeddings", None)

@@ -106,6 +106,21 @@ def _keys_and_values_only(cache) -> bool:
     return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
 
 
+def trainer_loss_options(config: TrainerConfig) -> dict:
+    """The loss options a trainer of ``config`` builds its loss with (``GRPOTrainer``; the CLI checks them before any
+    work)."""
+    return dict(
+        loss_type=config.loss_type,
+        aggregation=config.aggregation,
+        beta=config.beta,
+        epsilon=config.epsilon,
+        epsilon_high=config.epsilon_high,
+        temperature=config.temperature,
+        max_completion_length=config.max_new_tokens,
+        entropy_coef=config.entropy_coef,
+    )
+
+
 class GRPOTrainer:
     """GRPO on a Hugging Face causal LM with rule or model rewards.
 
@@ -163,16 +178,7 @@ class GRPOTrainer:
         if config.beta > 0:  # a frozen copy of the starting policy (a resumed run loads the run's own: load_state)
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self._reference_saved = False  # written with this run's first checkpoint
-        loss_options = dict(
-            loss_type=config.loss_type,
-            aggregation=config.aggregation,
-            beta=config.beta,
-            epsilon=config.epsilon,
-            epsilon_high=config.epsilon_high,
-            temperature=config.temperature,
-            max_completion_length=config.max_new_tokens,
-            entropy_coef=config.entropy_coef,
-        )
+        loss_options = trainer_loss_options(config)
         self.entropy_control = (
             AdaptiveEntropy(
                 coef=config.entropy_coef,
