@@ -240,13 +240,20 @@ def _verl_forward_kl(logq, logp, active, settings) -> tuple:
 def _mean_min_max(name: str, value: torch.Tensor, active: torch.Tensor, mean: bool = True) -> dict:
     """A per-token value's mean, min and max over the active tokens (NaN without any), verl's names; on the device,
     no host sync (and so inside a graph)."""
-    count = active.sum()
-    nan = torch.full((), float("nan"), device=value.device, dtype=value.dtype)
-    over_active = lambda x: torch.where(count > 0, x, nan)  # noqa: E731
-    out = {} if not mean else {name: over_active(torch.where(active, value, 0.0).sum() / count.clamp(min=1))}
-    out[f"{name}_min"] = over_active(value.masked_fill(~active, float("inf")).min())
-    out[f"{name}_max"] = over_active(value.masked_fill(~active, float("-inf")).max())
+    out = {} if not mean else {name: _active_mean(value, active)}
+    out[f"{name}_min"] = _over_active(value.masked_fill(~active, float("inf")).min(), active)
+    out[f"{name}_max"] = _over_active(value.masked_fill(~active, float("-inf")).max(), active)
     return out
+
+
+def _active_mean(value: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """A per-token value's mean over the active tokens, NaN without any (no host sync)."""
+    return _over_active(torch.where(active, value, 0.0).sum() / active.sum().clamp(min=1), active)
+
+
+def _over_active(x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """``x``, a statistic over the active tokens, NaN where there is none."""
+    return torch.where(active.any(), x, torch.full((), float("nan"), device=x.device, dtype=x.dtype))
 
 
 def _verl_reduced(per_token, inputs, settings) -> torch.Tensor:
@@ -326,8 +333,8 @@ def _overlap_metrics(inputs, logq, logp, active, settings) -> dict:
     token_kl = logp.exp() * (logp - logq)
     advantage = torch.where(count > 0, (-token_kl * overlap).sum(-1) / count.clamp_min(1), 0.0)
     with_overlap = active & (count > 0)
-    ratio = _mean_min_max("ratio", count.float(), active)["ratio"] / K  # (NaN without an active token)
-    advantage = _mean_min_max("advantage", advantage, with_overlap)["advantage"]
+    ratio = _active_mean(count.float(), active) / K  # (NaN without an active token)
+    advantage = _active_mean(advantage, with_overlap)
     return {
         "distillation/overlap_ratio": ratio,
         "distillation/overlap_token_advantage": torch.where(with_overlap.any(), advantage, 0.0),
@@ -423,7 +430,7 @@ def reverse_kl_distillation_loss(
     teacher = torch.where(active, teacher, logp.detach())  # a masked token's teacher value is never read
     per_token = torch.where(active, reverse_kl_estimate(logp, teacher, estimator), 0.0)
     metrics = _mean_min_max("distillation/loss", per_token.detach(), active, mean=False)
-    metrics["distillation/abs_loss"] = _mean_min_max("abs", per_token.detach().abs(), active)["abs"]
+    metrics["distillation/abs_loss"] = _active_mean(per_token.detach().abs(), active)
     if loss_max_clamp is not None:
         per_token = per_token.clamp(min=-loss_max_clamp, max=loss_max_clamp)
     tokens, rows = batch_num_tokens, global_batch_size

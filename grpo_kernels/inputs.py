@@ -123,16 +123,18 @@ class SequenceLayout:
             raise ValueError(f"{name} of a packed batch must be [total] or [1, total] with total = {total}, got {got}")
         return t.reshape(1, total)
 
+    def per_sequence(self, t) -> bool:
+        """Whether a call's advantages or importance weights hold one value a sequence ([S] or [S, 1]; padded:
+        [B] or [B, 1]) rather than one a token."""
+        return (
+            isinstance(t, torch.Tensor) and t.numel() == self.S and (t.dim() == 1 or (t.dim() == 2 and t.shape[1] == 1))
+        )
+
     def check_per_sequence_or_token(self, name: str, t: torch.Tensor | None) -> None:
         """A packed call's advantages or importance weights: per sequence [S] / [S, 1], or per token."""
         if t is None:
             return
-        per_sequence = (
-            isinstance(t, torch.Tensor)
-            and t.dim() in (1, 2)
-            and t.numel() == self.S
-            and (t.dim() == 1 or t.shape[1] == 1)
-        )
+        per_sequence = self.per_sequence(t)
         if per_sequence and t.dim() == 1 and self.S == self.N and self.T_max > 1:
             raise ValueError(
                 f"{name} of shape [{self.S}] is ambiguous in this packed batch: it has as many sequences as tokens "
@@ -539,7 +541,7 @@ def compacted(inputs: LossInputs, call: LossCall, settings: CallSettings) -> tup
     def sequence_or_token(t):  # as [S, 1] or [1, n]: unambiguous whatever the counts
         if t is None:
             return None
-        return t.reshape(-1, 1) if _per_sequence(t, L) else token(t).reshape(1, -1)
+        return t.reshape(-1, 1) if L.per_sequence(t) else token(t).reshape(1, -1)
 
     packed = LossCall(
         token(inputs.ids),
@@ -556,12 +558,6 @@ def compacted(inputs: LossInputs, call: LossCall, settings: CallSettings) -> tup
         None,
     )
     return inputs.source.on_rows(gathered), packed, settings._replace(check_ids=False), positions
-
-
-def _per_sequence(t: torch.Tensor, L: SequenceLayout) -> bool:
-    """Whether a call's advantages or importance weights are one a sequence ([B], [B, 1]; a packed call's [S], [S, 1])
-    rather than one a token."""
-    return t.numel() == L.S and (t.dim() == 1 or (t.dim() == 2 and t.shape[1] == 1))
 
 
 def check_compilable(options: GRPOOptions, cu_seqlens) -> None:

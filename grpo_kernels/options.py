@@ -368,11 +368,12 @@ class GRPOOptions:
           KL where there is one, its entropy where computed, the clip metrics; TRL's names)."""
         loss = LOSS_TYPE_REGISTRY[self.loss_type]
         sequence_level = self.importance_sampling_level in ("sequence", "sequence_token")
+        eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         facts = dict(
             loss=loss,
             reduction=loss.reduction if self.aggregation == "loss_type" else self.aggregation,
             takes_normalizer=loss.takes_normalizer and self.aggregation == "loss_type",
-            eps_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+            eps_high=eps_high,
             uses_kl=self.beta != 0.0,
             kernel_temperature=self.temperature / self.logit_scale,
             kernel_softcap=None if self.logit_softcap is None else self.logit_softcap / self.logit_scale,
@@ -384,7 +385,7 @@ class GRPOOptions:
             masks_high_entropy=self.top_entropy_quantile < 1.0,
             masks_off_policy=self.off_policy_mask_threshold is not None,
             clip_low=1 - self.epsilon,
-            clip_high=1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high),
+            clip_high=1 + eps_high,
             fused_metric_names=("kl",) * (self.beta != 0.0) + ("entropy",) * self.compute_entropy + loss.clip_metrics,
         )
         for name, value in facts.items():

@@ -87,10 +87,9 @@ def loss(source, call: LossCall, settings: CallSettings) -> GRPOLossOutput:
 
 
 def _scattered(per_token: torch.Tensor, positions: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-    """A compacted call's per-token values [n] at their positions of the whole call's tokens, 0 elsewhere, shaped as
-    the call's ids."""
-    whole = per_token.new_zeros(inputs.layout.N if inputs.layout.packed else inputs.ids.numel())
-    whole[positions] = per_token.reshape(-1)
+    """A compacted call's per-token values [n] at their positions of the whole call's tokens, 0 elsewhere (and no
+    gradient there), shaped as the call's ids."""
+    whole = per_token.new_zeros(inputs.ids.numel()).index_put((positions,), per_token.reshape(-1))
     return whole.reshape(inputs.caller_shape if inputs.caller_shape is not None else inputs.ids.shape)
 
 
@@ -123,8 +122,7 @@ def sequence_logprobs(source, ids, mask, temperature: float, settings: LogprobSe
     ids_active = inputs.ids.reshape(-1)[positions]
     active_inputs = prepare_logprob_inputs(inputs.source.on_rows(gathered), ids_active, temperature, on_rows)
     logp_active, _ = active_inputs.source.logprobs(active_inputs, False, final=True)
-    logp = logp_active.new_zeros(inputs.ids.numel()).index_put((positions,), logp_active.reshape(-1))
-    return inputs, inputs.layout.seq(logp.reshape(inputs.ids.shape)), inputs.mask_seq
+    return inputs, inputs.layout.seq(_scattered(logp_active, positions, inputs)), inputs.mask_seq
 
 
 def logprobs_at_ids(source, teacher_ids, teacher_logps, mask, temperature: float, settings: LogprobSettings) -> tuple:
@@ -250,7 +248,7 @@ def _counted_apart(t: torch.Tensor | None, L) -> torch.Tensor | None:
     """A per-sequence or per-token input as the kernels tell them apart, by their count: where a packed call has as
     many sequences as tokens (some empty, some longer), its per-sequence [S, 1] given to its tokens (a per-token one
     is [1, N] there: ``SequenceLayout.check_per_sequence_or_token``)."""
-    if t is None or not L.packed or L.S != L.N or tuple(t.shape) != (L.S, 1):
+    if t is None or not L.packed or L.S != L.N or not L.per_sequence(t):
         return t
     return L.tokens(t)
 
