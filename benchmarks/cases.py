@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 import triton
+from eager_baseline import grpo_loss_eager
 
 from grpo_kernels import GRPOOptions, KeptSet, grpo_loss, objective, token_logprobs, topk_distillation_loss
-from grpo_kernels.objective import grpo_loss_eager
 
 SMOKE = os.environ.get("GRPO_BENCH_SMOKE") == "1"
 ON_GPU = torch.cuda.is_available()

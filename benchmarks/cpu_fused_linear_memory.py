@@ -22,9 +22,9 @@ PATHS = ("materialized (eager)", "ours, unfused", "ours, fused", "stock TRL 1.16
 
 def run_one(path: str, n: int, h: int, v: int, b: int | None = None) -> dict:
     import torch
+    from eager_baseline import grpo_loss_eager
 
     from grpo_kernels import fused_linear_grpo_loss, grpo_loss
-    from grpo_kernels.objective import grpo_loss_eager
 
     torch.manual_seed(0)
     B, T = (b, n // b) if b else (max(1, n // 512), min(n, 512))  # (rows of 512 tokens unless told the rows)

@@ -22,9 +22,9 @@ PATHS = ("eager", "ours", "ours in-place")
 
 def run_one(path: str, n: int, v: int, temperature: float) -> dict:
     import torch
+    from eager_baseline import grpo_loss_eager
 
     from grpo_kernels import grpo_loss
-    from grpo_kernels.objective import grpo_loss_eager
 
     torch.manual_seed(0)
     B, T = n // 512, 512

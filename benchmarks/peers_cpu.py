@@ -5,7 +5,7 @@ Paths (``benchmarks/cases.py``'s, the pytest-benchmark suite's CPU paths, per lo
 
 - ``ours``: ``grpo_loss`` on the chunked torch path (what ``backend="auto"`` runs on a CPU), from the model's
   [B, T + 1, V] logits with ``drop_last_position=True``;
-- ``eager``: the fp32 log-softmax materialized, then the loss math (``objective.grpo_loss_eager``);
+- ``eager``: the fp32 log-softmax materialized, then the loss math (``eager_baseline.grpo_loss_eager``);
 - ``torch.compile``: that eager function compiled (one graph a loss type; its compile time is not timed);
 - ``trl``: TRL's ``selective_log_softmax`` and ``entropy_from_logits`` on the logits, then the loss math.
 
@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from cases import BETA, TEMPERATURE, make_inputs  # noqa: E402
+from eager_baseline import grpo_loss_eager  # noqa: E402
 
 from grpo_kernels import GRPOOptions, grpo_loss, objective  # noqa: E402
-from grpo_kernels.objective import grpo_loss_eager  # noqa: E402
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
 SHAPE = (4, 256, 32000)

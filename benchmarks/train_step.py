@@ -8,7 +8,7 @@ configs with random weights (nothing is downloaded): the shapes of Qwen2.5-0.5B 
 (vocabulary 151,936) and Llama-3.2-1B (128,256), in bf16. The paths differ only in the loss:
 
 - ``eager``: the logits materialized ([B, T + 1, V], the model's own output) and the loss computed the way an
-  eager trainer does (``objective.grpo_loss_eager``: the fp32 log-softmax over [B, T, V], then the math);
+  eager trainer does (``eager_baseline.grpo_loss_eager``: the fp32 log-softmax over [B, T, V], then the math);
 - ``liger``: Liger-Kernel's ``triton_grpo_loss`` on the same logits (where liger-kernel is installed);
 - ``ours logits``: ``GRPOLoss(drop_last_position=True)`` on the same logits;
 - ``ours hidden``: ``FusedLinearGRPOLoss`` from the last hidden states and the head's weight (no logits);
@@ -38,8 +38,9 @@ import torch
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from eager_baseline import grpo_loss_eager  # noqa: E402
+
 from grpo_kernels import FusedLinearGRPOLoss, GRPOLoss  # noqa: E402
-from grpo_kernels.objective import grpo_loss_eager  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import trl_head  # noqa: E402

@@ -1,10 +1,5 @@
 """grpo-kernels: fused Triton kernels for the GRPO loss, with a PyTorch front end."""
 
-import importlib.abc
-import importlib.util
-import sys
-import warnings
-
 from . import argument_docs as _argument_docs
 from .distillation import (
     DistillationOutput,
@@ -72,26 +67,3 @@ __all__ = [
 # every public argument's description appended to its docstring (the API reference's; argument_docs.py)
 _argument_docs.document_public(globals(), __all__)
 __version__ = "0.1.0"
-
-# Modules renamed during 0.1: their old paths import until 0.2, with a DeprecationWarning (CHANGELOG.md)
-MOVED_MODULES = {"grpo_kernels.family": "grpo_kernels.methods", "grpo_kernels.families": "grpo_kernels.policy_terms"}
-
-
-class _MovedModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports a renamed module's old path as its new module, warning where the importing code stands."""
-
-    def find_spec(self, name, path=None, target=None):
-        return importlib.util.spec_from_loader(name, self) if name in MOVED_MODULES else None
-
-    def create_module(self, spec):
-        new = MOVED_MODULES[spec.name]
-        # (warn skips the import machinery's own frames: level 2 is the importing code's line)
-        warnings.warn(f"{spec.name} is now {new}; the old path is removed in 0.2", DeprecationWarning, stacklevel=2)
-        __import__(new)
-        return sys.modules[new]
-
-    def exec_module(self, module):
-        """The new module has run already."""
-
-
-sys.meta_path.append(_MovedModule())

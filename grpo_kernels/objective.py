@@ -8,8 +8,8 @@ chunked torch path produced; the kernels' own per-token code implements the same
 kl_estimator, log_ratio_clamp, kl_clamp) follow verl and OpenRLHF.
 
 This is not the specification: ``reference.py`` states the same loss once more, written
-independently (a sequence at a time, over its active tokens), and the tests hold this module,
-the kernels and ``grpo_loss_eager`` to it.
+independently (a sequence at a time, over its active tokens), and the tests hold this module
+and the kernels to it (and the benchmarks' eager baseline, ``benchmarks/eager_baseline.py``, which runs it).
 
 Shapes: B rows, T completion positions, V vocabulary. ``lp`` is the current per-token
 log-prob, ``old`` the sampling policy's, ``ref`` the reference model's, all [B, T].
@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from . import collectives, torch_path
+from . import collectives
 from .kernels.contracts import CLIP_METRICS_CISPO, CLIP_METRICS_PPO
 from .options import GRPOOptions, option_value
 from .policy_terms import FAMILY_TERMS
@@ -51,18 +51,6 @@ class PerTokenTerms:
     is_low_clipped: torch.Tensor | None  # bool [B, T] ([B, 1] at sequence level)
     is_high_clipped: torch.Tensor | None  # for cispo: TRL's cispo-clipped flag
     vespo_phi: torch.Tensor | None = None  # vespo: the detached sequence weight phi(w), [B, 1]
-
-
-def token_logprobs_and_entropy(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, softcap: float | None = None
-):
-    """log softmax(cap(logits) / temperature)[ids] and the entropy of that distribution, in fp32 (cap: the head's
-    soft-cap, ``torch_path.capped``; temperature and softcap as the kernels take them, ``GRPOOptions.kernel_*``)."""
-    logps_all = torch.log_softmax(torch_path.capped(logits.float(), softcap)[0] / temperature, dim=-1)  # [B, T, V]
-    lp = logps_all.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)
-    p = logps_all.exp()
-    entropy = -(p * torch.where(p > 0, logps_all, 0.0)).sum(-1)  # a -inf logit adds 0, not 0 * -inf
-    return lp, entropy
 
 
 def as_row_column(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -320,53 +308,6 @@ def loss_metrics(
         phi = terms.vespo_phi.detach()
         metrics["vespo/phi_seq_mean"] = masked_mean(phi, mask, per_row=phi.shape[-1] == 1)
     return metrics
-
-
-def grpo_loss_eager(
-    logits: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logps: torch.Tensor | None = None,
-    ref_logps: torch.Tensor | None = None,
-    importance_weights: torch.Tensor | None = None,
-    normalizer=None,
-    options: GRPOOptions | None = None,
-    sampling_logps: torch.Tensor | None = None,
-    prompt_ids: torch.Tensor | None = None,
-    **option_kwargs,
-) -> GRPOLossOutput:
-    """The whole GRPO loss from logits [B, T, V] the way an eager trainer computes it: the fp32
-    log-softmax materialized ([B, T, V]), then this module's math. The benchmarks' "eager" baseline.
-
-    ``sampling_logps`` [B, T]: the sampler's log-probs, for the off-policy mask (default: the old
-    log-probs, else this pass's own, which keeps every row). ``prompt_ids`` [B]: the prompt mean's."""
-    opts = options if options is not None else GRPOOptions(**option_kwargs)
-    mask = completion_mask.float()
-    lp, entropy = token_logprobs_and_entropy(logits, completion_ids, opts.kernel_temperature, opts.kernel_softcap)
-    importance_weights = as_row_column(None if importance_weights is None else importance_weights.float())
-    bonus_mask = policy_mask = None
-    if opts.masks_tokens:
-        policy_mask, entropy_mask = policy_masks(
-            lp, entropy, mask, advantages.float(), old_logps if sampling_logps is None else sampling_logps, opts
-        )
-        bonus_mask = None if entropy_mask is None else mask * entropy_mask
-    terms = per_token_terms(
-        lp,
-        mask,
-        as_row_column(advantages.float()),
-        None if old_logps is None else old_logps.float(),
-        None if ref_logps is None else ref_logps.float(),
-        importance_weights,
-        opts,
-        policy_mask,
-    )
-    policy_loss = reduce_loss(terms.per_token_loss, mask, opts, normalizer, prompt_ids)
-    loss = policy_loss - entropy_bonus(entropy, mask if bonus_mask is None else bonus_mask, opts, mask, normalizer)
-    metrics = loss_metrics(terms, entropy if opts.compute_entropy else None, mask, opts)
-    if opts.has_entropy_bonus:  # TRL logs the loss before its bonus
-        metrics["policy_loss"] = policy_loss.detach()
-    return GRPOLossOutput(loss, metrics, lp.detach())
 
 
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, opts: GRPOOptions) -> torch.Tensor:

@@ -31,6 +31,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the developer tools the tests run (tools/aot.py: the ahead-of-time compile), importable as top-level modules
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
+# the benchmarks' eager baseline (benchmarks/eager_baseline.py), which some tests hold to the specification too
+sys.path.insert(0, str(TOOLS.parent / "benchmarks"))
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from eager_baseline import grpo_loss_eager
 from helpers import (
     BATCH_KEYS,
     KERNEL_LOSS_TYPES,
@@ -27,7 +28,6 @@ from helpers import (
 )
 
 from grpo_kernels import GRPOLoss, GRPOOptions, grpo_loss, grpo_loss_reference, torch_path
-from grpo_kernels.objective import grpo_loss_eager
 
 # "triton" is the default one-pass kernel at token level (two-pass at sequence level);
 # "triton-two-pass" forces the forward-then-backward kernels everywhere; "triton-split-row" runs the

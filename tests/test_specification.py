@@ -13,10 +13,10 @@ import random
 
 import pytest
 import torch
+from eager_baseline import grpo_loss_eager
 from helpers import LOSS_TYPE_REGISTRY, PPO_CLIP_LOSS_TYPES, TRL_LOSS_TYPES, assert_close
 
 from grpo_kernels import grpo_loss, grpo_loss_reference
-from grpo_kernels.objective import grpo_loss_eager
 
 
 def _draw(seed: int):
