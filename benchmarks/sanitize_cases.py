@@ -48,14 +48,14 @@ def _batch(B=3, T=7, V=1003, seed=0):
 
 def _one_pass(config, V=1003):
     from grpo_kernels import GRPOOptions
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import logits_launch
     from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs
 
     x = _batch(V=V)
     B, T = x["ids"].shape
     flat = lambda t: t.reshape(-1).float().contiguous()  # noqa: E731
     tokens = TokenInputs(flat(x["mask"]), flat(x["adv"][:, None].expand(B, T)), flat(x["old"]), flat(x["ref"]))
-    launch.forward(
+    logits_launch.forward(
         x["full"][:, :-1],
         x["ids"],
         kernel_loss=GRPOOptions(beta=0.04).kernel_loss,
@@ -67,13 +67,13 @@ def _one_pass(config, V=1003):
 
 
 def _backward(config, in_place=False, V=4104):
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import logits_launch
 
     x = _batch(V=V)
     logits = x["full"][:, :-1].contiguous()
-    r = launch.forward(logits, x["ids"])
+    r = logits_launch.forward(logits, x["ids"])
     g = torch.linspace(-1, 1, r.lse.numel(), device=DEVICE)
-    launch.backward(logits, x["ids"], r.lse, g, 0.9, in_place=in_place, config=config)
+    logits_launch.backward(logits, x["ids"], r.lse, g, 0.9, in_place=in_place, config=config)
 
 
 def _loss(**options):

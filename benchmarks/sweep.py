@@ -47,7 +47,7 @@ if not ON_GPU:
 
 from grpo_kernels import GRPOOptions, objective  # noqa: E402
 from grpo_kernels.kernels import fused_linear_launch as lm_head_launch  # noqa: E402
-from grpo_kernels.kernels import launch, split_row_launch, tuned  # noqa: E402
+from grpo_kernels.kernels import logits_launch, split_row_launch, tuned  # noqa: E402
 from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs  # noqa: E402
 
 TEMPERATURE, BETA = 0.7, 0.04
@@ -85,7 +85,7 @@ def logits_candidates():
 
     programs_per_sm: None is one program per token; a number is the persistent schedule (that many
     programs per SM, each striding over the tokens), which bounds the one-pass kernel's rows in flight;
-    "l2" that schedule sized so that the rows in flight fit in L2 (launch.l2_programs_per_sm).
+    "l2" that schedule sized so that the rows in flight fit in L2 (logits_launch.l2_programs_per_sm).
     """
     # The H200 runs of 2026-12-01 and -04 (benchmarks/results/gpu/): the one-pass kernel a program a token ran at
     # copy speed for the 2.75 S it moved (ncu: the second read of a row missed L2, 37 % hit rate); 4 persistent
@@ -200,7 +200,7 @@ def logits_inputs(B, T, V, device, seed=0):
     mask = torch.ones(B, T, device=device)
     mask[:, T - T // 8 :] = 0
     with torch.no_grad():
-        lp = launch.forward(logits, ids, temperature=TEMPERATURE).logp
+        lp = logits_launch.forward(logits, ids, temperature=TEMPERATURE).logp
     flat = lambda t: t.reshape(-1).contiguous()  # noqa: E731
     old = lp + 0.05 * torch.randn(B * T, device=device, generator=g)
     ref_lp = lp + 0.05 * torch.randn(B * T, device=device, generator=g)
@@ -236,10 +236,10 @@ def run_logits(x, candidate):
         config=config,
     )
     if candidate["mode"] == "one_pass":
-        r = launch.forward(x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **common)
+        r = logits_launch.forward(x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **common)
         return r.logp, r.loss, r.grad_logits
-    r = launch.forward(x["logits"], x["ids"], **common)
-    grad = launch.backward(x["logits"], x["ids"], r.lse, r.dloss_dlogp * x["weight"], TEMPERATURE, config=config)
+    r = logits_launch.forward(x["logits"], x["ids"], **common)
+    grad = logits_launch.backward(x["logits"], x["ids"], r.lse, r.dloss_dlogp * x["weight"], TEMPERATURE, config=config)
     return r.logp, r.loss, grad
 
 
@@ -278,9 +278,9 @@ def incumbent_candidate(logits) -> dict:
     """What the launchers run today for these logits (tuned.json's entry, else the heuristics), as a candidate.
     The sweep times it first: a run cut short by its budget must not crown a new candidate that was never
     compared with the default it would replace."""
-    config = launch.logits_launch_config(logits)
+    config = logits_launch.logits_launch_config(logits)
     return _candidate(
-        "one_pass" if launch.default_one_pass(logits) else "two_pass",
+        "one_pass" if logits_launch.default_one_pass(logits) else "two_pass",
         BLOCK_V=config["BLOCK_V"],
         num_warps=config["num_warps"],
         num_stages=config.get("num_stages"),
@@ -293,13 +293,13 @@ def incumbent_candidate(logits) -> dict:
 
 def incumbent_logprobs(logits) -> dict:
     """What a log-prob pass runs today for these logits, as a logprobs candidate (timed first)."""
-    config = launch.logits_launch_config(logits, kind="logprobs")
+    config = logits_launch.logits_launch_config(logits, kind="logprobs")
     return {k: config.get(k) for k in tuned.LOGPROBS_KEYS}
 
 
 def run_logprobs(x, candidate):
     """The log-probs of one log-prob pass candidate (no loss, no entropy, no gradient)."""
-    return launch.forward(
+    return logits_launch.forward(
         x["logits"],
         x["ids"],
         temperature=TEMPERATURE,
@@ -322,7 +322,7 @@ def sweep_logits(shapes, results, budget_end, write, smoke, logprobs_seconds: fl
         S = x["logits"].numel() * x["logits"].element_size()
         copy_s = copy_seconds(x["logits"])
         baseline = run_logits(
-            x, {"mode": "two_pass", **launch.block_config(V, x["logits"].element_size()), "num_stages": None}
+            x, {"mode": "two_pass", **logits_launch.block_config(V, x["logits"].element_size()), "num_stages": None}
         )
         incumbent = incumbent_candidate(x["logits"])
         candidates = [incumbent] + [c for c in logits_candidates() if c != incumbent]
@@ -382,7 +382,7 @@ def sweep_logits(shapes, results, budget_end, write, smoke, logprobs_seconds: fl
 
 def sweep_logprobs(x, N, V, S, copy_s, results, budget_end, write, smoke):
     """The log-prob pass's candidates on a logits sweep's inputs, checked against the heuristic's log-probs."""
-    baseline = run_logprobs(x, {**launch.block_config(V, x["logits"].element_size()), "l2_hints": False})
+    baseline = run_logprobs(x, {**logits_launch.block_config(V, x["logits"].element_size()), "l2_hints": False})
     incumbent = incumbent_logprobs(x["logits"])
     candidates = [incumbent] + [c for c in logprobs_candidates() if c != incumbent]
     for i, candidate in enumerate(candidates):
@@ -477,7 +477,7 @@ def run_unfused(x):
     (one [N, V] product), the one-pass kernel's dlogits, and the two gradient products in fp32.
     The three-product mode computes exactly this, a chunk at a time, so this is its reference."""
     logits = x["hidden"] @ x["weight"].T
-    r = launch.forward(
+    r = logits_launch.forward(
         logits.unsqueeze(0),
         x["ids"].unsqueeze(0),
         kernel_loss=x["opts"].kernel_loss,

@@ -41,7 +41,7 @@ from .from_logits import (
     with_kept_lse,
     with_kept_set,
 )
-from .kernels import fused_linear_launch, kept_launch, launch, reduce_launch
+from .kernels import fused_linear_launch, kept_launch, logits_launch, reduce_launch
 from .kernels.contracts import KeptTerms, KeptTokens, LossTokens, OnePassGradient, rounds_head_logits
 from .objective import GRPOLossOutput
 from .options import GRPOOptions, option_value
@@ -393,7 +393,7 @@ def three_products_fwd(
 def three_products_bwd(gradients: tuple, grad_loss: torch.Tensor) -> list:
     """The forward's gradients times the incoming one, in place, the scale read on the device (fp32, small next
     to the logits; no host sync); None stays None."""
-    return [None if t is None else launch.scale_in_place(t, grad_loss.detach()) for t in gradients]
+    return [None if t is None else logits_launch.scale_in_place(t, grad_loss.detach()) for t in gradients]
 
 
 class LinearLossThreeProducts(torch.autograd.Function):

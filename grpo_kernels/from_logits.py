@@ -12,7 +12,7 @@ Function; each Function's forward and backward are one host function each, which
 - log-probs, ``TokenLogprobs`` (``logprobs_fwd`` / ``logprobs_bwd``): where the loss math runs in torch on them
   (sequence-level ratios, vespo, the torch backend, vocabulary parallelism) and for the log-prob family.
 
-The host functions take plain tensors. On the Triton backend they call the launchers (``kernels.launch``, a plain
+The host functions take plain tensors. On the Triton backend they call the launchers (``kernels.logits_launch``, a plain
 import; ``ops.py``'s custom ops call them too); on the torch
 backend they run the chunked torch path (``torch_path``); inside a ``torch.compile`` graph, the custom ops.
 Every one computes log softmax(cap(x) / temperature) of the raw logits x, cap(x) = softcap * tanh(x / softcap)
@@ -36,7 +36,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from . import kept_set, ops, torch_path
-from .kernels import kept_launch, launch
+from .kernels import kept_launch, logits_launch
 from .kernels.contracts import KeptTerms, KeptTokens, KernelLoss, LossTokens, Reduction, Sequences, TokenInputs
 from .objective import GRPOLossOutput
 from .options import RUNTIME_SCALARS, GRPOOptions, kernel_loss_scalars, option_value, runtime_values
@@ -218,7 +218,7 @@ class LogitsSource:
 @torch.compiler.assume_constant_result  # (a graph reads the measured table once, as it is when traced)
 def default_one_pass(logits: torch.Tensor) -> bool:
     """The device sweep's measured schedule for this GPU and vocabulary (``kernels/tuned.json``), else one-pass."""
-    return launch.default_one_pass(logits)
+    return logits_launch.default_one_pass(logits)
 
 
 def kernel_output(opts: GRPOOptions, loss, metrics, logp) -> GRPOLossOutput:
@@ -292,7 +292,7 @@ def one_pass_fwd(
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     terms = with_kept_terms(logits, ids, kept, loss_tokens, kernel_loss, drop_last_position)
     loss_tokens = with_kept_lse(loss_tokens, terms)
-    r = launch.loss_forward(
+    r = logits_launch.loss_forward(
         logits,
         ids,
         kernel_loss=kernel_loss,
@@ -336,7 +336,7 @@ def with_kept_terms(logits, ids, kept, loss_tokens: LossTokens, kernel_loss: Ker
 def one_pass_bwd(grad: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
     """The saved gradient times the incoming one, in place, the scale read on the device: no host sync, no
     second [B, T, V] tensor, and no pass over the gradient at all when grad_loss is 1 (a plain backward)."""
-    return launch.scale_in_place(grad, grad_loss)
+    return logits_launch.scale_in_place(grad, grad_loss)
 
 
 class OnePassLoss(torch.autograd.Function):
@@ -369,9 +369,9 @@ class OnePassLoss(torch.autograd.Function):
 
 
 def two_pass_fwd(logits, ids, loss_tokens: LossTokens, kernel_loss: KernelLoss):
-    """The launches of ``one_pass_fwd`` without the gradient (``launch.LossForward``: the per-token results,
+    """The launches of ``one_pass_fwd`` without the gradient (``logits_launch.LossForward``: the per-token results,
     dLoss/dlogp among them, the token weights, the loss and the metrics)."""
-    return launch.loss_forward(logits, ids, kernel_loss=kernel_loss, loss_tokens=loss_tokens)
+    return logits_launch.loss_forward(logits, ids, kernel_loss=kernel_loss, loss_tokens=loss_tokens)
 
 
 def two_pass_bwd(
@@ -673,7 +673,7 @@ torch.library.register_autograd("grpo_kernels::triton_one_pass_loss", _one_pass_
 @torch.library.custom_op("grpo_kernels::triton_scale_", mutates_args=("x",))
 def triton_scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
     """``one_pass_bwd`` as an op: x *= scale in place, read on the device (nothing moves when it is 1)."""
-    launch.scale_in_place(x, scale)
+    logits_launch.scale_in_place(x, scale)
 
 
 @triton_scale_.register_fake
@@ -805,7 +805,7 @@ def logprobs_fwd(
         tokens = (
             TokenInputs(mask=mask) if kept is None else TokenInputs(mask, kept_lse=kept.lse, kept_entropy=kept.entropy)
         )
-        r = launch.forward(
+        r = logits_launch.forward(
             logits,
             ids,
             temperature=temperature,
@@ -1082,7 +1082,7 @@ def logprobs_bwd(
                 flat(entropy) if grad_entropy is not None else None,
             )
             return out
-        launch.backward(
+        logits_launch.backward(
             logits,
             ids,
             lse.reshape(-1),

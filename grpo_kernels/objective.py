@@ -3,7 +3,7 @@ terms, the reductions, the policy masks, the entropy bonus and the logged metric
 
 Every loss path runs these functions on log-probs (and entropies) that a kernel or the
 chunked torch path produced; the kernels' own per-token code implements the same formulas
-(``kernels/grpo.py``) and is tested against them. The math follows TRL 1.16's
+(``kernels/token_math.py``) and is tested against them. The math follows TRL 1.16's
 ``GRPOTrainer._compute_loss`` (``docs/loss-semantics.md``); the extra options (dual_clip,
 kl_estimator, log_ratio_clamp, kl_clamp) follow verl and OpenRLHF.
 

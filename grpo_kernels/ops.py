@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import torch_path
-from .kernels import fused_linear_launch, launch
+from .kernels import fused_linear_launch, logits_launch
 from .kernels.contracts import TokenInputs
 
 _NONE = (0,)  # the shape of an absent output
@@ -173,7 +173,7 @@ def _(hidden, weight, bias, ids, lse, g, head, compute_weight_grad, grad_entropy
     return dh, dw, db
 
 
-# ----- the Triton path's log-prob kernels (launch.forward without a loss, launch.backward; the lm_head's) -----
+# ----- the Triton path's log-prob kernels (logits_launch.forward without a loss, logits_launch.backward; the lm_head's)
 
 
 def _unaliased(*outputs: Optional[Tensor]) -> Tuple[Tensor, ...]:
@@ -192,9 +192,10 @@ def triton_logprobs(
     compute_entropy: bool,
     compute_sum_squares: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(logp, entropy or empty, lse, Σπ² or empty), fp32 [N]: the forward kernel without a loss (``launch.forward``)."""
+    """(logp, entropy or empty, lse, Σπ² or empty), fp32 [N]: the forward kernel without a loss
+    (``logits_launch.forward``)."""
     temperature, softcap = head_floats(head)
-    r = launch.forward(
+    r = logits_launch.forward(
         logits,
         ids,
         temperature=temperature,
@@ -225,9 +226,10 @@ def triton_logprobs_backward(
     grad_entropy: Optional[Tensor],
     entropy: Optional[Tensor],
 ) -> None:
-    """dlogits written into ``out`` ([B, T, V], a unit last stride): the backward kernel (``launch.backward``)."""
+    """dlogits written into ``out`` ([B, T, V], a unit last stride): the backward kernel
+    (``logits_launch.backward``)."""
     temperature, softcap = head_floats(head)
-    launch.backward(
+    logits_launch.backward(
         logits, ids, lse, grad_logp, temperature, softcap=softcap, out=out, grad_entropy=grad_entropy, entropy=entropy
     )
 

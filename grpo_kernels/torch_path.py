@@ -1,7 +1,7 @@
 """The CPU path: token log-probs and their backward, a chunk of rows at a time.
 
-The same two operations as the Triton kernels (``kernels.launch.forward`` with no loss,
-and ``kernels.launch.backward``), in PyTorch, so that CPU tensors never materialize an
+The same two operations as the Triton kernels (``kernels.logits_launch.forward`` with no loss,
+and ``kernels.logits_launch.backward``), in PyTorch, so that CPU tensors never materialize an
 [N, V] fp32 tensor: the workspace is one chunk of rows, at most ``CHUNK_ELEMENTS`` fp32
 values per temporary. The logits may be a strided view ([B, T, V] with a unit last
 stride or not); the chunks are views into it. As the kernels, it reads raw logits x and computes

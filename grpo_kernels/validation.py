@@ -8,7 +8,7 @@ import math
 import torch
 
 from .kept_set import ENTROPY, OUTSIDE, KeptSet
-from .kernels import TritonMissing, launch
+from .kernels import TritonMissing, logits_launch
 from .kernels.contracts import KeptTokens
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the torch path only
@@ -362,8 +362,8 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
         )
     compiling = torch.compiler.is_compiling()
     if not compiling:  # (a graph's ops import it when they run)
-        if launch.__class__ is TritonMissing:  # a clear ImportError where triton is absent
-            raise launch.error()
+        if logits_launch.__class__ is TritonMissing:  # a clear ImportError where triton is absent
+            raise logits_launch.error()
     if not logits.is_cuda:
         if not interpreter_enabled():
             raise ValueError(
@@ -411,9 +411,9 @@ def interpreter_enabled() -> bool:
     if not _INTERPRETER_ENABLED:
         from triton.runtime.interpreter import InterpretedFunction
 
-        from .kernels import grpo
+        from .kernels.logits import grpo_forward_kernel
 
-        _INTERPRETER_ENABLED.append(isinstance(grpo.grpo_forward_kernel, InterpretedFunction))
+        _INTERPRETER_ENABLED.append(isinstance(grpo_forward_kernel, InterpretedFunction))
     return _INTERPRETER_ENABLED[0]
 
 

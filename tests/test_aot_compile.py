@@ -25,7 +25,7 @@ import torch
 from aot import DTYPES
 from conftest import TOOLS
 
-from grpo_kernels.kernels import launch, split_row_launch
+from grpo_kernels.kernels import logits_launch, split_row_launch
 
 # No wall-clock limit on the whole compile (hundreds of specializations; a loaded 2-core machine can take many
 # times the usual): the guard is on progress. The tool prints a line a finished specialization, each a few seconds
@@ -343,7 +343,7 @@ def test_the_compiled_signature_is_the_jits_for_the_launchers_arguments():
 
 def test_the_recorded_launch_is_the_launch_that_runs(monkeypatch):
     """What the recorder captures is exactly what the interpreter is called with."""
-    from grpo_kernels.kernels import grpo as K
+    from grpo_kernels.kernels import logits as K
 
     seen = []
 
@@ -360,10 +360,10 @@ def test_the_recorded_launch_is_the_launch_that_runs(monkeypatch):
 
     logits, ids = torch.randn(2, 3, 1003), torch.randint(0, 1003, (2, 3))
     monkeypatch.setattr(K, "grpo_forward_kernel", Spy(K.grpo_forward_kernel))
-    launch.forward(logits, ids, compute_entropy=True)
+    logits_launch.forward(logits, ids, compute_entropy=True)
     monkeypatch.undo()
     with aot.recorded_launches() as launches:
-        launch.forward(logits, ids, compute_entropy=True)
+        logits_launch.forward(logits, ids, compute_entropy=True)
     (grid, args, kwargs), item = seen[0], launches[0]
 
     def same(a, b):

@@ -17,7 +17,7 @@ from grpo_kernels import (
     reference,
     token_logprobs,
 )
-from grpo_kernels.kernels import grpo as K
+from grpo_kernels.kernels import logits as K
 
 BACKENDS = ["torch", "triton"]
 
@@ -625,20 +625,20 @@ def test_presets_and_trl_config():
 
 def test_the_launchers_take_the_temperature_from_one_source():
     """With options, the launchers read the temperature (and the head's scale and soft-cap) from them; a different one beside them is refused."""
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import logits_launch
     from grpo_kernels.kernels.contracts import TokenInputs
 
     logits, ids = torch.randn(1, 2, 50), torch.randint(0, 50, (1, 2))
     opts = GRPOOptions(temperature=0.7)
-    assert launch.resolved_head(opts.kernel_loss, None, None) == (0.7, None) and launch.resolved_head(
+    assert logits_launch.resolved_head(opts.kernel_loss, None, None) == (0.7, None) and logits_launch.resolved_head(
         None, None, None
     ) == (1.0, None)
     capped = GRPOOptions(temperature=0.7, logit_scale=2.0, logit_softcap=30.0)
-    assert launch.resolved_head(capped.kernel_loss, None, None) == (0.35, 15.0)
+    assert logits_launch.resolved_head(capped.kernel_loss, None, None) == (0.35, 15.0)
     with pytest.raises(ValueError, match="softcap=5.0 beside options"):
-        launch.resolved_head(capped.kernel_loss, None, 5.0)
+        logits_launch.resolved_head(capped.kernel_loss, None, 5.0)
     with pytest.raises(ValueError, match="temperature=0.9 disagrees with the options' temperature=0.7"):
-        launch.forward(
+        logits_launch.forward(
             logits, ids, kernel_loss=opts.kernel_loss, temperature=0.9, tokens=TokenInputs(advantages=torch.zeros(2))
         )
 

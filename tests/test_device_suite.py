@@ -18,7 +18,7 @@ import report  # noqa: E402
 import sweep  # noqa: E402
 
 from grpo_kernels import token_logprobs  # noqa: E402
-from grpo_kernels.kernels import launch, tuned  # noqa: E402
+from grpo_kernels.kernels import logits_launch, tuned  # noqa: E402
 
 
 def _gpu_results():
@@ -155,21 +155,21 @@ def test_launch_config_takes_the_table_then_the_override(table_path, monkeypatch
     )
     tuned.table.cache_clear()
     logits = torch.zeros(1, 1, 1003)
-    heuristic = {**launch.block_config(1003, 4), "loop_stages": 1, "l2_hints": True}
-    assert launch.logits_launch_config(logits) == heuristic  # a CPU tensor: heuristics
-    assert launch.default_one_pass(logits) is True
+    heuristic = {**logits_launch.block_config(1003, 4), "loop_stages": 1, "l2_hints": True}
+    assert logits_launch.logits_launch_config(logits) == heuristic  # a CPU tensor: heuristics
+    assert logits_launch.default_one_pass(logits) is True
     monkeypatch.setattr(
         tuned, "_nearest", lambda kind, device, dtype, V: (json.loads(table_path.read_text()).get(kind) or [None])[0]
     )
     # an entry without "l2_hints" was measured before they existed: it runs without them, as measured
     measured = {"BLOCK_V": 512, "num_warps": 2, "num_stages": 1, "loop_stages": 1, "l2_hints": False}
-    assert launch.logits_launch_config(logits) == measured
-    assert launch._forward_grid(100, logits.device, None) == ((100,), False)
-    assert launch._forward_grid(100, logits.device, 4) == ((8,), True)  # CPU: 2 "SMs" x 4
-    assert launch.default_one_pass(logits) is False
-    assert launch.logits_launch_config(logits, {"num_warps": 4, "BLOCK_V": None}) == {**measured, "num_warps": 4}
+    assert logits_launch.logits_launch_config(logits) == measured
+    assert logits_launch._forward_grid(100, logits.device, None) == ((100,), False)
+    assert logits_launch._forward_grid(100, logits.device, 4) == ((8,), True)  # CPU: 2 "SMs" x 4
+    assert logits_launch.default_one_pass(logits) is False
+    assert logits_launch.logits_launch_config(logits, {"num_warps": 4, "BLOCK_V": None}) == {**measured, "num_warps": 4}
     # a log-prob pass never takes the loss's entry: its own ("logprobs"), else the heuristic
-    assert launch.logits_launch_config(logits, kind="logprobs") == heuristic
+    assert logits_launch.logits_launch_config(logits, kind="logprobs") == heuristic
     table = json.loads(table_path.read_text())
     table["logprobs"] = [
         {
@@ -185,19 +185,20 @@ def test_launch_config_takes_the_table_then_the_override(table_path, monkeypatch
     ]
     table_path.write_text(json.dumps(table))
     tuned.table.cache_clear()
-    assert launch.logits_launch_config(logits, kind="logprobs") == {
+    assert logits_launch.logits_launch_config(logits, kind="logprobs") == {
         "BLOCK_V": 1024,
         "num_warps": 1,
         "num_stages": 2,
         "loop_stages": 3,
         "l2_hints": True,
     }
-    assert launch.logits_launch_config(logits) == measured
+    assert logits_launch.logits_launch_config(logits) == measured
 
 
 def test_the_l2_schedule_keeps_the_rows_in_flight_within_l2():
     """The persistent one-pass schedule's arithmetic (``programs_per_sm: "l2"``): programs per SM such that the rows
-    in flight (one a program: V x the logit's bytes) fill at most ``launch.L2_ROWS_FRACTION`` of L2, at least 1."""
+    in flight (one a program: V x the logit's bytes) fill at most ``logits_launch.L2_ROWS_FRACTION`` of L2, at least
+    1."""
     MiB = 1 << 20
     sms, l2 = 132, 50 * MiB  # an H100 / H200 (torch's L2_cache_size: 50 MiB)
     for V, bytes_per_logit, expected in (
@@ -209,23 +210,23 @@ def test_the_l2_schedule_keeps_the_rows_in_flight_within_l2():
         (262144, 2, 1),
     ):
         row = V * bytes_per_logit
-        programs = launch.l2_programs_per_sm(l2, sms, row)
+        programs = logits_launch.l2_programs_per_sm(l2, sms, row)
         assert programs == expected, (V, bytes_per_logit, programs)
-        budget = launch.L2_ROWS_FRACTION * l2
+        budget = logits_launch.L2_ROWS_FRACTION * l2
         one_a_sm_fits = sms * row <= budget
         # within the rows' share of L2 wherever one program a SM fits, and the most programs that do
         assert programs * sms * row <= budget or (programs == 1 and not one_a_sm_fits), (V, bytes_per_logit)
         assert (programs + 1) * sms * row > budget
     # Qwen's row in bf16 over 132 SMs: 38.3 MiB, inside the rows' 40 MiB; Gemma's 262,144 cannot fit (66 MiB) and
     # still gets one program a SM (an idle SM would cost more than the misses)
-    assert 132 * 151936 * 2 <= launch.L2_ROWS_FRACTION * l2 < 132 * 262144 * 2
+    assert 132 * 151936 * 2 <= logits_launch.L2_ROWS_FRACTION * l2 < 132 * 262144 * 2
     # the grid: "l2" on a CPU tensor sizes itself from the stand-in's 2 SMs and 50 MiB
     cpu = torch.device("cpu")
-    assert launch._forward_grid(1000, cpu, "l2", 151936 * 2) == (
-        (2 * launch.l2_programs_per_sm(launch.CPU_L2_BYTES, launch.CPU_SMS, 151936 * 2),),
+    assert logits_launch._forward_grid(1000, cpu, "l2", 151936 * 2) == (
+        (2 * logits_launch.l2_programs_per_sm(logits_launch.CPU_L2_BYTES, logits_launch.CPU_SMS, 151936 * 2),),
         True,
     )
-    assert launch._forward_grid(3, cpu, "l2", 1003 * 4) == ((3,), True)  # never more programs than tokens
+    assert logits_launch._forward_grid(3, cpu, "l2", 1003 * 4) == ((3,), True)  # never more programs than tokens
 
 
 def test_every_sweep_candidate_is_distinct():
@@ -281,7 +282,7 @@ def test_the_sweep_times_todays_default_first(tmp_path, monkeypatch):
     assert (
         {k: logprobs[0][k] for k in tuned.LOGPROBS_KEYS}
         == sweep.incumbent_logprobs(logits)
-        == {**launch.block_config(1003, 4), "num_stages": None, "loop_stages": 1, "l2_hints": True}
+        == {**logits_launch.block_config(1003, 4), "num_stages": None, "loop_stages": 1, "l2_hints": True}
     )
     assert logprobs[0]["status"] == "ok"
 
@@ -537,9 +538,9 @@ def test_a_sweep_candidate_runs_its_own_schedule_whatever_tuned_json_says(monkey
     passes its K."""
     x = sweep.logits_inputs(1, 3, 301, "cpu")
     seen = []
-    real = launch.forward
+    real = logits_launch.forward
     monkeypatch.setattr(
-        launch, "forward", lambda *a, config=None, **k: seen.append(dict(config)) or real(*a, config=config, **k)
+        logits_launch, "forward", lambda *a, config=None, **k: seen.append(dict(config)) or real(*a, config=config, **k)
     )
     sweep.run_logits(
         x,
@@ -564,7 +565,7 @@ def test_a_sweep_candidate_runs_its_own_schedule_whatever_tuned_json_says(monkey
         },
     )
     assert [(c["split_row"], c["programs_per_sm"]) for c in seen] == [(0, 0), (2, 0)]
-    assert launch.logits_launch_config(x["logits"], seen[0])["split_row"] == 0
+    assert logits_launch.logits_launch_config(x["logits"], seen[0])["split_row"] == 0
 
 
 def test_the_suite_holds_its_stages_to_nine_minutes(tmp_path):

@@ -72,7 +72,7 @@ def _file(relative: str):
 
 
 def citation_error(cited: str):
-    """Why ``cited`` names nothing that exists, or None. Forms: a path (``kernels/launch.py``, from the package
+    """Why ``cited`` names nothing that exists, or None. Forms: a path (``kernels/logits_launch.py``, from the package
     or the repository root), ``path::name`` or ``path::Class.member``, ``module.name`` (``contracts.DIVISOR_*``,
     ``kernels.contracts.TokenInputs``), a dotted attribute chain (``opts.loss.policy_term``) and a bare name."""
     if "::" in cited:
@@ -128,7 +128,7 @@ def test_extending_cites_only_what_exists():
 @pytest.mark.parametrize(
     "cited,wrong",
     [
-        ("kernels/launch.py::loss_scalar_args", "defines no loss_scalar_args"),
+        ("kernels/logits_launch.py::loss_scalar_args", "defines no loss_scalar_args"),
         ("loss_flags", "nothing defines loss_flags"),
         ("contracts.NO_SUCH_*", "defines no NO_SUCH_*"),
         ("kernels/nothing.py", "no file"),
@@ -141,10 +141,15 @@ def test_the_citation_check_finds_what_does_not_exist(cited, wrong):
 
 def test_the_citation_check_reads_every_form():
     found = citations(
-        "`kernels/grpo.py::token_loss_and_grad` `contracts.DIVISOR_*` `tokens=TokenInputs(...)` "
+        "`kernels/token_math.py::token_loss_and_grad` `contracts.DIVISOR_*` `tokens=TokenInputs(...)` "
         "`HAS_IW: tl.constexpr = iw is not None` `grpo` `per_token_terms`\n```\nnot_read\n```"
     )
-    assert found == ["kernels/grpo.py::token_loss_and_grad", "contracts.DIVISOR_*", "TokenInputs", "per_token_terms"]
+    assert found == [
+        "kernels/token_math.py::token_loss_and_grad",
+        "contracts.DIVISOR_*",
+        "TokenInputs",
+        "per_token_terms",
+    ]
     assert all(citation_error(c) is None for c in found)
 
 

@@ -374,13 +374,13 @@ def test_a_log_prob_pass_computes_no_entropy_unless_asked(monkeypatch):
     import aot
 
     from grpo_kernels import validation
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import logits_launch
 
     assert validation.interpreter_enabled()  # asked (and cached) before the recorder stands in for the kernels
     kinds = []
-    original = launch.logits_launch_config
+    original = logits_launch.logits_launch_config
     monkeypatch.setattr(
-        launch,
+        logits_launch,
         "logits_launch_config",
         lambda logits, override=None, kind="logits": (kinds.append(kind), original(logits, override, kind))[1],
     )

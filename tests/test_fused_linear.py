@@ -21,7 +21,7 @@ from grpo_kernels import (
     selective_log_softmax,
 )
 from grpo_kernels.kernels import fused_linear as FL
-from grpo_kernels.kernels import fused_linear_launch, launch
+from grpo_kernels.kernels import fused_linear_launch, logits_launch
 
 BACKENDS = ["torch", "triton"]
 B, T, H, V = 3, 5, 37, 203  # odd H and V: every tile has a ragged edge
@@ -348,13 +348,13 @@ def test_three_products_mode_in_bounded_chunks_frozen_weight_and_no_bias(device,
     """A workspace of 64 tokens: three chunks (64, 64, 32), one buffer; a frozen head skips d weight."""
     monkeypatch.setattr(fused_linear_launch, "LINEAR_WORKSPACE_BYTES", 64 * 300 * 4)
     calls = []
-    original = launch.forward
+    original = logits_launch.forward
 
     def recording_forward(logits, *args, **kwargs):
         calls.append((tuple(logits.shape), logits.data_ptr(), kwargs["gradient"].in_place))
         return original(logits, *args, **kwargs)
 
-    monkeypatch.setattr(launch, "forward", recording_forward)
+    monkeypatch.setattr(logits_launch, "forward", recording_forward)
     batch, hidden, weight, bias = _block_spanning_inputs(device)
     check("triton", batch, hidden, weight, bias, path=three_products, beta=0.04, loss_type="dapo")
     assert [c[0] for c in calls] == [(1, 64, 300), (1, 64, 300), (1, 32, 300)]
@@ -391,7 +391,7 @@ def test_three_products_mode_without_gradient_is_the_chunked_forward(device, mon
     def refuse(*args, **kwargs):
         raise AssertionError("the logits kernel ran on whole rows without a gradient")
 
-    monkeypatch.setattr(launch, "forward", refuse)
+    monkeypatch.setattr(logits_launch, "forward", refuse)
     batch, hidden, weight, bias = _block_spanning_inputs(device)
     options = dict(loss_type=loss_type, beta=0.04, temperature=0.9, **LOSS_TYPE_DEFAULTS.get(loss_type, {}))
     expected = materialized(hidden, weight, bias, batch, options)

@@ -238,10 +238,10 @@ def test_the_front_end_reaches_the_launchers_by_plain_imports():
     launcher modules themselves, not a name resolved at run time; where triton is absent they are stand-ins
     (tests/test_without_triton.py)."""
     from grpo_kernels import from_hidden_states, from_logits, ops
-    from grpo_kernels.kernels import fused_linear_launch, launch, reduce_launch
+    from grpo_kernels.kernels import fused_linear_launch, logits_launch, reduce_launch
 
     pytest.importorskip("triton")
-    assert from_logits.launch is launch and ops.launch is launch
+    assert from_logits.logits_launch is logits_launch and ops.logits_launch is logits_launch
     assert from_hidden_states.fused_linear_launch is fused_linear_launch
     assert from_hidden_states.reduce_launch is reduce_launch
     for path in PACKAGE.rglob("*.py"):

@@ -290,7 +290,7 @@ def test_one_pass_and_two_pass_agree_with_each_other(device):
 
 def _launch_with_config(device, one_pass, config, V=1003):
     """(the default launch's ForwardResult, the one with ``config``) of one batch's loss forward."""
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import logits_launch
     from grpo_kernels.kernels.contracts import OnePassGradient, TokenInputs
     from grpo_kernels.options import GRPOOptions
 
@@ -307,8 +307,8 @@ def _launch_with_config(device, one_pass, config, V=1003):
     gradient = OnePassGradient(torch.full((B * T,), 0.1, device=batch["logits"].device)) if one_pass else None
     common = dict(kernel_loss=opts.kernel_loss, temperature=1.0, tokens=tokens, compute_entropy=True, gradient=gradient)
     return (
-        launch.forward(batch["logits"], batch["completion_ids"], **common),
-        launch.forward(batch["logits"], batch["completion_ids"], config=config, **common),
+        logits_launch.forward(batch["logits"], batch["completion_ids"], **common),
+        logits_launch.forward(batch["logits"], batch["completion_ids"], config=config, **common),
     )
 
 
@@ -348,12 +348,14 @@ def test_pipelining_and_l2_hints_change_no_value(device, config, one_pass):
         if expected is not None:
             assert torch.equal(expected, actual), name
     batch = make_batch(B=2, T=4, V=1003, seed=12, device=device)
-    from grpo_kernels.kernels import launch
+    from grpo_kernels.kernels import logits_launch
 
-    r = launch.forward(batch["logits"], batch["completion_ids"])
+    r = logits_launch.forward(batch["logits"], batch["completion_ids"])
     g = torch.linspace(-1, 1, 8, device=r.lse.device)
-    plain = launch.backward(batch["logits"], batch["completion_ids"], r.lse, g, 1.0)
-    assert torch.equal(plain, launch.backward(batch["logits"], batch["completion_ids"], r.lse, g, 1.0, config=config))
+    plain = logits_launch.backward(batch["logits"], batch["completion_ids"], r.lse, g, 1.0)
+    assert torch.equal(
+        plain, logits_launch.backward(batch["logits"], batch["completion_ids"], r.lse, g, 1.0, config=config)
+    )
 
 
 @pytest.mark.parametrize(
@@ -387,15 +389,15 @@ def test_entropy_takes_the_one_pass_path_when_v_is_not_a_block_multiple(monkeypa
     entropy, so the fast path handled it, including the padding of the last, partial block;
     a row with a -inf logit must now come out NaN, which shows the replacement is in effect.
     """
-    from grpo_kernels.kernels import grpo, launch
+    from grpo_kernels.kernels import logits, logits_launch
 
-    monkeypatch.setattr(grpo, "_mean_x2", triton.jit(_entropy_slow_path_poisoned))
+    monkeypatch.setattr(logits, "_mean_x2", triton.jit(_entropy_slow_path_poisoned))
     gen = torch.Generator().manual_seed(V)
     logits = 3 * torch.randn(1, 4, V, generator=gen)
     logits[0, 3, 11] = float("-inf")
     ids = torch.randint(0, V, (1, 4), generator=gen)
     config = None if block_v is None else {"BLOCK_V": block_v}
-    out = launch.forward(logits, ids, temperature=0.7, compute_entropy=True, config=config)
+    out = logits_launch.forward(logits, ids, temperature=0.7, compute_entropy=True, config=config)
     scaled = logits[0, :3].double() / 0.7
     expected = -(scaled.softmax(-1) * scaled.log_softmax(-1)).sum(-1)
     assert_close("entropy", out.entropy[:3], expected.float(), **FP32_TOL)

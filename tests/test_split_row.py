@@ -13,7 +13,7 @@ import torch
 from helpers import OPTION_CASES, assert_close, make_batch, split_row
 
 from grpo_kernels import grpo_loss, grpo_loss_reference
-from grpo_kernels.kernels import launch, split_row_launch
+from grpo_kernels.kernels import logits_launch, split_row_launch
 
 TOL = dict(atol=1e-6, rtol=1e-5)
 
@@ -230,7 +230,7 @@ def test_no_wait_times_out(device, launched, chunks, held):
             old_logps=batch["old_logps"].reshape(-1).contiguous(),
             ref_logps=batch["ref_logps"].reshape(-1).contiguous(),
         )
-        r = launch.forward(
+        r = logits_launch.forward(
             logits,
             ids,
             kernel_loss=GRPOOptions(beta=0.04).kernel_loss,
@@ -299,15 +299,15 @@ def test_the_backward_ignores_the_forwards_schedules(device, monkeypatch):
     """A measured default that splits rows (or a persistent grid) is the one-pass forward's schedule: the two-pass
     backward, given the same configuration (tuned.json's entry, or a sweep candidate's), runs its own kernel and
     passes it neither (Triton would take them for compile options: another cache entry, compiled again)."""
-    from grpo_kernels.kernels import grpo
+    from grpo_kernels.kernels import logits
 
-    calls = _spy(monkeypatch, grpo, "logprob_backward_kernel")
+    calls = _spy(monkeypatch, logits, "logprob_backward_kernel")
     batch = make_batch(device=device, V=1003, seed=9)
     logits, ids = batch["logits"], batch["completion_ids"]
     N = ids.numel()
     lse = torch.logsumexp(logits.float(), -1).reshape(-1)
     g = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(device)
-    plain = launch.backward(logits, ids, lse, g, 1.0)
-    scheduled = launch.backward(logits, ids, lse, g, 1.0, config={"split_row": 8, "programs_per_sm": 2})
+    plain = logits_launch.backward(logits, ids, lse, g, 1.0)
+    scheduled = logits_launch.backward(logits, ids, lse, g, 1.0, config={"split_row": 8, "programs_per_sm": 2})
     assert torch.equal(plain, scheduled)
     assert set(calls[0]) == set(calls[1]) and not set(calls[1]) & {"split_row", "programs_per_sm"}

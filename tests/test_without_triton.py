@@ -28,12 +28,12 @@ def test_import_and_cpu_path_without_triton():
             assert "the Triton backend needs the triton package" in str(e), e
         else:
             raise AssertionError("backend='triton' without triton did not raise")
-        from grpo_kernels.kernels import TritonMissing, launch
-        assert isinstance(launch, TritonMissing)  # the launchers' stand-in: using it names what to install
+        from grpo_kernels.kernels import TritonMissing, logits_launch
+        assert isinstance(logits_launch, TritonMissing)  # the launchers' stand-in: using it names what to install
         try:
-            launch.loss_forward
+            logits_launch.loss_forward
         except ImportError as e:
-            assert "grpo_kernels.kernels.launch.loss_forward" in str(e) and "pip install triton" in str(e), e
+            assert "grpo_kernels.kernels.logits_launch.loss_forward" in str(e) and "pip install triton" in str(e), e
         else:
             raise AssertionError("the stand-in did not raise")
         print("ok")

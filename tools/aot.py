@@ -1,6 +1,6 @@
 """Ahead-of-time compile of every kernel specialization for a GPU target, without a GPU.
 
-``python tools/aot.py --arch 90`` runs the launchers (``grpo_kernels/kernels/launch.py`` and
+``python tools/aot.py --arch 90`` runs the launchers (``grpo_kernels/kernels/logits_launch.py`` and
 ``fused_linear_launch.py``) on CPU tensors of representative shapes with every kernel
 replaced by a recorder, so that what gets compiled is exactly what the launchers pass: the same
 arguments, and from them, through Triton's own JIT binder, the same signature (i32 or i64 by value,
@@ -39,7 +39,8 @@ import torch
 
 from grpo_kernels.kernels import fused_linear as FL
 from grpo_kernels.kernels import fused_linear_launch as lm_head_launch
-from grpo_kernels.kernels import grpo, kept, kept_launch, launch, reduce, split_row, split_row_launch
+from grpo_kernels.kernels import kept, kept_launch, logits_launch, reduce, split_row, split_row_launch
+from grpo_kernels.kernels import logits as logits_kernels
 from grpo_kernels.kernels.contracts import KeptTerms, KeptTokens, LossTokens, OnePassGradient, Sequences, TokenInputs
 from grpo_kernels.options import GRPOOptions
 from grpo_kernels.pipeline import kernel_reduction
@@ -86,7 +87,7 @@ class Launch:
 
 
 _KERNELS = {
-    grpo: ("grpo_forward_kernel", "logprob_backward_kernel", "scale_in_place_kernel"),
+    logits_kernels: ("grpo_forward_kernel", "logprob_backward_kernel", "scale_in_place_kernel"),
     split_row: ("split_row_forward_kernel",),
     reduce: ("token_weights_kernel", "loss_metrics_kernel"),
     FL: (
@@ -210,10 +211,10 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
 
             def calls(dtype=dtype, V=V, tag=f"{dtype_name} V={V}"):
                 x = _logits_inputs(dtype, V)
-                yield f"logprobs {tag}", lambda: launch.forward(x["logits"], x["ids"])
+                yield f"logprobs {tag}", lambda: logits_launch.forward(x["logits"], x["ids"])
                 yield (
                     f"logprobs+entropy+mask {tag}",
-                    lambda: launch.forward(
+                    lambda: logits_launch.forward(
                         x["logits"], x["ids"], tokens=TokenInputs(mask=x["mask"]), compute_entropy=True
                     ),
                 )
@@ -225,14 +226,14 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                     )
                     yield (
                         f"{name}+old+iw one-pass {tag}",
-                        lambda c=common: launch.forward(
+                        lambda c=common: logits_launch.forward(
                             x["logits"], x["ids"], gradient=OnePassGradient(x["weight"]), **c
                         ),
                     )
-                    yield f"{name}+old+iw {tag}", lambda c=common: launch.forward(x["logits"], x["ids"], **c)
+                    yield f"{name}+old+iw {tag}", lambda c=common: logits_launch.forward(x["logits"], x["ids"], **c)
                 yield (
                     f"ppo+old+iw one-pass persistent {tag}",
-                    lambda: launch.forward(
+                    lambda: logits_launch.forward(
                         x["logits"],
                         x["ids"],
                         kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
@@ -242,12 +243,12 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                         config={"programs_per_sm": 2},
                     ),
                 )
-                # the row loops' other settings (launch.loop_config): software-pipelined (the loads become
+                # the row loops' other settings (logits_launch.loop_config): software-pipelined (the loads become
                 # 16-byte async copies through shared memory), and without the L2 eviction hints
                 for loops, setting in (("pipelined", {"loop_stages": 3}), ("no-l2-hints", {"l2_hints": False})):
                     yield (
                         f"ppo+old+iw one-pass {loops} {tag}",
-                        lambda c=setting: launch.forward(
+                        lambda c=setting: logits_launch.forward(
                             x["logits"],
                             x["ids"],
                             kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
@@ -257,14 +258,19 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                             config=c,
                         ),
                     )
-                    yield f"logprobs {loops} {tag}", lambda c=setting: launch.forward(x["logits"], x["ids"], config=c)
+                    yield (
+                        f"logprobs {loops} {tag}",
+                        lambda c=setting: logits_launch.forward(x["logits"], x["ids"], config=c),
+                    )
                     yield (
                         f"dlogits {loops} {tag}",
-                        lambda c=setting: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0, config=c),
+                        lambda c=setting: logits_launch.backward(
+                            x["logits"], x["ids"], x["adv"], x["adv"], 1.0, config=c
+                        ),
                     )
                 yield (
                     f"ppo on-policy one-pass {tag}",
-                    lambda: launch.forward(
+                    lambda: logits_launch.forward(
                         x["logits"],
                         x["ids"],
                         kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
@@ -274,7 +280,7 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                 )
                 yield (
                     f"ppo+entropy-bonus one-pass {tag}",
-                    lambda: launch.forward(
+                    lambda: logits_launch.forward(
                         x["logits"],
                         x["ids"],
                         kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
@@ -291,7 +297,7 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                             f"{name} one-pass split-row K={chunks} {tag}",
                             lambda k=chunks, e=bonus: _split_row(
                                 k,
-                                launch.forward,
+                                logits_launch.forward,
                                 x["logits"],
                                 x["ids"],
                                 kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
@@ -307,7 +313,7 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                         f"ppo+old+iw one-pass split-row K=1 whole row {tag}",
                         lambda: _split_row(
                             1,
-                            launch.forward,
+                            logits_launch.forward,
                             x["logits"],
                             x["ids"],
                             kernel_loss=LOSS_OPTIONS["ppo"].kernel_loss,
@@ -317,12 +323,12 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                             config={"BLOCK_V": 32768, "num_warps": 16},
                         ),
                     )
-                yield f"dlogits {tag}", lambda: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0)
+                yield f"dlogits {tag}", lambda: logits_launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0)
                 if dtype != torch.float16:  # a soft-capped head (Gemma's): the cap is a specialization of its own
                     capped = GRPOOptions(logit_softcap=SOFTCAP)
                     yield (
                         f"logprobs+entropy+mask softcap {tag}",
-                        lambda: launch.forward(
+                        lambda: logits_launch.forward(
                             x["logits"],
                             x["ids"],
                             tokens=TokenInputs(mask=x["mask"]),
@@ -332,7 +338,7 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                     )
                     yield (
                         f"ppo+old+iw one-pass softcap {tag}",
-                        lambda: launch.forward(
+                        lambda: logits_launch.forward(
                             x["logits"],
                             x["ids"],
                             kernel_loss=capped.kernel_loss,
@@ -343,22 +349,22 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                     )
                     yield (
                         f"dlogits softcap {tag}",
-                        lambda: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0, softcap=SOFTCAP),
+                        lambda: logits_launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0, softcap=SOFTCAP),
                     )
                 yield (
                     f"dlogits+entropy-bonus {tag}",
-                    lambda: launch.backward(
+                    lambda: logits_launch.backward(
                         x["logits"], x["ids"], x["adv"], x["adv"], 1.0, grad_entropy=x["weight"], entropy=x["adv"]
                     ),
                 )
                 odd = _logits_inputs(dtype, V, aligned=False)  # a model's logits[:, :-1] of an odd V: rows unaligned
                 if V % 2:
-                    yield f"logprobs unaligned {tag}", lambda: launch.forward(odd["logits"], odd["ids"])
+                    yield f"logprobs unaligned {tag}", lambda: logits_launch.forward(odd["logits"], odd["ids"])
                     yield (
                         f"dlogits unaligned {tag}",
-                        lambda: launch.backward(odd["logits"], odd["ids"], odd["adv"], odd["adv"], 1.0),
+                        lambda: logits_launch.backward(odd["logits"], odd["ids"], odd["adv"], odd["adv"], 1.0),
                     )
-                yield f"scale {tag}", lambda: launch.scale_in_place(x["logits"].reshape(-1), torch.ones(()))
+                yield f"scale {tag}", lambda: logits_launch.scale_in_place(x["logits"].reshape(-1), torch.ones(()))
 
             yield from calls()
     # long context: a row stride past 2^31 elements makes the JIT type it i64 (a kernel of its own)
@@ -366,7 +372,7 @@ def logits_launches() -> Iterator[tuple[str, Callable[[], None]]]:
     long = _logits_inputs(torch.bfloat16, 151936, rows=long_rows)
     yield (
         "logprobs+entropy+mask bf16 V=151936 long-context",
-        lambda: launch.forward(
+        lambda: logits_launch.forward(
             long["logits"], long["ids"], tokens=TokenInputs(mask=long["mask"]), compute_entropy=True
         ),
     )
@@ -376,7 +382,7 @@ def tuned_launches(table: dict | None = None) -> Iterator[tuple[str, Callable[[]
     """The launches of every measured configuration in ``tuned.json`` (``table``: another such table), as a GPU of
     that architecture runs them: a "logits" entry's one-pass kernel (or its two-pass forward and backward), a
     "logprobs" entry's log-prob pass; each at its entry's vocabulary and dtype, its keys passed as the launch's
-    config (an entry without "l2_hints" runs without them: ``launch.logits_launch_config``). Labelled "tuned".
+    config (an entry without "l2_hints" runs without them: ``logits_launch.logits_launch_config``). Labelled "tuned".
     A CPU tensor never finds an entry (the lookup is by the GPU's architecture), so the other specializations are
     the heuristic's; these are what the device runs."""
     from grpo_kernels.kernels import tuned
@@ -394,14 +400,14 @@ def tuned_launches(table: dict | None = None) -> Iterator[tuple[str, Callable[[]
             x = _logits_inputs(dtype, entry["V"])
             tag = f"tuned {entry['arch']} {dtype_name} V={entry['V']}"
             if kind == "logprobs":
-                yield f"logprobs {tag}", lambda x=x, c=config: launch.forward(x["logits"], x["ids"], config=c)
+                yield f"logprobs {tag}", lambda x=x, c=config: logits_launch.forward(x["logits"], x["ids"], config=c)
                 continue
             tokens = TokenInputs(x["mask"], x["adv"], x["old"], importance_weights=x["iw"])
             loss = LOSS_OPTIONS["ppo"].kernel_loss
             if entry.get("one_pass", True) and not entry.get("split_row"):
                 yield (
                     f"ppo+old+iw one-pass {tag}",
-                    lambda x=x, c=config, t=tokens, loss=loss: launch.forward(
+                    lambda x=x, c=config, t=tokens, loss=loss: logits_launch.forward(
                         x["logits"],
                         x["ids"],
                         kernel_loss=loss,
@@ -414,13 +420,15 @@ def tuned_launches(table: dict | None = None) -> Iterator[tuple[str, Callable[[]
             elif not entry.get("split_row"):
                 yield (
                     f"ppo+old+iw {tag}",
-                    lambda x=x, c=config, t=tokens, loss=loss: launch.forward(
+                    lambda x=x, c=config, t=tokens, loss=loss: logits_launch.forward(
                         x["logits"], x["ids"], kernel_loss=loss, tokens=t, compute_entropy=True, config=c
                     ),
                 )
                 yield (
                     f"dlogits {tag}",
-                    lambda x=x, c=config: launch.backward(x["logits"], x["ids"], x["adv"], x["adv"], 1.0, config=c),
+                    lambda x=x, c=config: logits_launch.backward(
+                        x["logits"], x["ids"], x["adv"], x["adv"], 1.0, config=c
+                    ),
                 )
 
 
@@ -557,14 +565,14 @@ def kept_launches() -> Iterator[tuple[str, Callable[[], None]]]:
             with_set = TokenInputs(x["mask"], x["adv"], x["old"], kept_lse=ones, kept_entropy=ones)
             yield (
                 f"ppo kept-set one-pass {tag}",
-                lambda: launch.forward(
+                lambda: logits_launch.forward(
                     x["logits"], x["ids"], kernel_loss=opts.kernel_loss, tokens=with_set, compute_entropy=True,
                     gradient=OnePassGradient(x["weight"]),
                 ),
             )  # fmt: skip
             yield (
                 f"logprobs kept-set {tag}",
-                lambda: launch.forward(x["logits"], x["ids"], tokens=TokenInputs(mask=x["mask"], kept_lse=ones)),
+                lambda: logits_launch.forward(x["logits"], x["ids"], tokens=TokenInputs(mask=x["mask"], kept_lse=ones)),
             )
             yield (
                 f"kept-set head forward ppo {dtype_name}",
@@ -578,7 +586,7 @@ def kept_launches() -> Iterator[tuple[str, Callable[[], None]]]:
 
 
 def reduce_launches() -> Iterator[tuple[str, Callable[[], None]]]:
-    """A loss's launches around its logits kernel (``launch.loss_forward``: the token-weights and loss-metrics
+    """A loss's launches around its logits kernel (``logits_launch.loss_forward``: the token-weights and loss-metrics
     kernels) for each reduction (the prompt mean's per-sequence divisors among them), per-sequence and per-token
     inputs, a packed batch, tensor scales and normalizers, the entropy bonus, each policy term's metrics and the
     dropped position's gradient rows of each dtype."""
@@ -643,7 +651,7 @@ def reduce_launches() -> Iterator[tuple[str, Callable[[], None]]]:
             grad = torch.empty_like(logits)
             yield (
                 f"loss {name} one-pass {dtype_name}",
-                lambda o=opts, t=loss_tokens, g=grad, logits=logits, ids=ids: launch.loss_forward(
+                lambda o=opts, t=loss_tokens, g=grad, logits=logits, ids=ids: logits_launch.loss_forward(
                     logits[:, :-1], ids, kernel_loss=o.kernel_loss, loss_tokens=t, gradient_out=g, dropped_gradient=g
                 ),
             )
@@ -1054,7 +1062,7 @@ def signature_facts() -> dict[str, object]:
     for name, rows in (("typical", 1024), ("long_context", (1 << 31) // 151936 + 1)):
         logits = torch.empty(1, rows, 151936, dtype=torch.bfloat16)
         with recorded_launches() as launches:
-            launch.forward(
+            logits_launch.forward(
                 logits,
                 torch.zeros(1, rows, dtype=torch.int64),
                 tokens=TokenInputs(mask=torch.ones(rows)),
@@ -1069,7 +1077,7 @@ def signature_facts() -> dict[str, object]:
                 names[path[0]] for path, attr in attrs.items() if ["tt.divisibility", 16] in attr
             ),
             "num_warps": options.num_warps,
-            "launcher_config": launch.logits_launch_config(logits),
+            "launcher_config": logits_launch.logits_launch_config(logits),
             "constexprs": {names[path[0]]: value for path, value in constexprs.items()},
         }
     return facts

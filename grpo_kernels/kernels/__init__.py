@@ -1,6 +1,7 @@
-"""The kernel tier: the Triton kernels and, beside each kernel file, its launchers (``launch.py``, ``reduce_launch.py``,
-``fused_linear_launch.py``, ``split_row_launch.py``, ``kept_launch.py``), with the host-kernel contracts
-(``contracts.py``, which needs no Triton). Nothing here imports the front end.
+"""The kernel tier: the Triton kernels (``x.py``), beside each its launchers (``x_launch.py``: ``logits_launch.py``,
+``reduce_launch.py``, ``fused_linear_launch.py``, ``split_row_launch.py``, ``kept_launch.py``), the ``@triton.jit``
+functions they share (``token_math.py``, ``logsumexp.py``) and the host-kernel contracts (``contracts.py``, which
+needs no Triton). Nothing here imports the front end.
 
 The front end reaches the launchers through the four names below, plain imports where triton is installed. Where it
 is absent (macOS, Windows) the package still imports and the torch path runs: each name then stands for its module
@@ -35,11 +36,11 @@ def _triton_is_missing(error: ModuleNotFoundError) -> bool:
 
 
 try:
-    from . import fused_linear_launch, kept_launch, launch, reduce_launch
+    from . import fused_linear_launch, kept_launch, logits_launch, reduce_launch
 except ModuleNotFoundError as missing:  # only triton's absence; any other import error is a bug, raised
     if not _triton_is_missing(missing):
         raise
     fused_linear_launch = TritonMissing("fused_linear_launch", missing)
     kept_launch = TritonMissing("kept_launch", missing)
-    launch = TritonMissing("launch", missing)
+    logits_launch = TritonMissing("logits_launch", missing)
     reduce_launch = TritonMissing("reduce_launch", missing)

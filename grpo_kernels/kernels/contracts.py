@@ -4,8 +4,8 @@ The kernel tier (``kernels/``) imports nothing of the front end; the front end b
 launchers from these types (``GRPOOptions.kernel_loss``, ``TokenInputs``, ``LossTokens``) and reaches the launchers
 through the package's plain imports (``grpo_kernels.kernels``).
 
-The kernels (``kernels/grpo.py``) and the front end (``loss.py``) share these names; this module
-imports nothing heavy, so ``import grpo_kernels`` and the CPU path work where Triton is absent.
+The kernels (``kernels/token_math.py``, ``kernels/logits.py``) and the front end (``loss.py``) share these names; this
+module imports nothing heavy, so ``import grpo_kernels`` and the CPU path work where Triton is absent.
 """
 
 import functools
@@ -44,7 +44,7 @@ class OnePassGradient(NamedTuple):
     in_place: bool = False
 
 
-# The loss kernels' run-time scalars, in the order of their ``loss_scalars`` tuple (grpo.token_loss_and_grad).
+# The loss kernels' run-time scalars, in the order of their ``loss_scalars`` tuple (token_math.token_loss_and_grad).
 LOSS_SCALARS = (
     "eps_low",
     "eps_high",

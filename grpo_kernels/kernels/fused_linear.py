@@ -2,12 +2,12 @@
 
 x = cap(h @ W^T + b) / tau is computed one [BLOCK_N, BLOCK_V] tile at a time with ``tl.dot``
 (16-bit or fp32 inputs, fp32 accumulation); cap is the head's soft-cap, softcap * tanh(. / softcap), where
-``softcap`` is a number (Gemma's), else nothing (compiled out), as in ``grpo.py``.
+``softcap`` is a number (Gemma's), else nothing (compiled out), as in ``token_math.py``.
 
 Forward (``linear_grpo_forward_kernel``, a grid over blocks of BLOCK_N tokens): stream
 the vocabulary tiles, keeping per-token online log-sum-exp, the target logit and (when
 asked) the entropy sums; then, on the block's [BLOCK_N] vectors, the per-token loss of
-every loss_type and its derivative dloss/dlogp (``grpo.token_loss_and_grad``, the same
+every loss_type and its derivative dloss/dlogp (``token_math.token_loss_and_grad``, the same
 function the logits kernel runs). The logits are never written. A block whose tokens
 are all masked skips the vocabulary loop. When there are too few token blocks to fill
 the GPU, the grid gets a second axis of vocabulary splits (SPLIT_V): each program keeps
@@ -39,9 +39,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grpo import C_LOSS_NONE, LN2, LOG2E, cap_slope, capped_logit, token_loss_and_grad
 from .logsumexp import finite_or_zero, merge_lse, merge_sum_squares
 from .split_row import _chunk_state
+from .token_math import C_LOSS_NONE, LN2, LOG2E, cap_slope, capped_logit, token_loss_and_grad
 
 # N (tokens) changes every step: no recompile for it. V and H are fixed by the model and
 # stay specialized, so that Triton knows the rows are 16-byte aligned and issues wide,

@@ -2,7 +2,7 @@
 chunked backward, and the 3-product mode's cuBLAS chunks.
 
 They share the per-token inputs, outputs and loss scalars with the logits kernels' launchers
-(``launch.py``), since both kernel families end in the same per-token loss code. No autograd here:
+(``logits_launch.py``), since both kernel families end in the same per-token loss code. No autograd here:
 the host functions of ``grpo_kernels.from_hidden_states`` call these.
 """
 
@@ -12,10 +12,13 @@ import torch
 import triton
 
 from . import fused_linear as FL
-from . import kept_launch, tuned
-from . import launch as logits_launch  # the 3-product mode runs the logits kernels on each chunk
+from . import (
+    kept_launch,
+    logits_launch,  # the 3-product mode runs the logits kernels on each chunk
+    tuned,
+)
 from .contracts import NO_TOKEN_INPUTS, KernelLoss, OnePassGradient, TokenInputs, fp32_products, rounds_head_logits
-from .launch import ForwardResult, allocate_outputs, loss_args, loss_pointer_args, resolved_head
+from .logits_launch import ForwardResult, allocate_outputs, loss_args, loss_pointer_args, resolved_head
 
 
 def default_lm_head_mode(hidden: torch.Tensor, vocab_size: int) -> str:
@@ -111,10 +114,10 @@ def linear_forward(
     config: dict[str, int] | None = None,
     compute_sum_squares: bool = False,
 ) -> ForwardResult:
-    """The forward kernel on cap(hidden [N, H] @ weight[V, H]^T + bias) / temperature (``launch.resolved_head``),
+    """The forward kernel on cap(hidden [N, H] @ weight[V, H]^T + bias) / temperature (``logits_launch.resolved_head``),
     logits never stored; with ``compute_sum_squares`` (a log-prob pass) each token's Σπ² too.
 
-    Per-token inputs (``tokens``) and outputs as in ``launch.forward`` (fp32 [N]); with ``kernel_loss``
+    Per-token inputs (``tokens``) and outputs as in ``logits_launch.forward`` (fp32 [N]); with ``kernel_loss``
     None only log-probs (and entropy) are computed. The lm_head gradient needs the full log-sum-exp first:
     see ``linear_backward``.
     """
@@ -444,7 +447,7 @@ def linear_backward(
 ):
     """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N])
     and, when the loss uses the entropy, h = dLoss/dH (``grad_entropy``) with the forward's ``entropy``; the logits
-    are cap(hidden @ weight^T + bias) / temperature (``launch.resolved_head``).
+    are cap(hidden @ weight^T + bias) / temperature (``logits_launch.resolved_head``).
 
     A tile of the logits at a time (``workspace_tiles``: [tokens, columns], at most
     ``LINEAR_TILED_WORKSPACE_BYTES``): the dlogits kernel writes the tile's gradient of the logits into one

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .fused_linear import rounded_to_bf16
-from .grpo import capped_logit
 from .logsumexp import finite_or_zero
+from .token_math import capped_logit
 
 # The entries a program takes at a time (a token's set: tens to thousands of ids)
 KEPT_BLOCK = tl.constexpr(64)

@@ -1,11 +1,11 @@
-"""The online log-sum-exp merge both kernel files use (``grpo.py``'s lanes, ``fused_linear.py``'s tiles and
+"""The online log-sum-exp merge both kernel files use (``logits.py``'s lanes, ``fused_linear.py``'s tiles and
 vocabulary splits).
 
 A log-sum-exp state is (max, sum exp(x - max), sum exp(x - max) x): the third sum is the entropy's,
 H = lse - sum p x. A state is moved to a larger max by rescaling its sums (``rescale_lse``: how
-``grpo.py`` brings its lanes to the row's max); two states merge by moving both to the larger max
+``logits.py`` brings its lanes to the row's max); two states merge by moving both to the larger max
 (``merge_lse``: ``fused_linear.py``'s tiles and vocabulary splits). The per-logit update in
-``grpo.py``'s row loop (``_lse_fold``) is the one special case kept apart: there the part is a single
+``token_math.py``'s row loop (``lse_fold``) is the one special case kept apart: there the part is a single
 logit, and one exp2 is both the rescale and the logit's own term, half the exponentials of a merge.
 """
 
@@ -26,7 +26,7 @@ def finite_or_zero(m):
 def rescale_lse(state_max, sum_exp, sum_exp_x, to_max, COMPUTE_ENTROPY: tl.constexpr, BASE2: tl.constexpr):
     """A state's two sums re-expressed at a max ``to_max`` >= its own (finite): both times exp(max - to_max).
 
-    BASE2: the values are in base 2 (x log2(e), as ``grpo.py``'s row loop keeps them), so the factor is
+    BASE2: the values are in base 2 (x log2(e), as ``logits.py``'s row loop keeps them), so the factor is
     exp2; else natural. Without COMPUTE_ENTROPY the third sum is passed through."""
     if BASE2:
         scale = tl.exp2(state_max - to_max)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .contracts import CLIP_METRICS_NONE, CLIP_METRICS_PPO, DIVISOR_ROW, DIVISOR_SEQUENCE, DIVISOR_TOTAL
-from .grpo import C_FLAG_HIGH, C_FLAG_LOW  # the clip flags' bits as the loss kernels write them
+from .token_math import C_FLAG_HIGH, C_FLAG_LOW  # the clip flags' bits as the loss kernels write them
 
 # the contracts as the kernels read them (Triton takes module globals only as constexprs)
 C_DIVISOR_ROW = tl.constexpr(DIVISOR_ROW)

@@ -117,7 +117,8 @@ def weighted_tokens(
     divisor = divisor or 1.0  # a normalizer of 0 read on the host (the kernel does the same for a device tensor):
     # no token is active then (validation checks it), every weight is 0, and it divides as 1 so that they stay 0
     dropped = dropped_gradient is not None
-    # positional, in the kernel's signature order (reduce.token_weights_kernel): host time (see launch._run_forward)
+    # positional, in the kernel's signature order (reduce.token_weights_kernel): host time
+    # (see logits_launch._run_forward)
     reduce.token_weights_kernel[(S,)](
         mask,
         cu_seqlens,
@@ -154,7 +155,7 @@ def weighted_tokens(
 def reduced(
     mask: torch.Tensor, kernel_loss: KernelLoss, result, weights: TokenWeights
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``loss_metrics`` of a forward launch's result (``launch.ForwardResult``): (the loss, the metrics)."""
+    """``loss_metrics`` of a forward launch's result (``logits_launch.ForwardResult``): (the loss, the metrics)."""
     return loss_metrics(
         mask, kernel_loss, loss=result.loss, entropy=result.entropy, kl=result.kl, flags=result.flags, weights=weights
     )
@@ -174,7 +175,8 @@ def loss_metrics(
     loss_out = new((), device=mask.device, dtype=torch.float32)
     if N == 0:
         return loss_out, metrics
-    # positional, in the kernel's signature order (reduce.loss_metrics_kernel): host time (see launch._run_forward)
+    # positional, in the kernel's signature order (reduce.loss_metrics_kernel): host time
+    # (see logits_launch._run_forward)
     reduce.loss_metrics_kernel[(1,)](
         mask,
         N,

@@ -1,7 +1,7 @@
 """The split-row one-pass kernel: each token's row is cut into K contiguous chunks handled by K sibling
 programs, so that a row's logits are read from HBM once and its gradient written once (2 S).
 
-Why: the one-pass kernel (``grpo.py``) reads each row twice, once for its log-sum-exp and once, for the
+Why: the one-pass kernel (``logits.py``) reads each row twice, once for its log-sum-exp and once, for the
 gradient, after it; with a program per row, hundreds of 297 KiB rows are in flight against a 60 MB L2
 and the second read comes back from HBM (3 S). Here a chunk is V / K logits: the L2 working set is the
 resident programs times a chunk, which K brings under the L2.
@@ -9,11 +9,11 @@ resident programs times a chunk, which K brings under the L2.
 One work item is a (row, chunk). A program, for each of its items:
 
 1. **publish**: folds its chunk into a log-sum-exp state (max, sum 2^(x - max), sum 2^(x - max) x, base
-   2, as ``grpo.py``'s lanes) and stores it in the row's scratch; then arrives on the row's counter
+   2, as ``logits.py``'s lanes) and stores it in the row's scratch; then arrives on the row's counter
    (release);
 2. **wait**: until the row's K siblings have arrived (acquire), a bounded spin;
 3. **merge and write**: merges the K states into the row's log-sum-exp and entropy, reads the target
-   logit, computes the loss terms and dLoss/dlogp (``grpo.token_loss_and_grad``, as every kernel does)
+   logit, computes the loss terms and dLoss/dlogp (``token_math.token_loss_and_grad``, as every kernel does)
    and writes its chunk's gradient (chunk 0 also writes the token's outputs).
 
 The K siblings of a row must be resident at once, or the wait never returns: the grid is persistent
@@ -38,22 +38,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grpo import (
+from .logsumexp import rescale_lse
+from .token_math import (
     FLOOR,
     LN2,
     LOG2E,
     NAN,
     RUNTIME_INTS,
-    _lse_fold,
-    _row_pointer,
     base2_logit,
     capped_logit,
     chained,
+    lse_fold,
     padded_base2_logit,
+    row_pointer,
     store_loss_terms,
     token_loss_at,
 )
-from .logsumexp import rescale_lse
 
 # the scratch's floats per (row, chunk): max, sum, entropy sum (base 2), one pad for 16-byte rows
 STATE_WIDTH = 4
@@ -73,14 +73,14 @@ def _chunk_state(row_ptr, c0, c1, c, softcap, BLOCK_V: tl.constexpr, COMPUTE_ENT
     for start in range(c0, full_end, BLOCK_V):
         low = base2_logit(tl.load(row_ptr + start + cols), c, softcap)
         high = base2_logit(tl.load(row_ptr + start + HALF + cols), c, softcap)
-        m, s, t = _lse_fold(low, m, s, t, COMPUTE_ENTROPY)
-        m, s, t = _lse_fold(high, m, s, t, COMPUTE_ENTROPY)
+        m, s, t = lse_fold(low, m, s, t, COMPUTE_ENTROPY)
+        m, s, t = lse_fold(high, m, s, t, COMPUTE_ENTROPY)
     for start in range(full_end, c1, HALF):  # the row's remainder (the last chunk only)
         in_chunk = start + cols < c1
         x2 = padded_base2_logit(
             tl.load(row_ptr + start + cols, mask=in_chunk, other=float("-inf")), in_chunk, c, softcap
         )
-        m, s, t_folded = _lse_fold(x2, m, s, t, COMPUTE_ENTROPY)
+        m, s, t_folded = lse_fold(x2, m, s, t, COMPUTE_ENTROPY)
         t = tl.where(in_chunk, t_folded, t)
     chunk_max = tl.max(m, axis=0)
     s, t = rescale_lse(m, s, t, chunk_max, COMPUTE_ENTROPY, BASE2=True)
@@ -88,7 +88,7 @@ def _chunk_state(row_ptr, c0, c1, c, softcap, BLOCK_V: tl.constexpr, COMPUTE_ENT
     sum_x = 0.0
     if COMPUTE_ENTROPY:
         sum_x = tl.sum(t, axis=0)
-        # a -inf logit adds 0 * -inf = NaN to t (as in grpo.py): sum the chunk again, -inf adding 0
+        # a -inf logit adds 0 * -inf = NaN to t (as in logits.py): sum the chunk again, -inf adding 0
         if (sum_x != sum_x) & (sum_exp == sum_exp) & (tl.abs(chunk_max) < float("inf")):
             sum_x = _chunk_sum_x2(row_ptr, c0, c1, c, softcap, chunk_max, BLOCK_V)
     return chunk_max, sum_exp, sum_x
@@ -252,7 +252,7 @@ def _write_chunk_gradient(
     BLOCK_V: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
 ):
-    """``grpo._write_row_gradient`` over columns [c0, c1) of the row: -g / tau p (plus the entropy term),
+    """``logits._write_row_gradient`` over columns [c0, c1) of the row: -g / tau p (plus the entropy term),
     and the target's +g / tau where the target lies in the chunk, times the soft-cap's chain factor where there
     is one; zeros, unread, if g (and h) are 0.
 
@@ -364,7 +364,7 @@ def split_row_forward_kernel(
     PHASE: tl.constexpr,
     MAX_SPIN: tl.constexpr,
 ):
-    """The one-pass loss (every output of ``grpo.grpo_forward_kernel`` with its one-pass gradient) with each
+    """The one-pass loss (every output of ``logits.grpo_forward_kernel`` with its one-pass gradient) with each
     row split over K sibling programs: see the module's docstring. PHASE 0: the cooperative launch (publish,
     wait, merge and write); 1 and 2: the interpreter's two launches (publish; merge and write). Optional
     tensors are None where absent, as in ``grpo_forward_kernel``. HOLD_CHUNK: every chunk is one block
@@ -385,7 +385,7 @@ def split_row_forward_kernel(
         active = True
         if HAS_MASK:
             active = tl.load(mask_ptr + row) != 0.0
-        row_ptr = _row_pointer(logits_ptr, row, T, stride_b, stride_t, ROW_ALIGN)
+        row_ptr = row_pointer(logits_ptr, row, T, stride_b, stride_t, ROW_ALIGN)
         state_row = state_ptr + row * (K * C_STATE_WIDTH)
         if HOLD_CHUNK:  # loaded once, before the wait (the interpreter's second launch, PHASE 2, loads it again)
             x2, e, held_max, held_sum, held_sum_x = _held_state(
@@ -404,7 +404,7 @@ def split_row_forward_kernel(
                     tl.debug_barrier()  # every thread's stores before the release
                     tl.atomic_add(counter_ptr + row, 1, sem="release")
         if PHASE != 1:
-            out_ptr = _row_pointer(grad_logits_ptr, row, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
+            out_ptr = row_pointer(grad_logits_ptr, row, T, grad_stride_b, grad_stride_t, ROW_ALIGN)
             target = tl.load(ids_ptr + row).to(tl.int64)
             if active:
                 if WHOLE_ROW:  # the row is this program's chunk: its state is the row's, nothing to publish

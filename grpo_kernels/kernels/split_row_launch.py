@@ -1,8 +1,8 @@
 """Host launcher of the split-row schedule (``split_row.py``): each row of logits cut into K chunks read by K
 sibling programs of one cooperative, persistent launch; in Triton's interpreter, two launches (publish, then merge
-and write). ``launch._run_forward`` calls ``split_row_forward`` where the launch configuration (the device sweep's
-``tuned.json``, or ``split_row_schedule`` in tests and benchmarks) asks for K chunks; the grid, the chunking and the
-co-residency are this module's.
+and write). ``logits_launch._run_forward`` calls ``split_row_forward`` where the launch configuration (the device
+sweep's ``tuned.json``, or ``split_row_schedule`` in tests and benchmarks) asks for K chunks; the grid, the chunking
+and the co-residency are this module's.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Entries (lists under "logits", "logprobs" and "fused_linear"):
   "programs_per_sm": null, "measured": "..."}``, the loss's launches (the one-pass kernel, or the two-pass
   forward and backward)
   (``programs_per_sm``: null is one program per token, a number the persistent schedule, "l2" the persistent
-  schedule with as many programs as keep the rows in flight within L2 (``launch.l2_programs_per_sm``);
+  schedule with as many programs as keep the rows in flight within L2 (``logits_launch.l2_programs_per_sm``);
   ``loop_stages``: the vocabulary loops software-pipelined over that many stages (1 or absent: not pipelined);
   ``l2_hints``: the row loops' L2 eviction hints (absent: an entry measured before they existed, run without);
   ``split_row``: null, or the one-pass loss on the split-row kernel with each row over at most that many

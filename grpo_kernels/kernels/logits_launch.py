@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 import triton
 
-from . import grpo, split_row_launch, tuned
+from . import logits as logits_kernels  # (as a module: the tests' spies replace its kernels)
+from . import split_row_launch, tuned
 from .contracts import NO_LOSS_ARGS, NO_TOKEN_INPUTS, KernelLoss, LossTokens, OnePassGradient, TokenInputs, TokenWeights
 from .reduce_launch import fp32_rows, loss_metrics, rows_needed, weighted_tokens
 
@@ -398,8 +399,8 @@ def _run_forward(
     pointers = loss_pointers(out, tokens)
     loss = NO_LOSS_ARGS if kernel_loss is None else kernel_loss.args
     launch_config = logits_launch_config(logits, config, "logprobs" if kernel_loss is None else "logits")
-    # positional, in the kernel's signature order (grpo.grpo_forward_kernel): Triton's launcher takes a keyword
-    # argument at about ten times a positional one's host time, and this launch has 36
+    # positional, in the kernel's signature order (logits_kernels.grpo_forward_kernel): Triton's launcher takes a
+    # keyword argument at about ten times a positional one's host time, and this launch has 36
     args = (
         logits,
         logits.stride(0),
@@ -425,7 +426,7 @@ def _run_forward(
     chunks = launch_config.pop("split_row", None) or split_row_launch.SPLIT_ROW_CHUNKS
     if write_grad and not gradient.in_place and chunks and tokens.kept_lse is None:  # (no kept set in split rows)
         # the leading parameters, by name (the constexprs after them come as keywords)
-        kwargs = dict(zip(grpo.grpo_forward_kernel.arg_names, args, strict=False))
+        kwargs = dict(zip(logits_kernels.grpo_forward_kernel.arg_names, args, strict=False))
         for name in ("sum_squares_out", "kept_lse_ptr", "kept_entropy_ptr"):  # (None here: see the condition)
             del kwargs[name]
         if split_row_launch.SPLIT_ROW_BLOCK:  # a block for the split-row kernel alone (the tests' small vocabularies)
@@ -441,7 +442,9 @@ def _run_forward(
     )
     loops = loop_config(launch_config)
     if N > 0:
-        grpo.grpo_forward_kernel[grid](*args, launch_config.pop("BLOCK_V"), persistent, *loops, **launch_config)
+        logits_kernels.grpo_forward_kernel[grid](
+            *args, launch_config.pop("BLOCK_V"), persistent, *loops, **launch_config
+        )
     return out
 
 
@@ -529,7 +532,7 @@ def backward(
     loops = loop_config(launch_config)
     if B * T > 0:
         with_entropy = grad_entropy is not None
-        grpo.logprob_backward_kernel[(B * T,)](
+        logits_kernels.logprob_backward_kernel[(B * T,)](
             logits_ptr=logits,
             stride_b=logits.stride(0),
             stride_t=logits.stride(1),
@@ -568,5 +571,7 @@ def scale_in_place(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     blocks = -(-numel // SCALE_BLOCK)
     blocks = min(blocks, 8 * _sm_count(x.device.index) if x.is_cuda else 16)
     scale = scale if scale.dtype == torch.float32 else scale.float()  # one element, 0-d or not: read at its pointer
-    grpo.scale_in_place_kernel[(blocks,)](x, scale, numel, SCALE_BLOCK, num_warps=8)  # (x_ptr, scale_ptr, numel, BLOCK)
+    logits_kernels.scale_in_place_kernel[(blocks,)](
+        x, scale, numel, SCALE_BLOCK, num_warps=8
+    )  # (x_ptr, scale_ptr, numel, BLOCK)
     return x
