@@ -262,18 +262,32 @@ def _verl_reduced(per_token, inputs, settings) -> torch.Tensor:
     check_choice("loss_agg_mode", mode, VERL_AGG_MODES)
     L = inputs.layout
     mask = L.seq(inputs.mask.reshape(per_token.shape))
-    tokens, rows = settings["batch_num_tokens"], settings["global_batch_size"]
-    if settings["dp_size"] == 1:  # this call's counts, at least 1: an all-padding batch gives 0, as verl's would not
-        tokens = mask.sum().clamp(min=1.0) if tokens is None else tokens
-        rows = (mask.sum(-1) > 0).sum().clamp(min=1) if rows is None else rows
-    return verl_aggregate(
+    return _verl_aggregated(
         L.seq(per_token),
         mask,
         mode,
-        dp_size=settings["dp_size"],
+        settings["dp_size"],
+        settings["batch_num_tokens"],
+        settings["global_batch_size"],
+        settings["loss_scale_factor"],
+    )
+
+
+def _verl_aggregated(per_token, mask, mode: str, dp_size: int, batch_num_tokens, global_batch_size, loss_scale_factor):
+    """verl's ``agg_loss`` of [rows, T] per-token values, its ``global_batch_info`` defaulted on one process to this
+    call's counts, at least 1 (an all-padding batch gives 0 tokens and rows, which verl's own counts never are)."""
+    tokens, rows = batch_num_tokens, global_batch_size
+    if dp_size == 1:
+        tokens = mask.sum().clamp(min=1.0) if tokens is None else tokens
+        rows = (mask.sum(-1) > 0).sum().clamp(min=1) if rows is None else rows
+    return verl_aggregate(
+        per_token,
+        mask,
+        mode,
+        dp_size=dp_size,
         batch_num_tokens=tokens,
         global_batch_size=rows,
-        loss_scale_factor=settings["loss_scale_factor"],
+        loss_scale_factor=loss_scale_factor,
     )
 
 
@@ -433,18 +447,8 @@ def reverse_kl_distillation_loss(
     metrics["distillation/abs_loss"] = _active_mean(per_token.detach().abs(), active)
     if loss_max_clamp is not None:
         per_token = per_token.clamp(min=-loss_max_clamp, max=loss_max_clamp)
-    tokens, rows = batch_num_tokens, global_batch_size
-    if dp_size == 1:  # an all-padding batch gives 0
-        tokens = mask.sum().clamp(min=1.0) if tokens is None else tokens
-        rows = (mask.sum(-1) > 0).sum().clamp(min=1) if rows is None else rows
-    loss = verl_aggregate(
-        per_token,
-        mask,
-        loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=tokens,
-        global_batch_size=rows,
-        loss_scale_factor=loss_scale_factor,
+    loss = _verl_aggregated(
+        per_token, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
     )
     metrics["distillation/loss"] = loss.detach()
     per_token_out = L.from_seq(per_token) if L.packed else per_token

@@ -28,23 +28,25 @@ from . import kept_set, ops, torch_path
 from .from_logits import (
     LogprobResult,
     apply_or_forward,
-    at_ids_terms,
-    at_ids_tokens,
     first_backward,
     input_grads,
-    kept_gradient,
     kernel_output,
     loss_outputs,
     signature_bound_once,
-    summed_over_repeats,
     weighted_dloss,
-    with_kept_lse,
-    with_kept_set,
 )
 from .kernels import fused_linear_launch, kept_launch, logits_launch, reduce_launch
 from .kernels.contracts import KeptTerms, KeptTokens, LossTokens, OnePassGradient, rounds_head_logits
 from .objective import GRPOLossOutput
 from .options import GRPOOptions, option_value
+from .sparse_entries import (
+    at_ids_terms,
+    at_ids_tokens,
+    kept_gradient,
+    summed_over_repeats,
+    with_kept_lse,
+    with_kept_set,
+)
 from .validation import check_head_precision, check_linear_inputs, check_lm_head_mode
 
 
@@ -323,7 +325,8 @@ class LinearLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape, kept=None,
                 terms=None):  # fmt: skip
         ctx.set_materialize_grads(False)
-        loss_tokens = with_kept_lse(loss_tokens, terms)  # the kernels take each set's token's log-prob over its set
+        if terms is not None:  # the kernels take each set's token's log-prob over its set
+            loss_tokens = with_kept_lse(loss_tokens, terms)
         loss, metrics, r, weights = linear_loss_fwd(hidden, weight, bias, ids, loss_tokens, opts)
         ctx.save_for_backward(
             hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy, weights.weight, weights.entropy_weight
@@ -372,7 +375,7 @@ def three_products_fwd(
     reduced loss (each token's weight from the token-weights kernel), both gradient products in the same loop.
     ``wants_weight`` None: no gradient at all (the three are None). ``kept``, ``terms``: the kept sets and their
     terms (``linear_kept_terms``), their entries written into each chunk's dlogits."""
-    tokens, weights = reduce_launch.weighted_tokens(with_kept_lse(loss_tokens, terms))
+    tokens, weights = reduce_launch.weighted_tokens(loss_tokens if terms is None else with_kept_lse(loss_tokens, terms))
     gradient = None if wants_weight is None else OnePassGradient(weights.weight, weights.entropy_weight)
     r, dh, dw, db = fused_linear_launch.linear_three_products(
         hidden,
@@ -627,7 +630,7 @@ def _head_logits_of(hidden, weight, bias, temperature: float, softcap):
 def kept_entries(ids, kept: KeptTokens | None, terms: KeptTerms | None, g, h, lse, entropy, temperature: float,
                  softcap, backend: str, col0: int = 0, lead=None):  # fmt: skip
     """The head's backward's ``write_entries`` for the kept sets (None without): over each tile of dlogits (its
-    tokens from n0, its columns from v0), the sets' entries (``from_logits.kept_gradient``) from the full ``g`` and
+    tokens from n0, its columns from v0), the sets' entries (``sparse_entries.kept_gradient``) from the full ``g`` and
     ``h`` (the dense pass had their share of the sets' tokens taken out), the forward's ``lse`` and ``entropy``;
     ``col0``: the slice's first global id (a vocabulary shard's); ``lead`` one an entry (the top-k entries',
     ``LinearLogprobsAtIds``)."""

@@ -33,11 +33,14 @@ from .validation import (
     check_hidden_grad_reduction,
     check_inputs,
     check_logits,
+    check_options_or_keywords,
     check_per_token,
     check_prompt_ids,
     check_token_ids,
     checked_kept_set,
     checked_loss_scale,
+    misplaced_offsets,
+    offsets_error,
     resolve_backend,
 )
 from .vocab_parallel import sharded_source, sharded_vocab_start
@@ -181,11 +184,8 @@ def packed_layout(cu_seqlens, packed_source) -> tuple[SequenceLayout, object]:
     if cu_seqlens.device != source.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but {what} is on {source.device}")
     bounds = cu_seqlens.detach().cpu()
-    if int(bounds[0]) != 0 or int(bounds[-1]) != total or bool((bounds[1:] < bounds[:-1]).any()):
-        raise ValueError(
-            f"cu_seqlens must start at 0, never decrease and end at the packed token count {total}, "
-            f"got {bounds.tolist()[:8]}{' ...' if bounds.numel() > 8 else ''}"
-        )
+    if misplaced_offsets(bounds, total):
+        raise offsets_error("cu_seqlens", bounds, total, "the packed token count")
     return SequenceLayout(1, total, cu_seqlens), packed_source.with_tensor(one_row)
 
 
@@ -249,10 +249,7 @@ def options_from(options: GRPOOptions | None, option_kwargs: dict) -> GRPOOption
     once, and with them what the launchers read of them (``GRPOOptions.kernel_loss`` and the other facts
     ``GRPOOptions._derive_facts`` keeps)."""
     if options is not None:
-        if option_kwargs:
-            raise ValueError(
-                f"pass options either as options= or as keywords, got both (keywords {sorted(option_kwargs)})"
-            )
+        check_options_or_keywords(options, option_kwargs)
         return options
     if torch.compiler.is_compiling():  # a graph's keywords are its constants: the options made once, at tracing
         return _traced_options(**option_kwargs)

@@ -17,7 +17,7 @@ from .kept_set import KeptSet
 from .objective import GRPOLossOutput
 from .option_docs import HIDDEN_STATES_KEYWORDS, LOGITS_KEYWORDS, docstring_options
 from .options import GRPOOptions
-from .validation import check_backend, check_head_precision, check_lm_head_mode
+from .validation import check_backend, check_head_precision, check_lm_head_mode, check_options_or_keywords
 
 
 def grpo_loss(
@@ -430,8 +430,7 @@ class _LossModule(nn.Module):
         option_kwargs: dict,
     ):
         super().__init__()
-        if options is not None and (option_kwargs or preset is not None):
-            raise ValueError("pass options either as options= or as keywords (with an optional preset=), got both")
+        check_options_or_keywords(options, option_kwargs, preset)
         if options is None:
             options = (
                 GRPOOptions.from_preset(preset, **option_kwargs) if preset is not None else GRPOOptions(**option_kwargs)

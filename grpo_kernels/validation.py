@@ -22,6 +22,38 @@ LM_HEAD_MODES = ("recompute", "three_products")
 HEAD_PRECISIONS = ("input", "fp32")
 
 
+def misplaced_offsets(offsets: torch.Tensor, total) -> torch.Tensor:
+    """Whether ``offsets`` [S + 1] (``cu_seqlens``, a kept set's offsets) fail to start at 0, never decrease and end at
+    ``total``: a 0-d bool tensor on their device (no host sync: a caller syncs once, with its other checks)."""
+    return (offsets[0] != 0) | (offsets[-1] != total) | (offsets[1:] < offsets[:-1]).any()
+
+
+def offsets_error(name: str, offsets: torch.Tensor, total, what: str) -> ValueError:
+    """The error of offsets that ``misplaced_offsets`` refuses, naming them and ``total``, ``what`` it counts."""
+    shown = offsets.tolist()
+    more = f" ... ending at {shown[-1]}" if len(shown) > 8 else ""
+    return ValueError(f"{name} must start at 0, never decrease and end at {what} {total}, got {shown[:8]}{more}")
+
+
+def outside_vocabulary(ids: torch.Tensor, V: int) -> torch.Tensor:
+    """Which ids lie outside [0, V) (bool, as ``ids``; no host sync): every id check's predicate."""
+    return (ids < 0) | (ids >= V)
+
+
+def vocabulary_message(name: str, V: int, where: str = "at active tokens") -> str:
+    """Every id check's words: ``name`` must lie in [0, V) (at active tokens, or wherever the caller says)."""
+    return f"{name} must lie in [0, V) = [0, {V}){' ' + where if where else ''}"
+
+
+def check_options_or_keywords(options, option_kwargs: dict, preset=None) -> None:
+    """A call's options come as ``options=`` or as keywords (with an optional ``preset=``), not both."""
+    if options is not None and (option_kwargs or preset is not None):
+        given = f"keywords {sorted(option_kwargs)}" if option_kwargs else f"preset={preset!r}"
+        raise ValueError(
+            f"pass options either as options= or as keywords (with an optional preset=), got both ({given})"
+        )
+
+
 def check_choice(name: str, value, choices) -> None:
     """``value`` is one of ``choices`` (a setting's names)."""
     if value not in choices:
@@ -176,9 +208,9 @@ def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normali
         if low < 0 or high >= V:
             bad = low if low < 0 else high
             if mask is None:
-                raise ValueError(f"ids must lie in [0, V) = [0, {V}), got a token id {bad}")
+                raise ValueError(f"{vocabulary_message('ids', V, '')}, got a token id {bad}")
             raise ValueError(
-                f"completion_ids must lie in [0, V) = [0, {V}) at active positions, got a token id {bad} "
+                f"{vocabulary_message('completion_ids', V, 'at active positions')}, got a token id {bad} "
                 "(masked positions may hold any id, -100 included)"
             )
     if weighted:
@@ -205,9 +237,7 @@ def _assert_in_graph(checked: torch.Tensor, V: int, mask, normalizer, name: str 
     no host sync, no graph break) that fail the step when an active id is outside [0, V) or a tensor
     normalizer is neither a positive finite count nor 0 over a batch with no active token."""
     if checked.numel():
-        torch._assert_async(
-            ((checked >= 0) & (checked < V)).all(), f"{name} must lie in [0, V) = [0, {V}) at active positions"
-        )
+        torch._assert_async(~outside_vocabulary(checked, V).any(), vocabulary_message(name, V, "at active positions"))
     if mask is not None:
         torch._assert_async(((mask >= 0) & (mask < float("inf"))).all(), "completion_mask must be finite and >= 0")
     if isinstance(normalizer, torch.Tensor):
@@ -565,8 +595,8 @@ def _check_kept_values(ids, offsets, entry_token, V: int, mask, N: int) -> None:
         repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
     else:
         at = ids if active is None else ids.masked_fill(~active[entry_token], 0)
-        bad_id = (at < 0) | (at >= V)
-        bad_offsets = (offsets[0] != 0) | (offsets[-1] != ids.numel()) | (offsets[1:] < offsets[:-1]).any()
+        bad_id = outside_vocabulary(at, V)
+        bad_offsets = misplaced_offsets(offsets, ids.numel())
         # a repeated id within a token's set: equal neighbours of the sorted (token, id) keys (masked tokens skipped)
         keys = (entry_token * (V + 1) + at.long() + 1).masked_fill(at < 0, -1)
         if active is not None:
@@ -575,20 +605,16 @@ def _check_kept_values(ids, offsets, entry_token, V: int, mask, N: int) -> None:
         repeated = ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).any()
     if torch.compiler.is_compiling():
         torch._assert_async(~bad_offsets, "kept_set.offsets must start at 0, never decrease and end at the ids' count")
-        torch._assert_async(~bad_id.any(), f"kept_set.ids must lie in [0, V) = [0, {V}) at active tokens")
+        torch._assert_async(~bad_id.any(), vocabulary_message("kept_set.ids", V))
         torch._assert_async(~repeated, "kept_set.ids must not repeat an id within a token's set")
         return
     flags = torch.stack([bad_offsets, bad_id.any(), repeated]).tolist()  # the one host sync
     if flags[0]:
-        shown = offsets.tolist()
-        raise ValueError(
-            f"kept_set.offsets must start at 0, never decrease and end at the ids' count {ids.numel()}, got "
-            f"{shown[:8]}{' ...' if len(shown) > 8 else ''}{' ending at ' + str(shown[-1]) if len(shown) > 8 else ''}"
-        )
+        raise offsets_error("kept_set.offsets", offsets, ids.numel(), "the ids' count")
     if flags[1]:
         bad = int(at[bad_id].reshape(-1)[0])
         padding = " (a padded set's negative ids mean no entry)" if offsets is None else ""
-        raise ValueError(f"kept_set.ids must lie in [0, V) = [0, {V}) at active tokens{padding}, got {bad}")
+        raise ValueError(f"{vocabulary_message('kept_set.ids', V)}{padding}, got {bad}")
     if flags[2]:
         raise ValueError(
             "kept_set.ids must not repeat an id within a token's set (each kept id once: a repeat would count its "
@@ -653,17 +679,17 @@ def checked_teacher_topk(teacher_ids, teacher_logps, token_shape: tuple, ids_sha
             torch.ones(ids_shape, dtype=torch.bool, device=device) if mask is None else mask.reshape(ids_shape) != 0
         )
         at = active.unsqueeze(-1)
-        bad_ids = ((ids < 0) | (ids >= V)).logical_and(at).any()
+        outside = outside_vocabulary(ids, V) & at
+        bad_ids = outside.any()
         bad_logps = (~torch.isfinite(logps)).logical_and(at).any()
         if torch.compiler.is_compiling():  # a graph has no host sync: the same checks, asserted on the device
-            torch._assert_async(~bad_ids, f"teacher_ids must lie in [0, V) = [0, {V}) at active tokens")
+            torch._assert_async(~bad_ids, vocabulary_message("teacher_ids", V))
             torch._assert_async(~bad_logps, "teacher_logps must be finite at active tokens")
             flags = (False, False)
         else:
             flags = torch.stack([bad_ids, bad_logps]).tolist()  # the one host sync
         if flags[0]:
-            bad = int(ids[((ids < 0) | (ids >= V)) & at][0])
-            raise ValueError(f"teacher_ids must lie in [0, V) = [0, {V}) at active tokens, got {bad}")
+            raise ValueError(f"{vocabulary_message('teacher_ids', V)}, got {int(ids[outside][0])}")
         if flags[1]:
             bad = float(logps[~torch.isfinite(logps) & at][0])
             raise ValueError(f"teacher_logps must be finite at active tokens, got {bad}")

@@ -39,17 +39,19 @@ from .from_hidden_states import (
 from .from_logits import (
     LogitsSource,
     LogprobResult,
+    logprobs_bwd,
+    logprobs_fwd,
+)
+from .kernels.contracts import rounds_head_logits
+from .sparse_entries import (
     at_ids_terms,
     at_ids_tokens,
     entry_logits,
     kept_gradient,
     kept_terms,
-    logprobs_bwd,
-    logprobs_fwd,
     summed_over_repeats,
     with_kept_set,
 )
-from .kernels.contracts import rounds_head_logits
 from .torch_path import capped
 from .validation import check_token_ids
 
@@ -159,7 +161,7 @@ def slice_gradient(logits, local_ids, owned, lse, g, h, entropy, temperature: fl
 
 def over_sets(terms, logp, entropy, squares=None) -> tuple:
     """The global (log-probs, entropy, Σπ²) [B, T] with each kept set's token's taken over its set
-    (``from_logits.with_kept_set``; ``terms`` merged across the group), unchanged without sets."""
+    (``sparse_entries.with_kept_set``; ``terms`` merged across the group), unchanged without sets."""
     if terms is None:
         return logp, entropy, squares
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
