@@ -12,9 +12,10 @@ Function; each Function's forward and backward are one host function each, which
 - log-probs, ``TokenLogprobs`` (``logprobs_fwd`` / ``logprobs_bwd``): where the loss math runs in torch on them
   (sequence-level ratios, vespo, the torch backend, vocabulary parallelism) and for the log-prob family.
 
-The host functions take plain tensors. On the Triton backend they call the launchers (``kernels.logits_launch``, a plain
-import; ``ops.py``'s custom ops call them too); on the torch
-backend they run the chunked torch path (``torch_path``); inside a ``torch.compile`` graph, the custom ops.
+The host functions take plain tensors. On the Triton backend they call the launchers (``kernels.logits_launch``, a
+plain import); on the torch backend they run the chunked torch path (``torch_path``); inside a ``torch.compile``
+graph, ``ops.py``'s custom ops (the fused loss's two schedules among them, ``ops.graph_loss``). A call with entries
+(a kept set, a teacher's top-k) reads and writes them with ``sparse_entries.py``.
 Every one computes log softmax(cap(x) / temperature) of the raw logits x, cap(x) = softcap * tanh(x / softcap)
 with a head's soft-cap, x itself with ``softcap`` None.
 
@@ -31,15 +32,15 @@ PyTorch's "modified by an inplace operation" error instead of silently reading t
 from __future__ import annotations
 
 import inspect
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import torch
 
 from . import kept_set, ops, torch_path
 from .kernels import logits_launch
-from .kernels.contracts import KeptTerms, KernelLoss, LossTokens, Reduction, Sequences, TokenInputs
+from .kernels.contracts import KeptTerms, KernelLoss, LossTokens, TokenInputs
 from .objective import GRPOLossOutput
-from .options import RUNTIME_SCALARS, GRPOOptions, kernel_loss_scalars, option_value, runtime_values
+from .options import GRPOOptions, option_value
 from .sparse_entries import (
     at_ids_terms,
     at_ids_tokens,
@@ -68,7 +69,7 @@ class LogitsSource:
     check and read it; none keeps state for another."""
 
     what = "logits"
-    fused_in_graph = True  # inside a torch.compile graph its fused loss runs as custom ops (``graph_loss``)
+    fused_in_graph = True  # inside a torch.compile graph its fused loss runs as custom ops (``ops.graph_loss``)
     __slots__ = ("tensor", "drop_last_position", "in_place_backward", "one_pass")
 
     def __init__(
@@ -217,7 +218,7 @@ class LogitsSource:
             one_pass = default_one_pass(self.tensor)
         one_pass = one_pass and not self.in_place_backward and self.tensor.requires_grad and torch.is_grad_enabled()
         if torch.compiler.is_compiling():  # the same schedules as one opaque op each in the graph
-            loss, metrics, logp = graph_loss(self, inputs.ids.contiguous(), loss_tokens, inputs.options, one_pass)
+            loss, metrics, logp = ops.graph_loss(self, inputs.ids.contiguous(), loss_tokens, inputs.options, one_pass)
         elif one_pass:
             loss, metrics, logp = OnePassLoss.apply(self.tensor, inputs, loss_tokens)
         else:
@@ -229,12 +230,6 @@ class LogitsSource:
 def default_one_pass(logits: torch.Tensor) -> bool:
     """The device sweep's measured schedule for this GPU and vocabulary (``kernels/tuned.json``), else one-pass."""
     return logits_launch.default_one_pass(logits)
-
-
-def kernel_output(opts: GRPOOptions, loss, metrics, logp) -> GRPOLossOutput:
-    """A fused loss Function's output: its loss, its metrics vector under TRL's names (the loss-metrics kernel's
-    order), its log-probs (not differentiable)."""
-    return GRPOLossOutput(loss, dict(zip(opts.fused_metric_names, metrics.unbind(), strict=True)), logp)
 
 
 def aligned(logits: torch.Tensor, drop_last_position: bool) -> torch.Tensor:
@@ -250,6 +245,12 @@ def gradient_buffer(logits: torch.Tensor, drop_last_position: bool, in_place: bo
     if drop_last_position:
         grad[:, -1].zero_()
     return grad
+
+
+def kernel_output(opts: GRPOOptions, loss, metrics, logp) -> GRPOLossOutput:
+    """A fused loss Function's output: its loss, its metrics vector under TRL's names (the loss-metrics kernel's
+    order), its log-probs (not differentiable)."""
+    return GRPOLossOutput(loss, dict(zip(opts.fused_metric_names, metrics.unbind(), strict=True)), logp)
 
 
 # ---- Shared by the Functions of both input forms (and vocab_parallel.py) ---------------------------------------
@@ -451,7 +452,7 @@ class TwoPassLoss(torch.autograd.Function):
         if grad_loss is None or not ctx.needs_input_grad[0]:
             return input_grads(ctx)
         g, h = weighted_dloss(grad_loss, weight, dloss_dlogp, entropy_weight)
-        g_dense, h_dense = kept_set.dense_share(ctx.terms, ctx.kept, g, h)
+        g_dense, h_dense = (g, h) if ctx.terms is None else kept_set.dense_share(ctx.terms, ctx.kept, g, h)
         grad = two_pass_bwd(
             logits,
             ids,
@@ -500,280 +501,6 @@ def signature_bound_once(function_class):
     the call's arguments to it (``inspect.signature``) on every call, about as long as a small call's torch ops."""
     function_class.forward.__signature__ = inspect.signature(function_class.forward)
     return function_class
-
-
-# ---- Inside a torch.compile graph: the same two schedules as custom ops ------------------------------------------
-#
-# A graph cannot carry the options object or the call's NamedTuples into an opaque op, so each schedule is a
-# ``torch.library`` custom op over their fields (``graph_args``: tensors, numbers and lists; rebuilt inside by
-# ``_from_graph_args``), differentiable by ``register_autograd``: the one-pass op returns the gradient it wrote,
-# which its backward scales in place (``triton_scale_``, reinplaced by inductor: no copy); the two-pass op returns
-# what its backward kernel reads. Eager calls run the autograd Functions above (no dispatcher hop: host time).
-
-
-def graph_loss(source: LogitsSource, ids, loss_tokens: LossTokens, opts: GRPOOptions, one_pass: bool) -> tuple:
-    """(loss, metrics vector, log-probs) of a fused loss inside a graph, on its schedule's op."""
-    flat = graph_args(loss_tokens, opts)
-    if one_pass:
-        loss, metrics, logp, _ = triton_one_pass_loss(source.tensor, ids, *flat, source.drop_last_position)
-    else:
-        # (in a graph the gradient is a buffer of its own: the compiler manages memory, in_place_backward is eager's)
-        loss, metrics, logp, *_ = triton_two_pass_loss(source.tensor, ids, *flat, source.drop_last_position)
-    return loss, metrics, logp
-
-
-def graph_args(loss_tokens: LossTokens, opts: GRPOOptions) -> tuple:
-    """A fused loss's call as a custom op's arguments: the per-token tensors, the sequences, the reduction (a number
-    or a tensor for each of its divisor and loss scale), the loss's constants, and its float options as the
-    options' ``runtime_scalars`` tensor (a graph input: a new value is no new graph). ``_from_graph_args``
-    inverts."""
-    t, (S, T, cu_seqlens), r = loss_tokens
-    kernel_loss = opts.kernel_loss
-    tensor_or_none = lambda v: v if isinstance(v, torch.Tensor) else None  # noqa: E731
-    number = lambda v: 1.0 if isinstance(v, torch.Tensor) or v is None else float(v)  # noqa: E731
-    args = kernel_loss.args
-    return (
-        t.mask,
-        t.advantages,
-        t.old_logps,
-        t.ref_logps,
-        t.importance_weights,
-        cu_seqlens,
-        [S, T],
-        r.divisor_kind,
-        number(r.divisor),
-        tensor_or_none(r.divisor),
-        number(r.loss_scale),
-        tensor_or_none(r.loss_scale),
-        opts.has_entropy_bonus,
-        r.bonus_mask,
-        r.entropy_as_loss,
-        opts.runtime_scalars,
-        [
-            args["LOSS_KIND"],
-            args["KL_KIND"],
-            args["LOSS_FLAGS"],
-            kernel_loss.clip_metrics,
-            kernel_loss.clip_metric_count,
-        ],
-        kernel_loss.compute_entropy,
-        kernel_loss.with_kl,
-    )
-
-
-def _from_graph_args(mask, advantages, old, ref, iw, cu_seqlens, sequences, divisor_kind, divisor, divisor_tensor,
-                     loss_scale, loss_scale_tensor, entropy_bonus, bonus_mask, entropy_as_loss, scalars, loss_ints,
-                     compute_entropy, with_kl) -> tuple:  # fmt: skip
-    """(``LossTokens``, ``KernelLoss``) of ``graph_args``."""
-    kind, kl_kind, flags, clip_metrics, clip_metric_count = loss_ints
-    values = runtime_values(scalars)
-    kernel_loss = KernelLoss(
-        {
-            "loss_scalars": kernel_loss_scalars(values.get),
-            "LOSS_KIND": kind,
-            "KL_KIND": kl_kind,
-            "LOSS_FLAGS": flags,
-        },
-        values["temperature"],
-        values["kernel_temperature"],
-        values["kernel_softcap"],
-        compute_entropy,
-        with_kl,
-        clip_metrics,
-        clip_metric_count,
-    )
-    reduction = Reduction(
-        divisor_kind,
-        divisor if divisor_tensor is None else divisor_tensor,
-        loss_scale if loss_scale_tensor is None else loss_scale_tensor,
-        values["entropy_coef"] if entropy_bonus else 0.0,
-        bonus_mask,
-        entropy_as_loss,
-    )
-    tokens = TokenInputs(mask, advantages, old, ref, iw)
-    return LossTokens(tokens, Sequences(sequences[0], sequences[1], cu_seqlens), reduction), kernel_loss
-
-
-def _metric_count(loss_ints, compute_entropy: bool, with_kl: bool) -> int:
-    return int(with_kl) + int(compute_entropy) + loss_ints[4]
-
-
-@torch.library.custom_op("grpo_kernels::triton_one_pass_loss", mutates_args=())
-def triton_one_pass_loss(
-    logits: torch.Tensor,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: Optional[torch.Tensor],
-    old_logps: Optional[torch.Tensor],
-    ref_logps: Optional[torch.Tensor],
-    importance_weights: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor],
-    sequences: List[int],
-    divisor_kind: int,
-    divisor: float,
-    divisor_tensor: Optional[torch.Tensor],
-    loss_scale: float,
-    loss_scale_tensor: Optional[torch.Tensor],
-    entropy_bonus: bool,
-    bonus_mask: Optional[torch.Tensor],
-    entropy_as_loss: bool,
-    scalars: torch.Tensor,
-    loss_ints: List[int],
-    compute_entropy: bool,
-    with_kl: bool,
-    drop_last_position: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``one_pass_fwd`` as an op: (loss, metrics vector, log-probs shaped as the ids, the gradient at the logits'
-    shape)."""
-    loss_tokens, kernel_loss = _from_graph_args(*_graph_fields(locals()))
-    loss, metrics, logp, grad = one_pass_fwd(logits, ids, loss_tokens, kernel_loss, drop_last_position)
-    return loss, metrics, logp.reshape(ids.shape).clone(), grad  # (the log-probs: a row of a shared buffer)
-
-
-def _graph_fields(namespace: dict) -> tuple:
-    """An op's ``graph_args`` fields, by name, from its arguments (its ``locals()``)."""
-    return tuple(namespace[name] for name in _GRAPH_FIELDS)
-
-
-_GRAPH_FIELDS = (
-    "mask",
-    "advantages",
-    "old_logps",
-    "ref_logps",
-    "importance_weights",
-    "cu_seqlens",
-    "sequences",
-    "divisor_kind",
-    "divisor",
-    "divisor_tensor",
-    "loss_scale",
-    "loss_scale_tensor",
-    "entropy_bonus",
-    "bonus_mask",
-    "entropy_as_loss",
-    "scalars",
-    "loss_ints",
-    "compute_entropy",
-    "with_kl",
-)
-
-
-@triton_one_pass_loss.register_fake
-def _(logits, ids, mask, *args):
-    fields = dict(zip(_GRAPH_FIELDS[1:], args, strict=False))
-    f32 = dict(device=logits.device, dtype=torch.float32)
-    count = _metric_count(fields["loss_ints"], fields["compute_entropy"], fields["with_kl"])
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    return torch.empty((), **f32), torch.empty(count, **f32), torch.empty(ids.shape, **f32), grad
-
-
-def _one_pass_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[3])
-
-
-def _one_pass_backward(ctx, grad_loss, *unused):
-    (grad,) = ctx.saved_tensors
-    triton_scale_(grad, grad_loss)
-    return (grad,) + (None,) * (len(_GRAPH_FIELDS) + 2)  # (logits; ids, the fields, drop_last_position)
-
-
-torch.library.register_autograd("grpo_kernels::triton_one_pass_loss", _one_pass_backward, setup_context=_one_pass_setup)
-
-
-@torch.library.custom_op("grpo_kernels::triton_scale_", mutates_args=("x",))
-def triton_scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
-    """``one_pass_bwd`` as an op: x *= scale in place, read on the device (nothing moves when it is 1)."""
-    logits_launch.scale_in_place(x, scale)
-
-
-@triton_scale_.register_fake
-def _(x, scale):
-    return None
-
-
-@torch.library.custom_op("grpo_kernels::triton_two_pass_loss", mutates_args=())
-def triton_two_pass_loss(
-    logits: torch.Tensor,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: Optional[torch.Tensor],
-    old_logps: Optional[torch.Tensor],
-    ref_logps: Optional[torch.Tensor],
-    importance_weights: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor],
-    sequences: List[int],
-    divisor_kind: int,
-    divisor: float,
-    divisor_tensor: Optional[torch.Tensor],
-    loss_scale: float,
-    loss_scale_tensor: Optional[torch.Tensor],
-    entropy_bonus: bool,
-    bonus_mask: Optional[torch.Tensor],
-    entropy_as_loss: bool,
-    scalars: torch.Tensor,
-    loss_ints: List[int],
-    compute_entropy: bool,
-    with_kl: bool,
-    drop_last_position: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``two_pass_fwd`` as an op: (loss, metrics vector, log-probs shaped as the ids, and what the backward reads:
-    g = dLoss/dlogp times each token's weight [N], the entropy bonus's (weight, entropy) [2, N] or empty without
-    one, the log-sum-exp [N])."""
-    loss_tokens, kernel_loss = _from_graph_args(*_graph_fields(locals()))
-    r = two_pass_fwd(logits, ids, loss_tokens, kernel_loss)
-    g = r.weights.weight * r.result.dloss_dlogp
-    bonus = r.weights.entropy_weight
-    entropy_terms = g.new_empty((0,)) if bonus is None else torch.stack([bonus, r.result.entropy])
-    logp = r.result.logp.reshape(ids.shape).clone()  # (rows of a shared buffer: an op's outputs are its own)
-    return r.loss, r.metrics, logp, g, entropy_terms, r.result.lse.clone()
-
-
-@triton_two_pass_loss.register_fake
-def _(logits, ids, mask, *args):
-    fields = dict(zip(_GRAPH_FIELDS[1:], args, strict=False))
-    f32 = dict(device=logits.device, dtype=torch.float32)
-    count = _metric_count(fields["loss_ints"], fields["compute_entropy"], fields["with_kl"])
-    N = ids.numel()
-    bonus = (2, N) if fields["entropy_bonus"] else (0,)
-    return (
-        torch.empty((), **f32),
-        torch.empty(count, **f32),
-        torch.empty(ids.shape, **f32),
-        torch.empty(N, **f32),
-        torch.empty(bonus, **f32),
-        torch.empty(N, **f32),
-    )
-
-
-def _two_pass_setup(ctx, inputs, output):
-    logits, ids = inputs[0], inputs[1]
-    fields = dict(zip(_GRAPH_FIELDS, inputs[2:], strict=False))
-    ctx.save_for_backward(logits, ids, output[3], output[4], output[5])
-    scalars = fields["scalars"]  # the head's (temperature, soft-cap) for the backward's op, sliced in the graph
-    ctx.head = scalars[[RUNTIME_SCALARS.index("kernel_temperature"), RUNTIME_SCALARS.index("kernel_softcap")]]
-    ctx.drop_last_position = inputs[-1]
-
-
-def _two_pass_backward(ctx, grad_loss, *unused):
-    logits, ids, g, entropy_terms, lse = ctx.saved_tensors
-    h = entropy = None
-    if entropy_terms.numel():
-        h, entropy = grad_loss * entropy_terms[0], entropy_terms[1]
-    grad = gradient_buffer(logits, ctx.drop_last_position, False)
-    ops.triton_logprobs_backward(
-        aligned(logits, ctx.drop_last_position),
-        ids,
-        lse,
-        grad_loss * g,
-        ctx.head,
-        aligned(grad, ctx.drop_last_position),
-        h,
-        entropy,
-    )
-    return (grad,) + (None,) * (len(_GRAPH_FIELDS) + 2)
-
-
-torch.library.register_autograd("grpo_kernels::triton_two_pass_loss", _two_pass_backward, setup_context=_two_pass_setup)
 
 
 # ---- Log-probs: the kernels' (or the torch path's) log-probs, the loss math in torch ------------------------------

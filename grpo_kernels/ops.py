@@ -1,4 +1,4 @@
-"""The input forms' log-prob operations as ``torch.library`` custom ops, for ``torch.compile``.
+"""Every ``torch.library`` custom op of the package, for ``torch.compile``.
 
 Eager calls run ``torch_path`` and the launchers directly (no dispatcher hop: host time). Inside a
 ``torch.compile`` graph (``torch.compiler.is_compiling()``) the host functions (``from_logits.py``,
@@ -7,30 +7,33 @@ so dynamo neither unrolls the chunk loops (whose ``range`` would fix the complet
 each new one) nor breaks the graph, and a step compiles once for every length (``dynamic=True``, or dynamo's
 automatic dynamic shapes after the first new length).
 
-Autograd stays with the package's ``autograd.Function``s (``from_logits.py``, ``from_hidden_states.py``), which
-dynamo traces: the ops are their forward and backward primitives. They return new tensors (no argument
-mutated); the Functions' in-place and preallocated-gradient options copy the result where eager writes directly
-(compiled only).
-An absent optional output is an empty tensor here (a custom op's schema has no optional outputs).
+Two kinds:
 
-The Triton path's ops here are its log-prob kernels (forward without a loss, backward; the lm_head's): the fused
-lm_head's loss runs its loss math as graph code on their log-probs (``pipeline.loss_in_torch``). The logits form's
-fused loss is a custom op of its own, one for each of eager's schedules (``from_logits.triton_one_pass_loss`` and
-``triton_two_pass_loss``, over the options' fields and ``GRPOOptions.runtime_scalars``): a compiled step reads the
-logits as eager's does (one-pass: 2 S). Every op takes the float settings a step may change as tensors (the head's
-``head_scalars``, the options' runtime scalars), so that a new value is a new input, not a new graph.
+- the input forms' log-prob operations (the torch path's, the Triton path's log-prob kernels, the lm_head's):
+  autograd stays with the package's ``autograd.Function``s (``from_logits.py``, ``from_hidden_states.py``), which
+  dynamo traces, and these ops are their forward and backward primitives. They return new tensors (no argument
+  mutated); the Functions' in-place and preallocated-gradient options copy the result where eager writes directly
+  (compiled only). An absent optional output is an empty tensor (a custom op's schema has no optional outputs).
+  The fused lm_head's loss runs its loss math as graph code on their log-probs (``pipeline.loss_in_torch``).
+- the logits form's fused loss, one op for each of eager's schedules (``triton_one_pass_loss``,
+  ``triton_two_pass_loss``, over the options' fields and ``GRPOOptions.runtime_scalars``), differentiable by
+  ``register_autograd``: a compiled step reads the logits as eager's does (one-pass: 2 S).
+
+Every op takes the float settings a step may change as tensors (the head's ``head_scalars``, the options' runtime
+scalars), so that a new value is a new input, not a new graph.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import torch_path
 from .kernels import fused_linear_launch, logits_launch
-from .kernels.contracts import TokenInputs
+from .kernels.contracts import KernelLoss, LossTokens, Reduction, Sequences, TokenInputs
+from .options import RUNTIME_SCALARS, GRPOOptions, kernel_loss_scalars, runtime_values
 
 _NONE = (0,)  # the shape of an absent output
 
@@ -316,3 +319,279 @@ def _(hidden, weight, bias, ids, lse, g, head, compute_weight_grad, grad_entropy
 def present(t: Tensor, wanted: bool) -> Optional[Tensor]:
     """An op's optional output: the tensor where it was asked for, None where it is the empty placeholder."""
     return t if wanted else None
+
+
+# ---- Inside a torch.compile graph: the same two schedules as custom ops ------------------------------------------
+#
+# A graph cannot carry the options object or the call's NamedTuples into an opaque op, so each schedule is a
+# ``torch.library`` custom op over their fields (``graph_args``: tensors, numbers and lists; rebuilt inside by
+# ``_from_graph_args``), differentiable by ``register_autograd``: the one-pass op returns the gradient it wrote,
+# which its backward scales in place (``triton_scale_``, reinplaced by inductor: no copy); the two-pass op returns
+# what its backward kernel reads. Eager calls run from_logits.py's autograd Functions (no dispatcher hop).
+
+
+def graph_loss(source, ids, loss_tokens: LossTokens, opts: GRPOOptions, one_pass: bool) -> tuple:
+    """(loss, metrics vector, log-probs) of a fused loss inside a graph, on its schedule's op."""
+    flat = graph_args(loss_tokens, opts)
+    if one_pass:
+        loss, metrics, logp, _ = triton_one_pass_loss(source.tensor, ids, *flat, source.drop_last_position)
+    else:
+        # (in a graph the gradient is a buffer of its own: the compiler manages memory, in_place_backward is eager's)
+        loss, metrics, logp, *_ = triton_two_pass_loss(source.tensor, ids, *flat, source.drop_last_position)
+    return loss, metrics, logp
+
+
+def graph_args(loss_tokens: LossTokens, opts: GRPOOptions) -> tuple:
+    """A fused loss's call as a custom op's arguments: the per-token tensors, the sequences, the reduction (a number
+    or a tensor for each of its divisor and loss scale), the loss's constants, and its float options as the
+    options' ``runtime_scalars`` tensor (a graph input: a new value is no new graph). ``_from_graph_args``
+    inverts."""
+    t, (S, T, cu_seqlens), r = loss_tokens
+    kernel_loss = opts.kernel_loss
+    tensor_or_none = lambda v: v if isinstance(v, torch.Tensor) else None  # noqa: E731
+    number = lambda v: 1.0 if isinstance(v, torch.Tensor) or v is None else float(v)  # noqa: E731
+    args = kernel_loss.args
+    return (
+        t.mask,
+        t.advantages,
+        t.old_logps,
+        t.ref_logps,
+        t.importance_weights,
+        cu_seqlens,
+        [S, T],
+        r.divisor_kind,
+        number(r.divisor),
+        tensor_or_none(r.divisor),
+        number(r.loss_scale),
+        tensor_or_none(r.loss_scale),
+        opts.has_entropy_bonus,
+        r.bonus_mask,
+        r.entropy_as_loss,
+        opts.runtime_scalars,
+        [
+            args["LOSS_KIND"],
+            args["KL_KIND"],
+            args["LOSS_FLAGS"],
+            kernel_loss.clip_metrics,
+            kernel_loss.clip_metric_count,
+        ],
+        kernel_loss.compute_entropy,
+        kernel_loss.with_kl,
+    )
+
+
+def _from_graph_args(mask, advantages, old, ref, iw, cu_seqlens, sequences, divisor_kind, divisor, divisor_tensor,
+                     loss_scale, loss_scale_tensor, entropy_bonus, bonus_mask, entropy_as_loss, scalars, loss_ints,
+                     compute_entropy, with_kl) -> tuple:  # fmt: skip
+    """(``LossTokens``, ``KernelLoss``) of ``graph_args``."""
+    kind, kl_kind, flags, clip_metrics, clip_metric_count = loss_ints
+    values = runtime_values(scalars)
+    kernel_loss = KernelLoss(
+        {
+            "loss_scalars": kernel_loss_scalars(values.get),
+            "LOSS_KIND": kind,
+            "KL_KIND": kl_kind,
+            "LOSS_FLAGS": flags,
+        },
+        values["temperature"],
+        values["kernel_temperature"],
+        values["kernel_softcap"],
+        compute_entropy,
+        with_kl,
+        clip_metrics,
+        clip_metric_count,
+    )
+    reduction = Reduction(
+        divisor_kind,
+        divisor if divisor_tensor is None else divisor_tensor,
+        loss_scale if loss_scale_tensor is None else loss_scale_tensor,
+        values["entropy_coef"] if entropy_bonus else 0.0,
+        bonus_mask,
+        entropy_as_loss,
+    )
+    tokens = TokenInputs(mask, advantages, old, ref, iw)
+    return LossTokens(tokens, Sequences(sequences[0], sequences[1], cu_seqlens), reduction), kernel_loss
+
+
+def _metric_count(loss_ints, compute_entropy: bool, with_kl: bool) -> int:
+    return int(with_kl) + int(compute_entropy) + loss_ints[4]
+
+
+@torch.library.custom_op("grpo_kernels::triton_one_pass_loss", mutates_args=())
+def triton_one_pass_loss(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: Optional[torch.Tensor],
+    old_logps: Optional[torch.Tensor],
+    ref_logps: Optional[torch.Tensor],
+    importance_weights: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    sequences: List[int],
+    divisor_kind: int,
+    divisor: float,
+    divisor_tensor: Optional[torch.Tensor],
+    loss_scale: float,
+    loss_scale_tensor: Optional[torch.Tensor],
+    entropy_bonus: bool,
+    bonus_mask: Optional[torch.Tensor],
+    entropy_as_loss: bool,
+    scalars: torch.Tensor,
+    loss_ints: List[int],
+    compute_entropy: bool,
+    with_kl: bool,
+    drop_last_position: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``from_logits.one_pass_fwd`` as an op: (loss, metrics vector, log-probs shaped as the ids, the gradient at
+    the logits' shape)."""
+    loss_tokens, kernel_loss = _from_graph_args(*_graph_fields(locals()))
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    r = logits_launch.loss_forward(  # (from_logits.one_pass_fwd's launches: a graph has no kept set)
+        logits,
+        ids,
+        kernel_loss=kernel_loss,
+        loss_tokens=loss_tokens,
+        gradient_out=grad,
+        dropped_gradient=grad if drop_last_position else None,
+    )
+    return r.loss, r.metrics, r.result.logp.reshape(ids.shape).clone(), grad  # (the log-probs: a shared buffer's)
+
+
+def _graph_fields(namespace: dict) -> tuple:
+    """An op's ``graph_args`` fields, by name, from its arguments (its ``locals()``)."""
+    return tuple(namespace[name] for name in _GRAPH_FIELDS)
+
+
+_GRAPH_FIELDS = (
+    "mask",
+    "advantages",
+    "old_logps",
+    "ref_logps",
+    "importance_weights",
+    "cu_seqlens",
+    "sequences",
+    "divisor_kind",
+    "divisor",
+    "divisor_tensor",
+    "loss_scale",
+    "loss_scale_tensor",
+    "entropy_bonus",
+    "bonus_mask",
+    "entropy_as_loss",
+    "scalars",
+    "loss_ints",
+    "compute_entropy",
+    "with_kl",
+)
+
+
+@triton_one_pass_loss.register_fake
+def _(logits, ids, mask, *args):
+    fields = dict(zip(_GRAPH_FIELDS[1:], args, strict=False))
+    f32 = dict(device=logits.device, dtype=torch.float32)
+    count = _metric_count(fields["loss_ints"], fields["compute_entropy"], fields["with_kl"])
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    return torch.empty((), **f32), torch.empty(count, **f32), torch.empty(ids.shape, **f32), grad
+
+
+def _one_pass_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[3])
+
+
+def _one_pass_backward(ctx, grad_loss, *unused):
+    (grad,) = ctx.saved_tensors
+    triton_scale_(grad, grad_loss)
+    return (grad,) + (None,) * (len(_GRAPH_FIELDS) + 2)  # (logits; ids, the fields, drop_last_position)
+
+
+torch.library.register_autograd("grpo_kernels::triton_one_pass_loss", _one_pass_backward, setup_context=_one_pass_setup)
+
+
+@torch.library.custom_op("grpo_kernels::triton_scale_", mutates_args=("x",))
+def triton_scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """``from_logits.one_pass_bwd`` as an op: x *= scale in place, read on the device (nothing moves when it is 1)."""
+    logits_launch.scale_in_place(x, scale)
+
+
+@triton_scale_.register_fake
+def _(x, scale):
+    return None
+
+
+@torch.library.custom_op("grpo_kernels::triton_two_pass_loss", mutates_args=())
+def triton_two_pass_loss(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: Optional[torch.Tensor],
+    old_logps: Optional[torch.Tensor],
+    ref_logps: Optional[torch.Tensor],
+    importance_weights: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    sequences: List[int],
+    divisor_kind: int,
+    divisor: float,
+    divisor_tensor: Optional[torch.Tensor],
+    loss_scale: float,
+    loss_scale_tensor: Optional[torch.Tensor],
+    entropy_bonus: bool,
+    bonus_mask: Optional[torch.Tensor],
+    entropy_as_loss: bool,
+    scalars: torch.Tensor,
+    loss_ints: List[int],
+    compute_entropy: bool,
+    with_kl: bool,
+    drop_last_position: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``from_logits.two_pass_fwd`` as an op: (loss, metrics vector, log-probs shaped as the ids, and what the
+    backward reads: g = dLoss/dlogp times each token's weight [N], the entropy bonus's (weight, entropy) [2, N] or
+    empty without one, the log-sum-exp [N])."""
+    loss_tokens, kernel_loss = _from_graph_args(*_graph_fields(locals()))
+    r = logits_launch.loss_forward(logits, ids, kernel_loss=kernel_loss, loss_tokens=loss_tokens)
+    g = r.weights.weight * r.result.dloss_dlogp
+    bonus = r.weights.entropy_weight
+    entropy_terms = g.new_empty((0,)) if bonus is None else torch.stack([bonus, r.result.entropy])
+    logp = r.result.logp.reshape(ids.shape).clone()  # (rows of a shared buffer: an op's outputs are its own)
+    return r.loss, r.metrics, logp, g, entropy_terms, r.result.lse.clone()
+
+
+@triton_two_pass_loss.register_fake
+def _(logits, ids, mask, *args):
+    fields = dict(zip(_GRAPH_FIELDS[1:], args, strict=False))
+    f32 = dict(device=logits.device, dtype=torch.float32)
+    count = _metric_count(fields["loss_ints"], fields["compute_entropy"], fields["with_kl"])
+    N = ids.numel()
+    bonus = (2, N) if fields["entropy_bonus"] else (0,)
+    return (
+        torch.empty((), **f32),
+        torch.empty(count, **f32),
+        torch.empty(ids.shape, **f32),
+        torch.empty(N, **f32),
+        torch.empty(bonus, **f32),
+        torch.empty(N, **f32),
+    )
+
+
+def _two_pass_setup(ctx, inputs, output):
+    logits, ids = inputs[0], inputs[1]
+    fields = dict(zip(_GRAPH_FIELDS, inputs[2:], strict=False))
+    ctx.save_for_backward(logits, ids, output[3], output[4], output[5])
+    scalars = fields["scalars"]  # the head's (temperature, soft-cap) for the backward's op, sliced in the graph
+    ctx.head = scalars[[RUNTIME_SCALARS.index("kernel_temperature"), RUNTIME_SCALARS.index("kernel_softcap")]]
+
+
+def _two_pass_backward(ctx, grad_loss, *unused):
+    logits, ids, g, entropy_terms, lse = ctx.saved_tensors
+    h = entropy = None
+    if entropy_terms.numel():
+        h, entropy = grad_loss * entropy_terms[0], entropy_terms[1]
+    # the gradient at the logits' shape: the T positions the ids predict written, a [B, T + 1, V] input's last one
+    # (drop_last_position) zeroed, as from_logits.gradient_buffer makes it eagerly
+    T = ids.shape[1]
+    grad = torch.empty(logits.shape, device=logits.device, dtype=logits.dtype)
+    grad[:, T:].zero_()
+    triton_logprobs_backward(logits[:, :T], ids, lse, grad_loss * g, ctx.head, grad[:, :T], h, entropy)
+    return (grad,) + (None,) * (len(_GRAPH_FIELDS) + 2)
+
+
+torch.library.register_autograd("grpo_kernels::triton_two_pass_loss", _two_pass_backward, setup_context=_two_pass_setup)
