@@ -282,6 +282,24 @@ ADAPTER_ARGUMENTS = {
         "kl_estimator": "OpenRLHF's k1, k2 or k3.",
         "unbiased_gradient": "OpenRLHF's importance-weighted KL gradient (needs log_probs_old).",
     },
+    "vocab_parallel_cross_entropy": {
+        "vocab_parallel_logits": "[*target.shape, V / TP] this rank's columns of the logits (Megatron's order).",
+        "target": "[s, b] the token ids (Megatron's layout; any shape the logits' leading dims match), in [0, V).",
+        "label_smoothing": "0.0 only (Megatron's smooths over each rank's own columns: refused).",
+    },
+    "vocab_parallel_logprobs_and_entropy": {
+        "vocab_parallel_logits": "[*target.shape, V / TP] this rank's columns of the logits (Megatron's order).",
+        "target": "[s, b] the token ids, in [0, V).",
+        "temperature": "the logits are divided by it (the sampler's temperature).",
+    },
+    "output_layer_logprobs": {
+        "output_layer": "Megatron's ColumnParallelLinear output layer (this rank's V / TP rows of the head).",
+        "hidden_states": "[s, b, H] as the output layer takes them ([s / TP, b, H] with sequence parallelism).",
+        "target": "[s, b] the token ids, in [0, V).",
+        "temperature": "the logits are divided by it (the sampler's temperature).",
+        "weight": "a weight to use instead of the layer's own (tied embeddings), or None.",
+        "compute_entropy": "also return each token's entropy: (log-probs, entropy).",
+    },
     "ray_runtime_env": {"runtime_env": "a Ray runtime_env to extend (None: a new one)."},
     "GRPOKernelsTrainer": {
         "args": "TRL's GRPOTrainer's positional arguments (model, reward_funcs, its GRPOConfig, ...).",

@@ -216,7 +216,7 @@ def test_every_adapter_entry_describes_every_argument():
 
     api = (ROOT / "docs" / "api.md").read_text()
     checked = set()
-    for module_name in ("trl", "verl", "openrlhf"):
+    for module_name in ("trl", "verl", "openrlhf", "megatron"):
         module = importlib.import_module(f"grpo_kernels.integration.{module_name}")
         for name in ADAPTER_ARGUMENTS:
             obj = getattr(module, name, None)

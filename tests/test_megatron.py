@@ -1,0 +1,172 @@
+"""The Megatron adapter (``grpo_kernels.integration.megatron``) against megatron-core 0.16's own functions, on 2 and 4
+gloo ranks with Megatron's parallel state (tensor parallelism) initialized: ``vocab_parallel_cross_entropy`` equals
+Megatron's in loss and d logits; the log-probs and entropy from vocabulary-parallel logits, and from the fused output
+layer, equal one process on the whole vocabulary; the fused output layer equals Megatron's own ``ColumnParallelLinear``
++ ``vocab_parallel_cross_entropy`` in log-probs, d hidden, d weight and d bias, with sequence parallelism on (the
+hidden states split by sequence, gathered by Megatron's own mapping) and off. Megatron's mappings allocate their
+buffers on ``torch.cuda.current_device()``: the one change here is that it names the CPU."""
+
+import pytest
+import torch
+from gloo_ranks import run_ranks
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'grpo-kernels[megatron]')")
+
+S, B, H, T = 8, 2, 6, 0.7  # Megatron's [s, b] layout; s divisible by TP 4 (sequence parallelism splits it)
+OUTPUT_LAYER_CASES = ((True, False), (False, True))  # (sequence_parallel, bias)
+
+
+def _case(world: int, seed: int = 0):
+    """The whole problem: logits [s, b, V], hidden states [s, b, H], the head's weight [V, H] and bias [V], the
+    target [s, b] and the loss's weights [2, s, b] (log-probs, entropy)."""
+    V = 5 * world
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "logits": 3 * torch.randn(S, B, V, generator=g),
+        "hidden": torch.randn(S, B, H, generator=g),
+        "weight": 0.5 * torch.randn(V, H, generator=g),
+        "bias": torch.randn(V, generator=g),
+        "target": torch.randint(0, V, (S, B), generator=g),
+        "weights": torch.randn(2, S, B, generator=g),
+    }
+
+
+def _unsharded(x: dict, logits: torch.Tensor):
+    """(log-probs, entropy, d logits) at temperature T of sum w0 logp + w1 H, on one process, in plain torch."""
+    leaf = logits.clone().requires_grad_()
+    logp_all = torch.log_softmax(leaf / T, dim=-1)
+    logp = logp_all.gather(-1, x["target"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    ((x["weights"][0] * logp).sum() + (x["weights"][1] * entropy).sum()).backward()
+    return logp.detach(), entropy.detach(), leaf.grad
+
+
+def _rank(rank, world):
+    import warnings
+
+    warnings.filterwarnings("ignore")  # megatron-core warns that Transformer Engine and Apex are absent
+    torch.cuda.current_device = lambda: "cpu"  # Megatron's mappings allocate their buffers there
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer import TransformerConfig
+
+    from grpo_kernels.integration import megatron as adapter
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    x = _case(world)
+    V = x["logits"].shape[-1]
+    shard = slice(rank * V // world, (rank + 1) * V // world)
+    mine, target, w = x["logits"][..., shard].contiguous(), x["target"], x["weights"]
+
+    # vocab_parallel_cross_entropy: Megatron's (on a copy: it shifts fp32 logits in place) and ours
+    results = {}
+    for name, ce in (
+        ("megatron", tensor_parallel.vocab_parallel_cross_entropy),
+        ("ours", adapter.vocab_parallel_cross_entropy),
+    ):
+        leaf = mine.clone().requires_grad_()
+        loss = ce(leaf.clone() if name == "megatron" else leaf, target)
+        (w[0] * loss).sum().backward()
+        results[name] = (loss.detach(), leaf.grad)
+    results["ours reads, never writes"] = torch.equal(leaf.detach(), mine)
+
+    # log-probs and entropy from the shards
+    leaf = mine.clone().requires_grad_()
+    logp, entropy = adapter.vocab_parallel_logprobs_and_entropy(leaf, target, temperature=T)
+    ((w[0] * logp).sum() + (w[1] * entropy).sum()).backward()
+    results["logprobs and entropy"] = (logp.detach(), entropy.detach(), leaf.grad)
+
+    # the fused output layer against Megatron's ColumnParallelLinear + vocab_parallel_cross_entropy
+    for sequence_parallel, bias in OUTPUT_LAYER_CASES:
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=H,
+            num_attention_heads=world,
+            tensor_model_parallel_size=world,
+            sequence_parallel=sequence_parallel,
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+        )
+        head = tensor_parallel.ColumnParallelLinear(
+            H, V, config=config, init_method=torch.nn.init.zeros_, bias=bias, gather_output=False
+        )
+        with torch.no_grad():
+            head.weight.copy_(x["weight"][shard])
+            if bias:
+                head.bias.copy_(x["bias"][shard])
+        rows = slice(rank * S // world, (rank + 1) * S // world) if sequence_parallel else slice(None)
+        found = {}
+        for name in ("megatron", "ours", "ours with entropy"):
+            head.zero_grad(set_to_none=True)
+            hidden = x["hidden"][rows].clone().requires_grad_()
+            entropy = None
+            if name == "megatron":
+                logits, _ = head(hidden)
+                logp = -tensor_parallel.vocab_parallel_cross_entropy(logits / T, target)
+            elif name == "ours":
+                logp = adapter.output_layer_logprobs(head, hidden, target, temperature=T)
+            else:
+                logp, entropy = adapter.output_layer_logprobs(head, hidden, target, temperature=T, compute_entropy=True)
+            loss = (w[0] * logp).sum() + (0.0 if entropy is None else (w[1] * entropy).sum())
+            loss.backward()
+            found[name] = (
+                logp.detach(),
+                None if entropy is None else entropy.detach(),
+                hidden.grad,
+                head.weight.grad,
+                None if not bias else head.bias.grad,
+            )
+        results[("output layer", sequence_parallel, bias)] = found
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_megatron_drop_ins_equal_megatron_and_one_process(world):
+    x = _case(world)
+    V = x["logits"].shape[-1]
+    tight = dict(atol=1e-5, rtol=1e-5)
+    logp, entropy, d_logits = _unsharded(x, x["logits"])
+    plain_logp = torch.log_softmax(x["logits"], -1).gather(-1, x["target"].unsqueeze(-1)).squeeze(-1)
+    head_logits = x["hidden"] @ x["weight"].T
+    for rank, results in enumerate(run_ranks(_rank, world, timeout=600)):
+        shard = slice(rank * V // world, (rank + 1) * V // world)
+        where = f"TP {world}, rank {rank}"
+        (m_loss, m_grad), (o_loss, o_grad) = results["megatron"], results["ours"]
+        torch.testing.assert_close(o_loss, m_loss, **tight, msg=lambda m, w=where: f"cross entropy, {w}: {m}")
+        torch.testing.assert_close(o_loss, -plain_logp, **tight, msg=lambda m: f"cross entropy vs one process: {m}")
+        torch.testing.assert_close(
+            o_grad, m_grad, **tight, msg=lambda m, w=where: f"cross entropy's d logits, {w}: {m}"
+        )
+        assert results["ours reads, never writes"], where
+        lp, h, grad = results["logprobs and entropy"]
+        torch.testing.assert_close(lp, logp, **tight)
+        torch.testing.assert_close(h, entropy, **tight)
+        torch.testing.assert_close(grad, d_logits[..., shard], **tight)
+        for sequence_parallel, bias in OUTPUT_LAYER_CASES:
+            found = results[("output layer", sequence_parallel, bias)]
+            case = f"{where}, sequence_parallel={sequence_parallel}, bias={bias}"
+            megatron, ours, with_entropy = found["megatron"], found["ours"], found["ours with entropy"]
+            for what, i in (("log-probs", 0), ("d hidden", 2), ("d weight", 3), ("d bias", 4)):
+                if megatron[i] is None:
+                    continue
+                torch.testing.assert_close(
+                    ours[i], megatron[i], **tight, msg=lambda m, w=what, c=case: f"{w}, {c}: {m}"
+                )
+            logits = head_logits + (x["bias"] if bias else 0.0)
+            full_logp, full_entropy, _ = _unsharded(x, logits)
+            torch.testing.assert_close(with_entropy[0], full_logp, **tight)
+            torch.testing.assert_close(with_entropy[1], full_entropy, **tight)
+
+
+def test_label_smoothing_is_refused_by_name():
+    from grpo_kernels.integration.megatron import vocab_parallel_cross_entropy
+
+    logits, target = torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"label_smoothing=0.1 is not supported"):
+        vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1)
+
+
+def test_a_logits_shape_that_is_not_megatrons_layout_is_named():
+    from grpo_kernels.integration.megatron import vocab_parallel_logprobs_and_entropy
+
+    with pytest.raises(ValueError, match=r"vocab_parallel_logits must be \[\*target.shape, ...\] = \[2, 3, ...\]"):
+        vocab_parallel_logprobs_and_entropy(torch.zeros(3, 2, 4), torch.zeros(2, 3, dtype=torch.long))
