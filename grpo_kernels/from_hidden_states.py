@@ -34,6 +34,7 @@ from .from_logits import (
     loss_outputs,
     signature_bound_once,
     weighted_dloss,
+    zero_at_masked,
 )
 from .kernels import fused_linear_launch, kept_launch, logits_launch, reduce_launch
 from .kernels.contracts import KeptTerms, KeptTokens, LossTokens, OnePassGradient, rounds_head_logits
@@ -223,10 +224,7 @@ class HiddenStatesSource:
     def as_rows(inputs, pair) -> tuple:
         """The kernels' flat (log-probs, entropy or None) [N] as [B, T] rows, 0 at masked tokens."""
         B, T = inputs.ids.shape
-        if inputs.mask is None:
-            return tuple(None if t is None else t.view(B, T) for t in pair)
-        active = (inputs.mask != 0).view(B, T)
-        return tuple(None if t is None else torch.where(active, t.view(B, T), 0.0) for t in pair)
+        return zero_at_masked(inputs.mask, *(None if t is None else t.view(B, T) for t in pair))
 
     def fused_loss(self, inputs, loss_tokens: LossTokens) -> GRPOLossOutput:
         """The loss with its per-token math in the lm_head kernels (Triton): the schedule chosen here, the caller's
@@ -737,9 +735,7 @@ class LinearLogprobsAtIds(torch.autograd.Function):
         tokens, first = at_ids_tokens(ids_k), ids_k[:, 0].contiguous()
         r = linear_logprobs_fwd(hidden, weight, bias, first, temperature, False, softcap, backend)
         x = linear_kept_terms(hidden, weight, bias, first, tokens, mask, temperature, softcap, backend).x
-        logq = x.view(r.lse.numel(), -1) - r.lse.view(-1, 1)
-        if mask is not None:
-            logq = torch.where(mask.reshape(-1, 1) != 0, logq, 0.0)
+        (logq,) = zero_at_masked(mask, x.view(r.lse.numel(), -1) - r.lse.view(-1, 1))
         ctx.save_for_backward(hidden, weight, bias, first, r.lse, x, mask, ids_k)
         ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
         return logq

@@ -282,6 +282,21 @@ def loss_outputs(ctx, loss, metrics, logp, shape) -> tuple:
     return loss, metrics, logp
 
 
+def zero_at_masked(mask, *values) -> tuple:
+    """``values`` with 0 at masked tokens (``mask != 0`` false), whatever a pass left there: what every log-prob
+    output holds at a masked token, on every form and sharding. Each value is per token (as many elements as the
+    mask, any shape) or a row of K per token ([..., K]); None stays None; without a mask, unchanged."""
+    if mask is None:
+        return values
+    active = (mask != 0).reshape(-1)
+    return tuple(
+        None
+        if t is None
+        else torch.where(active.view(t.shape) if t.numel() == active.numel() else active.view(*t.shape[:-1], 1), t, 0.0)
+        for t in values
+    )
+
+
 def weighted_dloss(grad_loss, weights, dloss_dlogp, entropy_weight):
     """(g = dLoss/dlogp, h = dLoss/dH or None) of a two-pass backward: the per-token derivative and the entropy
     bonus's weight, each times the token's weight and the incoming gradient."""
@@ -656,9 +671,7 @@ class LogprobsAtIds(torch.autograd.Function):
         tokens = at_ids_tokens(ids_k)
         r = logprobs_fwd(logits, first, temperature, mask, False, softcap, backend, drop_last_position)
         x = entry_logits(aligned(logits, drop_last_position), first, tokens, mask, temperature, softcap, backend)
-        logq = x.view(r.lse.numel(), -1) - r.lse.view(-1, 1)
-        if mask is not None:
-            logq = torch.where(mask.reshape(-1, 1) != 0, logq, 0.0)
+        (logq,) = zero_at_masked(mask, x.view(r.lse.numel(), -1) - r.lse.view(-1, 1))
         ctx.save_for_backward(logits, first, r.lse, x, mask)
         ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
         ctx.drop_last_position, ctx.in_place = drop_last_position, in_place

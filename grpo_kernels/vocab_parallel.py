@@ -41,6 +41,7 @@ from .from_logits import (
     LogprobResult,
     logprobs_bwd,
     logprobs_fwd,
+    zero_at_masked,
 )
 from .kernels.contracts import rounds_head_logits
 from .sparse_entries import (
@@ -54,6 +55,13 @@ from .sparse_entries import (
 )
 from .torch_path import capped
 from .validation import check_token_ids
+
+
+def owned_ids(ids: torch.Tensor, start: int, width: int) -> tuple:
+    """(which ids this rank's slice [start, start + width) holds, each id as a column of the slice: its local id
+    where owned, 0 elsewhere, contiguous): every sharded pass reads its target (or first top-k id) this way."""
+    owned = (ids >= start) & (ids < start + width)
+    return owned, torch.where(owned, ids - start, 0).contiguous()
 
 
 def vocab_range(local: int, device, group, vocab_start_index: int | None) -> tuple:
@@ -92,18 +100,14 @@ class VocabParallelLogprobs(torch.autograd.Function):
     ):
         ctx.set_materialize_grads(False)
         B, T, V_local = logits.shape
-        owned = (ids >= start) & (ids < start + V_local)
-        local_ids = torch.where(owned, ids - start, 0).contiguous()
+        owned, local_ids = owned_ids(ids, start, V_local)
         terms = kept_terms(logits, ids, kept, mask, temperature, softcap, backend, col0=start, group=group)
         r = logprobs_fwd(logits, local_ids, temperature, mask, compute_entropy, softcap, backend)
         as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         lse_r, logp_r, entropy_r = as_bt(r.lse), as_bt(r.logp), as_bt(r.entropy)
         lse, logp, entropy, _ = _combine(lse_r, logp_r, entropy_r if compute_entropy else None, owned, group)
         logp, entropy, _ = over_sets(terms, logp, entropy)
-        if mask is not None:  # the kernels never read masked rows: their values are 0, as everywhere
-            active = (mask != 0).view(B, T)
-            logp = torch.where(active, logp, 0.0)
-            entropy = None if entropy is None else torch.where(active, entropy, 0.0)
+        logp, entropy = zero_at_masked(mask, logp, entropy)  # the kernels never read masked rows: 0, as everywhere
         ctx.save_for_backward(logits, ids, local_ids, owned, lse, entropy)
         ctx.backend, ctx.temperature, ctx.softcap, ctx.start = backend, temperature, softcap, start
         ctx.kept, ctx.terms = kept, terms
@@ -221,8 +225,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
     ):
         ctx.set_materialize_grads(False)
         V_local = weight.shape[0]
-        owned = (ids >= start) & (ids < start + V_local)
-        local_ids = torch.where(owned, ids - start, 0).contiguous()
+        owned, local_ids = owned_ids(ids, start, V_local)
         terms = linear_kept_terms(
             hidden, weight, bias, ids, kept, mask, temperature, softcap, backend, col0=start, group=group
         )
@@ -295,7 +298,7 @@ def without_column_0_one_hot(dh, dw, db, hidden, weight, bias, kept_column_0, g,
 
 def _global_entry_logits(x, ids_k, start: int, width: int, group) -> torch.Tensor:
     """Each entry's x [N, K] from the rank whose slice holds its id (one all-reduce of N K values)."""
-    here = (ids_k.reshape(x.shape) >= start) & (ids_k.reshape(x.shape) < start + width)
+    here = owned_ids(ids_k.reshape(x.shape), start, width)[0]
     x = torch.where(here, x, 0.0)
     dist.all_reduce(x, group=group)
     return x
@@ -313,16 +316,13 @@ class VocabParallelLogprobsAtIds(torch.autograd.Function):
         if mask is not None:
             ids_k = torch.where(mask.view(B, T, 1) != 0, ids_k, start)
         first = ids_k[..., 0].contiguous()
-        owned = (first >= start) & (first < start + V_local)
-        local_first = torch.where(owned, first - start, 0).contiguous()
+        owned, local_first = owned_ids(first, start, V_local)
         tokens = at_ids_tokens(ids_k)
         r = logprobs_fwd(logits, local_first, temperature, mask, False, softcap, backend)
         lse, _, _, _ = _combine(r.lse.view(B, T), r.logp.view(B, T), None, owned, group)
         x = entry_logits(logits, first, tokens, mask, temperature, softcap, backend, col0=start)
         x = _global_entry_logits(x.view(B * T, -1), ids_k, start, V_local, group)
-        logq = x - lse.reshape(-1, 1)
-        if mask is not None:
-            logq = torch.where(mask.reshape(-1, 1) != 0, logq, 0.0)
+        (logq,) = zero_at_masked(mask, x - lse.reshape(-1, 1))
         ctx.save_for_backward(logits, first, local_first, owned, lse, x, mask)
         ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap, ctx.start = tokens, backend, temperature, softcap, start
         return logq.view(ids_k.shape)
@@ -358,16 +358,13 @@ class VocabParallelLinearLogprobsAtIds(torch.autograd.Function):
         if mask is not None:
             ids_k = torch.where(mask.reshape(-1, 1) != 0, ids_k, start)
         first = ids_k[:, 0].contiguous()
-        owned = (first >= start) & (first < start + V_local)
-        local_first = torch.where(owned, first - start, 0).contiguous()
+        owned, local_first = owned_ids(first, start, V_local)
         tokens = at_ids_tokens(ids_k)
         r = linear_logprobs_fwd(hidden, weight, bias, local_first, temperature, False, softcap, backend)
         lse, _, _, _ = _combine(r.lse, r.logp, None, owned, group)
         x = linear_kept_terms(hidden, weight, bias, first, tokens, mask, temperature, softcap, backend, col0=start).x
         x = _global_entry_logits(x.view(first.numel(), -1), ids_k, start, V_local, group)
-        logq = x - lse.reshape(-1, 1)
-        if mask is not None:
-            logq = torch.where(mask.reshape(-1, 1) != 0, logq, 0.0)
+        (logq,) = zero_at_masked(mask, x - lse.reshape(-1, 1))
         ctx.save_for_backward(hidden, weight, bias, first, local_first, owned, lse, x, mask, ids_k)
         ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
         ctx.group, ctx.start, ctx.reduce_hidden_grad = group, start, reduce_hidden_grad
@@ -451,8 +448,7 @@ class ShardedLogitsSource(LogitsSource):
         options, shard = inputs.options, inputs.vocab_shard
         logits, ids = self.predicting(), inputs.ids
         B, T, V_local = logits.shape
-        owned = (ids >= shard.start) & (ids < shard.start + V_local)
-        local_ids = torch.where(owned, ids - shard.start, 0).contiguous()
+        owned, local_ids = owned_ids(ids, shard.start, V_local)
         r = logprobs_fwd(
             logits,
             local_ids,
@@ -535,8 +531,7 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
         """(global log-probs, entropy or None, Σπ²) [B, T] of a no-grad pass over this rank's weight shard."""
         options, shard = inputs.options, inputs.vocab_shard
         hidden, weight, bias, ids = self.flat(inputs)
-        owned = (ids >= shard.start) & (ids < shard.start + weight.shape[0])
-        local_ids = torch.where(owned, ids - shard.start, 0).contiguous()
+        owned, local_ids = owned_ids(ids, shard.start, weight.shape[0])
         r = linear_logprobs_fwd(
             hidden,
             weight,
