@@ -53,7 +53,9 @@ SHARED_ARGUMENTS = {
     "temperature": "the sampling temperature: the log-probs are those of cap(logits) / temperature.",
     "logit_scale": "the head's output scale (a model's `logit_scale`): logits x this before the cap.",
     "logit_softcap": "the head's soft-cap c (a model's `final_logit_softcapping`): c tanh(x / c); None: no cap.",
-    "head_precision": '"input" (the unfused head in the operands\' dtype, rounded once) or "fp32" (the head in fp32).',
+    "head_precision": '"input" (the unfused head in the operands\' dtype, its logits rounded once to it), '
+    '"fp32_logits" (the same operands, the fp32 accumulator kept as the logit: an fp32-output head) or "fp32" (the '
+    "head in fp32).",
     "lm_head_mode": 'the fused head\'s schedule: "recompute" (4 products) or "three_products"; None takes the '
     "measured choice.",
     "return_entropy": "also return each token's entropy (from the same pass).",

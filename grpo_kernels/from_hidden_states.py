@@ -57,7 +57,7 @@ def head_operands(hidden_states, weight, bias, head_precision: str) -> tuple:
     (but fp64) cast to the autocast dtype, differentiably (a model body's bf16 hidden states with its fp32 master
     weight; the gradient reaches the weight in fp32). "fp32" is fp32 whatever the autocast."""
     check_head_precision(head_precision)
-    if head_precision == "input":
+    if head_precision in ("input", "fp32_logits"):  # (fp32_logits: the operands as "input", the logits unrounded)
         dtype = _autocast_dtype(hidden_states)
         if dtype is None:
             return hidden_states, weight, bias
@@ -105,6 +105,8 @@ class HiddenStatesSource:
     ):
         hidden_states, weight, bias = head_operands(hidden_states, weight, bias, head_precision)
         self.tensor, self.weight, self.bias, self.lm_head_mode = hidden_states, weight, bias, lm_head_mode
+        # the head's logits kept as its fp32 accumulator (a rollout engine's fp32-output head), not rounded to 16 bits
+        self.fp32_logits = head_precision == "fp32_logits"
         self._flat, self._flat_with_grad = None, False
 
     def check_packable(self) -> None:
@@ -112,10 +114,16 @@ class HiddenStatesSource:
 
     def with_tensor(self, hidden_states: torch.Tensor) -> HiddenStatesSource:
         """This source's head and settings on other hidden states (a packed batch's checked one row)."""
-        return type(self)(hidden_states, self.weight, self.bias, self.lm_head_mode)
+        return type(self)(hidden_states, self.weight, self.bias, self.lm_head_mode, self.operands_precision)
 
     def as_one_row(self) -> HiddenStatesSource:
         return self.with_tensor(self.tensor.reshape(1, -1, self.tensor.shape[-1]))
+
+    @property
+    def operands_precision(self) -> str:
+        """The head precision of a source made from this one's operands (cast already): only the logits' rounding
+        is left to choose."""
+        return "fp32_logits" if self.fp32_logits else "input"
 
     def token_rows(self) -> torch.Tensor:
         """The hidden states that predict the completion, [B, T, H]."""
@@ -124,7 +132,7 @@ class HiddenStatesSource:
     def on_rows(self, rows: torch.Tensor) -> HiddenStatesSource:
         """The head and settings on some of the tokens' hidden states, gathered as one row [1, n, H]
         (``inputs.compacted``; unsharded, as ``LogitsSource.on_rows``)."""
-        return HiddenStatesSource(rows, self.weight, self.bias, self.lm_head_mode)
+        return HiddenStatesSource(rows, self.weight, self.bias, self.lm_head_mode, self.operands_precision)
 
     def logits_shape(self, ids) -> tuple:
         """(B, T, V) of the logits the head would make, after checking the hidden states, weight and bias."""
@@ -135,6 +143,11 @@ class HiddenStatesSource:
     def check_call(self, backend: str, sharded: bool) -> None:
         """The mode, where the caller chose one (``fused_loss`` chooses it otherwise)."""
         check_lm_head_mode(self.lm_head_mode)
+        if self.fp32_logits and self.lm_head_mode == "three_products":
+            raise ValueError(
+                'head_precision="fp32_logits" runs lm_head_mode="recompute" (its logits never leave the kernel\'s '
+                'fp32 accumulator); lm_head_mode="three_products" writes 16-bit logits: pass lm_head_mode=None'
+            )
 
     def flat(self, inputs) -> tuple:
         """(hidden [N, H], weight, bias, ids [N]) as the kernels read them. Masked tokens are never read:
@@ -167,6 +180,7 @@ class HiddenStatesSource:
                 compute_entropy,
                 inputs.backend,
                 inputs.kept,
+                self.fp32_logits,
             )
             return self.as_rows(inputs, pair)
         pair = apply_or_forward(
@@ -176,6 +190,7 @@ class HiddenStatesSource:
             option_value(options, "kernel_softcap"),
             compute_entropy,
             inputs.backend,
+            self.fp32_logits,
         )[:2]
         return self.as_rows(inputs, pair)
 
@@ -192,6 +207,7 @@ class HiddenStatesSource:
             option_value(options, "kernel_temperature"),
             option_value(options, "kernel_softcap"),
             inputs.backend,
+            self.fp32_logits,
         )
         return logq.view(ids_k.shape)
 
@@ -206,6 +222,7 @@ class HiddenStatesSource:
             option_value(options, "kernel_softcap"),
             inputs.backend,
             compute_sum_squares=True,
+            fp32_logits=self.fp32_logits,
         )
         if inputs.kept is not None:
             terms = linear_kept_terms(
@@ -216,6 +233,7 @@ class HiddenStatesSource:
                 option_value(options, "kernel_softcap"),
                 inputs.backend,
                 compute_sum_squares=True,
+                fp32_logits=self.fp32_logits,
             )
             r = with_kept_set(r, terms)
         return self.as_rows(inputs, (r.logp, r.entropy, r.sum_squares))
@@ -231,21 +249,26 @@ class HiddenStatesSource:
         ``lm_head_mode``, else the device sweep's measured choice for this GPU and vocabulary
         (``kernels/tuned.json``), else "recompute"."""
         mode = self.lm_head_mode
-        if mode is None:
-            mode = fused_linear_launch.default_lm_head_mode(self.tensor, self.weight.shape[0])
+        if mode is None:  # (the engine-equal head: its logits stay in the kernel, fp32, with "recompute")
+            mode = (
+                "recompute"
+                if self.fp32_logits
+                else fused_linear_launch.default_lm_head_mode(self.tensor, self.weight.shape[0])
+            )
         opts, flat, shape = inputs.options, self.flat(inputs), inputs.ids.shape
         wants_grad = torch.is_grad_enabled() and (self.tensor.requires_grad or self.weight.requires_grad)
         kept = inputs.kept
         terms = linear_kept_terms(
-            *flat, kept, loss_tokens.tokens.mask, opts.kernel_temperature, opts.kernel_softcap, "triton"
-        )
+            *flat, kept, loss_tokens.tokens.mask, opts.kernel_temperature, opts.kernel_softcap, "triton",
+            fp32_logits=self.fp32_logits,
+        )  # fmt: skip
         if mode == "three_products" and wants_grad:
             loss, metrics, logp = LinearLossThreeProducts.apply(*flat, loss_tokens, opts, shape, kept, terms)
         elif mode == "three_products":  # no gradient wanted: cuBLAS logits and the logits kernel
             loss, metrics, logp = three_products_fwd(*flat, loss_tokens, opts, None, kept, terms)[:3]
             logp = logp.view(shape)
         else:
-            loss, metrics, logp = LinearLoss.apply(*flat, loss_tokens, opts, shape, kept, terms)
+            loss, metrics, logp = LinearLoss.apply(*flat, loss_tokens, opts, shape, kept, terms, self.fp32_logits)
         return kernel_output(opts, loss, metrics, logp)
 
 
@@ -268,12 +291,19 @@ def as_input_grads(ctx, grads, inputs) -> tuple:
 # ---- Recompute: the loss terms in the forward kernel, the logits recomputed by the backward ----------------------
 
 
-def linear_loss_fwd(hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions):
+def linear_loss_fwd(hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, fp32_logits=False):
     """(loss, metrics vector, ``ForwardResult`` over the N tokens, ``TokenWeights``): the token-weights kernel,
     the lm_head forward kernel with the per-token loss, the loss-metrics kernel."""
     tokens, weights = reduce_launch.weighted_tokens(loss_tokens)
     r = fused_linear_launch.linear_forward(
-        hidden, weight, bias, ids, kernel_loss=opts.kernel_loss, tokens=tokens, compute_entropy=opts.compute_entropy
+        hidden,
+        weight,
+        bias,
+        ids,
+        kernel_loss=opts.kernel_loss,
+        tokens=tokens,
+        compute_entropy=opts.compute_entropy,
+        fp32_logits=fp32_logits,
     )
     loss, metrics = reduce_launch.reduced(tokens.mask, opts.kernel_loss, r, weights)
     return loss, metrics, r, weights
@@ -293,10 +323,11 @@ def linear_loss_bwd(
     h=None,
     entropy=None,
     write_entries=None,
+    fp32_logits: bool = False,
 ) -> tuple:
     """(d hidden, d weight or None, d bias or None), fp32, from g = dLoss/dlogp (and h = dLoss/dH with the
     forward's entropy): a chunk of tokens at a time, the logits recomputed (Triton or the torch path);
-    ``write_entries`` as in ``linear_logprobs_bwd``."""
+    ``write_entries`` and ``fp32_logits`` as in ``linear_logprobs_bwd``."""
     return linear_logprobs_bwd(
         hidden,
         weight,
@@ -311,6 +342,7 @@ def linear_loss_bwd(
         grad_entropy=flat_f32(h),
         entropy=flat_f32(entropy) if h is not None else None,
         write_entries=write_entries,
+        fp32_logits=fp32_logits,
     )
 
 
@@ -321,15 +353,16 @@ class LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape, kept=None,
-                terms=None):  # fmt: skip
+                terms=None, fp32_logits=False):  # fmt: skip
         ctx.set_materialize_grads(False)
         if terms is not None:  # the kernels take each set's token's log-prob over its set
             loss_tokens = with_kept_lse(loss_tokens, terms)
-        loss, metrics, r, weights = linear_loss_fwd(hidden, weight, bias, ids, loss_tokens, opts)
+        loss, metrics, r, weights = linear_loss_fwd(hidden, weight, bias, ids, loss_tokens, opts, fp32_logits)
         ctx.save_for_backward(
             hidden, weight, bias, ids, r.lse, r.dloss_dlogp, r.entropy, weights.weight, weights.entropy_weight
         )
         ctx.temperature, ctx.softcap, ctx.kept, ctx.terms = opts.kernel_temperature, opts.kernel_softcap, kept, terms
+        ctx.fp32_logits = fp32_logits
         return loss_outputs(ctx, loss, metrics, r.logp, out_shape)
 
     @staticmethod
@@ -353,6 +386,7 @@ class LinearLoss(torch.autograd.Function):
             h_dense,
             entropy,
             kept_entries(ids, ctx.kept, ctx.terms, g, h, lse, entropy, ctx.temperature, ctx.softcap, "triton"),
+            fp32_logits=ctx.fp32_logits,
         )
         return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
 
@@ -434,9 +468,11 @@ def linear_logprobs_fwd(
     softcap: float | None,
     backend: str,
     compute_sum_squares: bool = False,
+    fp32_logits: bool = False,
 ) -> LogprobResult:
     """log softmax(cap(hidden [N, H] @ weight [V, H]^T + bias) / temperature)[ids] (and the entropy, and Σπ²), a tile
-    or a chunk of tokens at a time: fp32 [N] (fp64 for fp64 inputs on the torch path)."""
+    or a chunk of tokens at a time: fp32 [N] (fp64 for fp64 inputs on the torch path). ``fp32_logits``: 16-bit
+    inputs' logits are the products' fp32 accumulator, not rounded to 16 bits (head_precision="fp32_logits")."""
     compiling = torch.compiler.is_compiling()  # one opaque op in the graph (ops.py)
     if backend == "triton" and not compiling:
         r = fused_linear_launch.linear_forward(
@@ -448,17 +484,19 @@ def linear_logprobs_fwd(
             softcap=softcap,
             compute_entropy=compute_entropy,
             compute_sum_squares=compute_sum_squares,
+            fp32_logits=fp32_logits,
         )
         return LogprobResult(r.logp, r.entropy, r.lse, r.sum_squares)
     if compiling:
         op = ops.triton_linear_logprobs if backend == "triton" else ops.torch_linear_logprobs
+        head = ops.head_scalars(temperature, softcap)
         lse, logp, entropy, squares = op(
-            hidden, weight, bias, ids, ops.head_scalars(temperature, softcap), compute_entropy, compute_sum_squares
+            hidden, weight, bias, ids, head, compute_entropy, compute_sum_squares, fp32_logits
         )
         present = ops.present
         return LogprobResult(logp, present(entropy, compute_entropy), lse, present(squares, compute_sum_squares))
     lse, logp, entropy, squares = torch_path.linear_forward(
-        hidden, weight, bias, ids, temperature, compute_entropy, softcap, compute_sum_squares
+        hidden, weight, bias, ids, temperature, compute_entropy, softcap, compute_sum_squares, fp32_logits
     )
     return LogprobResult(logp, entropy, lse, squares)
 
@@ -477,11 +515,12 @@ def linear_logprobs_bwd(
     grad_entropy=None,
     entropy=None,
     write_entries=None,
+    fp32_logits: bool = False,
 ) -> tuple:
     """(d hidden, d weight or None, d bias or None), fp32, from g = dLoss/dlogp (and h = dLoss/dH with the
-    forward's entropy), the logits recomputed a chunk at a time; ``write_entries(tile, first token, first column)``
-    writes sparse entries over each tile's dense gradient (a kept set's, ``kept_entries``; never inside a
-    graph)."""
+    forward's entropy), the logits recomputed a chunk at a time (``fp32_logits`` as in ``linear_logprobs_fwd``);
+    ``write_entries(tile, first token, first column)`` writes sparse entries over each tile's dense gradient (a kept
+    set's, ``kept_entries``; never inside a graph)."""
     compiling = torch.compiler.is_compiling()
     if backend == "triton" and not compiling:
         return fused_linear_launch.linear_backward(
@@ -497,12 +536,13 @@ def linear_logprobs_bwd(
             entropy=entropy,
             softcap=softcap,
             write_entries=write_entries,
+            fp32_logits=fp32_logits,
         )
     if compiling:
         op = ops.triton_linear_backward if backend == "triton" else ops.torch_linear_backward
         dh, dw, db = op(
             hidden, weight, bias, ids, lse, g, ops.head_scalars(temperature, softcap), compute_weight_grad,
-            grad_entropy, entropy,
+            grad_entropy, entropy, fp32_logits,
         )  # fmt: skip
         return dh, ops.present(dw, compute_weight_grad), ops.present(db, compute_weight_grad and bias is not None)
     return torch_path.linear_backward(
@@ -518,6 +558,7 @@ def linear_logprobs_bwd(
         entropy=entropy,
         softcap=softcap,
         write_entries=write_entries,
+        fp32_logits=fp32_logits,
     )
 
 
@@ -531,19 +572,29 @@ class LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        hidden, weight, bias, ids, temperature: float, softcap: float | None, compute_entropy: bool, backend: str
+        hidden,
+        weight,
+        bias,
+        ids,
+        temperature: float,
+        softcap: float | None,
+        compute_entropy: bool,
+        backend: str,
+        fp32_logits: bool,
     ):
-        r = linear_logprobs_fwd(hidden, weight, bias, ids, temperature, compute_entropy, softcap, backend)
+        r = linear_logprobs_fwd(
+            hidden, weight, bias, ids, temperature, compute_entropy, softcap, backend, fp32_logits=fp32_logits
+        )
         return r.logp, r.entropy, r.lse  # both differentiable: a loss may use the entropy (the entropy bonus)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        hidden, weight, bias, ids, temperature, softcap, _, backend = inputs
+        hidden, weight, bias, ids, temperature, softcap, _, backend, fp32_logits = inputs
         _, entropy, lse = output
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
-        ctx.backend, ctx.temperature, ctx.softcap = backend, temperature, softcap
+        ctx.backend, ctx.temperature, ctx.softcap, ctx.fp32_logits = backend, temperature, softcap, fp32_logits
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, _grad_lse):
@@ -564,6 +615,7 @@ class LinearTokenLogprobs(torch.autograd.Function):
             _wants_weight(ctx, bias),
             grad_entropy,
             entropy,
+            fp32_logits=ctx.fp32_logits,
         )
         return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
 
@@ -577,7 +629,8 @@ def flat_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def linear_kept_terms(hidden, weight, bias, ids, kept: KeptTokens | None, mask, temperature: float, softcap,
-                      backend: str, *, col0: int = 0, group=None, compute_sum_squares: bool = False):  # fmt: skip
+                      backend: str, *, col0: int = 0, group=None, compute_sum_squares: bool = False,
+                      fp32_logits: bool = False):  # fmt: skip
     """Each token's kept-set terms (``kernels.contracts.KeptTerms``) from hidden states [N, H] and the head's weight
     [width, H] (a vocabulary slice from global id ``col0`` with ``group``) and bias, None without a set: each
     entry's logit its own dot product (``kernels/kept.py::kept_state_kernel`` with the head, or the torch path's
@@ -597,16 +650,18 @@ def linear_kept_terms(hidden, weight, bias, ids, kept: KeptTokens | None, mask, 
             col0=col0,
             compute_entropy=kept.entropy_over_set,
             compute_sum_squares=compute_sum_squares,
+            fp32_logits=fp32_logits,
         )
     else:
-        x_of = _head_logits_of(hidden, weight, bias, temperature, softcap)
+        x_of = _head_logits_of(hidden, weight, bias, temperature, softcap, fp32_logits)
         x, state = kept_set.torch_state(x_of, ids, kept, mask, col0, weight.shape[0])
     return kept_set.finish(state, kept, x, mask, group, compute_sum_squares)
 
 
-def _head_logits_of(hidden, weight, bias, temperature: float, softcap):
+def _head_logits_of(hidden, weight, bias, temperature: float, softcap, fp32_logits: bool = False):
     """x_of(token, local column) of the torch path: cap(h . W[v] + b[v]) / tau of gathered pairs, in the compute
-    dtype, rounded to 16 bits first for 16-bit inputs (``torch_path._chunk_logits``), a bounded chunk at a time."""
+    dtype, rounded to 16 bits first for 16-bit inputs unless ``fp32_logits`` (``torch_path._chunk_logits``), a
+    bounded chunk at a time."""
     dtype = torch_path.compute_dtype(hidden)
     step = max(1, (1 << 22) // max(hidden.shape[1], 1))  # pairs a chunk: 2^22 gathered elements
 
@@ -617,7 +672,7 @@ def _head_logits_of(hidden, weight, bias, temperature: float, softcap):
             raw = torch.einsum("eh,eh->e", hidden[t].to(dtype), weight[v].to(dtype))
             if bias is not None:
                 raw = raw + bias[v].to(dtype)
-            if rounds_head_logits(hidden.dtype):
+            if rounds_head_logits(hidden.dtype, fp32_logits):
                 raw = raw.to(hidden.dtype).to(dtype)
             out[e0 : e0 + step] = torch_path.capped(raw, softcap)[0] * (1.0 / temperature)
         return out
@@ -651,7 +706,7 @@ def kept_entries(ids, kept: KeptTokens | None, terms: KeptTerms | None, g, h, ls
     return write
 
 
-def with_entry_gradients(grads, hidden, weight, bias, ids_k, G, g, temperature, softcap) -> tuple:
+def with_entry_gradients(grads, hidden, weight, bias, ids_k, G, g, temperature, softcap, fp32_logits=False) -> tuple:
     """A dense backward's (d hidden, d weight, d bias), run with g = sum_k G_k at each token's first id, made the
     top-k's: at each entry (token n, its k-th id) the logit's gradient gains G[n, k] / tau, and at the first id loses
     the dense one-hot's g / tau, each times the cap's slope there (repeated ids add up), carried through the head:
@@ -664,7 +719,7 @@ def with_entry_gradients(grads, hidden, weight, bias, ids_k, G, g, temperature, 
     for k in range(ids_k.shape[1]):
         rows = weight[ids_k[:, k]].float()  # [N, H]
         raw = (h32 * rows).sum(-1) + (0.0 if bias is None else bias[ids_k[:, k]].float())
-        if rounds_head_logits(hidden.dtype):  # the head's logits are rounded to 16 bits before the cap
+        if rounds_head_logits(hidden.dtype, fp32_logits):  # the head's logits are rounded to 16 bits before the cap
             raw = raw.to(hidden.dtype).float()
         slope = torch_path.capped(raw, softcap)[1]
         c = coefficient[:, k] / temperature * (1.0 if slope is None else slope)  # [N]
@@ -683,14 +738,20 @@ class KeptLinearTokenLogprobs(torch.autograd.Function):
     hidden [N, H], weight [V, H], bias, ids [N], mask [N] or None. Returns (logp, entropy or None) [N]."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, mask, temperature, softcap, compute_entropy, backend, kept):
+    def forward(
+        ctx, hidden, weight, bias, ids, mask, temperature, softcap, compute_entropy, backend, kept, fp32_logits
+    ):
         ctx.set_materialize_grads(False)
-        terms = linear_kept_terms(hidden, weight, bias, ids, kept, mask, temperature, softcap, backend)
-        r = with_kept_set(
-            linear_logprobs_fwd(hidden, weight, bias, ids, temperature, compute_entropy, softcap, backend), terms
+        terms = linear_kept_terms(
+            hidden, weight, bias, ids, kept, mask, temperature, softcap, backend, fp32_logits=fp32_logits
         )
+        r = linear_logprobs_fwd(
+            hidden, weight, bias, ids, temperature, compute_entropy, softcap, backend, fp32_logits=fp32_logits
+        )
+        r = with_kept_set(r, terms)
         ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.entropy)
         ctx.terms, ctx.kept, ctx.backend, ctx.temperature, ctx.softcap = terms, kept, backend, temperature, softcap
+        ctx.fp32_logits = fp32_logits
         return r.logp, r.entropy
 
     @staticmethod
@@ -715,6 +776,7 @@ class KeptLinearTokenLogprobs(torch.autograd.Function):
             h_dense,
             entropy,
             kept_entries(ids, ctx.kept, ctx.terms, g, h, lse, entropy, ctx.temperature, ctx.softcap, ctx.backend),
+            fp32_logits=ctx.fp32_logits,
         )
         return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
 
@@ -730,14 +792,19 @@ class LinearLogprobsAtIds(torch.autograd.Function):
     [N, K]."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids_k, mask, temperature, softcap, backend):
+    def forward(ctx, hidden, weight, bias, ids_k, mask, temperature, softcap, backend, fp32_logits):
         ctx.set_materialize_grads(False)
         tokens, first = at_ids_tokens(ids_k), ids_k[:, 0].contiguous()
-        r = linear_logprobs_fwd(hidden, weight, bias, first, temperature, False, softcap, backend)
-        x = linear_kept_terms(hidden, weight, bias, first, tokens, mask, temperature, softcap, backend).x
+        r = linear_logprobs_fwd(
+            hidden, weight, bias, first, temperature, False, softcap, backend, fp32_logits=fp32_logits
+        )
+        x = linear_kept_terms(
+            hidden, weight, bias, first, tokens, mask, temperature, softcap, backend, fp32_logits=fp32_logits
+        ).x
         (logq,) = zero_at_masked(mask, x.view(r.lse.numel(), -1) - r.lse.view(-1, 1))
         ctx.save_for_backward(hidden, weight, bias, first, r.lse, x, mask, ids_k)
         ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
+        ctx.fp32_logits = fp32_logits
         return logq
 
     @staticmethod
@@ -752,9 +819,11 @@ class LinearLogprobsAtIds(torch.autograd.Function):
         if torch.compiler.is_compiling():  # a graph's op takes no per-tile writer: the entries as a sparse update
             grads = linear_loss_bwd(
                 hidden, weight, bias, first, lse, g, ctx.temperature, ctx.softcap, ctx.backend,
-                _wants_weight(ctx, bias),
+                _wants_weight(ctx, bias), fp32_logits=ctx.fp32_logits,
             )  # fmt: skip
-            grads = with_entry_gradients(grads, hidden, weight, bias, ids_k, G, g, ctx.temperature, ctx.softcap)
+            grads = with_entry_gradients(
+                grads, hidden, weight, bias, ids_k, G, g, ctx.temperature, ctx.softcap, ctx.fp32_logits
+            )
             return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
         entries = kept_entries(
             first, ctx.tokens, at_ids_terms(x, lse, mask), g, None, lse, None, ctx.temperature, ctx.softcap,
@@ -762,6 +831,6 @@ class LinearLogprobsAtIds(torch.autograd.Function):
         )  # fmt: skip
         grads = linear_loss_bwd(
             hidden, weight, bias, first, lse, g, ctx.temperature, ctx.softcap, ctx.backend, _wants_weight(ctx, bias),
-            None, None, entries,
+            None, None, entries, fp32_logits=ctx.fp32_logits,
         )  # fmt: skip
         return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))

@@ -153,8 +153,11 @@ def fused_linear_grpo_loss(
 
     ``head_precision``: "input" (the default) computes the logits as an unfused head in the operands' dtype does
     (16-bit operands on the tensor cores, fp32 accumulation, the logits rounded once to that dtype), in every mode
-    and backend; "fp32" casts hidden states, weight and bias to fp32 first (exact fp32 products and fp32 logits, as
-    TRL's ``cast_lm_head_to_fp32`` and a rollout engine's fp32 head), the gradients coming back in their dtypes.
+    and backend; "fp32_logits" takes the same operands and accumulation and keeps the fp32 accumulator as the logit,
+    never rounded, as an fp32-output head computes it (a rollout engine that samples from fp32 logits of 16-bit
+    operands; ``lm_head_mode`` "recompute": the 3-product mode's logits are 16-bit, refused by name); "fp32" casts
+    hidden states, weight and bias to fp32 first (exact fp32 products and fp32 logits, as TRL's
+    ``cast_lm_head_to_fp32`` and a head with fp32 weights), the gradients coming back in their dtypes.
 
     ``kept_set`` as in ``grpo_loss``: each kept logit is computed as its own dot product of the token's hidden state
     and the id's weight row (rounded as the head rounds its logits), beside the head's tiles, in every mode.

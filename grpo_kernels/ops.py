@@ -113,18 +113,19 @@ def torch_linear_logprobs(
     head: Tensor,
     compute_entropy: bool,
     compute_sum_squares: bool = False,
+    fp32_logits: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(lse, logp, entropy or empty, Σπ² or empty), [N]: ``torch_path.linear_forward``."""
     temperature, softcap = head_floats(head)
     lse, logp, entropy, squares = torch_path.linear_forward(
-        hidden, weight, bias, ids, temperature, compute_entropy, softcap, compute_sum_squares
+        hidden, weight, bias, ids, temperature, compute_entropy, softcap, compute_sum_squares, fp32_logits
     )
     empty = lambda t: logp.new_empty(_NONE) if t is None else t  # noqa: E731
     return lse, logp, empty(entropy), empty(squares)
 
 
 @torch_linear_logprobs.register_fake
-def _(hidden, weight, bias, ids, head, compute_entropy, compute_sum_squares=False):
+def _(hidden, weight, bias, ids, head, compute_entropy, compute_sum_squares=False, fp32_logits=False):
     new = lambda *shape: hidden.new_empty(shape, dtype=_dtype(hidden))  # noqa: E731
     N = hidden.shape[0]
     return (
@@ -147,6 +148,7 @@ def torch_linear_backward(
     compute_weight_grad: bool,
     grad_entropy: Optional[Tensor],
     entropy: Optional[Tensor],
+    fp32_logits: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d hidden, d weight or empty, d bias or empty): ``torch_path.linear_backward``."""
     temperature, softcap = head_floats(head)
@@ -162,13 +164,14 @@ def torch_linear_backward(
         grad_entropy=grad_entropy,
         entropy=entropy,
         softcap=softcap,
+        fp32_logits=fp32_logits,
     )
     empty = lambda t: dh.new_empty(_NONE) if t is None else t  # noqa: E731
     return dh, empty(dw), empty(db)
 
 
 @torch_linear_backward.register_fake
-def _(hidden, weight, bias, ids, lse, g, head, compute_weight_grad, grad_entropy, entropy):
+def _(hidden, weight, bias, ids, lse, g, head, compute_weight_grad, grad_entropy, entropy, fp32_logits=False):
     dtype = _dtype(hidden)
     dh = hidden.new_empty(hidden.shape, dtype=dtype)
     dw = weight.new_empty(weight.shape if compute_weight_grad else _NONE, dtype=dtype)
@@ -251,6 +254,7 @@ def triton_linear_logprobs(
     head: Tensor,
     compute_entropy: bool,
     compute_sum_squares: bool = False,
+    fp32_logits: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(lse, logp, entropy or empty, Σπ² or empty), fp32 [N]: the lm_head forward kernel without a loss."""
     temperature, softcap = head_floats(head)
@@ -263,12 +267,13 @@ def triton_linear_logprobs(
         softcap=softcap,
         compute_entropy=compute_entropy,
         compute_sum_squares=compute_sum_squares,
+        fp32_logits=fp32_logits,
     )
     return _unaliased(r.lse, r.logp, r.entropy, r.sum_squares)
 
 
 @triton_linear_logprobs.register_fake
-def _(hidden, weight, bias, ids, head, compute_entropy, compute_sum_squares=False):
+def _(hidden, weight, bias, ids, head, compute_entropy, compute_sum_squares=False, fp32_logits=False):
     N = hidden.shape[0]
     new = lambda *shape: hidden.new_empty(shape, dtype=torch.float32)  # noqa: E731
     optional = lambda wanted: new(N) if wanted else new(*_NONE)  # noqa: E731
@@ -287,6 +292,7 @@ def triton_linear_backward(
     compute_weight_grad: bool,
     grad_entropy: Optional[Tensor],
     entropy: Optional[Tensor],
+    fp32_logits: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d hidden, d weight or empty, d bias or empty), fp32: the lm_head's chunked backward."""
     temperature, softcap = head_floats(head)
@@ -302,13 +308,14 @@ def triton_linear_backward(
         grad_entropy=grad_entropy,
         entropy=entropy,
         softcap=softcap,
+        fp32_logits=fp32_logits,
     )
     empty = lambda t: dh.new_empty(_NONE) if t is None else t  # noqa: E731
     return dh, empty(dw), empty(db)
 
 
 @triton_linear_backward.register_fake
-def _(hidden, weight, bias, ids, lse, g, head, compute_weight_grad, grad_entropy, entropy):
+def _(hidden, weight, bias, ids, lse, g, head, compute_weight_grad, grad_entropy, entropy, fp32_logits=False):
     f32 = dict(dtype=torch.float32)
     dh = hidden.new_empty(hidden.shape, **f32)
     dw = weight.new_empty(weight.shape if compute_weight_grad else _NONE, **f32)

@@ -213,7 +213,7 @@ def linear_chunk_rows(V: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(V, 1))
 
 
-def _chunk_logits(hidden_chunk, weight, bias, inv_temperature, softcap):
+def _chunk_logits(hidden_chunk, weight, bias, inv_temperature, softcap, fp32_logits: bool = False):
     """(cap(hidden @ weight^T + bias) / tau, d cap / dx or None) of one chunk of tokens, [chunk, V]. 16-bit inputs'
     hidden @ weight^T + bias is rounded to their dtype first, as an unfused head in that dtype computes its logits
     (the products themselves in fp32, as the kernels' are)."""
@@ -221,7 +221,7 @@ def _chunk_logits(hidden_chunk, weight, bias, inv_temperature, softcap):
     x = hidden_chunk.to(dtype) @ weight.to(dtype).T
     if bias is not None:
         x += bias.to(dtype)
-    if rounds_head_logits(hidden_chunk.dtype):
+    if rounds_head_logits(hidden_chunk.dtype, fp32_logits):
         x = x.to(hidden_chunk.dtype).to(dtype)
     x, slope = capped(x, softcap)
     return x * inv_temperature, slope
@@ -237,9 +237,10 @@ def linear_forward(
     compute_entropy: bool,
     softcap: float | None = None,
     compute_sum_squares: bool = False,
+    fp32_logits: bool = False,
 ):
     """lse, logp, entropy (or None), Σπ² (or None), each fp32 [N], of the lm_head logits cap(hidden @ weight^T + bias)
-    / temperature, a chunk of tokens at a time."""
+    / temperature, a chunk of tokens at a time (``fp32_logits``: 16-bit inputs' logits left unrounded)."""
     N = hidden.shape[0]
     f32 = dict(device=hidden.device, dtype=compute_dtype(hidden))
     lse, logp = torch.empty(N, **f32), torch.empty(N, **f32)
@@ -248,7 +249,7 @@ def linear_forward(
     step, inv_temperature, flat_ids = linear_chunk_rows(weight.shape[0]), 1.0 / temperature, ids.long()
     for n0 in range(0, N, step):
         n = slice(n0, min(n0 + step, N))
-        x = _chunk_logits(hidden[n], weight, bias, inv_temperature, softcap)[0]  # [chunk, V], the only V-sized one
+        x = _chunk_logits(hidden[n], weight, bias, inv_temperature, softcap, fp32_logits)[0]  # the only V-sized one
         lse[n], logp[n], chunk_entropy, chunk_squares = _row_statistics(
             x, flat_ids[n], compute_entropy, dtype=x.dtype, compute_sum_squares=compute_sum_squares
         )
@@ -273,6 +274,7 @@ def linear_backward(
     entropy=None,
     softcap: float | None = None,
     write_entries=None,
+    fp32_logits: bool = False,
 ):
     """d hidden, d weight (or None), d bias (or None) in fp32 (fp64 for fp64 inputs), recomputing each
     chunk's logits; with ``grad_entropy`` (h = dLoss/dH) and the forward's ``entropy``, the entropy's
@@ -290,7 +292,7 @@ def linear_backward(
     w32 = weight.to(dtype)
     for n0 in range(0, N, step):
         n = slice(n0, min(n0 + step, N))
-        x, slope = _chunk_logits(hidden[n], weight, bias, inv_temperature, softcap)
+        x, slope = _chunk_logits(hidden[n], weight, bias, inv_temperature, softcap, fp32_logits)
         gs = (g[n] * inv_temperature).unsqueeze(-1)
         hs = None if grad_entropy is None else (grad_entropy[n] * inv_temperature).unsqueeze(-1)
         dx = _softmax_gradient(x - lse[n].unsqueeze(-1), gs, hs, None if hs is None else entropy[n].unsqueeze(-1))

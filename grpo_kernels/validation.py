@@ -17,9 +17,11 @@ BACKENDS = ("auto", "triton", "torch")
 LM_HEAD_MODES = ("recompute", "three_products")
 # The head's precision: "input", as an unfused head in the operands' own dtype (16-bit on the tensor cores, fp32
 # accumulation, the logits rounded once to that dtype: the kernels' ROUND_LOGITS, torch_path._chunk_logits);
+# "fp32_logits", the same operands and accumulation with the fp32 accumulator kept as the logit, never rounded (an
+# fp32-output head: Megatron-LM's fp32 output logits, NeMo AutoModel's LMHead(logits_dtype=torch.float32));
 # "fp32", hidden states, weight and bias cast to fp32 first (exact fp32 products and logits: TRL's
-# cast_lm_head_to_fp32, a rollout engine's fp32 head), the gradients coming back in their own dtypes
-HEAD_PRECISIONS = ("input", "fp32")
+# cast_lm_head_to_fp32, a head whose weights are fp32), the gradients coming back in their own dtypes
+HEAD_PRECISIONS = ("input", "fp32_logits", "fp32")
 
 
 def misplaced_offsets(offsets: torch.Tensor, total) -> torch.Tensor:

@@ -222,19 +222,24 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         mask=None,
         kept=None,
         reduce_hidden_grad: bool = True,
+        fp32_logits: bool = False,
     ):
         ctx.set_materialize_grads(False)
         V_local = weight.shape[0]
         owned, local_ids = owned_ids(ids, start, V_local)
         terms = linear_kept_terms(
-            hidden, weight, bias, ids, kept, mask, temperature, softcap, backend, col0=start, group=group
+            hidden, weight, bias, ids, kept, mask, temperature, softcap, backend, col0=start, group=group,
+            fp32_logits=fp32_logits,
+        )  # fmt: skip
+        r = linear_logprobs_fwd(
+            hidden, weight, bias, local_ids, temperature, compute_entropy, softcap, backend, fp32_logits=fp32_logits
         )
-        r = linear_logprobs_fwd(hidden, weight, bias, local_ids, temperature, compute_entropy, softcap, backend)
         lse, logp, entropy, _ = _combine(r.lse, r.logp, r.entropy, owned, group)
         logp, entropy, _ = over_sets(terms, logp, entropy)
         ctx.save_for_backward(hidden, weight, bias, ids, local_ids, owned, lse, entropy)
         ctx.backend, ctx.temperature, ctx.softcap, ctx.group = backend, temperature, softcap, group
         ctx.start, ctx.kept, ctx.terms, ctx.reduce_hidden_grad = start, kept, terms, reduce_hidden_grad
+        ctx.fp32_logits = fp32_logits
         return logp, entropy
 
     @staticmethod
@@ -263,8 +268,11 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
                 ids, ctx.kept, ctx.terms, g_full, h_full, lse, entropy, ctx.temperature, ctx.softcap, ctx.backend,
                 col0=ctx.start,
             ),
+            fp32_logits=ctx.fp32_logits,
         )  # fmt: skip
-        without_column_0_one_hot(dh, dw, db, hidden, weight, bias, owned, g, ctx.temperature, ctx.softcap)
+        without_column_0_one_hot(
+            dh, dw, db, hidden, weight, bias, owned, g, ctx.temperature, ctx.softcap, ctx.fp32_logits
+        )
         summed_over_shards(dh, ctx)
         return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * (len(ctx.needs_input_grad) - 3)
 
@@ -276,14 +284,16 @@ def summed_over_shards(dh, ctx) -> None:
         dist.all_reduce(dh, group=ctx.group)
 
 
-def without_column_0_one_hot(dh, dw, db, hidden, weight, bias, kept_column_0, g, temperature: float, softcap):
+def without_column_0_one_hot(
+    dh, dw, db, hidden, weight, bias, kept_column_0, g, temperature: float, softcap, fp32_logits: bool = False
+):
     """Where this rank does not own the target (nor wrote column 0 over: ``kept_column_0``), the head's backward added
     the one-hot term g / tau at local column 0 (times the cap's chain factor there): taken out of d hidden,
     d weight[0] and d bias[0] (O(N * H)), in place."""
     spurious = torch.where(kept_column_0, 0.0, g / temperature)  # [N]
     if softcap is not None:
         x0 = hidden.float() @ weight[0].float() + (0.0 if bias is None else bias[0].float())
-        if rounds_head_logits(hidden.dtype):  # the head's logits are rounded to 16 bits first
+        if rounds_head_logits(hidden.dtype, fp32_logits):  # the head's logits are rounded to 16 bits first
             x0 = x0.to(hidden.dtype).float()
         spurious = spurious * capped(x0, softcap)[1]
     dh -= spurious.unsqueeze(1) * weight[0].float()
@@ -351,7 +361,19 @@ class VocabParallelLinearLogprobsAtIds(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, ids_k, mask, temperature, softcap, backend, group, start: int, reduce_hidden_grad
+        ctx,
+        hidden,
+        weight,
+        bias,
+        ids_k,
+        mask,
+        temperature,
+        softcap,
+        backend,
+        group,
+        start: int,
+        reduce_hidden_grad,
+        fp32_logits: bool = False,
     ):
         ctx.set_materialize_grads(False)
         V_local = weight.shape[0]
@@ -360,14 +382,20 @@ class VocabParallelLinearLogprobsAtIds(torch.autograd.Function):
         first = ids_k[:, 0].contiguous()
         owned, local_first = owned_ids(first, start, V_local)
         tokens = at_ids_tokens(ids_k)
-        r = linear_logprobs_fwd(hidden, weight, bias, local_first, temperature, False, softcap, backend)
+        r = linear_logprobs_fwd(
+            hidden, weight, bias, local_first, temperature, False, softcap, backend, fp32_logits=fp32_logits
+        )
         lse, _, _, _ = _combine(r.lse, r.logp, None, owned, group)
-        x = linear_kept_terms(hidden, weight, bias, first, tokens, mask, temperature, softcap, backend, col0=start).x
+        x = linear_kept_terms(
+            hidden, weight, bias, first, tokens, mask, temperature, softcap, backend, col0=start,
+            fp32_logits=fp32_logits,
+        ).x  # fmt: skip
         x = _global_entry_logits(x.view(first.numel(), -1), ids_k, start, V_local, group)
         (logq,) = zero_at_masked(mask, x - lse.reshape(-1, 1))
         ctx.save_for_backward(hidden, weight, bias, first, local_first, owned, lse, x, mask, ids_k)
         ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
         ctx.group, ctx.start, ctx.reduce_hidden_grad = group, start, reduce_hidden_grad
+        ctx.fp32_logits = fp32_logits
         return logq
 
     @staticmethod
@@ -386,11 +414,13 @@ class VocabParallelLinearLogprobsAtIds(torch.autograd.Function):
         )  # fmt: skip
         dh, dw, db = linear_logprobs_bwd(
             hidden, weight, bias, local_first, lse, g, ctx.temperature, ctx.softcap, ctx.backend, wants_weight,
-            write_entries=entries,
+            write_entries=entries, fp32_logits=ctx.fp32_logits,
         )  # fmt: skip
         # column 0 holds an entry's final value where one of the token's ids is this slice's first: no one-hot left
         kept_column_0 = owned | (ids_k == ctx.start).any(-1)
-        without_column_0_one_hot(dh, dw, db, hidden, weight, bias, kept_column_0, g, ctx.temperature, ctx.softcap)
+        without_column_0_one_hot(
+            dh, dw, db, hidden, weight, bias, kept_column_0, g, ctx.temperature, ctx.softcap, ctx.fp32_logits
+        )
         summed_over_shards(dh, ctx)
         return as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)) + (None,) * (len(ctx.needs_input_grad) - 3)
 
@@ -478,15 +508,7 @@ class ShardedLogitsSource(LogitsSource):
             group=shard.group,
             compute_sum_squares=True,
         )
-        return _active_only(inputs, over_sets(terms, logp, entropy, squares))
-
-
-def _active_only(inputs, results) -> tuple:
-    """Per-token results [B, T] with 0 at masked tokens (the kernels never read them), None kept."""
-    if inputs.mask is None:
-        return results
-    active = (inputs.mask != 0).view(inputs.ids.shape)
-    return tuple(None if t is None else torch.where(active, t, 0.0) for t in results)
+        return zero_at_masked(inputs.mask, *over_sets(terms, logp, entropy, squares))
 
 
 class ShardedHiddenStatesSource(HiddenStatesSource):
@@ -505,6 +527,7 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
             flat_mask(inputs.mask),
             inputs.kept,
             shard.reduce_hidden_grad,
+            self.fp32_logits,
         )
         return self.as_rows(inputs, pair)
 
@@ -524,6 +547,7 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
             shard.group,
             shard.start,
             shard.reduce_hidden_grad,
+            self.fp32_logits,
         )
         return logq.view(ids_k.shape)
 
@@ -542,6 +566,7 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
             options.kernel_softcap,
             inputs.backend,
             compute_sum_squares=True,
+            fp32_logits=self.fp32_logits,
         )
         lse, logp, entropy, squares = _combine(r.lse, r.logp, r.entropy, owned, shard.group, r.sum_squares)
         terms = linear_kept_terms(
@@ -557,6 +582,7 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
             col0=shard.start,
             group=shard.group,
             compute_sum_squares=True,
+            fp32_logits=self.fp32_logits,
         )
         return self.as_rows(inputs, over_sets(terms, logp, entropy, squares))
 
@@ -570,4 +596,6 @@ def sharded_source(source):
             in_place_backward=source.in_place_backward,
             one_pass=source.one_pass,
         )
-    return ShardedHiddenStatesSource(source.tensor, source.weight, source.bias, source.lm_head_mode)
+    return ShardedHiddenStatesSource(
+        source.tensor, source.weight, source.bias, source.lm_head_mode, source.operands_precision
+    )

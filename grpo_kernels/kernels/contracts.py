@@ -196,11 +196,13 @@ class LossTokens(NamedTuple):
     reduction: Reduction
 
 
-def rounds_head_logits(dtype: torch.dtype) -> bool:
+def rounds_head_logits(dtype: torch.dtype, fp32_logits: bool = False) -> bool:
     """Whether the fused head rounds h @ W^T + b to its inputs' dtype before the cap and the temperature, as an
     unfused head in that dtype computes its logits: 16-bit inputs (fp32 ones, head_precision="fp32" among them,
-    have nothing to round). The kernels' ROUND_LOGITS, the torch path's and the vocabulary-parallel head's."""
-    return dtype in (torch.bfloat16, torch.float16)
+    have nothing to round), unless the head keeps its fp32 accumulator as the logit (``fp32_logits``:
+    head_precision="fp32_logits", a rollout engine's fp32-output head). The kernels' ROUND_LOGITS, the torch path's
+    and the vocabulary-parallel head's."""
+    return dtype in (torch.bfloat16, torch.float16) and not fp32_logits
 
 
 def fp32_products(fn):

@@ -79,7 +79,7 @@ def _interpreted_bf16(dtype) -> bool:
     return dtype == torch.bfloat16 and isinstance(FL.linear_grpo_forward_kernel, InterpretedFunction)
 
 
-def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) -> dict[str, object]:
+def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None, fp32_logits=False) -> dict[str, object]:
     """The lm_head logits tiles: ``override`` (the sweep), else the measured winner, else the defaults."""
     cfg = dict(linear_block_config(dtype)["logits"])
     entry = None if device is None else tuned.fused_linear_entry(device, dtype, V)
@@ -88,7 +88,7 @@ def _logits_config(N: int, V: int, H: int, dtype, device=None, override=None) ->
             cfg.update({k: source[k] for k in tuned.FUSED_LINEAR_KEYS if source.get(k) is not None})
     cfg["UPCAST"] = _interpreted_bf16(dtype)
     # the logits rounded to 16-bit inputs' dtype, as an unfused head (and the 3-product mode's cuBLAS) computes them
-    cfg["ROUND_LOGITS"] = rounds_head_logits(dtype)
+    cfg["ROUND_LOGITS"] = rounds_head_logits(dtype, fp32_logits)
     if cfg["UPCAST"]:
         cfg["DOT_PRECISION"] = "ieee"
     # a small model's vocabulary and width shrink the tiles; the token block does not shrink with the batch: a
@@ -113,6 +113,7 @@ def linear_forward(
     compute_entropy: bool = False,
     config: dict[str, int] | None = None,
     compute_sum_squares: bool = False,
+    fp32_logits: bool = False,
 ) -> ForwardResult:
     """The forward kernel on cap(hidden [N, H] @ weight[V, H]^T + bias) / temperature (``logits_launch.resolved_head``),
     logits never stored; with ``compute_sum_squares`` (a log-prob pass) each token's Σπ² too.
@@ -128,7 +129,7 @@ def linear_forward(
     if compute_sum_squares:
         out.sum_squares = torch.empty(N, device=hidden.device, dtype=torch.float32)
     per_token = dict(**loss_pointer_args(out, tokens), **loss_args(kernel_loss))
-    cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
+    cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config, fp32_logits)
     if N == 0:
         return out
     blocks_n = triton.cdiv(N, cfg["BLOCK_N"])
@@ -444,6 +445,7 @@ def linear_backward(
     entropy=None,
     softcap: float | None = None,
     write_entries=None,
+    fp32_logits: bool = False,
 ):
     """d hidden [N, H], d weight [V, H] (or None), d bias [V] (or None), all fp32, from g = dLoss/dlogp (fp32 [N])
     and, when the loss uses the entropy, h = dLoss/dH (``grad_entropy``) with the forward's ``entropy``; the logits
@@ -458,7 +460,7 @@ def linear_backward(
     """
     N, H = hidden.shape
     V = weight.shape[0]
-    cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config)
+    cfg = _logits_config(N, V, H, hidden.dtype, hidden.device, config, fp32_logits)
     dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad)
     tokens_per_tile, columns = workspace_tiles(N, V, hidden.element_size())
     workspace = torch.empty(min(tokens_per_tile, N) * columns, device=hidden.device, dtype=hidden.dtype)

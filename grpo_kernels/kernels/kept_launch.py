@@ -56,14 +56,16 @@ def linear_kept_state(
     col0: int = 0,
     compute_entropy: bool = False,
     compute_sum_squares: bool = False,
+    fp32_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kept_state`` from hidden states [N, H] and the lm_head weight [V, H] (a vocabulary slice from ``col0``) and
-    bias [V] or None: each entry's logit its own dot product, rounded as the head rounds its logits."""
+    bias [V] or None: each entry's logit its own dot product, rounded as the head rounds its logits (unrounded with
+    ``fp32_logits``)."""
     N, H = hidden.shape
     args = (None, 0, 0, 1, hidden, weight, bias, H)
     # a [64, 64] tile of gathered weight rows over 8 warps: no spill on any target (tools/aot.py)
     return _state(args, N, weight.shape[0], ids, kept_tokens, temperature, softcap, mask, col0, compute_entropy,
-                  compute_sum_squares, hidden.device, round_logits=rounds_head_logits(hidden.dtype),
+                  compute_sum_squares, hidden.device, round_logits=rounds_head_logits(hidden.dtype, fp32_logits),
                   block_h=min(64, triton.next_power_of_2(max(H, 16))), num_warps=8)  # fmt: skip
 
 
