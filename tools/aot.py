@@ -490,6 +490,19 @@ def fused_linear_launches() -> Iterator[tuple[str, Callable[[], None]]]:
                 hidden, weight, None, ids, ones, ones, 1.0, True, grad_entropy=ones, entropy=ones
             ),
         )
+        if dtype != torch.float32:  # head_precision="fp32_logits": 16-bit operands, the logits never rounded
+            yield (
+                f"forward logprobs fp32-logits {dtype_name}",
+                lambda: lm_head_launch.linear_forward(
+                    hidden, weight, None, ids, compute_entropy=True, tokens=TokenInputs(mask=ones), fp32_logits=True
+                ),
+            )
+            yield (
+                f"backward fp32-logits {dtype_name}",
+                lambda: lm_head_launch.linear_backward(
+                    hidden, weight, None, ids, ones, ones, 1.0, True, fp32_logits=True
+                ),
+            )
         # the 3-product mode without a gradient: cuBLAS tiles (torch.mm runs here for real: H = 16 keeps it quick;
         # the tile kernel never reads H) folded by the tile-state kernel, then the combine kernel
         narrow, narrow_weight = torch.zeros(N, 16, dtype=dtype), torch.zeros(V, 16, dtype=dtype)
