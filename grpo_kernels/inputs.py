@@ -499,13 +499,12 @@ def active_tokens(inputs: LossInputs, check_ids: bool) -> tuple | None:
     A token the mask leaves out then costs no product of the head and no read of its logits: from hidden states on
     every backend (the head's products over the active rows), from logits on the torch path (the Triton kernel already
     reads no masked row). Not inside a torch.compile graph (the count is data), without the ids' check
-    (``check_ids=False``: no host sync, as CUDA graphs need), nor with a kept set; one host sync (the active count
-    of each sequence) where it applies. The gathered rows' backward scatters their gradient into zeros at the masked
-    tokens."""
+    (``check_ids=False``: no host sync, as CUDA graphs need); one host sync (the active count of each sequence)
+    where it applies, and one more for a kept set in CSR (its entries' count, ``KeptSet.at_tokens``). The gathered
+    rows' backward scatters their gradient into zeros at the masked tokens."""
     source = inputs.source
     if (
         inputs.mask is None
-        or inputs.kept is not None
         or not check_ids
         or torch.compiler.is_compiling()
         or (source.what == "logits" and inputs.backend != "torch")
@@ -552,7 +551,7 @@ def compacted(inputs: LossInputs, call: LossCall, settings: CallSettings) -> tup
         token(inputs.sampling_logps),
         cu_seqlens,
         inputs.prompt_ids,
-        None,
+        None if call.kept_set is None else call.kept_set.at_tokens(positions),
     )
     return inputs.source.on_rows(gathered), packed, settings._replace(check_ids=False), positions
 

@@ -58,6 +58,21 @@ class KeptSet:
         """prime-rl's form: [..., K] ids, -1 (any negative id) where a token keeps fewer than K."""
         return cls(ids, None, **conventions)
 
+    def at_tokens(self, positions: torch.Tensor) -> KeptSet:
+        """The sets of the call's tokens at ``positions`` [n] (their indices in the call's token order), as the sets
+        of a packed call over those n tokens (a compacted call's, ``inputs.compacted``): padded [n, K], or CSR with
+        its offsets rebuilt (one host sync: the entries' count). The conventions are kept."""
+        if self.offsets is None:
+            return dataclasses.replace(self, ids=self.ids.reshape(-1, self.ids.shape[-1])[positions])
+        offsets = self.offsets.to(positions.device).long()
+        starts, counts = offsets[:-1][positions], (offsets[1:] - offsets[:-1])[positions]
+        new_offsets = torch.zeros(positions.numel() + 1, dtype=torch.int64, device=positions.device)
+        new_offsets[1:] = torch.cumsum(counts, 0)
+        total = int(new_offsets[-1])  # the host sync
+        shift = torch.repeat_interleave(starts - new_offsets[:-1], counts, output_size=total)
+        entries = torch.arange(total, device=positions.device) + shift
+        return dataclasses.replace(self, ids=self.ids[entries], offsets=new_offsets)
+
 
 def finish(state: torch.Tensor, kept: KeptTokens, x: torch.Tensor, mask: torch.Tensor | None, group=None,
            compute_sum_squares: bool = False) -> KeptTerms:  # fmt: skip

@@ -7,7 +7,7 @@ positions; the masked tokens' log-probs and gradients are 0."""
 import pytest
 import torch
 
-from grpo_kernels import fused_linear_grpo_loss, grpo_loss, grpo_loss_reference, inputs, torch_path
+from grpo_kernels import KeptSet, fused_linear_grpo_loss, grpo_loss, grpo_loss_reference, inputs, torch_path
 
 B, T, H, V = 3, 20, 8, 37
 BACKENDS = ["torch", "triton"]
@@ -112,6 +112,70 @@ def test_a_packed_call_compacts_its_sequences(backend):
         torch.testing.assert_close(got, want, **TIGHT)
     torch.testing.assert_close(ours[0].loss, dense[0].loss, **TIGHT)
     torch.testing.assert_close(ours[0].per_token_logps, dense[0].per_token_logps, **TIGHT)
+
+
+def _kept_sets(batch, seed: int = 2):
+    """The sampler's kept sets of every token, padded [B, T, 4] and CSR, each token's own id among them, garbage at
+    the masked tokens (out of range in CSR, ids of no entry padded)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, masked = batch["completion_ids"].clamp(min=0), batch["completion_mask"] == 0
+    padded = torch.stack([torch.randperm(V, generator=g)[:4] for _ in range(B * T)]).view(B, T, 4)
+    padded[..., 0] = ids
+    padded[..., 3] = torch.where(torch.rand(B, T, generator=g) < 0.5, -1, padded[..., 3])  # some keep 3
+    padded = torch.where(masked.unsqueeze(-1), -7, padded)
+    counts = torch.randint(1, 5, (B * T,), generator=g)
+    offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
+    csr = torch.cat([torch.randperm(V, generator=g)[:c] for c in counts.tolist()])
+    csr[offsets[:-1]] = ids.reshape(-1)
+    csr = torch.where(masked.reshape(-1).repeat_interleave(counts), V + 7, csr)
+    return KeptSet.from_padded(padded), KeptSet.from_vllm(csr, offsets)
+
+
+# (from logits the Triton kernel reads no masked row already: it compacts on the torch path)
+@pytest.mark.parametrize(
+    "backend, form", [("torch", "logits"), ("torch", "hidden_states"), ("triton", "hidden_states")]
+)
+def test_a_kept_set_compacts_with_its_tokens(backend, form, monkeypatch):
+    """The sampler's kept sets (padded and CSR) go with their tokens: at 10 % active the call runs compacted (the sets
+    taken at the active tokens) and its loss, metrics, log-probs and gradients equal the dense call's, the masked
+    tokens' sets never read."""
+    compacted_sets = []
+    at_tokens = KeptSet.at_tokens
+    monkeypatch.setattr(KeptSet, "at_tokens", lambda self, p: compacted_sets.append(p.numel()) or at_tokens(self, p))
+    hidden, weight, batch = _batch(seed=3)
+    for kept in _kept_sets(batch):
+
+        def run(kept=kept):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            if form == "logits":
+                x = _logits(h.detach(), w.detach(), batch["completion_mask"]).requires_grad_()
+                out = grpo_loss(x, **batch, beta=0.04, kept_set=kept, backend=backend)
+                leaves = [x]
+            else:
+                out = fused_linear_grpo_loss(h, w, **batch, beta=0.04, kept_set=kept, backend=backend)
+                leaves = [h, w]
+            out.loss.backward()
+            return out, [t.grad for t in leaves]
+
+        (ours, grads), (dense, dense_grads) = run(), _dense(run)
+        assert compacted_sets.pop() == int((batch["completion_mask"] != 0).sum()) and not compacted_sets
+        torch.testing.assert_close(ours.loss, dense.loss, **TIGHT)
+        torch.testing.assert_close(ours.per_token_logps, dense.per_token_logps, **TIGHT)
+        for name, value in dense.metrics.items():
+            torch.testing.assert_close(ours.metrics[name], value, **TIGHT, msg=name)
+        for got, want in zip(grads, dense_grads, strict=True):
+            torch.testing.assert_close(got, want, **TIGHT, equal_nan=True)
+
+
+def test_a_kept_sets_rows_at_some_tokens():
+    """``KeptSet.at_tokens``: each chosen token's set, in order, from either form."""
+    padded = torch.tensor([[[1, 2, -1], [3, 4, 5]], [[6, -1, -1], [7, 8, 9]]])
+    assert torch.equal(
+        KeptSet.from_padded(padded).at_tokens(torch.tensor([3, 0])).ids, torch.tensor([[7, 8, 9], [1, 2, -1]])
+    )
+    csr = KeptSet.from_vllm(torch.tensor([1, 2, 3, 4, 5, 6, 7]), torch.tensor([0, 2, 5, 6, 7]))
+    picked = csr.at_tokens(torch.tensor([1, 3]))
+    assert torch.equal(picked.ids, torch.tensor([3, 4, 5, 7])) and torch.equal(picked.offsets, torch.tensor([0, 3, 4]))
 
 
 def test_the_heads_products_run_over_the_active_tokens_alone(monkeypatch):
