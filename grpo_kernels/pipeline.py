@@ -128,7 +128,8 @@ def sequence_logprobs(source, ids, mask, temperature: float, settings: LogprobSe
 def logprobs_at_ids(source, teacher_ids, teacher_logps, mask, temperature: float, settings: LogprobSettings) -> tuple:
     """The top-k distillation's log-prob pass (``distillation.py``): (its ``LossInputs``, the student's differentiable
     log-probs at the teacher's K ids a token, the teacher's log-probs; both [B, T, K], a packed call's [1, total, K]).
-    The first of each token's ids is the pass's target; masked tokens are not read."""
+    The first of each token's ids is the pass's target; masked tokens are not read, and where they are most of the
+    call the pass runs on the active tokens alone (``inputs.active_tokens``), 0 at the others as everywhere."""
     check_teacher_topk(teacher_ids, teacher_logps, mask)
     token_shape, first = teacher_ids.shape[:-1], teacher_ids[..., 0]
     # the teacher's K ids are checked together below (the first of them is the pass's target)
@@ -138,7 +139,17 @@ def logprobs_at_ids(source, teacher_ids, teacher_logps, mask, temperature: float
         teacher_ids, teacher_logps, token_shape, tuple(inputs.ids.shape), V, inputs.ids.device, inputs.mask,
         settings.check_ids,
     )  # fmt: skip
-    return inputs, inputs.source.logprobs_at(inputs, ids_k), logps
+    active = active_tokens(inputs, settings.check_ids)
+    if active is None:
+        return inputs, inputs.source.logprobs_at(inputs, ids_k), logps
+    positions, cu_seqlens, gathered = active  # the active tokens alone, packed: the same log-probs at their ids
+    K = ids_k.shape[-1]
+    ids_active = ids_k.reshape(-1, K)[positions]
+    on_rows = settings._replace(cu_seqlens=cu_seqlens, check_ids=False, drop_last_position=False)
+    active_inputs = prepare_logprob_inputs(inputs.source.on_rows(gathered), ids_active[:, 0], temperature, on_rows)
+    rows = active_inputs.source.logprobs_at(active_inputs, ids_active.view(*active_inputs.ids.shape, K)).reshape(-1, K)
+    logq = rows.new_zeros(inputs.ids.numel(), K).index_put((positions,), rows).view(ids_k.shape)
+    return inputs, logq, logps
 
 
 # ---- 2. Correct and mask ------------------------------------------------------------------------------------------

@@ -7,7 +7,17 @@ positions; the masked tokens' log-probs and gradients are 0."""
 import pytest
 import torch
 
-from grpo_kernels import KeptSet, fused_linear_grpo_loss, grpo_loss, grpo_loss_reference, inputs, torch_path
+from grpo_kernels import (
+    KeptSet,
+    fused_linear_grpo_loss,
+    fused_linear_topk_distillation_loss,
+    grpo_loss,
+    grpo_loss_reference,
+    inputs,
+    reverse_kl_distillation_loss,
+    topk_distillation_loss,
+    torch_path,
+)
 
 B, T, H, V = 3, 20, 8, 37
 BACKENDS = ["torch", "triton"]
@@ -176,6 +186,76 @@ def test_a_kept_sets_rows_at_some_tokens():
     csr = KeptSet.from_vllm(torch.tensor([1, 2, 3, 4, 5, 6, 7]), torch.tensor([0, 2, 5, 6, 7]))
     picked = csr.at_tokens(torch.tensor([1, 3]))
     assert torch.equal(picked.ids, torch.tensor([3, 4, 5, 7])) and torch.equal(picked.offsets, torch.tensor([0, 3, 4]))
+
+
+def _counting_compactions(monkeypatch) -> list:
+    """The active counts of the calls that ran compacted from here on (``pipeline.active_tokens`` not None)."""
+    from grpo_kernels import pipeline
+
+    counts, real = [], pipeline.active_tokens
+
+    def counted(*args, **kwargs):
+        active = real(*args, **kwargs)
+        if active is not None:
+            counts.append(active[0].numel())
+        return active
+
+    monkeypatch.setattr(pipeline, "active_tokens", counted)
+    return counts
+
+
+@pytest.mark.parametrize("convention", ["verl", "trl"])
+@pytest.mark.parametrize(
+    "backend, form", [("torch", "logits"), ("torch", "hidden_states"), ("triton", "hidden_states")]
+)
+def test_the_distillation_losses_compact_their_pass(backend, form, convention, monkeypatch):
+    """The top-k distillation's pass (the student's log-probs at the teacher's ids) and the reverse-KL one run on the
+    active tokens alone at 10 % active: loss, metrics, per-token losses and gradients equal the dense call's."""
+    compactions = _counting_compactions(monkeypatch)
+    hidden, weight, batch = _batch(seed=4)
+    mask, active = batch["completion_mask"], int((batch["completion_mask"] != 0).sum())
+    g = torch.Generator().manual_seed(4)
+    teacher_ids = torch.stack([torch.randperm(V, generator=g)[:3] for _ in range(B * T)]).view(B, T, 3)
+    teacher_ids = torch.where(mask.unsqueeze(-1) == 0, V + 5, teacher_ids)  # garbage where nothing is read
+    teacher_logps = torch.log_softmax(torch.randn(B, T, 3, generator=g), -1) - 0.5
+    teacher_logp = torch.where(mask == 0, float("nan"), -torch.rand(B, T, generator=g))
+
+    def run(loss):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if form == "logits":
+            x = _logits(h.detach(), w.detach(), mask).requires_grad_()
+            head, leaves = dict(logits=x), [x]
+        else:
+            head, leaves = dict(logits=h, weight=w), [h, w]
+        if loss == "top-k":
+            logits = head.pop("logits")
+            out = (
+                topk_distillation_loss(
+                    logits, teacher_ids, teacher_logps, mask, convention=convention, backend=backend, **head
+                )
+                if form == "logits"
+                else fused_linear_topk_distillation_loss(
+                    logits, head["weight"], teacher_ids, teacher_logps, mask, convention=convention, backend=backend
+                )
+            )
+        else:
+            out = reverse_kl_distillation_loss(
+                head.pop("logits"), batch["completion_ids"], teacher_logp, mask, backend=backend, **head
+            )
+        out.loss.backward()
+        return out, [t.grad for t in leaves]
+
+    for loss in ("top-k", "reverse KL"):
+        (ours, grads), (dense, dense_grads) = run(loss), _dense(lambda loss=loss: run(loss))
+        assert compactions == [active], (loss, compactions)
+        compactions.clear()
+        torch.testing.assert_close(ours.loss, dense.loss, **TIGHT)
+        torch.testing.assert_close(ours.per_token_loss, dense.per_token_loss, **TIGHT, equal_nan=True)
+        assert set(ours.metrics) == set(dense.metrics)
+        for name, value in dense.metrics.items():
+            torch.testing.assert_close(ours.metrics[name], value, **TIGHT, equal_nan=True, msg=name)
+        for got, want in zip(grads, dense_grads, strict=True):
+            torch.testing.assert_close(got, want, **TIGHT, equal_nan=True)
 
 
 def test_the_heads_products_run_over_the_active_tokens_alone(monkeypatch):
