@@ -249,3 +249,73 @@ def _reduce_hidden_grad(rank, world):
         logp.sum().backward()
         grads.append(h.grad)
     return grads
+
+
+# ---- verl's context-parallel layout (preprocess_packed_seqs / postprocess_packed_seqs) with our patch ----------------
+#
+# verl's Megatron engine packs each sequence as THD and, with context parallelism, gives each CP rank two of its 2 CP
+# zigzag chunks (``preprocess_packed_seqs``); the per-token log-probs and entropy computed on a rank's tokens (each
+# TP rank on its vocabulary slice: our patched functions) are all-gathered over the CP group
+# (``postprocess_packed_seqs``, whose own rank's part keeps its gradient) and the loss is taken on whole sequences.
+
+CP_B, CP_T, CP_V_SHARD, CP_LENGTHS = 3, 9, 8, (9, 5, 7)
+
+
+def _cp_case(tp: int):
+    g = torch.Generator().manual_seed(11)
+    V = CP_V_SHARD * tp
+    logits = 3 * torch.randn(CP_B, CP_T, V, generator=g)
+    labels = torch.randint(0, V, (CP_B, CP_T), generator=g)
+    attention_mask = torch.arange(CP_T)[None] < torch.tensor(CP_LENGTHS)[:, None]
+    weights = torch.randn(2, CP_B, CP_T, generator=g)
+    return logits, labels, attention_mask, weights
+
+
+def _context_parallel_rank(rank, world, tp, cp):
+    import warnings
+
+    warnings.filterwarnings("ignore")  # megatron-core warns that Transformer Engine and Apex are absent
+    from megatron.core import parallel_state as mpu
+    from verl.models.mcore.util import postprocess_packed_seqs, preprocess_packed_seqs
+    from verl.utils.megatron import tensor_parallel
+
+    from grpo_kernels.integration import verl as adapter
+
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    adapter.patch_logprobs()
+    logits, labels, attention_mask, weights = _cp_case(tp)
+    shard = slice(
+        mpu.get_tensor_model_parallel_rank() * CP_V_SHARD, (mpu.get_tensor_model_parallel_rank() + 1) * CP_V_SHARD
+    )
+    packed, params = preprocess_packed_seqs(logits[..., shard], attention_mask, pre_process=True)
+    packed_labels, _ = preprocess_packed_seqs(labels, attention_mask, pre_process=True)
+    lp_leaf, h_leaf = packed.clone().requires_grad_(), packed.clone().requires_grad_()
+    logp = tensor_parallel.vocab_parallel_log_probs_from_logits(lp_leaf, packed_labels)
+    entropy = tensor_parallel.vocab_parallel_entropy(h_leaf)
+    whole = [postprocess_packed_seqs(t, params, attention_mask, CP_B, CP_T) for t in (logp, entropy)]
+    ((weights[0] * whole[0] * attention_mask).sum() + (weights[1] * whole[1] * attention_mask).sum()).backward()
+    # the one-process gradient at this rank's tokens and slice, packed as verl packs them
+    full = logits.clone().requires_grad_()
+    logp_all = torch.log_softmax(full, -1)
+    ref_logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_entropy = -(logp_all.exp() * logp_all).sum(-1)
+    ((weights[0] * ref_logp * attention_mask).sum() + (weights[1] * ref_entropy * attention_mask).sum()).backward()
+    expected_grad, _ = preprocess_packed_seqs(full.grad[..., shard], attention_mask, pre_process=True)
+    return (
+        [t.detach() for t in whole],
+        [ref_logp.detach() * attention_mask, ref_entropy.detach() * attention_mask],
+        lp_leaf.grad + h_leaf.grad,
+        expected_grad,
+    )
+
+
+@pytest.mark.parametrize("tp, cp", [(1, 2), (2, 2)])
+def test_verls_context_parallel_layout_on_our_functions_equals_one_process(tp, cp):
+    """CP 2 and TP 2 x CP 2 (4 gloo ranks) through verl's own preprocess_packed_seqs (each CP rank two zigzag chunks
+    of every sequence, aligned to 2 TP CP) and postprocess_packed_seqs (the CP all-gather) around our patched
+    vocabulary-parallel log-probs and entropy: every rank's whole-sequence log-probs and entropy, and its gradient at
+    its own tokens and vocabulary slice, equal one process on the unsharded logits."""
+    for whole, expected, grad, expected_grad in run_ranks(_context_parallel_rank, tp * cp, tp, cp, timeout=600):
+        for name, got, want in zip(("log-probs", "entropy"), whole, expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)

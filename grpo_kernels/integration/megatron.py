@@ -17,8 +17,9 @@ over tensor-parallel vocabulary shards: each rank holds ``V / TP`` columns of th
   this function calls: the caller's collectives, not a copy of them).
 
 The contract of each (which inputs, which group, who reduces which gradient) is tested against megatron-core's own
-functions on gloo ranks (``tests/test_megatron.py``). Context parallelism is not covered here.
-"""
+functions on gloo ranks (``tests/test_megatron.py``). Context parallelism: the per-token values need no exchange
+(verl's engine all-gathers them over the CP group and takes its loss on whole sequences); a loss over a rank's own
+chunks, whose sequence-level reductions span the CP group, is not supported yet."""
 
 from __future__ import annotations
 
