@@ -463,25 +463,24 @@ def prepare_logprob_inputs(
         mask = mask if mask.dtype is torch.float32 and mask.is_contiguous() else mask.float().contiguous()
         mask_seq = mask if layout is None else layout.seq(mask)
     kept = _kept(settings.kept_set, token_shape, ids, shape, shard, mask, settings.check_ids)
-    return LossInputs(
-        source,
-        ids,
-        mask,
-        mask_seq,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        1.0,
-        opts,
-        backend,
-        layout or SequenceLayout.padded(shape[0], shape[1]),
-        caller_shape,
-        shard,
-        None,
-        kept,
+    return LossInputs(  # a log-prob call: none of a loss's per-token inputs, its reduction's scale 1
+        source=source,
+        ids=ids,
+        mask=mask,
+        mask_seq=mask_seq,
+        advantages=None,
+        old_logps=None,
+        ref_logps=None,
+        importance_weights=None,
+        sampling_logps=None,
+        normalizer=None,
+        loss_scale=1.0,
+        options=opts,
+        backend=backend,
+        layout=layout or SequenceLayout.padded(shape[0], shape[1]),
+        caller_shape=caller_shape,
+        vocab_shard=shard,
+        kept=kept,
     )
 
 
