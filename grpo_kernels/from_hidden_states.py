@@ -143,11 +143,6 @@ class HiddenStatesSource:
     def check_call(self, backend: str, sharded: bool) -> None:
         """The mode, where the caller chose one (``fused_loss`` chooses it otherwise)."""
         check_lm_head_mode(self.lm_head_mode)
-        if self.fp32_logits and self.lm_head_mode == "three_products":
-            raise ValueError(
-                'head_precision="fp32_logits" runs lm_head_mode="recompute" (its logits never leave the kernel\'s '
-                'fp32 accumulator); lm_head_mode="three_products" writes 16-bit logits: pass lm_head_mode=None'
-            )
 
     def flat(self, inputs) -> tuple:
         """(hidden [N, H], weight, bias, ids [N]) as the kernels read them. Masked tokens are never read:
@@ -249,12 +244,8 @@ class HiddenStatesSource:
         ``lm_head_mode``, else the device sweep's measured choice for this GPU and vocabulary
         (``kernels/tuned.json``), else "recompute"."""
         mode = self.lm_head_mode
-        if mode is None:  # (the engine-equal head: its logits stay in the kernel, fp32, with "recompute")
-            mode = (
-                "recompute"
-                if self.fp32_logits
-                else fused_linear_launch.default_lm_head_mode(self.tensor, self.weight.shape[0])
-            )
+        if mode is None:
+            mode = fused_linear_launch.default_lm_head_mode(self.tensor, self.weight.shape[0])
         opts, flat, shape = inputs.options, self.flat(inputs), inputs.ids.shape
         wants_grad = torch.is_grad_enabled() and (self.tensor.requires_grad or self.weight.requires_grad)
         kept = inputs.kept
@@ -263,9 +254,11 @@ class HiddenStatesSource:
             fp32_logits=self.fp32_logits,
         )  # fmt: skip
         if mode == "three_products" and wants_grad:
-            loss, metrics, logp = LinearLossThreeProducts.apply(*flat, loss_tokens, opts, shape, kept, terms)
+            loss, metrics, logp = LinearLossThreeProducts.apply(
+                *flat, loss_tokens, opts, shape, kept, terms, self.fp32_logits
+            )
         elif mode == "three_products":  # no gradient wanted: cuBLAS logits and the logits kernel
-            loss, metrics, logp = three_products_fwd(*flat, loss_tokens, opts, None, kept, terms)[:3]
+            loss, metrics, logp = three_products_fwd(*flat, loss_tokens, opts, None, kept, terms, self.fp32_logits)[:3]
             logp = logp.view(shape)
         else:
             loss, metrics, logp = LinearLoss.apply(*flat, loss_tokens, opts, shape, kept, terms, self.fp32_logits)
@@ -400,7 +393,7 @@ def _wants_weight(ctx, bias) -> bool:
 
 def three_products_fwd(
     hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, wants_weight: bool | None, kept=None,
-    terms=None,
+    terms=None, fp32_logits: bool = False,
 ) -> tuple:  # fmt: skip
     """(loss, metrics vector, log-probs [N], d hidden, d weight, d bias) of the 3-product launches: each chunk's
     logits by cuBLAS, the one-pass logits kernel turning them into the loss terms and, in place, dlogits of the
@@ -420,6 +413,7 @@ def three_products_fwd(
         gradient=gradient,
         compute_weight_grad=bool(wants_weight),
         kept=None if terms is None else (kept, terms),
+        fp32_logits=fp32_logits,
     )
     loss, metrics = reduce_launch.reduced(tokens.mask, opts.kernel_loss, r, weights)
     return loss, metrics, r.logp, dh, dw, db
@@ -437,9 +431,9 @@ class LinearLossThreeProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, loss_tokens: LossTokens, opts: GRPOOptions, out_shape, kept=None,
-                terms=None):  # fmt: skip
+                terms=None, fp32_logits=False):  # fmt: skip
         loss, metrics, logp, dh, dw, db = three_products_fwd(
-            hidden, weight, bias, ids, loss_tokens, opts, _wants_weight(ctx, bias), kept, terms
+            hidden, weight, bias, ids, loss_tokens, opts, _wants_weight(ctx, bias), kept, terms, fp32_logits
         )
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)

@@ -155,7 +155,8 @@ def fused_linear_grpo_loss(
     (16-bit operands on the tensor cores, fp32 accumulation, the logits rounded once to that dtype), in every mode
     and backend; "fp32_logits" takes the same operands and accumulation and keeps the fp32 accumulator as the logit,
     never rounded, as an fp32-output head computes it (a rollout engine that samples from fp32 logits of 16-bit
-    operands; ``lm_head_mode`` "recompute": the 3-product mode's logits are 16-bit, refused by name); "fp32" casts
+    operands; in the 3-product mode each chunk's product has an fp32 output and its dlogits are cast to the
+    operands' dtype for the gradient products, as such a head's backward casts them); "fp32" casts
     hidden states, weight and bias to fp32 first (exact fp32 products and fp32 logits, as TRL's
     ``cast_lm_head_to_fp32`` and a head with fp32 weights), the gradients coming back in their dtypes.
 

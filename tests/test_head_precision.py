@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from gloo_ranks import run_ranks
 
 from grpo_kernels import (
-    FusedLinearGRPOLoss,
     KeptSet,
     fused_linear_grpo_loss,
     grpo_loss,
@@ -83,21 +82,24 @@ def test_logprobs_entropy_and_gradients_equal_the_fp32_output_head(backend):
         torch.testing.assert_close(got.float(), want.float(), **BF16_GRAD, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_the_loss_equals_the_loss_on_fp32_output_logits(backend):
-    """The fused loss (the kernels' per-token math on the Triton backend, lm_head_mode None: recompute) equals
-    grpo_loss on the oracle's logits: loss, metrics and log-probs tight, gradients to bf16."""
+@pytest.mark.parametrize("backend, mode", [("torch", None), ("triton", "recompute"), ("triton", "three_products")])
+def test_the_loss_equals_the_loss_on_fp32_output_logits(backend, mode):
+    """The fused loss (the kernels' per-token math on the Triton backend, both lm_head modes: the 3-product mode's
+    chunk product with an fp32 output, its dlogits cast to bf16 for the gradient products) equals grpo_loss on the
+    oracle's logits: loss, metrics and log-probs tight, gradients to bf16; without a gradient too."""
     hidden, weight, bias, ids, mask, adv, old = _case(2)
     kw = dict(beta=0.0, temperature=TAU, loss_type="dapo")
     h, w, b = _leaves(hidden, weight, bias)
-    out = fused_linear_grpo_loss(
-        h, w, ids, mask, adv, old_logps=old, bias=b, backend=backend, head_precision="fp32_logits", **kw
-    )
+    call = dict(bias=b, backend=backend, head_precision="fp32_logits", lm_head_mode=mode, **kw)
+    with torch.no_grad():
+        no_grad = fused_linear_grpo_loss(h, w, ids, mask, adv, old_logps=old, **call)
+    out = fused_linear_grpo_loss(h, w, ids, mask, adv, old_logps=old, **call)
     out.loss.backward()
     rh, rw, rb = _leaves(hidden, weight, bias)
     ref = grpo_loss(_fp32_output_logits(rh, rw, rb), ids, mask, adv, old_logps=old, backend="torch", **kw)
     ref.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, **TIGHT)
+    torch.testing.assert_close(no_grad.loss, ref.loss, **TIGHT)
     torch.testing.assert_close(out.per_token_logps, ref.per_token_logps, **TIGHT)
     for key in ref.metrics:
         torch.testing.assert_close(out.metrics[key], ref.metrics[key], **TIGHT, msg=lambda m, k=key: f"{k}: {m}")
@@ -136,13 +138,6 @@ def test_a_compiled_call_equals_eager():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(hidden, weight, bias)
     for got, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-
-
-def test_the_three_product_mode_is_refused_by_name():
-    hidden, weight, bias, ids, mask, adv, _ = _case(5)
-    loss_fn = FusedLinearGRPOLoss(lm_head_mode="three_products", head_precision="fp32_logits")
-    with pytest.raises(ValueError, match=r'head_precision="fp32_logits" runs lm_head_mode="recompute"'):
-        loss_fn(hidden, weight, ids, mask, adv)
 
 
 def _sharded_rank(rank, world):

@@ -321,6 +321,7 @@ def linear_three_products(
     gradient: OnePassGradient | None,
     compute_weight_grad: bool,
     kept: tuple | None = None,
+    fp32_logits: bool = False,
 ):
     """The fused lm_head with 3 products instead of 4: loss terms and every gradient in one chunk loop.
 
@@ -334,24 +335,28 @@ def linear_three_products(
     wanted: evaluation, old log-probs: ``_three_products_forward``, its workspace tiled over the vocabulary
     too), and the three gradients are None. ``kept``: (``KeptTokens``, ``KeptTerms``) of the call's kept sets (the
     ``tokens`` carry their log-sum-exp): the logits kernel leaves a set's token's share of dlogits out, and
-    ``kept_launch.kept_gradient`` writes its entries into the chunk before the products.
+    ``kept_launch.kept_gradient`` writes its entries into the chunk before the products. ``fp32_logits``: 16-bit
+    inputs' logits are the product's fp32 output, unrounded (``product_into``), and dlogits, written over them, are
+    cast to the inputs' dtype for the gradient products (as an fp32-output head's backward casts its gradient).
     """
     N, H = hidden.shape
     V = weight.shape[0]
     out = allocate_outputs(N, hidden.device, kernel_loss, compute_entropy)
     if gradient is None:
-        return _three_products_forward(hidden, weight, bias, ids, out, kernel_loss, tokens), None, None, None
+        r = _three_products_forward(hidden, weight, bias, ids, out, kernel_loss, tokens, fp32_logits)
+        return r, None, None, None
     dh, dw, db = _linear_gradient_buffers(hidden, weight, bias, compute_weight_grad)
-    chunk = linear_chunk_tokens(N, V, hidden.element_size(), 1)
-    workspace = torch.empty(min(chunk, max(N, 1)), V, device=hidden.device, dtype=hidden.dtype)
+    fp32_logits = fp32_logits and hidden.dtype != torch.float32
+    logit_bytes = 4 + hidden.element_size() if fp32_logits else hidden.element_size()  # (+ the 16-bit dlogits)
+    chunk = linear_chunk_tokens(N, V, logit_bytes, 1)
+    rows = min(chunk, max(N, 1))
+    workspace = torch.empty(rows, V, device=hidden.device, dtype=torch.float32 if fp32_logits else hidden.dtype)
+    dlogits = torch.empty(rows, V, device=hidden.device, dtype=hidden.dtype) if fp32_logits else None
     pick = lambda t, n: None if t is None else t.reshape(-1)[n]  # noqa: E731  (per-token inputs: N elements)
     for n0 in range(0, N, chunk):
         n = slice(n0, min(n0 + chunk, N))
         x = workspace[: n.stop - n0]
-        if bias is None:
-            torch.mm(hidden[n], weight.T, out=x)
-        else:
-            torch.addmm(bias, hidden[n], weight.T, out=x)
+        _head_product(hidden[n], weight, bias, x, fp32_logits)
         chunk_gradient = OnePassGradient(gradient.weight[n], pick(gradient.entropy_weight, n), in_place=True)
         r = logits_launch.forward(
             x.unsqueeze(0),
@@ -377,12 +382,27 @@ def linear_three_products(
                 entropy=r.entropy,
                 n0=n0,
             )
-        _add_chunk_gradients(x, weight, hidden[n], dh[n], dw, db, first=n0 == 0)  # x now holds dlogits
+        dx = x if dlogits is None else dlogits[: n.stop - n0].copy_(x)  # x now holds dlogits
+        _add_chunk_gradients(dx, weight, hidden[n], dh[n], dw, db, first=n0 == 0)
     return out, dh, dw, db
 
 
+def _head_product(hidden, weight, bias, out, fp32_logits: bool) -> None:
+    """out = hidden @ weight^T + bias: in the inputs' dtype, as an unfused head (cuBLAS) rounds it, or with
+    ``fp32_logits`` the fp32 product left unrounded (``product_into``: cuBLAS with an fp32 output where torch has it,
+    else the Triton tile product), the bias added in fp32."""
+    if fp32_logits:
+        product_into(hidden, weight.T, out, accumulate=False)
+        if bias is not None:
+            out += bias
+    elif bias is None:
+        torch.mm(hidden, weight.T, out=out)
+    else:
+        torch.addmm(bias, hidden, weight.T, out=out)
+
+
 def _three_products_forward(
-    hidden, weight, bias, ids, out: ForwardResult, kernel_loss: KernelLoss, tokens: TokenInputs
+    hidden, weight, bias, ids, out: ForwardResult, kernel_loss: KernelLoss, tokens: TokenInputs, fp32_logits=False
 ) -> ForwardResult:
     """The 3-product mode without a gradient, into ``out``: each [tokens, columns] tile of logits (``workspace_tiles``:
     at most ``LINEAR_TILED_WORKSPACE_BYTES``) by cuBLAS in the input dtype, as an unfused head rounds them; each
@@ -390,17 +410,16 @@ def _three_products_forward(
     partials; then the vocabulary-split forward's combine kernel merges them and computes every loss term."""
     N = hidden.shape[0]
     V = weight.shape[0]
-    tokens_per_tile, columns = workspace_tiles(N, V, hidden.element_size())
+    fp32_logits = fp32_logits and hidden.dtype != torch.float32
+    logits_dtype = torch.float32 if fp32_logits else hidden.dtype
+    tokens_per_tile, columns = workspace_tiles(N, V, logits_dtype.itemsize)
     splits = triton.cdiv(V, columns)
     partials = torch.empty(4, splits, N, device=hidden.device, dtype=torch.float32)
-    workspace = torch.empty(min(tokens_per_tile, N) * columns, device=hidden.device, dtype=hidden.dtype)
+    workspace = torch.empty(min(tokens_per_tile, N) * columns, device=hidden.device, dtype=logits_dtype)
     mask = None if tokens.mask is None else tokens.mask.reshape(-1)  # (the per-token inputs may come as [B, T])
     for n, v0, v1 in _tiles(N, V, tokens_per_tile, columns):
         x = _tile_view(workspace, n.stop - n.start, v1 - v0)
-        if bias is None:
-            torch.mm(hidden[n], weight[v0:v1].T, out=x)
-        else:
-            torch.addmm(bias[v0:v1], hidden[n], weight[v0:v1].T, out=x)
+        _head_product(hidden[n], weight[v0:v1], None if bias is None else bias[v0:v1], x, fp32_logits)
         config = logits_launch.logits_launch_config(x, kind="logprobs")  # each tile is read once
         FL.logits_tile_state_kernel[(n.stop - n.start,)](
             logits_ptr=x,
