@@ -504,3 +504,29 @@ def test_fused_lm_head_under_fsdp2_through_the_adapter(model_dir):
         assert len(grads) == len(expected_grads)
         for e, a in zip(expected_grads, grads, strict=True):
             torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused_lm_head", [None, False])
+def test_a_tool_mask_runs_on_the_models_tokens_alone(model_dir, dataset, tmp_path, fused_lm_head, monkeypatch):
+    """TRL's tool mask (0 at a tool's output tokens) multiplies the completion mask, as stock TRL's loss does: with
+    most tokens a tool's, our loss runs on the model's tokens alone (the active-token compaction: nothing to set),
+    and equals stock TRL's loss, gradients and metrics, from hidden states and from logits."""
+    from grpo_kernels import inputs as call_inputs
+
+    compacted, real = [], call_inputs.active_tokens
+
+    def counted(*args, **kwargs):
+        active = real(*args, **kwargs)
+        compacted.append(active is not None)
+        return active
+
+    monkeypatch.setattr(call_inputs, "active_tokens", counted)
+    config = dict(beta=0.04, temperature=0.9)
+    stock = _trainer(GRPOTrainer, model_dir, dataset, tmp_path, **config)
+    ours = _trainer(GRPOKernelsTrainer, model_dir, dataset, tmp_path, fused_lm_head=fused_lm_head, **config)
+    batch = _batch(stock, off_policy=True, beta=0.04)
+    tool_mask = torch.ones(B, T, dtype=torch.long)
+    tool_mask[0, 1:5] = tool_mask[2, 1:4] = 0  # the model's 13 tokens become 6 of 24: a tool answered in between
+    batch["tool_mask"] = tool_mask
+    assert_same_as_trl(stock, ours, batch)
+    assert any(compacted), "the tool-masked call did not run on its active tokens"
