@@ -132,7 +132,9 @@ def test_a_packed_batch_is_the_padded_one():
 
 def test_unknown_head_precision_is_named():
     hidden, weight, bias, ids, _ = _inputs()
-    with pytest.raises(ValueError, match=r"head_precision must be one of \['input', 'fp32'\], got 'bf16'"):
+    with pytest.raises(
+        ValueError, match=r"head_precision must be one of \['input', 'fp32_logits', 'fp32'\], got 'bf16'"
+    ):
         linear_selective_log_softmax(hidden, weight, ids, bias, head_precision="bf16")
 
 

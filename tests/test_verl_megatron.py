@@ -309,9 +309,9 @@ def _context_parallel_rank(rank, world, tp, cp):
     )
 
 
-@pytest.mark.parametrize("tp, cp", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("tp, cp", [(2, 2)])  # (CP 2 alone is this layout's CP dimension: one launch for CI's time)
 def test_verls_context_parallel_layout_on_our_functions_equals_one_process(tp, cp):
-    """CP 2 and TP 2 x CP 2 (4 gloo ranks) through verl's own preprocess_packed_seqs (each CP rank two zigzag chunks
+    """TP 2 x CP 2 (4 gloo ranks) through verl's own preprocess_packed_seqs (each CP rank two zigzag chunks
     of every sequence, aligned to 2 TP CP) and postprocess_packed_seqs (the CP all-gather) around our patched
     vocabulary-parallel log-probs and entropy: every rank's whole-sequence log-probs and entropy, and its gradient at
     its own tokens and vocabulary slice, equal one process on the unsharded logits."""
