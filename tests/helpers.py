@@ -149,3 +149,35 @@ def split_row(chunks: int = 4, block_v=256):
     if not _INTERPRETER_RUNS_SPLIT_ROW:  # refused with a message there, which tests/test_versions.py checks
         pytest.skip("the split-row schedule's interpreter run needs triton >= 3.4 (here: the supported floor, 3.3)")
     return split_row_launch.split_row_schedule(chunks, block_v)
+
+
+def megatron_output_layer(world: int, weight_shard, bias_shard=None, sequence_parallel: bool = False):
+    """Megatron's own output layer on this rank (a ``ColumnParallelLinear`` of tensor-parallel size ``world``, its
+    logits not gathered) holding ``weight_shard`` [V / TP, H] (and ``bias_shard``): the reference the Megatron tests
+    hold our heads to. Megatron's parallel state must be initialized."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer import TransformerConfig
+
+    part, hidden_size = weight_shard.shape
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden_size,
+        num_attention_heads=world,
+        tensor_model_parallel_size=world,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+    )
+    head = tensor_parallel.ColumnParallelLinear(
+        hidden_size,
+        part * world,
+        config=config,
+        init_method=torch.nn.init.zeros_,
+        bias=bias_shard is not None,
+        gather_output=False,
+    )
+    with torch.no_grad():
+        head.weight.copy_(weight_shard)
+        if bias_shard is not None:
+            head.bias.copy_(bias_shard)
+    return head

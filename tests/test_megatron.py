@@ -9,6 +9,7 @@ buffers on ``torch.cuda.current_device()``: the one change here is that it names
 import pytest
 import torch
 from gloo_ranks import run_ranks
+from helpers import megatron_output_layer
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'grpo-kernels[megatron]')")
 
@@ -47,7 +48,6 @@ def _rank(rank, world):
     warnings.filterwarnings("ignore")  # megatron-core warns that Transformer Engine and Apex are absent
     torch.cuda.current_device = lambda: "cpu"  # Megatron's mappings allocate their buffers there
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.transformer import TransformerConfig
 
     from grpo_kernels.integration import megatron as adapter
 
@@ -77,22 +77,7 @@ def _rank(rank, world):
 
     # the fused output layer against Megatron's ColumnParallelLinear + vocab_parallel_cross_entropy
     for sequence_parallel, bias in OUTPUT_LAYER_CASES:
-        config = TransformerConfig(
-            num_layers=1,
-            hidden_size=H,
-            num_attention_heads=world,
-            tensor_model_parallel_size=world,
-            sequence_parallel=sequence_parallel,
-            use_cpu_initialization=True,
-            gradient_accumulation_fusion=False,
-        )
-        head = tensor_parallel.ColumnParallelLinear(
-            H, V, config=config, init_method=torch.nn.init.zeros_, bias=bias, gather_output=False
-        )
-        with torch.no_grad():
-            head.weight.copy_(x["weight"][shard])
-            if bias:
-                head.bias.copy_(x["bias"][shard])
+        head = megatron_output_layer(world, x["weight"][shard], x["bias"][shard] if bias else None, sequence_parallel)
         rows = slice(rank * S // world, (rank + 1) * S // world) if sequence_parallel else slice(None)
         found = {}
         for name in ("megatron", "ours", "ours with entropy"):

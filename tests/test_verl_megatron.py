@@ -6,6 +6,7 @@ gloo ranks with Megatron's parallel state initialized (megatron-core runs on the
 import pytest
 import torch
 from gloo_ranks import run_ranks
+from helpers import megatron_output_layer
 
 pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed (pip install --no-deps verl)")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install --no-deps megatron-core)")
@@ -128,7 +129,6 @@ def _fused_postprocess_rank(rank, world, layouts):
     warnings.filterwarnings("ignore")  # megatron-core warns that Transformer Engine and Apex are absent
     torch.cuda.current_device = lambda: "cpu"  # Megatron's mappings allocate their buffers there
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.transformer import TransformerConfig
     from verl.models.mcore import model_forward_fused
 
     from grpo_kernels.integration import verl as adapter
@@ -160,20 +160,7 @@ def _fused_postprocess_rank(rank, world, layouts):
 
         ours = through_verl(weights)
         # Megatron's own head: ColumnParallelLinear (its input mapping reduces d hidden), vocab_parallel_cross_entropy
-        config = TransformerConfig(
-            num_layers=1,
-            hidden_size=FUSED_H,
-            num_attention_heads=world,
-            tensor_model_parallel_size=world,
-            sequence_parallel=sequence_parallel,
-            use_cpu_initialization=True,
-            gradient_accumulation_fusion=False,
-        )
-        head = tensor_parallel.ColumnParallelLinear(
-            FUSED_H, FUSED_V, config=config, init_method=torch.nn.init.zeros_, bias=False, gather_output=False
-        )
-        with torch.no_grad():
-            head.weight.copy_(weight_all[shard])
+        head = megatron_output_layer(world, weight_all[shard], sequence_parallel=sequence_parallel)
         hidden = hidden_all[rows].clone().requires_grad_()
         logits, _ = head(hidden)
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits / FUSED_T, labels.view(-1, 1)).reshape(-1)
