@@ -47,6 +47,8 @@ SHARED_ARGUMENTS = {
     "d hidden over the group (hidden states the same on every rank, nothing else reducing them); False, it returns "
     "this rank's share for the caller's mapping to sum (Megatron's `gather_from_sequence_parallel_region` or "
     "`copy_to_tensor_model_parallel_region`).",
+    "context_parallel_group": "a torch.distributed ProcessGroup over which each sequence is split (Megatron's context "
+    "parallelism): this rank's tokens of every sequence; the loss and metrics are the whole sequences' on every rank.",
     "prompt_ids": "[B] (a packed call's [S]) int: each sequence's prompt, for `aggregation=\"prompt_mean\"`.",
     "kept_set": "a `KeptSet`: the sampler's kept ids of each token (top-k / top-p replay); each log-prob is taken "
     "over its token's set.",

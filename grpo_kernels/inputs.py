@@ -24,6 +24,7 @@ import operator
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from .kernels.contracts import KeptTokens, Sequences
 from .objective import GRPOLossOutput, as_row_column
@@ -307,6 +308,7 @@ class CallSettings(NamedTuple):
     vocab_parallel_group: object = None
     vocab_start_index: int | None = None
     reduce_hidden_grad: bool = True
+    context_parallel_group: object = None
 
 
 class LogprobSettings(NamedTuple):
@@ -352,6 +354,7 @@ def prepare_inputs(source, call: LossCall, settings: CallSettings) -> LossInputs
         settings.options,
     )
     check_compilable(options, call.cu_seqlens)
+    check_context_parallel(settings.context_parallel_group, options)
     layout, caller_shape = None, None
     if call.cu_seqlens is not None:  # a packed batch: one row of tokens to the kernels, sequences to the reductions
         caller_shape = ids.shape if isinstance(ids, torch.Tensor) else None
@@ -575,6 +578,36 @@ def check_compilable(options: GRPOOptions, cu_seqlens) -> None:
             f"top_entropy_quantile={options.top_entropy_quantile!r} inside a torch.compile graph: the quantile is "
             "taken over the active tokens' entropies (gathered across processes), a selection sized on the host; "
             "call the loss eagerly, or leave top_entropy_quantile at 1"
+        )
+
+
+def check_context_parallel(group, options: GRPOOptions) -> None:
+    """``context_parallel_group``: None, or a torch.distributed process group. With one, what selects tokens over
+    every process is refused (each rank of the group holds the whole sequences once they are exchanged, and would
+    count each token once a rank: TRL's top-entropy quantile, Clip-Cov's and KL-Cov's choice), and so is a
+    torch.compile graph (the exchange reads the parts' sizes on the host)."""
+    if group is None:
+        return
+    if not dist.is_available() or not dist.is_initialized() or not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "context_parallel_group must be a torch.distributed ProcessGroup of an initialized process group, got "
+            f"{type(group).__name__}"
+        )
+    if options.masks_high_entropy:
+        raise NotImplementedError(
+            f"top_entropy_quantile={options.top_entropy_quantile!r} with context_parallel_group: the quantile is "
+            "taken over every process's tokens, and each rank of the group holds the whole sequences; leave "
+            "top_entropy_quantile at 1"
+        )
+    if options.loss.policy_term in HOST_SELECTED_TERMS:
+        raise NotImplementedError(
+            f"loss_type={options.loss_type!r} with context_parallel_group: its tokens are chosen over every "
+            "process's tokens, and each rank of the group holds the whole sequences"
+        )
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "context_parallel_group inside a torch.compile graph: the exchange reads the parts' sizes on the host; "
+            "call the loss eagerly"
         )
 
 

@@ -43,6 +43,7 @@ def grpo_loss(
     vocab_start_index: int | None = None,
     prompt_ids: torch.Tensor | None = None,
     kept_set: KeptSet | None = None,
+    context_parallel_group=None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from logits [B, T, V]; ``logits[:, t]`` predicts ``completion_ids[:, t]``.
@@ -84,6 +85,13 @@ def grpo_loss(
     ``GRPOLoss`` for the arguments. ``loss_scale`` (a number or a 0-d tensor, e.g. 1 /
     gradient-accumulation steps) multiplies the returned loss; the one-pass kernel folds it
     into the gradient it writes, so ``out.loss.backward()`` then moves no extra byte.
+    Context parallelism: with ``context_parallel_group`` (a torch.distributed ProcessGroup), each sequence is split
+    over the group's ranks (Megatron's zigzag chunks, or any split: a token's place in its sequence changes nothing),
+    and each rank passes its own tokens of every sequence, the same sequences in the same order: [B, T_part] rows, or
+    a packed batch with this rank's ``cu_seqlens``; the per-sequence inputs (advantages [B], ``prompt_ids``) the same
+    on every rank, a ``normalizer`` the whole batch's. Every rank returns the loss and metrics of the whole sequences,
+    and the whole loss's gradient at its own tokens (``context_parallel.py``: a trainer that averages gradients over
+    data x context ranks scales the loss by the group's size, as Megatron's own loss does).
     """
     source = LogitsSource(
         logits, drop_last_position=drop_last_position, in_place_backward=in_place_backward, one_pass=one_pass
@@ -104,8 +112,13 @@ def grpo_loss(
     )
     options = options_from(options, option_kwargs)
     return pipeline.loss(
-        source, call, CallSettings(options, backend, check_ids, vocab_parallel_group, vocab_start_index)
-    )
+        source,
+        call,
+        CallSettings(
+            options, backend, check_ids, vocab_parallel_group, vocab_start_index,
+            context_parallel_group=context_parallel_group,
+        ),
+    )  # fmt: skip
 
 
 def fused_linear_grpo_loss(
@@ -133,6 +146,7 @@ def fused_linear_grpo_loss(
     head_precision: str = "input",
     prompt_ids: torch.Tensor | None = None,
     kept_set: KeptSet | None = None,
+    context_parallel_group=None,
     **option_kwargs,
 ) -> GRPOLossOutput:
     """The GRPO loss from hidden states [B, T, H] and the lm_head weight [V, H], never holding [N, V] logits.
@@ -169,6 +183,8 @@ def fused_linear_grpo_loss(
     the caller gathered them through a mapping whose backward sums over the group (Megatron's
     ``gather_from_sequence_parallel_region`` under sequence parallelism, ``copy_to_tensor_model_parallel_region``
     without it), so this op returns this rank's share and the mapping sums it (``docs/stacks.md``).
+
+    ``context_parallel_group``: each sequence split over the group's ranks, as in ``grpo_loss``.
     """
     source = HiddenStatesSource(hidden_states, weight, bias, lm_head_mode, head_precision)
     call = LossCall(
@@ -189,8 +205,11 @@ def fused_linear_grpo_loss(
     return pipeline.loss(
         source,
         call,
-        CallSettings(options, backend, check_ids, vocab_parallel_group, vocab_start_index, reduce_hidden_grad),
-    )
+        CallSettings(
+            options, backend, check_ids, vocab_parallel_group, vocab_start_index, reduce_hidden_grad,
+            context_parallel_group,
+        ),
+    )  # fmt: skip
 
 
 # ---- The log-prob family -------------------------------------------------------------------------------------
@@ -431,6 +450,7 @@ class _LossModule(nn.Module):
         preset: str | None,
         vocab_parallel_group,
         vocab_start_index: int | None,
+        context_parallel_group,
         option_kwargs: dict,
     ):
         super().__init__()
@@ -444,13 +464,15 @@ class _LossModule(nn.Module):
         self.backend = backend
         self.check_ids = check_ids
         self.vocab_parallel_group, self.vocab_start_index = vocab_parallel_group, vocab_start_index
+        self.context_parallel_group = context_parallel_group
 
     @classmethod
     def from_trl_config(cls, config, **kwargs):
         """This Module with a TRL ``GRPOConfig``'s loss options (TRL's conventions); the Module's own keywords
         (``backend``, ...) pass through."""
         own = set(LOGITS_KEYWORDS) | {
-            "lm_head_mode", "head_precision", "vocab_parallel_group", "vocab_start_index", "reduce_hidden_grad"
+            "lm_head_mode", "head_precision", "vocab_parallel_group", "vocab_start_index", "reduce_hidden_grad",
+            "context_parallel_group",
         }  # fmt: skip
         module_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
         return cls(options=GRPOOptions.from_trl_config(config, **kwargs), **module_kwargs)
@@ -471,6 +493,7 @@ class _LossModule(nn.Module):
             self.vocab_parallel_group,
             self.vocab_start_index,
             getattr(self, "reduce_hidden_grad", True),
+            self.context_parallel_group,
         )
 
 
@@ -511,6 +534,7 @@ class GRPOLoss(_LossModule):
         drop_last_position: bool = False,
         vocab_parallel_group=None,
         vocab_start_index: int | None = None,
+        context_parallel_group=None,
         **option_kwargs,
     ):
         super().__init__(
@@ -520,6 +544,7 @@ class GRPOLoss(_LossModule):
             preset=preset,
             vocab_parallel_group=vocab_parallel_group,
             vocab_start_index=vocab_start_index,
+            context_parallel_group=context_parallel_group,
             option_kwargs=option_kwargs,
         )
         self.in_place_backward = in_place_backward
@@ -591,6 +616,7 @@ class FusedLinearGRPOLoss(_LossModule):
         vocab_parallel_group=None,
         vocab_start_index: int | None = None,
         reduce_hidden_grad: bool = True,
+        context_parallel_group=None,
         **option_kwargs,
     ):
         for name in set(LOGITS_KEYWORDS) - set(HIDDEN_STATES_KEYWORDS):  # a GRPOLoss keyword given here by mistake
@@ -607,6 +633,7 @@ class FusedLinearGRPOLoss(_LossModule):
             preset=preset,
             vocab_parallel_group=vocab_parallel_group,
             vocab_start_index=vocab_start_index,
+            context_parallel_group=context_parallel_group,
             option_kwargs=option_kwargs,
         )
         check_lm_head_mode(lm_head_mode)

@@ -547,6 +547,7 @@ CALL_KEYWORDS = (
     "vocab_parallel_group",
     "vocab_start_index",
     "reduce_hidden_grad",
+    "context_parallel_group",
     "lm_head_mode",
     "head_precision",
     "prompt_ids",

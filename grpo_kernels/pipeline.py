@@ -3,7 +3,9 @@
 A loss call is four steps, each one function called once, from ``loss`` below:
 
 1. **prepare** (``inputs.prepare_inputs``): every check, the packing layout, the vocabulary shard and the backend,
-   into one frozen ``LossInputs`` that carries the call (its source included);
+   into one frozen ``LossInputs`` that carries the call (its source included); a context-parallel call's then made
+   the call on the whole sequences (``context_parallel.whole_sequences``: this rank's log-prob pass, the per-token
+   values exchanged), whose loss math runs in torch;
 2. **correct and mask** (``corrected_and_masked``): the rollout correction's weights and rejections, then TRL's
    policy-term masks, each from a gradient-free log-prob pass where it needs one (the only step that may read the
    logits before the loss);
@@ -22,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from .context_parallel import whole_sequences
 from .inputs import (
     CallSettings,
     LogprobSettings,
@@ -66,6 +69,8 @@ def loss(source, call: LossCall, settings: CallSettings) -> GRPOLossOutput:
         active_source, active_call, active_settings, positions = on_active
         out = loss(active_source, active_call, active_settings)
         return GRPOLossOutput(out.loss, out.metrics, _scattered(out.per_token_logps, positions, inputs))
+    if settings.context_parallel_group is not None:  # each sequence split over ranks: the call on the whole ones
+        inputs = whole_sequences(inputs, settings.context_parallel_group)
     opts = inputs.options
     first_pass = correction = policy = None
     if opts.rollout_correction is not None or opts.masks_tokens:

@@ -1,0 +1,128 @@
+"""Context parallelism: every sequence split over the ranks of a group (Megatron's ``context_parallel_size``: each
+rank holds two zigzag chunks of every sequence, padded [B, T / CP] or a packed THD batch with its own ``cu_seqlens``).
+
+A token's log-prob, entropy and gradient need only its own logits, so each rank runs the log-prob pass on its own
+tokens, with no exchange. What needs the whole sequence is the loss's math on them: the row and batch token counts of
+the reductions, GSPO's sequence ratio, VESPO's sequence weight, the prompt mean, the rollout correction's sequence
+terms, the metrics. So the group exchanges the per-token values, O(B * T) numbers and never a logit, and every rank
+runs that math on the whole sequences (a token's place within its sequence changes none of it: each sequence is its
+rank-ordered parts, end to end). Every rank then holds the whole batch's loss and metrics, the values one process
+computes on the whole batch; the exchange's backward gives each rank the whole loss's gradient at its own tokens, its
+slice, with nothing to reduce (as verl's ``postprocess_packed_seqs`` gathers its per-token outputs). Summed over the
+group, the ranks' parameter gradients are the whole loss's: a trainer that averages gradients over data x context
+parallel ranks (Megatron's DDP) multiplies the loss by the context-parallel size first, as Megatron's own loss does.
+
+``whole_sequences`` turns a prepared call on this rank's tokens into the call on the whole sequences, which the rest
+of the pipeline runs unchanged (``pipeline.loss``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_gathered
+from .from_logits import zero_at_masked
+from .inputs import LossInputs, SequenceLayout
+from .kernels.contracts import Sequences
+
+
+class WholeSequenceLogprobs:
+    """The source of the call on the whole sequences: the log-probs and entropies [S, CP * T_part] already gathered,
+    differentiable into this rank's own pass. What the pipeline asks of a source before the loss math runs in torch."""
+
+    what = "log-probs"
+    fused_in_graph = False
+
+    def __init__(self, logp: torch.Tensor, entropy: torch.Tensor | None):
+        self.logp, self.entropy = logp, entropy
+
+    def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
+        """0 at the tokens ``inputs``' mask leaves out (a rollout correction's rejections among them, which this rank's
+        pass, run before the correction, did read), as every pass gives them."""
+        logp, entropy = zero_at_masked(inputs.mask, self.logp, self.entropy if compute_entropy else None)
+        if final:
+            return logp, entropy
+        return logp.detach(), None if entropy is None else entropy.detach()
+
+
+class WholeSequenceLayout(SequenceLayout):
+    """The whole sequences as padded rows [S, CP * T_part]: rank r's tokens of sequence s at columns r * T_part on
+    (its own sequence layout's row s, 0 past its tokens). ``from_seq`` gives this rank's own tokens back, in the
+    token layout the caller passed them in."""
+
+    def __init__(self, local: SequenceLayout, T_part: int, world: int, rank: int):
+        self.packed = False
+        self.S, self.T_max = local.S, T_part * world
+        self.N = self.S * self.T_max
+        self.sequences = Sequences(self.S, self.T_max)
+        self.local, self.own = local, slice(rank * T_part, rank * T_part + local.T_max)
+
+    def from_seq(self, t: torch.Tensor) -> torch.Tensor:
+        return self.local.from_seq(t[:, self.own])
+
+
+class GatheredParts(torch.autograd.Function):
+    """Every rank's part [S, T_part] of the sequences, side by side in rank order [S, CP * T_part]. Every rank computes
+    the same loss from the result, so the gradient at this rank's part is the whole loss's there: the backward takes
+    its slice and reduces nothing."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group, rank: int):
+        ctx.own = slice(rank * part.shape[1], (rank + 1) * part.shape[1])
+        return torch.cat(all_gathered(part, group), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.own], None, None
+
+
+def whole_sequences(inputs: LossInputs, group) -> LossInputs:
+    """The call ``inputs`` (this rank's tokens of every sequence, prepared) as the call on the whole sequences: this
+    rank's differentiable log-prob pass, then every per-token value exchanged over ``group`` (one exchange of the
+    parts' sizes, a host sync, then one all-gather a tensor). Per-sequence inputs (advantages or importance weights
+    [S] / [S, 1], ``prompt_ids``) are the same on every rank and stay as they are."""
+    opts, local = inputs.options, inputs.layout
+    logp, entropy = inputs.source.logprobs(inputs, opts.compute_entropy, final=True)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = inputs.mask.device
+    sizes = torch.stack(all_gathered(torch.tensor([local.S, local.T_max], device=device), group)).cpu()
+    if (sizes[:, 0] != local.S).any():
+        raise ValueError(
+            "context_parallel_group: every rank holds its part of the same sequences, so each passes as many "
+            f"sequences (rows, or cu_seqlens' entries - 1), got {sizes[:, 0].tolist()} across the group's ranks"
+        )
+    T_part = int(sizes[:, 1].max())
+
+    def part(t: torch.Tensor) -> torch.Tensor:  # this rank's tokens of each sequence, [S, T_part], 0 past them
+        seq = local.seq(t)
+        return torch.nn.functional.pad(seq, (0, T_part - seq.shape[1])).contiguous()
+
+    def whole(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return torch.cat(all_gathered(part(t.detach().float()), group), dim=1)
+
+    def whole_or_per_sequence(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if t is None or local.per_sequence(t) else whole(t)
+
+    mask = whole(inputs.mask)
+    return inputs._replace(
+        source=WholeSequenceLogprobs(
+            GatheredParts.apply(part(logp), group, rank),
+            None if entropy is None else GatheredParts.apply(part(entropy), group, rank),
+        ),
+        ids=torch.zeros(mask.shape, dtype=torch.long, device=device),  # (the pass has run: no id is read again)
+        mask=mask,
+        mask_seq=mask,
+        advantages=whole_or_per_sequence(inputs.advantages),
+        old_logps=whole(inputs.old_logps),
+        ref_logps=whole(inputs.ref_logps),
+        importance_weights=whole_or_per_sequence(inputs.importance_weights),
+        sampling_logps=whole(inputs.sampling_logps),
+        backend="torch",  # the loss math in torch on the gathered log-probs
+        layout=WholeSequenceLayout(local, T_part, world, rank),
+        caller_shape=inputs.caller_shape if inputs.caller_shape is not None else inputs.ids.shape,
+        vocab_shard=None,
+        kept=None,
+    )

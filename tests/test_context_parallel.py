@@ -1,0 +1,248 @@
+"""Context parallelism inside the loss (``context_parallel_group``): on 2 gloo ranks, each holding Megatron's zigzag
+chunks of every sequence (chunks r and 2 CP - 1 - r of 2 CP), padded [B, T / CP] and packed THD (each sequence's
+length a multiple of 2 CP, this rank's ``cu_seqlens``), from logits and from hidden states: the loss and metrics on
+every rank, and each rank's per-token log-probs and gradients at its own tokens, equal one process on the whole batch
+(fp32, 1e-5), for the token mean over rows, the batch token mean, the token-count default, the prompt mean, GSPO and
+GSPO-token, the entropy bonus and KL, and a verl rollout-correction preset; the masked tokens hold garbage (NaN
+log-probs, ids of -100). The d weight of the fused head, summed over the ranks, is the whole batch's. The refusals
+come by name. (Tensor x context parallelism through Megatron's own groups: ``tests/test_megatron.py``.)"""
+
+import pytest
+import torch
+from gloo_ranks import run_ranks
+
+from grpo_kernels import GRPOOptions, fused_linear_grpo_loss, grpo_loss
+
+CP = 2
+LENGTHS = (8, 4, 12)  # each a multiple of 2 CP (Megatron pads each sequence so); the padded layout's T is the longest
+V, H = 12, 6
+CASES = (
+    dict(loss_type="grpo"),
+    dict(loss_type="bnpo", beta=0.04),
+    dict(loss_type="dapo", entropy_coef=0.01),
+    dict(loss_type="grpo", aggregation="prompt_mean"),
+    dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.02),
+    dict(loss_type="dapo", importance_sampling_level="sequence_token"),
+    dict(loss_type="vespo"),
+    dict(loss_type="dapo", rollout_correction="decoupled_geo_rs_seq_tis"),
+)
+
+
+def _problem(seed=0):
+    """The whole batch, padded [B, T] (T the longest sequence), with garbage where the mask is 0."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(LENGTHS), max(LENGTHS)
+    valid = torch.arange(T) < torch.tensor(LENGTHS).unsqueeze(1)
+    mask = valid & (torch.rand(B, T, generator=g) > 0.2)  # a few tokens inside each sequence masked too
+    x = {
+        "hidden": torch.randn(B, T, H, generator=g),
+        "weight": 0.7 * torch.randn(V, H, generator=g),
+        "ids": torch.randint(0, V, (B, T), generator=g).masked_fill(~mask, -100),
+        "mask": mask.float(),
+        "advantages": torch.randn(B, generator=g),
+        "old": (-2 * torch.rand(B, T, generator=g)).masked_fill(~mask, float("nan")),
+        "ref": (-2 * torch.rand(B, T, generator=g)).masked_fill(~mask, float("nan")),
+        "sampling": (-2 * torch.rand(B, T, generator=g)).masked_fill(~mask, float("nan")),
+        "prompt_ids": torch.tensor([0, 1, 0]),
+    }
+    x["logits"] = x["hidden"] @ x["weight"].T
+    return x
+
+
+def _zigzag(length: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s positions of a sequence of ``length`` tokens: its chunks r and 2 CP - 1 - r."""
+    chunk = length // (2 * CP)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * CP - 1 - rank)])
+
+
+def _mine(x: dict, rank: int, packed: bool):
+    """This rank's tokens of every sequence, and the (sequence, position) of each: padded [B, T / CP] rows (every
+    sequence padded to T first), or packed [total_r] with this rank's cu_seqlens."""
+    T = max(LENGTHS)
+    lengths = [T] * len(LENGTHS) if not packed else list(LENGTHS)
+    rows = torch.cat([torch.full((n // CP,), s) for s, n in enumerate(lengths)])
+    cols = torch.cat([_zigzag(n, rank) for n in lengths])
+    shape = (len(LENGTHS), T // CP) if not packed else (-1,)
+    local = {k: x[k][rows, cols].reshape(*shape, *x[k].shape[2:]) for k in ("logits", "hidden", "ids", "mask", "old",
+                                                                               "ref", "sampling")}  # fmt: skip
+    cu = torch.tensor([0, *torch.tensor(lengths).div(CP, rounding_mode="floor").cumsum(0).tolist()])
+    return local, (rows, cols), (cu if packed else None)
+
+
+def _call(x, logits_or_hidden, options, cu_seqlens=None, group=None, from_hidden=False, backend="torch"):
+    kwargs = dict(
+        old_logps=x["old"],
+        ref_logps=x["ref"],
+        sampling_logps=x["sampling"],
+        prompt_ids=x["prompt_ids"] if options.aggregation == "prompt_mean" else None,
+        cu_seqlens=cu_seqlens,
+        context_parallel_group=group,
+        options=options,
+        backend=backend,
+    )
+    if from_hidden:
+        return fused_linear_grpo_loss(
+            logits_or_hidden, x["weight_leaf"], x["ids"], x["mask"], x["advantages"], **kwargs
+        )
+    return grpo_loss(logits_or_hidden, x["ids"], x["mask"], x["advantages"], **kwargs)
+
+
+def _rank(rank, world):
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    x = _problem()
+    results = []
+    for packed in (False, True):
+        local, (rows, cols), cu = _mine(x, rank, packed)
+        local.update(advantages=x["advantages"], prompt_ids=x["prompt_ids"])
+        for from_hidden in (False, True):
+            for backend in ("torch", "triton") if not from_hidden and not packed else ("torch",):
+                for case in CASES:
+                    options = GRPOOptions(**case)
+                    key = "hidden" if from_hidden else "logits"
+                    whole_leaf = x[key].clone().requires_grad_()
+                    mine_leaf = local[key].clone().requires_grad_()
+                    x["weight_leaf"] = x["weight"].clone().requires_grad_()
+                    whole = _call(x, whole_leaf, options, from_hidden=from_hidden, backend=backend)
+                    whole.loss.backward()
+                    whole_dweight = x["weight_leaf"].grad
+                    local["weight_leaf"] = x["weight"].clone().requires_grad_()
+                    out = _call(local, mine_leaf, options, cu, group, from_hidden, backend)
+                    out.loss.backward()
+                    label = f"{case} packed={packed} hidden={from_hidden} {backend}"
+                    torch.testing.assert_close(out.loss, whole.loss, rtol=1e-5, atol=1e-6, msg=label)
+                    assert out.metrics.keys() == whole.metrics.keys(), label
+                    for name in whole.metrics:
+                        torch.testing.assert_close(
+                            out.metrics[name], whole.metrics[name], rtol=1e-5, atol=1e-6, msg=f"{name}: {label}"
+                        )
+                    mask = local["mask"] != 0
+                    torch.testing.assert_close(
+                        out.per_token_logps.reshape(mask.shape)[mask],
+                        whole.per_token_logps[rows, cols].reshape(mask.shape)[mask],
+                        rtol=1e-5, atol=1e-6, msg=label,
+                    )  # fmt: skip
+                    expected_grad = whole_leaf.grad[rows, cols].reshape(mine_leaf.shape)
+                    torch.testing.assert_close(mine_leaf.grad, expected_grad, rtol=1e-5, atol=1e-6, msg=label)
+                    if from_hidden:
+                        dweight = local["weight_leaf"].grad.clone()
+                        dist.all_reduce(dweight, group=group)
+                        torch.testing.assert_close(dweight, whole_dweight, rtol=1e-5, atol=1e-6, msg=label)
+                    results.append(label)
+    return results
+
+
+def test_a_context_parallel_call_equals_one_process_on_the_whole_batch():
+    results = run_ranks(_rank, CP, timeout=600)
+    assert results[0] == results[1] and len(results[0]) == 5 * len(CASES)
+
+
+def _refusals(rank, world):
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    x = _problem()
+    local, _, _ = _mine(x, rank, packed=False)
+    messages = []
+    for options, match in (
+        (dict(top_entropy_quantile=0.5), "top_entropy_quantile=0.5 with context_parallel_group"),
+        (dict(loss_type="clip_cov"), "loss_type='clip_cov' with context_parallel_group"),
+    ):
+        with pytest.raises(NotImplementedError, match=match):
+            grpo_loss(local["logits"], local["ids"], local["mask"], x["advantages"], context_parallel_group=group,
+                      **options)  # fmt: skip
+        messages.append(match)
+    # ranks that disagree on the sequences they hold
+    rows = local["logits"][: rank + 1]
+    with pytest.raises(ValueError, match=r"as many sequences .* got \[1, 2\]"):
+        grpo_loss(rows, local["ids"][: rank + 1], local["mask"][: rank + 1], x["advantages"][: rank + 1],
+                  context_parallel_group=group)  # fmt: skip
+    return messages
+
+
+def test_context_parallel_refusals_name_what_they_refuse():
+    assert run_ranks(_refusals, CP, timeout=300)[0]
+    with pytest.raises(TypeError, match="context_parallel_group must be a torch.distributed ProcessGroup"):
+        grpo_loss(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), torch.zeros(1),
+                  context_parallel_group="cp")  # fmt: skip
+
+
+TP = 2
+MEGATRON_CASES = (dict(loss_type="grpo", beta=0.04), dict(loss_type="dapo", importance_sampling_level="sequence"))
+
+
+def _megatron_rank(rank, world):
+    """Megatron's own groups (tensor 2 x context 2 on 4 ranks): this rank's vocabulary slice of its context part's
+    tokens, from logits, and from hidden states under sequence parallelism (the part's tokens split over the tensor
+    group, gathered by Megatron's own mapping, whose backward reduce-scatters d hidden: ``reduce_hidden_grad=False``)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")  # megatron-core warns that Transformer Engine and Apex are absent
+    torch.cuda.current_device = lambda: "cpu"  # Megatron's mappings allocate their buffers there
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, context_parallel_size=CP)
+    tp_group, cp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
+    tp_rank, cp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_context_parallel_rank()
+    x = _problem(seed=1)
+    shard = slice(tp_rank * V // TP, (tp_rank + 1) * V // TP) if V % TP == 0 else None
+    assert shard is not None, "the vocabulary splits evenly over the tensor group"
+    results = []
+    for packed in (False, True):
+        local, (rows, cols), cu = _mine(x, cp_rank, packed)
+        local.update(advantages=x["advantages"], prompt_ids=x["prompt_ids"])
+        for from_hidden in (False, True):
+            for case in MEGATRON_CASES:
+                options = GRPOOptions(**case)
+                label = f"{case} packed={packed} hidden={from_hidden} tp={tp_rank} cp={cp_rank}"
+                key = "hidden" if from_hidden else "logits"
+                whole_leaf = x[key].clone().requires_grad_()
+                x["weight_leaf"] = x["weight"].clone().requires_grad_()
+                whole = _call(x, whole_leaf, options, from_hidden=from_hidden)
+                whole.loss.backward()
+                common = dict(
+                    old_logps=local["old"], ref_logps=local["ref"], cu_seqlens=cu, options=options,
+                    vocab_parallel_group=tp_group, context_parallel_group=cp_group,
+                )  # fmt: skip
+                if not from_hidden:
+                    leaf = local["logits"][..., shard].clone().requires_grad_()
+                    out = grpo_loss(leaf, local["ids"], local["mask"], x["advantages"], **common)
+                    out.loss.backward()
+                    expected = whole_leaf.grad[rows, cols].reshape(*local["mask"].shape, V)[..., shard]
+                else:  # Megatron's [s, b, h], its s split over the tensor group (sequence parallelism)
+                    seq_first = local["hidden"].reshape(-1, local["mask"].shape[-1], H).transpose(0, 1)
+                    part = seq_first.shape[0] // TP
+                    leaf = seq_first[tp_rank * part : (tp_rank + 1) * part].clone().requires_grad_()
+                    gathered = tensor_parallel.gather_from_sequence_parallel_region(leaf)
+                    hidden = gathered.transpose(0, 1).reshape(local["hidden"].shape)
+                    weight = x["weight"][shard].clone().requires_grad_()
+                    out = fused_linear_grpo_loss(
+                        hidden, weight, local["ids"], local["mask"], x["advantages"], reduce_hidden_grad=False,
+                        **common,
+                    )  # fmt: skip
+                    out.loss.backward()
+                    d_hidden = whole_leaf.grad[rows, cols].reshape(local["hidden"].shape)
+                    d_hidden = d_hidden.reshape(-1, local["mask"].shape[-1], H).transpose(0, 1)
+                    expected = d_hidden[tp_rank * part : (tp_rank + 1) * part]
+                    d_weight = weight.grad.clone()
+                    dist.all_reduce(d_weight, group=cp_group)  # each context part's share of the head's gradient
+                    torch.testing.assert_close(
+                        d_weight, x["weight_leaf"].grad[shard], rtol=1e-5, atol=1e-6, msg=f"d weight, {label}"
+                    )
+                torch.testing.assert_close(out.loss, whole.loss, rtol=1e-5, atol=1e-6, msg=f"loss, {label}")
+                for name in whole.metrics:
+                    torch.testing.assert_close(
+                        out.metrics[name], whole.metrics[name], rtol=1e-5, atol=1e-6, msg=f"{name}, {label}"
+                    )
+                torch.testing.assert_close(leaf.grad, expected, rtol=1e-5, atol=1e-6, msg=f"gradient, {label}")
+                results.append(label)
+    return results
+
+
+def test_tensor_by_context_parallel_through_megatrons_groups_equals_one_process():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'grpo-kernels[megatron]')")
+    results = run_ranks(_megatron_rank, TP * CP, timeout=600)
+    assert all(len(r) == 4 * len(MEGATRON_CASES) for r in results)
