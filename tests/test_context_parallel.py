@@ -175,7 +175,7 @@ MEGATRON_CASES = (dict(loss_type="grpo", beta=0.04), dict(loss_type="dapo", impo
 def _megatron_rank(rank, world):
     """Megatron's own groups (tensor 2 x context 2 on 4 ranks): this rank's vocabulary slice of its context part's
     tokens, from logits, and from hidden states under sequence parallelism (the part's tokens split over the tensor
-    group, gathered by Megatron's own mapping, whose backward reduce-scatters d hidden: ``reduce_hidden_grad=False``)."""
+    group, gathered by Megatron's own mapping, whose backward reduce-scatters d hidden: reduce_hidden_grad=False)."""
     import warnings
 
     import torch.distributed as dist
