@@ -48,15 +48,42 @@ class WholeSequenceLogprobs:
 
 class WholeSequenceLayout(SequenceLayout):
     """The whole sequences as padded rows [S, CP * T_part]: rank r's tokens of sequence s at columns r * T_part on
-    (its own sequence layout's row s, 0 past its tokens). ``from_seq`` gives this rank's own tokens back, in the
-    token layout the caller passed them in."""
+    (its own sequence layout's row s, 0 past its tokens). ``gathered`` makes a per-token value of this rank's call
+    the whole sequences'; ``from_seq`` gives this rank's own tokens back, in the token layout the caller passed them
+    in. ``over`` builds it: one exchange of the parts' sizes (a host sync)."""
 
-    def __init__(self, local: SequenceLayout, T_part: int, world: int, rank: int):
+    def __init__(self, local: SequenceLayout, T_part: int, group, rank: int, world: int):
         self.packed = False
         self.S, self.T_max = local.S, T_part * world
         self.N = self.S * self.T_max
         self.sequences = Sequences(self.S, self.T_max)
-        self.local, self.own = local, slice(rank * T_part, rank * T_part + local.T_max)
+        self.local, self.group, self.rank, self.T_part = local, group, rank, T_part
+        self.own = slice(rank * T_part, rank * T_part + local.T_max)
+
+    @classmethod
+    def over(cls, local: SequenceLayout, group, device) -> WholeSequenceLayout:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        sizes = torch.stack(all_gathered(torch.tensor([local.S, local.T_max], device=device), group)).cpu()
+        if (sizes[:, 0] != local.S).any():
+            raise ValueError(
+                "context_parallel_group: every rank holds its part of the same sequences, so each passes as many "
+                f"sequences (rows, or cu_seqlens' entries - 1), got {sizes[:, 0].tolist()} across the group's ranks"
+            )
+        return cls(local, int(sizes[:, 1].max()), group, rank, world)
+
+    def part(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of each sequence, [S, T_part], 0 past them."""
+        seq = self.local.seq(t)
+        return torch.nn.functional.pad(seq, (0, self.T_part - seq.shape[1])).contiguous()
+
+    def gathered(self, t: torch.Tensor | None, differentiable: bool = False) -> torch.Tensor | None:
+        """A per-token value of this rank's call (its token or sequence layout) as the whole sequences' [S, CP *
+        T_part]: detached fp32, or ``differentiable`` into this rank's part (``GatheredParts``)."""
+        if t is None:
+            return None
+        if differentiable:
+            return GatheredParts.apply(self.part(t), self.group, self.rank)
+        return torch.cat(all_gathered(self.part(t.detach().float()), self.group), dim=1)
 
     def from_seq(self, t: torch.Tensor) -> torch.Tensor:
         return self.local.from_seq(t[:, self.own])
@@ -78,51 +105,40 @@ class GatheredParts(torch.autograd.Function):
 
 
 def whole_sequences(inputs: LossInputs, group) -> LossInputs:
-    """The call ``inputs`` (this rank's tokens of every sequence, prepared) as the call on the whole sequences: this
-    rank's differentiable log-prob pass, then every per-token value exchanged over ``group`` (one exchange of the
-    parts' sizes, a host sync, then one all-gather a tensor). Per-sequence inputs (advantages or importance weights
-    [S] / [S, 1], ``prompt_ids``) are the same on every rank and stay as they are."""
+    """The loss call ``inputs`` (this rank's tokens of every sequence, prepared) as the call on the whole sequences:
+    this rank's differentiable log-prob pass, then every per-token value exchanged over ``group`` (one all-gather a
+    tensor, after the sizes' exchange). Per-sequence inputs (advantages or importance weights [S] / [S, 1],
+    ``prompt_ids``) are the same on every rank and stay as they are."""
     opts, local = inputs.options, inputs.layout
     logp, entropy = inputs.source.logprobs(inputs, opts.compute_entropy, final=True)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    device = inputs.mask.device
-    sizes = torch.stack(all_gathered(torch.tensor([local.S, local.T_max], device=device), group)).cpu()
-    if (sizes[:, 0] != local.S).any():
-        raise ValueError(
-            "context_parallel_group: every rank holds its part of the same sequences, so each passes as many "
-            f"sequences (rows, or cu_seqlens' entries - 1), got {sizes[:, 0].tolist()} across the group's ranks"
-        )
-    T_part = int(sizes[:, 1].max())
-
-    def part(t: torch.Tensor) -> torch.Tensor:  # this rank's tokens of each sequence, [S, T_part], 0 past them
-        seq = local.seq(t)
-        return torch.nn.functional.pad(seq, (0, T_part - seq.shape[1])).contiguous()
-
-    def whole(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        return torch.cat(all_gathered(part(t.detach().float()), group), dim=1)
-
-    def whole_or_per_sequence(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t if t is None or local.per_sequence(t) else whole(t)
-
-    mask = whole(inputs.mask)
+    whole = WholeSequenceLayout.over(local, group, inputs.mask.device)
+    per_sequence_or_whole = lambda t: t if t is None or local.per_sequence(t) else whole.gathered(t)  # noqa: E731
+    mask = whole.gathered(inputs.mask)
     return inputs._replace(
-        source=WholeSequenceLogprobs(
-            GatheredParts.apply(part(logp), group, rank),
-            None if entropy is None else GatheredParts.apply(part(entropy), group, rank),
-        ),
-        ids=torch.zeros(mask.shape, dtype=torch.long, device=device),  # (the pass has run: no id is read again)
+        source=WholeSequenceLogprobs(whole.gathered(logp, True), whole.gathered(entropy, True)),
+        ids=torch.zeros(mask.shape, dtype=torch.long, device=mask.device),  # (the pass has run: no id is read again)
         mask=mask,
         mask_seq=mask,
-        advantages=whole_or_per_sequence(inputs.advantages),
-        old_logps=whole(inputs.old_logps),
-        ref_logps=whole(inputs.ref_logps),
-        importance_weights=whole_or_per_sequence(inputs.importance_weights),
-        sampling_logps=whole(inputs.sampling_logps),
+        advantages=per_sequence_or_whole(inputs.advantages),
+        old_logps=whole.gathered(inputs.old_logps),
+        ref_logps=whole.gathered(inputs.ref_logps),
+        importance_weights=per_sequence_or_whole(inputs.importance_weights),
+        sampling_logps=whole.gathered(inputs.sampling_logps),
         backend="torch",  # the loss math in torch on the gathered log-probs
-        layout=WholeSequenceLayout(local, T_part, world, rank),
+        layout=whole,
         caller_shape=inputs.caller_shape if inputs.caller_shape is not None else inputs.ids.shape,
         vocab_shard=None,
         kept=None,
     )
+
+
+def whole_rows(inputs: LossInputs, group, logp_seq: torch.Tensor, *per_token) -> tuple:
+    """A method's log-prob pass on this rank's tokens (``pipeline.sequence_logprobs``: its ``LossInputs``, the
+    differentiable log-probs in its sequence layout, and detached per-token values such as DPO's reference
+    log-probs) as the whole sequences': (the inputs with the whole layout and mask, the log-probs [S, CP * T_part]
+    differentiable into this rank's, each of ``per_token`` gathered)."""
+    whole = WholeSequenceLayout.over(inputs.layout, group, logp_seq.device)
+    mask = whole.gathered(inputs.mask_seq)
+    caller_shape = inputs.caller_shape if inputs.caller_shape is not None else inputs.ids.shape
+    inputs = inputs._replace(mask=mask, mask_seq=mask, layout=whole, caller_shape=caller_shape)
+    return (inputs, whole.gathered(logp_seq, differentiable=True), *(whole.gathered(t) for t in per_token))

@@ -581,7 +581,7 @@ def check_compilable(options: GRPOOptions, cu_seqlens) -> None:
         )
 
 
-def check_context_parallel(group, options: GRPOOptions) -> None:
+def check_context_parallel(group, options: GRPOOptions | None = None) -> None:
     """``context_parallel_group``: None, or a torch.distributed process group. With one, what selects tokens over
     every process is refused (each rank of the group holds the whole sequences once they are exchanged, and would
     count each token once a rank: TRL's top-entropy quantile, Clip-Cov's and KL-Cov's choice), and so is a
@@ -593,13 +593,13 @@ def check_context_parallel(group, options: GRPOOptions) -> None:
             "context_parallel_group must be a torch.distributed ProcessGroup of an initialized process group, got "
             f"{type(group).__name__}"
         )
-    if options.masks_high_entropy:
+    if options is not None and options.masks_high_entropy:
         raise NotImplementedError(
             f"top_entropy_quantile={options.top_entropy_quantile!r} with context_parallel_group: the quantile is "
             "taken over every process's tokens, and each rank of the group holds the whole sequences; leave "
             "top_entropy_quantile at 1"
         )
-    if options.loss.policy_term in HOST_SELECTED_TERMS:
+    if options is not None and options.loss.policy_term in HOST_SELECTED_TERMS:
         raise NotImplementedError(
             f"loss_type={options.loss_type!r} with context_parallel_group: its tokens are chosen over every "
             "process's tokens, and each rank of the group holds the whole sequences"

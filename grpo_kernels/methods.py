@@ -23,7 +23,9 @@ advantages) is out of scope: removing the critic is the point of GRPO.
 Every loss here takes the GRPO entry points' inputs: padded [B, T, V] logits (``drop_last_position`` for a model's
 [B, T + 1, V] output) or a packed batch ([total, V] with ``cu_seqlens``; the rows are then the S sequences), hidden
 states [B, T, H] with the lm_head ``weight`` (and ``bias``: the fused head, no [N, V] logits), a vocabulary shard
-(``vocab_parallel_group``), the head's output transform, both backends and ``torch.compile(fullgraph=True)``. The
+(``vocab_parallel_group``), each sequence split over ranks (``context_parallel_group``: each rank's tokens of every
+sequence, the loss the whole sequences' on every rank, as ``grpo_loss`` takes it), the head's output transform, both
+backends and ``torch.compile(fullgraph=True)``. The
 log-probs come from the call pipeline's log-prob pass (``pipeline.sequence_logprobs``); the specification of each
 loss is in ``reference.py``.
 """
@@ -34,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from . import pipeline
+from .context_parallel import whole_rows
 from .from_hidden_states import HiddenStatesSource
 from .from_logits import LogitsSource
-from .inputs import LogprobSettings
+from .inputs import LogprobSettings, check_context_parallel
 from .objective import GRPOLossOutput
 from .validation import check_per_token
 
@@ -53,27 +56,38 @@ def input_source(logits, weight, bias, head_precision: str, drop_last_position: 
     return HiddenStatesSource(logits, weight, bias, head_precision=head_precision)
 
 
-def _sequence_logps(logits, completion_ids, completion_mask, settings: dict) -> tuple:
-    """(the pass's ``LossInputs``, log-probs [S, T_max] with gradient, the mask there) of a method's call (its
-    ``locals()``: the shared keywords, ``LogprobSettings``')."""
+def _sequence_logps(logits, completion_ids, completion_mask, settings: dict, ref_logps=None) -> tuple:
+    """(the pass's ``LossInputs``, log-probs [S, T_max] with gradient, the mask there, and DPO's ``ref_logps`` there
+    where given) of a method's call (its ``locals()``: the shared keywords, ``LogprobSettings``'). With a
+    ``context_parallel_group``, those of the whole sequences (``context_parallel.whole_rows``): every rank computes
+    the same loss, with the whole loss's gradient at its own tokens."""
     if settings["cu_seqlens"] is None and (not isinstance(logits, torch.Tensor) or logits.dim() != 3):
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         what = "hidden states [B, T, H]" if settings["weight"] is not None else "logits [B, T, V]"
         raise ValueError(f"the first argument must be {what} (a packed batch: with cu_seqlens), got {got}")
     if completion_mask is None:
         raise ValueError("completion_mask is required ([B, T], 1 where a completion token counts), got None")
+    check_context_parallel(settings["context_parallel_group"])
     source = input_source(
         logits, settings["weight"], settings["bias"], settings["head_precision"], settings["drop_last_position"]
     )
-    return pipeline.sequence_logprobs(
+    inputs, logp, mask = pipeline.sequence_logprobs(
         source, completion_ids, completion_mask, settings["temperature"], LogprobSettings.of(settings)
     )
+    ref = None if ref_logps is None else _reference_logps(ref_logps, inputs)
+    group = settings["context_parallel_group"]
+    if group is None:
+        return inputs, logp, mask, ref
+    inputs, logp, ref = whole_rows(inputs, group, logp, ref)
+    return inputs, logp, inputs.mask_seq, ref
 
 
 def _per_token(inputs, logp_seq: torch.Tensor) -> torch.Tensor:
-    """The log-probs handed back, detached and shaped as the caller's ids (a packed call's [total])."""
-    logp = inputs.layout.from_seq(logp_seq.detach()) if inputs.layout.packed else logp_seq.detach()
-    return logp if inputs.caller_shape is None else logp.reshape(inputs.caller_shape)
+    """The log-probs handed back, detached and shaped as the caller's ids (a packed call's [total]; a
+    context-parallel call's at this rank's tokens)."""
+    if inputs.caller_shape is None:
+        return logp_seq.detach()
+    return inputs.layout.from_seq(logp_seq.detach()).reshape(inputs.caller_shape)
 
 
 def _coefficient_loss(logp, mask, coefficient):
@@ -100,6 +114,7 @@ def sft_loss(
     reduce_hidden_grad: bool = True,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    context_parallel_group=None,
 ) -> GRPOLossOutput:
     """Supervised fine-tuning: GC = 1 (the per-sequence mean negative log-likelihood, then the mean over sequences).
 
@@ -108,9 +123,10 @@ def sft_loss(
     [V, H], ``bias`` [V] or None) it is instead the hidden states [B, T, H] (packed: [total, H]) and the logits are
     never held (``head_precision`` as in ``fused_linear_grpo_loss``). ``completion_mask`` [B, T] (packed: [total]):
     masked tokens are not read. ``vocab_parallel_group`` / ``vocab_start_index``: this rank's vocabulary slice (of the
-    logits or the weight), the ids global, as in ``grpo_loss``; ``logit_scale`` / ``logit_softcap``: the head's
-    output transform. Returns ``GRPOLossOutput(loss, {"nll"}, per_token_logps)``."""
-    inputs, logp, mask = _sequence_logps(logits, completion_ids, completion_mask, locals())
+    logits or the weight), the ids global, as in ``grpo_loss``; ``context_parallel_group``: each rank's tokens of every
+    sequence, the loss the whole sequences' on every rank (``grpo_loss``); ``logit_scale`` / ``logit_softcap``: the
+    head's output transform. Returns ``GRPOLossOutput(loss, {"nll"}, per_token_logps)``."""
+    inputs, logp, mask, _ = _sequence_logps(logits, completion_ids, completion_mask, locals())
     loss = _coefficient_loss(logp, mask, 1.0)
     return GRPOLossOutput(loss, {"nll": loss.detach()}, _per_token(inputs, logp))
 
@@ -134,6 +150,7 @@ def rft_loss(
     reduce_hidden_grad: bool = True,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    context_parallel_group=None,
 ) -> GRPOLossOutput:
     """Rejection-sampling fine-tuning: GC = 1 for completions whose reward is 1, 0 for reward 0.
 
@@ -141,7 +158,7 @@ def rft_loss(
     samples of the SFT model, online RFT samples of the current policy: the loss is the same. The other arguments
     are ``sft_loss``'s. Returns ``GRPOLossOutput(loss, {"kept_fraction"}, per_token_logps)``.
     """
-    inputs, logp, mask = _sequence_logps(logits, completion_ids, completion_mask, locals())
+    inputs, logp, mask, _ = _sequence_logps(logits, completion_ids, completion_mask, locals())
     rewards = _checked_rewards(rewards, inputs.layout.S, logp.device)
     loss = _coefficient_loss(logp, mask, rewards.unsqueeze(-1))
     return GRPOLossOutput(loss, {"kept_fraction": rewards.mean()}, _per_token(inputs, logp))
@@ -186,6 +203,7 @@ def dpo_loss(
     reduce_hidden_grad: bool = True,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    context_parallel_group=None,
 ) -> GRPOLossOutput:
     """DPO with length-normalized implicit rewards R(o) = 1/|o| sum_t (log pi - log pi_ref).
 
@@ -201,10 +219,9 @@ def dpo_loss(
         raise ValueError(
             f"dpo_loss needs logits [2B, T, V] (chosen rows, then rejected rows), got shape {tuple(logits.shape)}"
         )
-    inputs, logp, mask = _sequence_logps(logits, completion_ids, completion_mask, locals())
+    inputs, logp, mask, ref = _sequence_logps(logits, completion_ids, completion_mask, locals(), ref_logps)
     if inputs.layout.S % 2:
         raise ValueError(f"dpo_loss needs 2B sequences (chosen, then rejected), got {inputs.layout.S}")
-    ref = _reference_logps(ref_logps, inputs)
     loss, metrics = dpo_from_logps(logp, ref, mask, beta)
     return GRPOLossOutput(loss, metrics, _per_token(inputs, logp))
 

@@ -11,10 +11,15 @@ import pytest
 import torch
 from gloo_ranks import run_ranks
 
-from grpo_kernels import GRPOOptions, fused_linear_grpo_loss, grpo_loss
+from grpo_kernels import GRPOOptions, dpo_loss, fused_linear_grpo_loss, grpo_loss, rft_loss, sft_loss
 
 CP = 2
-LENGTHS = (8, 4, 12)  # each a multiple of 2 CP (Megatron pads each sequence so); the padded layout's T is the longest
+LENGTHS = (
+    8,
+    4,
+    12,
+    8,
+)  # each a multiple of 2 CP (Megatron pads each sequence so); the padded layout's T is the longest
 V, H = 12, 6
 CASES = (
     dict(loss_type="grpo"),
@@ -43,10 +48,18 @@ def _problem(seed=0):
         "old": (-2 * torch.rand(B, T, generator=g)).masked_fill(~mask, float("nan")),
         "ref": (-2 * torch.rand(B, T, generator=g)).masked_fill(~mask, float("nan")),
         "sampling": (-2 * torch.rand(B, T, generator=g)).masked_fill(~mask, float("nan")),
-        "prompt_ids": torch.tensor([0, 1, 0]),
+        "prompt_ids": torch.tensor([0, 1, 0, 1]),
+        "rewards": torch.tensor([1.0, 0.0, 1.0, 1.0]),
     }
     x["logits"] = x["hidden"] @ x["weight"].T
     return x
+
+
+def _close(actual, expected, label: str) -> None:
+    """fp32's tolerance: 1e-5 relative, 1e-6 of the tensor's largest magnitude absolute (a head's gradient sums many
+    tokens' terms, some of them large: the KL's e^(ref - logp)); the case and torch's report of the gap on failure."""
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6 * scale, msg=lambda report: f"{label}: {report}")
 
 
 def _zigzag(length: int, rank: int) -> torch.Tensor:
@@ -95,7 +108,7 @@ def _rank(rank, world):
     results = []
     for packed in (False, True):
         local, (rows, cols), cu = _mine(x, rank, packed)
-        local.update(advantages=x["advantages"], prompt_ids=x["prompt_ids"])
+        local.update(advantages=x["advantages"], prompt_ids=x["prompt_ids"], rewards=x["rewards"])
         for from_hidden in (False, True):
             for backend in ("torch", "triton") if not from_hidden and not packed else ("torch",):
                 for case in CASES:
@@ -111,31 +124,45 @@ def _rank(rank, world):
                     out = _call(local, mine_leaf, options, cu, group, from_hidden, backend)
                     out.loss.backward()
                     label = f"{case} packed={packed} hidden={from_hidden} {backend}"
-                    torch.testing.assert_close(out.loss, whole.loss, rtol=1e-5, atol=1e-6, msg=label)
+                    _close(out.loss, whole.loss, label)
                     assert out.metrics.keys() == whole.metrics.keys(), label
                     for name in whole.metrics:
-                        torch.testing.assert_close(
-                            out.metrics[name], whole.metrics[name], rtol=1e-5, atol=1e-6, msg=f"{name}: {label}"
-                        )
+                        _close(out.metrics[name], whole.metrics[name], f"{name}: {label}")
                     mask = local["mask"] != 0
-                    torch.testing.assert_close(
-                        out.per_token_logps.reshape(mask.shape)[mask],
-                        whole.per_token_logps[rows, cols].reshape(mask.shape)[mask],
-                        rtol=1e-5, atol=1e-6, msg=label,
-                    )  # fmt: skip
+                    expected_logps = whole.per_token_logps[rows, cols].reshape(mask.shape)
+                    _close(out.per_token_logps.reshape(mask.shape)[mask], expected_logps[mask], label)
                     expected_grad = whole_leaf.grad[rows, cols].reshape(mine_leaf.shape)
-                    torch.testing.assert_close(mine_leaf.grad, expected_grad, rtol=1e-5, atol=1e-6, msg=label)
+                    _close(mine_leaf.grad, expected_grad, label)
                     if from_hidden:
                         dweight = local["weight_leaf"].grad.clone()
                         dist.all_reduce(dweight, group=group)
-                        torch.testing.assert_close(dweight, whole_dweight, rtol=1e-5, atol=1e-6, msg=label)
+                        _close(dweight, whole_dweight, f"d weight: {label}")
                     results.append(label)
+        for method, extra in METHODS:  # the method family on the same layouts
+            whole_leaf, mine_leaf = x["logits"].clone().requires_grad_(), local["logits"].clone().requires_grad_()
+            whole = method(whole_leaf, x["ids"], x["mask"], *(x[k] for k in extra))
+            whole.loss.backward()
+            out = method(mine_leaf, local["ids"], local["mask"], *(local[k] for k in extra), cu_seqlens=cu,
+                         context_parallel_group=group)  # fmt: skip
+            out.loss.backward()
+            label = f"{method.__name__} packed={packed}"
+            _close(out.loss, whole.loss, label)
+            for name in whole.metrics:
+                _close(out.metrics[name], whole.metrics[name], f"{name}: {label}")
+            mask = local["mask"] != 0
+            _close(out.per_token_logps[mask], whole.per_token_logps[rows, cols].reshape(mask.shape)[mask], label)
+            expected_grad = whole_leaf.grad[rows, cols].reshape(mine_leaf.shape)
+            _close(mine_leaf.grad, expected_grad, label)
+            results.append(label)
     return results
+
+
+METHODS = ((sft_loss, ()), (rft_loss, ("rewards",)), (dpo_loss, ("ref",)))
 
 
 def test_a_context_parallel_call_equals_one_process_on_the_whole_batch():
     results = run_ranks(_rank, CP, timeout=600)
-    assert results[0] == results[1] and len(results[0]) == 5 * len(CASES)
+    assert results[0] == results[1] and len(results[0]) == 5 * len(CASES) + 2 * len(METHODS)
 
 
 def _refusals(rank, world):
@@ -227,17 +254,14 @@ def _megatron_rank(rank, world):
                     d_hidden = whole_leaf.grad[rows, cols].reshape(local["hidden"].shape)
                     d_hidden = d_hidden.reshape(-1, local["mask"].shape[-1], H).transpose(0, 1)
                     expected = d_hidden[tp_rank * part : (tp_rank + 1) * part]
-                    d_weight = weight.grad.clone()
-                    dist.all_reduce(d_weight, group=cp_group)  # each context part's share of the head's gradient
-                    torch.testing.assert_close(
-                        d_weight, x["weight_leaf"].grad[shard], rtol=1e-5, atol=1e-6, msg=f"d weight, {label}"
-                    )
-                torch.testing.assert_close(out.loss, whole.loss, rtol=1e-5, atol=1e-6, msg=f"loss, {label}")
+                _close(out.loss, whole.loss, f"loss, {label}")
                 for name in whole.metrics:
-                    torch.testing.assert_close(
-                        out.metrics[name], whole.metrics[name], rtol=1e-5, atol=1e-6, msg=f"{name}, {label}"
-                    )
-                torch.testing.assert_close(leaf.grad, expected, rtol=1e-5, atol=1e-6, msg=f"gradient, {label}")
+                    _close(out.metrics[name], whole.metrics[name], f"{name}, {label}")
+                _close(leaf.grad, expected, f"gradient, {label}")
+                if from_hidden:  # each context part's share of the head's gradient, summed over the group
+                    d_weight = weight.grad.clone()
+                    dist.all_reduce(d_weight, group=cp_group)
+                    _close(d_weight, x["weight_leaf"].grad[shard], f"d weight, {label}")
                 results.append(label)
     return results
 
