@@ -5,13 +5,24 @@ every rank, and each rank's per-token log-probs and gradients at its own tokens,
 (fp32, 1e-5), for the token mean over rows, the batch token mean, the token-count default, the prompt mean, GSPO and
 GSPO-token, the entropy bonus and KL, and a verl rollout-correction preset; the masked tokens hold garbage (NaN
 log-probs, ids of -100). The d weight of the fused head, summed over the ranks, is the whole batch's. The refusals
-come by name. (Tensor x context parallelism through Megatron's own groups: ``tests/test_megatron.py``.)"""
+come by name. SFT, RFT and DPO alike. Tensor x context parallelism through megatron-core's own groups (4 ranks):
+from vocabulary-parallel logits and from the head's row shard under sequence parallelism; and the log-prob family,
+which needs no group (log-probs, entropy, sum pi^2, a teacher's top-k on each rank's packed chunks)."""
 
 import pytest
 import torch
 from gloo_ranks import run_ranks
 
-from grpo_kernels import GRPOOptions, dpo_loss, fused_linear_grpo_loss, grpo_loss, rft_loss, sft_loss
+from grpo_kernels import (
+    GRPOOptions,
+    dpo_loss,
+    fused_linear_grpo_loss,
+    grpo_loss,
+    rft_loss,
+    sft_loss,
+    token_logprobs,
+    topk_logprobs,
+)
 
 CP = 2
 LENGTHS = (
@@ -263,10 +274,25 @@ def _megatron_rank(rank, world):
                     dist.all_reduce(d_weight, group=cp_group)
                     _close(d_weight, x["weight_leaf"].grad[shard], f"d weight, {label}")
                 results.append(label)
+    # the log-prob family needs no group: per token, on each rank's packed chunks and its vocabulary slice
+    local, (rows, cols), cu = _mine(x, cp_rank, packed=True)
+    ids, whole_ids = local["ids"].clamp(min=0), x["ids"].clamp(min=0)
+    logp, entropy, squares = token_logprobs(
+        local["logits"][..., shard], ids, 0.7, True, cu_seqlens=cu, vocab_parallel_group=tp_group,
+        return_sum_pi_squared=True,
+    )  # fmt: skip
+    whole = token_logprobs(x["logits"], whole_ids, 0.7, True, return_sum_pi_squared=True)
+    for name, mine, expected in zip(("log-probs", "entropy", "sum pi^2"), (logp, entropy, squares), whole, strict=True):
+        _close(mine, expected[rows, cols], f"{name}, tp={tp_rank} cp={cp_rank}")
+    teacher_ids = torch.stack([whole_ids, (whole_ids + 5) % V, (whole_ids * 7 + 1) % V], dim=-1)
+    topk = topk_logprobs(local["logits"][..., shard], teacher_ids[rows, cols], 0.7, cu_seqlens=cu,
+                         vocab_parallel_group=tp_group)  # fmt: skip
+    _close(topk, topk_logprobs(x["logits"], teacher_ids, 0.7)[rows, cols], f"top-k, tp={tp_rank} cp={cp_rank}")
+    results.append("log-prob family")
     return results
 
 
 def test_tensor_by_context_parallel_through_megatrons_groups_equals_one_process():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'grpo-kernels[megatron]')")
     results = run_ranks(_megatron_rank, TP * CP, timeout=600)
-    assert all(len(r) == 4 * len(MEGATRON_CASES) for r in results)
+    assert all(len(r) == 4 * len(MEGATRON_CASES) + 1 for r in results)
