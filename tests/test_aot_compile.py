@@ -78,14 +78,24 @@ def test_the_watch_fails_a_stalled_process_and_waits_for_a_slow_one():
         _run_watched([sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), stall_s=1)
 
 
-@pytest.fixture(scope="module")
-def records():
-    return _aot("--arch", "90", "80")
+# Every test here on one worker (CI's `--dist loadgroup`): the compile runs once, not once a worker
+pytestmark = pytest.mark.xdist_group("aot")
 
 
 @pytest.fixture(scope="module")
-def amd_records():
-    return _aot("--arch", *aot.AMD_ARCHS)
+def every_target():
+    """One run of the tool for every target (the launches recorded once): sm_90 and sm_80, sm_100, AMD's two."""
+    return _aot("--arch", "90", "80", "100", *aot.AMD_ARCHS)
+
+
+@pytest.fixture(scope="module")
+def records(every_target):
+    return [r for r in every_target if r["arch"] in ("sm_90", "sm_80")]
+
+
+@pytest.fixture(scope="module")
+def amd_records(every_target):
+    return [r for r in every_target if r["arch"] in aot.AMD_ARCHS]
 
 
 def test_every_kernel_and_tuned_configuration_compiles_for_amd(amd_records, records):
@@ -107,8 +117,8 @@ def test_every_kernel_and_tuned_configuration_compiles_for_amd(amd_records, reco
 
 
 @pytest.fixture(scope="module")
-def blackwell_records():
-    return _aot("--arch", "100")
+def blackwell_records(every_target):
+    return [r for r in every_target if r["arch"] == "sm_100"]
 
 
 def test_every_kernel_and_tuned_configuration_compiles_for_blackwell(blackwell_records, records):

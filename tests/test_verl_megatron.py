@@ -245,7 +245,7 @@ def _reduce_hidden_grad(rank, world):
 # TP rank on its vocabulary slice: our patched functions) are all-gathered over the CP group
 # (``postprocess_packed_seqs``, whose own rank's part keeps its gradient) and the loss is taken on whole sequences.
 
-CP_B, CP_T, CP_V_SHARD, CP_LENGTHS = 3, 9, 8, (9, 5, 7)
+CP_B, CP_T, CP_V_SHARD, CP_H, CP_LENGTHS = 3, 9, 8, 4, (9, 5, 7)
 
 
 def _cp_case(tp: int):
@@ -293,6 +293,62 @@ def _context_parallel_rank(rank, world, tp, cp):
         [ref_logp.detach() * attention_mask, ref_entropy.detach() * attention_mask],
         lp_leaf.grad + h_leaf.grad,
         expected_grad,
+        _fused_context_parallel(tp, shard, params, attention_mask, labels, weights),
+    )
+
+
+def _fused_context_parallel(tp, shard, params, attention_mask, labels, weights):
+    """verl's fused postprocess under TP x CP with sequence parallelism: this CP rank's packed hidden states [s, 1, H]
+    split over the TP group, through verl's own ``fused_output_processor`` (Megatron's gather, our patched head on
+    this rank's weight rows) and ``postprocess_packed_seqs``; (the whole log-probs and entropy, d hidden, d weight
+    summed over the CP group) against one process's (the same, at this rank's tokens and rows)."""
+    import types
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from verl.models.mcore import model_forward_fused
+    from verl.models.mcore.util import postprocess_packed_seqs, preprocess_packed_seqs
+
+    torch.cuda.current_device = lambda: "cpu"  # Megatron's mappings allocate their buffers there
+    g = torch.Generator().manual_seed(12)
+    hidden_all = torch.randn(CP_B, CP_T, CP_H, generator=g)
+    weight_all = 0.5 * torch.randn(CP_V_SHARD * tp, CP_H, generator=g)
+
+    def sequence_parallel_part(t):  # verl's packed [1, total, H] as Megatron's [s, 1, H], this TP rank's s rows
+        seq_first = t.transpose(0, 1)
+        part = seq_first.shape[0] // tp
+        return seq_first[mpu.get_tensor_model_parallel_rank() * part :][:part]
+
+    packed_hidden, _ = preprocess_packed_seqs(hidden_all, attention_mask, pre_process=True)
+    packed_labels, _ = preprocess_packed_seqs(labels, attention_mask, pre_process=True)
+    hidden = sequence_parallel_part(packed_hidden).clone().requires_grad_()
+    weight = weight_all[shard].clone().requires_grad_()
+    out = model_forward_fused.fused_output_processor(
+        hidden_states=hidden,
+        output_layer=None,
+        output_weight=weight,
+        labels=packed_labels,
+        context=model_forward_fused.FusedOutputProcessorContext(temperature=FUSED_T),
+        config=types.SimpleNamespace(sequence_parallel=True, config_logger_dir=""),
+    )
+    whole = [
+        postprocess_packed_seqs(t.reshape(packed_labels.shape), params, attention_mask, CP_B, CP_T)
+        for t in (out.log_probs, out.entropy)
+    ]
+    ((weights[0] * whole[0] * attention_mask).sum() + (weights[1] * whole[1] * attention_mask).sum()).backward()
+    d_weight = weight.grad.clone()
+    dist.all_reduce(d_weight, group=mpu.get_context_parallel_group())
+    # one process on the whole batch
+    h, w = hidden_all.clone().requires_grad_(), weight_all.clone().requires_grad_()
+    logp_all = torch.log_softmax((h @ w.T) / FUSED_T, dim=-1)
+    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    ((weights[0] * logp * attention_mask).sum() + (weights[1] * entropy * attention_mask).sum()).backward()
+    expected_hidden_grad, _ = preprocess_packed_seqs(h.grad, attention_mask, pre_process=True)
+    return (
+        [t.detach() for t in whole] + [hidden.grad, d_weight],
+        [logp.detach() * attention_mask, entropy.detach() * attention_mask]
+        + [sequence_parallel_part(expected_hidden_grad), w.grad[shard]],
     )
 
 
@@ -301,8 +357,12 @@ def test_verls_context_parallel_layout_on_our_functions_equals_one_process(tp, c
     """TP 2 x CP 2 (4 gloo ranks) through verl's own preprocess_packed_seqs (each CP rank two zigzag chunks
     of every sequence, aligned to 2 TP CP) and postprocess_packed_seqs (the CP all-gather) around our patched
     vocabulary-parallel log-probs and entropy: every rank's whole-sequence log-probs and entropy, and its gradient at
-    its own tokens and vocabulary slice, equal one process on the unsharded logits."""
-    for whole, expected, grad, expected_grad in run_ranks(_context_parallel_rank, tp * cp, tp, cp, timeout=600):
+    its own tokens and vocabulary slice, equal one process on the unsharded logits. And verl's fused postprocess in
+    the same layout with sequence parallelism (Megatron's gather, our patched head): whole-sequence log-probs and
+    entropy, d hidden at this rank's tokens and d weight (summed over the CP group) equal one process."""
+    for whole, expected, grad, expected_grad, fused in run_ranks(_context_parallel_rank, tp * cp, tp, cp, timeout=600):
         for name, got, want in zip(("log-probs", "entropy"), whole, expected, strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
         torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5)
+        for name, got, want in zip(("log-probs", "entropy", "d hidden", "d weight"), *fused, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"fused path, {n}: {m}")
