@@ -6,8 +6,8 @@ every rank, and each rank's per-token log-probs and gradients at its own tokens,
 GSPO-token, the entropy bonus and KL, and a verl rollout-correction preset; the masked tokens hold garbage (NaN
 log-probs, ids of -100). The d weight of the fused head, summed over the ranks, is the whole batch's. The refusals
 come by name. SFT, RFT and DPO alike. Tensor x context parallelism through megatron-core's own groups (4 ranks):
-from vocabulary-parallel logits and from the head's row shard under sequence parallelism; and the log-prob family,
-which needs no group (log-probs, entropy, sum pi^2, a teacher's top-k on each rank's packed chunks)."""
+from vocabulary-parallel logits and from the head's row shard with sequence parallelism on and off; and the log-prob
+family, which needs no group (log-probs, entropy, sum pi^2, a teacher's top-k on each rank's packed chunks)."""
 
 import pytest
 import torch
@@ -232,10 +232,11 @@ def _megatron_rank(rank, world):
     for packed in (False, True):
         local, (rows, cols), cu = _mine(x, cp_rank, packed)
         local.update(advantages=x["advantages"], prompt_ids=x["prompt_ids"])
-        for from_hidden in (False, True):
+        for source in ("logits", "hidden states, sequence parallel", "hidden states"):
+            from_hidden = source != "logits"
             for case in MEGATRON_CASES:
                 options = GRPOOptions(**case)
-                label = f"{case} packed={packed} hidden={from_hidden} tp={tp_rank} cp={cp_rank}"
+                label = f"{case} packed={packed} {source} tp={tp_rank} cp={cp_rank}"
                 key = "hidden" if from_hidden else "logits"
                 whole_leaf = x[key].clone().requires_grad_()
                 x["weight_leaf"] = x["weight"].clone().requires_grad_()
@@ -245,26 +246,29 @@ def _megatron_rank(rank, world):
                     old_logps=local["old"], ref_logps=local["ref"], cu_seqlens=cu, options=options,
                     vocab_parallel_group=tp_group, context_parallel_group=cp_group,
                 )  # fmt: skip
-                if not from_hidden:
+                d_hidden = whole_leaf.grad[rows, cols].reshape(local[key].shape[:-1] + whole_leaf.shape[-1:])
+                weight = x["weight"][shard].clone().requires_grad_()
+                if source == "logits":
                     leaf = local["logits"][..., shard].clone().requires_grad_()
                     out = grpo_loss(leaf, local["ids"], local["mask"], x["advantages"], **common)
-                    out.loss.backward()
-                    expected = whole_leaf.grad[rows, cols].reshape(*local["mask"].shape, V)[..., shard]
-                else:  # Megatron's [s, b, h], its s split over the tensor group (sequence parallelism)
+                    expected = d_hidden[..., shard]
+                elif source == "hidden states":  # the same on every TP rank: the op all-reduces d hidden
+                    leaf = local["hidden"].clone().requires_grad_()
+                    out = fused_linear_grpo_loss(leaf, weight, local["ids"], local["mask"], x["advantages"], **common)
+                    expected = d_hidden
+                else:  # Megatron's [s, b, h], its s split over the tensor group, gathered by Megatron's own mapping
                     seq_first = local["hidden"].reshape(-1, local["mask"].shape[-1], H).transpose(0, 1)
                     part = seq_first.shape[0] // TP
                     leaf = seq_first[tp_rank * part : (tp_rank + 1) * part].clone().requires_grad_()
                     gathered = tensor_parallel.gather_from_sequence_parallel_region(leaf)
                     hidden = gathered.transpose(0, 1).reshape(local["hidden"].shape)
-                    weight = x["weight"][shard].clone().requires_grad_()
                     out = fused_linear_grpo_loss(
                         hidden, weight, local["ids"], local["mask"], x["advantages"], reduce_hidden_grad=False,
                         **common,
                     )  # fmt: skip
-                    out.loss.backward()
-                    d_hidden = whole_leaf.grad[rows, cols].reshape(local["hidden"].shape)
                     d_hidden = d_hidden.reshape(-1, local["mask"].shape[-1], H).transpose(0, 1)
                     expected = d_hidden[tp_rank * part : (tp_rank + 1) * part]
+                out.loss.backward()
                 _close(out.loss, whole.loss, f"loss, {label}")
                 for name in whole.metrics:
                     _close(out.metrics[name], whole.metrics[name], f"{name}, {label}")
@@ -295,4 +299,4 @@ def _megatron_rank(rank, world):
 def test_tensor_by_context_parallel_through_megatrons_groups_equals_one_process():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'grpo-kernels[megatron]')")
     results = run_ranks(_megatron_rank, TP * CP, timeout=600)
-    assert all(len(r) == 4 * len(MEGATRON_CASES) + 1 for r in results)
+    assert all(len(r) == 6 * len(MEGATRON_CASES) + 1 for r in results)
