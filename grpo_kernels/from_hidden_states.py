@@ -189,7 +189,7 @@ class HiddenStatesSource:
         )[:2]
         return self.as_rows(inputs, pair)
 
-    def logprobs_at(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
+    def logprobs_at_ids(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
         """The differentiable log-probs at K ids a token (ids_k [B, T, K]), normalized over the whole vocabulary, 0 at
         masked tokens (``LinearLogprobsAtIds``); [B, T, K]."""
         options, (hidden, weight, bias, _) = inputs.options, self.flat(inputs)

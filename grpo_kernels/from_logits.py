@@ -165,7 +165,7 @@ class LogitsSource:
             self.drop_last_position,
         )[:2]
 
-    def logprobs_at(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
+    def logprobs_at_ids(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
         """The differentiable log-probs at K ids a token (ids_k [B, T, K]: a teacher's top-k), normalized over the
         whole vocabulary, 0 at masked tokens (``LogprobsAtIds``)."""
         options = inputs.options

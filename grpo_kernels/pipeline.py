@@ -146,13 +146,14 @@ def logprobs_at_ids(source, teacher_ids, teacher_logps, mask, temperature: float
     )  # fmt: skip
     active = active_tokens(inputs, settings.check_ids)
     if active is None:
-        return inputs, inputs.source.logprobs_at(inputs, ids_k), logps
+        return inputs, inputs.source.logprobs_at_ids(inputs, ids_k), logps
     positions, cu_seqlens, gathered = active  # the active tokens alone, packed: the same log-probs at their ids
     K = ids_k.shape[-1]
     ids_active = ids_k.reshape(-1, K)[positions]
     on_rows = settings._replace(cu_seqlens=cu_seqlens, check_ids=False, drop_last_position=False)
     active_inputs = prepare_logprob_inputs(inputs.source.on_rows(gathered), ids_active[:, 0], temperature, on_rows)
-    rows = active_inputs.source.logprobs_at(active_inputs, ids_active.view(*active_inputs.ids.shape, K)).reshape(-1, K)
+    ids_per_token = ids_active.view(*active_inputs.ids.shape, K)
+    rows = active_inputs.source.logprobs_at_ids(active_inputs, ids_per_token).reshape(-1, K)
     logq = rows.new_zeros(inputs.ids.numel(), K).index_put((positions,), rows).view(ids_k.shape)
     return inputs, logq, logps
 

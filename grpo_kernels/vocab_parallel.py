@@ -458,7 +458,7 @@ class ShardedLogitsSource(LogitsSource):
             inputs.kept,
         )
 
-    def logprobs_at(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
+    def logprobs_at_ids(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
         """The global log-probs at K ids a token (global ids_k [B, T, K]), differentiable
         (``VocabParallelLogprobsAtIds``)."""
         options, shard = inputs.options, inputs.vocab_shard
@@ -531,7 +531,7 @@ class ShardedHiddenStatesSource(HiddenStatesSource):
         )
         return self.as_rows(inputs, pair)
 
-    def logprobs_at(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
+    def logprobs_at_ids(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
         """The global log-probs at K ids a token from this rank's head shard (``VocabParallelLinearLogprobsAtIds``)."""
         options, shard = inputs.options, inputs.vocab_shard
         hidden, weight, bias, _ = self.flat(inputs)
