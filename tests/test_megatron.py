@@ -3,8 +3,9 @@ gloo ranks with Megatron's parallel state (tensor parallelism) initialized: ``vo
 Megatron's in loss and d logits; the log-probs and entropy from vocabulary-parallel logits, and from the fused output
 layer, equal one process on the whole vocabulary; the fused output layer equals Megatron's own ``ColumnParallelLinear``
 + ``vocab_parallel_cross_entropy`` in log-probs, d hidden, d weight and d bias, with sequence parallelism on (the
-hidden states split by sequence, gathered by Megatron's own mapping) and off. Megatron's mappings allocate their
-buffers on ``torch.cuda.current_device()``: the one change here is that it names the CPU."""
+hidden states split by sequence, gathered by Megatron's own mapping) and off; and a whole ``GPTModel`` step through
+the fused output layer equals Megatron's own, every parameter's gradient. Megatron's mappings allocate their buffers on
+``torch.cuda.current_device()``: the one change here is that it names the CPU."""
 
 import pytest
 import torch
@@ -155,3 +156,72 @@ def test_a_logits_shape_that_is_not_megatrons_layout_is_named():
 
     with pytest.raises(ValueError, match=r"vocab_parallel_logits must be \[\*target.shape, ...\] = \[2, 3, ...\]"):
         vocab_parallel_logprobs_and_entropy(torch.zeros(3, 2, 4), torch.zeros(2, 3, dtype=torch.long))
+
+
+def _gpt_model_rank(rank, world):
+    """megatron-core's own ``GPTModel`` (2 layers, its local layer spec, TP ``world``) on this rank, one step each way:
+    Megatron's output layer + ``vocab_parallel_cross_entropy``, and the fused output layer on the hidden states its
+    postprocess hands the output layer. (The log-probs, every parameter's gradient) of both."""
+    import contextlib
+    import warnings
+
+    warnings.filterwarnings("ignore")  # megatron-core warns that Transformer Engine and Apex are absent
+    torch.cuda.current_device = lambda: "cpu"  # Megatron's mappings allocate their buffers there
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from grpo_kernels.integration import megatron as adapter
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    # no dropout anywhere, so no CUDA RNG state is needed: its tracker's fork (CUDA-only) does nothing here
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=4, tensor_model_parallel_size=world,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )  # fmt: skip
+    model = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=16,
+        share_embeddings_and_output_weights=False,
+    )  # fmt: skip
+    b, s = 2, 8
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 32, (b, s), generator=g), torch.randint(0, 32, (s, b), generator=g)
+    weights = torch.randn(s, b, generator=g)
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).expand(b, 1, s, s)  # (CPU: given, not made)
+    found = {}
+    for name in ("megatron", "ours"):
+        model.zero_grad(set_to_none=True)
+        seen = {}
+        hook = model.output_layer.register_forward_pre_hook(
+            lambda layer, args, seen=seen: seen.setdefault("hidden", args[0])
+        )
+        logits = model(ids, positions, attention_mask=causal)  # [b, s, V / TP]
+        hook.remove()
+        if name == "megatron":
+            logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous() / T, labels)
+        else:  # the hidden states [s, b, H] the postprocess gave the output layer, through the fused head instead
+            logp = adapter.output_layer_logprobs(model.output_layer, seen["hidden"], labels, temperature=T)
+        (weights * logp).sum().backward()
+        found[name] = (logp.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    return found
+
+
+def test_a_gpt_models_step_through_the_fused_output_layer_equals_megatrons():
+    """A whole megatron-core ``GPTModel`` step on 2 ranks (TP 2; without sequence parallelism, which its torch
+    LayerNorm refuses on the CPU): the log-probs and the gradient of every parameter (embedding, attention, MLP,
+    norms, the output layer's rows) through our fused output layer equal Megatron's own output layer + cross entropy."""
+    for rank, found in enumerate(run_ranks(_gpt_model_rank, 2, timeout=600)):
+        (m_logp, m_grads), (o_logp, o_grads) = found["megatron"], found["ours"]
+        torch.testing.assert_close(o_logp, m_logp, atol=1e-5, rtol=1e-5)
+        assert o_grads.keys() == m_grads.keys() and "output_layer.weight" in o_grads and len(o_grads) > 20
+        for name, grad in m_grads.items():
+            scale = max(1.0, grad.abs().max().item())
+            torch.testing.assert_close(
+                o_grads[name], grad, atol=1e-5 * scale, rtol=1e-5, msg=lambda m, n=name, r=rank: f"{n}, rank {r}: {m}"
+            )
