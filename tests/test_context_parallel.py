@@ -15,6 +15,7 @@ from gloo_ranks import run_ranks
 
 from grpo_kernels import (
     GRPOOptions,
+    KeptSet,
     dpo_loss,
     fused_linear_grpo_loss,
     grpo_loss,
@@ -149,6 +150,26 @@ def _rank(rank, world):
                         dist.all_reduce(dweight, group=group)
                         _close(dweight, whole_dweight, f"d weight: {label}")
                     results.append(label)
+        # the sampler's kept sets (each token's own, padded [.., K]): the log-probs over them, on this rank's tokens
+        first = torch.randint(0, V, x["ids"].shape, generator=torch.Generator().manual_seed(5))
+        # two distinct kept ids a token (the second 1 to V - 1 past the first) and a pad; the target often outside
+        # (prime-rl's convention: then the vocabulary)
+        sets = torch.stack([first, (first + 1 + x["ids"].clamp(min=0) % (V - 1)) % V, torch.full_like(first, -1)], -1)
+        for backend in ("torch", "triton"):
+            whole_leaf, mine_leaf = x["logits"].clone().requires_grad_(), local["logits"].clone().requires_grad_()
+            options = GRPOOptions(loss_type="grpo", importance_sampling_level="sequence")
+            whole = grpo_loss(whole_leaf, x["ids"], x["mask"], x["advantages"], x["old"], options=options,
+                              backend=backend, kept_set=KeptSet.from_padded(sets))  # fmt: skip
+            whole.loss.backward()
+            mine_sets = sets[rows, cols].reshape(*local["mask"].shape, 3)
+            out = grpo_loss(mine_leaf, local["ids"], local["mask"], x["advantages"], local["old"], options=options,
+                            backend=backend, kept_set=KeptSet.from_padded(mine_sets), cu_seqlens=cu,
+                            context_parallel_group=group)  # fmt: skip
+            out.loss.backward()
+            label = f"kept set packed={packed} {backend}"
+            _close(out.loss, whole.loss, label)
+            _close(mine_leaf.grad, whole_leaf.grad[rows, cols].reshape(mine_leaf.shape), label)
+            results.append(label)
         for method, extra in METHODS:  # the method family on the same layouts
             whole_leaf, mine_leaf = x["logits"].clone().requires_grad_(), local["logits"].clone().requires_grad_()
             whole = method(whole_leaf, x["ids"], x["mask"], *(x[k] for k in extra))
@@ -173,7 +194,7 @@ METHODS = ((sft_loss, ()), (rft_loss, ("rewards",)), (dpo_loss, ("ref",)))
 
 def test_a_context_parallel_call_equals_one_process_on_the_whole_batch():
     results = run_ranks(_rank, CP, timeout=600)
-    assert results[0] == results[1] and len(results[0]) == 5 * len(CASES) + 2 * len(METHODS)
+    assert results[0] == results[1] and len(results[0]) == 5 * len(CASES) + 2 * len(METHODS) + 4
 
 
 def _refusals(rank, world):
