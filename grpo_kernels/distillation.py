@@ -37,10 +37,11 @@ import dataclasses
 import torch
 
 from . import collectives, pipeline
+from .context_parallel import WholeSequenceLayout, whole_rows
 from .conventions import VERL_AGG_MODES, verl_aggregate
 from .from_hidden_states import HiddenStatesSource
 from .from_logits import LogitsSource, aligned
-from .inputs import LogprobSettings
+from .inputs import LogprobSettings, check_context_parallel
 from .methods import input_source
 from .validation import check_choice, check_like_mask, check_number
 
@@ -127,6 +128,7 @@ def topk_distillation_loss(
     vocab_start_index: int | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    context_parallel_group=None,
 ) -> DistillationOutput:
     """The top-k forward KL of the student's logits [B, T, V] (``logits[:, t]`` predicts token t; [B, T + 1, V] with
     ``drop_last_position``; a packed [total, V] with ``cu_seqlens``; a vocabulary slice with
@@ -137,7 +139,9 @@ def topk_distillation_loss(
     ``convention``: "verl" (``log_prob_min_clamp`` -10, ``loss_max_clamp`` 10 and ``loss_agg_mode`` "token-mean"
     by default, verl's; ``dp_size``, ``batch_num_tokens``, ``global_batch_size``: verl's ``global_batch_info``) or
     "trl" (``add_tail``, ``alpha``; TRL's reduction). ``compute_overlap``: verl's overlap metrics, from the student's
-    own top-K ids (``torch.topk`` over chunks of the logits: one more read of them). See the module docstring."""
+    own top-K ids (``torch.topk`` over chunks of the logits: one more read of them). ``context_parallel_group``: each
+    rank's tokens of every sequence, the loss and metrics the whole sequences' on every rank (as ``grpo_loss``). See
+    the module docstring."""
     source = LogitsSource(logits, drop_last_position=drop_last_position)
     return _topk_loss(source, locals())
 
@@ -171,6 +175,7 @@ def fused_linear_topk_distillation_loss(
     logit_softcap: float | None = None,
     head_precision: str = "input",
     reduce_hidden_grad: bool = True,
+    context_parallel_group=None,
 ) -> DistillationOutput:
     """``topk_distillation_loss`` from hidden states [B, T, H] and the lm_head ``weight`` [V, H] (and ``bias``): the
     [N, V] logits are never held (each of the K ids' logits its own dot product beside the head's log-sum-exp pass).
@@ -185,6 +190,7 @@ def _topk_loss(source, settings: dict) -> DistillationOutput:
     divergence in torch over [N, K], its reduction and metrics."""
     convention = settings["convention"]
     check_choice("convention", convention, CONVENTIONS)
+    check_context_parallel(settings["context_parallel_group"])
     for name in ("loss_agg_mode", "loss_scale_factor"):
         if convention == "trl" and settings[name] is not None:
             raise ValueError(
@@ -205,22 +211,41 @@ def _topk_loss(source, settings: dict) -> DistillationOutput:
     )
     active = inputs.mask.reshape(logq.shape[:-1]) != 0
     logp = torch.where(active.unsqueeze(-1), logp.to(logq.dtype), 0.0)
+    whole = _WholeTokens(inputs, active, settings["context_parallel_group"])
     if convention == "verl":
-        per_token, metrics = _verl_forward_kl(logq, logp, active, settings)
-        loss = _verl_reduced(per_token, inputs, settings)
+        per_token, metrics = _verl_forward_kl(logq, logp, active, settings, whole)
+        loss = _verl_reduced(whole(per_token, differentiable=True), whole.inputs, settings)
     else:
         per_token, metrics = _trl_forward_kl(logq, logp, active, settings), {}
-        loss = _trl_reduced(per_token, inputs)
+        loss = _trl_reduced(whole(per_token, differentiable=True), whole.inputs)
     if convention == "verl" and settings["compute_overlap"]:
-        metrics.update(_overlap_metrics(inputs, logq.detach(), logp, active, settings))
+        metrics.update(_overlap_metrics(inputs, logq.detach(), logp, active, settings, whole))
     metrics["distillation/loss"] = loss.detach()
     per_token = per_token if inputs.caller_shape is None else per_token.reshape(inputs.caller_shape)
     return DistillationOutput(loss, metrics, per_token)
 
 
-def _verl_forward_kl(logq, logp, active, settings) -> tuple:
+class _WholeTokens:
+    """A top-k call's per-token values as the reductions and metrics read them: this call's own, or with a
+    ``context_parallel_group`` the whole sequences' (``context_parallel.WholeSequenceLayout``: exchanged over the
+    group, a value ``differentiable`` into this rank's), with ``active`` and ``inputs`` to match."""
+
+    def __init__(self, inputs, active, group):
+        self.layout = None if group is None else WholeSequenceLayout.over(inputs.layout, group, active.device)
+        if self.layout is None:
+            self.active, self.inputs = active, inputs
+            return
+        mask = self.layout.gathered(inputs.mask.reshape(active.shape))
+        self.active = mask != 0
+        self.inputs = inputs._replace(mask=mask, mask_seq=mask, layout=self.layout)
+
+    def __call__(self, t: torch.Tensor, differentiable: bool = False) -> torch.Tensor:
+        return t if self.layout is None else self.layout.gathered(t, differentiable)
+
+
+def _verl_forward_kl(logq, logp, active, settings, whole: _WholeTokens) -> tuple:
     """verl's ``compute_forward_kl_topk`` and its registered loss: the masses, the clamped sum p (log p - log q)
-    clamped at 0 (the token's loss), the range metrics, then ``loss_max_clamp``."""
+    clamped at 0 (the token's loss), the range metrics (over ``whole``'s tokens), then ``loss_max_clamp``."""
     clamp = settings["log_prob_min_clamp"]
     student_mass, teacher_mass = logq.exp().sum(-1), logp.exp().sum(-1)
     if clamp is not None:
@@ -229,8 +254,8 @@ def _verl_forward_kl(logq, logp, active, settings) -> tuple:
     per_token = torch.where(active, per_token, 0.0)
     metrics = {}
     for name, value in (("student_mass", student_mass), ("teacher_mass", teacher_mass)):
-        metrics.update(_mean_min_max(f"distillation/{name}", value.detach(), active))
-    metrics.update(_mean_min_max("distillation/loss", per_token.detach(), active, mean=False))
+        metrics.update(_mean_min_max(f"distillation/{name}", whole(value.detach()), whole.active))
+    metrics.update(_mean_min_max("distillation/loss", whole(per_token.detach()), whole.active, mean=False))
     cap = settings["loss_max_clamp"]
     if cap is not None:  # (the minimum for k1, which can be negative; here it is at least 0 already)
         per_token = per_token.clamp(min=-cap, max=cap)
@@ -332,7 +357,7 @@ def _trl_reduced(per_token, inputs) -> torch.Tensor:
     return ((L.seq(per_token) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
-def _overlap_metrics(inputs, logq, logp, active, settings) -> dict:
+def _overlap_metrics(inputs, logq, logp, active, settings, whole: _WholeTokens) -> dict:
     """verl's overlap diagnostics: the share of the teacher's K ids among the student's own top-K (the mean over
     active tokens, over K), and the mean over tokens with an overlap of -p (log p - log q) over the overlapping ids
     (both sides clamped as the loss clamps them)."""
@@ -346,8 +371,9 @@ def _overlap_metrics(inputs, logq, logp, active, settings) -> dict:
         logq, logp = logq.clamp_min(clamp), logp.clamp_min(clamp)
     token_kl = logp.exp() * (logp - logq)
     advantage = torch.where(count > 0, (-token_kl * overlap).sum(-1) / count.clamp_min(1), 0.0)
+    count, advantage, active = whole(count.float()), whole(advantage), whole.active  # (over the whole sequences)
     with_overlap = active & (count > 0)
-    ratio = _active_mean(count.float(), active) / K  # (NaN without an active token)
+    ratio = _active_mean(count, active) / K  # (NaN without an active token)
     advantage = _active_mean(advantage, with_overlap)
     return {
         "distillation/overlap_ratio": ratio,
@@ -414,6 +440,7 @@ def reverse_kl_distillation_loss(
     logit_softcap: float | None = None,
     head_precision: str = "input",
     reduce_hidden_grad: bool = True,
+    context_parallel_group=None,
 ) -> DistillationOutput:
     """verl's single-sample reverse-KL distillation as a supervised loss (``compute_distillation_loss_reverse_kl_
     estimator`` and ``distillation_loss`` without the policy gradient): the student's log-prob of each sampled token
@@ -421,6 +448,8 @@ def reverse_kl_distillation_loss(
     split) and the teacher's ``teacher_logps`` [B, T] through verl's ``kl_penalty`` ``estimator`` ("kl" / "k1",
     "abs", "mse" / "k2", "low_var_kl" / "k3": the log-ratio clamped to +-20, the estimate to +-10), the range and
     ``distillation/abs_loss`` metrics, clamped to +-``loss_max_clamp``, reduced by ``loss_agg_mode``.
+    ``context_parallel_group``: each rank's tokens of every sequence, the loss and metrics the whole sequences' on
+    every rank (as ``grpo_loss``).
 
     The policy-gradient form (verl's ``use_policy_gradient``, Thinking Machines' on-policy distillation) is
     ``grpo_loss`` with ``reverse_kl_advantages`` as its advantages; verl's ``distillation_ppo_loss`` sums that loss
@@ -433,13 +462,17 @@ def reverse_kl_distillation_loss(
             "estimator='k1' as a supervised loss: its gradient does not depend on the teacher's log-probs (verl "
             "refuses it); use it in the policy-gradient form, grpo_loss with advantages=reverse_kl_advantages(...)"
         )
+    check_context_parallel(context_parallel_group)
     source = input_source(logits, weight, bias, head_precision, drop_last_position)
     inputs, logp, mask = pipeline.sequence_logprobs(
         source, completion_ids, completion_mask, temperature, LogprobSettings.of(locals())
     )
-    L = inputs.layout
     check_like_mask("teacher_logps", teacher_logps, completion_mask)
-    teacher = L.seq(teacher_logps.reshape(inputs.ids.shape)).to(logp.dtype)
+    teacher = inputs.layout.seq(teacher_logps.reshape(inputs.ids.shape)).to(logp.dtype)
+    if context_parallel_group is not None:  # the whole sequences' (every rank the same loss)
+        inputs, logp, teacher = whole_rows(inputs, context_parallel_group, logp, teacher)
+        mask, teacher = inputs.mask_seq, teacher.to(logp.dtype)
+    L = inputs.layout
     active = mask != 0
     teacher = torch.where(active, teacher, logp.detach())  # a masked token's teacher value is never read
     per_token = torch.where(active, reverse_kl_estimate(logp, teacher, estimator), 0.0)
@@ -451,9 +484,7 @@ def reverse_kl_distillation_loss(
         per_token, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor
     )
     metrics["distillation/loss"] = loss.detach()
-    per_token_out = L.from_seq(per_token) if L.packed else per_token
-    if inputs.caller_shape is not None:
-        per_token_out = per_token_out.reshape(inputs.caller_shape)
+    per_token_out = per_token if inputs.caller_shape is None else L.from_seq(per_token).reshape(inputs.caller_shape)
     return DistillationOutput(loss, metrics, per_token_out)
 
 

@@ -5,9 +5,12 @@ every rank, and each rank's per-token log-probs and gradients at its own tokens,
 (fp32, 1e-5), for the token mean over rows, the batch token mean, the token-count default, the prompt mean, GSPO and
 GSPO-token, the entropy bonus and KL, and a verl rollout-correction preset; the masked tokens hold garbage (NaN
 log-probs, ids of -100). The d weight of the fused head, summed over the ranks, is the whole batch's. The refusals
-come by name. SFT, RFT and DPO alike. Tensor x context parallelism through megatron-core's own groups (4 ranks):
+come by name. SFT, RFT and DPO alike, the distillation losses (top-k in verl's and TRL's conventions, reverse KL) and
+the loss over the sampler's kept sets. Tensor x context parallelism through megatron-core's own groups (4 ranks):
 from vocabulary-parallel logits and from the head's row shard with sequence parallelism on and off; and the log-prob
 family, which needs no group (log-probs, entropy, sum pi^2, a teacher's top-k on each rank's packed chunks)."""
+
+import functools
 
 import pytest
 import torch
@@ -19,9 +22,11 @@ from grpo_kernels import (
     dpo_loss,
     fused_linear_grpo_loss,
     grpo_loss,
+    reverse_kl_distillation_loss,
     rft_loss,
     sft_loss,
     token_logprobs,
+    topk_distillation_loss,
     topk_logprobs,
 )
 
@@ -170,6 +175,30 @@ def _rank(rank, world):
             _close(out.loss, whole.loss, label)
             _close(mine_leaf.grad, whole_leaf.grad[rows, cols].reshape(mine_leaf.shape), label)
             results.append(label)
+        # the distillation losses: the top-k forward KL (verl's convention with its overlap metrics, TRL's) and the
+        # reverse KL, from this rank's tokens
+        g = torch.Generator().manual_seed(6)
+        teacher_ids = torch.stack([x["ids"].clamp(min=0), (x["ids"].clamp(min=0) + 3) % V], dim=-1)
+        teacher_logps = torch.log_softmax(torch.randn(*x["ids"].shape, 3, generator=g), -1)[..., :2]
+        mine_teacher = [t[rows, cols].reshape(*local["mask"].shape, 2) for t in (teacher_ids, teacher_logps)]
+        for name, loss_fn, whole_args, mine_args in (
+            ("top-k verl", topk_distillation_loss, (teacher_ids, teacher_logps), mine_teacher),
+            ("top-k trl", functools.partial(topk_distillation_loss, convention="trl"), (teacher_ids, teacher_logps),
+             mine_teacher),
+            ("reverse kl", reverse_kl_distillation_loss, (x["ids"], x["ref"]), (local["ids"], local["ref"])),
+        ):  # fmt: skip
+            whole_leaf, mine_leaf = x["logits"].clone().requires_grad_(), local["logits"].clone().requires_grad_()
+            whole = loss_fn(whole_leaf, *whole_args, x["mask"])
+            whole.loss.backward()
+            out = loss_fn(mine_leaf, *mine_args, local["mask"], cu_seqlens=cu, context_parallel_group=group)
+            out.loss.backward()
+            label = f"{name} packed={packed}"
+            _close(out.loss, whole.loss, label)
+            assert out.metrics.keys() == whole.metrics.keys(), label
+            for metric in whole.metrics:
+                _close(out.metrics[metric], whole.metrics[metric], f"{metric}: {label}")
+            _close(mine_leaf.grad, whole_leaf.grad[rows, cols].reshape(mine_leaf.shape), label)
+            results.append(label)
         for method, extra in METHODS:  # the method family on the same layouts
             whole_leaf, mine_leaf = x["logits"].clone().requires_grad_(), local["logits"].clone().requires_grad_()
             whole = method(whole_leaf, x["ids"], x["mask"], *(x[k] for k in extra))
@@ -194,7 +223,7 @@ METHODS = ((sft_loss, ()), (rft_loss, ("rewards",)), (dpo_loss, ("ref",)))
 
 def test_a_context_parallel_call_equals_one_process_on_the_whole_batch():
     results = run_ranks(_rank, CP, timeout=600)
-    assert results[0] == results[1] and len(results[0]) == 5 * len(CASES) + 2 * len(METHODS) + 4
+    assert results[0] == results[1] and len(results[0]) == 5 * len(CASES) + 2 * len(METHODS) + 4 + 6
 
 
 def _refusals(rank, world):
