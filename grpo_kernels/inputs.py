@@ -588,6 +588,11 @@ def check_context_parallel(group, options: GRPOOptions | None = None) -> None:
     torch.compile graph (the exchange reads the parts' sizes on the host)."""
     if group is None:
         return
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "context_parallel_group inside a torch.compile graph: the exchange reads the parts' sizes on the host; "
+            "call the loss eagerly"
+        )
     if not dist.is_available() or not dist.is_initialized() or not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             "context_parallel_group must be a torch.distributed ProcessGroup of an initialized process group, got "
@@ -603,11 +608,6 @@ def check_context_parallel(group, options: GRPOOptions | None = None) -> None:
         raise NotImplementedError(
             f"loss_type={options.loss_type!r} with context_parallel_group: its tokens are chosen over every "
             "process's tokens, and each rank of the group holds the whole sequences"
-        )
-    if torch.compiler.is_compiling():
-        raise NotImplementedError(
-            "context_parallel_group inside a torch.compile graph: the exchange reads the parts' sizes on the host; "
-            "call the loss eagerly"
         )
 
 

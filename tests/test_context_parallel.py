@@ -241,6 +241,14 @@ def _refusals(rank, world):
             grpo_loss(local["logits"], local["ids"], local["mask"], x["advantages"], context_parallel_group=group,
                       **options)  # fmt: skip
         messages.append(match)
+    # inside a torch.compile graph (the exchange reads the parts' sizes on the host), as users compile a step
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="context_parallel_group inside a torch.compile graph"):
+        torch.compile(
+            lambda: grpo_loss(local["logits"], local["ids"], local["mask"], x["advantages"],
+                              context_parallel_group=group).loss,
+            fullgraph=True, backend="eager",
+        )()  # fmt: skip
     # ranks that disagree on the sequences they hold
     rows = local["logits"][: rank + 1]
     with pytest.raises(ValueError, match=r"as many sequences .* got \[1, 2\]"):
