@@ -24,6 +24,7 @@ import pytest
 import torch
 from aot import DTYPES
 from conftest import TOOLS
+from filelock import FileLock
 
 from grpo_kernels.kernels import logits_launch, split_row_launch
 
@@ -78,14 +79,22 @@ def test_the_watch_fails_a_stalled_process_and_waits_for_a_slow_one():
         _run_watched([sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), stall_s=1)
 
 
-# Every test here on one worker (CI's `--dist loadgroup`): the compile runs once, not once a worker
-pytestmark = pytest.mark.xdist_group("aot")
-
-
 @pytest.fixture(scope="module")
-def every_target():
-    """One run of the tool for every target (the launches recorded once): sm_90 and sm_80, sm_100, AMD's two."""
-    return _aot("--arch", "90", "80", "100", *aot.AMD_ARCHS)
+def every_target(tmp_path_factory, worker_id):
+    """One run of the tool for every target (the launches recorded once): sm_90 and sm_80, sm_100, AMD's two. Under
+    xdist the first worker to need it compiles and leaves the records in the session's shared temporary folder; a
+    worker that needs them meanwhile waits on the lock (the compile has both cores then) and reads them: the compile
+    runs once a session, not once a worker (xdist's own recipe; its `loadgroup` mode does not group under pytest 9)."""
+    arguments = ("--arch", "90", "80", "100", *aot.AMD_ARCHS)
+    if worker_id == "master":
+        return _aot(*arguments)
+    shared = tmp_path_factory.getbasetemp().parent / "aot_records.json"
+    with FileLock(f"{shared}.lock"):
+        if shared.is_file():
+            return json.loads(shared.read_text())
+        records = _aot(*arguments)
+        shared.write_text(json.dumps(records))
+        return records
 
 
 @pytest.fixture(scope="module")
