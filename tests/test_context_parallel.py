@@ -79,6 +79,14 @@ def _close(actual, expected, label: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6 * scale, msg=lambda report: f"{label}: {report}")
 
 
+def _same_output(out, whole, label: str) -> None:
+    """A context-parallel call's loss and every metric are the whole batch's (``_close``)."""
+    _close(out.loss, whole.loss, label)
+    assert out.metrics.keys() == whole.metrics.keys(), label
+    for name in whole.metrics:
+        _close(out.metrics[name], whole.metrics[name], f"{name}: {label}")
+
+
 def _zigzag(length: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s positions of a sequence of ``length`` tokens: its chunks r and 2 CP - 1 - r."""
     chunk = length // (2 * CP)
@@ -141,10 +149,7 @@ def _rank(rank, world):
                     out = _call(local, mine_leaf, options, cu, group, from_hidden, backend)
                     out.loss.backward()
                     label = f"{case} packed={packed} hidden={from_hidden} {backend}"
-                    _close(out.loss, whole.loss, label)
-                    assert out.metrics.keys() == whole.metrics.keys(), label
-                    for name in whole.metrics:
-                        _close(out.metrics[name], whole.metrics[name], f"{name}: {label}")
+                    _same_output(out, whole, label)
                     mask = local["mask"] != 0
                     expected_logps = whole.per_token_logps[rows, cols].reshape(mask.shape)
                     _close(out.per_token_logps.reshape(mask.shape)[mask], expected_logps[mask], label)
@@ -193,10 +198,7 @@ def _rank(rank, world):
             out = loss_fn(mine_leaf, *mine_args, local["mask"], cu_seqlens=cu, context_parallel_group=group)
             out.loss.backward()
             label = f"{name} packed={packed}"
-            _close(out.loss, whole.loss, label)
-            assert out.metrics.keys() == whole.metrics.keys(), label
-            for metric in whole.metrics:
-                _close(out.metrics[metric], whole.metrics[metric], f"{metric}: {label}")
+            _same_output(out, whole, label)
             _close(mine_leaf.grad, whole_leaf.grad[rows, cols].reshape(mine_leaf.shape), label)
             results.append(label)
         for method, extra in METHODS:  # the method family on the same layouts
@@ -207,9 +209,7 @@ def _rank(rank, world):
                          context_parallel_group=group)  # fmt: skip
             out.loss.backward()
             label = f"{method.__name__} packed={packed}"
-            _close(out.loss, whole.loss, label)
-            for name in whole.metrics:
-                _close(out.metrics[name], whole.metrics[name], f"{name}: {label}")
+            _same_output(out, whole, label)
             mask = local["mask"] != 0
             _close(out.per_token_logps[mask], whole.per_token_logps[rows, cols].reshape(mask.shape)[mask], label)
             expected_grad = whole_leaf.grad[rows, cols].reshape(mine_leaf.shape)
@@ -327,9 +327,7 @@ def _megatron_rank(rank, world):
                     d_hidden = d_hidden.reshape(-1, local["mask"].shape[-1], H).transpose(0, 1)
                     expected = d_hidden[tp_rank * part : (tp_rank + 1) * part]
                 out.loss.backward()
-                _close(out.loss, whole.loss, f"loss, {label}")
-                for name in whole.metrics:
-                    _close(out.metrics[name], whole.metrics[name], f"{name}, {label}")
+                _same_output(out, whole, label)
                 _close(leaf.grad, expected, f"gradient, {label}")
                 if from_hidden:  # each context part's share of the head's gradient, summed over the group
                     d_weight = weight.grad.clone()

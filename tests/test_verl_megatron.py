@@ -123,13 +123,11 @@ def _unsharded(hidden, weight, labels, weights):
 def _fused_postprocess_rank(rank, world, layouts):
     """Each (sequence_parallel, padded) layout of ``layouts`` through verl's fused postprocess with our patch, and
     Megatron's own head on the same shard, in one launch (the ranks' imports are most of a launch's time)."""
-    import types
     import warnings
 
     warnings.filterwarnings("ignore")  # megatron-core warns that Transformer Engine and Apex are absent
     torch.cuda.current_device = lambda: "cpu"  # Megatron's mappings allocate their buffers there
     from megatron.core import parallel_state, tensor_parallel
-    from verl.models.mcore import model_forward_fused
 
     from grpo_kernels.integration import verl as adapter
 
@@ -146,14 +144,7 @@ def _fused_postprocess_rank(rank, world, layouts):
                          labels=labels, sequence_parallel=sequence_parallel):  # fmt: skip
             hidden = hidden_all[rows].clone().requires_grad_()
             weight = weight_all[shard].clone().requires_grad_()
-            out = model_forward_fused.fused_output_processor(
-                hidden_states=hidden,
-                output_layer=None,
-                output_weight=weight,
-                labels=labels,
-                context=model_forward_fused.FusedOutputProcessorContext(temperature=FUSED_T),
-                config=types.SimpleNamespace(sequence_parallel=sequence_parallel, config_logger_dir=""),
-            )
+            out = _verls_fused_postprocess(hidden, weight, labels, sequence_parallel)
             logp, entropy = out.log_probs.reshape(-1), out.entropy.reshape(-1)
             ((loss_weights[0] * logp).sum() + (loss_weights[1] * entropy).sum()).backward()
             return logp.detach(), entropy.detach(), hidden.grad, weight.grad
@@ -212,6 +203,23 @@ def test_verls_megatron_fused_path_gives_the_unsharded_gradients(world):
     for _, (summed, share) in ranks:
         torch.testing.assert_close(summed, total, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(share, total)
+
+
+def _verls_fused_postprocess(hidden, weight, labels, sequence_parallel: bool):
+    """verl's own ``fused_output_processor`` (its Megatron postprocess with ``use_fused_kernels``: Megatron's
+    sequence-parallel gather, then the head, ours once patched) on this rank's hidden states and weight rows."""
+    import types
+
+    from verl.models.mcore import model_forward_fused
+
+    return model_forward_fused.fused_output_processor(
+        hidden_states=hidden,
+        output_layer=None,
+        output_weight=weight,
+        labels=labels,
+        context=model_forward_fused.FusedOutputProcessorContext(temperature=FUSED_T),
+        config=types.SimpleNamespace(sequence_parallel=sequence_parallel, config_logger_dir=""),
+    )
 
 
 def _reduce_hidden_grad(rank, world):
@@ -302,11 +310,9 @@ def _fused_context_parallel(tp, shard, params, attention_mask, labels, weights):
     split over the TP group, through verl's own ``fused_output_processor`` (Megatron's gather, our patched head on
     this rank's weight rows) and ``postprocess_packed_seqs``; (the whole log-probs and entropy, d hidden, d weight
     summed over the CP group) against one process's (the same, at this rank's tokens and rows)."""
-    import types
 
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
-    from verl.models.mcore import model_forward_fused
     from verl.models.mcore.util import postprocess_packed_seqs, preprocess_packed_seqs
 
     torch.cuda.current_device = lambda: "cpu"  # Megatron's mappings allocate their buffers there
@@ -323,14 +329,7 @@ def _fused_context_parallel(tp, shard, params, attention_mask, labels, weights):
     packed_labels, _ = preprocess_packed_seqs(labels, attention_mask, pre_process=True)
     hidden = sequence_parallel_part(packed_hidden).clone().requires_grad_()
     weight = weight_all[shard].clone().requires_grad_()
-    out = model_forward_fused.fused_output_processor(
-        hidden_states=hidden,
-        output_layer=None,
-        output_weight=weight,
-        labels=packed_labels,
-        context=model_forward_fused.FusedOutputProcessorContext(temperature=FUSED_T),
-        config=types.SimpleNamespace(sequence_parallel=True, config_logger_dir=""),
-    )
+    out = _verls_fused_postprocess(hidden, weight, packed_labels, sequence_parallel=True)
     whole = [
         postprocess_packed_seqs(t.reshape(packed_labels.shape), params, attention_mask, CP_B, CP_T)
         for t in (out.log_probs, out.entropy)
