@@ -40,15 +40,9 @@ from .kernels import fused_linear_launch, kept_launch, logits_launch, reduce_lau
 from .kernels.contracts import KeptTerms, KeptTokens, LossTokens, OnePassGradient, rounds_head_logits
 from .objective import GRPOLossOutput
 from .options import GRPOOptions, option_value
-from .sparse_entries import (
-    at_ids_terms,
-    at_ids_tokens,
-    kept_gradient,
-    summed_over_repeats,
-    with_kept_lse,
-    with_kept_set,
-)
+from .sparse_entries import KeptSetEntries, TopKEntries, kept_gradient, with_kept_lse, with_kept_set
 from .validation import check_head_precision, check_linear_inputs, check_lm_head_mode
+from .vocab_parallel import combined_result, owned_ids, summed_over_shards, unowned_column_0_in_head_grads
 
 
 def head_operands(hidden_states, weight, bias, head_precision: str) -> tuple:
@@ -163,75 +157,41 @@ class HiddenStatesSource:
         return self._flat
 
     def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
-        """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens, as in the logits form. A
-        vocabulary-parallel call's source is ``vocab_parallel.ShardedHiddenStatesSource``, which overrides this."""
-        options = inputs.options
-        if inputs.kept is not None:
-            pair = KeptLinearTokenLogprobs.apply(
-                *self.flat(inputs),
-                flat_mask(inputs.mask),
-                option_value(options, "kernel_temperature"),
-                option_value(options, "kernel_softcap"),
-                compute_entropy,
-                inputs.backend,
-                inputs.kept,
-                self.fp32_logits,
-            )
-            return self.as_rows(inputs, pair)
-        pair = apply_or_forward(
-            LinearTokenLogprobs,
-            *self.flat(inputs),
-            option_value(options, "kernel_temperature"),
-            option_value(options, "kernel_softcap"),
-            compute_entropy,
-            inputs.backend,
-            self.fp32_logits,
-        )[:2]
-        return self.as_rows(inputs, pair)
+        """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens, as in the logits form."""
+        kept = None if inputs.kept is None else KeptSetEntries(inputs.kept)
+        return self.as_rows(inputs, self._pass(inputs, self.flat(inputs)[3], compute_entropy, kept)[:2])
 
     def logprobs_at_ids(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
         """The differentiable log-probs at K ids a token (ids_k [B, T, K]), normalized over the whole vocabulary, 0 at
-        masked tokens (``LinearLogprobsAtIds``); [B, T, K]."""
-        options, (hidden, weight, bias, _) = inputs.options, self.flat(inputs)
-        logq = LinearLogprobsAtIds.apply(
-            hidden,
-            weight,
-            bias,
-            ids_k.reshape(-1, ids_k.shape[-1]),
-            flat_mask(inputs.mask),
-            option_value(options, "kernel_temperature"),
-            option_value(options, "kernel_softcap"),
-            inputs.backend,
-            self.fp32_logits,
-        )
-        return logq.view(ids_k.shape)
+        masked tokens; [B, T, K]."""
+        entries = TopKEntries.of(ids_k.reshape(-1, ids_k.shape[-1]))
+        return self._pass(inputs, None, False, entries)[0].view(ids_k.shape)
 
     def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
         """(log-probs, entropy or None, Σπ²) [B, T] of a no-grad log-prob pass, from the same pass."""
-        options = inputs.options
-        flat = self.flat(inputs)
-        r = linear_logprobs_fwd(
-            *flat,
+        kept = None if inputs.kept is None else KeptSetEntries(inputs.kept)
+        return self.as_rows(inputs, self._pass(inputs, self.flat(inputs)[3], compute_entropy, kept, True)[:3])
+
+    def _pass(self, inputs, ids, compute_entropy: bool, entries, compute_sum_squares: bool = False) -> tuple:
+        """``HiddenStatesLogprobs`` on this call's hidden states (as the kernels read them), head, options, backend
+        and shard."""
+        options, (hidden, weight, bias, _) = inputs.options, self.flat(inputs)
+        return apply_or_forward(
+            HiddenStatesLogprobs,
+            hidden,
+            weight,
+            bias,
+            ids,
+            None if inputs.mask is None else flat_mask(inputs.mask),
             option_value(options, "kernel_temperature"),
-            compute_entropy,
             option_value(options, "kernel_softcap"),
+            compute_entropy,
             inputs.backend,
-            compute_sum_squares=True,
-            fp32_logits=self.fp32_logits,
+            self.fp32_logits,
+            entries,
+            inputs.vocab_shard,
+            compute_sum_squares,
         )
-        if inputs.kept is not None:
-            terms = linear_kept_terms(
-                *flat,
-                inputs.kept,
-                flat_mask(inputs.mask),
-                option_value(options, "kernel_temperature"),
-                option_value(options, "kernel_softcap"),
-                inputs.backend,
-                compute_sum_squares=True,
-                fp32_logits=self.fp32_logits,
-            )
-            r = with_kept_set(r, terms)
-        return self.as_rows(inputs, (r.logp, r.entropy, r.sum_squares))
 
     @staticmethod
     def as_rows(inputs, pair) -> tuple:
@@ -557,61 +517,115 @@ def linear_logprobs_bwd(
 
 
 @signature_bound_once
-class LinearTokenLogprobs(torch.autograd.Function):
-    """log softmax(cap(h @ W^T + b) / tau)[ids] with the lm_head fused in: no [N, V] tensor is kept.
+class HiddenStatesLogprobs(torch.autograd.Function):
+    """The log-prob pass from hidden states [N, H] and the lm_head (weight [V, H], bias [V] or None), the logits never
+    held: log softmax(cap(h @ W^T + b) / tau) at each token's target ``ids`` [N] (and the entropy, and Σπ²), a tile or
+    a chunk of tokens at a time (Triton or the torch path), as ``from_logits.LogitsLogprobs`` with the same values:
 
-    hidden [N, H], weight [V, H], bias [V] or None, ids [N]. The backward recomputes the logits a chunk at a time
-    (Triton or torch); a frozen weight gets no gradient. Returns (logp, entropy or None, lse), as
-    ``from_logits.TokenLogprobs``; ``setup_context`` style (torch.func applies)."""
+    - ``entries`` (``sparse_entries``): the targets (None), each token's kept set (``KeptSetEntries``: each entry's
+      logit its own dot product) or K ids a token (``TopKEntries``, ids_k [N, K]; ``ids`` unused).
+    - ``shard`` (``inputs.VocabShard``): this rank's head shard [V / P, H], the ids global. The gradient of the
+      hidden states sums every rank's share of the vocabulary; who sums it is the caller's layout
+      (``shard.reduce_hidden_grad``: ``vocab_parallel.summed_over_shards``).
+
+    The backward recomputes the logits a chunk at a time, the entries written over each tile's dense gradient
+    before its products; a frozen weight gets no gradient. ``mask`` [N] or None. Returns (values [N] or [N, K],
+    entropy or None, Σπ² or None, the log-sum-exp and the entries' terms, not differentiable); ``setup_context``
+    style (torch.func applies)."""
 
     @staticmethod
-    def forward(
-        hidden,
-        weight,
-        bias,
-        ids,
-        temperature: float,
-        softcap: float | None,
-        compute_entropy: bool,
-        backend: str,
-        fp32_logits: bool,
-    ):
+    def forward(hidden, weight, bias, ids, mask, temperature, softcap, compute_entropy, backend, fp32_logits, entries,
+                shard, compute_sum_squares):  # fmt: skip
+        if entries is None and shard is None:  # the targets over the whole vocabulary: the pass alone
+            r = linear_logprobs_fwd(
+                hidden, weight, bias, ids, temperature, compute_entropy, softcap, backend, compute_sum_squares,
+                fp32_logits,
+            )  # fmt: skip
+            # both differentiable: a loss may use the entropy (the entropy bonus)
+            return r.logp, r.entropy, r.sum_squares, r.lse
+        entries = None if entries is None else entries.on_shard(mask, shard)
+        target, owned, local = _pass_ids(ids, entries, shard, weight.shape[0])
+        terms = None
+        if entries is not None:
+            terms = linear_kept_terms(
+                hidden, weight, bias, target, entries.kept_tokens, mask, temperature, softcap, backend,
+                col0=0 if shard is None else shard.start, group=entries.terms_group(shard),
+                compute_sum_squares=compute_sum_squares and entries.read_by_the_pass, fp32_logits=fp32_logits,
+            )  # fmt: skip
+            terms = entries.merged(terms, shard, weight.shape[0])
         r = linear_logprobs_fwd(
-            hidden, weight, bias, ids, temperature, compute_entropy, softcap, backend, fp32_logits=fp32_logits
-        )
-        return r.logp, r.entropy, r.lse  # both differentiable: a loss may use the entropy (the entropy bonus)
+            hidden, weight, bias, local, temperature, compute_entropy, softcap, backend, compute_sum_squares,
+            fp32_logits,
+        )  # fmt: skip
+        if shard is not None:
+            r = combined_result(r, owned, shard.group)
+        if entries is not None and entries.read_by_the_pass:
+            r = with_kept_set(r, terms)
+        values = r.logp if entries is None else entries.values(r, terms)
+        values, entropy, squares = zero_at_masked(mask, values, r.entropy, r.sum_squares)
+        return values, entropy, squares, r.lse, *(() if terms is None else terms)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        hidden, weight, bias, ids, temperature, softcap, _, backend, fp32_logits = inputs
-        _, entropy, lse = output
+        hidden, weight, bias, ids, mask, temperature, softcap, _, backend, fp32_logits, entries, shard, _ = inputs
+        _, entropy, squares, lse, *terms = output
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
-        ctx.backend, ctx.temperature, ctx.softcap, ctx.fp32_logits = backend, temperature, softcap, fp32_logits
+        ctx.mark_non_differentiable(lse, *(t for t in (squares, *terms) if t is not None))
+        entries = None if entries is None else entries.on_shard(mask, shard)
+        target, owned, local = _pass_ids(ids, entries, shard, weight.shape[0])
+        ctx.save_for_backward(hidden, weight, bias, target, owned, local, mask, lse, entropy, *terms)
+        ctx.entries, ctx.shard, ctx.backend, ctx.fp32_logits = entries, shard, backend, fp32_logits
+        ctx.temperature, ctx.softcap = temperature, softcap
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
-        if grad_logp is None and grad_entropy is None:
+    def backward(ctx, grad_values, grad_entropy, *unused):
+        if grad_values is None and grad_entropy is None:
             return input_grads(ctx)
-        hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
-        g = torch.zeros_like(lse) if grad_logp is None else grad_logp
-        grads = linear_loss_bwd(
-            hidden,
-            weight,
-            bias,
-            ids,
-            lse,
-            g,
-            ctx.temperature,
-            ctx.softcap,
-            ctx.backend,
-            _wants_weight(ctx, bias),
-            grad_entropy,
-            entropy,
-            fp32_logits=ctx.fp32_logits,
-        )
-        return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
+        hidden, weight, bias, target, owned, local, mask, lse, entropy, *terms = ctx.saved_tensors
+        entries, shard, temperature, softcap = ctx.entries, ctx.shard, ctx.temperature, ctx.softcap
+        if entries is None:
+            g, h, entry_gradient = torch.zeros_like(lse) if grad_values is None else grad_values, grad_entropy, None
+        else:
+            g, h, entry_gradient = entries.gradient(grad_values, grad_entropy, KeptTerms(*terms), lse, entropy, mask)
+        if entry_gradient is not None and torch.compiler.is_compiling():
+            # a graph's op takes no per-tile writer: the top-k's entries as a sparse update after the dense pass
+            grads = linear_loss_bwd(
+                hidden, weight, bias, local, lse, g, temperature, softcap, ctx.backend, _wants_weight(ctx, bias),
+                fp32_logits=ctx.fp32_logits,
+            )  # fmt: skip
+            grads = with_entry_gradients(
+                grads, hidden, weight, bias, entries.ids_k, entry_gradient.per_entry, g, temperature, softcap,
+                ctx.fp32_logits,
+            )  # fmt: skip
+            return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
+        write_entries = None
+        if entry_gradient is not None:
+            e = entry_gradient
+            write_entries = kept_entries(
+                target, e.tokens, e.terms, e.g, e.h, e.lse, e.entropy, temperature, softcap, ctx.backend,
+                col0=0 if shard is None else shard.start, lead=e.lead,
+            )  # fmt: skip
+        dh, dw, db = linear_loss_bwd(
+            hidden, weight, bias, local, lse, g, temperature, softcap, ctx.backend, _wants_weight(ctx, bias), h,
+            entropy, write_entries, fp32_logits=ctx.fp32_logits,
+        )  # fmt: skip
+        if shard is not None:  # the one-hot belongs to the target's owner; d hidden summed where this op owns it
+            kept_column_0 = owned if entries is None else entries.kept_column_0(owned, shard)
+            unowned_column_0_in_head_grads(
+                dh, dw, db, hidden, weight, bias, kept_column_0, g, temperature, softcap, ctx.fp32_logits
+            )
+            summed_over_shards(dh, shard)
+        return input_grads(ctx, *as_input_grads(ctx, (dh, dw, db), (hidden, weight, bias)))
+
+
+def _pass_ids(ids, entries, shard, width: int) -> tuple:
+    """(each token's target: the ids, or the entries' first; on a shard which targets this rank owns, else None; the
+    ids the dense passes read: on a shard the owned targets' local columns). A masked token's id is 0 already
+    (``HiddenStatesSource.flat``)."""
+    target = ids if entries is None else entries.target(ids)
+    if shard is None:
+        return target, None, target
+    return target, *owned_ids(target, shard.start, width)
 
 
 # ---- The sampler's kept set (kept_set.py) from the head: each kept logit its own dot product ---------------------
@@ -693,7 +707,7 @@ def kept_entries(ids, kept: KeptTokens | None, terms: KeptTerms | None, g, h, ls
         rows = slice(n0, n0 + tile.shape[0])
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         kept_gradient(
-            tile, ids, kept, terms, g[rows], pick(h), lse[rows], pick(entropy), temperature, softcap, backend,
+            tile, ids, kept, terms, g[rows], pick(h), pick(lse), pick(entropy), temperature, softcap, backend,
             col0=col0 + v0, n0=n0, lead=lead,
         )  # fmt: skip
 
@@ -723,108 +737,3 @@ def with_entry_gradients(grads, hidden, weight, bias, ids_k, G, g, temperature, 
         if db is not None:
             db = db.index_add(0, ids_k[:, k], c)
     return dh, dw, db
-
-
-class KeptLinearTokenLogprobs(torch.autograd.Function):
-    """``LinearTokenLogprobs`` over each token's kept set: the set's terms from the head first, the pass over the
-    whole vocabulary, each set's token's log-prob (and, where it is the set's, entropy) over its set, and a
-    backward whose recomputed tiles of dlogits leave the sets' share to their entries (``kept_entries``).
-    hidden [N, H], weight [V, H], bias, ids [N], mask [N] or None. Returns (logp, entropy or None) [N]."""
-
-    @staticmethod
-    def forward(
-        ctx, hidden, weight, bias, ids, mask, temperature, softcap, compute_entropy, backend, kept, fp32_logits
-    ):
-        ctx.set_materialize_grads(False)
-        terms = linear_kept_terms(
-            hidden, weight, bias, ids, kept, mask, temperature, softcap, backend, fp32_logits=fp32_logits
-        )
-        r = linear_logprobs_fwd(
-            hidden, weight, bias, ids, temperature, compute_entropy, softcap, backend, fp32_logits=fp32_logits
-        )
-        r = with_kept_set(r, terms)
-        ctx.save_for_backward(hidden, weight, bias, ids, r.lse, r.entropy)
-        ctx.terms, ctx.kept, ctx.backend, ctx.temperature, ctx.softcap = terms, kept, backend, temperature, softcap
-        ctx.fp32_logits = fp32_logits
-        return r.logp, r.entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        if grad_logp is None and grad_entropy is None:
-            return input_grads(ctx)
-        hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
-        g = torch.zeros_like(lse) if grad_logp is None else flat_f32(grad_logp)
-        h = flat_f32(grad_entropy)
-        g_dense, h_dense = kept_set.dense_share(ctx.terms, ctx.kept, g, h)
-        grads = linear_loss_bwd(
-            hidden,
-            weight,
-            bias,
-            ids,
-            lse,
-            g_dense,
-            ctx.temperature,
-            ctx.softcap,
-            ctx.backend,
-            _wants_weight(ctx, bias),
-            h_dense,
-            entropy,
-            kept_entries(ids, ctx.kept, ctx.terms, g, h, lse, entropy, ctx.temperature, ctx.softcap, ctx.backend),
-            fp32_logits=ctx.fp32_logits,
-        )
-        return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
-
-
-# ---- Log-probs at several ids a token (a teacher's top-k: ``distillation.py``) ------------------------------------
-
-
-class LinearLogprobsAtIds(torch.autograd.Function):
-    """``from_logits.LogprobsAtIds`` from hidden states [N, H] and the head (weight [V, H], bias): the whole
-    vocabulary's log-sum-exp from the head's log-prob pass, each of the K ids' logits its own dot product
-    (``kernels/kept.py``), no [N, V] tensor; the backward's recomputed tiles of dlogits take g = sum_k G_k and then the
-    K entries (``kept_entries`` with their leads) before their products. ids_k [N, K], mask [N] or None. Returns
-    [N, K]."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, ids_k, mask, temperature, softcap, backend, fp32_logits):
-        ctx.set_materialize_grads(False)
-        tokens, first = at_ids_tokens(ids_k), ids_k[:, 0].contiguous()
-        r = linear_logprobs_fwd(
-            hidden, weight, bias, first, temperature, False, softcap, backend, fp32_logits=fp32_logits
-        )
-        x = linear_kept_terms(
-            hidden, weight, bias, first, tokens, mask, temperature, softcap, backend, fp32_logits=fp32_logits
-        ).x
-        (logq,) = zero_at_masked(mask, x.view(r.lse.numel(), -1) - r.lse.view(-1, 1))
-        ctx.save_for_backward(hidden, weight, bias, first, r.lse, x, mask, ids_k)
-        ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
-        ctx.fp32_logits = fp32_logits
-        return logq
-
-    @staticmethod
-    def backward(ctx, grad_logq):
-        if grad_logq is None:
-            return input_grads(ctx)
-        hidden, weight, bias, first, lse, x, mask, ids_k = ctx.saved_tensors
-        G = grad_logq.reshape(lse.numel(), -1).to(lse.dtype)
-        if mask is not None:
-            G = torch.where(mask.reshape(-1, 1) != 0, G, 0.0)
-        g = G.sum(-1)
-        if torch.compiler.is_compiling():  # a graph's op takes no per-tile writer: the entries as a sparse update
-            grads = linear_loss_bwd(
-                hidden, weight, bias, first, lse, g, ctx.temperature, ctx.softcap, ctx.backend,
-                _wants_weight(ctx, bias), fp32_logits=ctx.fp32_logits,
-            )  # fmt: skip
-            grads = with_entry_gradients(
-                grads, hidden, weight, bias, ids_k, G, g, ctx.temperature, ctx.softcap, ctx.fp32_logits
-            )
-            return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
-        entries = kept_entries(
-            first, ctx.tokens, at_ids_terms(x, lse, mask), g, None, lse, None, ctx.temperature, ctx.softcap,
-            ctx.backend, lead=summed_over_repeats(ctx.tokens.ids.long(), G),
-        )  # fmt: skip
-        grads = linear_loss_bwd(
-            hidden, weight, bias, first, lse, g, ctx.temperature, ctx.softcap, ctx.backend, _wants_weight(ctx, bias),
-            None, None, entries, fp32_logits=ctx.fp32_logits,
-        )  # fmt: skip
-        return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))

@@ -41,17 +41,9 @@ from .kernels import logits_launch
 from .kernels.contracts import KeptTerms, KernelLoss, LossTokens, TokenInputs
 from .objective import GRPOLossOutput
 from .options import GRPOOptions, option_value
-from .sparse_entries import (
-    at_ids_terms,
-    at_ids_tokens,
-    entry_logits,
-    kept_gradient,
-    kept_terms,
-    summed_over_repeats,
-    with_kept_lse,
-    with_kept_set,
-)
+from .sparse_entries import KeptSetEntries, TopKEntries, kept_gradient, kept_terms, with_kept_lse, with_kept_set
 from .validation import check_in_place, check_logits, checked_drop_last_position
+from .vocab_parallel import combined_result, owned_ids, unowned_column_0_in_logits_grad
 
 
 class LogprobResult(NamedTuple):
@@ -135,79 +127,40 @@ class LogitsSource:
         return aligned(self.tensor, self.drop_last_position)
 
     def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
-        """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens. ``final``: the pass the
-        gradient flows through (it may write the gradient into the logits, with in_place_backward). A
-        vocabulary-parallel call's source is ``vocab_parallel.ShardedLogitsSource``, which overrides this."""
-        options = inputs.options
-        if inputs.kept is not None:
-            return KeptTokenLogprobs.apply(
-                self.tensor,
-                inputs.ids.contiguous(),
-                inputs.mask,
-                option_value(options, "kernel_temperature"),
-                option_value(options, "kernel_softcap"),
-                compute_entropy,
-                inputs.backend,
-                final and self.in_place_backward,
-                self.drop_last_position,
-                inputs.kept,
-            )
-        return apply_or_forward(
-            TokenLogprobs,
-            self.tensor,
-            inputs.ids.contiguous(),
-            inputs.mask,
-            option_value(options, "kernel_temperature"),
-            option_value(options, "kernel_softcap"),
-            compute_entropy,
-            inputs.backend,
-            final and self.in_place_backward,
-            self.drop_last_position,
-        )[:2]
+        """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens (over the kept sets where the call
+        has them, over the whole vocabulary where it is sharded). ``final``: the pass the gradient flows through (it
+        may write the gradient into the logits, with in_place_backward)."""
+        kept = None if inputs.kept is None else KeptSetEntries(inputs.kept)
+        return self._pass(inputs, inputs.ids.contiguous(), compute_entropy, kept, final and self.in_place_backward)[:2]
 
     def logprobs_at_ids(self, inputs, ids_k: torch.Tensor) -> torch.Tensor:
         """The differentiable log-probs at K ids a token (ids_k [B, T, K]: a teacher's top-k), normalized over the
-        whole vocabulary, 0 at masked tokens (``LogprobsAtIds``)."""
-        options = inputs.options
-        return LogprobsAtIds.apply(
-            self.tensor,
-            ids_k,
-            inputs.mask,
-            option_value(options, "kernel_temperature"),
-            option_value(options, "kernel_softcap"),
-            inputs.backend,
-            self.drop_last_position,
-            False,
-        )
+        whole vocabulary, 0 at masked tokens."""
+        return self._pass(inputs, None, False, TopKEntries.of(ids_k), False)[0]
 
     def sum_squares(self, inputs, compute_entropy: bool) -> tuple:
         """(log-probs, entropy or None, Σπ²) [B, T] of a no-grad log-prob pass, from the same pass."""
-        B, T = inputs.ids.shape
+        kept = None if inputs.kept is None else KeptSetEntries(inputs.kept)
+        return self._pass(inputs, inputs.ids.contiguous(), compute_entropy, kept, False, True)[:3]
+
+    def _pass(self, inputs, ids, compute_entropy: bool, entries, in_place: bool, compute_sum_squares=False) -> tuple:
+        """``LogitsLogprobs`` on this call's logits, options, backend and shard."""
         options = inputs.options
-        ids = inputs.ids.contiguous()
-        terms = kept_terms(
-            self.predicting(),
-            ids,
-            inputs.kept,
-            inputs.mask,
-            option_value(options, "kernel_temperature"),
-            option_value(options, "kernel_softcap"),
-            inputs.backend,
-            compute_sum_squares=True,
-        )
-        r = logprobs_fwd(
+        return apply_or_forward(
+            LogitsLogprobs,
             self.tensor,
             ids,
-            option_value(options, "kernel_temperature"),
             inputs.mask,
-            compute_entropy,
+            option_value(options, "kernel_temperature"),
             option_value(options, "kernel_softcap"),
+            compute_entropy,
             inputs.backend,
+            in_place,
             self.drop_last_position,
-            compute_sum_squares=True,
-            kept=terms,
+            entries,
+            inputs.vocab_shard,
+            compute_sum_squares,
         )
-        return r.logp.view(B, T), None if r.entropy is None else r.entropy.view(B, T), r.sum_squares.view(B, T)
 
     def fused_loss(self, inputs, loss_tokens: LossTokens) -> GRPOLossOutput:
         """The loss with its per-token math in the logits kernel (Triton): the schedule chosen here, one-pass
@@ -590,112 +543,6 @@ def logprobs_fwd(
     return LogprobResult(logp.reshape(-1), flat(entropy), lse.reshape(-1), flat(squares))
 
 
-# ---- The sampler's kept set (kept_set.py; its host functions in sparse_entries.py) ---------------------------------
-
-
-class KeptTokenLogprobs(torch.autograd.Function):
-    """``TokenLogprobs`` over each token's kept set (``inputs.kept``): the set's terms from the logits first, the pass
-    with them, and a backward whose dense part leaves the sets' share to their entries. Returns (logp [B, T], entropy
-    [B, T] or None)."""
-
-    @staticmethod
-    def forward(ctx, logits, ids, mask, temperature, softcap, compute_entropy, backend, in_place, drop_last_position,
-                kept):  # fmt: skip
-        ctx.set_materialize_grads(False)
-        terms = kept_terms(aligned(logits, drop_last_position), ids, kept, mask, temperature, softcap, backend)
-        r = logprobs_fwd(
-            logits, ids, temperature, mask, compute_entropy, softcap, backend, drop_last_position, kept=terms
-        )
-        B, T = ids.shape
-        if backend == "torch" and mask is not None:  # the torch path's scatter needs an id in range at masked tokens
-            ids = torch.where(mask.view(ids.shape) != 0, ids, 0)
-        ctx.save_for_backward(logits, ids, r.lse, r.entropy)
-        ctx.terms, ctx.kept = terms, kept
-        ctx.backend, ctx.temperature, ctx.softcap, ctx.in_place = backend, temperature, softcap, in_place
-        ctx.drop_last_position = drop_last_position
-        entropy = None if r.entropy is None else r.entropy.view(B, T)
-        return r.logp.view(B, T), entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        logits, ids, lse, entropy = ctx.saved_tensors
-        if not ctx.needs_input_grad[0] or (grad_logp is None and grad_entropy is None):
-            return input_grads(ctx)
-        as_lse = lambda t: None if t is None else t.reshape(-1).to(lse.dtype)  # noqa: E731 (fp64 on fp64's torch path)
-        g = torch.zeros_like(lse) if grad_logp is None else as_lse(grad_logp)
-        h = as_lse(grad_entropy)
-        g_dense, h_dense = kept_set.dense_share(ctx.terms, ctx.kept, g, h)
-        grad = two_pass_bwd(
-            logits,
-            ids,
-            lse,
-            g_dense,
-            ctx.temperature,
-            ctx.softcap,
-            ctx.drop_last_position,
-            ctx.in_place,
-            ctx.backend,
-            h_dense,
-            entropy,
-        )
-        kept_gradient(
-            aligned(grad, ctx.drop_last_position),
-            ids,
-            ctx.kept,
-            ctx.terms,
-            g,
-            h,
-            lse,
-            entropy,
-            ctx.temperature,
-            ctx.softcap,
-            ctx.backend,
-        )
-        return input_grads(ctx, grad)
-
-
-# ---- Log-probs at several ids a token (a teacher's top-k: ``distillation.py``) ------------------------------------
-
-
-class LogprobsAtIds(torch.autograd.Function):
-    """log softmax(cap(logits) / tau) at K ids a token (ids [B, T, K]: a teacher's top-k), normalized over the whole
-    vocabulary: the log-prob pass for each token's log-sum-exp, the K logits gathered beside it (``kernels/kept.py``;
-    never an [N, V] tensor); 0 at masked tokens. The backward's dense pass runs with g = sum_k G_k (G = dLoss/dlog q),
-    then each entry's gradient is written over it, (sum of G over the token's entries with its id - g q) / tau: the
-    K ids' terms fused, no [N, V] scatter. Returns [B, T, K]."""
-
-    @staticmethod
-    def forward(ctx, logits, ids_k, mask, temperature, softcap, backend, drop_last_position, in_place):
-        ctx.set_materialize_grads(False)
-        first = ids_k[..., 0].contiguous()  # (a masked token's ids are 0: validation.checked_teacher_topk)
-        tokens = at_ids_tokens(ids_k)
-        r = logprobs_fwd(logits, first, temperature, mask, False, softcap, backend, drop_last_position)
-        x = entry_logits(aligned(logits, drop_last_position), first, tokens, mask, temperature, softcap, backend)
-        (logq,) = zero_at_masked(mask, x.view(r.lse.numel(), -1) - r.lse.view(-1, 1))
-        ctx.save_for_backward(logits, first, r.lse, x, mask)
-        ctx.tokens, ctx.backend, ctx.temperature, ctx.softcap = tokens, backend, temperature, softcap
-        ctx.drop_last_position, ctx.in_place = drop_last_position, in_place
-        return logq.view(ids_k.shape)
-
-    @staticmethod
-    def backward(ctx, grad_logq):
-        logits, first, lse, x, mask = ctx.saved_tensors
-        if grad_logq is None or not ctx.needs_input_grad[0]:
-            return input_grads(ctx)
-        G = grad_logq.reshape(lse.numel(), -1).to(lse.dtype)
-        if mask is not None:
-            G = torch.where(mask.reshape(-1, 1) != 0, G, 0.0)
-        g = G.sum(-1)
-        grad = two_pass_bwd(
-            logits, first, lse, g, ctx.temperature, ctx.softcap, ctx.drop_last_position, ctx.in_place, ctx.backend
-        )
-        kept_gradient(
-            aligned(grad, ctx.drop_last_position), first, ctx.tokens, at_ids_terms(x, lse, mask), g, None, None, None,
-            ctx.temperature, ctx.softcap, ctx.backend, lead=summed_over_repeats(ctx.tokens.ids.long(), G),
-        )  # fmt: skip
-        return input_grads(ctx, grad)
-
-
 def logprobs_bwd(
     logits,
     ids,
@@ -771,63 +618,110 @@ def logprobs_bwd(
 
 
 @signature_bound_once
-class TokenLogprobs(torch.autograd.Function):
-    """log softmax(cap(logits) / tau)[ids] (and entropy), by the Triton kernels or the torch path.
+class LogitsLogprobs(torch.autograd.Function):
+    """The log-prob pass from logits, by the Triton kernels or the torch path: log softmax(cap(logits) / tau) at each
+    token's target ``ids`` (and the entropy, and with ``compute_sum_squares`` Σπ²), every sparse feature and sharding
+    a value it takes:
 
-    ``mask`` (fp32 [N] or None): log-prob and entropy are 0 where it is 0, as in the fused kernels, which never
-    read those rows. Returns (logp [B, T], entropy [B, T] or None, and the log-sum-exp fp32 [N] the backward
-    reads, not differentiable). Written with ``setup_context``, so torch.func transforms (``torch.func.grad``)
-    apply."""
+    - ``entries`` (``sparse_entries``): None, the targets; ``KeptSetEntries``, each token's log-prob (and entropy)
+      over the sampler's kept set; ``TopKEntries``, the log-probs at K ids a token ([B, T, K]; ``ids`` unused).
+    - ``shard`` (``inputs.VocabShard``): None, the whole vocabulary; else this rank's slice [B, T, V / P], the ids
+      global: the slice's pass, the global values from O(N) all-reduces (``vocab_parallel.combined``), the
+      backward's one-hot at the target's owner only.
+
+    ``mask`` (fp32 [N] or None): every output is 0 where it is 0 (the kernels never read those rows). Returns
+    (values, entropy or None, Σπ² or None, and, not differentiable, the log-sum-exp fp32 [N] the backward reads and
+    the entries' terms, ``KeptTerms``' fields, where there are entries). ``setup_context`` style: torch.func
+    transforms (``torch.func.grad``) apply."""
 
     @staticmethod
-    def forward(
-        logits,
-        ids,
-        mask: torch.Tensor | None,
-        temperature: float,
-        softcap: float | None,
-        compute_entropy: bool,
-        backend: str,
-        in_place: bool,
-        drop_last_position: bool = False,
-    ):
-        r = logprobs_fwd(logits, ids, temperature, mask, compute_entropy, softcap, backend, drop_last_position)
-        B, T = ids.shape
-        entropy = None if r.entropy is None else r.entropy.view(B, T)
-        # both differentiable: a loss may use the entropy (the entropy bonus)
-        return r.logp.view(B, T), entropy, r.lse
+    def forward(logits, ids, mask, temperature, softcap, compute_entropy, backend, in_place, drop_last_position,
+                entries, shard, compute_sum_squares):  # fmt: skip
+        if entries is None and shard is None:  # the targets over the whole vocabulary: the pass alone
+            r = logprobs_fwd(
+                logits, ids, temperature, mask, compute_entropy, softcap, backend, drop_last_position,
+                compute_sum_squares,
+            )  # fmt: skip
+            B, T = ids.shape
+            as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
+            # both differentiable: a loss may use the entropy (the entropy bonus)
+            return r.logp.view(B, T), as_bt(r.entropy), as_bt(r.sum_squares), r.lse
+        rows = aligned(logits, drop_last_position)
+        entries = None if entries is None else entries.on_shard(mask, shard)
+        target, owned, local = pass_ids(ids, entries, shard, rows.shape[-1], mask, backend)
+        terms = None
+        if entries is not None:
+            terms = kept_terms(
+                rows, target, entries.kept_tokens, mask, temperature, softcap, backend,
+                col0=0 if shard is None else shard.start, group=entries.terms_group(shard),
+                compute_sum_squares=compute_sum_squares and entries.read_by_the_pass,
+            )  # fmt: skip
+            terms = entries.merged(terms, shard, rows.shape[-1])
+        read = terms if shard is None and entries is not None and entries.read_by_the_pass else None
+        r = logprobs_fwd(
+            logits, target if shard is None else local, temperature, mask, compute_entropy, softcap, backend,
+            drop_last_position, compute_sum_squares, kept=read,
+        )  # fmt: skip
+        if shard is not None:
+            r = combined_result(r, owned, shard.group)
+            if entries is not None and entries.read_by_the_pass:
+                r = with_kept_set(r, terms)
+        values = r.logp if entries is None else entries.values(r, terms)
+        values, entropy, squares = zero_at_masked(mask, values, r.entropy, r.sum_squares)
+        B, T = target.shape
+        as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
+        if values.dim() == 1:  # (the targets' log-probs; the entries' are [B, T, K])
+            values = values.view(B, T)
+        return values, as_bt(entropy), as_bt(squares), r.lse, *(() if terms is None else terms)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        logits, ids, mask, temperature, softcap, _, backend, in_place = inputs[:8]
-        _, entropy, lse = output
+        logits, ids, mask, temperature, softcap, _, backend, in_place, drop_last_position, entries, shard, _ = inputs
+        _, entropy, squares, lse, *terms = output
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(lse)
-        # the backward's ids: masked positions may hold any id (-100); the torch path's scatter needs one in range
-        # there (the kernels never read a masked row's id)
-        if backend == "torch" and mask is not None:
-            ids = torch.where(mask.view(ids.shape) != 0, ids, 0)
-        ctx.save_for_backward(logits, ids, lse, entropy)
-        ctx.backend, ctx.temperature, ctx.softcap, ctx.in_place = backend, temperature, softcap, in_place
-        ctx.drop_last_position = inputs[8] if len(inputs) > 8 else False
+        ctx.mark_non_differentiable(lse, *(t for t in (squares, *terms) if t is not None))
+        entries = None if entries is None else entries.on_shard(mask, shard)
+        target, owned, local = pass_ids(ids, entries, shard, logits.shape[-1], mask, backend)
+        ctx.save_for_backward(logits, target, owned, local, mask, lse, entropy, *terms)
+        ctx.entries, ctx.shard, ctx.backend, ctx.in_place = entries, shard, backend, in_place
+        ctx.temperature, ctx.softcap, ctx.drop_last_position = temperature, softcap, drop_last_position
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy, _grad_lse):
-        logits, ids, lse, entropy = ctx.saved_tensors
-        grad = None
-        if ctx.needs_input_grad[0] and (grad_logp is not None or grad_entropy is not None):
-            g = torch.zeros_like(lse) if grad_logp is None else grad_logp
-            grad = two_pass_bwd(
-                logits,
-                ids,
-                lse,
-                g,
-                ctx.temperature,
+    def backward(ctx, grad_values, grad_entropy, *unused):
+        if not ctx.needs_input_grad[0] or (grad_values is None and grad_entropy is None):
+            return input_grads(ctx)
+        logits, target, owned, local, mask, lse, entropy, *terms = ctx.saved_tensors
+        entries, shard, dropped = ctx.entries, ctx.shard, ctx.drop_last_position
+        if entries is None:
+            g, h, entry_gradient = torch.zeros_like(lse) if grad_values is None else grad_values, grad_entropy, None
+        else:
+            g, h, entry_gradient = entries.gradient(grad_values, grad_entropy, KeptTerms(*terms), lse, entropy, mask)
+        grad = two_pass_bwd(
+            logits, local, lse, g, ctx.temperature, ctx.softcap, dropped, ctx.in_place, ctx.backend, h, entropy
+        )
+        if shard is not None:  # the one-hot belongs to the target's owner
+            unowned_column_0_in_logits_grad(
+                aligned(grad, dropped), aligned(logits, dropped), owned, lse, g, h, entropy, ctx.temperature,
                 ctx.softcap,
-                ctx.drop_last_position,
-                ctx.in_place,
-                ctx.backend,
-                grad_entropy,
-                entropy,
-            )
+            )  # fmt: skip
+        if entry_gradient is not None:  # the entries written over the dense gradient
+            e = entry_gradient
+            kept_gradient(
+                aligned(grad, dropped), local if shard is None else target, e.tokens, e.terms, e.g, e.h, e.lse,
+                e.entropy, ctx.temperature, ctx.softcap, ctx.backend, col0=0 if shard is None else shard.start,
+                lead=e.lead,
+            )  # fmt: skip
         return input_grads(ctx, grad)
+
+
+def pass_ids(ids, entries, shard, width: int, mask, backend: str) -> tuple:
+    """(each token's target: the ids, or the entries' first; on a shard which targets this rank owns, else None;
+    the ids the dense passes read: on a shard the owned targets' local columns (``vocab_parallel.owned_ids``), on the
+    torch path 0 at masked tokens, whose ids may be anything (-100) where its scatter needs one in range; the kernels
+    never read a masked row's)."""
+    target = ids if entries is None else entries.target(ids)
+    if shard is not None:
+        return target, *owned_ids(target, shard.start, width)
+    if backend == "torch" and mask is not None:
+        return target, None, torch.where(mask.view(target.shape) != 0, target, 0)
+    return target, None, target

@@ -44,7 +44,7 @@ from .validation import (
     offsets_error,
     resolve_backend,
 )
-from .vocab_parallel import sharded_source, sharded_vocab_start
+from .vocab_parallel import sharded_vocab_start
 
 
 class SequenceLayout:
@@ -629,7 +629,7 @@ def _on_backend(source, settings, shape, ids, *, mask=None, normalizer=None) -> 
     """The steps both kinds of call share once their tensors are checked: (the source as the call reads it, the
     backend, the vocabulary shard or None). The shard is located (its ids, which are global, checked against the
     whole vocabulary: ``vocab_parallel.sharded_vocab_start``), the backend resolved, the source's own checks made
-    for them, and a vocabulary-parallel call's source made its sharded one."""
+    for them (the input forms' Functions take the shard as a value)."""
     group = settings.vocab_parallel_group
     check_hidden_grad_reduction(settings.reduce_hidden_grad, group, source.what)
     shard = None
@@ -647,4 +647,4 @@ def _on_backend(source, settings, shape, ids, *, mask=None, normalizer=None) -> 
         shard = VocabShard(group, start, vocab_size, settings.reduce_hidden_grad)
     backend = resolve_backend(settings.backend, source.tensor)
     source.check_call(backend, group is not None)
-    return (source if group is None else sharded_source(source)), backend, shard
+    return source, backend, shard

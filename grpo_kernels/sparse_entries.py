@@ -2,17 +2,24 @@
 (``kept_set.KeptSet``: each token's log-prob and entropy over its set) and a teacher's top-k ids (the log-probs at K
 ids a token, ``distillation.py``). The terms before a pass (``kept_terms``: the Triton kernel ``kernels/kept.py`` or
 the torch path's gathers, then ``kept_set.finish``), the pass's results over the sets (``with_kept_set``), the
-entries' gradient written over a dense one (``kept_gradient``). The input forms' Functions (``from_logits.py``,
-``from_hidden_states.py``, ``vocab_parallel.py``) call these; a call without a set never enters this module.
+entries' gradient written over a dense one (``kept_gradient``).
+
+The entries are a value each input form's one log-prob Function takes (``from_logits.LogitsLogprobs``,
+``from_hidden_states.HiddenStatesLogprobs``): ``KeptSetEntries`` or ``TopKEntries``, each saying what its pass reads
+(``target``, ``kept_tokens``), what it returns (``values``) and how its gradient splits into the dense pass's share
+and the entries' (``gradient``). A call without entries never enters this module.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from . import kept_set, torch_path
 from .kernels import kept_launch
 from .kernels.contracts import KeptTerms, KeptTokens, LossTokens
+from .vocab_parallel import global_entry_logits
 
 
 def kept_terms(logits, ids, kept: KeptTokens | None, mask, temperature: float, softcap, backend: str, *, col0: int = 0,
@@ -93,12 +100,6 @@ def at_ids_tokens(ids_k: torch.Tensor) -> KeptTokens:
     return KeptTokens(ids_k.reshape(-1, K).to(torch.int32).contiguous(), None, K, False, False)
 
 
-def entry_logits(logits, first, tokens: KeptTokens, mask, temperature: float, softcap, backend: str, col0: int = 0):
-    """x = cap(z) / tau at each entry [N, K] of logits [B, T, width] (a vocabulary slice from ``col0``: -inf at the
-    entries another slice holds), from the kept-set state kernel or the torch path's gathers."""
-    return kept_terms(logits, first, tokens, mask, temperature, softcap, backend, col0=col0, group=None).x
-
-
 def at_ids_terms(x, lse, mask) -> KeptTerms:
     """What the entries' gradient reads (``kernels/kept.py::kept_gradient_kernel`` with a lead): the whole
     vocabulary's log-sum-exp as the set's (+inf at a masked token: not written), each entry's x."""
@@ -117,3 +118,117 @@ def summed_over_repeats(ids_k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     run = first_of_run.long().cumsum(-1) - 1  # each sorted entry's run
     sums = torch.zeros_like(G).scatter_add_(-1, run, G.gather(-1, order))
     return torch.empty_like(G).scatter_(-1, order, sums.gather(-1, run))
+
+
+# ---- The entries as a value: what a log-prob Function asks of them ----------------------------------------------
+
+
+class EntryGradient(NamedTuple):
+    """What writes a pass's entries over its dense gradient (``kept_gradient``; from the head,
+    ``from_hidden_states.kept_entries``): the entries as the kernels read them, their terms, the per-token g and h
+    (the whole gradient, before the dense pass's share was taken), the forward's ``lse`` and ``entropy`` where the
+    entries' entropy terms read them, and ``lead``, one an entry, where each entry's gradient is its own
+    (``kept._entry_gradient``: the top-k's), with ``per_entry``, the incoming gradient at each entry it sums (a
+    graph's sparse update reads it: ``from_hidden_states.with_entry_gradients``)."""
+
+    tokens: KeptTokens
+    terms: KeptTerms
+    g: torch.Tensor
+    h: torch.Tensor | None
+    lse: torch.Tensor | None
+    entropy: torch.Tensor | None
+    lead: torch.Tensor | None = None
+    per_entry: torch.Tensor | None = None
+
+
+class KeptSetEntries(NamedTuple):
+    """The sampler's kept set of each token (``kept_set.KeptSet``, as the kernels read it): each token's log-prob
+    (and, with ``entropy_over_set``, its entropy) over its set. The set's terms are merged over a vocabulary shard's
+    group, and the pass reads them (its log-sum-exp over the set)."""
+
+    kept_tokens: KeptTokens
+    read_by_the_pass = True
+
+    def on_shard(self, mask, shard) -> KeptSetEntries:
+        return self
+
+    def target(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dense pass's ids: the targets."""
+        return ids
+
+    def terms_group(self, shard):
+        """The group a shard's terms are merged over (``kept_set.finish``)."""
+        return None if shard is None else shard.group
+
+    def merged(self, terms: KeptTerms, shard, width: int) -> KeptTerms:
+        return terms
+
+    def values(self, r, terms: KeptTerms):
+        """The pass's log-probs, taken over the sets already."""
+        return r.logp
+
+    def kept_column_0(self, owned: torch.Tensor, shard) -> torch.Tensor:
+        """Where a shard's local column 0 holds no spurious one-hot (the owner of the target)."""
+        return owned
+
+    def gradient(self, grad_values, grad_entropy, terms: KeptTerms, lse, entropy, mask) -> tuple:
+        """(g, h of the dense pass, the entries' ``EntryGradient``): a set's token leaves its terms to its entries
+        (``kept_set.dense_share``)."""
+        as_lse = lambda t: None if t is None else t.reshape(lse.shape).to(lse.dtype)  # noqa: E731 (fp64's torch path)
+        g = torch.zeros_like(lse) if grad_values is None else as_lse(grad_values)
+        h = as_lse(grad_entropy)
+        g_dense, h_dense = kept_set.dense_share(terms, self.kept_tokens, g, h)
+        return g_dense, h_dense, EntryGradient(self.kept_tokens, terms, g, h, lse, entropy)
+
+
+class TopKEntries(NamedTuple):
+    """K ids a token (``ids_k`` [..., K]: a teacher's top-k): the log-probs at each, normalized over the whole
+    vocabulary, [..., K]. The pass runs on each token's first id for the log-sum-exp; each id's logit is gathered
+    beside it (from the head, its own dot product; from a vocabulary shard, from the rank that holds it). The
+    dense backward runs with g = sum_k G_k, then each entry's gradient, (sum of G over the token's entries with its id
+    - g q) / tau, is written over it: no [N, V] scatter."""
+
+    ids_k: torch.Tensor
+    kept_tokens: KeptTokens  # the ids as the kept-set kernels read a padded set (``at_ids_tokens``)
+    read_by_the_pass = False
+
+    @classmethod
+    def of(cls, ids_k: torch.Tensor) -> TopKEntries:
+        return cls(ids_k, at_ids_tokens(ids_k))
+
+    def on_shard(self, mask, shard) -> TopKEntries:
+        """On a shard, a masked token's ids point into this rank's slice (its first id), read by no one."""
+        if shard is None or mask is None:
+            return self
+        return TopKEntries.of(torch.where(mask.reshape(*self.ids_k.shape[:-1], 1) != 0, self.ids_k, shard.start))
+
+    def target(self, ids) -> torch.Tensor:
+        """The dense pass's ids: each token's first id (a masked token's is 0: ``validation.checked_teacher_topk``)."""
+        return self.ids_k[..., 0].contiguous()
+
+    def terms_group(self, shard):
+        return None  # (each entry's logit comes from the rank that holds it: ``merged``)
+
+    def merged(self, terms: KeptTerms, shard, width: int) -> KeptTerms:
+        """On a shard, each entry's x from the rank whose slice holds it."""
+        if shard is None:
+            return terms
+        x = global_entry_logits(terms.x.view(-1, self.ids_k.shape[-1]), self.ids_k, shard.start, width, shard.group)
+        return terms._replace(x=x)
+
+    def values(self, r, terms: KeptTerms) -> torch.Tensor:
+        """log q = x - lse at each entry, [..., K] (the Function zeroes masked tokens')."""
+        return (terms.x.view(r.lse.numel(), -1) - r.lse.reshape(-1, 1)).view(self.ids_k.shape)
+
+    def kept_column_0(self, owned: torch.Tensor, shard) -> torch.Tensor:
+        """Column 0 holds an entry's final value where one of the token's ids is the slice's first."""
+        return owned | (self.ids_k.reshape(owned.numel(), -1) == shard.start).any(-1)
+
+    def gradient(self, grad_values, grad_entropy, terms: KeptTerms, lse, entropy, mask) -> tuple:
+        """(g = sum_k G_k at the first id, no h, the entries' ``EntryGradient`` with their leads)."""
+        G = grad_values.reshape(lse.numel(), -1).to(lse.dtype)
+        if mask is not None:
+            G = torch.where(mask.reshape(-1, 1) != 0, G, 0.0)
+        g = G.sum(-1).view(lse.shape)
+        lead = summed_over_repeats(self.kept_tokens.ids.long(), G)
+        return g, None, EntryGradient(self.kept_tokens, at_ids_terms(terms.x, lse, mask), g, None, None, None, lead, G)

@@ -243,7 +243,7 @@ def test_triton_token_level_runs_the_loss_inside_the_kernel(device, monkeypatch)
     def refuse(*args, **kwargs):
         raise AssertionError("the log-prob-only Function ran at token level")
 
-    monkeypatch.setattr(from_hidden_states.LinearTokenLogprobs, "apply", refuse)
+    monkeypatch.setattr(from_hidden_states.HiddenStatesLogprobs, "apply", refuse)
     batch, hidden, weight, bias = _inputs(device, seed=5)
     out = fused_linear_grpo_loss(hidden, weight, **batch, bias=bias, backend="triton", beta=0.04)
     assert torch.isfinite(out.loss)

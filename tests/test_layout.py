@@ -5,12 +5,14 @@ nothing of the front end, and no module outside the registry (``options.py``) an
 import ast
 import os
 import pathlib
+import re
 
 import pytest
 
 from grpo_kernels.options import LOSS_TYPES
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "grpo_kernels"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "grpo_kernels"
 KERNEL_TIER = sorted((PACKAGE / "kernels").glob("*.py"))
 # The registry, and the specification, which is written independently of it (by name, on purpose).
 NAMES_LOSS_TYPES = {PACKAGE / "options.py", PACKAGE / "reference.py"}
@@ -314,6 +316,31 @@ def _package_functions() -> list:
                         if sub.name not in hooks:
                             found.append((path, sub.name))
     return found
+
+
+def test_the_autograd_functions_are_the_ones_docs_extending_counts():
+    """One log-prob Function per input form, every sparse feature and sharding a value it takes: the package's
+    autograd Functions are as many as docs/extending.md says (a new feature that adds one fails here), and each
+    form's log-prob Function takes the entries and the shard."""
+    import inspect
+
+    import torch
+
+    from grpo_kernels.from_hidden_states import HiddenStatesLogprobs
+    from grpo_kernels.from_logits import LogitsLogprobs
+
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("autograd.Function") for b in node.bases):
+                found.add(f"{path.relative_to(PACKAGE).with_suffix('')}.{node.name}")
+    counted = re.search(r"The package has (\d+) autograd Functions", (ROOT / "docs" / "extending.md").read_text())
+    assert counted and len(found) == int(counted.group(1)), sorted(found)
+    assert issubclass(LogitsLogprobs, torch.autograd.Function) and issubclass(
+        HiddenStatesLogprobs, torch.autograd.Function
+    )
+    for function in (LogitsLogprobs, HiddenStatesLogprobs):
+        assert {"entries", "shard"} <= set(inspect.signature(function.forward).parameters), function
 
 
 def test_no_function_in_the_package_is_used_only_by_tests():
