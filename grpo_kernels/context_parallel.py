@@ -124,7 +124,7 @@ def whole_sequences(inputs: LossInputs, group) -> LossInputs:
         ref_logps=whole.gathered(inputs.ref_logps),
         importance_weights=per_sequence_or_whole(inputs.importance_weights),
         sampling_logps=whole.gathered(inputs.sampling_logps),
-        backend="torch",  # the loss math in torch on the gathered log-probs
+        backend=inputs.backend._replace(name="torch"),  # the loss math in torch on the gathered log-probs
         layout=whole,
         caller_shape=inputs.caller_shape if inputs.caller_shape is not None else inputs.ids.shape,
         vocab_shard=None,

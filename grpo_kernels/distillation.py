@@ -40,9 +40,10 @@ from . import collectives, pipeline
 from .context_parallel import WholeSequenceLayout, whole_rows
 from .conventions import VERL_AGG_MODES, verl_aggregate
 from .from_hidden_states import HiddenStatesSource
-from .from_logits import LogitsSource, aligned
+from .from_logits import LogitsSource
 from .inputs import LogprobSettings, check_context_parallel
 from .methods import input_source
+from .passes import aligned
 from .validation import check_choice, check_like_mask, check_number
 
 CONVENTIONS = ("verl", "trl")

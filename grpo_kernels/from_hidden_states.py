@@ -11,22 +11,21 @@ Function; each Function's forward and backward are one host function each:
 - "three_products", ``LinearLossThreeProducts`` (``three_products_fwd`` / ``three_products_bwd``): each chunk's
   logits once, by cuBLAS, turned into dlogits in place by the one-pass logits kernel, both gradient products in
   the same loop; the backward only scales.
-- log-probs, ``LinearTokenLogprobs`` (``linear_logprobs_fwd`` / ``linear_logprobs_bwd``): where the loss math
-  runs in torch (sequence-level ratios, vespo, the torch backend, vocabulary parallelism) and for
-  ``linear_token_logprobs``.
+- log-probs, ``HiddenStatesLogprobs`` (``passes.linear_logprobs_fwd`` / ``passes.linear_logprobs_bwd``): where the
+  loss math runs in torch (sequence-level ratios, vespo, the torch backend, vocabulary parallelism) and for
+  ``linear_token_logprobs``; the form's one log-prob Function, the entries and the vocabulary shard values it takes.
 
-On the Triton backend the host functions call the launchers (``kernels.fused_linear_launch``, a plain import;
-``ops.py``'s custom ops call them too); on the torch backend the chunked torch path runs, inside a
-``torch.compile`` graph the custom ops.
+The fused loss Functions call the launchers (``kernels.fused_linear_launch``, a plain import); the log-prob pass runs
+on the call's ``validation.Backend`` (``passes.py``: the launchers, the chunked torch path or a graph's custom
+ops).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import kept_set, ops, torch_path
+from . import kept_set, torch_path
 from .from_logits import (
-    LogprobResult,
     apply_or_forward,
     first_backward,
     input_grads,
@@ -40,8 +39,9 @@ from .kernels import fused_linear_launch, kept_launch, logits_launch, reduce_lau
 from .kernels.contracts import KeptTerms, KeptTokens, LossTokens, OnePassGradient, rounds_head_logits
 from .objective import GRPOLossOutput
 from .options import GRPOOptions, option_value
+from .passes import linear_logprobs_bwd, linear_logprobs_fwd
 from .sparse_entries import KeptSetEntries, TopKEntries, kept_gradient, with_kept_lse, with_kept_set
-from .validation import check_head_precision, check_linear_inputs, check_lm_head_mode
+from .validation import TRITON_KERNELS, Backend, check_head_precision, check_linear_inputs, check_lm_head_mode
 from .vocab_parallel import combined_result, owned_ids, summed_over_shards, unowned_column_0_in_head_grads
 
 
@@ -134,7 +134,7 @@ class HiddenStatesSource:
         B, T, _ = self.tensor.shape
         return B, T, self.weight.shape[0]
 
-    def check_call(self, backend: str, sharded: bool) -> None:
+    def check_call(self, backend: Backend, sharded: bool) -> None:
         """The mode, where the caller chose one (``fused_loss`` chooses it otherwise)."""
         check_lm_head_mode(self.lm_head_mode)
 
@@ -210,7 +210,7 @@ class HiddenStatesSource:
         wants_grad = torch.is_grad_enabled() and (self.tensor.requires_grad or self.weight.requires_grad)
         kept = inputs.kept
         terms = linear_kept_terms(
-            *flat, kept, loss_tokens.tokens.mask, opts.kernel_temperature, opts.kernel_softcap, "triton",
+            *flat, kept, loss_tokens.tokens.mask, opts.kernel_temperature, opts.kernel_softcap, TRITON_KERNELS,
             fp32_logits=self.fp32_logits,
         )  # fmt: skip
         if mode == "three_products" and wants_grad:
@@ -271,7 +271,7 @@ def linear_loss_bwd(
     g,
     temperature: float,
     softcap: float | None,
-    backend: str,
+    backend: Backend,
     wants_weight: bool,
     h=None,
     entropy=None,
@@ -334,11 +334,11 @@ class LinearLoss(torch.autograd.Function):
             g_dense,
             ctx.temperature,
             ctx.softcap,
-            "triton",
+            TRITON_KERNELS,
             _wants_weight(ctx, bias),
             h_dense,
             entropy,
-            kept_entries(ids, ctx.kept, ctx.terms, g, h, lse, entropy, ctx.temperature, ctx.softcap, "triton"),
+            kept_entries(ids, ctx.kept, ctx.terms, g, h, lse, entropy, ctx.temperature, ctx.softcap, TRITON_KERNELS),
             fp32_logits=ctx.fp32_logits,
         )
         return input_grads(ctx, *as_input_grads(ctx, grads, (hidden, weight, bias)))
@@ -412,110 +412,6 @@ class LinearLossThreeProducts(torch.autograd.Function):
 # ---- Log-probs: the lm_head kernels' (or the torch path's) log-probs, the loss math in torch ---------------------
 
 
-def linear_logprobs_fwd(
-    hidden,
-    weight,
-    bias,
-    ids,
-    temperature: float,
-    compute_entropy: bool,
-    softcap: float | None,
-    backend: str,
-    compute_sum_squares: bool = False,
-    fp32_logits: bool = False,
-) -> LogprobResult:
-    """log softmax(cap(hidden [N, H] @ weight [V, H]^T + bias) / temperature)[ids] (and the entropy, and Σπ²), a tile
-    or a chunk of tokens at a time: fp32 [N] (fp64 for fp64 inputs on the torch path). ``fp32_logits``: 16-bit
-    inputs' logits are the products' fp32 accumulator, not rounded to 16 bits (head_precision="fp32_logits")."""
-    compiling = torch.compiler.is_compiling()  # one opaque op in the graph (ops.py)
-    if backend == "triton" and not compiling:
-        r = fused_linear_launch.linear_forward(
-            hidden,
-            weight,
-            bias,
-            ids,
-            temperature=temperature,
-            softcap=softcap,
-            compute_entropy=compute_entropy,
-            compute_sum_squares=compute_sum_squares,
-            fp32_logits=fp32_logits,
-        )
-        return LogprobResult(r.logp, r.entropy, r.lse, r.sum_squares)
-    if compiling:
-        op = ops.triton_linear_logprobs if backend == "triton" else ops.torch_linear_logprobs
-        head = ops.head_scalars(temperature, softcap)
-        lse, logp, entropy, squares = op(
-            hidden, weight, bias, ids, head, compute_entropy, compute_sum_squares, fp32_logits
-        )
-        present = ops.present
-        return LogprobResult(logp, present(entropy, compute_entropy), lse, present(squares, compute_sum_squares))
-    lse, logp, entropy, squares = torch_path.linear_forward(
-        hidden, weight, bias, ids, temperature, compute_entropy, softcap, compute_sum_squares, fp32_logits
-    )
-    return LogprobResult(logp, entropy, lse, squares)
-
-
-def linear_logprobs_bwd(
-    hidden,
-    weight,
-    bias,
-    ids,
-    lse,
-    g,
-    temperature: float,
-    softcap: float | None,
-    backend: str,
-    compute_weight_grad: bool,
-    grad_entropy=None,
-    entropy=None,
-    write_entries=None,
-    fp32_logits: bool = False,
-) -> tuple:
-    """(d hidden, d weight or None, d bias or None), fp32, from g = dLoss/dlogp (and h = dLoss/dH with the
-    forward's entropy), the logits recomputed a chunk at a time (``fp32_logits`` as in ``linear_logprobs_fwd``);
-    ``write_entries(tile, first token, first column)`` writes sparse entries over each tile's dense gradient (a kept
-    set's, ``kept_entries``; never inside a graph)."""
-    compiling = torch.compiler.is_compiling()
-    if backend == "triton" and not compiling:
-        return fused_linear_launch.linear_backward(
-            hidden,
-            weight,
-            bias,
-            ids,
-            lse,
-            g,
-            temperature,
-            compute_weight_grad,
-            grad_entropy=grad_entropy,
-            entropy=entropy,
-            softcap=softcap,
-            write_entries=write_entries,
-            fp32_logits=fp32_logits,
-        )
-    if compiling:
-        op = ops.triton_linear_backward if backend == "triton" else ops.torch_linear_backward
-        dh, dw, db = op(
-            hidden, weight, bias, ids, lse, g, ops.head_scalars(temperature, softcap), compute_weight_grad,
-            grad_entropy, entropy, fp32_logits,
-        )  # fmt: skip
-        return dh, ops.present(dw, compute_weight_grad), ops.present(db, compute_weight_grad and bias is not None)
-    return torch_path.linear_backward(
-        hidden,
-        weight,
-        bias,
-        ids,
-        lse,
-        g,
-        temperature,
-        compute_weight_grad,
-        grad_entropy=grad_entropy,
-        entropy=entropy,
-        softcap=softcap,
-        write_entries=write_entries,
-        fp32_logits=fp32_logits,
-    )
-
-
 @signature_bound_once
 class HiddenStatesLogprobs(torch.autograd.Function):
     """The log-prob pass from hidden states [N, H] and the lm_head (weight [V, H], bias [V] or None), the logits never
@@ -587,7 +483,7 @@ class HiddenStatesLogprobs(torch.autograd.Function):
             g, h, entry_gradient = torch.zeros_like(lse) if grad_values is None else grad_values, grad_entropy, None
         else:
             g, h, entry_gradient = entries.gradient(grad_values, grad_entropy, KeptTerms(*terms), lse, entropy, mask)
-        if entry_gradient is not None and torch.compiler.is_compiling():
+        if entry_gradient is not None and ctx.backend.in_graph:
             # a graph's op takes no per-tile writer: the top-k's entries as a sparse update after the dense pass
             grads = linear_loss_bwd(
                 hidden, weight, bias, local, lse, g, temperature, softcap, ctx.backend, _wants_weight(ctx, bias),
@@ -637,7 +533,7 @@ def flat_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def linear_kept_terms(hidden, weight, bias, ids, kept: KeptTokens | None, mask, temperature: float, softcap,
-                      backend: str, *, col0: int = 0, group=None, compute_sum_squares: bool = False,
+                      backend, *, col0: int = 0, group=None, compute_sum_squares: bool = False,
                       fp32_logits: bool = False):  # fmt: skip
     """Each token's kept-set terms (``kernels.contracts.KeptTerms``) from hidden states [N, H] and the head's weight
     [width, H] (a vocabulary slice from global id ``col0`` with ``group``) and bias, None without a set: each
@@ -645,7 +541,7 @@ def linear_kept_terms(hidden, weight, bias, ids, kept: KeptTokens | None, mask, 
     gathered products), rounded as the head rounds its logits; then ``kept_set.finish``."""
     if kept is None:
         return None
-    if backend == "triton" and not torch.compiler.is_compiling():  # (a graph: the torch path's gathered products)
+    if backend.eager_kernels:  # (a graph: the torch path's gathered products)
         x, state = kept_launch.linear_kept_state(
             hidden,
             weight,
@@ -689,7 +585,7 @@ def _head_logits_of(hidden, weight, bias, temperature: float, softcap, fp32_logi
 
 
 def kept_entries(ids, kept: KeptTokens | None, terms: KeptTerms | None, g, h, lse, entropy, temperature: float,
-                 softcap, backend: str, col0: int = 0, lead=None):  # fmt: skip
+                 softcap, backend, col0: int = 0, lead=None):  # fmt: skip
     """The head's backward's ``write_entries`` for the kept sets (None without): over each tile of dlogits (its
     tokens from n0, its columns from v0), the sets' entries (``sparse_entries.kept_gradient``) from the full ``g`` and
     ``h`` (the dense pass had their share of the sets' tokens taken out), the forward's ``lse`` and ``entropy``;
@@ -699,7 +595,7 @@ def kept_entries(ids, kept: KeptTokens | None, terms: KeptTerms | None, g, h, ls
         return None
     flat = lambda t: None if t is None else t.reshape(-1).to(torch_path.compute_dtype(t))  # noqa: E731
     g, h, lse, entropy = flat(g), flat(h), flat(lse), flat(entropy)
-    if backend != "triton":  # the torch path: every entry's value once, each tile takes its own
+    if not backend.kernels:  # the torch path: every entry's value once, each tile takes its own
         values = kept_set.torch_entry_gradients(ids, kept, terms, g, 1.0 / temperature, softcap, h, lse, entropy, lead)
         return lambda tile, n0, v0: kept_set.write_entries(tile, values, col0 + v0, n0)
 

@@ -9,13 +9,15 @@ Function; each Function's forward and backward are one host function each, which
   loss while it streams each row (2 S bytes, S the logits' size); the backward scales that gradient in place.
 - two-pass, ``TwoPassLoss`` (``two_pass_fwd`` / ``two_pass_bwd``): the forward kernel computes each token's loss
   and dLoss/dlogp, the backward kernel writes dlogits (3 S).
-- log-probs, ``TokenLogprobs`` (``logprobs_fwd`` / ``logprobs_bwd``): where the loss math runs in torch on them
-  (sequence-level ratios, vespo, the torch backend, vocabulary parallelism) and for the log-prob family.
+- log-probs, ``LogitsLogprobs`` (``passes.logprobs_fwd`` / ``passes.logprobs_bwd``): where the loss math runs in
+  torch on them (sequence-level ratios, vespo, the torch backend, vocabulary parallelism) and for the log-prob
+  family; the one log-prob Function of this form, whatever the entries (a kept set, a teacher's top-k:
+  ``sparse_entries.py``) and the vocabulary shard (``vocab_parallel.py``), each a value it takes.
 
-The host functions take plain tensors. On the Triton backend they call the launchers (``kernels.logits_launch``, a
-plain import); on the torch backend they run the chunked torch path (``torch_path``); inside a ``torch.compile``
-graph, ``ops.py``'s custom ops (the fused loss's two schedules among them, ``ops.graph_loss``). A call with entries
-(a kept set, a teacher's top-k) reads and writes them with ``sparse_entries.py``.
+The host functions take plain tensors. The fused loss Functions are the Triton kernels' own (``kernels.logits_launch``,
+a plain import; inside a ``torch.compile`` graph, ``ops.graph_loss``'s custom ops); the log-prob pass runs on the
+call's ``validation.Backend``, chosen once by the preparation (``passes.py``: the launchers, the chunked torch path
+or a graph's custom ops).
 Every one computes log softmax(cap(x) / temperature) of the raw logits x, cap(x) = softcap * tanh(x / softcap)
 with a head's soft-cap, x itself with ``softcap`` None.
 
@@ -32,26 +34,18 @@ PyTorch's "modified by an inplace operation" error instead of silently reading t
 from __future__ import annotations
 
 import inspect
-from typing import NamedTuple
 
 import torch
 
-from . import kept_set, ops, torch_path
+from . import kept_set, ops
 from .kernels import logits_launch
-from .kernels.contracts import KeptTerms, KernelLoss, LossTokens, TokenInputs
+from .kernels.contracts import KeptTerms, KernelLoss, LossTokens
 from .objective import GRPOLossOutput
 from .options import GRPOOptions, option_value
+from .passes import aligned, logprobs_bwd, logprobs_fwd
 from .sparse_entries import KeptSetEntries, TopKEntries, kept_gradient, kept_terms, with_kept_lse, with_kept_set
-from .validation import check_in_place, check_logits, checked_drop_last_position
+from .validation import TRITON_KERNELS, Backend, check_in_place, check_logits, checked_drop_last_position
 from .vocab_parallel import combined_result, owned_ids, unowned_column_0_in_logits_grad
-
-
-class LogprobResult(NamedTuple):
-    logp: torch.Tensor  # fp32 [N], 0 at masked tokens
-    entropy: torch.Tensor | None  # fp32 [N] (0 at masked tokens) or None
-    lse: torch.Tensor  # fp32 [N], what the backward reads
-    sum_squares: torch.Tensor | None = None  # fp32 [N]: Σπ², where a log-prob pass asked for it
-
 
 # ---- The input form ----------------------------------------------------------------------------------------------
 
@@ -110,7 +104,7 @@ class LogitsSource:
         checked_drop_last_position(self.drop_last_position, self.tensor, ids)
         return B, T - 1, V
 
-    def check_call(self, backend: str, sharded: bool) -> None:
+    def check_call(self, backend: Backend, sharded: bool) -> None:
         """What this call's backend and vocabulary sharding allow of the logits."""
         if self.in_place_backward:
             if sharded:
@@ -118,13 +112,10 @@ class LogitsSource:
             check_in_place(True, self.tensor)
         if self.tensor.stride(-1) != 1:  # on every backend: code that passes on a laptop runs on the GPU
             raise ValueError(
-                f"logits need a unit last stride, got strides {tuple(self.tensor.stride())} (backend={backend!r}); "
-                "views that slice B or T are fine, a transposed or strided vocabulary is not (call .contiguous())"
+                f"logits need a unit last stride, got strides {tuple(self.tensor.stride())} "
+                f"(backend={backend.name!r}); views that slice B or T are fine, a transposed or strided vocabulary is "
+                "not (call .contiguous())"
             )
-
-    def predicting(self) -> torch.Tensor:
-        """The [B, T, V] logits that predict the completion (a view of a [B, T + 1, V] input)."""
-        return aligned(self.tensor, self.drop_last_position)
 
     def logprobs(self, inputs, compute_entropy: bool, final: bool = False):
         """(log-probs, entropy or None) [B, T], differentiable, 0 at masked tokens (over the kept sets where the call
@@ -170,7 +161,7 @@ class LogitsSource:
         if one_pass is None:
             one_pass = default_one_pass(self.tensor)
         one_pass = one_pass and not self.in_place_backward and self.tensor.requires_grad and torch.is_grad_enabled()
-        if torch.compiler.is_compiling():  # the same schedules as one opaque op each in the graph
+        if inputs.backend.in_graph:  # the same schedules as one opaque op each in the graph
             loss, metrics, logp = ops.graph_loss(self, inputs.ids.contiguous(), loss_tokens, inputs.options, one_pass)
         elif one_pass:
             loss, metrics, logp = OnePassLoss.apply(self.tensor, inputs, loss_tokens)
@@ -185,15 +176,12 @@ def default_one_pass(logits: torch.Tensor) -> bool:
     return logits_launch.default_one_pass(logits)
 
 
-def aligned(logits: torch.Tensor, drop_last_position: bool) -> torch.Tensor:
-    """The [B, T, V] logits that predict the completion: ``logits[:, :-1]`` of a [B, T + 1, V] input
-    (the model's last position predicts no completion token), else the input itself."""
-    return logits[:, :-1] if drop_last_position else logits
-
-
 def gradient_buffer(logits: torch.Tensor, drop_last_position: bool, in_place: bool) -> torch.Tensor:
     """The gradient returned for ``logits``, at its full shape: for a [B, T + 1, V] input its last position zeroed
-    (B x V elements) and the rest written by the kernels. In place, the logits' own storage."""
+    (B x V elements) and the rest written by the kernels. In place, the logits' own storage, its version bumped (the
+    backward writes it)."""
+    if in_place:
+        torch.autograd.graph.increment_version(logits)
     grad = logits if in_place else torch.empty(logits.shape, device=logits.device, dtype=logits.dtype)
     if drop_last_position:
         grad[:, -1].zero_()
@@ -292,7 +280,7 @@ def one_pass_fwd(
             r.result.entropy,
             kernel_loss.kernel_temperature,
             kernel_loss.kernel_softcap,
-            "triton",
+            TRITON_KERNELS,
         )
     return r.loss, r.metrics, r.result.logp, grad
 
@@ -306,7 +294,7 @@ def with_kept_terms(logits, ids, kept, loss_tokens: LossTokens, kernel_loss: Ker
         loss_tokens.tokens.mask,
         kernel_loss.kernel_temperature,
         kernel_loss.kernel_softcap,
-        "triton",
+        TRITON_KERNELS,
     )
 
 
@@ -360,28 +348,15 @@ def two_pass_bwd(
     softcap: float | None,
     drop_last_position: bool,
     in_place: bool,
-    backend: str,
     h=None,
     entropy=None,
 ) -> torch.Tensor:
     """dlogits of g = dLoss/dlogp (and h = dLoss/dH with the forward's entropy), at the logits' shape (a dropped
-    last position zeroed), written by the backend's backward (in place: into the logits, their version bumped)."""
+    last position zeroed), written by the backward kernel (in place: into the logits, their version bumped)."""
     grad = gradient_buffer(logits, drop_last_position, in_place)
-    logprobs_bwd(
-        logits,
-        ids,
-        lse,
-        g,
-        temperature,
-        softcap,
-        drop_last_position,
-        backend,
-        out=grad,
-        grad_entropy=h,
-        entropy=entropy,
-    )
-    if in_place:
-        torch.autograd.graph.increment_version(logits)
+    logits_launch.backward(
+        logits, ids, lse, g, temperature, softcap=softcap, out=grad, grad_entropy=h, entropy=entropy
+    )  # fmt: skip
     return grad
 
 
@@ -430,7 +405,6 @@ class TwoPassLoss(torch.autograd.Function):
             ctx.softcap,
             ctx.drop_last_position,
             ctx.in_place,
-            "triton",
             h_dense,
             entropy,
         )
@@ -446,7 +420,7 @@ class TwoPassLoss(torch.autograd.Function):
                 entropy,
                 ctx.temperature,
                 ctx.softcap,
-                "triton",
+                TRITON_KERNELS,
             )
         return input_grads(ctx, grad)
 
@@ -472,149 +446,6 @@ def signature_bound_once(function_class):
 
 
 # ---- Log-probs: the kernels' (or the torch path's) log-probs, the loss math in torch ------------------------------
-
-
-def logprobs_fwd(
-    logits,
-    ids,
-    temperature: float,
-    mask: torch.Tensor | None,
-    compute_entropy: bool,
-    softcap: float | None,
-    backend: str,
-    drop_last_position: bool = False,
-    compute_sum_squares: bool = False,
-    kept: KeptTerms | None = None,
-) -> LogprobResult:
-    """log softmax(cap(logits) / temperature)[ids] (and the entropy, and Σπ²) of the logits that predict the
-    completion, fp32 [N]; ``mask`` fp32 [N] or None (every token read): 0 where it is 0. ``kept``: each token's kept
-    set (``kept_terms``): its log-prob (and, where the entropy is the set's, its entropy) over the set where it uses
-    one; ``lse`` stays the whole vocabulary's."""
-    if kept is not None and backend != "triton":
-        r = logprobs_fwd(
-            logits, ids, temperature, mask, compute_entropy, softcap, backend, drop_last_position, compute_sum_squares
-        )
-        return with_kept_set(r, kept)
-    if backend == "triton":
-        if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py)
-            logp, entropy, lse, squares = ops.triton_logprobs(
-                aligned(logits, drop_last_position),
-                ids,
-                ops.head_scalars(temperature, softcap),
-                mask,
-                compute_entropy,
-                compute_sum_squares,
-            )
-            present = ops.present
-            return LogprobResult(logp, present(entropy, compute_entropy), lse, present(squares, compute_sum_squares))
-        tokens = (
-            TokenInputs(mask=mask) if kept is None else TokenInputs(mask, kept_lse=kept.lse, kept_entropy=kept.entropy)
-        )
-        r = logits_launch.forward(
-            logits,
-            ids,
-            temperature=temperature,
-            softcap=softcap,
-            tokens=tokens,
-            compute_entropy=compute_entropy,
-            compute_sum_squares=compute_sum_squares,
-        )
-        r = LogprobResult(r.logp, r.entropy, r.lse, r.sum_squares)  # the kernels never read a masked row's id
-        return r if kept is None else with_kept_set(r, kept)  # (the set's Σπ² where a token uses its set)
-    logits = aligned(logits, drop_last_position)
-    B, T, _ = logits.shape
-    active = None if mask is None else (mask != 0).view(B, T)
-    if active is not None:  # masked ids may be anything (-100): gather and scatter get 0 there
-        ids = torch.where(active, ids, 0)
-    if torch.compiler.is_compiling():  # one opaque op in the graph (ops.py): no unrolled chunk loop
-        logp, entropy, lse, squares = ops.torch_logprobs(
-            logits, ids, ops.head_scalars(temperature, softcap), compute_entropy, compute_sum_squares
-        )
-        entropy, squares = ops.present(entropy, compute_entropy), ops.present(squares, compute_sum_squares)
-    else:
-        logp, entropy, lse, squares = torch_path.forward(
-            logits, ids, temperature, compute_entropy, softcap, compute_sum_squares
-        )
-    if active is not None:
-        logp = torch.where(active, logp, 0.0)
-        entropy = None if entropy is None else torch.where(active, entropy, 0.0)
-        squares = None if squares is None else torch.where(active, squares, 0.0)
-    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
-    return LogprobResult(logp.reshape(-1), flat(entropy), lse.reshape(-1), flat(squares))
-
-
-def logprobs_bwd(
-    logits,
-    ids,
-    lse,
-    g,
-    temperature: float,
-    softcap: float | None,
-    drop_last_position: bool,
-    backend: str,
-    *,
-    out: torch.Tensor,
-    grad_entropy: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """dlogits of g = dLoss/dlogp (and h = dLoss/dH, with the forward's entropy) written into ``out`` (the logits'
-    shape: with ``drop_last_position`` its first T positions). Masked positions' ids must be in range here (the
-    torch path scatters into them; the kernels never read them)."""
-    written = aligned(out, drop_last_position)
-    if backend == "triton":
-        flat = lambda t: None if t is None else t.reshape(-1).float().contiguous()  # noqa: E731
-        if torch.compiler.is_compiling():
-            ops.triton_logprobs_backward(
-                aligned(logits, drop_last_position),
-                ids,
-                lse.reshape(-1),
-                flat(g),
-                ops.head_scalars(temperature, softcap),
-                written,
-                flat(grad_entropy),
-                flat(entropy) if grad_entropy is not None else None,
-            )
-            return out
-        logits_launch.backward(
-            logits,
-            ids,
-            lse.reshape(-1),
-            flat(g),
-            temperature,
-            softcap=softcap,
-            out=out,
-            grad_entropy=flat(grad_entropy),
-            entropy=flat(entropy) if grad_entropy is not None else None,
-        )
-        return out
-    logits = aligned(logits, drop_last_position)
-    B, T, _ = logits.shape
-    as_bt = lambda t: None if t is None else t.to(lse.dtype).reshape(B, T)  # noqa: E731  (fp32, or fp64)
-    if torch.compiler.is_compiling():
-        written.copy_(
-            ops.torch_logprobs_backward(
-                logits,
-                ids,
-                lse.reshape(B, T),
-                as_bt(g),
-                ops.head_scalars(temperature, softcap),
-                as_bt(grad_entropy),
-                as_bt(entropy),
-            )
-        )
-    else:
-        torch_path.backward(
-            logits,
-            ids,
-            lse.reshape(B, T),
-            as_bt(g),
-            temperature,
-            out=written,
-            grad_entropy=as_bt(grad_entropy),
-            entropy=as_bt(entropy),
-            softcap=softcap,
-        )
-    return out
 
 
 @signature_bound_once
@@ -696,9 +527,11 @@ class LogitsLogprobs(torch.autograd.Function):
             g, h, entry_gradient = torch.zeros_like(lse) if grad_values is None else grad_values, grad_entropy, None
         else:
             g, h, entry_gradient = entries.gradient(grad_values, grad_entropy, KeptTerms(*terms), lse, entropy, mask)
-        grad = two_pass_bwd(
-            logits, local, lse, g, ctx.temperature, ctx.softcap, dropped, ctx.in_place, ctx.backend, h, entropy
-        )
+        grad = gradient_buffer(logits, dropped, ctx.in_place)
+        logprobs_bwd(
+            logits, local, lse, g, ctx.temperature, ctx.softcap, dropped, ctx.backend, out=grad, grad_entropy=h,
+            entropy=entropy,
+        )  # fmt: skip
         if shard is not None:  # the one-hot belongs to the target's owner
             unowned_column_0_in_logits_grad(
                 aligned(grad, dropped), aligned(logits, dropped), owned, lse, g, h, entropy, ctx.temperature,
@@ -714,7 +547,7 @@ class LogitsLogprobs(torch.autograd.Function):
         return input_grads(ctx, grad)
 
 
-def pass_ids(ids, entries, shard, width: int, mask, backend: str) -> tuple:
+def pass_ids(ids, entries, shard, width: int, mask, backend: Backend) -> tuple:
     """(each token's target: the ids, or the entries' first; on a shard which targets this rank owns, else None;
     the ids the dense passes read: on a shard the owned targets' local columns (``vocab_parallel.owned_ids``), on the
     torch path 0 at masked tokens, whose ids may be anything (-100) where its scatter needs one in range; the kernels
@@ -722,6 +555,6 @@ def pass_ids(ids, entries, shard, width: int, mask, backend: str) -> tuple:
     target = ids if entries is None else entries.target(ids)
     if shard is not None:
         return target, *owned_ids(target, shard.start, width)
-    if backend == "torch" and mask is not None:
+    if not backend.kernels and mask is not None:
         return target, None, torch.where(mask.view(target.shape) != 0, target, 0)
     return target, None, target

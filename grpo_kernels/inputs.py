@@ -31,6 +31,7 @@ from .objective import GRPOLossOutput, as_row_column
 from .options import GRPOOptions
 from .policy_terms import HOST_SELECTED_TERMS
 from .validation import (
+    Backend,
     check_hidden_grad_reduction,
     check_inputs,
     check_logits,
@@ -224,7 +225,7 @@ class LossInputs(NamedTuple):
     normalizer: object  # None, a number, or a detached 0-d tensor
     loss_scale: float | torch.Tensor
     options: GRPOOptions
-    backend: str  # resolved: "triton" or "torch"
+    backend: Backend  # resolved once: the kernels or the torch path, in a torch.compile graph or not
     layout: SequenceLayout
     caller_shape: torch.Size | None  # a packed call's ids' shape, which its per-token log-probs take
     vocab_shard: VocabShard | None
@@ -508,8 +509,8 @@ def active_tokens(inputs: LossInputs, check_ids: bool) -> tuple | None:
     if (
         inputs.mask is None
         or not check_ids
-        or torch.compiler.is_compiling()
-        or (source.what == "logits" and inputs.backend != "torch")
+        or inputs.backend.in_graph
+        or (source.what == "logits" and inputs.backend.kernels)
     ):
         return None
     L = inputs.layout

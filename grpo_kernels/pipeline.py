@@ -75,8 +75,8 @@ def loss(source, call: LossCall, settings: CallSettings) -> GRPOLossOutput:
     first_pass = correction = policy = None
     if opts.rollout_correction is not None or opts.masks_tokens:
         inputs, first_pass, correction, policy = corrected_and_masked(inputs)
-    fused = inputs.backend == "triton" and opts.loss_in_kernel and inputs.vocab_shard is None
-    if fused and (inputs.source.fused_in_graph or not torch.compiler.is_compiling()):
+    fused = inputs.backend.kernels and opts.loss_in_kernel and inputs.vocab_shard is None
+    if fused and (inputs.source.fused_in_graph or not inputs.backend.in_graph):
         out = inputs.source.fused_loss(inputs, loss_tokens(inputs, policy))
         out = out if inputs.caller_shape is None else inputs.as_called(out)
     else:

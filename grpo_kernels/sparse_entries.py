@@ -22,7 +22,7 @@ from .kernels.contracts import KeptTerms, KeptTokens, LossTokens
 from .vocab_parallel import global_entry_logits
 
 
-def kept_terms(logits, ids, kept: KeptTokens | None, mask, temperature: float, softcap, backend: str, *, col0: int = 0,
+def kept_terms(logits, ids, kept: KeptTokens | None, mask, temperature: float, softcap, backend, *, col0: int = 0,
                group=None, compute_sum_squares: bool = False) -> KeptTerms | None:  # fmt: skip
     """Each token's kept-set terms (``kernels.contracts.KeptTerms``) from logits [B, T, width] (the ones that predict
     the completion: a vocabulary slice from global id ``col0`` with ``group``), None without a set: the Triton
@@ -30,7 +30,7 @@ def kept_terms(logits, ids, kept: KeptTokens | None, mask, temperature: float, s
     if kept is None:
         return None
     B, T, width = logits.shape
-    if backend == "triton" and not torch.compiler.is_compiling():  # (a graph: the torch path's gathers)
+    if backend.eager_kernels:  # (a graph: the torch path's gathers)
         x, state = kept_launch.kept_state(
             logits,
             ids,
@@ -70,14 +70,14 @@ def with_kept_set(r, kept: KeptTerms):
 
 
 def kept_gradient(out, ids, kept: KeptTokens, terms: KeptTerms, g, h, lse, entropy, temperature: float, softcap,
-                  backend: str, col0: int = 0, n0: int = 0, lead=None) -> None:  # fmt: skip
+                  backend, col0: int = 0, n0: int = 0, lead=None) -> None:  # fmt: skip
     """The kept sets' entries of the gradient ``out`` ([B, T, width], the logits' that predict the completion, or a
     [rows, width] tile of the tokens from ``n0``; the dense part written by a pass that left the sets' share out,
     ``kept_set.dense_share``); ``g``, ``h``, ``lse``, ``entropy`` one per row of ``out``; ``lead`` one an entry (the
     top-k entries', ``LogprobsAtIds``)."""
     flat = lambda t: None if t is None else t.reshape(-1).to(torch_path.compute_dtype(t)).contiguous()  # noqa: E731
     g, h, lse, entropy = flat(g), flat(h), flat(lse), flat(entropy)
-    if backend == "triton" and not torch.compiler.is_compiling():  # (a graph: the torch path's scatter)
+    if backend.eager_kernels:  # (a graph: the torch path's scatter)
         kept_launch.kept_gradient(
             out, ids, kept, terms, g, temperature=temperature, softcap=softcap, h=h, lse=lse, entropy=entropy,
             col0=col0, n0=n0, lead=None if lead is None else lead.reshape(-1).float().contiguous(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -379,21 +380,45 @@ def check_prompt_ids(prompt_ids, S: int, device, opts, packed: bool) -> None:
         raise ValueError(f"prompt_ids must be on the logits' device {device}, got {_describe(prompt_ids)}")
 
 
-def resolve_backend(backend: str, logits: torch.Tensor) -> str:
-    """'triton' or 'torch' for this call."""
+class Backend(NamedTuple):
+    """How a call's passes run, chosen once (``resolve_backend``, from ``inputs.prepare_inputs``): ``name`` "triton",
+    the kernels, or "torch", the chunked torch path; ``in_graph``, inside a torch.compile graph, where each pass is one
+    of ``ops.py``'s custom ops (and a kept set's or a teacher's entries are the torch path's gathers). Every pass
+    below the pipeline reads this one value, never a string."""
+
+    name: str
+    in_graph: bool
+
+    @property
+    def kernels(self) -> bool:
+        """The Triton kernels (eager, or as a graph's custom ops)."""
+        return self.name == "triton"
+
+    @property
+    def eager_kernels(self) -> bool:
+        """The Triton launchers called directly (not inside a graph)."""
+        return self.name == "triton" and not self.in_graph
+
+
+TRITON_KERNELS = Backend("triton", False)  # the fused loss Functions' own: they run eagerly, on the kernels
+
+
+def resolve_backend(backend: str, logits: torch.Tensor) -> Backend:
+    """This call's ``Backend``: 'triton' or 'torch' (from 'auto' by the device and dtype), in a graph or not."""
+    in_graph = torch.compiler.is_compiling()
     if backend == "torch":
-        return backend
+        return Backend("torch", in_graph)
     if backend == "auto":  # the chunked torch path also runs on CUDA where triton is absent
         # (fp64, gradcheck's, is the torch path's: the kernels are fp32 inside)
-        return "triton" if logits.is_cuda and logits.dtype != torch.float64 and triton_available() else "torch"
+        name = "triton" if logits.is_cuda and logits.dtype != torch.float64 and triton_available() else "torch"
+        return Backend(name, in_graph)
     check_backend(backend)
     if logits.dtype == torch.float64:
         raise TypeError(
             "backend='triton' takes float32, bfloat16 or float16; float64 runs on backend='torch' "
             "(for gradcheck), or cast to float32"
         )
-    compiling = torch.compiler.is_compiling()
-    if not compiling:  # (a graph's ops import it when they run)
+    if not in_graph:  # (a graph's ops import it when they run)
         if logits_launch.__class__ is TritonMissing:  # a clear ImportError where triton is absent
             raise logits_launch.error()
     if not logits.is_cuda:
@@ -403,9 +428,9 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
                 "interpreter, which needs TRITON_INTERPRET=1 set before triton is imported; "
                 "use backend='torch' or 'auto' for CPU tensors"
             )
-        if not compiling:  # dynamo (torch 2.7) cannot trace the version parsing; eager checks
+        if not in_graph:  # dynamo (torch 2.7) cannot trace the version parsing; eager checks
             check_interpreter_versions()
-    return backend
+    return Backend(backend, in_graph)
 
 
 @functools.cache

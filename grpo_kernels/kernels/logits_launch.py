@@ -515,8 +515,11 @@ def backward(
     ``in_place`` writes into ``logits`` itself (same strides) and returns it; ``out`` (a
     [B, T, V] tensor with a unit last stride) is written and returned instead of a new tensor.
     ``grad_entropy`` (dLoss/dH, fp32 [N]) with the forward's ``entropy`` (fp32 [N]) adds the
-    entropy's gradient in the same pass.
+    entropy's gradient in the same pass. The per-token tensors any shape and float dtype (read as fp32 [N]).
     """
+    flat = lambda t: None if t is None else t.reshape(-1).float().contiguous()  # noqa: E731
+    lse, grad_logp, grad_entropy = lse.reshape(-1), flat(grad_logp), flat(grad_entropy)
+    entropy = flat(entropy) if grad_entropy is not None else None
     (B, T), V = ids.shape, logits.shape[-1]
     grad = (
         logits
