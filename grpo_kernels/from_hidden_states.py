@@ -31,6 +31,7 @@ from .from_logits import (
     input_grads,
     kernel_output,
     loss_outputs,
+    pass_outputs,
     signature_bound_once,
     weighted_dloss,
     zero_at_masked,
@@ -40,9 +41,9 @@ from .kernels.contracts import KeptTerms, KeptTokens, LossTokens, OnePassGradien
 from .objective import GRPOLossOutput
 from .options import GRPOOptions, option_value
 from .passes import linear_logprobs_bwd, linear_logprobs_fwd
-from .sparse_entries import KeptSetEntries, TopKEntries, kept_gradient, with_kept_lse, with_kept_set
+from .sparse_entries import KeptSetEntries, TopKEntries, kept_gradient, with_kept_lse
 from .validation import TRITON_KERNELS, Backend, check_head_precision, check_linear_inputs, check_lm_head_mode
-from .vocab_parallel import combined_result, owned_ids, summed_over_shards, unowned_column_0_in_head_grads
+from .vocab_parallel import owned_ids, summed_over_shards, unowned_column_0_in_head_grads
 
 
 def head_operands(hidden_states, weight, bias, head_precision: str) -> tuple:
@@ -453,13 +454,8 @@ class HiddenStatesLogprobs(torch.autograd.Function):
             hidden, weight, bias, local, temperature, compute_entropy, softcap, backend, compute_sum_squares,
             fp32_logits,
         )  # fmt: skip
-        if shard is not None:
-            r = combined_result(r, owned, shard.group)
-        if entries is not None and entries.read_by_the_pass:
-            r = with_kept_set(r, terms)
-        values = r.logp if entries is None else entries.values(r, terms)
-        values, entropy, squares = zero_at_masked(mask, values, r.entropy, r.sum_squares)
-        return values, entropy, squares, r.lse, *(() if terms is None else terms)
+        values, entropy, squares, lse = pass_outputs(r, entries, terms, shard, owned, mask, False)
+        return values, entropy, squares, lse, *(() if terms is None else terms)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

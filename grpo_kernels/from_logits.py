@@ -493,17 +493,12 @@ class LogitsLogprobs(torch.autograd.Function):
             logits, target if shard is None else local, temperature, mask, compute_entropy, softcap, backend,
             drop_last_position, compute_sum_squares, kept=read,
         )  # fmt: skip
-        if shard is not None:
-            r = combined_result(r, owned, shard.group)
-            if entries is not None and entries.read_by_the_pass:
-                r = with_kept_set(r, terms)
-        values = r.logp if entries is None else entries.values(r, terms)
-        values, entropy, squares = zero_at_masked(mask, values, r.entropy, r.sum_squares)
+        values, entropy, squares, lse = pass_outputs(r, entries, terms, shard, owned, mask, read is not None)
         B, T = target.shape
         as_bt = lambda t: None if t is None else t.view(B, T)  # noqa: E731
         if values.dim() == 1:  # (the targets' log-probs; the entries' are [B, T, K])
             values = values.view(B, T)
-        return values, as_bt(entropy), as_bt(squares), r.lse, *(() if terms is None else terms)
+        return values, as_bt(entropy), as_bt(squares), lse, *(() if terms is None else terms)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -545,6 +540,18 @@ class LogitsLogprobs(torch.autograd.Function):
                 lead=e.lead,
             )  # fmt: skip
         return input_grads(ctx, grad)
+
+
+def pass_outputs(r, entries, terms, shard, owned, mask, read_by_the_pass: bool) -> tuple:
+    """(values, entropy, Σπ², lse) of a log-prob pass's results ``r`` (either form's): on a shard the global ones
+    (``vocab_parallel.combined_result``), over the kept sets where the pass did not read them itself, the entries'
+    values, 0 at masked tokens."""
+    if shard is not None:
+        r = combined_result(r, owned, shard.group)
+    if entries is not None and entries.read_by_the_pass and not read_by_the_pass:
+        r = with_kept_set(r, terms)
+    values = r.logp if entries is None else entries.values(r, terms)
+    return (*zero_at_masked(mask, values, r.entropy, r.sum_squares), r.lse)
 
 
 def pass_ids(ids, entries, shard, width: int, mask, backend: Backend) -> tuple:

@@ -2,7 +2,8 @@
 # The package as a user installs it: build the sdist and the wheel (python -m build), install the wheel
 # (not editable) into a fresh virtual environment with the CPU build of torch, and run there, outside
 # the checkout: the README's example, `grpo-kernels --help`, the no-triton import, and a look inside the
-# wheel for what a user needs (tuned.json, the integration guide). Run by .ci/run after the tests.
+# wheel for what a user needs (tuned.json, the integration guide). Run by .ci/run before the tests, beside the docs
+# build and the device suite's smoke mode.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT="$PWD"
