@@ -85,51 +85,79 @@ class WholeSequenceLayout(SequenceLayout):
             return GatheredParts.apply(self.part(t), self.group, self.rank)
         return torch.cat(all_gathered(self.part(t.detach().float()), self.group), dim=1)
 
+    def gathered_together(self, *values, differentiable: bool = False) -> tuple:
+        """``gathered`` of several per-token values (None stays None) in one exchange: stacked [k, S, T_part], one
+        all-gather for them all, not one each."""
+        present = [t for t in values if t is not None]
+        if not present:
+            return values
+        parts = [self.part(t if differentiable else t.detach().float()) for t in present]
+        if differentiable:
+            whole = GatheredParts.apply(torch.stack(parts), self.group, self.rank)
+        else:
+            whole = torch.cat(all_gathered(torch.stack(parts), self.group), dim=-1)
+        gathered = iter(whole.unbind(0))
+        return tuple(None if t is None else next(gathered) for t in values)
+
     def from_seq(self, t: torch.Tensor) -> torch.Tensor:
         return self.local.from_seq(t[:, self.own])
 
 
 class GatheredParts(torch.autograd.Function):
-    """Every rank's part [S, T_part] of the sequences, side by side in rank order [S, CP * T_part]. Every rank computes
-    the same loss from the result, so the gradient at this rank's part is the whole loss's there: the backward takes
-    its slice and reduces nothing."""
+    """Every rank's part [..., S, T_part] of the sequences, side by side in rank order [..., S, CP * T_part]. Every
+    rank computes the same loss from the result, so the gradient at this rank's part is the whole loss's there: the
+    backward takes its slice and reduces nothing."""
 
     @staticmethod
     def forward(ctx, part: torch.Tensor, group, rank: int):
-        ctx.own = slice(rank * part.shape[1], (rank + 1) * part.shape[1])
-        return torch.cat(all_gathered(part, group), dim=1)
+        width = part.shape[-1]
+        ctx.own = slice(rank * width, (rank + 1) * width)
+        return torch.cat(all_gathered(part, group), dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[:, ctx.own], None, None
+        return grad[..., ctx.own], None, None
 
 
 def whole_sequences(inputs: LossInputs, group) -> LossInputs:
     """The loss call ``inputs`` (this rank's tokens of every sequence, prepared) as the call on the whole sequences:
-    this rank's differentiable log-prob pass, then every per-token value exchanged over ``group`` (one all-gather a
-    tensor, after the sizes' exchange). Per-sequence inputs (advantages or importance weights [S] / [S, 1],
-    ``prompt_ids``) are the same on every rank and stay as they are."""
+    this rank's differentiable log-prob pass, then the per-token values exchanged over ``group``: two all-gathers
+    after the sizes' exchange, one of the differentiable log-probs (and entropy), one of every detached input stacked.
+    Per-sequence inputs (advantages or importance weights [S] / [S, 1], ``prompt_ids``) are the same on every rank and
+    stay as they are."""
     opts, local = inputs.options, inputs.layout
     logp, entropy = inputs.source.logprobs(inputs, opts.compute_entropy, final=True)
     whole = WholeSequenceLayout.over(local, group, inputs.mask.device)
-    per_sequence_or_whole = lambda t: t if t is None or local.per_sequence(t) else whole.gathered(t)  # noqa: E731
-    mask = whole.gathered(inputs.mask)
+    per_token = lambda t: None if t is None or local.per_sequence(t) else t  # noqa: E731
+    mask, old, ref, sampling, advantages, importance_weights = whole.gathered_together(
+        inputs.mask,
+        inputs.old_logps,
+        inputs.ref_logps,
+        inputs.sampling_logps,
+        per_token(inputs.advantages),
+        per_token(inputs.importance_weights),
+    )
     return inputs._replace(
-        source=WholeSequenceLogprobs(whole.gathered(logp, True), whole.gathered(entropy, True)),
+        source=WholeSequenceLogprobs(*whole.gathered_together(logp, entropy, differentiable=True)),
         ids=torch.zeros(mask.shape, dtype=torch.long, device=mask.device),  # (the pass has run: no id is read again)
         mask=mask,
         mask_seq=mask,
-        advantages=per_sequence_or_whole(inputs.advantages),
-        old_logps=whole.gathered(inputs.old_logps),
-        ref_logps=whole.gathered(inputs.ref_logps),
-        importance_weights=per_sequence_or_whole(inputs.importance_weights),
-        sampling_logps=whole.gathered(inputs.sampling_logps),
+        advantages=inputs.advantages if advantages is None else advantages,
+        old_logps=old,
+        ref_logps=ref,
+        importance_weights=inputs.importance_weights if importance_weights is None else importance_weights,
+        sampling_logps=sampling,
         backend=inputs.backend._replace(name="torch"),  # the loss math in torch on the gathered log-probs
         layout=whole,
-        caller_shape=inputs.caller_shape if inputs.caller_shape is not None else inputs.ids.shape,
+        caller_shape=caller_shape(inputs),
         vocab_shard=None,
         kept=None,
     )
+
+
+def caller_shape(inputs: LossInputs) -> torch.Size:
+    """The shape a call's per-token outputs take: its ids' as the caller passed them (a packed call's too)."""
+    return inputs.caller_shape if inputs.caller_shape is not None else inputs.ids.shape
 
 
 def whole_rows(inputs: LossInputs, group, logp_seq: torch.Tensor, *per_token) -> tuple:
@@ -138,7 +166,6 @@ def whole_rows(inputs: LossInputs, group, logp_seq: torch.Tensor, *per_token) ->
     log-probs) as the whole sequences': (the inputs with the whole layout and mask, the log-probs [S, CP * T_part]
     differentiable into this rank's, each of ``per_token`` gathered)."""
     whole = WholeSequenceLayout.over(inputs.layout, group, logp_seq.device)
-    mask = whole.gathered(inputs.mask_seq)
-    caller_shape = inputs.caller_shape if inputs.caller_shape is not None else inputs.ids.shape
-    inputs = inputs._replace(mask=mask, mask_seq=mask, layout=whole, caller_shape=caller_shape)
-    return (inputs, whole.gathered(logp_seq, differentiable=True), *(whole.gathered(t) for t in per_token))
+    mask, *per_token = whole.gathered_together(inputs.mask_seq, *per_token)
+    inputs = inputs._replace(mask=mask, mask_seq=mask, layout=whole, caller_shape=caller_shape(inputs))
+    return (inputs, whole.gathered(logp_seq, differentiable=True), *per_token)
