@@ -198,14 +198,19 @@ def check_token_ids(ids, shape, device, check_range: bool, *, mask=None, normali
     if not isinstance(normalizer, torch.Tensor) and not weighted:  # the ids' range alone: the one host sync
         values = torch.stack(torch.aminmax(checked)).tolist() if ids.numel() else []
     else:  # with the mask's range, the normalizer's value and the active tokens it may need, in the same sync
-        stats = [v.reshape(1).double() for v in torch.aminmax(checked)] if ids.numel() else []
-        if weighted:
-            # the mask's own dtype, no copy; a NaN anywhere makes both ends NaN (aminmax propagates it)
-            stats += [end.reshape(1).double() for end in torch.aminmax(mask)]
+        stats = []
+        if ids.numel():  # the ids' and the mask's ranges in one reduction: [ids low, ids high, mask low, mask high]
+            # (fp64 holds every id exactly; a NaN anywhere in the mask makes both its ends NaN: aminmax propagates it)
+            rows = torch.stack(
+                [checked.reshape(-1).double(), mask.reshape(-1).double()]
+                if weighted
+                else [checked.reshape(-1).double()]
+            )
+            stats.append(torch.stack(torch.aminmax(rows, dim=1), dim=1).reshape(-1))
         if isinstance(normalizer, torch.Tensor):
             stats.append(_active_tokens(mask, ids).reshape(1).double())
             stats.append(normalizer.detach().reshape(1).double().to(ids.device))
-        values = torch.cat([v.to(ids.device) for v in stats]).tolist()  # the one host sync
+        values = torch.cat(stats).tolist()  # the one host sync
     if ids.numel():
         low, high = int(values[0]), int(values[1])
         if low < 0 or high >= V:
