@@ -5,8 +5,9 @@ Two families, as verl 0.9's distillation registry (``verl/trainer/distillation``
 
 - **The top-k forward KL** (``topk_distillation_loss``, ``fused_linear_topk_distillation_loss``, the Modules): the
   teacher gives K ids and their log-probs a token; the student's log-probs at those ids, normalized over the whole
-  vocabulary, come from one log-sum-exp pass and K gathered logits (``from_logits.LogprobsAtIds``: from the head,
-  each of the K logits its own dot product, no [N, V] tensor), and the divergence is written here in torch over
+  vocabulary, come from one log-sum-exp pass and K gathered logits (``sparse_entries.TopKEntries``, an entries value
+  of each input form's log-prob Function: from the head, each of the K logits its own dot product, no [N, V]
+  tensor), and the divergence is written here in torch over
   [N, K]: autograd hands the kernels dLoss/dlog q, and their backward writes dL/dz = (sum of dL/dlog q over the
   token's entries with that id - (sum over all K) softmax) / T, the K ids' terms fused, no [N, V] scatter. The
   conventions by name:

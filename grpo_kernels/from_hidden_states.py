@@ -586,7 +586,7 @@ def kept_entries(ids, kept: KeptTokens | None, terms: KeptTerms | None, g, h, ls
     tokens from n0, its columns from v0), the sets' entries (``sparse_entries.kept_gradient``) from the full ``g`` and
     ``h`` (the dense pass had their share of the sets' tokens taken out), the forward's ``lse`` and ``entropy``;
     ``col0``: the slice's first global id (a vocabulary shard's); ``lead`` one an entry (the top-k entries',
-    ``LinearLogprobsAtIds``)."""
+    ``sparse_entries.TopKEntries``)."""
     if terms is None:
         return None
     flat = lambda t: None if t is None else t.reshape(-1).to(torch_path.compute_dtype(t))  # noqa: E731

@@ -1,11 +1,11 @@
 """Every ``torch.library`` custom op of the package, for ``torch.compile``.
 
 Eager calls run ``torch_path`` and the launchers directly (no dispatcher hop: host time). Inside a
-``torch.compile`` graph (``torch.compiler.is_compiling()``) the host functions (``from_logits.py``,
-``from_hidden_states.py``) call these ops instead: each is one opaque node with a fake (meta) implementation,
-so dynamo neither unrolls the chunk loops (whose ``range`` would fix the completion length and recompile for
-each new one) nor breaks the graph, and a step compiles once for every length (``dynamic=True``, or dynamo's
-automatic dynamic shapes after the first new length).
+``torch.compile`` graph (a ``validation.Backend`` with ``in_graph``) the host functions (``passes.py``, and the
+logits form's fused loss in ``from_logits.py``) call these ops instead: each is one opaque node with a fake (meta)
+implementation, so dynamo neither unrolls the chunk loops (whose ``range`` would fix the completion length and
+recompile for each new one) nor breaks the graph, and a step compiles once for every length (``dynamic=True``, or
+dynamo's automatic dynamic shapes after the first new length).
 
 Two kinds:
 

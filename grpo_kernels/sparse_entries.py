@@ -74,7 +74,7 @@ def kept_gradient(out, ids, kept: KeptTokens, terms: KeptTerms, g, h, lse, entro
     """The kept sets' entries of the gradient ``out`` ([B, T, width], the logits' that predict the completion, or a
     [rows, width] tile of the tokens from ``n0``; the dense part written by a pass that left the sets' share out,
     ``kept_set.dense_share``); ``g``, ``h``, ``lse``, ``entropy`` one per row of ``out``; ``lead`` one an entry (the
-    top-k entries', ``LogprobsAtIds``)."""
+    top-k entries', ``TopKEntries``)."""
     flat = lambda t: None if t is None else t.reshape(-1).to(torch_path.compute_dtype(t)).contiguous()  # noqa: E731
     g, h, lse, entropy = flat(g), flat(h), flat(lse), flat(entropy)
     if backend.eager_kernels:  # (a graph: the torch path's scatter)
