@@ -1,7 +1,8 @@
 """Every kernel specialization compiles ahead of time for sm_90 (``aot.primary_launches``: the row kernels in fp32 and
-fp16 at one vocabulary, in bf16 at all three), and every kernel, loss option, schedule and tuned configuration
-(``aot.representative_launches``) for sm_80, sm_100 (Blackwell) and AMD's gfx942 (MI300) and gfx90a (MI250), on the
-CPU.
+fp16 at one vocabulary, in bf16 at all three), every kernel, loss option, schedule and tuned configuration
+(``aot.representative_launches``) for sm_80 and AMD's gfx942 (MI300), and every kernel and tuned configuration
+(``aot.kind_launches``) for each vendor's second target of the same code generator, sm_100 (Blackwell) and gfx90a
+(MI250), on the CPU.
 
 What the interpreter forgives, the compiler does not: this catches compile errors,
 register spills, lost vectorization and hot loops that would be issue-bound before a GPU
@@ -108,8 +109,8 @@ def amd_records(every_target):
 
 
 def test_every_kernel_and_tuned_configuration_compiles_for_amd(amd_records, records):
-    """ROCm's compile of every kernel (each kernel kind the NVIDIA targets compile) with every loss option and
-    schedule, and every tuned configuration, for gfx942 and gfx90a: a kernel that cannot build for ROCm fails here.
+    """ROCm's compile of every kernel (each kernel kind the NVIDIA targets compile) and every tuned configuration for
+    gfx942 and gfx90a, with every loss option and schedule for gfx942: a kernel that cannot build for ROCm fails here.
     None spills to scratch memory (a scalar register spilled to a vector register's lane is not a memory spill,
     and is reported)."""
     assert {r["arch"] for r in amd_records} == set(aot.AMD_ARCHS)
@@ -131,9 +132,9 @@ def blackwell_records(every_target):
 
 
 def test_every_kernel_and_tuned_configuration_compiles_for_blackwell(blackwell_records, records):
-    """sm_100 (B200 / GB200): every kernel the other NVIDIA targets compile, with every loss option and schedule, and
-    every tuned configuration (``representative_launches``: one dtype and vocabulary; the dtype x vocabulary grid is
-    sm_90's), compiles without a spill."""
+    """sm_100 (B200 / GB200): every kernel the other NVIDIA targets compile and every tuned configuration
+    (``kind_launches``: the loss options and schedules, branches of the same kernels, are sm_90's and sm_80's to
+    compile), compiles without a spill."""
     assert {r["arch"] for r in blackwell_records} == {"sm_100"}
     assert {r["kernel"] for r in blackwell_records} == {r["kernel"] for r in records}
     tuned = {r["specialization"] for r in records if " tuned " in f" {r['specialization']} "}

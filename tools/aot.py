@@ -10,9 +10,10 @@ wheel's cuobjdump reads registers, spills and the SASS. For the streaming logits
 each hot loop (an innermost loop that loads the logits) gives instructions, MUFU operations (exp2,
 log2) and bytes loaded per logit, and from them a static roofline against the H200 (``roofline``).
 sm_90 compiles every recorded launch (``primary_launches``: the row kernels in fp32 and fp16 at one vocabulary);
-sm_80, sm_100 (Blackwell) and ``--arch gfx942 gfx90a`` (AMD's MI300 and MI250, with the ROCm backend in the triton
-wheel) compile ``representative_launches``: every kernel, loss option, schedule and tuned configuration at one dtype
-and vocabulary.
+sm_80 and ``--arch gfx942`` (AMD's MI300, with the ROCm backend in the triton wheel) compile
+``representative_launches``: every kernel, loss option, schedule and tuned configuration at one dtype and vocabulary;
+each vendor's second target of the same code generator, sm_100 (Blackwell) and gfx90a (MI250), ``kind_launches``:
+every kernel and tuned configuration once.
 AMD's are read for registers, spills and scratch from the AMDGCN kernel descriptor (no hot-loop analysis: that is
 NVIDIA's SASS).
 It must run without TRITON_INTERPRET (the interpreter has nothing to compile).
@@ -132,6 +133,11 @@ def recorded_launches():
 # each): what differs by target is the code generator, which that set exercises whole
 AMD_ARCHS = ("gfx942", "gfx90a")
 PRIMARY_ARCH = 90
+# A vendor's second target of the same code generator (Blackwell beside Hopper and Ampere, MI250 beside MI300)
+# compiles ``kind_launches``: every kernel and every tuned configuration, once each. The loss options and schedules are
+# branches of the same kernels, which the first targets compile whole; what a new target can break is its code
+# generator, which one specialization of each kernel exercises (and the tuned ones, its own measured configurations).
+KINDS_ONLY_ARCHS = ("100", "gfx90a")
 
 
 def gpu_target(arch):
@@ -873,6 +879,18 @@ def representative_launches(items: list[Launch]) -> list[Launch]:
     return chosen
 
 
+def kind_launches(items: list[Launch]) -> list[Launch]:
+    """What a vendor's second target compiles (``KINDS_ONLY_ARCHS``): every tuned configuration, and the first of
+    ``representative_launches`` of each kernel none of them reached."""
+    chosen = [item for item in items if " tuned " in f" {item.label} "]
+    reached = {item.kernel.fn.__name__ for item in chosen}
+    for item in representative_launches(items):
+        if item.kernel.fn.__name__ not in reached:
+            chosen.append(item)
+            reached.add(item.kernel.fn.__name__)
+    return chosen
+
+
 def _amd_record(item: Launch, arch: str) -> dict[str, object]:
     """What the ROCm compile says of a specialization: vector and scalar registers, registers spilled, scratch
     (private segment) and shared (LDS) bytes, from the kernel descriptor in the AMDGCN assembly."""
@@ -1020,15 +1038,20 @@ def compile_all(
     archs: Sequence[int | str] = (90,), jobs: int | None = None, only: str | None = None
 ) -> list[dict[str, object]]:
     """Compile every distinct recorded launch for each target (those whose label contains ``only``, where given;
-    for a target other than sm_90, ``representative_launches`` of them); return one record per compiled kernel, in
+    for sm_100 and gfx90a ``kind_launches``, for the other targets ``representative_launches`` of them); return one
+    record per compiled kernel, in
     the order of ``archs`` then of the launches.
 
     The compiles are independent, so they run in ``jobs`` forked processes (default: one per core); each
     finished one prints a progress line on stderr (the test's stall guard reads it)."""
     global _WORK
     items = [item for item in record_all() if only is None or only in item.label]
-    primary, representative = primary_launches(items), representative_launches(items)
-    _WORK = [(item, arch) for arch in archs for item in (primary if str(arch) == str(PRIMARY_ARCH) else representative)]
+    chosen = {
+        str(PRIMARY_ARCH): primary_launches(items),
+        **dict.fromkeys(KINDS_ONLY_ARCHS, kind_launches(items)),
+    }
+    representative = representative_launches(items)
+    _WORK = [(item, arch) for arch in archs for item in chosen.get(str(arch), representative)]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(_WORK)))
 
     def reported(results: Iterator[dict[str, object]]) -> Iterator[dict[str, object]]:
@@ -1103,7 +1126,7 @@ def main() -> None:
         nargs="+",
         default=["90", "80"],
         help="targets: 90 (every launch), 80 (NVIDIA sm_80), 100 (Blackwell), gfx942, gfx90a (AMD MI300 / MI250); all "
-        "but 90 compile representative_launches",
+        "but 90 compile representative_launches (100 and gfx90a: kind_launches)",
     )
     parser.add_argument("--summary", action="store_true", help="print the hot-loop table instead of JSON")
     parser.add_argument("--signature-facts", action="store_true", help="print how the JIT types two launches")
