@@ -871,20 +871,19 @@ def representative_launches(items: list[Launch]) -> list[Launch]:
         or (item.kernel.fn.__module__.endswith("fused_linear") and item.label.endswith(" bf16"))
         or (item.label.startswith("loss ") and item.label.endswith(" fp32"))
     ]
-    reached = {item.kernel.fn.__name__ for item in chosen}
-    for item in items:
-        if item.kernel.fn.__name__ not in reached:
-            chosen.append(item)
-            reached.add(item.kernel.fn.__name__)
-    return chosen
+    return with_every_kernel(chosen, items)
 
 
 def kind_launches(items: list[Launch]) -> list[Launch]:
     """What a vendor's second target compiles (``KINDS_ONLY_ARCHS``): every tuned configuration, and the first of
     ``representative_launches`` of each kernel none of them reached."""
-    chosen = [item for item in items if " tuned " in f" {item.label} "]
+    return with_every_kernel([item for item in items if " tuned " in f" {item.label} "], representative_launches(items))
+
+
+def with_every_kernel(chosen: list[Launch], items: list[Launch]) -> list[Launch]:
+    """``chosen``, then the first of ``items`` of each kernel none of ``chosen`` launches."""
     reached = {item.kernel.fn.__name__ for item in chosen}
-    for item in representative_launches(items):
+    for item in items:
         if item.kernel.fn.__name__ not in reached:
             chosen.append(item)
             reached.add(item.kernel.fn.__name__)
