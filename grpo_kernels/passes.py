@@ -235,22 +235,6 @@ def linear_logprobs_bwd(
     forward's entropy), the logits recomputed a chunk at a time (``fp32_logits`` as in ``linear_logprobs_fwd``);
     ``write_entries(tile, first token, first column)`` writes sparse entries over each tile's dense gradient (a kept
     set's, ``kept_entries``; never inside a graph)."""
-    if backend.eager_kernels:
-        return fused_linear_launch.linear_backward(
-            hidden,
-            weight,
-            bias,
-            ids,
-            lse,
-            g,
-            temperature,
-            compute_weight_grad,
-            grad_entropy=grad_entropy,
-            entropy=entropy,
-            softcap=softcap,
-            write_entries=write_entries,
-            fp32_logits=fp32_logits,
-        )
     if backend.in_graph:
         op = ops.triton_linear_backward if backend.kernels else ops.torch_linear_backward
         dh, dw, db = op(
@@ -258,7 +242,9 @@ def linear_logprobs_bwd(
             grad_entropy, entropy, fp32_logits,
         )  # fmt: skip
         return dh, ops.present(dw, compute_weight_grad), ops.present(db, compute_weight_grad and bias is not None)
-    return torch_path.linear_backward(
+    # the launcher and the torch path take the same arguments
+    eager = fused_linear_launch.linear_backward if backend.kernels else torch_path.linear_backward
+    return eager(
         hidden,
         weight,
         bias,
